@@ -1,1 +1,79 @@
-"""megarl."""
+"""megarl's configuration: a typed dataclass tree with verl's key names, loaded from YAML.
+
+Entry points: ``load_config(paths, overrides)`` → ``MegarlConfig``; ``validate(cfg, world_size)``
+→ warnings (raises ``ConfigError`` listing every problem); ``to_yaml(cfg)``.
+
+YAML files may inherit: ``_base_: base.yaml`` (or a list, merged in order, paths relative to the
+file), then the file's own keys are merged on top. Command-line overrides are dotted:
+``a.b.c=1``, ``a.list=[x,y]``, ``a.flag=true``, ``a.key=null``; ``+a.b.new=…`` adds a key to a
+free-form section (``dict`` fields such as ``engine_kwargs``); ``~a.b`` removes a key (a schema
+field then gets its default). String values may refer to other keys: ``${trainer.project_name}``,
+or to the environment: ``${oc.env:VAR}`` / ``${oc.env:VAR,default}``.
+
+Keys megarl adds to verl's vocabulary:
+
+- ``trainer.seed``, ``trainer.dtype`` (bf16|fp32), ``trainer.device`` (cuda|cpu, verl's),
+  ``trainer.tracking_uri`` (MLflow)
+- ``actor_rollout_ref.actor.megatron.{transformer_impl, recompute_granularity, recompute_method,
+  recompute_num_layers, recompute_modules}`` (same under ``critic.megatron`` and
+  ``actor_rollout_ref.ref.megatron``)
+- ``actor_rollout_ref.rollout.{logprob_mode, is_threshold, allow_non_unit_top_p_top_k,
+  max_model_len, enforce_eager, kv_cache_memory_bytes}``, validation sampling in
+  ``actor_rollout_ref.rollout.val_kwargs.{temperature, top_p, top_k, n, do_sample}``
+- ``actor_rollout_ref.model.architecture.{num_attention_heads, num_key_value_heads,
+  num_hidden_layers, hidden_size, vocab_size, max_position_embeddings, num_experts}`` (and
+  ``critic.model.architecture``): the model's shape for validation without its files.
+
+Keys that, when no file or override sets them, take another key's value are listed in
+``schema.FOLLOWS`` (e.g. critic and ref parallel sizes follow the actor's).
+"""
+
+from megarl.config.schema import (
+    ADV_ESTIMATORS,
+    GROUP_ESTIMATORS,
+    KL_TYPES,
+    LOGPROB_MODES,
+    LOSS_AGG_MODES,
+    ActorConfig,
+    ActorRolloutRefConfig,
+    AlgorithmConfig,
+    ArchitectureConfig,
+    CriticConfig,
+    CustomRewardFunctionConfig,
+    DataConfig,
+    KLCtrlConfig,
+    MegarlConfig,
+    MegatronConfig,
+    ModelConfig,
+    OptimConfig,
+    RefConfig,
+    RewardModelConfig,
+    RolloutConfig,
+    SamplingConfig,
+    TrainerConfig,
+)
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "GROUP_ESTIMATORS",
+    "KL_TYPES",
+    "LOGPROB_MODES",
+    "LOSS_AGG_MODES",
+    "ActorConfig",
+    "ActorRolloutRefConfig",
+    "AlgorithmConfig",
+    "ArchitectureConfig",
+    "CriticConfig",
+    "CustomRewardFunctionConfig",
+    "DataConfig",
+    "KLCtrlConfig",
+    "MegarlConfig",
+    "MegatronConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RefConfig",
+    "RewardModelConfig",
+    "RolloutConfig",
+    "SamplingConfig",
+    "TrainerConfig",
+]

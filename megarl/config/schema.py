@@ -1,0 +1,581 @@
+"""The typed configuration tree: one dataclass per YAML section, one docstring per field.
+
+Key names and defaults follow verl's PPO trainer (``ppo_megatron_trainer.yaml``) so that its
+users' scripts and overrides keep working. Fields that megarl adds are marked "(megarl)" in their
+docstring; the package docstring (``megarl/config/__init__.py``) lists where they live.
+
+Fields typed ``dict[str, Any]`` are free-form sections: their keys are not checked, and a new key
+is added on the command line with ``+section.key=value``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+from dataclasses import dataclass, field
+from functools import cache
+from itertools import pairwise
+from typing import Any, Literal, get_args, get_type_hints
+
+# Names users choose from. Kept here (not imported from megarl.algo) so that the config package
+# stays import-light and independent of the algorithm registries.
+AdvEstimator = Literal[
+    "gae",
+    "grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "opo",
+    "gpg",
+    "grpo_passk",
+]
+ADV_ESTIMATORS: tuple[str, ...] = get_args(AdvEstimator)
+GROUP_ESTIMATORS: tuple[str, ...] = (
+    "grpo",
+    "rloo",
+    "grpo_passk",
+    "opo",
+    "gpg",
+    "reinforce_plus_plus_baseline",
+)
+"""Estimators whose baseline comes from the other responses to the same prompt (need n >= 2)."""
+
+LossAggMode = Literal[
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
+LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
+KLType = Literal["kl", "abs", "mse", "low_var_kl", "full"]
+KL_TYPES: tuple[str, ...] = get_args(KLType)
+LogprobMode = Literal["decoupled", "bypass", "importance_sampling"]
+LOGPROB_MODES: tuple[str, ...] = get_args(LogprobMode)
+LOGGERS: tuple[str, ...] = ("console", "mlflow")
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DataConfig:
+    """``data.*``: prompt datasets and the global batch size."""
+
+    train_files: list[str] = field(default_factory=lambda: ["~/data/rlhf/gsm8k/train.parquet"])
+    """Training parquet file(s); a single string is accepted."""
+    val_files: list[str] = field(default_factory=lambda: ["~/data/rlhf/gsm8k/test.parquet"])
+    """Validation parquet file(s); a single string is accepted."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt (a chat message list or a string)."""
+    reward_fn_key: str = "data_source"
+    """Column that selects the rule-based reward function."""
+    max_prompt_length: int = 512
+    """Longest prompt in tokens; longer prompts are filtered or truncated (see truncation)."""
+    max_response_length: int = 512
+    """Longest generated response in tokens."""
+    train_batch_size: int = 1024
+    """Prompts per training step (responses per step = train_batch_size x rollout.n)."""
+    val_batch_size: int | None = None
+    """Prompts per validation batch; null: the whole validation set at once."""
+    train_max_samples: int = -1
+    """Use at most this many training prompts; -1: all."""
+    val_max_samples: int = -1
+    """Use at most this many validation prompts; -1: all."""
+    shuffle: bool = True
+    """Shuffle the training prompts every epoch."""
+    seed: int | None = None
+    """Seed of the prompt shuffling; null: trainer.seed."""
+    filter_overlong_prompts: bool = False
+    """Drop prompts longer than max_prompt_length instead of truncating them."""
+    truncation: Literal["error", "left", "right", "middle"] = "error"
+    """What to do with a prompt longer than max_prompt_length that was not filtered."""
+    dataloader_num_workers: int = 8
+    """Worker processes of the prompt data loader (0: load in the main process)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# actor_rollout_ref
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ArchitectureConfig:
+    """``*.model.architecture`` (megarl): model shape, for validation without the model files.
+
+    When the model path exists its ``config.json`` is the source of truth and every value given
+    here must agree with it; when it does not exist (validating a 72B config on a laptop) these
+    values are used instead.
+    """
+
+    num_attention_heads: int | None = None
+    """Query heads (HF num_attention_heads)."""
+    num_key_value_heads: int | None = None
+    """KV heads, Megatron's query groups (HF num_key_value_heads)."""
+    num_hidden_layers: int | None = None
+    """Transformer layers (HF num_hidden_layers)."""
+    hidden_size: int | None = None
+    """Hidden width (HF hidden_size)."""
+    vocab_size: int | None = None
+    """Vocabulary size before Megatron's padding (HF vocab_size)."""
+    max_position_embeddings: int | None = None
+    """Longest sequence the model supports (HF max_position_embeddings)."""
+    num_experts: int | None = None
+    """Routed experts of a MoE model; null or 0: dense."""
+
+
+@dataclass
+class ModelConfig:
+    """``actor_rollout_ref.model.*`` and ``critic.model.*``: which Hugging Face model to load."""
+
+    path: str | None = None
+    """Local directory or hub id of the HF model (required for the actor)."""
+    tokenizer_path: str | None = None
+    """Tokenizer location; null: path."""
+    trust_remote_code: bool = False
+    """Allow custom modelling code from the model repository."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """Free-form: HF config fields to override (e.g. attention_dropout)."""
+    architecture: ArchitectureConfig = field(default_factory=ArchitectureConfig)
+    """(megarl) Expected model shape; checked against config.json, used when it is absent."""
+
+
+@dataclass
+class OptimConfig:
+    """``*.optim.*``: Megatron distributed optimizer and learning-rate schedule."""
+
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """Optimizer (Megatron's names; adam is AdamW with decoupled weight decay)."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Final learning rate of a decaying schedule."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam beta1, beta2."""
+    warmup_steps: int = 0
+    """Linear warm-up steps from 0 to lr."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Schedule after warm-up, over trainer.total_training_steps."""
+
+
+@dataclass
+class MegatronConfig:
+    """``*.megatron.*``: Megatron-Core parallel layout and memory settings of one model."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel size (must divide attention heads and KV heads)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel stages (must divide the layer count)."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline rank (interleaved schedule); null: not interleaved."""
+    context_parallel_size: int = 1
+    """Context-parallel size (sequence split across ranks)."""
+    expert_model_parallel_size: int = 1
+    """Expert-parallel size (MoE models only)."""
+    sequence_parallel: bool = True
+    """Sequence parallelism in the TP region (no effect at TP=1)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state across data-parallel ranks."""
+    param_offload: bool = False
+    """Move parameters to CPU while the model is idle."""
+    grad_offload: bool = False
+    """Move gradients to CPU while the model is idle."""
+    optimizer_offload: bool = False
+    """Move optimizer state to CPU while the model is idle."""
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    """(megarl) Layer spec: auto = Transformer Engine on CUDA, local on CPU."""
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """(megarl) Activation recompute: null (off), selective (recompute_modules) or full layers."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """(megarl) For full recompute: how layers are grouped (Megatron's recompute_method)."""
+    recompute_num_layers: int | None = None
+    """(megarl) For full recompute: layers per group (uniform) or per stage (block)."""
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])
+    """(megarl) For selective recompute: submodules recomputed (Megatron's recompute_modules)."""
+    override_transformer_config: dict[str, Any] = field(default_factory=dict)
+    """Free-form: extra TransformerConfig fields, applied last."""
+
+
+@dataclass
+class ActorConfig:
+    """``actor_rollout_ref.actor.*``: the policy and its PPO update."""
+
+    strategy: Literal["megatron"] = "megatron"
+    """Training backend; megarl has only Megatron (accepted for verl scripts)."""
+    ppo_mini_batch_size: int = 256
+    """Prompts per mini-batch (one optimizer step); holds ppo_mini_batch_size x rollout.n
+    responses."""
+    ppo_micro_batch_size_per_gpu: int | None = None
+    """Responses per forward/backward pass on one GPU (required)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    shuffle: bool = False
+    """Shuffle responses between mini-batches."""
+    clip_ratio: float = 0.2
+    """PPO clip range epsilon; default for clip_ratio_low/high."""
+    clip_ratio_low: float = 0.2
+    """Lower clip range (ratio >= 1 - clip_ratio_low); unset: clip_ratio."""
+    clip_ratio_high: float = 0.2
+    """Upper clip range (ratio <= 1 + clip_ratio_high; DAPO clip-higher); unset: clip_ratio."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages (must be > 1)."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """How token losses are averaged into the batch loss."""
+    loss_scale_factor: float | None = None
+    """Divisor for seq-mean-token-sum-norm; null: max_response_length."""
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus."""
+    use_kl_loss: bool = False
+    """Add a KL(actor || ref) term to the loss (GRPO style)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_loss_type: KLType = "low_var_kl"
+    """KL estimator of the KL loss: kl (k1), abs, mse (k2), low_var_kl (k3), full."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (verl's grad_clip; optim.clip_grad in newer verl)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer of the actor."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout of the actor; critic and ref default to it."""
+
+
+@dataclass
+class SamplingConfig:
+    """``actor_rollout_ref.rollout.val_kwargs.*`` (megarl's place for validation sampling)."""
+
+    temperature: float = 0.0
+    """Sampling temperature of validation rollouts (ignored when do_sample is false)."""
+    top_p: float = 1.0
+    """Nucleus sampling of validation rollouts."""
+    top_k: int = -1
+    """Top-k of validation rollouts; -1: off."""
+    n: int = 1
+    """Responses per validation prompt."""
+    do_sample: bool = False
+    """Sample (true) or decode greedily (false) during validation."""
+
+
+@dataclass
+class RolloutConfig:
+    """``actor_rollout_ref.rollout.*``: the vLLM engine colocated with training."""
+
+    name: Literal["vllm"] = "vllm"
+    """Rollout engine."""
+    tensor_model_parallel_size: int = 2
+    """vLLM tensor-parallel size (independent of training TP); rollout DP = world / this."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may use (weights + KV cache)."""
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts; log-probs are computed at this temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling; < 1 needs allow_non_unit_top_p_top_k."""
+    top_k: int = -1
+    """Top-k sampling; -1 (or 0): off; otherwise needs allow_non_unit_top_p_top_k."""
+    n: int = 1
+    """Responses per prompt (the group size of GRPO and its family)."""
+    do_sample: bool = True
+    """Sample (true) or decode greedily (false)."""
+    prompt_length: int = 512
+    """Longest prompt vLLM is given; unset: data.max_prompt_length."""
+    response_length: int = 512
+    """Most tokens generated per response; unset: data.max_response_length."""
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Responses per forward pass when recomputing old log-probs; unset: the actor's
+    ppo_micro_batch_size_per_gpu."""
+    max_num_seqs: int = 256
+    """vLLM max_num_seqs (concurrent sequences)."""
+    max_num_batched_tokens: int = 8192
+    """vLLM max_num_batched_tokens (tokens per scheduler step)."""
+    enable_chunked_prefill: bool = True
+    """vLLM chunked prefill."""
+    enable_prefix_caching: bool = True
+    """vLLM prefix caching (the n samples of a prompt share its KV)."""
+    free_cache_engine: bool = True
+    """Put vLLM to sleep (free weights and KV cache) while training runs."""
+    max_model_len: int | None = None
+    """(megarl) vLLM max_model_len; null: prompt_length + response_length."""
+    enforce_eager: bool = False
+    """(megarl) vLLM enforce_eager (no CUDA graphs; slower, starts faster)."""
+    kv_cache_memory_bytes: int | None = None
+    """(megarl) vLLM KV-cache size in bytes; overrides gpu_memory_utilization (set it on CPU)."""
+    logprob_mode: LogprobMode = "decoupled"
+    """(megarl) Old log-probs: decoupled (recompute with the actor), bypass (use vLLM's), or
+    importance_sampling (recompute and correct by truncated rollout weights)."""
+    is_threshold: float = 2.0
+    """(megarl) Truncation C of the rollout importance weights min(pi_old/pi_rollout, C)."""
+    allow_non_unit_top_p_top_k: bool = False
+    """(megarl) Permit top_p < 1 or top_k in training rollouts (log-probs then describe a
+    different distribution than the one sampled)."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Free-form: extra keyword arguments for vllm.LLM."""
+    val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
+    """(megarl) Sampling settings of validation rollouts."""
+
+
+@dataclass
+class RefConfig:
+    """``actor_rollout_ref.ref.*``: the frozen reference policy (used by KL loss/penalty)."""
+
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Responses per forward pass for ref log-probs; unset: the rollout's."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout of the reference; parallel sizes and param_offload default to the
+    actor's and must match it."""
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    """``actor_rollout_ref.*``: policy, rollout engine and reference share one model."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy's HF model."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Policy training."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation with vLLM."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """Reference policy."""
+
+
+# ---------------------------------------------------------------------------------------------
+# critic, algorithm, rewards, trainer
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CriticConfig:
+    """``critic.*``: the value model (PPO/GAE)."""
+
+    enable: bool | None = None
+    """Train a critic; null: exactly when algorithm.adv_estimator is gae."""
+    strategy: Literal["megatron"] = "megatron"
+    """Training backend; megarl has only Megatron."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The critic's HF model (a value head is added); path unset: the actor's."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Optimizer of the critic."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout; parallel sizes default to the actor's and must match it."""
+    ppo_mini_batch_size: int = 256
+    """Prompts per critic mini-batch; unset: the actor's."""
+    ppo_micro_batch_size_per_gpu: int | None = None
+    """Responses per forward/backward pass on one GPU; unset: the actor's."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch; unset: the actor's."""
+    cliprange_value: float = 0.5
+    """Value clip range."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """Aggregation of the value loss; unset: the actor's."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+
+
+@dataclass
+class KLCtrlConfig:
+    """``algorithm.kl_ctrl.*``: coefficient of the KL penalty in the reward."""
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """Fixed coefficient, or adaptive (Ziegler et al.) towards target_kl."""
+    kl_coef: float = 0.001
+    """(Initial) KL coefficient."""
+    horizon: int = 10000
+    """Adaptive controller horizon."""
+    target_kl: float = 0.1
+    """Adaptive controller target."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """``algorithm.*``: advantage estimation and KL-in-reward."""
+
+    adv_estimator: AdvEstimator = "gae"
+    """Advantage estimator (gae needs a critic; group estimators need rollout.n >= 2)."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group's std (false: Dr.GRPO)."""
+    use_kl_in_reward: bool = False
+    """Subtract a KL(actor || ref) penalty from the token rewards."""
+    kl_penalty: KLType = "kl"
+    """KL estimator of the in-reward penalty."""
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    """KL coefficient controller."""
+
+
+@dataclass
+class RewardModelConfig:
+    """``reward_model.*``: a learned reward model (optional)."""
+
+    enable: bool = False
+    """Score responses with a reward model."""
+    path: str | None = None
+    """HF path of the reward model."""
+    micro_batch_size_per_gpu: int | None = None
+    """Responses per reward-model forward pass on one GPU."""
+    max_length: int | None = None
+    """Longest prompt + response scored; null: no limit."""
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    """``custom_reward_function.*``: a user reward function."""
+
+    path: str | None = None
+    """A .py file or a dotted module path; null: built-in rule rewards by data_source."""
+    name: str = "compute_score"
+    """Function name in that file/module."""
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Free-form: extra keyword arguments passed to the function."""
+
+
+@dataclass
+class TrainerConfig:
+    """``trainer.*``: the run: cluster shape, schedule, logging, checkpoints."""
+
+    nnodes: int = 1
+    """Nodes."""
+    n_gpus_per_node: int = 8
+    """Processes (GPUs) per node; world size = nnodes x n_gpus_per_node."""
+    device: Literal["cuda", "cpu"] = "cuda"
+    """Device type; cpu runs the same code with gloo and the CPU emulation layer."""
+    seed: int = 42
+    """(megarl) Global seed (model init, sampling, data order)."""
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    """(megarl) Parameter/compute dtype of training and rollout."""
+    total_epochs: int = 30
+    """Epochs over the training prompts."""
+    total_training_steps: int | None = None
+    """Stop after this many steps; null: total_epochs x steps per epoch."""
+    project_name: str = "verl_examples"
+    """MLflow experiment."""
+    experiment_name: str = "gsm8k"
+    """MLflow run name."""
+    logger: list[str] = field(default_factory=lambda: ["console"])
+    """Metric sinks: console, mlflow."""
+    tracking_uri: str | None = None
+    """(megarl) MLflow tracking URI; null: $MLFLOW_TRACKING_URI or ./mlruns."""
+    log_val_generations: int = 0
+    """Validation generations to log per validation."""
+    save_freq: int = -1
+    """Checkpoint every this many steps; -1: never."""
+    test_freq: int = -1
+    """Validate every this many steps; -1: never."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    critic_warmup: int = 0
+    """Steps that train only the critic."""
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    """Checkpoint directory (${...} refers to other keys)."""
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    """auto: resume from the latest checkpoint in default_local_dir; resume_path: from
+    resume_from_path; disable: start fresh."""
+    resume_from_path: str | None = None
+    """Checkpoint to resume from (resume_mode resume_path)."""
+    max_actor_ckpt_to_keep: int | None = None
+    """Keep at most this many actor checkpoints; null: all."""
+    max_critic_ckpt_to_keep: int | None = None
+    """Keep at most this many critic checkpoints; null: all."""
+
+
+@dataclass
+class MegarlConfig:
+    """The whole run."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Datasets and batch size."""
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    """Policy model, its training, rollout and reference."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Value model."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimator and KL-in-reward."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """Learned reward model."""
+    custom_reward_function: CustomRewardFunctionConfig = field(
+        default_factory=CustomRewardFunctionConfig
+    )
+    """User reward function."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Run settings."""
+
+
+FOLLOWS: tuple[tuple[str, str], ...] = (
+    ("actor_rollout_ref.actor.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio"),
+    ("actor_rollout_ref.actor.clip_ratio_high", "actor_rollout_ref.actor.clip_ratio"),
+    ("actor_rollout_ref.rollout.prompt_length", "data.max_prompt_length"),
+    ("actor_rollout_ref.rollout.response_length", "data.max_response_length"),
+    (
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    ),
+    (
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    ),
+    ("critic.model.path", "actor_rollout_ref.model.path"),
+    ("critic.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size"),
+    (
+        "critic.ppo_micro_batch_size_per_gpu",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    ),
+    ("critic.ppo_epochs", "actor_rollout_ref.actor.ppo_epochs"),
+    ("critic.loss_agg_mode", "actor_rollout_ref.actor.loss_agg_mode"),
+)
+"""(key, source): a key that no file or override sets takes its source's value when loading
+(verl expresses these as ${...} interpolations)."""
+
+PARALLEL_KEYS: tuple[str, ...] = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+)
+"""Megatron layout keys that critic and ref must share with the actor (one parallel state)."""
+
+_SHARED_MEGATRON_KEYS = (*PARALLEL_KEYS, "sequence_parallel", "transformer_impl")
+FOLLOWS += tuple(
+    (f"{role}.megatron.{key}", f"actor_rollout_ref.actor.megatron.{key}")
+    for role in ("critic", "actor_rollout_ref.ref")
+    for key in _SHARED_MEGATRON_KEYS
+) + (
+    (
+        "actor_rollout_ref.ref.megatron.param_offload",
+        "actor_rollout_ref.actor.megatron.param_offload",
+    ),
+)
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Map each field of dataclass ``cls`` to its docstring (the string literal after it)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def iter_fields(cls: type, prefix: str = ""):
+    """Yield ``(dotted_key, field, owner_class)`` for every leaf field below dataclass ``cls``."""
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from iter_fields(tp, key + ".")
+        else:
+            yield key, f, cls
