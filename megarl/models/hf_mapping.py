@@ -195,10 +195,12 @@ class ModelDims:
         # transformers 5 moved rope_theta / rope_scaling into ``rope_parameters``.
         rope_params = dict(_cfg_get(hf_config, "rope_parameters") or {})
         rope_theta = _cfg_get(hf_config, "rope_theta") or rope_params.get("rope_theta") or 10000.0
-        scaling = _cfg_get(hf_config, "rope_scaling")
-        if not scaling and rope_params.get("rope_type", "default") != "default":
-            scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-        rope_scaling = tuple(sorted((str(k), v) for k, v in (scaling or {}).items()))
+        # (on a transformers-5 config object ``rope_scaling`` aliases ``rope_parameters``)
+        scaling = dict(_cfg_get(hf_config, "rope_scaling") or rope_params)
+        scaling.pop("rope_theta", None)
+        if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = {}
+        rope_scaling = tuple(sorted((str(k), v) for k, v in scaling.items()))
 
         vocab = int(_cfg_get(hf_config, "vocab_size"))
         return cls(

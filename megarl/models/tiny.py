@@ -7,6 +7,7 @@ in-process on a small synthetic corpus, so nothing touches the Hub.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from collections.abc import Iterator
@@ -21,8 +22,10 @@ from megarl.models.hf_mapping import ModelDims, hf_param_names, hf_param_shape
 __all__ = [
     "ARCHITECTURES",
     "SPECIAL_TOKENS",
+    "add_tiny_model_args",
     "build_tokenizer",
     "make_tiny_model",
+    "make_tiny_model_from_args",
     "random_hf_state",
     "tiny_hf_config",
 ]
@@ -47,8 +50,9 @@ CHAT_TEMPLATE = (
 
 WEIGHT_STD = 0.08
 """Std of matrix weights; gives next-token distributions that are neither uniform nor one-hot."""
-EMBED_STD = 0.5
-"""Std of the (input) embedding, so the residual stream is O(1) before the first norm."""
+EMBED_STD = 0.25
+"""Std of the embedding and the output layer: logits = RMSNorm(h) · W_out have std ≈ √H · 0.25
+(≈ 2.8 at H = 128), i.e. next-token entropies of a few nats out of ln(vocab)."""
 
 
 def tiny_hf_config(
@@ -113,7 +117,7 @@ def random_hf_state(
 ) -> dict[str, Tensor]:
     """Every HF tensor of ``dims`` drawn from one ``torch.Generator`` seeded with ``seed``.
 
-    Matrices ~ N(0, WEIGHT_STD) (embedding: N(0, EMBED_STD)), norm weights 1 + 0.1·N(0, 1),
+    Matrices ~ N(0, WEIGHT_STD) (embedding, lm_head: N(0, EMBED_STD)), norm weights 1 + 0.1·N(0, 1),
     biases 0.1·N(0, 1). No ``lm_head.weight`` when embeddings are tied.
     """
     gen = torch.Generator().manual_seed(seed)
@@ -124,7 +128,7 @@ def random_hf_state(
             t = 1.0 + 0.1 * noise
         elif name.endswith(".bias"):
             t = 0.1 * noise
-        elif name == "model.embed_tokens.weight":
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             t = EMBED_STD * noise
         else:
             t = WEIGHT_STD * noise
@@ -250,11 +254,54 @@ def make_tiny_model(
         "bos_token_id": cfg["bos_token_id"],
         "eos_token_id": cfg["eos_token_id"],
         "pad_token_id": cfg["pad_token_id"],
-        "do_sample": True,
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "top_k": 0,
-    }
+    }  # no sampling defaults: vLLM would adopt them (generation_config="auto")
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
     build_tokenizer(vocab_size, seed=seed).save_pretrained(str(out))
     return out
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_tiny_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add :func:`make_tiny_model`'s options (``--family``, ``--out``, ...) to ``parser``."""
+    parser.add_argument("--family", choices=sorted(ARCHITECTURES), default="qwen2")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--tie-word-embeddings", action="store_true")
+    for flag, default in [
+        ("--num-layers", 4),
+        ("--hidden-size", 128),
+        ("--num-attention-heads", 4),
+        ("--num-key-value-heads", 2),
+        ("--head-dim", 32),
+        ("--intermediate-size", 256),
+        ("--vocab-size", 1000),
+        ("--max-position-embeddings", 512),
+        ("--seed", 0),
+    ]:
+        parser.add_argument(flag, type=int, default=default)
+    parser.add_argument("--rope-theta", type=float, default=10000.0)
+    parser.add_argument("--rms-norm-eps", type=float, default=1e-6)
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    return parser
+
+
+def make_tiny_model_from_args(args: argparse.Namespace) -> Path:
+    """Call :func:`make_tiny_model` with options parsed by :func:`add_tiny_model_args`."""
+    return make_tiny_model(
+        args.out,
+        args.family,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_key_value_heads=args.num_key_value_heads,
+        head_dim=args.head_dim,
+        intermediate_size=args.intermediate_size,
+        vocab_size=args.vocab_size,
+        tie_word_embeddings=args.tie_word_embeddings,
+        max_position_embeddings=args.max_position_embeddings,
+        rope_theta=args.rope_theta,
+        rms_norm_eps=args.rms_norm_eps,
+        seed=args.seed,
+        dtype=_DTYPES[args.dtype],
+    )
