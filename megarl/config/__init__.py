@@ -28,6 +28,8 @@ Keys that, when no file or override sets them, take another key's value are list
 ``schema.FOLLOWS`` (e.g. critic and ref parallel sizes follow the actor's).
 """
 
+from megarl.config.errors import ConfigError
+from megarl.config.loader import from_dict, get_key, load_config, to_dict, to_yaml
 from megarl.config.schema import (
     ADV_ESTIMATORS,
     GROUP_ESTIMATORS,
@@ -52,6 +54,7 @@ from megarl.config.schema import (
     SamplingConfig,
     TrainerConfig,
 )
+from megarl.config.validate import Layout, critic_enabled, layout, ref_used, validate
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -63,10 +66,12 @@ __all__ = [
     "ActorRolloutRefConfig",
     "AlgorithmConfig",
     "ArchitectureConfig",
+    "ConfigError",
     "CriticConfig",
     "CustomRewardFunctionConfig",
     "DataConfig",
     "KLCtrlConfig",
+    "Layout",
     "MegarlConfig",
     "MegatronConfig",
     "ModelConfig",
@@ -76,4 +81,13 @@ __all__ = [
     "RolloutConfig",
     "SamplingConfig",
     "TrainerConfig",
+    "critic_enabled",
+    "from_dict",
+    "get_key",
+    "layout",
+    "load_config",
+    "ref_used",
+    "to_dict",
+    "to_yaml",
+    "validate",
 ]

@@ -1,0 +1,515 @@
+"""Loading a config: YAML files with ``_base_`` inheritance, dotted overrides, type coercion.
+
+Order of precedence, lowest first: dataclass defaults; the ``_base_`` files of each YAML file
+(recursively, in list order); the YAML file itself; further ``--config`` files in order; the
+command-line overrides in order; then keys nobody set take their source's value (``FOLLOWS``)
+and ``${...}`` references are resolved. Every problem found on the way is collected and raised
+as one ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import re
+import types
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from megarl.config.errors import ConfigError, close_matches
+from megarl.config.schema import FOLLOWS, MegarlConfig
+
+BASE_KEY = "_base_"
+"""Top-level YAML key naming the file(s) a config inherits from (relative to that file)."""
+
+_NULL_WORDS = {"null", "none", "~"}
+_TRUE_WORDS = {"true", "yes", "on", "1"}
+_FALSE_WORDS = {"false", "no", "off", "0"}
+_INVALID = object()  # conversion failed; the caller records the generic type error
+_REPORTED = object()  # conversion failed and the error is already recorded
+_INTERPOLATION = re.compile(r"\$\{([^}]*)\}")
+_OVERRIDE = re.compile(r"(\+\+|\+|~)?([\w\-]+(?:\.[\w\-]+)*)(?:=(.*))?", re.DOTALL)
+
+# Keys verl users may bring along that megarl names or handles differently (matched by last
+# segment); the message replaces the generic "did you mean".
+_KEY_HINTS = {
+    "defaults": "Hydra defaults lists are not supported; inherit from a file with "
+    "'_base_: file.yaml'",
+    "fsdp_config": "megarl trains with Megatron only; set the layout in the section's "
+    "'megatron' keys",
+    "megatron_config": "this section is called 'megatron' (as in current verl)",
+    "use_dynamic_bsz": "dynamic batch sizes are not supported; set the *_micro_batch_size_per_gpu "
+    "keys",
+    "log_prob_use_dynamic_bsz": "dynamic batch sizes are not supported; set "
+    "log_prob_micro_batch_size_per_gpu",
+    "ppo_max_token_len_per_gpu": "dynamic batch sizes are not supported; set "
+    "ppo_micro_batch_size_per_gpu",
+    "ppo_micro_batch_size": "global micro-batch sizes (deprecated in verl) are not supported; use "
+    "ppo_micro_batch_size_per_gpu",
+    "log_prob_micro_batch_size": "global micro-batch sizes (deprecated in verl) are not "
+    "supported; use log_prob_micro_batch_size_per_gpu",
+    "clip_grad": "gradient clipping is '<actor or critic>.grad_clip' (verl's name)",
+    "lr_warmup_steps": "use 'optim.warmup_steps'",
+    "seed": "the global seed is trainer.seed",
+    "dtype": "the training and rollout dtype is trainer.dtype (bf16 or fp32)",
+    "enable_gradient_checkpointing": "activation recompute is "
+    "'<actor or critic>.megatron.recompute_granularity' (full or selective)",
+    "gradient_checkpointing": "activation recompute is "
+    "'<actor or critic>.megatron.recompute_granularity' (full or selective)",
+    "hybrid_engine": "megarl always colocates rollout and training",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+# ---------------------------------------------------------------------------------------------
+
+
+def load_config(
+    paths: list[str | os.PathLike] | str | os.PathLike, overrides: list[str] | tuple = ()
+) -> MegarlConfig:
+    """Read YAML file(s) (merged in order), apply dotted ``overrides``, coerce and check types.
+
+    Raises ``ConfigError`` naming every unknown key, badly typed value or malformed override.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    raw: dict = {}
+    for path in paths:
+        raw = merge(raw, read_yaml(path))
+    errors: list[str] = []
+    for text in overrides:
+        apply_override(raw, text, errors)
+    cfg = _from_raw(raw, errors)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def from_dict(data: dict) -> MegarlConfig:
+    """Build a config from a plain nested dict (as ``to_dict`` returns or a YAML file holds)."""
+    errors: list[str] = []
+    cfg = _from_raw(copy.deepcopy(data), errors)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict:
+    """The config as plain nested dicts and lists."""
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Any) -> str:
+    """The resolved config as YAML; ``load_config`` of it gives an equal config."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)
+
+
+def read_yaml(path: str | os.PathLike, _chain: tuple[Path, ...] = ()) -> dict:
+    """One YAML file with its ``_base_`` files merged underneath it."""
+    path = Path(path).expanduser()
+    resolved = path.resolve()
+    if resolved in _chain:
+        cycle = " -> ".join(str(p) for p in (*_chain, resolved))
+        raise ConfigError(f"{BASE_KEY} inheritance cycle: {cycle}")
+    if not path.is_file():
+        where = f" (named in {BASE_KEY} of {_chain[-1]})" if _chain else ""
+        raise ConfigError(f"config file not found: {path}{where}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {' '.join(str(exc).split())}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {_show(data)}")
+    bases = data.pop(BASE_KEY, None) or []
+    if isinstance(bases, str):
+        bases = [bases]
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        raise ConfigError(f"{path}: {BASE_KEY} must be a file name or a list of file names")
+    merged: dict = {}
+    for base in bases:
+        merged = merge(
+            merged, read_yaml(path.parent / Path(base).expanduser(), (*_chain, resolved))
+        )
+    return merge(merged, data)
+
+
+def merge(base: dict, top: dict) -> dict:
+    """Deep merge: mappings merge key by key, anything else in ``top`` replaces ``base``."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def apply_override(raw: dict, text: str, errors: list[str]) -> None:
+    """Apply one ``key=value`` / ``+key=value`` / ``~key`` override to the raw dict."""
+    match = _OVERRIDE.fullmatch(text.strip())
+    if not match:
+        errors.append(
+            f"override {text!r} is not of the form key=value (e.g. data.train_batch_size=64)"
+        )
+        return
+    prefix, key, value = match.groups()
+    prefix = prefix or ""
+    if value is None and prefix != "~":
+        errors.append(f"override {text!r} has no '=value' (e.g. {key}=1; '~{key}' removes it)")
+        return
+    parts = key.split(".")
+    kind, tp, index = _lookup(parts)
+    if kind == "unknown":
+        errors.append(unknown_key_message(".".join(parts[: index + 1]), f" in override {text!r}"))
+        return
+    if prefix == "~":
+        _delete_path(raw, parts)
+        return
+    if kind == "free" and not prefix and not _has_path(raw, parts):
+        section = ".".join(parts[:index])
+        errors.append(
+            f"override {text!r}: '{key}' is not in the free-form section '{section}'; "
+            f"add it with '+{key}={value}'"
+        )
+        return
+    _set_path(raw, parts, parse_override_value(value, tp if kind == "field" else Any))
+
+
+def parse_override_value(text: str, tp: Any) -> Any:
+    """Parse a command-line value: strings stay verbatim for string keys, else YAML syntax."""
+    stripped = text.strip()
+    inner, optional = _strip_optional(tp)
+    if _is_string_type(inner):
+        if optional and stripped.lower() in _NULL_WORDS:
+            return None
+        if len(stripped) >= 2 and stripped[0] == stripped[-1] and stripped[0] in "'\"":
+            return stripped[1:-1]
+        return stripped
+    try:
+        return yaml.safe_load(stripped) if stripped else ""
+    except yaml.YAMLError:
+        return stripped
+
+
+def unknown_key_message(key: str, where: str = "") -> str:
+    """``unknown key 'a.b.c'`` with a hint, a "did you mean", or the valid keys of the section."""
+    parts = key.split(".")
+    leaf, parent = parts[-1], ".".join(parts[:-1])
+    msg = f"unknown key '{key}'{where}"
+    kind, tp, _ = _lookup(parts[:-1])
+    if kind == "field" and not dataclasses.is_dataclass(tp):
+        return f"'{parent}' is a value, not a section, so '{key}'{where} does not exist"
+    if leaf in _KEY_HINTS:
+        return f"{msg}: {_KEY_HINTS[leaf]}"
+    siblings = [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []
+    near = close_matches(leaf, siblings)
+    if near:
+        return f"{msg} (did you mean '{_join(parent, near[0])}'?)"
+    same_leaf = [k for k in all_keys() if k.rsplit(".", 1)[-1] == leaf]
+    if not same_leaf:
+        leaves = {k.rsplit(".", 1)[-1] for k in all_keys()}
+        same_leaf = [k for k in all_keys() if k.rsplit(".", 1)[-1] in close_matches(leaf, leaves)]
+    if same_leaf:
+        return f"{msg} (did you mean {' or '.join(repr(k) for k in same_leaf[:3])}?)"
+    if siblings:
+        return f"{msg}; the keys of '{parent or 'the top level'}' are: {', '.join(siblings)}"
+    return msg
+
+
+@cache
+def all_keys() -> tuple[str, ...]:
+    """Every dotted key of the schema, sections included."""
+    keys: list[str] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for name, tp in _hints(cls).items():
+            keys.append(prefix + name)
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{name}.")
+
+    walk(MegarlConfig, "")
+    return tuple(keys)
+
+
+def get_key(cfg: Any, key: str) -> Any:
+    """The value at dotted ``key`` (through dataclasses and dicts); ``KeyError`` if absent."""
+    obj = cfg
+    for part in key.split("."):
+        if dataclasses.is_dataclass(obj) and part in {f.name for f in dataclasses.fields(obj)}:
+            obj = getattr(obj, part)
+        elif isinstance(obj, dict) and part in obj:
+            obj = obj[part]
+        else:
+            raise KeyError(key)
+    return obj
+
+
+def set_key(cfg: Any, key: str, value: Any) -> None:
+    """Set the value at dotted ``key`` of a built config."""
+    parent, _, leaf = key.rpartition(".")
+    obj = get_key(cfg, parent) if parent else cfg
+    if isinstance(obj, dict):
+        obj[leaf] = value
+    else:
+        setattr(obj, leaf, value)
+
+
+# ---------------------------------------------------------------------------------------------
+# building the dataclass tree
+# ---------------------------------------------------------------------------------------------
+
+
+def _from_raw(raw: dict, errors: list[str]) -> MegarlConfig:
+    cfg = _build(MegarlConfig, raw, "", errors)
+    for key, source in FOLLOWS:
+        if not _has_path(raw, key.split(".")):
+            set_key(cfg, key, copy.deepcopy(get_key(cfg, source)))
+    _resolve_interpolations(cfg, errors)
+    return cfg
+
+
+def _build(cls: type, raw: Any, path: str, errors: list[str]) -> Any:
+    if raw is None:  # an empty section ("critic:") keeps its defaults
+        return cls()
+    if not isinstance(raw, dict):
+        errors.append(f"{path or 'the top level'}: expected a section (mapping), got {_show(raw)}")
+        return cls()
+    hints = _hints(cls)
+    kwargs = {}
+    for name, value in raw.items():
+        key = _join(path, str(name))
+        if name not in hints:
+            errors.append(unknown_key_message(key))
+            continue
+        coerced = _coerce(hints[name], value, key, errors)
+        if coerced is not _INVALID:
+            kwargs[name] = coerced
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, key: str, errors: list[str]) -> Any:
+    """``value`` converted to type ``tp``, or ``_INVALID`` after recording an error."""
+    if tp is Any:
+        return copy.deepcopy(value)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key, errors)
+    inner, optional = _strip_optional(tp)
+    if optional:
+        if value is None or (isinstance(value, str) and value.strip().lower() in _NULL_WORDS):
+            return None
+        tp = inner
+    converted = _convert(tp, value, key, errors)
+    if converted is _INVALID:
+        null = "null or " if optional else ""
+        errors.append(f"{key}: expected {null}{_describe(tp)}, got {_show(value)}")
+    return _INVALID if converted is _REPORTED else converted
+
+
+def _convert(tp: Any, value: Any, key: str, errors: list[str]) -> Any:
+    origin = get_origin(tp)
+    if origin is Literal:
+        choices = get_args(tp)
+        if isinstance(value, str) and value in choices:
+            return value
+        near = close_matches(str(value), [str(c) for c in choices])
+        hint = f" (did you mean '{near[0]}'?)" if near else ""
+        errors.append(f"{key}: {_show(value)} is not one of {', '.join(map(str, choices))}{hint}")
+        return _REPORTED
+    if origin is list:
+        (item_tp,) = get_args(tp) or (Any,)
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if isinstance(value, dict) or value is None:
+            return _INVALID
+        out = [_coerce(item_tp, v, f"{key}[{i}]", errors) for i, v in enumerate(items)]
+        return _REPORTED if any(v is _INVALID for v in out) else out
+    if origin is dict or tp is dict:
+        return copy.deepcopy(value) if isinstance(value, dict) else _INVALID
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        word = str(value).strip().lower() if isinstance(value, (str, int)) else None
+        if word in _TRUE_WORDS:
+            return True
+        if word in _FALSE_WORDS:
+            return False
+        return _INVALID
+    if tp is int:
+        if isinstance(value, bool):
+            return _INVALID
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                try:
+                    value = float(value)
+                except ValueError:
+                    return _INVALID
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return _INVALID
+    if tp is float:
+        if isinstance(value, bool):
+            return _INVALID
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                return _INVALID
+        return _INVALID
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        return _INVALID
+    raise TypeError(f"unsupported config field type {tp!r} at {key}")  # a schema bug
+
+
+def _resolve_interpolations(cfg: MegarlConfig, errors: list[str]) -> None:
+    def resolve(text: str, key: str, depth: int) -> str:
+        def substitute(match: re.Match) -> str:
+            expr = match.group(1).strip()
+            if expr.startswith(("oc.env:", "env:")):
+                name, _, default = expr.split(":", 1)[1].partition(",")
+                found = os.environ.get(name.strip())
+                if found is not None:
+                    return found
+                if default:
+                    return default.strip().strip("'\"")
+                errors.append(f"{key}: environment variable {name.strip()} in '{text}' is not set")
+                return match.group(0)
+            try:
+                target = get_key(cfg, expr)
+            except KeyError:
+                near = close_matches(expr, all_keys())
+                hint = f" (did you mean '{near[0]}'?)" if near else ""
+                errors.append(f"{key}: '${{{expr}}}' refers to an unknown key{hint}")
+                return match.group(0)
+            if dataclasses.is_dataclass(target) or isinstance(target, (dict, list)):
+                errors.append(f"{key}: '${{{expr}}}' refers to a section, not a value")
+                return match.group(0)
+            if isinstance(target, str) and "${" in target:
+                if depth > 8:
+                    errors.append(f"{key}: '${{{expr}}}' is part of a reference cycle")
+                    return match.group(0)
+                target = resolve(target, expr, depth + 1)
+            return "null" if target is None else str(target)
+
+        return _INTERPOLATION.sub(substitute, text)
+
+    def walk(obj: Any, key: str) -> Any:
+        if isinstance(obj, str) and "${" in obj:
+            return resolve(obj, key, 0)
+        if isinstance(obj, list):
+            return [walk(v, f"{key}[{i}]") for i, v in enumerate(obj)]
+        if isinstance(obj, dict):
+            return {k: walk(v, _join(key, str(k))) for k, v in obj.items()}
+        if dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                setattr(obj, f.name, walk(getattr(obj, f.name), _join(key, f.name)))
+        return obj
+
+    walk(cfg, "")
+
+
+# ---------------------------------------------------------------------------------------------
+# small helpers
+# ---------------------------------------------------------------------------------------------
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _lookup(parts: list[str]) -> tuple[str, Any, int]:
+    """Walk the schema along ``parts``.
+
+    Returns ``("field", type, n)`` when all parts name a schema key, ``("free", type, i)`` when
+    ``parts[i:]`` lie inside a free-form (dict) section, ``("unknown", type, i)`` when
+    ``parts[i]`` is not a key of the section reached so far.
+    """
+    tp: Any = MegarlConfig
+    for i, part in enumerate(parts):
+        if dataclasses.is_dataclass(tp):
+            hints = _hints(tp)
+            if part not in hints:
+                return "unknown", tp, i
+            tp = hints[part]
+        elif tp is dict or get_origin(tp) is dict:
+            return "free", tp, i
+        else:
+            return "unknown", tp, i
+    return "field", tp, len(parts)
+
+
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    if get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) < len(get_args(tp)):
+            return (args[0] if len(args) == 1 else Union[tuple(args)]), True  # noqa: UP007
+    return tp, False
+
+
+def _is_string_type(tp: Any) -> bool:
+    return tp is str or (
+        get_origin(tp) is Literal and all(isinstance(a, str) for a in get_args(tp))
+    )
+
+
+def _describe(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(map(str, get_args(tp)))
+    if get_origin(tp) is list:
+        return f"a list of {_describe(get_args(tp)[0]).removeprefix('a ').removeprefix('an ')}s"
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+    if tp in names:
+        return names[tp]
+    return "a mapping" if (tp is dict or get_origin(tp) is dict) else str(tp)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, (dict, list)):
+        return f"a {type(value).__name__.replace('dict', 'mapping')} {value!r}"
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _has_path(raw: Any, parts: list[str]) -> bool:
+    for part in parts:
+        if not isinstance(raw, dict) or part not in raw:
+            return False
+        raw = raw[part]
+    return True
+
+
+def _set_path(raw: dict, parts: list[str], value: Any) -> None:
+    for part in parts[:-1]:
+        if not isinstance(raw.get(part), dict):
+            raw[part] = {}
+        raw = raw[part]
+    raw[parts[-1]] = value
+
+
+def _delete_path(raw: dict, parts: list[str]) -> None:
+    for part in parts[:-1]:
+        raw = raw.get(part)
+        if not isinstance(raw, dict):
+            return
+    raw.pop(parts[-1], None)
