@@ -44,13 +44,13 @@ def is_remote(path: str) -> bool:
 
 
 def looks_like_hub_id(path: str) -> bool:
-    """True for ``org/name`` that is not an existing local path."""
+    """True for ``org/name`` where neither ``org/name`` nor ``org`` exists locally."""
     parts = path.split("/")
     return (
         len(parts) == 2
         and all(parts)
         and not path.startswith((".", "~"))
-        and not Path(path).exists()
+        and not Path(parts[0]).exists()
     )
 
 
@@ -136,7 +136,12 @@ def resolve_model_facts(
                     f"fix the architecture section or {key}.path"
                 )
         return facts, errors, warnings
-    where = "a remote path" if is_remote(path) else "not found locally"
+    if is_remote(path):
+        where = "a remote path"
+    elif looks_like_hub_id(path):
+        where = "neither a local directory nor in the Hugging Face cache (a hub id?)"
+    else:
+        where = "not found locally"
     if check_paths and not is_remote(path) and not looks_like_hub_id(path):
         errors.append(f"{key}.path={path!r} does not exist")
     if declared:

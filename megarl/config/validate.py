@@ -482,7 +482,7 @@ class _Checks:
         truncated += [f"{ROLL}.top_k={r.top_k}"] if r.top_k > 0 else []
         if truncated and not r.allow_non_unit_top_p_top_k:
             self.error(
-                f"{' and '.join(truncated)} truncate the sampling distribution, so the trainer's "
+                f"{' and '.join(truncated)} {'truncate' if len(truncated) > 1 else 'truncates'} the sampling distribution, so the trainer's "
                 "log-probs would not describe how responses were sampled; use top_p=1.0 and "
                 f"top_k=-1 for training, or set {ROLL}.allow_non_unit_top_p_top_k=true to accept it"
             )
