@@ -1,0 +1,243 @@
+"""Build Megatron-Core ``GPTModel`` actors and critics from a Hugging Face ``config.json``.
+
+Megatron objects are built directly (STYLE.md, "Don't re-wrap Megatron"): this module only
+translates the HF architecture (:class:`megarl.models.hf_mapping.ModelDims`) into a
+``TransformerConfig`` and a layer spec, and builds one model chunk per virtual pipeline stage.
+
+The Transformer Engine spec is used when TE imports (GPU clusters), the local spec otherwise
+(CPU); ``transformer_impl`` forces either.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from megarl.models.hf_mapping import ModelDims, UnsupportedArchitectureError
+
+TransformerImpl = Literal["auto", "local", "transformer_engine"]
+
+
+@functools.cache
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine's PyTorch extension imports (it needs CUDA)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
+        return False
+    return True
+
+
+def resolve_transformer_impl(impl: TransformerImpl) -> Literal["local", "transformer_engine"]:
+    """``auto`` → TE when importable, else local. Asking for TE without it is an error."""
+    if impl == "auto":
+        return "transformer_engine" if transformer_engine_available() else "local"
+    if impl == "transformer_engine" and not transformer_engine_available():
+        raise RuntimeError(
+            "transformer_impl=transformer_engine but Transformer Engine does not import "
+            "(it needs CUDA and the transformer-engine[pytorch] package)"
+        )
+    if impl not in ("local", "transformer_engine"):
+        raise ValueError(
+            f"transformer_impl must be auto, local or transformer_engine, not {impl!r}"
+        )
+    return impl
+
+
+def build_transformer_config(
+    dims: ModelDims,
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    context_parallel_size: int = 1,
+    sequence_parallel: bool = False,
+    params_dtype: torch.dtype = torch.float32,
+    recompute_granularity: str | None = None,
+    recompute_method: str | None = None,
+    recompute_num_layers: int | None = None,
+    transformer_impl: TransformerImpl = "auto",
+) -> TransformerConfig:
+    """TransformerConfig for a Llama/Qwen-family model on the current parallel grid.
+
+    Dropout is taken from the architecture (0.0 for these families; Megatron defaults to 0.1).
+    ``calculate_per_token_loss`` is on so that Megatron neither divides the loss by the number of
+    micro-batches nor averages gradients over data-parallel ranks: megarl's loss functions
+    normalise by global token/sequence counts themselves (see :mod:`megarl.models.runner`).
+    """
+    on_gpu = torch.cuda.is_available()
+    impl = resolve_transformer_impl(transformer_impl)
+    return TransformerConfig(
+        num_layers=dims.num_layers,
+        hidden_size=dims.hidden_size,
+        ffn_hidden_size=dims.ffn_hidden_size,
+        num_attention_heads=dims.num_attention_heads,
+        num_query_groups=dims.num_query_groups,
+        kv_channels=dims.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=dims.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=dims.qkv_bias,
+        qk_layernorm=dims.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+        sequence_parallel=sequence_parallel and tensor_model_parallel_size > 1,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # dense models; the allgather default rejects variable lengths
+        calculate_per_token_loss=True,
+        # Fusions need apex/TE kernels; the local CPU path uses the plain implementations.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=impl == "transformer_engine",
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        recompute_granularity=recompute_granularity,
+        recompute_method=recompute_method,
+        recompute_num_layers=recompute_num_layers,
+        transformer_impl="transformer_engine" if impl == "transformer_engine" else "local",
+    )
+
+
+def layer_spec(dims: ModelDims, transformer_impl: TransformerImpl = "auto"):
+    """Megatron layer spec: Transformer Engine's when available/asked for, else the local one."""
+    if resolve_transformer_impl(transformer_impl) == "transformer_engine":
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=dims.qk_norm)
+    return get_gpt_layer_local_spec(qk_layernorm=dims.qk_norm, normalization="RMSNorm")
+
+
+_LLAMA3_ROPE_DEFAULTS = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def llama3_rope_factor(dims: ModelDims) -> float | None:
+    """The Llama-3.1 RoPE scaling factor, None for plain RoPE.
+
+    Megatron's ``rope_scaling`` implements exactly Llama 3.1's scheme with fixed low/high
+    frequency factors and original length; anything else is refused rather than approximated.
+    """
+    if not dims.rope_scaling:
+        return None
+    scaling = dict(dims.rope_scaling)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return None
+    mismatched = {
+        k: scaling.get(k) for k, v in _LLAMA3_ROPE_DEFAULTS.items() if float(scaling.get(k, v)) != v
+    }
+    if kind != "llama3" or mismatched:
+        raise UnsupportedArchitectureError(
+            f"{dims.architecture} with rope_scaling={scaling} (supported: none, or llama3 with "
+            f"{_LLAMA3_ROPE_DEFAULTS})"
+        )
+    return float(scaling["factor"])
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar value head replacing ``GPTModel.output_layer`` for the critic.
+
+    Replicated on every TP rank (the hidden states it reads are replicated too), so its gradient
+    is identical across TP ranks and needs no reduction. Called with the output layer's signature.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, seed: int = 0) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        weight = torch.randn(1, hidden_size, generator=gen) / hidden_size**0.5
+        self.weight = torch.nn.Parameter(weight.to(dtype))
+        self.weight.sequence_parallel = False  # type: ignore[attr-defined]
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        return F.linear(hidden_states, self.weight.to(hidden_states.device)), None
+
+
+def build_gpt_chunks(
+    dims: ModelDims,
+    config: TransformerConfig,
+    *,
+    transformer_impl: TransformerImpl = "auto",
+    value_head: bool = False,
+    value_head_seed: int = 0,
+) -> list[GPTModel]:
+    """Build this rank's model chunks (one per virtual pipeline stage, one without VPP).
+
+    ``value_head=True`` gives the critic: the same backbone with a scalar head instead of the
+    vocabulary projection (embeddings are then never shared with the output).
+    """
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    rope_factor = llama3_rope_factor(dims)
+    spec = layer_spec(dims, transformer_impl)
+    chunks: list[GPTModel] = []
+    for vp_stage in range(vpp):
+        vp = vp_stage if vpp > 1 else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=dims.padded_vocab_size,
+            max_sequence_length=dims.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=dims.tie_word_embeddings and not value_head,
+            position_embedding_type="rope",
+            rotary_percent=1.0,
+            rotary_base=int(dims.rope_theta),
+            rope_scaling=rope_factor is not None,
+            rope_scaling_factor=rope_factor or 8.0,
+            vp_stage=vp,
+        )
+        if value_head and post:
+            model.output_layer = ValueHead(dims.hidden_size, config.params_dtype, value_head_seed)
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks
+
+
+def layer_offset(config: TransformerConfig, vp_stage: int | None) -> int:
+    """Global index of this rank's first layer in chunk ``vp_stage`` (Megatron's own logic)."""
+    vp = vp_stage if (config.virtual_pipeline_model_parallel_size or 1) > 1 else None
+    return get_transformer_layer_offset(config, vp_stage=vp)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """Strip DDP / Float16Module wrappers down to the ``GPTModel``."""
+    while hasattr(model, "module") and not isinstance(model, GPTModel):
+        model = model.module
+    return model
+
+
+def chunk_list(models: GPTModel | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Accept one model or a list of VPP chunks."""
+    return list(models) if isinstance(models, Sequence) else [models]

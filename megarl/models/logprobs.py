@@ -1,0 +1,137 @@
+"""Token log-probs and entropy from vocab-parallel (TP-sharded) logits, never gathering the vocab.
+
+Each TP rank holds logits for a contiguous slice of the padded vocabulary. A softmax over the
+full vocabulary only needs three per-position scalars reduced over the TP group: the max, the
+sum of exponentials and (for entropy) the sum of ``exp · logit``. Padded vocabulary rows are
+masked to ``-inf`` before anything else, so they never get probability mass.
+
+Memory: the forward pass keeps only the per-position statistics; the backward pass recomputes
+the softmax chunk by chunk over the sequence, so the extra memory is one chunk of
+``[B, chunk, V/TP]`` instead of a full copy of the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_CHUNK = 1024
+
+
+def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> None:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+
+
+def _scaled_masked(
+    logits: torch.Tensor, temperature: float, vocab_start: int, vocab_size: int
+) -> torch.Tensor:
+    """logits / T in fp32 with columns at or beyond ``vocab_size`` (padding) set to -inf."""
+    z = logits.float() / temperature
+    local_vocab = z.shape[-1]
+    valid = vocab_size - vocab_start
+    if valid < local_vocab:
+        z[..., max(valid, 0) :] = float("-inf")
+    return z
+
+
+class _VocabParallelLogProbEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        vocab_start: int,
+        vocab_size: int,
+        group: dist.ProcessGroup | None,
+        chunk: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        seq = logits.shape[1]
+        local_vocab = logits.shape[-1]
+        stats_max = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+        sum_exp = torch.empty_like(stats_max)
+        sum_exp_z = torch.empty_like(stats_max)
+        target_z = torch.zeros_like(stats_max)
+        local_t = targets - vocab_start
+        in_shard = (local_t >= 0) & (local_t < local_vocab)
+        safe_t = torch.where(in_shard, local_t, torch.zeros_like(local_t))
+        for s in range(0, seq, chunk):
+            z = _scaled_masked(logits[:, s : s + chunk], temperature, vocab_start, vocab_size)
+            stats_max[:, s : s + chunk] = z.max(dim=-1).values
+            tz = z.gather(-1, safe_t[:, s : s + chunk, None]).squeeze(-1)
+            target_z[:, s : s + chunk] = torch.where(in_shard[:, s : s + chunk], tz, 0.0)
+        _all_reduce(stats_max, dist.ReduceOp.MAX, group)
+        for s in range(0, seq, chunk):
+            z = _scaled_masked(logits[:, s : s + chunk], temperature, vocab_start, vocab_size)
+            shifted = z - stats_max[:, s : s + chunk, None]
+            e = shifted.exp()
+            sum_exp[:, s : s + chunk] = e.sum(-1)
+            # exp(-inf) = 0 and 0 · -inf = nan: padded columns contribute nothing.
+            sum_exp_z[:, s : s + chunk] = torch.where(e > 0, e * shifted, 0.0).sum(-1)
+        _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
+        _all_reduce(sum_exp_z, dist.ReduceOp.SUM, group)
+        _all_reduce(target_z, dist.ReduceOp.SUM, group)
+        log_z = sum_exp.log()
+        log_probs = target_z - stats_max - log_z
+        entropy = log_z - sum_exp_z / sum_exp
+        ctx.save_for_backward(logits, safe_t, in_shard, stats_max, log_z, entropy)
+        ctx.params = (temperature, vocab_start, vocab_size, chunk)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: torch.Tensor, grad_ent: torch.Tensor):  # type: ignore[override]
+        logits, safe_t, in_shard, stats_max, log_z, entropy = ctx.saved_tensors
+        temperature, vocab_start, vocab_size, chunk = ctx.params
+        grad = torch.empty_like(logits)
+        for s in range(0, logits.shape[1], chunk):
+            sl = slice(s, s + chunk)
+            z = _scaled_masked(logits[:, sl], temperature, vocab_start, vocab_size)
+            log_p = z - stats_max[:, sl, None] - log_z[:, sl, None]
+            p = log_p.exp()
+            # d logp_t / dz_j = 1[j = t] - p_j ;  d H / dz_j = -p_j (log p_j + H)
+            g = -p * grad_logp[:, sl, None]
+            g_ent = -p * (torch.where(p > 0, log_p, 0.0) + entropy[:, sl, None])
+            g = g + g_ent * grad_ent[:, sl, None]
+            onehot = torch.zeros_like(g)
+            onehot.scatter_(-1, safe_t[:, sl, None], 1.0)
+            onehot = onehot * in_shard[:, sl, None]
+            g = g + onehot * grad_logp[:, sl, None]
+            grad[:, sl] = (g / temperature).to(grad.dtype)
+        return grad, None, None, None, None, None, None
+
+
+def vocab_parallel_log_probs_and_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_size: int,
+    temperature: float = 1.0,
+    vocab_start: int = 0,
+    group: dist.ProcessGroup | None = None,
+    chunk: int = DEFAULT_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of ``targets`` and entropy under ``softmax(logits / temperature)``.
+
+    Args:
+        logits: ``[B, T, V_local]`` this TP rank's slice of the (padded) vocabulary, starting at
+            global column ``vocab_start``.
+        targets: ``[B, T]`` global token ids (each lies in exactly one rank's slice).
+        vocab_size: the true vocabulary size; columns at or past it are padding and masked out.
+        group: the TP process group (None or size 1: no communication).
+        chunk: positions processed at once (bounds the extra memory).
+
+    Returns:
+        ``(log_probs, entropy)``, each ``[B, T]`` fp32, identical on every TP rank, both
+        differentiable with respect to ``logits``.
+    """
+    if logits.dim() != 3 or targets.shape != logits.shape[:2]:
+        raise ValueError(
+            f"logits must be [B, T, V] and targets [B, T]; got {tuple(logits.shape)} and "
+            f"{tuple(targets.shape)}"
+        )
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return _VocabParallelLogProbEntropy.apply(
+        logits, targets.long(), float(temperature), vocab_start, vocab_size, group, chunk
+    )

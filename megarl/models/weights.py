@@ -1,0 +1,214 @@
+"""Move weights between a Hugging Face safetensors directory and sharded Megatron model chunks.
+
+Loading: every rank reads only the HF tensors its own parameters need (lazily, through
+``safe_open``), builds each full Megatron parameter with :mod:`megarl.models.hf_mapping`, and
+keeps its TP shard. Exporting: each parameter is all-gathered over its TP group, converted to
+HF names on TP rank 0, and every pipeline stage writes its own safetensors file (no rank ever
+holds the whole model); global rank 0 writes the index, config and tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Self
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megarl.models import hf_mapping as hm
+from megarl.models.gpt import ValueHead, layer_offset, unwrap
+from megarl.models.hf_mapping import ModelDims
+
+VALUE_HEAD_HF_NAME = "score.weight"
+"""HF name of the critic's value head (as ``*ForTokenClassification`` with one label)."""
+
+_HF_SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+class HFCheckpointReader:
+    """Lazy, name-indexed reader over the safetensors files of an HF model directory."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"HF model directory not found: {self.path}")
+        index = self.path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._file_of = {k: self.path / v for k, v in weight_map.items()}
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors files in {self.path}")
+            self._file_of = {}
+            for f in files:
+                with safe_open(f, framework="pt") as handle:
+                    self._file_of.update({k: f for k in handle})
+        self._stack = ExitStack()
+        self._handles: dict[Path, object] = {}
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._file_of:
+            raise KeyError(f"tensor {name!r} not found in {self.path}")
+        f = self._file_of[name]
+        if f not in self._handles:
+            self._handles[f] = self._stack.enter_context(safe_open(f, framework="pt"))
+        return self._handles[f].get_tensor(name)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_hf_config(path: str | Path) -> dict:
+    """``config.json`` of an HF model directory, with a clear error when absent."""
+    cfg = Path(path) / "config.json"
+    if not cfg.exists():
+        raise FileNotFoundError(f"no config.json in {path}")
+    return json.loads(cfg.read_text())
+
+
+def local_global_names(
+    chunks: Sequence[torch.nn.Module],
+) -> Iterator[tuple[int, str, str, torch.nn.Parameter]]:
+    """(chunk index, local name, global Megatron name, parameter) for this rank's parameters."""
+    for i, chunk in enumerate(chunks):
+        model = unwrap(chunk)
+        offset = layer_offset(model.config, model.vp_stage)
+        for name, param in model.named_parameters():
+            yield i, name, hm.megatron_name_to_global(hm.from_te_name(name), offset), param
+
+
+@torch.no_grad()
+def load_hf_weights(
+    chunks: Sequence[torch.nn.Module], hf_path: str | Path, dims: ModelDims
+) -> None:
+    """Fill this rank's shards of ``chunks`` from the HF checkpoint at ``hf_path``.
+
+    The critic's value head is loaded from ``score.weight`` when the checkpoint has one and
+    keeps its seeded initialisation otherwise. Missing HF tensors raise ``KeyError`` naming them.
+    """
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    with HFCheckpointReader(hf_path) as reader:
+        for i, _local, global_name, param in local_global_names(chunks):
+            if global_name == hm.OUTPUT_LAYER and isinstance(
+                unwrap(chunks[i]).output_layer, ValueHead
+            ):
+                if VALUE_HEAD_HF_NAME in reader:
+                    param.copy_(reader.get(VALUE_HEAD_HF_NAME).reshape(param.shape))
+                continue
+            full = hm.hf_to_megatron_param(global_name, reader.get, dims)
+            shard = hm.tp_split(global_name, full, tp_size, tp_rank, dims)
+            if shard.shape != param.shape:
+                raise ValueError(
+                    f"{global_name}: shard shape {tuple(shard.shape)} != parameter shape "
+                    f"{tuple(param.shape)} (TP={tp_size})"
+                )
+            param.copy_(shard.to(param.dtype))
+
+
+def gather_tp(global_name: str, shard: torch.Tensor, dims: ModelDims) -> torch.Tensor:
+    """The full Megatron parameter from every TP rank's shard (collective over the TP group)."""
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    if tp_size == 1 or hm.tp_partition_kind(global_name) == "replicated":
+        return shard.detach()
+    group = parallel_state.get_tensor_model_parallel_group()
+    shards = [torch.empty_like(shard) for _ in range(tp_size)]
+    dist.all_gather(shards, shard.detach().contiguous(), group=group)
+    return hm.tp_merge(global_name, shards, dims)
+
+
+def iter_full_hf_tensors(
+    chunks: Sequence[torch.nn.Module], dims: ModelDims
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named full tensors of this rank's pipeline stage (TP-gathered; collective over TP).
+
+    Every TP rank of the stage yields the same tensors. The tied output-layer copy on the last
+    stage is skipped (the embedding carries it); a critic's value head comes as ``score.weight``.
+    """
+    for i, _local, global_name, param in local_global_names(chunks):
+        if global_name == hm.OUTPUT_LAYER and isinstance(unwrap(chunks[i]).output_layer, ValueHead):
+            yield VALUE_HEAD_HF_NAME, param.detach()
+            continue
+        full = gather_tp(global_name, param, dims)
+        yield from hm.megatron_param_to_hf(global_name, full, dims).items()
+
+
+def export_hf_weights(
+    chunks: Sequence[torch.nn.Module],
+    out_dir: str | Path,
+    dims: ModelDims,
+    *,
+    source_dir: str | Path | None = None,
+    hf_config: dict | None = None,
+    dtype: torch.dtype | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
+    """Write the model as an HF directory loadable by ``transformers`` (collective, all ranks).
+
+    One safetensors file per pipeline stage, written by that stage's first TP/DP rank, plus
+    ``model.safetensors.index.json``; ``config.json`` (``hf_config`` or the source's) and the
+    tokenizer files of ``source_dir`` are copied by global rank 0.
+    """
+    out = Path(out_dir)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    writer = (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+    )
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in iter_full_hf_tensors(chunks, dims):
+        if writer:
+            t = tensor.to(dtype) if dtype is not None else tensor
+            tensors[name] = t.detach().to("cpu").contiguous().clone()
+    file_name = f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
+    if writer:
+        save_file(tensors, str(out / file_name), metadata={"format": "pt"})
+        if progress:
+            progress(f"wrote {file_name} ({len(tensors)} tensors)")
+    names = list(tensors) if writer else []
+    gathered: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (file_name, names))
+    if dist.get_rank() == 0:
+        weight_map = {n: fname for fname, tnames in gathered for n in tnames}  # type: ignore[misc]
+        index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        cfg = hf_config if hf_config is not None else read_hf_config(source_dir)  # type: ignore[arg-type]
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        if source_dir is not None:
+            for side in _HF_SIDE_FILES:
+                if (Path(source_dir) / side).exists():
+                    shutil.copy(Path(source_dir) / side, out / side)
+    dist.barrier()
+    return out

@@ -1,0 +1,163 @@
+"""CPU emulation of the few CUDA calls Megatron-Core makes unconditionally.
+
+Megatron-Core 0.16 assumes a GPU in a handful of places even when told to initialise on CPU:
+RNG state tracking goes through ``torch.cuda`` generators, some factory calls pass
+``device="cuda"`` or ``torch.cuda.current_device()``, modules and tensors are moved with
+``.cuda()``, ``clip_grads`` asserts ``grad.type() == "torch.cuda.FloatTensor"``, and a few
+helpers call ``torch.cuda.synchronize`` / ``empty_cache`` / ``nvtx``.
+
+This module makes those calls land on the CPU and changes nothing else: no numerics, no control
+flow of megarl's own code. It is switched on by :func:`megarl.parallel.init.init_distributed`
+when CUDA is absent (or explicitly via :func:`enable_cpu_emulation`), so the GPU path runs the
+very same code with the real CUDA calls.
+
+What it does (see DESIGN.md, "Facts measured on the development machines"):
+
+* a :class:`torch.overrides.TorchFunctionMode` that maps ``device="cuda"`` (any form) to CPU in
+  factory and ``.to`` calls, makes ``Tensor.cuda()`` a no-op, and makes the argument-less
+  ``Tensor.type()`` report ``torch.cuda.*`` names;
+* ``torch.cuda.{get,set}_rng_state``, ``manual_seed(_all)`` and ``torch.cuda.random.*`` routed to
+  the CPU generator, and Megatron's private ``_get/_set_cuda_rng_state`` likewise (on CPU the
+  "cuda" and CPU random streams are one stream: code that needs independent streams must use
+  explicit generators);
+* ``torch.cuda.current_device`` returns ``"cpu"``; ``synchronize``, ``empty_cache``,
+  ``set_device`` and ``nvtx`` ranges become no-ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ACTIVE_MODE: _CudaToCpuMode | None = None
+_PATCHED: dict[tuple[Any, str], Any] = {}
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+def _cpu_if_cuda(device: Any) -> Any:
+    return torch.device("cpu") if _is_cuda(device) else device
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Routes CUDA placements to the CPU; everything else passes through untouched."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if "cuda" not in name else name
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_if_cuda(kwargs["device"])
+        if func is torch.Tensor.to and args:
+            args = tuple(_cpu_if_cuda(a) for a in args)
+        return func(*args, **kwargs)
+
+
+def _cpu_get_rng_state(device: Any = "cuda") -> torch.Tensor:
+    return torch.default_generator.get_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    torch.default_generator.set_state(new_state)
+
+
+def _megatron_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+    return torch.default_generator.get_state()
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    # Not torch.manual_seed: it calls torch.cuda.manual_seed_all, which is patched to this.
+    torch.default_generator.manual_seed(seed)
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _patch(owner: Any, name: str, value: Any) -> None:
+    key = (owner, name)
+    if key not in _PATCHED:
+        _PATCHED[key] = getattr(owner, name, None)
+    setattr(owner, name, value)
+
+
+def emulation_active() -> bool:
+    """True while the CPU emulation layer is on in this process."""
+    return _ACTIVE_MODE is not None
+
+
+def enable_cpu_emulation() -> None:
+    """Switch the emulation on for the rest of the process (idempotent).
+
+    Call before building Megatron models. Refuses to run on a machine with CUDA, where the real
+    calls must be used.
+    """
+    global _ACTIVE_MODE
+    if _ACTIVE_MODE is not None:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("CPU emulation requested on a machine with CUDA; use the GPU path")
+    cuda = torch.cuda
+    _patch(cuda, "current_device", lambda: "cpu")
+    _patch(cuda, "synchronize", _noop)
+    _patch(cuda, "empty_cache", _noop)
+    _patch(cuda, "set_device", _noop)
+    _patch(cuda, "get_rng_state", _cpu_get_rng_state)
+    _patch(cuda, "set_rng_state", _cpu_set_rng_state)
+    _patch(cuda, "manual_seed", _cpu_manual_seed)
+    _patch(cuda, "manual_seed_all", _cpu_manual_seed)
+    _patch(cuda.random, "get_rng_state", _cpu_get_rng_state)
+    _patch(cuda.random, "set_rng_state", _cpu_set_rng_state)
+    _patch(cuda.random, "manual_seed", _cpu_manual_seed)
+    _patch(cuda.random, "manual_seed_all", _cpu_manual_seed)
+    _patch(cuda.nvtx, "range_push", _noop)
+    _patch(cuda.nvtx, "range_pop", _noop)
+    _patch(cuda.nvtx, "range", lambda *a, **k: contextlib.nullcontext())
+    _patch_megatron_rng()
+    _ACTIVE_MODE = _CudaToCpuMode()
+    _ACTIVE_MODE.__enter__()
+
+
+def _patch_megatron_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    _patch(mrandom, "_get_cuda_rng_state", _megatron_get_rng_state)
+    _patch(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
+
+
+def disable_cpu_emulation() -> None:
+    """Undo :func:`enable_cpu_emulation` (used by tests that need a clean process state)."""
+    global _ACTIVE_MODE
+    if _ACTIVE_MODE is None:
+        return
+    _ACTIVE_MODE.__exit__(None, None, None)
+    _ACTIVE_MODE = None
+    for (owner, name), value in reversed(list(_PATCHED.items())):
+        setattr(owner, name, value)
+    _PATCHED.clear()
+
+
+def cpu_emulated(fn: Callable) -> Callable:
+    """Decorator: run ``fn`` with the emulation on when CUDA is absent."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not torch.cuda.is_available():
+            enable_cpu_emulation()
+        return fn(*args, **kwargs)
+
+    return wrapper

@@ -1,0 +1,150 @@
+"""Process-group and Megatron ``parallel_state`` initialisation under torchrun or Slurm.
+
+One process per device. The rank/world come from torchrun's variables (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) or, when those are absent, from
+Slurm's (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, first host of
+``SLURM_JOB_NODELIST``). NCCL on GPU, gloo on CPU; on CPU the emulation layer
+(:mod:`megarl.parallel.emulation`) is switched on before Megatron is touched.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megarl.parallel.emulation import enable_cpu_emulation
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """Model-parallel grid sizes; data parallel is what remains of the world."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+
+    def model_parallel_size(self) -> int:
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, read from torchrun or Slurm variables."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+        ).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return nodelist.split(",")[0].split("[")[0]
+
+
+def read_launch_env(env: dict[str, str] | None = None) -> LaunchEnv:
+    """Read rank/world/master from torchrun's variables, else Slurm's, else a single process."""
+    env = dict(os.environ if env is None else env)
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+        )
+    if "SLURM_PROCID" in env:
+        nodelist = env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1"))
+        return LaunchEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env.get("SLURM_NTASKS", 1)),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            master_addr=env.get("MASTER_ADDR") or _first_slurm_host(nodelist),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+        )
+    return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 29500)))
+
+
+def device() -> torch.device:
+    """The device this rank computes on: its GPU, or the CPU under emulation."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(
+    sizes: ParallelSizes = ParallelSizes(),
+    *,
+    seed: int = 1234,
+    timeout_minutes: int = 30,
+) -> LaunchEnv:
+    """Start the default process group and Megatron's parallel state (idempotent for the PG).
+
+    Raises ``ValueError`` naming the sizes when the world is not divisible by TP×PP×CP.
+    """
+    launch = read_launch_env()
+    model_parallel = sizes.model_parallel_size()
+    if launch.world_size % model_parallel:
+        raise ValueError(
+            f"world size {launch.world_size} is not divisible by tensor_model_parallel_size × "
+            f"pipeline_model_parallel_size × context_parallel_size = "
+            f"{sizes.tensor_model_parallel_size}×{sizes.pipeline_model_parallel_size}×"
+            f"{sizes.context_parallel_size}"
+        )
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+    else:
+        enable_cpu_emulation()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+        dist.init_process_group(
+            backend="nccl" if on_gpu else "gloo",
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timedelta(minutes=timeout_minutes),
+        )
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=sizes.tensor_model_parallel_size,
+        pipeline_model_parallel_size=sizes.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=sizes.virtual_pipeline_model_parallel_size,
+        context_parallel_size=sizes.context_parallel_size,
+        expert_model_parallel_size=sizes.expert_model_parallel_size,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return launch
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's parallel state and the default process group."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
