@@ -414,8 +414,8 @@ class _Checks:
         log_prob_keys = [
             (f"{ROLL}.log_prob_micro_batch_size_per_gpu", r.log_prob_micro_batch_size_per_gpu)
         ]
-        if ref_used(c):
-            ref_micro = c.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+        ref_micro = c.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+        if ref_used(c) and ref_micro != r.log_prob_micro_batch_size_per_gpu:
             log_prob_keys.append((f"{REF}.log_prob_micro_batch_size_per_gpu", ref_micro))
         for key, micro in log_prob_keys:
             if micro is None:

@@ -1,0 +1,97 @@
+"""Every file in configs/ resolves and validates at its intended world size and round-trips."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megarl.config import layout, load_config, to_yaml, validate
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+INTENDED_WORLD_SIZE = {
+    "grpo_tiny_cpu.yaml": 2,
+    "ppo_tiny_cpu.yaml": 2,
+    "grpo_qwen2_5_7b.yaml": 8,
+    "ppo_qwen2_5_32b.yaml": 32,
+    "ppo_qwen2_5_72b.yaml": 64,
+}
+RUNNABLE = sorted(p.name for p in CONFIGS.glob("*.yaml") if not p.name.startswith("_"))
+PARTIAL = sorted(p.name for p in CONFIGS.glob("_*.yaml"))
+
+
+def test_every_runnable_config_has_an_intended_world_size():
+    assert RUNNABLE == sorted(INTENDED_WORLD_SIZE)
+    assert PARTIAL  # the shared bases exist
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_config_validates_at_its_world_size(name):
+    cfg = load_config(CONFIGS / name)
+    warnings = validate(cfg, INTENDED_WORLD_SIZE[name])
+    # the only expected warning: model files are absent here, the architecture section is used
+    assert all("checking the layout against" in w for w in warnings), warnings
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_config_fails_at_another_world_size(name):
+    cfg = load_config(CONFIGS / name)
+    with pytest.raises(Exception, match="world size"):
+        validate(cfg, INTENDED_WORLD_SIZE[name] * 2)
+
+
+@pytest.mark.parametrize("name", RUNNABLE + PARTIAL)
+def test_config_round_trips_through_yaml(name, tmp_path):
+    cfg = load_config(CONFIGS / name)
+    dumped = tmp_path / "resolved.yaml"
+    dumped.write_text(to_yaml(cfg))
+    assert load_config(dumped) == cfg
+
+
+def test_tiny_configs_run_on_two_cpu_processes_in_fp32():
+    for name in ("grpo_tiny_cpu.yaml", "ppo_tiny_cpu.yaml"):
+        cfg = load_config(CONFIGS / name)
+        t = cfg.trainer
+        assert (t.nnodes, t.n_gpus_per_node, t.device, t.dtype) == (1, 2, "cpu", "fp32")
+        assert cfg.actor_rollout_ref.model.path == "outputs/tiny-qwen2"
+        assert cfg.actor_rollout_ref.actor.megatron.transformer_impl == "local"
+        assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
+    grpo = load_config(CONFIGS / "grpo_tiny_cpu.yaml")
+    assert grpo.algorithm.adv_estimator == "grpo" and grpo.actor_rollout_ref.rollout.n >= 2
+    ppo = load_config(CONFIGS / "ppo_tiny_cpu.yaml")
+    assert ppo.algorithm.adv_estimator == "gae"
+    assert ppo.actor_rollout_ref.actor.megatron.pipeline_model_parallel_size == 2
+    assert ppo.critic.megatron.pipeline_model_parallel_size == 2  # inherited from the actor
+
+
+def test_grpo_7b_respects_the_four_kv_heads():
+    cfg = load_config(CONFIGS / "grpo_qwen2_5_7b.yaml")
+    arch = cfg.actor_rollout_ref.model.architecture
+    assert (arch.num_attention_heads, arch.num_key_value_heads, arch.num_hidden_layers) == (
+        28,
+        4,
+        28,
+    )
+    assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size <= 4
+    assert layout(cfg).world_size == 8
+
+
+@pytest.mark.parametrize(
+    ("name", "heads", "kv", "layers", "nodes"),
+    [("ppo_qwen2_5_32b.yaml", 40, 8, 64, 4), ("ppo_qwen2_5_72b.yaml", 64, 8, 80, 8)],
+)
+def test_large_ppo_configs(name, heads, kv, layers, nodes):
+    cfg = load_config(CONFIGS / name)
+    arch = cfg.actor_rollout_ref.model.architecture
+    assert (arch.num_attention_heads, arch.num_key_value_heads) == (heads, kv)
+    assert (arch.num_hidden_layers, arch.vocab_size) == (layers, 152064)
+    assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == (nodes, 8)
+    assert cfg.algorithm.adv_estimator == "gae"
+    for meg in (cfg.actor_rollout_ref.actor.megatron, cfg.critic.megatron):
+        assert meg.tensor_model_parallel_size == 8 and meg.pipeline_model_parallel_size >= 2
+
+
+def test_72b_rollout_uses_tp_8():
+    cfg = load_config(CONFIGS / "ppo_qwen2_5_72b.yaml")
+    assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 8

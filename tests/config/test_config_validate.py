@@ -1,0 +1,407 @@
+"""Validation: bad configs fail with messages naming the offending keys; warnings; model facts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megarl.config import ConfigError, load_config, validate
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+GRPO = CONFIGS / "grpo_tiny_cpu.yaml"  # world 2: actor TP 2, rollout TP 2, 4 prompts x n=4
+PPO = CONFIGS / "ppo_tiny_cpu.yaml"  # world 2: actor/critic/ref TP 1 x PP 2, 8 prompts x n=1
+GRPO_7B = CONFIGS / "grpo_qwen2_5_7b.yaml"
+ARCH = "actor_rollout_ref.model.architecture"
+MEG = "actor_rollout_ref.actor.megatron"
+ROLL = "actor_rollout_ref.rollout"
+
+# (id, config, overrides, world size, substrings the error must contain)
+BAD_CONFIGS = [
+    (
+        "world-not-divisible-by-tp-pp-cp",
+        PPO,
+        ["trainer.n_gpus_per_node=3", f"{ROLL}.tensor_model_parallel_size=1"],
+        None,
+        ["world size 3", "trainer.n_gpus_per_node", f"{MEG}.tensor_model_parallel_size",
+         "pipeline_model_parallel_size", "context_parallel_size"],
+    ),
+    (
+        "world-not-divisible-by-rollout-tp",
+        GRPO_7B,
+        [f"{ROLL}.tensor_model_parallel_size=3"],
+        None,
+        ["world size 8", f"{ROLL}.tensor_model_parallel_size=3"],
+    ),
+    (
+        "world-size-differs-from-nodes-times-gpus",
+        GRPO,
+        [],
+        4,
+        ["world size 4", "trainer.nnodes", "trainer.n_gpus_per_node"],
+    ),
+    (
+        "heads-not-divisible-by-tp",
+        GRPO_7B,
+        [f"{MEG}.tensor_model_parallel_size=8"],
+        None,
+        [f"{MEG}.tensor_model_parallel_size=8", "num_attention_heads=28"],
+    ),
+    (
+        "kv-heads-not-divisible-by-tp",
+        GRPO,
+        [f"{ARCH}.num_key_value_heads=1"],
+        None,
+        [f"{MEG}.tensor_model_parallel_size=2", "num_key_value_heads=1",
+         "Megatron cannot replicate KV heads", "vLLM can"],
+    ),
+    (
+        "layers-not-divisible-by-pp",
+        PPO,
+        [f"{ARCH}.num_hidden_layers=5"],
+        None,
+        ["num_hidden_layers=5", f"{MEG}.pipeline_model_parallel_size"],
+    ),
+    (
+        "layers-not-divisible-by-pp-times-vpp",
+        PPO,
+        [f"{MEG}.virtual_pipeline_model_parallel_size=4"],
+        None,
+        ["num_hidden_layers=4", "virtual_pipeline_model_parallel_size", "= 8"],
+    ),
+    (
+        "train-batch-not-divisible-by-mini-batch",
+        GRPO,
+        ["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
+        None,
+        ["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
+    ),
+    (
+        "mini-batch-responses-not-divisible-by-micro-times-dp",
+        GRPO,
+        ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
+        None,
+        ["actor_rollout_ref.actor.ppo_mini_batch_size", f"{ROLL}.n",
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "data-parallel size"],
+    ),
+    (
+        "micro-batch-unset",
+        GRPO,
+        ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"],
+        None,
+        ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu must be set"],
+    ),
+    (
+        "log-prob-micro-batch-does-not-divide",
+        GRPO,
+        [f"{ROLL}.log_prob_micro_batch_size_per_gpu=5"],
+        None,
+        [f"{ROLL}.log_prob_micro_batch_size_per_gpu=5", "data.train_batch_size"],
+    ),
+    (
+        "prompts-do-not-split-over-vllm-engines",
+        GRPO,
+        ["data.train_batch_size=3", "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+         f"{ROLL}.tensor_model_parallel_size=1", f"{ROLL}.log_prob_micro_batch_size_per_gpu=2"],
+        None,
+        ["data.train_batch_size=3", f"{ROLL}.tensor_model_parallel_size=1", "2 vLLM engines"],
+    ),
+    (
+        "interleaved-schedule-needs-micro-batches-multiple-of-pp",
+        PPO,
+        [f"{MEG}.virtual_pipeline_model_parallel_size=2",
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"],
+        None,
+        ["1 micro-batches", f"{MEG}.pipeline_model_parallel_size=2", "interleaved"],
+    ),
+    (
+        "critic-layout-differs-from-actor",
+        PPO,
+        ["critic.megatron.pipeline_model_parallel_size=1",
+         "critic.megatron.tensor_model_parallel_size=2"],
+        None,
+        ["critic.megatron.pipeline_model_parallel_size=1",
+         f"{MEG}.pipeline_model_parallel_size=2", "critic.megatron.tensor_model_parallel_size=2",
+         "Megatron-Core 0.16", "one process-wide parallel state"],
+    ),
+    (
+        "ref-layout-differs-from-actor",
+        GRPO,
+        ["actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1"],
+        None,
+        ["actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1",
+         f"{MEG}.tensor_model_parallel_size=2", "Megatron-Core 0.16"],
+    ),
+    (
+        "top-p-below-one-in-training-rollouts",
+        GRPO,
+        [f"{ROLL}.top_p=0.9"],
+        None,
+        [f"{ROLL}.top_p=0.9", f"{ROLL}.allow_non_unit_top_p_top_k", "log-probs"],
+    ),
+    (
+        "top-k-in-training-rollouts",
+        GRPO,
+        [f"{ROLL}.top_k=50"],
+        None,
+        [f"{ROLL}.top_k=50", f"{ROLL}.allow_non_unit_top_p_top_k"],
+    ),
+    (
+        "zero-temperature-in-training-rollouts",
+        GRPO,
+        [f"{ROLL}.temperature=0"],
+        None,
+        [f"{ROLL}.temperature=0"],
+    ),
+    (
+        "group-estimator-with-one-response",
+        GRPO,
+        [f"{ROLL}.n=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"],
+        None,
+        ["algorithm.adv_estimator=grpo", f"{ROLL}.n >= 2, got 1"],
+    ),
+    (
+        "rloo-with-one-response",
+        PPO,
+        ["algorithm.adv_estimator=rloo"],
+        None,
+        ["algorithm.adv_estimator=rloo", f"{ROLL}.n"],
+    ),
+    (
+        "gae-without-critic",
+        PPO,
+        ["critic.enable=false"],
+        None,
+        ["algorithm.adv_estimator=gae", "critic.enable=false"],
+    ),
+    (
+        "transformer-engine-on-cpu",
+        GRPO,
+        [f"{MEG}.transformer_impl=transformer_engine"],
+        None,
+        [f"{MEG}.transformer_impl=transformer_engine", "trainer.device=cpu"],
+    ),
+    (
+        "context-parallel-with-local-spec",
+        GRPO,
+        [f"{MEG}.context_parallel_size=2", f"{MEG}.tensor_model_parallel_size=1"],
+        None,
+        [f"{MEG}.context_parallel_size=2", "Transformer Engine"],
+    ),
+    (
+        "expert-parallel-on-dense-model",
+        GRPO,
+        [f"{MEG}.expert_model_parallel_size=2", f"{MEG}.tensor_model_parallel_size=1",
+         f"{ARCH}.num_experts=0"],
+        None,
+        [f"{MEG}.expert_model_parallel_size=2", "dense"],
+    ),
+    (
+        "full-recompute-without-method",
+        GRPO,
+        [f"{MEG}.recompute_granularity=full"],
+        None,
+        [f"{MEG}.recompute_granularity=full", f"{MEG}.recompute_method",
+         f"{MEG}.recompute_num_layers"],
+    ),
+    (
+        "max-model-len-too-short",
+        GRPO,
+        [f"{ROLL}.max_model_len=100"],
+        None,
+        [f"{ROLL}.max_model_len=100", f"{ROLL}.prompt_length", "response_length"],
+    ),
+    (
+        "dual-clip-bound-not-above-one",
+        GRPO,
+        ["actor_rollout_ref.actor.clip_ratio_c=0.5"],
+        None,
+        ["actor_rollout_ref.actor.clip_ratio_c=0.5"],
+    ),
+    (
+        "adaptive-kl-without-target",
+        PPO,
+        ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0"],
+        None,
+        ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl"],
+    ),
+    (
+        "reward-model-without-path",
+        GRPO,
+        ["reward_model.enable=true"],
+        None,
+        ["reward_model.enable=true", "reward_model.path"],
+    ),
+    (
+        "unsupported-logger",
+        GRPO,
+        ["trainer.logger=[console,wandb]"],
+        None,
+        ["trainer.logger", "wandb", "mlflow"],
+    ),
+    (
+        "save-freq-zero",
+        GRPO,
+        ["trainer.save_freq=0"],
+        None,
+        ["trainer.save_freq"],
+    ),
+    (
+        "resume-path-missing",
+        GRPO,
+        ["trainer.resume_mode=resume_path"],
+        None,
+        ["trainer.resume_mode=resume_path", "trainer.resume_from_path"],
+    ),
+    (
+        "model-path-missing",
+        GRPO,
+        ["actor_rollout_ref.model.path=null"],
+        None,
+        ["actor_rollout_ref.model.path is required"],
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "world_size", "expected"),
+    [case[1:] for case in BAD_CONFIGS],
+    ids=[case[0] for case in BAD_CONFIGS],
+)
+def test_bad_config_names_the_offending_keys(config, overrides, world_size, expected):
+    cfg = load_config(config, overrides)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world_size)
+    message = str(info.value)
+    for text in expected:
+        assert text in message, f"{text!r} missing from:\n{message}"
+
+
+def test_the_tiny_configs_are_valid_as_shipped():
+    for path in (GRPO, PPO):
+        validate(load_config(path), 2)
+
+
+def test_all_problems_are_listed_together():
+    cfg = load_config(
+        GRPO,
+        [f"{ROLL}.top_p=0.5", "trainer.save_freq=0", "critic.enable=false",
+         "algorithm.adv_estimator=gae", f"{MEG}.tensor_model_parallel_size=4"],
+    )  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert len(info.value.problems) >= 4
+    text = str(info.value)
+    assert text.startswith(f"{len(info.value.problems)} problems")
+    assert all(f"  - {p}" in text for p in info.value.problems)
+
+
+# -- warnings ---------------------------------------------------------------------------------
+
+
+def test_kl_loss_and_kl_in_reward_together_warn():
+    warnings = validate(load_config(GRPO, ["algorithm.use_kl_in_reward=true"]))
+    assert any(
+        "actor_rollout_ref.actor.use_kl_loss" in w and "algorithm.use_kl_in_reward" in w
+        for w in warnings
+    )
+
+
+def test_opt_in_allows_truncated_sampling():
+    cfg = load_config(GRPO, [f"{ROLL}.top_p=0.9", f"{ROLL}.allow_non_unit_top_p_top_k=true"])
+    validate(cfg)
+
+
+def test_few_micro_batches_for_the_pipeline_warn():
+    cfg = load_config(PPO, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"])
+    warnings = validate(cfg)
+    assert any("pipeline stages" in w and "ppo_micro_batch_size_per_gpu" in w for w in warnings)
+
+
+def test_unused_critic_and_bf16_on_cpu_warn():
+    warnings = validate(load_config(GRPO, ["critic.enable=true", "trainer.dtype=bf16"]))
+    assert any("critic.enable=true" in w for w in warnings)
+    assert any("trainer.dtype=bf16" in w for w in warnings)
+
+
+def test_missing_model_without_architecture_warns_that_shapes_were_not_checked():
+    cfg = load_config(GRPO, [f"~{ARCH}"])
+    warnings = validate(cfg)
+    assert any("actor_rollout_ref.model.path" in w and "not checked" in w for w in warnings)
+
+
+# -- model facts from config.json --------------------------------------------------------------
+
+
+def test_config_json_is_the_source_of_truth(hf_model):
+    path = hf_model("m")
+    cfg = load_config(GRPO, [f"actor_rollout_ref.model.path={path}"])
+    warnings = validate(cfg)
+    assert not any("model.path" in w for w in warnings)
+    bad = load_config(GRPO, [f"actor_rollout_ref.model.path={path}", f"{ARCH}.num_hidden_layers=8"])
+    with pytest.raises(ConfigError) as info:
+        validate(bad)
+    assert f"{ARCH}.num_hidden_layers=8" in str(info.value) and "config.json" in str(info.value)
+
+
+def test_kv_heads_from_config_json(hf_model):
+    path = hf_model("gqa", num_attention_heads=8, num_key_value_heads=1)
+    cfg = load_config(GRPO, [f"actor_rollout_ref.model.path={path}", f"~{ARCH}"])
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    message = str(info.value)
+    assert "num_key_value_heads=1" in message and str(path / "config.json") in message
+    # vLLM replicates KV heads: rollout TP 2 > 1 KV head is fine, so only training TP is named
+    assert f"{ROLL}.tensor_model_parallel_size" not in message
+
+
+def test_mha_models_default_kv_heads_to_heads(hf_model):
+    path = hf_model("mha", num_key_value_heads=None)
+    validate(load_config(GRPO, [f"actor_rollout_ref.model.path={path}", f"~{ARCH}"]))
+
+
+def test_directory_without_config_json_is_an_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    cfg = load_config(GRPO, [f"actor_rollout_ref.model.path={tmp_path / 'empty'}"])
+    with pytest.raises(ConfigError, match="without a config.json"):
+        validate(cfg)
+
+
+def test_hub_id_is_read_from_the_hf_cache(tmp_path):
+    snapshot = tmp_path / "hf-cache/models--Org--Tiny/snapshots/abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(
+        json.dumps({"num_attention_heads": 4, "num_key_value_heads": 1, "num_hidden_layers": 4})
+    )
+    cfg = load_config(GRPO, ["actor_rollout_ref.model.path=Org/Tiny", f"~{ARCH}"])
+    with pytest.raises(ConfigError, match="num_key_value_heads=1"):
+        validate(cfg)
+
+
+def test_separate_critic_model_is_checked_against_the_critic_layout(hf_model):
+    critic = hf_model("critic", num_hidden_layers=3)
+    cfg = load_config(PPO, [f"critic.model.path={critic}"])
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert "critic model's num_hidden_layers=3" in str(info.value)
+    assert "critic.megatron.pipeline_model_parallel_size=2" in str(info.value)
+
+
+def test_check_paths_turns_missing_files_into_errors(hf_model, tmp_path):
+    cfg = load_config(GRPO)
+    validate(cfg)  # offline: only warnings
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, check_paths=True)
+    assert "data.train_files: 'outputs/tiny-data/train.parquet' does not exist" in str(info.value)
+    # 'outputs/tiny-qwen2' could be a hub id until a local 'outputs' directory exists
+    (tmp_path / "outputs").mkdir()
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, check_paths=True)
+    assert "actor_rollout_ref.model.path='outputs/tiny-qwen2' does not exist" in str(info.value)
+    hf_model("outputs/tiny-qwen2")
+    (tmp_path / "outputs/tiny-data").mkdir(parents=True)
+    (tmp_path / "outputs/tiny-data/train.parquet").write_bytes(b"")
+    validate(cfg, check_paths=True)  # val_files are not needed: no validation is scheduled
+    with pytest.raises(ConfigError, match="data.val_files"):
+        validate(load_config(GRPO, ["trainer.test_freq=1"]), check_paths=True)
