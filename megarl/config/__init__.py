@@ -28,14 +28,17 @@ Keys that, when no file or override sets them, take another key's value are list
 ``schema.FOLLOWS`` (e.g. critic and ref parallel sizes follow the actor's).
 """
 
-from megarl.config.errors import ConfigError
-from megarl.config.loader import from_dict, get_key, load_config, to_dict, to_yaml
-from megarl.config.schema import (
+from megarl.config.choices import (
     ADV_ESTIMATORS,
     GROUP_ESTIMATORS,
     KL_TYPES,
     LOGPROB_MODES,
     LOSS_AGG_MODES,
+    POLICY_LOSS_MODES,
+)
+from megarl.config.errors import ConfigError
+from megarl.config.loader import from_dict, get_key, load_config, to_dict, to_yaml
+from megarl.config.schema import (
     ActorConfig,
     ActorRolloutRefConfig,
     AlgorithmConfig,
@@ -48,6 +51,7 @@ from megarl.config.schema import (
     MegatronConfig,
     ModelConfig,
     OptimConfig,
+    PolicyLossConfig,
     RefConfig,
     RewardModelConfig,
     RolloutConfig,
@@ -62,6 +66,7 @@ __all__ = [
     "KL_TYPES",
     "LOGPROB_MODES",
     "LOSS_AGG_MODES",
+    "POLICY_LOSS_MODES",
     "ActorConfig",
     "ActorRolloutRefConfig",
     "AlgorithmConfig",
@@ -76,6 +81,7 @@ __all__ = [
     "MegatronConfig",
     "ModelConfig",
     "OptimConfig",
+    "PolicyLossConfig",
     "RefConfig",
     "RewardModelConfig",
     "RolloutConfig",

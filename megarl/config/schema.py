@@ -17,42 +17,15 @@ import textwrap
 from dataclasses import dataclass, field
 from functools import cache
 from itertools import pairwise
-from typing import Any, Literal, get_args, get_type_hints
+from typing import Any, Literal, get_type_hints
 
-# Names users choose from. Kept here (not imported from megarl.algo) so that the config package
-# stays import-light and independent of the algorithm registries.
-AdvEstimator = Literal[
-    "gae",
-    "grpo",
-    "rloo",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "remax",
-    "opo",
-    "gpg",
-    "grpo_passk",
-]
-ADV_ESTIMATORS: tuple[str, ...] = get_args(AdvEstimator)
-GROUP_ESTIMATORS: tuple[str, ...] = (
-    "grpo",
-    "rloo",
-    "grpo_passk",
-    "opo",
-    "gpg",
-    "reinforce_plus_plus_baseline",
+from megarl.config.choices import (
+    AdvEstimator,
+    KLType,
+    LogprobMode,
+    LossAggMode,
+    PolicyLossMode,
 )
-"""Estimators whose baseline comes from the other responses to the same prompt (need n >= 2)."""
-
-LossAggMode = Literal[
-    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-]
-LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
-KLType = Literal["kl", "abs", "mse", "low_var_kl", "full"]
-KL_TYPES: tuple[str, ...] = get_args(KLType)
-LogprobMode = Literal["decoupled", "bypass", "importance_sampling"]
-LOGPROB_MODES: tuple[str, ...] = get_args(LogprobMode)
-LOGGERS: tuple[str, ...] = ("console", "mlflow")
-
 
 # ---------------------------------------------------------------------------------------------
 # data
@@ -200,6 +173,14 @@ class MegatronConfig:
 
 
 @dataclass
+class PolicyLossConfig:
+    """``actor_rollout_ref.actor.policy_loss.*``."""
+
+    loss_mode: PolicyLossMode = "vanilla"
+    """vanilla: PPO clip (with clip_ratio_low/high and dual-clip); gpg: GPG's loss."""
+
+
+@dataclass
 class ActorConfig:
     """``actor_rollout_ref.actor.*``: the policy and its PPO update."""
 
@@ -233,9 +214,12 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     """Weight of the KL loss."""
     kl_loss_type: KLType = "low_var_kl"
-    """KL estimator of the KL loss: kl (k1), abs, mse (k2), low_var_kl (k3), full."""
+    """KL estimator of the KL loss: kl (k1), abs, mse (k2), low_var_kl (k3), full; a trailing
+    "+" keeps the value but takes the k2 gradient (straight-through)."""
     grad_clip: float = 1.0
     """Global gradient-norm clip (verl's grad_clip; optim.clip_grad in newer verl)."""
+    policy_loss: PolicyLossConfig = field(default_factory=lambda: PolicyLossConfig())
+    """Which policy loss."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer of the actor."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)

@@ -1,0 +1,48 @@
+"""Names users choose from (estimators, loss modes, KL estimators, loggers).
+
+Kept in the config package rather than imported from ``megarl.algo`` so that loading and
+validating a config stays import-light and independent of the algorithm registries; a test in
+``tests/config`` keeps the lists in step with the registries when both are importable.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+AdvEstimator = Literal[
+    "gae",
+    "grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "opo",
+    "gpg",
+    "grpo_passk",
+]
+ADV_ESTIMATORS: tuple[str, ...] = get_args(AdvEstimator)
+GROUP_ESTIMATORS: tuple[str, ...] = (
+    "grpo",
+    "rloo",
+    "grpo_passk",
+    "opo",
+    "gpg",
+    "reinforce_plus_plus_baseline",
+)
+"""Estimators whose baseline comes from the other responses to the same prompt (need n >= 2)."""
+
+LossAggMode = Literal[
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
+LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
+KLType = Literal[
+    "kl", "abs", "mse", "low_var_kl", "full",
+    "k1", "k2", "k3",  # verl's aliases of kl, mse, low_var_kl
+    "kl+", "k1+", "abs+", "low_var_kl+", "k3+",  # value of the estimator, gradient of k2
+]  # fmt: skip
+KL_TYPES: tuple[str, ...] = get_args(KLType)
+LogprobMode = Literal["decoupled", "bypass", "importance_sampling"]
+LOGPROB_MODES: tuple[str, ...] = get_args(LogprobMode)
+PolicyLossMode = Literal["vanilla", "gpg"]
+POLICY_LOSS_MODES: tuple[str, ...] = get_args(PolicyLossMode)
+LOGGERS: tuple[str, ...] = ("console", "mlflow")
