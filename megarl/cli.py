@@ -100,7 +100,7 @@ def _add_config_args(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.usage = f"{parser.prog} [-c FILE ...] [KEY=VALUE ...]"
     parser.epilog = (
         "KEY=VALUE: dotted overrides applied after the files, e.g. data.train_batch_size=64, "
-        "trainer.logger=[console,mlflow], algorithm.kl_ctrl=null; +a.b.new=1 adds a key to a "
+        "trainer.logger=[console,mlflow], critic.enable=null; +a.b.new=1 adds a key to a "
         "free-form section; ~a.b removes a key."
     )
 

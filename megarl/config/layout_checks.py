@@ -160,6 +160,7 @@ class LayoutChecks:
             return
         tp, pp = meg.tensor_model_parallel_size, meg.pipeline_model_parallel_size
         cp, ep = meg.context_parallel_size, meg.expert_model_parallel_size
+        self.warn_if_tp_crosses_nodes(f"{MEG}.tensor_model_parallel_size", tp)
         if world % (tp * pp * cp):
             self.error(
                 f"world size {world} ({WORLD}) is not divisible by {MEG}.tensor_model_parallel_size "
@@ -213,6 +214,14 @@ class LayoutChecks:
                 f"max_position_embeddings={limit} (from {src})"
             )
 
+    def warn_if_tp_crosses_nodes(self, key: str, tp: int) -> None:
+        per_node = self.cfg.trainer.n_gpus_per_node
+        if self.cfg.trainer.nnodes > 1 and tp > per_node:
+            self.warn(
+                f"{key}={tp} exceeds trainer.n_gpus_per_node={per_node}: tensor parallelism "
+                "then crosses the inter-node network, which is slow; prefer PP across nodes"
+            )
+
     def check_rollout_layout(self, world: int, facts: ModelFacts | None) -> None:
         rtp = self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
         if not self.positive(f"{ROLL}.tensor_model_parallel_size", rtp):
@@ -222,6 +231,7 @@ class LayoutChecks:
                 f"world size {world} ({WORLD}) is not divisible by "
                 f"{ROLL}.tensor_model_parallel_size={rtp}"
             )
+        self.warn_if_tp_crosses_nodes(f"{ROLL}.tensor_model_parallel_size", rtp)
         if facts is None:
             return
         heads, kv = facts.num_attention_heads, facts.num_key_value_heads

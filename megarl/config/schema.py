@@ -187,8 +187,7 @@ class ActorConfig:
     strategy: Literal["megatron"] = "megatron"
     """Training backend; megarl has only Megatron (accepted for verl scripts)."""
     ppo_mini_batch_size: int = 256
-    """Prompts per mini-batch (one optimizer step); holds ppo_mini_batch_size x rollout.n
-    responses."""
+    """Prompts per optimizer step; the mini-batch holds this x rollout.n responses."""
     ppo_micro_batch_size_per_gpu: int | None = None
     """Responses per forward/backward pass on one GPU (required)."""
     ppo_epochs: int = 1
@@ -214,8 +213,7 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     """Weight of the KL loss."""
     kl_loss_type: KLType = "low_var_kl"
-    """KL estimator of the KL loss: kl (k1), abs, mse (k2), low_var_kl (k3), full; a trailing
-    "+" keeps the value but takes the k2 gradient (straight-through)."""
+    """KL estimator of the KL loss (kl/k1, abs, mse/k2, low_var_kl/k3, full; "+": k2 grad)."""
     grad_clip: float = 1.0
     """Global gradient-norm clip (verl's grad_clip; optim.clip_grad in newer verl)."""
     policy_loss: PolicyLossConfig = field(default_factory=lambda: PolicyLossConfig())
@@ -244,7 +242,13 @@ class SamplingConfig:
 
 @dataclass
 class RolloutConfig:
-    """``actor_rollout_ref.rollout.*``: the vLLM engine colocated with training."""
+    """``actor_rollout_ref.rollout.*``: the vLLM engine colocated with training.
+
+    ``logprob_mode``: *decoupled* recomputes the old log-probs with the actor after generation;
+    *bypass* takes vLLM's (temperature-processed) log-probs as the old log-probs; and
+    *importance_sampling* recomputes them and weights the loss by the truncated ratio
+    min(pi_old / pi_rollout, is_threshold).
+    """
 
     name: Literal["vllm"] = "vllm"
     """Rollout engine."""
@@ -267,8 +271,7 @@ class RolloutConfig:
     response_length: int = 512
     """Most tokens generated per response; unset: data.max_response_length."""
     log_prob_micro_batch_size_per_gpu: int | None = None
-    """Responses per forward pass when recomputing old log-probs; unset: the actor's
-    ppo_micro_batch_size_per_gpu."""
+    """Responses per old-log-prob forward pass; unset: actor.ppo_micro_batch_size_per_gpu."""
     max_num_seqs: int = 256
     """vLLM max_num_seqs (concurrent sequences)."""
     max_num_batched_tokens: int = 8192
@@ -286,13 +289,11 @@ class RolloutConfig:
     kv_cache_memory_bytes: int | None = None
     """(megarl) vLLM KV-cache size in bytes; overrides gpu_memory_utilization (set it on CPU)."""
     logprob_mode: LogprobMode = "decoupled"
-    """(megarl) Old log-probs: decoupled (recompute with the actor), bypass (use vLLM's), or
-    importance_sampling (recompute and correct by truncated rollout weights)."""
+    """(megarl) Old log-probs: decoupled (recompute), bypass (vLLM's), importance_sampling."""
     is_threshold: float = 2.0
     """(megarl) Truncation C of the rollout importance weights min(pi_old/pi_rollout, C)."""
     allow_non_unit_top_p_top_k: bool = False
-    """(megarl) Permit top_p < 1 or top_k in training rollouts (log-probs then describe a
-    different distribution than the one sampled)."""
+    """(megarl) Permit top_p < 1 or top_k > 0 in training rollouts (biased log-probs)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Free-form: extra keyword arguments for vllm.LLM."""
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
@@ -306,8 +307,7 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Responses per forward pass for ref log-probs; unset: the rollout's."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
-    """Parallel layout of the reference; parallel sizes and param_offload default to the
-    actor's and must match it."""
+    """Parallel layout of the reference; sizes follow the actor's and must match it."""
 
 
 @dataclass
@@ -456,8 +456,7 @@ class TrainerConfig:
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
     """Checkpoint directory (${...} refers to other keys)."""
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
-    """auto: resume from the latest checkpoint in default_local_dir; resume_path: from
-    resume_from_path; disable: start fresh."""
+    """auto: latest in default_local_dir; resume_path: resume_from_path; disable: fresh."""
     resume_from_path: str | None = None
     """Checkpoint to resume from (resume_mode resume_path)."""
     max_actor_ckpt_to_keep: int | None = None
@@ -549,7 +548,7 @@ def field_docs(cls: type) -> dict[str, str]:
             and isinstance(nxt.value, ast.Constant)
             and isinstance(nxt.value.value, str)
         ):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
+            docs[node.target.id] = nxt.value.value.strip()
     return docs
 
 

@@ -166,6 +166,13 @@ class _Checks(LayoutChecks):
                 f"{ROLL}.max_model_len={r.max_model_len} is shorter than {ROLL}.prompt_length + "
                 f"response_length = {r.prompt_length} + {r.response_length} = {needed}"
             )
+        model_len = r.max_model_len or needed
+        if not r.enable_chunked_prefill and r.max_num_batched_tokens < model_len:
+            self.error(
+                f"{ROLL}.max_num_batched_tokens={r.max_num_batched_tokens} is below the model "
+                f"length {model_len} ({ROLL}.max_model_len or prompt_length + response_length); "
+                f"vLLM needs it to be at least that when {ROLL}.enable_chunked_prefill=false"
+            )
         if r.logprob_mode == "importance_sampling":
             if r.is_threshold <= 0:
                 self.error(f"{ROLL}.is_threshold must be > 0, got {r.is_threshold}")
@@ -298,10 +305,19 @@ class _Checks(LayoutChecks):
         data = self.cfg.data
         if not data.train_files:
             self.error("data.train_files is empty")
+        t = self.cfg.trainer
+        validates = t.test_freq > 0 or t.val_before_train
+        if validates and not data.val_files:
+            self.error(
+                f"data.val_files is empty but validation is scheduled (trainer.test_freq="
+                f"{t.test_freq}, trainer.val_before_train={fmt_value(t.val_before_train)})"
+            )
+        if t.save_freq > 0 and not t.default_local_dir:
+            self.error(f"trainer.save_freq={t.save_freq} needs trainer.default_local_dir")
         if not self.check_paths:
             return
         checked = [("data.train_files", data.train_files)]
-        if self.cfg.trainer.test_freq > 0 or self.cfg.trainer.val_before_train:
+        if validates:
             checked.append(("data.val_files", data.val_files))
         for key, files in checked:
             for f in files:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import layout, load_config, to_yaml, validate
+from megarl.config import ConfigError, layout, load_config, to_yaml, validate
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -37,7 +37,7 @@ def test_config_validates_at_its_world_size(name):
 @pytest.mark.parametrize("name", RUNNABLE)
 def test_config_fails_at_another_world_size(name):
     cfg = load_config(CONFIGS / name)
-    with pytest.raises(Exception, match="world size"):
+    with pytest.raises(ConfigError, match="world size"):
         validate(cfg, INTENDED_WORLD_SIZE[name] * 2)
 
 

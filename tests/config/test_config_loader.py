@@ -34,6 +34,7 @@ def test_every_field_has_a_one_line_docstring():
     for key, field, owner in iter_fields(MegarlConfig):
         doc = field_docs(owner).get(field.name)
         assert doc, f"{key} has no docstring"
+        assert "\n" not in doc, f"{key}: the docstring should be one line"
 
 
 # verl's documented defaults (ppo_megatron_trainer.yaml / seeds) that megarl keeps.

@@ -255,6 +255,20 @@ BAD_CONFIGS = [
         ["trainer.resume_mode=resume_path", "trainer.resume_from_path"],
     ),
     (
+        "validation-without-val-files",
+        GRPO,
+        ["data.val_files=[]", "trainer.test_freq=2"],
+        None,
+        ["data.val_files is empty", "trainer.test_freq=2"],
+    ),
+    (
+        "batched-tokens-below-model-length-without-chunked-prefill",
+        GRPO,
+        [f"{ROLL}.enable_chunked_prefill=false", f"{ROLL}.max_num_batched_tokens=128"],
+        None,
+        [f"{ROLL}.max_num_batched_tokens=128", f"{ROLL}.enable_chunked_prefill=false"],
+    ),
+    (
         "model-path-missing",
         GRPO,
         ["actor_rollout_ref.model.path=null"],
@@ -317,6 +331,16 @@ def test_few_micro_batches_for_the_pipeline_warn():
     cfg = load_config(PPO, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"])
     warnings = validate(cfg)
     assert any("pipeline stages" in w and "ppo_micro_batch_size_per_gpu" in w for w in warnings)
+
+
+def test_tensor_parallelism_across_nodes_warns():
+    cfg = load_config(
+        CONFIGS / "ppo_qwen2_5_72b.yaml",
+        ["trainer.nnodes=16", "trainer.n_gpus_per_node=4", f"{ROLL}.tensor_model_parallel_size=8"],
+    )
+    warnings = validate(cfg)
+    assert any(f"{MEG}.tensor_model_parallel_size=8 exceeds" in w for w in warnings)
+    assert any(f"{ROLL}.tensor_model_parallel_size=8 exceeds" in w for w in warnings)
 
 
 def test_unused_critic_and_bf16_on_cpu_warn():
