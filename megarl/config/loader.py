@@ -179,7 +179,11 @@ def apply_override(raw: dict, text: str, errors: list[str]) -> None:
             f"add it with '+{key}={value}'"
         )
         return
-    _set_path(raw, parts, parse_override_value(value, tp if kind == "field" else Any))
+    parsed = parse_override_value(value, tp if kind == "field" else Any)
+    current = _get_path(raw, parts)
+    if isinstance(parsed, dict) and isinstance(current, dict):
+        parsed = merge(current, parsed)  # section={a: 1} updates the section, as a file would
+    _set_path(raw, parts, parsed)
 
 
 def parse_override_value(text: str, tp: Any) -> Any:
@@ -497,6 +501,14 @@ def _has_path(raw: Any, parts: list[str]) -> bool:
             return False
         raw = raw[part]
     return True
+
+
+def _get_path(raw: Any, parts: list[str]) -> Any:
+    for part in parts:
+        if not isinstance(raw, dict) or part not in raw:
+            return None
+        raw = raw[part]
+    return raw
 
 
 def _set_path(raw: dict, parts: list[str], value: Any) -> None:

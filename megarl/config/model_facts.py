@@ -111,6 +111,11 @@ def resolve_model_facts(
         for f in dataclasses.fields(ArchitectureConfig)
         if getattr(model.architecture, f.name) is not None
     }
+    for name, value in declared.items():
+        if value < 0 or (value == 0 and name != "num_experts"):
+            errors.append(f"{arch_key}.{name} must be positive, got {value}")
+    if errors:
+        return None, errors, warnings
     path = model.path
     if path is None:
         return None, errors, warnings  # "path is required" is reported by the validator

@@ -94,6 +94,8 @@ class _Checks(LayoutChecks):
             (f"{ACTOR}.loss_scale_factor", a.loss_scale_factor),
             ("reward_model.micro_batch_size_per_gpu", c.reward_model.micro_batch_size_per_gpu),
             ("reward_model.max_length", c.reward_model.max_length),
+            ("trainer.max_actor_ckpt_to_keep", c.trainer.max_actor_ckpt_to_keep),
+            ("trainer.max_critic_ckpt_to_keep", c.trainer.max_critic_ckpt_to_keep),
         ]:
             self.positive(key, value, allow_none=True)
         if a.clip_ratio_low >= 1:

@@ -210,6 +210,16 @@ def test_override_values_are_coerced_to_the_field_types():
     assert cfg.actor_rollout_ref.actor.optim.betas == [0.9, 0.95]
 
 
+def test_a_mapping_override_updates_the_section(tmp_path):
+    path = write(tmp_path / "t.yaml", "trainer: {seed: 5, project_name: p}\n")
+    cfg = load_config(path, ["trainer={seed: 6, experiment_name: e}"])
+    assert (cfg.trainer.seed, cfg.trainer.project_name, cfg.trainer.experiment_name) == (
+        6,
+        "p",
+        "e",
+    )
+
+
 def test_type_error_names_the_key():
     message = error_of([], ["data.train_batch_size=abc"])
     assert "data.train_batch_size" in message and "integer" in message and "'abc'" in message

@@ -269,6 +269,13 @@ BAD_CONFIGS = [
         [f"{ROLL}.max_num_batched_tokens=128", f"{ROLL}.enable_chunked_prefill=false"],
     ),
     (
+        "architecture-value-not-positive",
+        GRPO,
+        [f"{ARCH}.num_attention_heads=0"],
+        None,
+        [f"{ARCH}.num_attention_heads must be positive"],
+    ),
+    (
         "model-path-missing",
         GRPO,
         ["actor_rollout_ref.model.path=null"],
