@@ -234,6 +234,11 @@ class LayoutChecks:
         self.warn_if_tp_crosses_nodes(f"{ROLL}.tensor_model_parallel_size", rtp)
         if facts is None:
             return
+        if self.cfg.trainer.device == "cpu" and facts.head_dim and facts.head_dim < 32:
+            self.warn(
+                f"the model's head_dim={facts.head_dim} (from {facts.source}): vLLM's CPU "
+                "attention rejects head_dim 16 (32 and 64 work)"
+            )
         heads, kv = facts.num_attention_heads, facts.num_key_value_heads
         if heads and heads % rtp:
             self.error(

@@ -36,6 +36,12 @@ class ModelFacts:
     """Longest supported sequence."""
     num_experts: int | None = None
     """Routed experts (None or 0: dense)."""
+    head_dim: int | None = None
+    """Channels per attention head (HF head_dim, else hidden_size / num_attention_heads)."""
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None and self.hidden_size and self.num_attention_heads:
+            self.head_dim = self.hidden_size // self.num_attention_heads
 
 
 def is_remote(path: str) -> bool:
@@ -92,6 +98,7 @@ def facts_from_hf(data: dict, source: str) -> ModelFacts:
         vocab_size=data.get("vocab_size"),
         max_position_embeddings=data.get("max_position_embeddings"),
         num_experts=experts or 0,
+        head_dim=data.get("head_dim"),
     )
 
 

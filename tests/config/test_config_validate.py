@@ -387,6 +387,12 @@ def test_kv_heads_from_config_json(hf_model):
     assert f"{ROLL}.tensor_model_parallel_size" not in message
 
 
+def test_small_head_dim_on_cpu_warns(hf_model):
+    path = hf_model("narrow", hidden_size=64)
+    cfg = load_config(GRPO, [f"actor_rollout_ref.model.path={path}", f"~{ARCH}"])
+    assert any("head_dim=16" in w for w in validate(cfg))
+
+
 def test_mha_models_default_kv_heads_to_heads(hf_model):
     path = hf_model("mha", num_key_value_heads=None)
     validate(load_config(GRPO, [f"actor_rollout_ref.model.path={path}", f"~{ARCH}"]))
