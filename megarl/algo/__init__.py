@@ -1,1 +1,120 @@
-"""megarl."""
+"""RL math: pure tensor-in/tensor-out functions and the registries users pick from by name.
+
+Shapes: B responses, T response tokens; masks are binary `[B, T]`. Nothing here uses
+torch.distributed or config objects: the trainer passes plain keyword arguments named as in the
+config (`clip_ratio_low`, `norm_adv_by_std_in_grpo`, ...).
+"""
+
+from typing import Any
+
+import torch
+
+from megarl.algo.aggregation import LOSS_AGG_MODES, agg_loss, count_tokens_and_seqs
+from megarl.algo.group_advantages import (
+    GroupStats,
+    compute_gpg_outcome_advantage,
+    compute_grpo_outcome_advantage,
+    compute_grpo_passk_outcome_advantage,
+    compute_opo_outcome_advantage,
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+    compute_rloo_outcome_advantage,
+    group_ids,
+)
+from megarl.algo.kl import (
+    KL_CONTROLLER_TYPES,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    compute_kl_loss,
+    get_kl_controller,
+    kl_penalty,
+)
+from megarl.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from megarl.algo.policy_loss import compute_policy_loss_gpg, compute_policy_loss_vanilla
+from megarl.algo.registry import (
+    ADV_ESTIMATORS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    call_with_supported_kwargs,
+    get_adv_estimator,
+    get_kl_estimator,
+    get_policy_loss,
+)
+from megarl.algo.rollout_correction import (
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_LOG_PROB_MODES,
+    compute_rollout_is_weights,
+    select_old_log_prob,
+)
+from megarl.algo.scan import discounted_reverse_cumsum
+from megarl.algo.token_advantages import (
+    compute_gae_advantage_return,
+    compute_reinforce_plus_plus_outcome_advantage,
+    compute_remax_outcome_advantage,
+)
+from megarl.algo.value_loss import compute_entropy_loss, compute_value_loss, entropy_from_logits
+
+
+def compute_advantage(adv_estimator: str, **inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the estimator named `adv_estimator` with the inputs it declares, ignoring the rest.
+
+    Pass everything the batch has (`token_level_rewards`, `response_mask`, `values`, `index`,
+    `reward_baselines`, `gamma`, `lam`, `norm_adv_by_std_in_grpo`, `epsilon`, ...). Returns
+    (advantages, returns), both `[B, T]`.
+    """
+    return call_with_supported_kwargs(get_adv_estimator(adv_estimator), **inputs)
+
+
+def compute_policy_loss(
+    policy_loss: str, **inputs: Any
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Run the policy loss named `policy_loss` with the inputs it declares, ignoring the rest."""
+    return call_with_supported_kwargs(get_policy_loss(policy_loss), **inputs)
+
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "KL_CONTROLLER_TYPES",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "ROLLOUT_IS_LEVELS",
+    "ROLLOUT_LOG_PROB_MODES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "GroupStats",
+    "agg_loss",
+    "apply_kl_penalty",
+    "call_with_supported_kwargs",
+    "compute_advantage",
+    "compute_entropy_loss",
+    "compute_gae_advantage_return",
+    "compute_gpg_outcome_advantage",
+    "compute_grpo_outcome_advantage",
+    "compute_grpo_passk_outcome_advantage",
+    "compute_kl_loss",
+    "compute_opo_outcome_advantage",
+    "compute_policy_loss",
+    "compute_policy_loss_gpg",
+    "compute_policy_loss_vanilla",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_remax_outcome_advantage",
+    "compute_rloo_outcome_advantage",
+    "compute_rollout_is_weights",
+    "compute_value_loss",
+    "count_tokens_and_seqs",
+    "discounted_reverse_cumsum",
+    "entropy_from_logits",
+    "get_adv_estimator",
+    "get_kl_controller",
+    "get_kl_estimator",
+    "get_policy_loss",
+    "group_ids",
+    "kl_penalty",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "select_old_log_prob",
+]

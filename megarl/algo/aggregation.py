@@ -1,0 +1,102 @@
+"""Loss aggregation (`actor.loss_agg_mode`) that is exact under micro-batching.
+
+A mini-batch is split into micro-batches (and across data-parallel ranks). If each micro-batch is
+normalised by its own token or sequence count, the result depends on how the batch was split. Pass
+the counts of the whole mini-batch instead — `global_token_count` / `global_seq_count`, summed over
+all micro-batches and all DP (and CP) ranks, e.g. `count_tokens_and_seqs(mask)` all-reduced — and
+the micro-batch losses *add up* to the full-batch loss, so K micro-batches give the same gradient as
+one batch.
+
+How the trainer must use it with Megatron: the pipeline schedule divides each micro-batch loss by
+`num_microbatches`, and Megatron DDP averages gradients over the data-parallel group (DP x CP
+ranks). The sum this module wants is undone by both, so the loss function handed to
+`get_forward_backward_func` must return
+
+    agg_loss(..., global_token_count=N_tok, global_seq_count=N_seq) * num_microbatches * dp_cp_size
+
+(`dp_cp_size` = size of the group DDP averages over: DP, times CP when context parallel is used).
+Then schedule and DDP together compute exactly d/dθ of the full mini-batch loss. For logging, report
+the unscaled value summed over micro-batches (and over ranks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.algo.masked import masked_sum
+
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+
+def count_tokens_and_seqs(loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local (valid tokens, sequences with at least one valid token) of a `[B, T]` mask.
+
+    Sum both over every micro-batch of the mini-batch and all-reduce over DP (and CP) to get the
+    `global_token_count` and `global_seq_count` of `agg_loss`.
+    """
+    tokens_per_seq = loss_mask.sum(dim=-1)
+    return tokens_per_seq.sum(), (tokens_per_seq > 0).sum()
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    global_token_count: torch.Tensor | float | None = None,
+    global_seq_count: torch.Tensor | float | None = None,
+    loss_scale_factor: float | None = None,
+) -> torch.Tensor:
+    """Aggregate a `[B, T]` per-token loss into a scalar.
+
+    Modes (N_tok, N_seq: the global counts if given, else this batch's; "sequences" are those with
+    at least one valid token; l_it: loss of token t of sequence i, summed over valid tokens only):
+        token-mean:              sum_it l_it / N_tok
+        seq-mean-token-sum:      sum_i (sum_t l_it) / N_seq
+        seq-mean-token-mean:     sum_i (sum_t l_it / T_i) / N_seq        (T_i: valid tokens of i)
+        seq-mean-token-sum-norm: sum_i (sum_t l_it / loss_scale_factor) / N_seq   (Dr.GRPO)
+    `loss_scale_factor` defaults to T (the padded response length); set a constant (e.g. the max
+    response length) to keep the normaliser fixed through training. In verl's standalone `agg_loss`
+    this mode returns the plain sum over sequences / loss_scale_factor and the actor later scales
+    by micro-batch size / mini-batch size; megarl folds that mean over sequences in here so the mode
+    behaves like the others under micro-batching.
+
+    Masked positions never reach the result (not even NaN/inf). With no valid token at all, the
+    result is 0 (counts are clamped to at least 1 when computed locally).
+
+    Args:
+        loss_mat: `[B, T]` per-token loss.
+        loss_mask: `[B, T]` binary mask.
+        loss_agg_mode: one of `LOSS_AGG_MODES`.
+        global_token_count: N_tok over the whole mini-batch (token-mean).
+        global_seq_count: N_seq over the whole mini-batch (seq-mean-* modes).
+        loss_scale_factor: divisor for seq-mean-token-sum-norm.
+
+    Returns:
+        scalar tensor.
+    """
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(
+            f"unknown loss_agg_mode {loss_agg_mode!r}; valid names: " + ", ".join(LOSS_AGG_MODES)
+        )
+    if loss_agg_mode == "token-mean":
+        if global_token_count is None:
+            global_token_count = loss_mask.sum().clamp(min=1)
+        return masked_sum(loss_mat, loss_mask) / global_token_count
+
+    seq_sums = masked_sum(loss_mat, loss_mask, dim=-1)  # [B]
+    tokens_per_seq = loss_mask.sum(dim=-1)
+    if global_seq_count is None:
+        global_seq_count = (tokens_per_seq > 0).sum().clamp(min=1)
+    if loss_agg_mode == "seq-mean-token-sum":
+        per_seq = seq_sums
+    elif loss_agg_mode == "seq-mean-token-mean":
+        per_seq = seq_sums / tokens_per_seq.to(seq_sums.dtype).clamp(min=1)
+    else:  # seq-mean-token-sum-norm
+        scale = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+        per_seq = seq_sums / scale
+    return per_seq.sum() / global_seq_count

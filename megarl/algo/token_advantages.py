@@ -1,0 +1,162 @@
+"""Token-level advantage estimators: GAE (PPO), REINFORCE++ and ReMax.
+
+Every estimator takes `[B, T]` tensors over the response tokens and returns `(advantages, returns)`,
+both `[B, T]` in the dtype of the inputs. Masks are binary (bool or 0/1). All of them run under
+`torch.no_grad()`; nothing here loops over time steps (see `scan.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.algo.masked import masked_whiten
+from megarl.algo.registry import ADV_ESTIMATORS
+from megarl.algo.scan import discounted_reverse_cumsum, exclusive_cumsum, reverse_cumsum
+
+_F64 = torch.float64
+
+
+def _check_unit_interval(**params: float) -> None:
+    for name, value in params.items():
+        if not 0.0 <= float(value) <= 1.0:
+            raise ValueError(f"{name} must lie in [0, 1], got {value}")
+
+
+@ADV_ESTIMATORS.register("gae")
+@torch.no_grad()
+def compute_gae_advantage_return(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation with masked steps, as verl's per-step recurrence.
+
+    Going backwards over t, with `nextvalues` and `lastgaelam` starting at 0:
+        delta[t]  = r[t] + gamma * nextvalues - V[t]
+        A[t]      = delta[t] + gamma * lam * lastgaelam        (valid t)
+        nextvalues, lastgaelam = V[t], A[t]                    (valid t only)
+    At a masked step nothing is updated and A[t] holds the running `lastgaelam`, i.e. the advantage
+    of the next valid position (0 after the last one). The seeds (003, §2.5) write 0 there instead;
+    megarl keeps verl's numbers, and masked positions never reach a loss (every aggregation masks).
+    Rewards at masked positions are ignored, exactly as in the recurrence.
+
+    Computed in float64 without a loop over time: the valid tokens of each row are packed to the
+    left (a scatter; free for right-padded rows), where the recurrence is plain GAE solved by
+    `discounted_reverse_cumsum`, and unpacked with one gather. Whitening statistics come from the
+    packed advantages (masked mean and unbiased variance over the valid tokens, as masked_whiten).
+
+    Args:
+        token_level_rewards: `[B, T]` rewards per response token.
+        values: `[B, T]` critic values V(s_t).
+        response_mask: `[B, T]` 1 for response tokens that count, 0 otherwise (anywhere in the row).
+        gamma: discount factor (`algorithm.gamma`), in [0, 1].
+        lam: GAE lambda (`algorithm.lam`), in [0, 1].
+        whiten: whiten the advantages over the mask (verl always does).
+
+    Returns:
+        advantages `[B, T]` (whitened if `whiten`), returns `[B, T]` = raw advantages + values.
+    """
+    _check_unit_interval(gamma=gamma, lam=lam)
+    gamma, lam = float(gamma), float(lam)
+    mask = response_mask.bool()
+    length = mask.shape[1]
+    # Pack the valid tokens of each row to the left ("slots"): there the recurrence is plain GAE
+    # whose next value is the next slot's value. Right-padded rows are packed already.
+    packed = length < 2 or bool((mask[:, 1:] <= mask[:, :-1]).all())
+    if packed:
+        position = None
+        delta = token_level_rewards.to(_F64, copy=True).sub_(values)
+        delta[:, :-1].add_(values[:, 1:], alpha=gamma)
+        # The last valid token of a row has no next value: recompute its delta without one.
+        lengths = mask.sum(dim=-1)
+        rows = torch.nonzero((lengths > 0) & (lengths < length)).flatten()
+        last = (rows, lengths[rows] - 1)
+        delta[last] = token_level_rewards[last].to(_F64) - values[last].to(_F64)
+        delta.masked_fill_(~mask, 0.0)
+    else:
+        # valid t: its own slot; masked t: the slot of the next valid token (n_valid if none).
+        position = exclusive_cumsum(mask)
+        value_slots = _pack(values.to(_F64, copy=True), mask, position)
+        delta = _pack(token_level_rewards.to(_F64, copy=True).sub_(values), mask, position)
+        delta[:, :-1].add_(value_slots[:, 1:], alpha=gamma)  # slots past the last hold 0
+    slot_advantages = discounted_reverse_cumsum(delta, gamma * lam)
+    # Unpacking gives masked t the advantage of the next valid token, 0 after the last: verl's
+    # carried `lastgaelam`. Slots past the last valid token hold exactly 0.
+    if position is None:
+        advantages = slot_advantages
+    else:
+        advantages = slot_advantages.gather(1, position)
+    returns = (advantages + values).to(values.dtype)
+    if whiten:
+        # Masked mean and unbiased variance over the valid tokens, from the slots (empty slots
+        # are exactly 0, so plain sums over all slots are sums over valid tokens).
+        count = mask.sum().to(_F64)
+        flat = slot_advantages.reshape(-1)
+        mean = flat.sum() / count.clamp(min=1)
+        sum_sq = torch.dot(flat, flat) - count * mean * mean
+        var = torch.where(count > 1, sum_sq.clamp(min=0) / (count - 1).clamp(min=1), 0.0)
+        advantages = advantages.sub_(mean).mul_(torch.rsqrt(var + 1e-8))
+    return advantages.to(values.dtype), returns
+
+
+def _pack(x: torch.Tensor, mask: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """`[B, T+1]`: the valid entries of each row of x moved to the left, zeros after them.
+
+    x is overwritten (masked entries zeroed)."""
+    slots = torch.zeros(x.shape[0], x.shape[1] + 1, dtype=x.dtype, device=x.device)
+    return slots.scatter_add_(1, position, x.masked_fill_(~mask, 0.0))
+
+
+@ADV_ESTIMATORS.register("reinforce_plus_plus")
+@torch.no_grad()
+def compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (arXiv:2501.03262): discounted returns, whitened over the batch.
+
+    returns[t] = r[t] + gamma * mask[t+1] * returns[t+1] — the running return is reset at every
+    masked position (verl: "reset after EOS"), so a masked step cuts what flows to earlier tokens.
+    advantages = masked_whiten(returns, mask) * mask.
+
+    Args:
+        token_level_rewards, response_mask: `[B, T]`.
+        gamma: discount (`algorithm.gamma`), in [0, 1].
+
+    Returns:
+        advantages `[B, T]` (0 at masked positions), returns `[B, T]`.
+    """
+    _check_unit_interval(gamma=gamma)
+    mask = response_mask.bool()
+    breaks = torch.zeros_like(mask)
+    breaks[:, :-1] = ~mask[:, 1:]
+    returns = discounted_reverse_cumsum(token_level_rewards.to(_F64), float(gamma), breaks=breaks)
+    advantages = masked_whiten(returns, mask) * mask
+    dtype = token_level_rewards.dtype
+    return advantages.to(dtype), returns.to(dtype)
+
+
+@ADV_ESTIMATORS.register("remax")
+@torch.no_grad()
+def compute_remax_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    reward_baselines: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (arXiv:2310.10505): return-to-go minus the reward of the greedy response.
+
+    Args:
+        token_level_rewards, response_mask: `[B, T]`.
+        reward_baselines: `[B]` reward of each prompt's greedy (argmax) response.
+
+    Returns:
+        advantages = returns - baseline * mask, returns = reverse cumsum of masked rewards; `[B, T]`.
+    """
+    mask = response_mask.to(token_level_rewards.dtype)
+    returns = reverse_cumsum(token_level_rewards * mask)
+    advantages = returns - reward_baselines.to(returns.dtype).unsqueeze(-1) * mask
+    return advantages, returns

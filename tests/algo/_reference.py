@@ -1,0 +1,78 @@
+"""Plain per-step / per-group reference implementations (float64) the vectorized code is tested
+against. They follow verl's `core_algos.py` loops in behaviour; written independently."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+
+def gae_recurrence(rewards, values, mask, gamma, lam):
+    """verl's per-step GAE: masked steps carry `nextvalues` and `lastgaelam` unchanged.
+
+    Returns raw (un-whitened) advantages and returns = advantages + values, in float64."""
+    r, v, m = rewards.double(), values.double(), mask.double()
+    batch, length = r.shape
+    nextvalues = torch.zeros(batch, dtype=torch.float64)
+    lastgaelam = torch.zeros(batch, dtype=torch.float64)
+    out = torch.zeros(batch, length, dtype=torch.float64)
+    for t in reversed(range(length)):
+        delta = r[:, t] + gamma * nextvalues - v[:, t]
+        candidate = delta + gamma * lam * lastgaelam
+        nextvalues = v[:, t] * m[:, t] + (1 - m[:, t]) * nextvalues
+        lastgaelam = candidate * m[:, t] + (1 - m[:, t]) * lastgaelam
+        out[:, t] = lastgaelam
+    return out, out + v
+
+
+def linear_recurrence(x, factors):
+    """y[t] = x[t] + factors[t] * y[t+1], y[T] = 0, float64."""
+    x, a = x.double(), factors.double()
+    y = torch.zeros_like(x)
+    running = torch.zeros(x.shape[0], dtype=torch.float64)
+    for t in reversed(range(x.shape[1])):
+        running = x[:, t] + a[:, t] * running
+        y[:, t] = running
+    return y
+
+
+def reinforce_plus_plus_returns(rewards, mask, gamma):
+    """verl's REINFORCE++ loop: the running return is reset after every masked position."""
+    r, m = rewards.double(), mask.double()
+    returns = torch.zeros_like(r)
+    running = torch.zeros(r.shape[0], dtype=torch.float64)
+    for t in reversed(range(r.shape[1])):
+        running = r[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * m[:, t]
+    return returns
+
+
+def whiten(values, mask):
+    """masked whitening with unbiased variance (verl's masked_whiten), float64."""
+    v, m = values.double(), mask.double()
+    n = m.sum()
+    mean = (v * m).sum() / n
+    var = (((v - mean) ** 2) * m).sum() / (n - 1)
+    return (v - mean) / torch.sqrt(var + 1e-8)
+
+
+def groups(index):
+    members = defaultdict(list)
+    for i, label in enumerate(index):
+        members[label].append(i)
+    return list(members.values())
+
+
+def group_scalars(scores, index, rule):
+    """Apply rule(scores_of_group, position_in_group) per group; groups of one get 0."""
+    scores = scores.double()
+    out = torch.zeros_like(scores)
+    for members in groups(index):
+        if len(members) < 2:
+            continue
+        group = scores[members]
+        for k, i in enumerate(members):
+            out[i] = rule(group, k)
+    return out
