@@ -1,0 +1,413 @@
+"""vLLM rollout engine colocated with training under torchrun (SPMD, no Ray).
+
+Each torchrun rank is one vLLM worker: ``LLM(..., distributed_executor_backend="external_launcher")``
+runs the engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). vLLM lays its TP groups over
+consecutive global ranks, so rollout TP rank = ``rank % TP_v`` and rollout DP rank =
+``rank // TP_v``; the ranks of one TP group must call :meth:`VLLMEngine.generate` with identical
+requests (see :mod:`megarl.rollout.distribute`), ranks of different groups with their own.
+
+How it shares ``torch.distributed`` with training: when a default process group already exists
+(the trainer's, gloo on CPU / NCCL on GPU), vLLM reuses it and builds its own TP/PP/DP groups
+with ``new_group`` (so every rank must construct the engine, in the same order relative to other
+``new_group`` calls). When none exists, this module creates it (``env://``) before vLLM can: vLLM
+would otherwise size it as TP_v ranks, which is wrong when rollout DP > 1.
+
+vLLM is imported lazily, only here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megarl.rollout.base import RolloutBatch, RolloutSample, request_seed
+
+__all__ = ["VLLMEngine", "read_eos_token_ids"]
+
+DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
+"""KV cache per rank on CPU when none is given (256 MiB: ~130k tokens of the tiny test models)."""
+
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
+def read_eos_token_ids(model_path: str | Path) -> list[int]:
+    """EOS ids of an HF checkpoint: ``generation_config.json`` first, then ``config.json``.
+
+    vLLM learns the primary EOS from the tokenizer, which is skipped here (prompts are token ids),
+    so the adapter passes these as stop tokens itself.
+    """
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_path) / name
+        if not path.exists():
+            continue
+        value = json.loads(path.read_text()).get("eos_token_id")
+        for i in [value] if isinstance(value, int) else value or []:
+            if i not in ids:
+                ids.append(int(i))
+    return ids
+
+
+class VLLMEngine:
+    """A :class:`~megarl.rollout.base.RolloutEngine` backed by an in-process vLLM ``LLM``.
+
+    Args:
+        model_path: HF checkpoint directory (config, safetensors; tokenizer not needed).
+        tensor_parallel_size: rollout TP (TP_v); must divide the world size.
+        seed: vLLM's engine seed (requests carry their own seeds, see ``generate``).
+        max_model_len: longest prompt + response.
+        enforce_eager: no CUDA graphs / torch.compile (faster start; the only mode tested on CPU).
+        gpu_memory_utilization: GPU only, fraction of device memory vLLM may take when
+            ``kv_cache_bytes`` is None.
+        kv_cache_bytes: KV cache per rank, pinned rather than profiled so TP peers agree. On CPU
+            None means ``DEFAULT_CPU_KV_CACHE_BYTES``.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (CPU tests use float32).
+        enable_prefix_caching: share prompt KV between the n samples of a prompt; the cache is
+            reset after every weight update.
+        enable_sleep_mode: vLLM sleep mode (GPU only); None means "on when CUDA is available".
+        max_num_seqs: concurrent sequences per engine step (vLLM's default when None).
+        num_threads: torch intra-op threads on CPU (None: leave as is; torchrun sets 1).
+        engine_kwargs: any further ``vllm.LLM`` keyword arguments.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        max_model_len: int = 2048,
+        enforce_eager: bool = True,
+        gpu_memory_utilization: float = 0.5,
+        kv_cache_bytes: int | None = None,
+        dtype: str = "bfloat16",
+        enable_prefix_caching: bool = True,
+        enable_sleep_mode: bool | None = None,
+        max_num_seqs: int | None = None,
+        num_threads: int | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        on_gpu = torch.cuda.is_available()
+        self.model_path = str(model_path)
+        self.tensor_parallel_size = tensor_parallel_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = read_eos_token_ids(model_path)
+        self._sleep_enabled = on_gpu if enable_sleep_mode is None else enable_sleep_mode
+        self._sleeping: set[str] = set()
+
+        distributed = _ensure_process_group()
+        world = dist.get_world_size() if distributed else 1
+        if world % tensor_parallel_size:
+            raise ValueError(
+                f"rollout tensor_parallel_size={tensor_parallel_size} does not divide "
+                f"world size {world}"
+            )
+        self.rank = dist.get_rank() if distributed else 0
+        self.dp_size = world // tensor_parallel_size
+        self.dp_rank = self.rank // tensor_parallel_size
+        self.tp_rank = self.rank % tensor_parallel_size
+
+        if num_threads is not None and not on_gpu:
+            torch.set_num_threads(num_threads)
+        if kv_cache_bytes is None and not on_gpu:
+            kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+        kwargs: dict[str, Any] = {
+            "tensor_parallel_size": tensor_parallel_size,
+            "distributed_executor_backend": "external_launcher" if distributed else "uni",
+            "seed": seed,
+            "max_model_len": max_model_len,
+            "enforce_eager": enforce_eager,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "kv_cache_memory_bytes": kv_cache_bytes,
+            "dtype": dtype,
+            "enable_prefix_caching": enable_prefix_caching,
+            "enable_sleep_mode": self._sleep_enabled,
+            # Prompts arrive as token ids and responses leave as token ids.
+            "skip_tokenizer_init": True,
+            # Log-probs of the distribution actually sampled from (temperature applied), which
+            # is what the trainer recomputes; vLLM's default reports raw log-probs.
+            "logprobs_mode": "processed_logprobs",
+            # Sampling defaults come from our arguments, not the checkpoint's generation config.
+            "generation_config": "vllm",
+        }
+        if max_num_seqs is not None:
+            kwargs["max_num_seqs"] = max_num_seqs
+        kwargs.update(engine_kwargs or {})
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+        from vllm import LLM
+
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process;
+        # training code sharing the process keeps the real one.
+        set_num_threads = torch.set_num_threads
+        try:
+            self._llm = LLM(self.model_path, **kwargs)
+        finally:
+            torch.set_num_threads = set_num_threads
+        _keep_default_group_on_shutdown(self._llm)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        temperature: float,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        max_tokens: int,
+        stop_token_ids: list[int] | None = None,
+        seed: int,
+        step: int = 0,
+        prompt_ids: Sequence[int] | None = None,
+    ) -> RolloutBatch:
+        """``n`` responses per prompt, prompt-major (see ``RolloutEngine.generate``).
+
+        Every response is its own vLLM request (``n=1``) seeded with
+        ``request_seed(seed, step, prompt_ids[p], s)``: identical seeds give identical tokens,
+        on every rank of a TP group and whatever the rollout DP layout. Prefix caching lets the n
+        requests of a prompt share its KV. The global torch RNG is left untouched (vLLM's CPU
+        sampler draws from it every step).
+        """
+        if n < 1 or max_tokens < 1:
+            raise ValueError(f"need n >= 1 and max_tokens >= 1, got n={n}, max_tokens={max_tokens}")
+        if prompt_ids is None:
+            prompt_ids = range(len(prompts))
+        elif len(prompt_ids) != len(prompts):
+            raise ValueError(f"{len(prompt_ids)} prompt_ids for {len(prompts)} prompts")
+        for p, ids in enumerate(prompts):
+            if not ids or len(ids) + max_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompt {p}: {len(ids)} tokens + max_tokens={max_tokens} must be in "
+                    f"[1 + max_tokens, max_model_len={self.max_model_len}]"
+                )
+        if not prompts:
+            return RolloutBatch([], n)
+        self.wake_up()
+
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        stops = list(dict.fromkeys([*self.eos_token_ids, *(stop_token_ids or [])]))
+        requests, params, keys = [], [], []
+        for p, ids in enumerate(prompts):
+            for s in range(n):
+                requests.append(TokensPrompt(prompt_token_ids=list(ids)))
+                params.append(
+                    SamplingParams(
+                        n=1,
+                        temperature=temperature,
+                        top_p=top_p,
+                        top_k=top_k,
+                        max_tokens=max_tokens,
+                        stop_token_ids=stops,
+                        seed=request_seed(seed, step, int(prompt_ids[p]), s),
+                        logprobs=0,  # just the sampled token's
+                        detokenize=False,
+                    )
+                )
+                keys.append((p, s))
+        with _preserve_rng_state():
+            outputs = self._llm.generate(requests, params, use_tqdm=False)
+
+        samples = []
+        for (p, s), out in zip(keys, outputs, strict=True):
+            (completion,) = out.outputs
+            tokens = list(completion.token_ids)
+            if completion.finish_reason not in ("stop", "length"):
+                raise RuntimeError(
+                    f"prompt {p} sample {s}: finish_reason {completion.finish_reason}"
+                )
+            logprobs = [step_lp[t].logprob for t, step_lp in zip(tokens, completion.logprobs)]
+            samples.append(
+                RolloutSample(
+                    prompt_index=p,
+                    sample_index=s,
+                    prompt_token_ids=list(prompts[p]),
+                    response_token_ids=tokens,
+                    response_logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                )
+            )
+        return RolloutBatch(samples, n)
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Load HF-named full tensors in place (vLLM slices them for this rank's TP shard).
+
+        ``named_tensors`` is consumed once and may be a lazy generator (e.g. buckets arriving
+        from the trainer); vLLM buffers each tensor only until every weight of its module (e.g.
+        q, k, v of one ``qkv_proj``) has arrived, then repacks that module. Names not given keep
+        their current values. Yielded tensors must stay unmodified until this returns. When the
+        weights are asleep (GPU), they are woken first; the KV cache stays asleep.
+        """
+        self.wake_up(["weights"])
+        self._llm.collective_rpc(
+            "reload_weights",
+            kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True},
+        )
+        self._llm.reset_prefix_cache()
+
+    def begin_weight_update(self) -> None:
+        """Open a push-style weight update: then any number of :meth:`load_weight_chunk` calls
+        in any order and split (a module's tensors may span chunks), then
+        :meth:`finish_weight_update`. Same result as one :meth:`update_weights` call."""
+        self.wake_up(["weights"])
+        self._llm.collective_rpc(_begin_layerwise_reload)
+
+    def load_weight_chunk(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Feed HF-named full tensors into the update opened by :meth:`begin_weight_update`."""
+        self._llm.collective_rpc(_load_weights, args=(iter(named_tensors),))
+
+    def finish_weight_update(self) -> None:
+        """Process modules still waiting for tensors, and drop cached prefixes."""
+        self._llm.collective_rpc(_finish_layerwise_reload)
+        self._llm.reset_prefix_cache()
+
+    @contextlib.contextmanager
+    def weight_update(self) -> Iterator[VLLMEngine]:
+        """``with engine.weight_update(): engine.load_weight_chunk(bucket) ...``"""
+        self.begin_weight_update()
+        yield self
+        self.finish_weight_update()
+
+    # ------------------------------------------------------------------ memory
+
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory between rollouts (GPU with sleep mode; otherwise a no-op).
+
+        Level 1 offloads weights to host memory and drops the KV cache; level 2 drops both, so a
+        full :meth:`update_weights` must follow before generating again.
+        """
+        if not self._sleep_enabled or self._sleeping:
+            return
+        self._llm.sleep(level=level)
+        self._sleeping = set(SLEEP_TAGS)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Re-allocate what :meth:`sleep` freed: ``tags`` from ``("weights", "kv_cache")``, None
+        for all. Wake weights, update them, then wake the KV cache to keep the peak low."""
+        wanted = [t for t in (SLEEP_TAGS if tags is None else tags) if t in self._sleeping]
+        if not wanted:
+            return
+        self._llm.wake_up(wanted)
+        self._sleeping -= set(wanted)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._sleeping)
+
+    def shutdown(self) -> None:
+        """Release the engine and vLLM's process groups, keeping the default process group.
+
+        After this another engine (e.g. with another TP size) can be built in this process.
+        """
+        llm, self._llm = getattr(self, "_llm", None), None
+        if llm is None:
+            return
+        client = llm.llm_engine.engine_core
+        finalizer = getattr(client, "_megarl_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        del llm, client
+        gc.collect()
+
+
+# ---------------------------------------------------------------------- worker-side functions
+# collective_rpc calls these as f(worker, ...) in this same process (in-process engine core).
+
+
+def _begin_layerwise_reload(worker: Any) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    with set_current_vllm_config(worker.vllm_config):
+        initialize_layerwise_reload(worker.model_runner.get_model())
+
+
+def _load_weights(worker: Any, named_tensors: Iterator[tuple[str, Tensor]]) -> None:
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        worker.model_runner.get_model().load_weights(named_tensors)
+
+
+def _finish_layerwise_reload(worker: Any) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(worker.model_runner.get_model(), worker.vllm_config.model_config)
+
+
+# ---------------------------------------------------------------------- process-group plumbing
+
+
+def _ensure_process_group() -> bool:
+    """True when running distributed; creates the default group from torchrun's env if needed.
+
+    vLLM's external launcher reads ``RANK``/``LOCAL_RANK`` from the environment; they are filled
+    in from the existing group when it was created some other way.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not dist.is_initialized():
+        if world == 1:
+            return False
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    rank = dist.get_rank()
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+    if "LOCAL_RANK" not in os.environ:
+        local = torch.cuda.current_device() if torch.cuda.is_available() else rank
+        os.environ["LOCAL_RANK"] = str(local)
+    return True
+
+
+def _keep_default_group_on_shutdown(llm: Any) -> None:
+    """Swap vLLM's engine finalizer for one that spares the default process group.
+
+    vLLM's in-process engine core tears down *all* of torch.distributed when it is shut down or
+    garbage-collected (``cleanup_dist_env_and_memory`` destroys the default group), which would
+    take the trainer's group with it.
+    """
+    client = llm.llm_engine.engine_core
+    old = getattr(client, "_finalizer", None)
+    if old is None or not old.detach():
+        return
+    client._megarl_finalizer = weakref.finalize(client, _shutdown_core, client.engine_core)
+
+
+def _shutdown_core(core: Any) -> None:
+    import vllm.v1.engine.core as core_module
+    from vllm.distributed.parallel_state import destroy_model_parallel
+
+    def release_model_parallel_groups() -> None:
+        destroy_model_parallel()
+        gc.collect()
+
+    original = core_module.cleanup_dist_env_and_memory
+    core_module.cleanup_dist_env_and_memory = release_model_parallel_groups
+    try:
+        core.shutdown()
+    finally:
+        core_module.cleanup_dist_env_and_memory = original
+
+
+@contextlib.contextmanager
+def _preserve_rng_state() -> Iterator[None]:
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        yield

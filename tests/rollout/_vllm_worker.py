@@ -1,0 +1,188 @@
+"""torchrun worker for tests/rollout/test_vllm_engine.py: one launch, many checks.
+
+Run as ``torchrun --nproc_per_node 2 _vllm_worker.py --models DIR --out DIR``. Starts a gloo
+default group first (as the trainer does), then builds three engines one after another in the same
+processes (TP_v=1 → rollout DP 2; TP_v=2 → DP 1; TP_v=2 on a single-KV-head model), records every
+rollout to ``OUT/rank{r}.json`` and writes perturbed checkpoints for the HF reference to ``OUT/``.
+The pytest side asserts; this script only records (and fails loudly on exceptions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+
+T = 0.7
+MAX_TOKENS = 12
+VOCAB = 1000
+
+
+def make_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, VOCAB) for _ in range(rng.randint(3, 9))] for _ in range(count)]
+
+
+def record(batch) -> list[dict]:
+    return [
+        {
+            "prompt_index": s.prompt_index,
+            "sample_index": s.sample_index,
+            "prompt": s.prompt_token_ids,
+            "response": s.response_token_ids,
+            "logprobs": s.response_logprobs,
+            "finish_reason": s.finish_reason,
+        }
+        for s in batch
+    ]
+
+
+def noisy_state(model_dir: Path, seed: int) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    gen = torch.Generator().manual_seed(seed)
+    state = load_file(str(model_dir / "model.safetensors"))
+    return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in sorted(state.items())}
+
+
+def save_checkpoint(src: Path, dst: Path, state: dict) -> None:
+    from safetensors.torch import save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(src / name, dst / name)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(dst / "model.safetensors"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+
+    import torch
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    dist.init_process_group("gloo")  # the trainer's group exists before the engine
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == 2, world
+    dist.new_group([0, 1])  # groups made before the engine (as Megatron's) must not confuse it
+
+    from megarl.rollout.distribute import generate_distributed
+    from megarl.rollout.vllm_engine import VLLMEngine
+
+    out: dict = {"rank": rank, "timings": {}, "records": {}, "meta": {}}
+    rec, tim = out["records"], out["timings"]
+    prompts = make_prompts(5)
+    shards = {0: prompts[:3], 1: prompts[3:]}  # uneven training-DP shards
+    out["meta"].update(prompts=prompts, local=shards[rank], temperature=T, max_tokens=MAX_TOKENS)
+    sampling = {"n": 3, "temperature": T, "max_tokens": MAX_TOKENS, "seed": 7, "step": 0}
+    tiny, tiny_kv1 = args.models / "tiny", args.models / "tiny_kv1"
+
+    def make(path: Path, tp: int, tag: str) -> VLLMEngine:
+        t = time.perf_counter()
+        engine = VLLMEngine(
+            path,
+            tensor_parallel_size=tp,
+            seed=0,
+            max_model_len=128,
+            dtype="float32",
+            kv_cache_bytes=32 << 20,
+            max_num_seqs=64,
+        )
+        tim[f"{tag}_start_s"] = time.perf_counter() - t
+        return engine
+
+    def timed(tag: str, fn):
+        t = time.perf_counter()
+        result = fn()
+        tim[f"{tag}_s"] = time.perf_counter() - t
+        return result
+
+    tim["import_and_init_s"] = time.perf_counter() - t0
+
+    # ---- A: TP_v=1, rollout DP 2 ----------------------------------------------------------
+    def run(**overrides):
+        """This rank's training-DP shard through whichever engine is current."""
+        kw = {**sampling, **overrides}
+        return generate_distributed(engine, shards[rank], dp_rank=rank, dp_size=2, **kw)
+
+    engine = make(tiny, 1, "tp1")
+    out["meta"]["eos"] = engine.eos_token_ids
+    rec["tp1"] = record(timed("tp1_first_generate", run))
+    rec["tp1_repeat"] = record(run())
+    rec["tp1_other_seed"] = record(run(seed=8))
+    rec["tp1_other_step"] = record(run(step=1))
+    # training DP 1: both ranks hold the full list (like TP peers); many extra stop ids.
+    stops = list(range(4, 300))
+    out["meta"]["extra_stops"] = stops
+    rec["tp1_dp1_stops"] = record(
+        generate_distributed(
+            engine,
+            prompts,
+            dp_rank=0,
+            dp_size=1,
+            **{**sampling, "n": 2, "max_tokens": 16, "stop_token_ids": stops},
+        )
+    )
+    assert len(engine.generate([], n=2, temperature=T, max_tokens=4, seed=0)) == 0
+    # Throughput: 16 prompts x 4 samples x 32 tokens on this rank's engine alone.
+    big = make_prompts(16, seed=1)
+    for tag in ("warm", "steady"):
+        t = time.perf_counter()
+        b = engine.generate(big, n=4, temperature=1.0, max_tokens=32, seed=1)
+        dt = time.perf_counter() - t
+        tim[f"tp1_{tag}_tokens"] = sum(len(s.response_token_ids) for s in b)
+        tim[f"tp1_{tag}_tok_per_s"] = tim[f"tp1_{tag}_tokens"] / dt
+    engine.shutdown()
+    dist.barrier()
+
+    # ---- B: TP_v=2, rollout DP 1; weight updates -------------------------------------------
+    engine = make(tiny, 2, "tp2")
+    rec["tp2"] = record(run())
+    noisy = noisy_state(tiny, seed=123)
+    if rank == 0:
+        save_checkpoint(tiny, args.out / "tiny_noisy", noisy)
+    # One call, a lazy generator (what a streaming resharder hands in).
+    timed("tp2_update_weights", lambda: engine.update_weights((k, v) for k, v in noisy.items()))
+    rec["tp2_noisy"] = record(run())
+    # Push-style session: zero lm_head only (a partial update).
+    with engine.weight_update():
+        engine.load_weight_chunk([("lm_head.weight", torch.zeros_like(noisy["lm_head.weight"]))])
+    rec["tp2_zero_lm_head"] = record(run(n=1))
+    # Back to the original weights, one tensor per chunk in shuffled order (modules split
+    # across chunks), then the very first call again.
+    from safetensors.torch import load_file
+
+    original = sorted(load_file(str(tiny / "model.safetensors")).items())
+    random.Random(0).shuffle(original)
+    with engine.weight_update():
+        for name, tensor in original:
+            engine.load_weight_chunk([(name, tensor)])
+    rec["tp2_restored"] = record(run())
+    engine.shutdown()
+    dist.barrier()
+
+    # ---- C: TP_v=2 on a single KV head (vLLM replicates it) --------------------------------
+    engine = make(tiny_kv1, 2, "kv1")
+    rec["kv1"] = record(run())
+    noisy = noisy_state(tiny_kv1, seed=321)
+    if rank == 0:
+        save_checkpoint(tiny_kv1, args.out / "tiny_kv1_noisy", noisy)
+    engine.update_weights(noisy.items())
+    rec["kv1_noisy"] = record(run())
+    engine.shutdown()
+
+    tim["total_s"] = time.perf_counter() - t0
+    (args.out / f"rank{rank}.json").write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
