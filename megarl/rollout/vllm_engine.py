@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import os
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -145,13 +146,15 @@ class VLLMEngine:
         kwargs.update(engine_kwargs or {})
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
-        from vllm import LLM
-
+        _quiet_expected_vllm_warnings()
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process;
         # training code sharing the process keeps the real one.
         set_num_threads = torch.set_num_threads
         try:
-            self._llm = LLM(self.model_path, **kwargs)
+            with _preserve_rng_state():  # importing vLLM already draws from Python's RNG
+                from vllm import LLM
+
+                self._llm = LLM(self.model_path, **kwargs)
         finally:
             torch.set_num_threads = set_num_threads
         _keep_default_group_on_shutdown(self._llm)
@@ -177,8 +180,8 @@ class VLLMEngine:
         Every response is its own vLLM request (``n=1``) seeded with
         ``request_seed(seed, step, prompt_ids[p], s)``: identical seeds give identical tokens,
         on every rank of a TP group and whatever the rollout DP layout. Prefix caching lets the n
-        requests of a prompt share its KV. The global torch RNG is left untouched (vLLM's CPU
-        sampler draws from it every step).
+        requests of a prompt share its KV. Global RNGs are left untouched. ``temperature=0`` is
+        greedy (log-probs then of ``log_softmax(logits)``). Wakes the engine if it sleeps.
         """
         if n < 1 or max_tokens < 1:
             raise ValueError(f"need n >= 1 and max_tokens >= 1, got n={n}, max_tokens={max_tokens}")
@@ -406,8 +409,39 @@ def _shutdown_core(core: Any) -> None:
         core_module.cleanup_dist_env_and_memory = original
 
 
+class _ExpectedWarnings(logging.Filter):
+    """Drops two warnings that are expected here: the chat-template warm-up failing because the
+    tokenizer is skipped, and rotary embeddings (no checkpoint tensors) "failing" to load on every
+    weight update."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg if isinstance(record.msg, str) else ""
+        if msg.startswith("Chat template warmup failed"):
+            return False
+        return not (msg == "%s: Failed to load weights" and "Rotary" in str(record.args[0]))
+
+
+def _quiet_expected_vllm_warnings() -> None:
+    for name in ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.layerwise"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ExpectedWarnings) for f in logger.filters):
+            logger.addFilter(_ExpectedWarnings())
+
+
 @contextlib.contextmanager
 def _preserve_rng_state() -> Iterator[None]:
+    """Restore Python's, NumPy's and torch's global RNGs afterwards: vLLM reseeds all of them at
+    start-up and its CPU sampler draws from torch's on every step, which would otherwise shift
+    the trainer's random streams (one stream on CPU emulation, where "cuda" is the CPU)."""
+    import random
+
+    import numpy as np
+
+    py_state, np_state = random.getstate(), np.random.get_state()
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        yield
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)

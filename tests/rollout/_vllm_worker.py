@@ -58,6 +58,22 @@ def save_checkpoint(src: Path, dst: Path, state: dict) -> None:
     save_file({k: v.contiguous() for k, v in state.items()}, str(dst / "model.safetensors"))
 
 
+def seed_global_rngs(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def draw_global_rngs() -> list[float]:
+    import numpy as np
+    import torch
+
+    return [random.random(), float(np.random.rand()), float(torch.rand(()))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", type=Path, required=True)
@@ -112,8 +128,12 @@ def main() -> None:
         kw = {**sampling, **overrides}
         return generate_distributed(engine, shards[rank], dp_rank=rank, dp_size=2, **kw)
 
+    seed_global_rngs(1000 + rank)  # the engine must not move the trainer's random streams
     engine = make(tiny, 1, "tp1")
     out["meta"]["eos"] = engine.eos_token_ids
+    one = torch.ones(1)  # training-side groups made after the engine still work
+    dist.all_reduce(one, group=dist.new_group([0, 1]))
+    assert one.item() == world
     rec["tp1"] = record(timed("tp1_first_generate", run))
     rec["tp1_repeat"] = record(run())
     rec["tp1_other_seed"] = record(run(seed=8))
@@ -139,6 +159,7 @@ def main() -> None:
         dt = time.perf_counter() - t
         tim[f"tp1_{tag}_tokens"] = sum(len(s.response_token_ids) for s in b)
         tim[f"tp1_{tag}_tok_per_s"] = tim[f"tp1_{tag}_tokens"] / dt
+    out["rng_after_tp1"] = draw_global_rngs()
     engine.shutdown()
     dist.barrier()
 

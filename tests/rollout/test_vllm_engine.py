@@ -234,6 +234,17 @@ def test_zeroed_lm_head_gives_uniform_logprobs(run):
             assert r["logprobs"] == pytest.approx([-math.log(1000)] * len(r["response"]), abs=1e-5)
 
 
+def test_engine_leaves_global_rngs_alone(run):
+    """Start-up (vLLM reseeds everything) and generation (its CPU sampler draws from torch's RNG)
+    leave Python's, NumPy's and torch's global generators where the trainer left them."""
+    import importlib
+
+    worker = importlib.import_module("tests.rollout._vllm_worker")
+    for rank in run["ranks"]:
+        worker.seed_global_rngs(1000 + rank["rank"])
+        assert rank["rng_after_tp1"] == pytest.approx(worker.draw_global_rngs(), abs=0)
+
+
 def test_timings_reported(run):
     t = run["ranks"][0]["timings"]
     print("\nvLLM timings (rank 0):", json.dumps({k: round(v, 2) for k, v in t.items()}))

@@ -1,0 +1,120 @@
+"""Prompt redistribution (training DP layout → rollout DP groups → back) with a fake engine.
+
+No vLLM: 4 gloo ranks (torch.multiprocessing) run every combination of rollout TP and training
+layout in one launch; the fake engine answers with the global prompt id it was asked about.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megarl.rollout.base import RolloutBatch, RolloutSample, request_seed
+from megarl.rollout.distribute import even_split
+
+WORLD = 4
+
+
+@pytest.mark.parametrize("num_items", [0, 1, 3, 7, 8])
+@pytest.mark.parametrize("num_parts", [1, 2, 4])
+def test_even_split_covers_everything_once(num_items, num_parts):
+    parts = [even_split(num_items, num_parts, p) for p in range(num_parts)]
+    assert [i for r in parts for i in r] == list(range(num_items))
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_request_seed_is_stable_and_distinct():
+    assert request_seed(1, 2, 3, 4) == request_seed(1, 2, 3, 4)
+    seeds = {request_seed(0, step, p, s) for step in range(3) for p in range(20) for s in range(4)}
+    assert len(seeds) == 3 * 20 * 4
+    assert all(0 <= x < 2**62 for x in seeds)
+
+
+def test_rollout_batch_padding_and_order():
+    batch = RolloutBatch(
+        [
+            RolloutSample(0, 0, [1], [5, 6, 7], [-0.1, -0.2, -0.3], "length"),
+            RolloutSample(0, 1, [1], [8], [-0.4], "stop"),
+        ],
+        n=2,
+    )
+    batch.check_order()
+    ids, logprobs, mask = batch.padded_responses(pad_token_id=-1)
+    assert ids.tolist() == [[5, 6, 7], [8, -1, -1]]
+    assert mask.tolist() == [[True] * 3, [True, False, False]]
+    assert logprobs[1, 0].item() == pytest.approx(-0.4)
+    with pytest.raises(ValueError):
+        RolloutSample(0, 0, [1], [5], [], "stop")
+
+
+class FakeEngine:
+    """Answers prompt p, sample s with tokens [global id of p, s]; remembers what it was asked."""
+
+    def __init__(self, tensor_parallel_size: int) -> None:
+        self.tensor_parallel_size = tensor_parallel_size
+        self.calls: list[tuple] = []
+
+    def generate(self, prompts, *, n, prompt_ids=None, seed, step=0, **_) -> RolloutBatch:
+        prompt_ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
+        self.calls.append((prompts, prompt_ids))
+        samples = [
+            RolloutSample(p, s, prompts[p], [prompt_ids[p], s], [-1.0, -2.0], "length")
+            for p in range(len(prompts))
+            for s in range(n)
+        ]
+        return RolloutBatch(samples, n)
+
+
+def _check_layouts(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    from megarl.rollout.distribute import generate_distributed
+
+    n = 3
+    for num_prompts in (7, 3):  # uneven; 3 prompts leave one training DP rank empty
+        prompts = [[100 + i, i] for i in range(num_prompts)]
+        # (training DP rank of each global rank, DP size): Megatron-like blocks, interleaved, one
+        for dp_of, dp_size in [
+            (lambda r: r, 4),
+            (lambda r: r // 2, 2),
+            (lambda r: r % 2, 2),
+            (lambda r: 0, 1),
+        ]:
+            dp_rank = dp_of(rank)
+            shard_range = even_split(num_prompts, dp_size, dp_rank)
+            local = [prompts[i] for i in shard_range]
+            for tp_v in (1, 2, 4):
+                engine = FakeEngine(tp_v)
+                batch = generate_distributed(
+                    engine,
+                    local,
+                    dp_rank=dp_rank,
+                    dp_size=dp_size,
+                    n=n,
+                    temperature=1.0,
+                    max_tokens=2,
+                    seed=0,
+                )
+                where = f"rank {rank} prompts {num_prompts} dp {dp_size} tp_v {tp_v}"
+                batch.check_order()
+                assert len(batch) == n * len(local), where
+                for i, s in enumerate(batch):
+                    assert s.prompt_token_ids == local[i // n], where
+                    assert s.response_token_ids == [shard_range[i // n], i % n], where
+                # Every rank of a rollout TP group was asked the same; groups cover all prompts.
+                calls: list = [None] * WORLD
+                dist.all_gather_object(calls, engine.calls[0])
+                groups = [calls[g * tp_v : (g + 1) * tp_v] for g in range(WORLD // tp_v)]
+                assert all(c == grp[0] for grp in groups for c in grp), where
+                asked = [pid for grp in groups for pid in grp[0][1]]
+                assert asked == list(range(num_prompts)), where
+    dist.destroy_process_group()
+
+
+def test_generate_distributed_all_layouts():
+    from tests.conftest import free_port
+
+    mp.spawn(_check_layouts, args=(free_port(),), nprocs=WORLD, join=True)
