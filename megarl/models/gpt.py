@@ -81,6 +81,7 @@ def build_transformer_config(
     """
     on_gpu = torch.cuda.is_available()
     impl = resolve_transformer_impl(transformer_impl)
+    vpp = (virtual_pipeline_model_parallel_size or 1) > 1
     return TransformerConfig(
         num_layers=dims.num_layers,
         hidden_size=dims.hidden_size,
@@ -108,7 +109,11 @@ def build_transformer_config(
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
         perform_initialization=True,
-        variable_seq_lengths=True,
+        # Interleaved (VPP) pipelines exchange shapes with batched p2p ops, which mismatch when
+        # a stage's previous and next ranks are the same process (PP=2): there, micro-batches
+        # are padded to one length and the unbatched, parity-ordered p2p path is used.
+        variable_seq_lengths=not vpp,
+        batch_p2p_comm=not vpp,
         moe_token_dispatcher_type="alltoall",  # dense models; the allgather default rejects variable lengths
         calculate_per_token_loss=True,
         # Fusions need apex/TE kernels; the local CPU path uses the plain implementations.

@@ -121,10 +121,12 @@ def run_micro_batches(
     num_mb = n // micro_batch_size
     extra = {k: v.to(device) for k, v in (extra or {}).items()}
 
+    config = unwrap(chunks[0]).config
     micro_batches = []
     for m in range(num_mb):
         sl = slice(m * micro_batch_size, (m + 1) * micro_batch_size)
-        seq = int(lengths[sl].max().item())
+        # Without variable_seq_lengths (VPP) every micro-batch has the batch's longest length.
+        seq = int((lengths[sl] if config.variable_seq_lengths else lengths).max().item())
         mb = {
             "input_ids": input_ids[sl, :seq],
             "prompt_lengths": prompt_lengths[sl],

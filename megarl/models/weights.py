@@ -58,7 +58,7 @@ class HFCheckpointReader:
             self._file_of = {}
             for f in files:
                 with safe_open(f, framework="pt") as handle:
-                    self._file_of.update({k: f for k in handle})
+                    self._file_of.update({k: f for k in handle.keys()})  # noqa: SIM118 - safe_open is not iterable
         self._stack = ExitStack()
         self._handles: dict[Path, object] = {}
 

@@ -1,0 +1,291 @@
+"""Runs every multi-rank model check for one world size in one torchrun launch.
+
+Importing Megatron costs ~10 s per process on 2 cores, so the checks of a world size share one
+launch (DESIGN.md). Rank 0 writes a dict of results (numbers and tensors) that the pytest side
+asserts on: ``python -m torch.distributed.run --nproc_per_node W _parallel_worker.py SPEC.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _layouts(world: int) -> list[tuple[int, int, int | None]]:
+    return {
+        1: [(1, 1, None)],
+        2: [(2, 1, None), (1, 2, None), (1, 2, 2)],
+        4: [(2, 2, None)],
+    }[world]
+
+
+def _max_all(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _build(path: str, tp: int, pp: int, vpp: int | None, *, critic: bool = False):
+    from megarl.models.gpt import build_gpt_chunks, build_transformer_config
+    from megarl.models.hf_mapping import ModelDims
+    from megarl.models.weights import load_hf_weights, read_hf_config
+    from megarl.parallel.init import ParallelSizes, init_distributed
+
+    init_distributed(ParallelSizes(tp, pp, vpp), seed=1234)
+    dims = ModelDims.from_hf_config(read_hf_config(path), tp_size=tp)
+    config = build_transformer_config(
+        dims,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+    )
+    chunks = build_gpt_chunks(dims, config, value_head=critic, value_head_seed=7)
+    load_hf_weights(chunks, path, dims)
+    return dims, chunks
+
+
+def _logits(chunks, ids: torch.Tensor) -> torch.Tensor | None:
+    """Last-stage vocab-parallel logits ``[N, S, V/TP]`` via the pipeline schedule (None elsewhere)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megarl.models.runner import causal_mask
+
+    out: list[torch.Tensor] = []
+    mbs = [ids[i : i + 2] for i in range(0, ids.shape[0], 2)]
+
+    def step(it, model):
+        mb = next(it)
+        pos = torch.arange(mb.shape[1])[None].expand_as(mb)
+        output = model(mb, pos, causal_mask(mb.shape[1], mb.device))
+
+        def loss_func(t):
+            out.append(t.detach())
+            return t.sum() * 0, torch.ones((), dtype=torch.int), {}
+
+        return output, loss_func
+
+    its = [iter(mbs) for _ in chunks]
+    get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=its if len(chunks) > 1 else its[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(mbs),
+        seq_length=ids.shape[1],
+        micro_batch_size=2,
+        forward_only=True,
+    )
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return torch.cat(out)
+    return None
+
+
+def _logit_diff(chunks, dims, ids, lengths, ref: torch.Tensor) -> float:
+    from megatron.core import parallel_state
+
+    logits = _logits(chunks, ids)
+    diff = 0.0
+    if logits is not None:
+        local = logits.shape[-1]
+        lo = parallel_state.get_tensor_model_parallel_rank() * local
+        hi = min(lo + local, dims.vocab_size)
+        for i, n in enumerate(lengths.tolist()):
+            if hi > lo:
+                d = (logits[i, :n, : hi - lo] - ref[i, :n, lo:hi]).abs().max().item()
+                diff = max(diff, d)
+    return _max_all(diff)
+
+
+def _grads_as_hf(chunks, dims) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient, TP-merged, in HF names, gathered to all ranks."""
+    from megatron.core import parallel_state
+
+    from megarl.models import hf_mapping as hm
+    from megarl.models.gpt import ValueHead, unwrap
+    from megarl.models.weights import gather_tp, local_global_names
+
+    local: dict[str, torch.Tensor] = {}
+    for i, _name, global_name, param in local_global_names(chunks):
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        if global_name == hm.OUTPUT_LAYER and isinstance(unwrap(chunks[i]).output_layer, ValueHead):
+            local["score.weight"] = grad.clone()
+            continue
+        full = gather_tp(global_name, grad, dims)
+        local.update(
+            {k: v.clone() for k, v in hm.megatron_param_to_hf(global_name, full, dims).items()}
+        )
+    keep = parallel_state.get_tensor_model_parallel_rank() == 0
+    boxes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(boxes, local if keep else {})
+    merged: dict[str, torch.Tensor] = {}
+    for b in boxes:
+        merged.update(b)
+    return merged
+
+
+def _model_checks(spec: dict, layout, results: dict) -> None:
+    from megarl.models.runner import run_micro_batches
+
+    tp, pp, vpp = layout
+    batch = torch.load(spec["batch"])
+    ids, plen, lens = batch["input_ids"], batch["prompt_lengths"], batch["lengths"]
+    key = f"tp{tp}_pp{pp}_vpp{vpp or 1}"
+    models = spec["models"] if vpp is None else {"qwen2": spec["models"]["qwen2"]}
+    for name, path in models.items():
+        ref = torch.load(Path(path) / "ref_logits.pt")
+        dims, chunks = _build(path, tp, pp, vpp)
+        for c in chunks:
+            c.eval()
+        r = {"logit_diff": _logit_diff(chunks, dims, ids, lens, ref)}
+        for c in chunks:
+            c.train()
+        r["logit_diff_train_mode"] = _logit_diff(chunks, dims, ids, lens, ref)
+        out = run_micro_batches(
+            chunks,
+            ids,
+            plen,
+            lens,
+            kind="actor",
+            micro_batch_size=2,
+            vocab_size=dims.vocab_size,
+            temperature=0.7,
+        )
+        r["log_probs"], r["entropy"] = out.log_probs, out.entropy
+        results[f"{key}/{name}"] = r
+
+    # Critic: values and their gradients for a fixed weighted-sum loss.
+    path = spec["models"]["qwen2"]
+    dims, chunks = _build(path, tp, pp, vpp, critic=True)
+    weights = torch.load(spec["batch"])["value_loss_weights"]
+
+    def loss_fn(outputs, mb):
+        return (outputs["values"] * mb["w"]).sum(), {}
+
+    out = run_micro_batches(
+        chunks,
+        ids,
+        plen,
+        lens,
+        kind="critic",
+        micro_batch_size=2,
+        forward_only=False,
+        loss_fn=loss_fn,
+        extra={"w": weights},
+    )
+    results[f"{key}/critic"] = {"values": out.values, "grads": _grads_as_hf(chunks, dims)}
+
+
+def _vocab_parallel_check(results: dict) -> None:
+    """TP=2 log-probs/entropy and gradients vs log_softmax on gathered, trimmed logits."""
+    from megatron.core import parallel_state
+
+    from megarl.models.logprobs import vocab_parallel_log_probs_and_entropy
+    from megarl.parallel.init import ParallelSizes, init_distributed
+
+    init_distributed(ParallelSizes(2, 1))
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    group = parallel_state.get_tensor_model_parallel_group()
+    vocab, padded = 1000, 1024
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(3, 7, padded, generator=g, dtype=torch.float64).float() * 3
+    full[..., vocab:] = 1e4  # garbage in padded columns must not matter
+    targets = torch.randint(0, vocab, (3, 7), generator=g)
+    w_lp, w_ent = torch.randn(3, 7, generator=g), torch.randn(3, 7, generator=g)
+    for temp in (0.7, 1.0):
+        shard = full.chunk(2, dim=-1)[tp_rank].clone().requires_grad_(True)
+        lp, ent = vocab_parallel_log_probs_and_entropy(
+            shard,
+            targets,
+            vocab_size=vocab,
+            temperature=temp,
+            vocab_start=tp_rank * padded // 2,
+            group=group,
+            chunk=3,
+        )
+        ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+        ref_in = full[..., :vocab].clone().requires_grad_(True)
+        logp_all = torch.log_softmax(ref_in / temp, dim=-1)
+        ref_lp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
+        ref_ent = -(logp_all.exp() * logp_all).sum(-1)
+        ((ref_lp * w_lp).sum() + (ref_ent * w_ent).sum()).backward()
+        ref_grad = torch.cat([ref_in.grad, torch.zeros(3, 7, padded - vocab)], dim=-1)
+        ref_grad_shard = ref_grad.chunk(2, dim=-1)[tp_rank]
+        results[f"vocab_parallel/T{temp}"] = {
+            "lp": _max_all((lp - ref_lp).abs().max().item()),
+            "ent": _max_all((ent - ref_ent).abs().max().item()),
+            "grad": _max_all((shard.grad - ref_grad_shard).abs().max().item()),
+        }
+
+
+def _checkpoint_checks(spec: dict, results: dict) -> None:
+    """Save at one layout, load at another: weights equal those loaded from HF at the target."""
+    from megarl.checkpoint.dist_ckpt import load_model_checkpoint, save_model_checkpoint
+    from megarl.models.runner import run_micro_batches
+    from megarl.models.weights import local_global_names
+
+    batch = torch.load(spec["batch"])
+    path = spec["models"]["qwen2"]
+    for src, dst in (((2, 1), (1, 2)), ((1, 2), (2, 1))):
+        ckpt = Path(spec["tmp"]) / f"ckpt_tp{src[0]}_pp{src[1]}"
+        dims, chunks = _build(path, *src, None)
+        before = run_micro_batches(
+            chunks,
+            batch["input_ids"],
+            batch["prompt_lengths"],
+            batch["lengths"],
+            kind="actor",
+            micro_batch_size=2,
+            vocab_size=dims.vocab_size,
+        ).log_probs
+        save_model_checkpoint(chunks, ckpt, meta={"layout": list(src)})
+        dims, direct = _build(path, *dst, None)
+        from megarl.models.gpt import build_gpt_chunks
+
+        loaded = build_gpt_chunks(dims, direct[0].config)
+        load_model_checkpoint(loaded, ckpt)
+        same = all(
+            torch.equal(a[3], b[3])
+            for a, b in zip(local_global_names(direct), local_global_names(loaded), strict=True)
+        )
+        after = run_micro_batches(
+            loaded,
+            batch["input_ids"],
+            batch["prompt_lengths"],
+            batch["lengths"],
+            kind="actor",
+            micro_batch_size=2,
+            vocab_size=dims.vocab_size,
+        ).log_probs
+        flag = torch.tensor([0 if same else 1])
+        dist.all_reduce(flag)
+        results[f"ckpt/{src}->{dst}"] = {
+            "weights_identical": int(flag.item()) == 0,
+            "logprob_diff": (before - after).abs().max().item(),
+        }
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    from megarl.parallel.init import read_launch_env
+
+    world = read_launch_env().world_size
+    results: dict = {}
+    for layout in _layouts(world):
+        _model_checks(spec, layout, results)
+    if world == 2:
+        _vocab_parallel_check(results)
+        _checkpoint_checks(spec, results)
+    if dist.get_rank() == 0:
+        torch.save(results, Path(spec["tmp"]) / f"results_ws{world}.pt")
+    dist.barrier()
+    from megarl.parallel.init import destroy_distributed
+
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
