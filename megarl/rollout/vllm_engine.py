@@ -64,14 +64,16 @@ class VLLMEngine:
 
     Args:
         model_path: HF checkpoint directory (config, safetensors; tokenizer not needed).
-        tensor_parallel_size: rollout TP (TP_v); must divide the world size.
+        tensor_parallel_size: rollout TP (TP_v); must divide the world size. (No rollout PP:
+            vLLM's external launcher does not support it.)
         seed: vLLM's engine seed (requests carry their own seeds, see ``generate``).
         max_model_len: longest prompt + response.
         enforce_eager: no CUDA graphs / torch.compile (faster start; the only mode tested on CPU).
         gpu_memory_utilization: GPU only, fraction of device memory vLLM may take when
             ``kv_cache_bytes`` is None.
-        kv_cache_bytes: KV cache per rank, pinned rather than profiled so TP peers agree. On CPU
-            None means ``DEFAULT_CPU_KV_CACHE_BYTES``.
+        kv_cache_bytes: KV cache per rank, pinned rather than profiled. None: on GPU vLLM
+            profiles (``gpu_memory_utilization``; the external launcher takes the minimum over
+            ranks, so TP peers agree), on CPU ``DEFAULT_CPU_KV_CACHE_BYTES``.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (CPU tests use float32).
         enable_prefix_caching: share prompt KV between the n samples of a prompt; the cache is
             reset after every weight update.
