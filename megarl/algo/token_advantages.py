@@ -66,21 +66,26 @@ def compute_gae_advantage_return(
     # Pack the valid tokens of each row to the left ("slots"): there the recurrence is plain GAE
     # whose next value is the next slot's value. Right-padded rows are packed already.
     packed = length < 2 or bool((mask[:, 1:] <= mask[:, :-1]).all())
+    masked_out = ~mask
+    if response_mask.is_floating_point():  # summing a bool tensor would convert it first
+        lengths = response_mask.sum(dim=-1).round().long()
+    else:
+        lengths = mask.sum(dim=-1)
+    v = values.to(_F64, copy=True)  # converted once (mixed-dtype ops would convert each time)
+    delta = token_level_rewards.to(_F64, copy=True).sub_(v)  # r[t] - V[t]
     if packed:
         position = None
-        delta = token_level_rewards.to(_F64, copy=True).sub_(values)
-        delta[:, :-1].add_(values[:, 1:], alpha=gamma)
+        delta[:, :-1].add_(v[:, 1:], alpha=gamma)
         # The last valid token of a row has no next value: recompute its delta without one.
-        lengths = mask.sum(dim=-1)
         rows = torch.nonzero((lengths > 0) & (lengths < length)).flatten()
         last = (rows, lengths[rows] - 1)
-        delta[last] = token_level_rewards[last].to(_F64) - values[last].to(_F64)
-        delta.masked_fill_(~mask, 0.0)
+        delta[last] = token_level_rewards[last].to(_F64) - v[last]
+        delta.masked_fill_(masked_out, 0.0)
     else:
         # valid t: its own slot; masked t: the slot of the next valid token (n_valid if none).
         position = exclusive_cumsum(mask)
-        value_slots = _pack(values.to(_F64, copy=True), mask, position)
-        delta = _pack(token_level_rewards.to(_F64, copy=True).sub_(values), mask, position)
+        value_slots = _pack(v.masked_fill(masked_out, 0.0), position)
+        delta = _pack(delta.masked_fill_(masked_out, 0.0), position)
         delta[:, :-1].add_(value_slots[:, 1:], alpha=gamma)  # slots past the last hold 0
     slot_advantages = discounted_reverse_cumsum(delta, gamma * lam)
     # Unpacking gives masked t the advantage of the next valid token, 0 after the last: verl's
@@ -89,25 +94,24 @@ def compute_gae_advantage_return(
         advantages = slot_advantages
     else:
         advantages = slot_advantages.gather(1, position)
-    returns = (advantages + values).to(values.dtype)
     if whiten:
         # Masked mean and unbiased variance over the valid tokens, from the slots (empty slots
         # are exactly 0, so plain sums over all slots are sums over valid tokens).
-        count = mask.sum().to(_F64)
+        count = lengths.sum().to(_F64)
         flat = slot_advantages.reshape(-1)
         mean = flat.sum() / count.clamp(min=1)
         sum_sq = torch.dot(flat, flat) - count * mean * mean
         var = torch.where(count > 1, sum_sq.clamp(min=0) / (count - 1).clamp(min=1), 0.0)
+    returns = v.add_(advantages).to(values.dtype)
+    if whiten:
         advantages = advantages.sub_(mean).mul_(torch.rsqrt(var + 1e-8))
     return advantages.to(values.dtype), returns
 
 
-def _pack(x: torch.Tensor, mask: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """`[B, T+1]`: the valid entries of each row of x moved to the left, zeros after them.
-
-    x is overwritten (masked entries zeroed)."""
+def _pack(x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """`[B, T+1]`: entries of x (zero where masked) moved to slot `position`; 0 past the last."""
     slots = torch.zeros(x.shape[0], x.shape[1] + 1, dtype=x.dtype, device=x.device)
-    return slots.scatter_add_(1, position, x.masked_fill_(~mask, 0.0))
+    return slots.scatter_add_(1, position, x)
 
 
 @ADV_ESTIMATORS.register("reinforce_plus_plus")

@@ -14,9 +14,9 @@ WORKER = Path(__file__).with_name("_parallel_worker.py")
 pytestmark = pytest.mark.multirank
 
 MODELS = {
-    "qwen2": dict(family="qwen2"),
-    "llama_tied": dict(family="llama", tie_word_embeddings=True),
-    "llama_untied": dict(family="llama"),
+    "qwen2": {"family": "qwen2"},
+    "llama_tied": {"family": "llama", "tie_word_embeddings": True},
+    "llama_untied": {"family": "llama"},
 }
 
 
