@@ -40,10 +40,12 @@ def save_model_checkpoint(
     path = Path(ckpt_dir)
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
-        if meta is not None:
-            (path / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
     dist.barrier()
     dist_checkpointing.save(_sharded_state_dict(chunks), str(path))
+    # Written after the shards: Megatron treats extra files in the directory before a save as
+    # the remains of an incomplete checkpoint.
+    if dist.get_rank() == 0 and meta is not None:
+        (path / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
     dist.barrier()
     return path
 

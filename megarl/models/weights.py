@@ -29,15 +29,13 @@ from megarl.models.hf_mapping import ModelDims
 VALUE_HEAD_HF_NAME = "score.weight"
 """HF name of the critic's value head (as ``*ForTokenClassification`` with one label)."""
 
-_HF_SIDE_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "chat_template.jinja",
-    "vocab.json",
-    "merges.txt",
-)
+_WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf")
+"""Files of a source HF directory that hold weights; everything else (tokenizer, generation
+config, chat template, ...) is copied on export."""
+
+
+def _is_weight_file(name: str) -> bool:
+    return name.endswith(_WEIGHT_FILE_SUFFIXES) or name.endswith(".index.json")
 
 
 class HFCheckpointReader:
@@ -207,8 +205,8 @@ def export_hf_weights(
         cfg = hf_config if hf_config is not None else read_hf_config(source_dir)  # type: ignore[arg-type]
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
         if source_dir is not None:
-            for side in _HF_SIDE_FILES:
-                if (Path(source_dir) / side).exists():
-                    shutil.copy(Path(source_dir) / side, out / side)
+            for side in Path(source_dir).iterdir():
+                if side.is_file() and side.name != "config.json" and not _is_weight_file(side.name):
+                    shutil.copy(side, out / side.name)
     dist.barrier()
     return out

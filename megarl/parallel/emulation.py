@@ -88,6 +88,15 @@ def _noop(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _fresh(fn: Callable) -> Callable:
+    """A distinct function object with ``fn``'s behaviour."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def _patch(owner: Any, name: str, value: Any) -> None:
     key = (owner, name)
     if key not in _PATCHED:
@@ -112,21 +121,19 @@ def enable_cpu_emulation() -> None:
     if torch.cuda.is_available():
         raise RuntimeError("CPU emulation requested on a machine with CUDA; use the GPU path")
     cuda = torch.cuda
-    _patch(cuda, "current_device", lambda: "cpu")
-    _patch(cuda, "synchronize", _noop)
-    _patch(cuda, "empty_cache", _noop)
-    _patch(cuda, "set_device", _noop)
-    _patch(cuda, "get_rng_state", _cpu_get_rng_state)
-    _patch(cuda, "set_rng_state", _cpu_set_rng_state)
-    _patch(cuda, "manual_seed", _cpu_manual_seed)
-    _patch(cuda, "manual_seed_all", _cpu_manual_seed)
-    _patch(cuda.random, "get_rng_state", _cpu_get_rng_state)
-    _patch(cuda.random, "set_rng_state", _cpu_set_rng_state)
-    _patch(cuda.random, "manual_seed", _cpu_manual_seed)
-    _patch(cuda.random, "manual_seed_all", _cpu_manual_seed)
-    _patch(cuda.nvtx, "range_push", _noop)
-    _patch(cuda.nvtx, "range_pop", _noop)
-    _patch(cuda.nvtx, "range", lambda *a, **k: contextlib.nullcontext())
+    # Each patched name gets its own function object: torch._dynamo's trace rules assert that
+    # one object is not registered under two names with different rules.
+    _patch(cuda, "current_device", _fresh(lambda: "cpu"))
+    for name in ("synchronize", "empty_cache", "set_device"):
+        _patch(cuda, name, _fresh(_noop))
+    for owner in (cuda, cuda.random):
+        _patch(owner, "get_rng_state", _fresh(_cpu_get_rng_state))
+        _patch(owner, "set_rng_state", _fresh(_cpu_set_rng_state))
+        _patch(owner, "manual_seed", _fresh(_cpu_manual_seed))
+        _patch(owner, "manual_seed_all", _fresh(_cpu_manual_seed))
+    _patch(cuda.nvtx, "range_push", _fresh(_noop))
+    _patch(cuda.nvtx, "range_pop", _fresh(_noop))
+    _patch(cuda.nvtx, "range", _fresh(lambda *a, **k: contextlib.nullcontext()))
     _patch_megatron_rng()
     _ACTIVE_MODE = _CudaToCpuMode()
     _ACTIVE_MODE.__enter__()

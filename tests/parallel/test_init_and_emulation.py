@@ -1,0 +1,74 @@
+"""Launch-environment parsing and the CPU emulation layer (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.parallel import emulation
+from megarl.parallel.init import ParallelSizes, read_launch_env
+
+
+def test_torchrun_env_wins_over_slurm():
+    env = {
+        "RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "node7",
+        "MASTER_PORT": "1234", "SLURM_PROCID": "0", "SLURM_NTASKS": "2",
+    }
+    launch = read_launch_env(env)
+    assert (launch.rank, launch.world_size, launch.local_rank) == (3, 8, 1)
+    assert (launch.master_addr, launch.master_port) == ("node7", 1234)
+
+
+def test_slurm_env_without_torchrun():
+    env = {
+        "SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5",
+        "SLURM_JOB_NODELIST": "gpu-a,gpu-b", "MASTER_PORT": "29600",
+    }
+    launch = read_launch_env(env)
+    assert (launch.rank, launch.world_size, launch.local_rank) == (5, 16, 5)
+    assert launch.master_addr == "gpu-a"
+    assert launch.master_port == 29600
+
+
+def test_single_process_default():
+    launch = read_launch_env({})
+    assert (launch.rank, launch.world_size, launch.local_rank) == (0, 1, 0)
+
+
+def test_model_parallel_size():
+    assert ParallelSizes(2, 4, None, 2).model_parallel_size() == 16
+
+
+def test_world_not_divisible_names_sizes(monkeypatch):
+    from megarl.parallel.init import init_distributed
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"world size 3 .*tensor_model_parallel_size"):
+        init_distributed(ParallelSizes(2, 1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="emulation is CPU-only")
+def test_emulation_maps_cuda_to_cpu_and_restores():
+    emulation.enable_cpu_emulation()
+    try:
+        assert emulation.emulation_active()
+        t = torch.zeros(3, device="cuda")
+        assert t.device.type == "cpu"
+        assert torch.ones(2).cuda().device.type == "cpu"
+        assert torch.ones(2).to("cuda").device.type == "cpu"
+        assert torch.ones(2).type() == "torch.cuda.FloatTensor"
+        assert torch.ones(2).type(torch.float64).dtype == torch.float64
+        assert torch.cuda.current_device() == "cpu"
+        torch.cuda.manual_seed(5)
+        state = torch.cuda.get_rng_state()
+        a = torch.rand(4)
+        torch.cuda.set_rng_state(state)
+        assert torch.equal(a, torch.rand(4))
+        torch.cuda.synchronize()  # a no-op instead of "no CUDA"
+    finally:
+        emulation.disable_cpu_emulation()
+    assert not emulation.emulation_active()
+    assert torch.ones(2).type() == "torch.FloatTensor"
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.zeros(1, device="cuda")
