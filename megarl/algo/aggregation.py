@@ -17,6 +17,11 @@ ranks). The sum this module wants is undone by both, so the loss function handed
 (`dp_cp_size` = size of the group DDP averages over: DP, times CP when context parallel is used).
 Then schedule and DDP together compute exactly d/dθ of the full mini-batch loss. For logging, report
 the unscaled value summed over micro-batches (and over ranks).
+
+Context parallelism splits each sequence's tokens over the CP ranks: all-reduce the token count
+over DP x CP but the sequence count over DP only (CP ranks share sequences), and for
+seq-mean-token-mean pass `seq_token_counts`, each sequence's valid-token count over the whole
+sequence, so that the per-shard terms add up to the sequence's mean.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ def agg_loss(
     global_token_count: torch.Tensor | float | None = None,
     global_seq_count: torch.Tensor | float | None = None,
     loss_scale_factor: float | None = None,
+    seq_token_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Aggregate a `[B, T]` per-token loss into a scalar.
 
@@ -75,6 +81,9 @@ def agg_loss(
         global_token_count: N_tok over the whole mini-batch (token-mean).
         global_seq_count: N_seq over the whole mini-batch (seq-mean-* modes).
         loss_scale_factor: divisor for seq-mean-token-sum-norm.
+        seq_token_counts: `[B]` valid tokens of each whole sequence (seq-mean-token-mean under
+            context parallelism, where loss_mask holds only this rank's shard); default: the
+            row sums of loss_mask.
 
     Returns:
         scalar tensor.
@@ -95,6 +104,8 @@ def agg_loss(
     if loss_agg_mode == "seq-mean-token-sum":
         per_seq = seq_sums
     elif loss_agg_mode == "seq-mean-token-mean":
+        if seq_token_counts is not None:
+            tokens_per_seq = seq_token_counts
         per_seq = seq_sums / tokens_per_seq.to(seq_sums.dtype).clamp(min=1)
     else:  # seq-mean-token-sum-norm
         scale = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor

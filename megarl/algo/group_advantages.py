@@ -82,9 +82,8 @@ class GroupStats:
 def _broadcast(
     scalars: torch.Tensor, stats: GroupStats, response_mask: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    zero = torch.zeros((), dtype=_F64, device=scalars.device)
-    scalars = torch.where(stats.in_group, scalars, zero)
-    advantages = (scalars.unsqueeze(-1) * response_mask.to(_F64)).to(dtype)
+    scalars = torch.where(stats.in_group, scalars, 0.0).to(dtype)
+    advantages = scalars.unsqueeze(-1) * response_mask.to(dtype)
     return advantages, advantages
 
 

@@ -186,6 +186,7 @@ def compute_kl_loss(
     global_token_count: torch.Tensor | float | None = None,
     global_seq_count: torch.Tensor | float | None = None,
     loss_scale_factor: float | None = None,
+    seq_token_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """KL as a loss term (`actor.use_kl_loss`): agg(KL(pi_theta || pi_ref)); the actor adds
     kl_loss_coef * this. Shapes `[B, T]` (`[B, T, V]` log-probs for "full")."""
@@ -196,4 +197,5 @@ def compute_kl_loss(
         global_token_count=global_token_count,
         global_seq_count=global_seq_count,
         loss_scale_factor=loss_scale_factor,
+        seq_token_counts=seq_token_counts,
     )

@@ -32,6 +32,7 @@ def compute_policy_loss_vanilla(
     global_token_count: torch.Tensor | float | None = None,
     global_seq_count: torch.Tensor | float | None = None,
     loss_scale_factor: float | None = None,
+    seq_token_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (arXiv:1707.06347), DAPO clip-higher and dual-clip (arXiv:1912.09729).
 
@@ -50,7 +51,8 @@ def compute_policy_loss_vanilla(
         clip_ratio: eps, used for either side not given separately.
         clip_ratio_low, clip_ratio_high: eps_low / eps_high (clip-higher: eps_high > eps_low).
         clip_ratio_c: dual-clip bound c > 1 for negative advantages.
-        loss_agg_mode, global_token_count, global_seq_count, loss_scale_factor: see `agg_loss`.
+        loss_agg_mode, global_token_count, global_seq_count, loss_scale_factor, seq_token_counts:
+            see `agg_loss`.
         rollout_is_weights: optional `[B, T]` truncated importance weights pi_old / pi_rollout
             (detached) multiplying the per-token loss (decoupled mode's rollout correction).
 
@@ -82,6 +84,7 @@ def compute_policy_loss_vanilla(
         global_token_count=global_token_count,
         global_seq_count=global_seq_count,
         loss_scale_factor=loss_scale_factor,
+        seq_token_counts=seq_token_counts,
     )
     with torch.no_grad():
         metrics = {
@@ -105,6 +108,7 @@ def compute_policy_loss_gpg(
     global_token_count: torch.Tensor | float | None = None,
     global_seq_count: torch.Tensor | float | None = None,
     loss_scale_factor: float | None = None,
+    seq_token_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Plain policy gradient -A * log_prob (GPG; REINFORCE when paired with rollout IS weights).
 
@@ -120,6 +124,7 @@ def compute_policy_loss_gpg(
         global_token_count=global_token_count,
         global_seq_count=global_seq_count,
         loss_scale_factor=loss_scale_factor,
+        seq_token_counts=seq_token_counts,
     )
     with torch.no_grad():
         ppo_kl = masked_mean(old_log_prob - log_prob, response_mask)

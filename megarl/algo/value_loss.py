@@ -18,6 +18,7 @@ def compute_value_loss(
     global_token_count: torch.Tensor | float | None = None,
     global_seq_count: torch.Tensor | float | None = None,
     loss_scale_factor: float | None = None,
+    seq_token_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss 0.5 * agg(max((v - R)^2, (clip(v, V_old +- c) - R)^2)).
 
@@ -27,7 +28,8 @@ def compute_value_loss(
         values: `[B, T]` old values, the centre of the clip window.
         response_mask: `[B, T]` binary.
         cliprange_value: `critic.cliprange_value` c; None disables clipping.
-        loss_agg_mode, global_token_count, global_seq_count, loss_scale_factor: see `agg_loss`.
+        loss_agg_mode, global_token_count, global_seq_count, loss_scale_factor, seq_token_counts:
+            see `agg_loss`.
 
     Returns:
         loss (scalar), {"vf_clipfrac": fraction of tokens where the clipped term is larger}.
@@ -47,6 +49,7 @@ def compute_value_loss(
         global_token_count=global_token_count,
         global_seq_count=global_seq_count,
         loss_scale_factor=loss_scale_factor,
+        seq_token_counts=seq_token_counts,
     )
     return loss, {"vf_clipfrac": clipfrac}
 
@@ -68,6 +71,7 @@ def compute_entropy_loss(
     global_token_count: torch.Tensor | float | None = None,
     global_seq_count: torch.Tensor | float | None = None,
     loss_scale_factor: float | None = None,
+    seq_token_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Aggregated entropy of `[B, T, V]` logits; the actor loss subtracts entropy_coeff * this."""
     return agg_loss(
@@ -77,4 +81,5 @@ def compute_entropy_loss(
         global_token_count=global_token_count,
         global_seq_count=global_seq_count,
         loss_scale_factor=loss_scale_factor,
+        seq_token_counts=seq_token_counts,
     )

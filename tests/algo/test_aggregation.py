@@ -136,3 +136,28 @@ def test_megatron_scaling_with_data_parallel_ranks(mode):
         rank_grads.append(grad)
     ddp_grad = sum(rank_grads) / dp_size  # DDP gradient averaging
     torch.testing.assert_close(ddp_grad, full_grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_context_parallel_shards_add_up(mode):
+    """Two CP ranks hold the first and second half of every sequence's tokens. With the token
+    count over both shards, the sequence count once, and per-sequence token counts of the whole
+    sequences, the shard losses add up to the unsharded loss."""
+    old, log_prob, adv, mask = _batch(3, batch=6, length=10)
+    full = _loss(old, log_prob, adv, mask, mode).detach()
+    tokens, seqs = count_tokens_and_seqs(mask)
+    seq_tokens = mask.sum(-1)
+    total = torch.zeros(())
+    for cols in (slice(0, 5), slice(5, 10)):
+        total = total + _loss(
+            old[:, cols],
+            log_prob.detach()[:, cols],
+            adv[:, cols],
+            mask[:, cols],
+            mode,
+            global_token_count=tokens,
+            global_seq_count=seqs,
+            seq_token_counts=seq_tokens,
+        )
+    # (seq-mean-token-sum-norm: _loss fixes loss_scale_factor, the default T would be the shard's)
+    torch.testing.assert_close(total, full, rtol=1e-6, atol=1e-6)
