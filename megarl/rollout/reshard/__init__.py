@@ -1,0 +1,45 @@
+"""Megatron → vLLM weight resharding: a pure plan and an executor that streams buckets.
+
+    plan = plan_for_chunks(chunks, dims, rollout_tp=2)      # or make_reshard_plan(...)
+    stats = sync_weights(chunks, plan, engine)              # collective, every rank
+
+:mod:`~megarl.rollout.reshard.plan` knows nothing of processes; it is what ``megarl plan``
+prints. :mod:`~megarl.rollout.reshard.executor` moves the bytes (Megatron is imported only when
+:func:`sync_weights` runs).
+"""
+
+from megarl.rollout.reshard.executor import (
+    SyncStats,
+    WeightSink,
+    plan_for_chunks,
+    stream_buckets,
+    sync_weights,
+    write_hf_from_shards,
+)
+from megarl.rollout.reshard.plan import (
+    DEFAULT_BUCKET_BYTES,
+    Bucket,
+    HFSlot,
+    ParamTransfer,
+    ReshardPlan,
+    TrainingLayout,
+    make_reshard_plan,
+    owner_of,
+)
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "Bucket",
+    "HFSlot",
+    "ParamTransfer",
+    "ReshardPlan",
+    "SyncStats",
+    "TrainingLayout",
+    "WeightSink",
+    "make_reshard_plan",
+    "owner_of",
+    "plan_for_chunks",
+    "stream_buckets",
+    "sync_weights",
+    "write_hf_from_shards",
+]

@@ -1,0 +1,513 @@
+"""Pure resharding plan: which Megatron parameter lives where, and how it travels to vLLM.
+
+Computed from the training layout (TP, PP, VPP), the model dimensions and the rollout TP alone:
+no ``torch.distributed``, no Megatron import, no tensors allocated. Every rank computes the same
+plan (the ordering is deterministic), and :mod:`megarl.rollout.reshard.executor` moves bytes by it.
+
+Ownership follows Megatron's standard even split (no uneven first/last stages, no embedding or
+loss counted as a layer): with ``P`` pipeline stages and ``V`` virtual chunks per stage, the
+``L`` layers form ``P·V`` equal chunks and chunk ``c = vp_stage·P + pp_rank`` starts at layer
+``c·L/(P·V)``. The embedding lives on (stage 0, chunk 0), the final norm and output layer on
+(stage P-1, chunk V-1). The multi-rank tests check this against Megatron's ``layer_offset``.
+
+A plan is a list of :class:`Bucket` s. A bucket is one flat buffer of at most ``bucket_bytes``
+holding the Hugging Face tensors of whole Megatron *modules* (``linear_qkv`` weight and bias
+travel together, because vLLM holds back a module's tensors until all of them have arrived), all
+owned by one pipeline stage (so one broadcast over the PP group moves it). A module larger than
+``bucket_bytes`` forms a bucket of its own: the bound is then that module's size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from megarl.models import hf_mapping as hm
+from megarl.models.hf_mapping import ModelDims
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "Bucket",
+    "HFSlot",
+    "ParamTransfer",
+    "ReshardPlan",
+    "TrainingLayout",
+    "chunk_layer_range",
+    "make_reshard_plan",
+    "owner_of",
+    "rollout_shard_shape",
+]
+
+DEFAULT_BUCKET_BYTES = 1 << 30
+"""1 GiB: about half a layer of a 72B model in bf16 (its ``linear_fc1``, 0.9 GiB, still fits;
+``megarl plan`` prints the numbers of a given model)."""
+
+VLLM_VOCAB_PADDING = 64
+"""vLLM pads vocab-parallel embeddings to a multiple of this per rank (``DEFAULT_VOCAB_PADDING_SIZE``)."""
+
+
+@dataclass(frozen=True)
+class TrainingLayout:
+    """The Megatron model-parallel layout the actor is trained with."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    vpp: int | None = None
+    """Virtual pipeline chunks per stage (None: no interleaving)."""
+
+    @property
+    def chunks_per_stage(self) -> int:
+        return self.vpp or 1
+
+
+@dataclass(frozen=True)
+class HFSlot:
+    """One Hugging Face tensor inside a bucket's flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    """First element in the bucket buffer."""
+    reserved: int = 0
+    """Elements set aside from ``offset`` (0: just ``numel``). A vocab-parallel tensor gathered
+    over TP reserves its padded rows: the all-gather writes straight into the bucket and the
+    slot is the first ``vocab_size`` rows of that region."""
+
+    @property
+    def numel(self) -> int:
+        return _numel(self.shape)
+
+    @property
+    def span(self) -> int:
+        """Elements of the bucket this slot occupies."""
+        return max(self.reserved, self.numel)
+
+
+@dataclass(frozen=True)
+class ParamTransfer:
+    """How one full Megatron parameter gets from its training shards into a bucket."""
+
+    name: str
+    """Global Megatron name (local-spec, global layer index)."""
+    pp_rank: int
+    """Pipeline stage that holds it."""
+    vp_stage: int
+    """Model chunk on that stage (0 without VPP)."""
+    partition: hm.PartitionKind
+    """TP partition kind (``column``, ``row``, ``fc1``, ``vocab``, ``replicated``)."""
+    shape: tuple[int, ...]
+    """Full Megatron shape (vocab rows padded)."""
+    shard_shape: tuple[int, ...]
+    """Shape held by one training TP rank."""
+    needs_gather: bool
+    """True when training TP > 1 and the parameter is split: its shards are all-gathered."""
+    slots: tuple[HFSlot, ...]
+    """The Hugging Face tensors it becomes (none for a tied output layer)."""
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the full Megatron parameter."""
+        return _numel(self.shape) * self.itemsize
+
+    @property
+    def hf_bytes(self) -> int:
+        """Bytes of its Hugging Face tensors (vocab padding trimmed)."""
+        return sum(s.numel for s in self.slots) * self.itemsize
+
+    @property
+    def span_bytes(self) -> int:
+        """Bytes of the bucket it occupies (``hf_bytes`` plus any reserved padding rows)."""
+        return sum(s.span for s in self.slots) * self.itemsize
+
+    @property
+    def gathers_into_bucket(self) -> bool:
+        """Vocab-parallel shards are all-gathered straight into the bucket (the gathered rows
+        are already the HF layout plus padding)."""
+        return self.needs_gather and self.partition == "vocab"
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Transient memory on an owner rank while this parameter is converted: the all-gather
+        buffer (1× full) for gathered non-vocab parameters, nothing otherwise (the layout change
+        is a strided copy from the shards into the bucket)."""
+        return self.nbytes if self.needs_gather and not self.gathers_into_bucket else 0
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A group of whole modules of one pipeline stage, moved as one flat buffer."""
+
+    index: int
+    pp_rank: int
+    """The stage whose ranks fill it (others receive it by broadcast)."""
+    params: tuple[ParamTransfer, ...]
+    numel: int
+    """Elements of the flat buffer."""
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Largest per-parameter transient on an owner rank (see ``ParamTransfer.scratch_bytes``)."""
+        return max((p.scratch_bytes for p in self.params), default=0)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Upper bound of extra memory on a rank while this bucket is in flight."""
+        return self.nbytes + self.scratch_bytes
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Full bytes of the parameters all-gathered over TP for this bucket."""
+        return sum(p.nbytes for p in self.params if p.needs_gather)
+
+    @property
+    def slots(self) -> list[HFSlot]:
+        return [s for p in self.params for s in p.slots]
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    """Megatron (TP, PP, VPP) → vLLM TP weight transfer, as ordered buckets."""
+
+    dims: ModelDims
+    layout: TrainingLayout
+    rollout_tp: int
+    bucket_bytes: int
+    dtype: torch.dtype
+    """Element type of the parameters and of the bucket buffers."""
+    buckets: tuple[Bucket, ...]
+    skipped: tuple[str, ...] = field(default=())
+    """Megatron parameters that produce no HF tensor (the tied output-layer copy on the last
+    stage when PP > 1)."""
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @cached_property
+    def params(self) -> dict[str, ParamTransfer]:
+        return {p.name: p for b in self.buckets for p in b.params}
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all bucket buffers (the HF tensors plus the vocab padding rows that are
+        gathered in place): what every rank receives."""
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def hf_bytes(self) -> int:
+        """Bytes of all Hugging Face tensors."""
+        return sum(p.hf_bytes for p in self.params.values())
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Full bytes of all parameters that are TP-gathered."""
+        return sum(b.gathered_bytes for b in self.buckets)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Upper bound of a sync's extra memory on any rank: the largest bucket plus its
+        largest per-parameter conversion scratch."""
+        return max((b.peak_bytes for b in self.buckets), default=0)
+
+    def bytes_per_stage(self) -> list[int]:
+        """Bytes of the HF tensors each pipeline stage produces."""
+        out = [0] * self.layout.pp
+        for b in self.buckets:
+            out[b.pp_rank] += b.nbytes
+        return out
+
+    def rollout_bytes_per_rank(self) -> int:
+        """Bytes one vLLM TP rank keeps after slicing (KV heads replicated when TP_v > nkv)."""
+        return (
+            sum(
+                _numel(rollout_shard_shape(s.name, s.shape, self.dims, self.rollout_tp))
+                for b in self.buckets
+                for s in b.slots
+            )
+            * self.itemsize
+        )
+
+    def summary(self) -> str:
+        """A few lines for humans (``megarl plan``)."""
+        d, lay = self.dims, self.layout
+        mib = 1 << 20
+        sizes = sorted(b.nbytes for b in self.buckets) or [0]
+        replicated = "  (vLLM replicates KV heads)" if self.rollout_tp > d.num_query_groups else ""
+        stages = ", ".join(f"PP{i} {b / mib:.1f}" for i, b in enumerate(self.bytes_per_stage()))
+        gathered = self.gathered_bytes / mib if lay.tp > 1 else 0.0
+        broadcast = self.total_bytes / mib if lay.pp > 1 else 0.0
+        lines = [
+            (
+                f"model: {d.architecture}, {d.num_layers} layers, hidden {d.hidden_size}, "
+                f"ffn {d.ffn_hidden_size}, heads {d.num_attention_heads}/{d.num_query_groups} "
+                f"(q/kv), vocab {d.vocab_size} (padded {d.padded_vocab_size}), "
+                f"tied={d.tie_word_embeddings}"
+            ),
+            (
+                f"training TP={lay.tp} PP={lay.pp} VPP={lay.vpp or 1} -> vLLM TP="
+                f"{self.rollout_tp}{replicated}"
+            ),
+            (
+                f"tensors: {len(self.params)} Megatron parameters -> "
+                f"{sum(len(b.slots) for b in self.buckets)} HF tensors, "
+                f"{self.hf_bytes / mib:.1f} MiB ({self.dtype})"
+            ),
+            (
+                f"buckets: {len(self.buckets)}, limit {self.bucket_bytes / mib:.1f} MiB, sizes "
+                f"{sizes[0] / mib:.1f}..{sizes[-1] / mib:.1f} MiB (a module over the limit is a "
+                "bucket of its own)"
+            ),
+            f"MiB per stage: {stages}",
+            f"TP all-gather: {gathered:.1f} MiB of full parameters (training TP={lay.tp})",
+            f"PP broadcast: {broadcast:.1f} MiB (training PP={lay.pp})",
+            (
+                f"peak extra memory per rank: <= {self.peak_bytes / mib:.1f} MiB "
+                "(one bucket + one all-gather buffer)"
+            ),
+            f"vLLM keeps per rank: {self.rollout_bytes_per_rank() / mib:.1f} MiB",
+        ]
+        if self.skipped:
+            lines.append(f"skipped: {', '.join(self.skipped)} (tied to the embedding)")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Ownership
+# --------------------------------------------------------------------------------------------
+
+
+def chunk_layer_range(
+    dims: ModelDims, layout: TrainingLayout, pp_rank: int, vp_stage: int
+) -> range:
+    """Global layer indices of model chunk ``vp_stage`` on stage ``pp_rank`` (even split)."""
+    chunks = layout.pp * layout.chunks_per_stage
+    if dims.num_layers % chunks:
+        raise ValueError(
+            f"num_layers={dims.num_layers} is not divisible by PP×VPP={layout.pp}×"
+            f"{layout.chunks_per_stage} (uneven pipeline splits are not supported)"
+        )
+    per_chunk = dims.num_layers // chunks
+    start = (vp_stage * layout.pp + pp_rank) * per_chunk
+    return range(start, start + per_chunk)
+
+
+def owner_of(mg_name: str, dims: ModelDims, layout: TrainingLayout) -> tuple[int, int]:
+    """(pp_rank, vp_stage) holding the Megatron parameter ``mg_name`` (global index)."""
+    layer = hm.layer_index(hm.from_te_name(mg_name))
+    if layer is None:
+        if hm.from_te_name(mg_name) == hm.EMBEDDING:
+            return 0, 0
+        return layout.pp - 1, layout.chunks_per_stage - 1
+    if not 0 <= layer < dims.num_layers:
+        raise ValueError(f"{mg_name}: layer {layer} outside 0..{dims.num_layers - 1}")
+    per_chunk = dims.num_layers // (layout.pp * layout.chunks_per_stage)
+    chunk = layer // per_chunk
+    return chunk % layout.pp, chunk // layout.pp
+
+
+# --------------------------------------------------------------------------------------------
+# Shapes
+# --------------------------------------------------------------------------------------------
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _shard_shape(kind: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    if tp == 1 or kind == "replicated":
+        return shape
+    if kind == "row":
+        return (shape[0], shape[1] // tp)
+    return (shape[0] // tp, *shape[1:])
+
+
+def rollout_shard_shape(
+    hf_name: str, shape: tuple[int, ...], dims: ModelDims, rollout_tp: int
+) -> tuple[int, ...]:
+    """Shape vLLM keeps on one TP rank for the HF tensor ``hf_name`` (for sizing only).
+
+    Column-parallel q/gate/up split dim 0; k/v split by KV heads, one head per rank when
+    ``rollout_tp`` exceeds them (replication); o/down split dim 1; embeddings are padded to a
+    multiple of 64 rows and split evenly; norms are replicated.
+    """
+    t = rollout_tp
+    if t == 1:
+        return shape
+    leaf = hf_name.split(".")[-2] if hf_name.count(".") >= 1 else hf_name
+    if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+        padded = -(-shape[0] // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+        return (padded // t, *shape[1:])
+    if leaf in ("k_proj", "v_proj"):
+        heads = max(dims.num_query_groups // t, 1)
+        return (heads * dims.head_dim, *shape[1:])
+    if leaf in ("q_proj", "gate_proj", "up_proj"):
+        return (shape[0] // t, *shape[1:])
+    if leaf in ("o_proj", "down_proj"):
+        return (shape[0], shape[1] // t)
+    return shape
+
+
+def check_rollout_tp(dims: ModelDims, rollout_tp: int) -> None:
+    """vLLM's requirements on its TP size for this model; raises ``ValueError`` naming them."""
+    if rollout_tp < 1:
+        raise ValueError(f"rollout TP must be >= 1, got {rollout_tp}")
+    if dims.num_attention_heads % rollout_tp:
+        raise ValueError(
+            f"rollout TP={rollout_tp} does not divide num_attention_heads={dims.num_attention_heads}"
+        )
+    groups = dims.num_query_groups
+    if groups % rollout_tp and rollout_tp % groups:
+        raise ValueError(
+            f"rollout TP={rollout_tp} must divide or be a multiple of num_key_value_heads={groups}"
+        )
+
+
+def check_training_layout(dims: ModelDims, layout: TrainingLayout) -> None:
+    """Megatron's divisibility requirements for this model; raises ``ValueError`` naming them."""
+    tp = layout.tp
+    if tp < 1 or layout.pp < 1 or (layout.vpp is not None and layout.vpp < 1):
+        raise ValueError(f"invalid training layout {layout}")
+    if layout.vpp is not None and layout.vpp > 1 and layout.pp == 1:
+        raise ValueError("virtual pipeline parallelism needs PP > 1")
+    for what, n in (
+        ("num_attention_heads", dims.num_attention_heads),
+        ("ffn_hidden_size", dims.ffn_hidden_size),
+        ("padded_vocab_size", dims.padded_vocab_size),
+    ):
+        if n % tp:
+            raise ValueError(f"training TP={tp} does not divide {what}={n}")
+    if dims.num_query_groups % tp and tp % dims.num_query_groups:
+        raise ValueError(
+            f"training TP={tp} must divide or be a multiple of num_query_groups="
+            f"{dims.num_query_groups}"
+        )
+    chunk_layer_range(dims, layout, 0, 0)  # divisibility of the layer split
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------------------------
+
+
+def _module_of(mg_name: str) -> str:
+    return mg_name.rsplit(".", 1)[0]
+
+
+def make_reshard_plan(
+    dims: ModelDims,
+    layout: TrainingLayout,
+    rollout_tp: int,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: torch.dtype = torch.bfloat16,
+) -> ReshardPlan:
+    """Plan a Megatron → vLLM weight sync.
+
+    Args:
+        dims: model dimensions; ``dims.padded_vocab_size`` must be the training one (padded for
+            the training TP, as :meth:`ModelDims.from_hf_config` does with ``tp_size``).
+        layout: training TP / PP / VPP.
+        rollout_tp: vLLM tensor-parallel size (only checked and used for sizing: every rank
+            receives full HF tensors and vLLM slices its own part).
+        bucket_bytes: upper bound of one bucket's flat buffer. A single module larger than
+            this forms its own bucket (the bound is then that module's size).
+        dtype: element type of the parameters (bytes per element).
+
+    Parameters are visited in Megatron's global order (embedding, layers 0..L-1, final norm,
+    output layer); consecutive modules of the same stage share a bucket while they fit.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    check_training_layout(dims, layout)
+    check_rollout_tp(dims, rollout_tp)
+    itemsize = dtype.itemsize
+
+    # Whole modules, in global order, each with its owner.
+    modules: list[tuple[tuple[int, int], list[str]]] = []
+    skipped: list[str] = []
+    tied_copy = dims.tie_word_embeddings and layout.pp > 1
+    for name in hm.megatron_param_names(dims, include_tied_output=tied_copy):
+        if name == hm.OUTPUT_LAYER and dims.tie_word_embeddings:
+            skipped.append(name)
+            continue
+        owner = owner_of(name, dims, layout)
+        if (
+            modules
+            and modules[-1][0] == owner
+            and _module_of(modules[-1][1][-1]) == _module_of(name)
+        ):
+            modules[-1][1].append(name)
+        else:
+            modules.append((owner, [name]))
+
+    buckets: list[Bucket] = []
+    current: list[ParamTransfer] = []
+    current_stage = -1
+    offset = 0
+
+    def close() -> None:
+        nonlocal current, offset
+        if current:
+            buckets.append(Bucket(len(buckets), current_stage, tuple(current), offset, itemsize))
+        current, offset = [], 0
+
+    for (pp_rank, vp_stage), names in modules:
+        transfers = []
+        module_numel = 0
+        for name in names:
+            kind = hm.tp_partition_kind(name)
+            shape = hm.megatron_param_shape(name, dims)
+            gather = layout.tp > 1 and kind != "replicated"
+            slots = []
+            for hf_name in hm.megatron_param_sources(name, dims):
+                reserved = _numel(shape) if gather and kind == "vocab" else 0
+                slots.append(HFSlot(hf_name, hm.hf_param_shape(hf_name, dims), 0, reserved))
+                module_numel += slots[-1].span
+            transfers.append((name, kind, shape, gather, slots))
+        if current and (
+            pp_rank != current_stage or (offset + module_numel) * itemsize > bucket_bytes
+        ):
+            close()
+        current_stage = pp_rank
+        for name, kind, shape, gather, slots in transfers:
+            placed = []
+            for slot in slots:
+                placed.append(HFSlot(slot.name, slot.shape, offset, slot.reserved))
+                offset += slot.span
+            current.append(
+                ParamTransfer(
+                    name=name,
+                    pp_rank=pp_rank,
+                    vp_stage=vp_stage,
+                    partition=kind,
+                    shape=shape,
+                    shard_shape=_shard_shape(kind, shape, layout.tp),
+                    needs_gather=gather,
+                    slots=tuple(placed),
+                    itemsize=itemsize,
+                )
+            )
+    close()
+    return ReshardPlan(
+        dims=dims,
+        layout=layout,
+        rollout_tp=rollout_tp,
+        bucket_bytes=bucket_bytes,
+        dtype=dtype,
+        buckets=tuple(buckets),
+        skipped=tuple(skipped),
+    )
