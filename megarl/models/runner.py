@@ -119,6 +119,12 @@ def run_micro_batches(
     )
     r = int((lengths - prompt_lengths).max().item())
     num_mb = n // micro_batch_size
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if len(chunks) > 1 and num_mb % pp:
+        raise ValueError(
+            f"the interleaved (VPP) pipeline schedule needs a multiple of PP={pp} micro-batches; "
+            f"{n} sequences at micro_batch_size={micro_batch_size} give {num_mb}"
+        )
     extra = {k: v.to(device) for k, v in (extra or {}).items()}
 
     config = unwrap(chunks[0]).config

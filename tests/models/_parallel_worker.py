@@ -155,6 +155,8 @@ def _model_checks(spec: dict, layout, results: dict) -> None:
             temperature=0.7,
         )
         r["log_probs"], r["entropy"] = out.log_probs, out.entropy
+        if name == "qwen2":
+            r["actor_engine"] = _actor_engine_check(chunks, dims)
         results[f"{key}/{name}"] = r
 
     # Critic: values and their gradients for a fixed weighted-sum loss.
@@ -177,6 +179,51 @@ def _model_checks(spec: dict, layout, results: dict) -> None:
         extra={"w": weights},
     )
     results[f"{key}/critic"] = {"values": out.values, "grads": _grads_as_hf(chunks, dims)}
+
+
+def _actor_engine_check(chunks, dims) -> dict:
+    """Sample from the actor itself; the runner must score the samples as the engine did."""
+    from megarl.models.runner import run_micro_batches
+    from megarl.rollout.actor_engine import ActorEngine
+
+    engine = ActorEngine(chunks, vocab_size=dims.vocab_size, eos_token_ids=[0])
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    kw = {"n": 2, "temperature": 0.7, "max_tokens": 6, "seed": 3}
+    batch = engine.generate(prompts, **kw)
+    again = engine.generate(prompts, **kw)
+    other = engine.generate(prompts, **{**kw, "seed": 4})
+    seqs = [s.prompt_token_ids + s.response_token_ids for s in batch]
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, q in enumerate(seqs):
+        ids[i, : len(q)] = torch.tensor(q)
+    plen = torch.tensor([len(s.prompt_token_ids) for s in batch])
+    lens = torch.tensor([len(q) for q in seqs])
+    scored = run_micro_batches(
+        chunks,
+        ids,
+        plen,
+        lens,
+        kind="actor",
+        micro_batch_size=3,
+        vocab_size=dims.vocab_size,
+        temperature=0.7,
+    ).log_probs
+    diff = max(
+        abs(scored[i, k].item() - lp)
+        for i, s in enumerate(batch)
+        for k, lp in enumerate(s.response_logprobs)
+    )
+    return {
+        "tokens": [s.response_token_ids for s in batch],
+        "order": [(s.prompt_index, s.sample_index) for s in batch],
+        "finish": [s.finish_reason for s in batch],
+        "reproducible": [s.response_token_ids for s in again]
+        == [s.response_token_ids for s in batch],
+        "seed_changes_tokens": [s.response_token_ids for s in other]
+        != [s.response_token_ids for s in batch],
+        "runner_diff": diff,
+    }
 
 
 def _vocab_parallel_check(results: dict) -> None:

@@ -153,3 +153,17 @@ def test_checkpoint_loads_across_layouts(ws2):
         r = ws2[key]
         assert r["weights_identical"], key
         assert r["logprob_diff"] <= 1e-5, (key, r["logprob_diff"])
+
+
+@pytest.mark.parametrize("key", ["tp2_pp1_vpp1", "tp1_pp2_vpp1", "tp1_pp2_vpp2", "tp2_pp2_vpp1"])
+def test_actor_engine_samples_consistently_across_layouts(key, ws1, ws2, ws4):
+    base = ws1["tp1_pp1_vpp1/qwen2"]["actor_engine"]
+    r = (ws4 if key == "tp2_pp2_vpp1" else ws2)[f"{key}/qwen2"]["actor_engine"]
+    for res in (base, r):
+        assert res["order"] == [(p, s) for p in range(3) for s in range(2)]
+        assert res["reproducible"] and res["seed_changes_tokens"]
+        assert res["runner_diff"] <= 1e-4
+        for tokens, finish in zip(res["tokens"], res["finish"], strict=True):
+            assert (finish == "length") == (len(tokens) == 6 and tokens[-1] != 0)
+            assert finish == "length" or tokens[-1] == 0
+    assert r["tokens"] == base["tokens"]
