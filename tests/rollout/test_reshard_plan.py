@@ -85,8 +85,12 @@ def test_buckets_bounded_single_stage_whole_modules_contiguous(layout, bucket_ki
     # qkv weight and bias (one vLLM module) always share a bucket
     assert module_bucket["decoder.layers.0.self_attention.linear_qkv"] is not None
     assert plan.peak_bytes == max(b.peak_bytes for b in plan.buckets)
-    if bucket_kib == 100_000 and layout[1] == 1:
-        assert len(plan.buckets) == 1
+    # vocab-parallel tensors travel alone (vLLM may hold them until the update finishes)
+    for b in plan.buckets:
+        if any(p.partition == "vocab" for p in b.params):
+            assert len(b.params) == 1
+    if bucket_kib == 100_000:  # embedding | one per model chunk (+ final norm) | lm_head
+        assert len(plan.buckets) == 2 + layout[1] * (layout[2] or 1)
 
 
 def test_same_plan_every_time():

@@ -14,7 +14,10 @@ A plan is a list of :class:`Bucket` s. A bucket is one flat buffer of at most ``
 holding the Hugging Face tensors of whole Megatron *modules* (``linear_qkv`` weight and bias
 travel together, because vLLM holds back a module's tensors until all of them have arrived), all
 owned by one pipeline stage (so one broadcast over the PP group moves it). A module larger than
-``bucket_bytes`` forms a bucket of its own: the bound is then that module's size.
+``bucket_bytes`` forms a bucket of its own: the bound is then that module's size. The embedding
+and the output layer always travel alone: vLLM pads its vocabulary to a multiple of 64 per rank
+and, when that leaves rows the checkpoint does not fill, holds the tensor until the update is
+finished, which keeps its whole bucket alive that long.
 """
 
 from __future__ import annotations
@@ -457,6 +460,7 @@ def make_reshard_plan(
     buckets: list[Bucket] = []
     current: list[ParamTransfer] = []
     current_stage = -1
+    current_alone = False
     offset = 0
 
     def close() -> None:
@@ -478,11 +482,15 @@ def make_reshard_plan(
                 slots.append(HFSlot(hf_name, hm.hf_param_shape(hf_name, dims), 0, reserved))
                 module_numel += slots[-1].span
             transfers.append((name, kind, shape, gather, slots))
+        alone = any(kind == "vocab" for _, kind, *_ in transfers)
         if current and (
-            pp_rank != current_stage or (offset + module_numel) * itemsize > bucket_bytes
+            alone
+            or current_alone
+            or pp_rank != current_stage
+            or (offset + module_numel) * itemsize > bucket_bytes
         ):
             close()
-        current_stage = pp_rank
+        current_stage, current_alone = pp_rank, alone
         for name, kind, shape, gather, slots in transfers:
             placed = []
             for slot in slots:

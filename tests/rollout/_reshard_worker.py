@@ -1,0 +1,418 @@
+"""torchrun worker for tests/rollout/test_reshard_sync.py: one launch per suite, many cases.
+
+    torchrun --nproc_per_node W _reshard_worker.py --suite layouts|vllm|gpu --models DIR --out DIR
+
+Suites:
+
+- ``layouts`` (no vLLM): for several models and Megatron layouts, sync into a fake engine that
+  copies into preallocated tensors, under :class:`LiveBytes`; records whether the plan's
+  ownership agrees with Megatron's ``layer_offset``, the largest difference from the reference HF
+  state (HF checkpoint + the same seeded noise, converted with ``hf_mapping``), and the peak of
+  live bytes allocated during the sync against the plan's bound.
+- ``vllm``: one real vLLM engine per (model, rollout TP); per Megatron layout: perturb the actor,
+  generate (engine still holds the previous weights), sync, generate the same prompts/seeds
+  again, and compare both rollouts' log-probs with the actor's runner.
+- ``gpu``: bf16 with sleep/wake and vLLM parameter addresses (only meaningful with CUDA).
+
+Every rank writes ``OUT/{suite}_rank{r}.json``; the pytest side asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import time
+import weakref
+from pathlib import Path
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+T = 0.7
+NOISE = 0.02
+PROMPTS = [[11, 42, 7, 99, 500], [3, 14, 15, 92, 65, 35, 89], [271, 828, 182, 845]]
+SAMPLING = {"n": 2, "temperature": T, "max_tokens": 8, "seed": 11}
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts bytes of tensor storages allocated while active and still alive; keeps the peak.
+
+    A storage is counted when an op returns a tensor on memory none of its inputs used (views
+    and in-place results of older memory are not), and released when the last Python tensor
+    seen on it is garbage-collected. Temporaries made inside C++ kernels (e.g. in a collective)
+    are not seen.
+
+    Before an op without tensor inputs (a factory: a new buffer) the meter yields the GIL for a
+    moment: a finished gloo collective is dropped by gloo's worker thread, which needs the GIL to
+    release the Python tensor, so the buffer of the previous bucket would otherwise look alive
+    for up to a GIL switch interval after the executor let go of it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._storages: dict[int, list[int]] = {}  # data_ptr -> [python refs, nbytes]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        if not inputs:
+            time.sleep(0.002)
+        out = func(*args, **kwargs)
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0:
+                continue
+            entry = self._storages.get(key)
+            if entry is None:
+                if key in inputs:
+                    continue  # a view / in-place result of memory allocated before
+                entry = self._storages[key] = [0, nbytes]
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+            entry[0] += 1
+            weakref.finalize(t, self._release, key)
+        return out
+
+    def _release(self, key: int) -> None:
+        entry = self._storages.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self._storages[key]
+
+
+class CopySink:
+    """A fake engine: copies every tensor into a preallocated one (like a loader would)."""
+
+    def __init__(self, plan, device: str = "cpu", retain: bool = False) -> None:
+        self.dest = {
+            s.name: torch.zeros(s.shape, dtype=plan.dtype, device=device)
+            for b in plan.buckets
+            for s in b.slots
+        }
+        self.calls: list = []
+        self.retain = retain
+        self.kept: list = []
+
+    def begin_weight_update(self) -> None:
+        self.calls.append("begin")
+
+    def load_weight_chunk(self, named_tensors) -> None:
+        count = 0
+        for name, tensor in named_tensors:
+            self.dest[name].copy_(tensor)
+            if self.retain:  # a leaky engine: keeps references to every bucket
+                self.kept.append(tensor)
+            count += 1
+        self.calls.append(count)
+
+    def finish_weight_update(self) -> None:
+        self.calls.append("finish")
+
+
+# --------------------------------------------------------------------------------------------
+# Models, noise, references
+# --------------------------------------------------------------------------------------------
+
+
+def full_noise(name: str, dims, seed: int, scale: float = NOISE) -> torch.Tensor:
+    """Seeded noise on the full Megatron shape of ``name``, independent of the layout.
+
+    Vocab rows past ``vocab_size`` get none (their count depends on TP); a tied output-layer
+    copy gets the embedding's noise (Megatron keeps the two equal).
+    """
+    from megarl.models import hf_mapping as hm
+
+    key = hm.EMBEDDING if name == hm.OUTPUT_LAYER and dims.tie_word_embeddings else name
+    digest = hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+    shape = hm.megatron_param_shape(name, dims)
+    if hm.tp_partition_kind(name) == "vocab":
+        noise = torch.randn((dims.vocab_size, *shape[1:]), generator=gen)
+        noise = torch.cat([noise, noise.new_zeros(shape[0] - dims.vocab_size, *shape[1:])])
+    else:
+        noise = torch.randn(shape, generator=gen)
+    return noise * scale
+
+
+@torch.no_grad()
+def perturb(chunks, dims, seed: int, scale: float = NOISE) -> None:
+    """Add ``full_noise`` to every parameter (this rank's TP shard of it)."""
+    from megatron.core import parallel_state
+
+    from megarl.models import hf_mapping as hm
+    from megarl.models.weights import local_global_names
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    for _, _, name, p in local_global_names(chunks):
+        noise = hm.tp_split(name, full_noise(name, dims, seed, scale), tp, rank, dims)
+        p.add_(noise.to(p.device, p.dtype))
+
+
+def reference_hf(path: str, dims, seed: int) -> dict[str, torch.Tensor]:
+    """HF state of the checkpoint plus ``full_noise``, converted by ``hf_mapping`` (no dist)."""
+    from megarl.models import hf_mapping as hm
+    from megarl.models.weights import HFCheckpointReader
+
+    with HFCheckpointReader(path) as reader:
+        full = {
+            n: hm.hf_to_megatron_param(n, reader.get, dims) + full_noise(n, dims, seed)
+            for n in hm.megatron_param_names(dims)
+        }
+    return hm.megatron_to_hf(full, dims)
+
+
+def build(path: str, tp: int, pp: int, vpp: int | None, dtype=torch.float32):
+    from megarl.models.gpt import build_gpt_chunks, build_transformer_config
+    from megarl.models.hf_mapping import ModelDims
+    from megarl.models.weights import load_hf_weights, read_hf_config
+    from megarl.parallel.init import ParallelSizes, init_distributed
+
+    init_distributed(ParallelSizes(tp, pp, vpp), seed=1234)
+    dims = ModelDims.from_hf_config(read_hf_config(path), tp_size=tp)
+    config = build_transformer_config(
+        dims,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        params_dtype=dtype,
+    )
+    chunks = build_gpt_chunks(dims, config)
+    load_hf_weights(chunks, path, dims)
+    return dims, chunks
+
+
+def ownership_agrees(chunks, plan) -> bool:
+    """Megatron's own layer offsets == the plan's even split, chunk by chunk."""
+    from megatron.core import parallel_state
+
+    from megarl.models.gpt import layer_offset, unwrap
+    from megarl.rollout.reshard.plan import chunk_layer_range
+
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    ok = True
+    for i, chunk in enumerate(chunks):
+        model = unwrap(chunk)
+        want = chunk_layer_range(plan.dims, plan.layout, pp_rank, i)
+        ok &= layer_offset(model.config, model.vp_stage) == want.start
+        ok &= len(model.decoder.layers) == len(want)
+    return bool(ok)
+
+
+def fake_sync_check(path: str, dims, chunks, seed: int, bucket_bytes: int) -> dict:
+    """Sync into a CopySink under LiveBytes; compare with the reference HF state."""
+    from megarl.rollout.reshard import plan_for_chunks, sync_weights
+
+    plan = plan_for_chunks(chunks, dims, rollout_tp=1, bucket_bytes=bucket_bytes)
+    sink = CopySink(plan)
+    gc.collect()
+    with LiveBytes() as meter:
+        stats = sync_weights(chunks, plan, sink)
+        gc.collect()
+        leftover = meter.live
+    ref = reference_hf(path, dims, seed)
+    diff = max((sink.dest[k] - v).abs().max().item() for k, v in ref.items() if k in sink.dest)
+    return {
+        "ownership_agrees": ownership_agrees(chunks, plan),
+        "names_equal": sorted(sink.dest) == sorted(ref),
+        "max_diff": diff,
+        "peak": meter.peak,
+        "leftover": leftover,
+        "bound": plan.peak_bytes,
+        "largest_bucket": max(b.nbytes for b in plan.buckets),
+        "model_bytes": plan.total_bytes,
+        "buckets": len(plan.buckets),
+        "calls": sink.calls,
+        "planned_calls": ["begin", *[len(b.slots) for b in plan.buckets], "finish"],
+        "stats_bytes": stats.bytes,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Suites
+# --------------------------------------------------------------------------------------------
+
+
+def layouts_suite(models: Path) -> dict:
+    cases = [
+        ("tiny", (1, 1, None)),
+        ("tiny", (2, 1, None)),
+        ("tiny", (1, 2, None)),
+        ("tiny", (1, 2, 2)),
+        ("special", (1, 2, None)),  # tied embeddings (copy on the last stage), qk-norm, 1 KV head
+        ("qwen3", (2, 1, None)),
+    ]
+    out = {}
+    for seed, (model, (tp, pp, vpp)) in enumerate(cases, start=1):
+        path = str(models / model)
+        dims, chunks = build(path, tp, pp, vpp)
+        perturb(chunks, dims, seed)
+        key = f"{model}_tp{tp}_pp{pp}_vpp{vpp or 1}"
+        out[key] = {
+            "small": fake_sync_check(path, dims, chunks, seed, 64 << 10),
+            "large": fake_sync_check(path, dims, chunks, seed, 512 << 10),
+        }
+        del chunks
+        gc.collect()
+    return out
+
+
+def _record(batch) -> list[dict]:
+    return [{"response": s.response_token_ids, "logprobs": s.response_logprobs} for s in batch]
+
+
+def vllm_suite(models: Path, world: int) -> dict:
+    from megarl.rollout.consistency import rollout_logprob_consistency
+    from megarl.rollout.reshard import plan_for_chunks, sync_weights
+    from megarl.rollout.vllm_engine import VLLMEngine
+
+    if world == 2:
+        engines = [
+            ("tiny", 1, [(2, 1, None), (1, 2, None), (1, 1, None)]),
+            ("tiny", 2, [(2, 1, None), (1, 2, None), (1, 2, 2), (1, 1, None)]),
+            ("special", 2, [(1, 2, None)]),
+        ]
+    else:
+        engines = [("tiny", 2, [(2, 2, None), (2, 1, None)])]
+    out: dict = {"cases": {}, "timings": {}}
+    seed = 100
+    for model, rollout_tp, layouts in engines:
+        path = str(models / model)
+        # Megatron's groups exist before the engine (as in the trainer).
+        dims, chunks = build(path, *layouts[0])
+        t = time.perf_counter()
+        engine = VLLMEngine(
+            path,
+            tensor_parallel_size=rollout_tp,
+            seed=0,
+            max_model_len=64,
+            dtype="float32",
+            kv_cache_bytes=16 << 20,
+            max_num_seqs=16,
+        )
+        out["timings"][f"{model}_vtp{rollout_tp}_start_s"] = time.perf_counter() - t
+        for i, (tp, pp, vpp) in enumerate(layouts):
+            if i:
+                del chunks
+                gc.collect()
+                dims, chunks = build(path, tp, pp, vpp)
+            seed += 1
+            perturb(chunks, dims, seed)
+            key = f"{model}_vtp{rollout_tp}_tp{tp}_pp{pp}_vpp{vpp or 1}"
+            case = {"fake": fake_sync_check(path, dims, chunks, seed, 128 << 10)}
+            before = engine.generate(PROMPTS, **SAMPLING)
+            case["before"] = rollout_logprob_consistency(
+                chunks, before, vocab_size=dims.vocab_size, temperature=T
+            )
+            plan = plan_for_chunks(chunks, dims, rollout_tp, bucket_bytes=256 << 10)
+            stats = sync_weights(chunks, plan, engine)
+            after = engine.generate(PROMPTS, **SAMPLING)
+            case["after"] = rollout_logprob_consistency(
+                chunks, after, vocab_size=dims.vocab_size, temperature=T
+            )
+            case.update(
+                before_samples=_record(before),
+                after_samples=_record(after),
+                buckets=stats.buckets,
+                sync_s=stats.seconds,
+                sync_bytes=stats.bytes,
+            )
+            out["cases"][key] = case
+        engine.shutdown()
+        del chunks
+        gc.collect()
+    return out
+
+
+def gpu_suite(models: Path) -> dict:
+    """bf16 on one GPU: sleep → sync (wakes weights) → wake KV → generate; vLLM parameter
+    storage addresses must not move (CUDA graphs captured on them stay valid)."""
+    from megarl.rollout.consistency import rollout_logprob_consistency
+    from megarl.rollout.reshard import plan_for_chunks, sync_weights
+    from megarl.rollout.vllm_engine import VLLMEngine
+
+    path = str(models / "tiny")
+    dims, chunks = build(path, 1, 1, None, dtype=torch.bfloat16)
+    engine = VLLMEngine(
+        path,
+        tensor_parallel_size=1,
+        max_model_len=64,
+        dtype="bfloat16",
+        gpu_memory_utilization=0.2,
+        enable_sleep_mode=True,
+        enforce_eager=False,
+    )
+
+    def addresses(worker):
+        model = worker.model_runner.get_model()
+        return {n: p.data_ptr() for n, p in model.named_parameters()}
+
+    (before_ptrs,) = engine._llm.collective_rpc(addresses)
+    perturb(chunks, dims, 7, scale=0.05)
+    before = engine.generate(PROMPTS, **SAMPLING)
+    out = {
+        "before": rollout_logprob_consistency(
+            chunks, before, vocab_size=dims.vocab_size, temperature=T
+        )
+    }
+    engine.sleep()
+    out["asleep"] = engine.is_sleeping
+    plan = plan_for_chunks(chunks, dims, 1, bucket_bytes=256 << 10)
+    torch.cuda.synchronize()
+    stats = sync_weights(chunks, plan, engine)
+    engine.wake_up(["kv_cache"])
+    (after_ptrs,) = engine._llm.collective_rpc(addresses)
+    after = engine.generate(PROMPTS, **SAMPLING)
+    out["after"] = rollout_logprob_consistency(
+        chunks, after, vocab_size=dims.vocab_size, temperature=T
+    )
+    out["addresses_unchanged"] = before_ptrs == after_ptrs
+    out["num_params"] = len(before_ptrs)
+    out["sync_s"] = stats.seconds
+    engine.shutdown()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--suite", choices=["layouts", "vllm", "gpu"], required=True)
+    ap.add_argument("--models", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+
+    import torch.distributed as dist
+
+    from megarl.parallel.init import destroy_distributed, read_launch_env
+
+    t0 = time.perf_counter()
+    world = read_launch_env().world_size
+    if args.suite == "layouts":
+        result = layouts_suite(args.models)
+    elif args.suite == "vllm":
+        result = vllm_suite(args.models, world)
+    else:
+        result = gpu_suite(args.models)
+    rank = dist.get_rank()
+    result = {"rank": rank, "world": world, "total_s": time.perf_counter() - t0, **result}
+    (args.out / f"{args.suite}_ws{world}_rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

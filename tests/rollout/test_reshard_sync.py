@@ -1,0 +1,286 @@
+"""The resharding executor: in-process checks, then real ranks (fake engine, then real vLLM).
+
+In-process (one rank, no process group): the strided Megatron → HF rewrite against
+``hf_mapping`` for every partition kind and TP size; a full sync into a fake engine; the peak of
+live bytes allocated during a sync against the plan's bound.
+
+Multi-rank (``_reshard_worker.py``, one torchrun launch per suite):
+
+- ``layouts`` (2 ranks, no vLLM): Megatron (TP, PP, VPP) ∈ {(1,1) DP 2, (2,1), (1,2), (1,2,2)}
+  on Qwen2, (1,2) on a tied single-KV-head Qwen3, (2,1) on Qwen3: ownership equals Megatron's
+  ``layer_offset``, the synced tensors equal the reference exactly, peak memory within bound.
+- ``vllm`` at 2 ranks: vLLM TP 1 ← Megatron (2,1), (1,2), (1,1); vLLM TP 2 ← (2,1), (1,2),
+  (1,2,2), (1,1); vLLM TP 2 on the single-KV-head model (KV replication) ← (1,2). At 4 ranks:
+  vLLM TP 2 ← (2,2), (2,1). Per case: perturb the actor, generate, sync, generate the same
+  prompts and seeds again; vLLM's log-probs vs the actor's runner at T = 0.7.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from megarl.models import hf_mapping as hm
+from megarl.models.hf_mapping import ModelDims
+from megarl.models.tiny import random_hf_state, tiny_hf_config
+from megarl.rollout.reshard import TrainingLayout, make_reshard_plan, stream_buckets
+from megarl.rollout.reshard.executor import write_hf_from_shards
+from tests.conftest import run_torchrun
+from tests.rollout._reshard_worker import CopySink, LiveBytes
+
+WORKER = Path(__file__).with_name("_reshard_worker.py")
+LOGPROB_TOL = 1e-4
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def tiny_dims(family="qwen2", tp=1, **kw) -> ModelDims:
+    return ModelDims.from_hf_config(tiny_hf_config(family, **kw), tp_size=tp)
+
+
+# --------------------------------------------------------------------------------------------
+# In-process
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "family,kv,tp",
+    [("qwen2", 2, 1), ("qwen2", 2, 2), ("qwen2", 2, 4), ("qwen3", 1, 1), ("llama", 4, 4)],
+)
+def test_strided_rewrite_matches_hf_mapping(family, kv, tp):
+    """write_hf_from_shards(stacked TP shards) == megatron_param_to_hf(tp_merge(shards)) for every
+    parameter kind (qkv interleave incl. TP > KV groups, fc1, row, vocab padding, norms)."""
+    dims = tiny_dims(family, tp=tp, num_key_value_heads=kv, num_layers=1)
+    gen = torch.Generator().manual_seed(0)
+    for name in hm.megatron_param_names(dims):
+        full = torch.randn(hm.megatron_param_shape(name, dims), generator=gen)
+        shards = [hm.tp_split(name, full, tp, r, dims) for r in range(tp)]
+        if hm.tp_partition_kind(name) == "replicated":
+            shards = shards[:1]
+        want = hm.megatron_param_to_hf(name, hm.tp_merge(name, shards, dims), dims)
+        got = {k: torch.full_like(v, float("nan")) for k, v in want.items()}
+        write_hf_from_shards(name, torch.stack(shards), dims, got)
+        for k in want:
+            assert torch.equal(got[k], want[k]), (name, k)
+
+
+def _single_rank(bucket_bytes: int, family="qwen2", **kw):
+    dims = tiny_dims(family, **kw)
+    hf = random_hf_state(dims, seed=3)
+    full = hm.hf_to_megatron(hf, dims)
+    plan = make_reshard_plan(
+        dims, TrainingLayout(), 1, bucket_bytes=bucket_bytes, dtype=torch.float32
+    )
+    return dims, hf, full, plan
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_single_rank_sync_delivers_the_hf_state(tied):
+    dims, hf, full, plan = _single_rank(64 << 10, tie_word_embeddings=tied)
+    sink = CopySink(plan)
+    stats = stream_buckets(full, plan, sink)
+    assert sorted(sink.dest) == sorted(hm.megatron_to_hf(full, dims))
+    for name, tensor in sink.dest.items():
+        assert torch.equal(tensor, hf[name]), name
+    assert sink.calls == ["begin", *[len(b.slots) for b in plan.buckets], "finish"]
+    assert stats.buckets == len(plan.buckets) > 5
+    assert stats.bytes == plan.total_bytes and stats.gathered_bytes == 0
+
+
+def test_dtype_mismatch_is_refused():
+    _, _, full, plan = _single_rank(64 << 10)
+    with pytest.raises(TypeError, match="plan was made for"):
+        stream_buckets({k: v.double() for k, v in full.items()}, plan, CopySink(plan))
+
+
+@pytest.mark.parametrize("bucket_kib", [16, 256, 4096])
+def test_peak_extra_memory_within_bucket_bound(bucket_kib):
+    """Live bytes allocated during a sync (a dispatch mode counting storages) peak at the
+    largest bucket, within the plan's bound, far below the model; nothing is left behind."""
+    _, _, full, plan = _single_rank(bucket_kib << 10, num_layers=8)
+    sink = CopySink(plan)  # preallocated destinations: the engine's own memory
+    with LiveBytes() as meter:
+        stream_buckets(full, plan, sink)
+    largest = max(b.nbytes for b in plan.buckets)
+    print(
+        f"\nbucket {bucket_kib} KiB: peak {meter.peak} B, bound {plan.peak_bytes} B, "
+        f"model {plan.total_bytes} B"
+    )
+    assert meter.live == 0
+    assert largest <= meter.peak <= plan.peak_bytes
+    assert plan.peak_bytes <= max(plan.bucket_bytes, largest)
+    if bucket_kib < 1024:
+        assert meter.peak < plan.total_bytes / 4
+
+
+def test_peak_meter_sees_a_leaky_engine():
+    """The meter can fail: an engine that keeps every bucket alive drives the peak to the model
+    size."""
+    _, _, full, plan = _single_rank(16 << 10, num_layers=8)
+    sink = CopySink(plan, retain=True)
+    with LiveBytes() as meter:
+        stream_buckets(full, plan, sink)
+    assert meter.peak == plan.total_bytes > 4 * plan.peak_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-rank
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    from megarl.models.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("reshard_models")
+    make_tiny_model(root / "tiny", "qwen2", num_key_value_heads=2, seed=0)
+    make_tiny_model(
+        root / "special", "qwen3", num_key_value_heads=1, tie_word_embeddings=True, seed=1
+    )
+    make_tiny_model(root / "qwen3", "qwen3", num_key_value_heads=2, seed=2)
+    return root
+
+
+@contextlib.contextmanager
+def _env(**values: str):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _launch(models: Path, suite: str, world: int, timeout: int = 900) -> list[dict]:
+    out = models / f"out_{suite}_{world}"
+    out.mkdir(exist_ok=True)
+    # vLLM torch.compiles a small log-prob helper on first use (~8 s per process); eager is
+    # numerically the same.
+    with _env(VLLM_LOGGING_LEVEL="WARNING", TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1"):
+        run_torchrun(
+            WORKER,
+            world,
+            ["--suite", suite, f"--models={models}", f"--out={out}"],
+            timeout=timeout,
+        )
+    return [json.loads((out / f"{suite}_ws{world}_rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def layouts_run(models) -> list[dict]:
+    return _launch(models, "layouts", 2)
+
+
+LAYOUT_CASES = [
+    "tiny_tp1_pp1_vpp1",
+    "tiny_tp2_pp1_vpp1",
+    "tiny_tp1_pp2_vpp1",
+    "tiny_tp1_pp2_vpp2",
+    "special_tp1_pp2_vpp1",
+    "qwen3_tp2_pp1_vpp1",
+]
+
+
+def _fake_checks(result: dict, where: str) -> None:
+    assert result["ownership_agrees"], where
+    assert result["names_equal"], where
+    assert result["max_diff"] == 0.0, where
+    assert result["calls"] == result["planned_calls"], where
+    assert result["leftover"] == 0, where
+    assert result["peak"] <= result["bound"], where
+    assert result["peak"] < result["model_bytes"] / 3, where
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", LAYOUT_CASES)
+def test_layouts_fake_engine(layouts_run, case):
+    """Plan ownership = Megatron's layer offsets; synced tensors = the reference HF state bit
+    for bit; peak extra bytes within the plan's bound on every rank (two bucket sizes)."""
+    for rank in layouts_run:
+        for size in ("small", "large"):
+            _fake_checks(rank[case][size], f"rank {rank['rank']} {case} {size}")
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(models) -> dict[int, list[dict]]:
+    return {}
+
+
+def _vllm(vllm_runs, models, world) -> list[dict]:
+    if world not in vllm_runs:
+        vllm_runs[world] = _launch(models, "vllm", world, timeout=1500)
+    return vllm_runs[world]
+
+
+VLLM_CASES = [
+    (2, "tiny_vtp1_tp2_pp1_vpp1"),
+    (2, "tiny_vtp1_tp1_pp2_vpp1"),
+    (2, "tiny_vtp1_tp1_pp1_vpp1"),
+    (2, "tiny_vtp2_tp2_pp1_vpp1"),
+    (2, "tiny_vtp2_tp1_pp2_vpp1"),
+    (2, "tiny_vtp2_tp1_pp2_vpp2"),
+    (2, "tiny_vtp2_tp1_pp1_vpp1"),
+    (2, "special_vtp2_tp1_pp2_vpp1"),  # one KV head replicated by vLLM; tied embeddings
+    (4, "tiny_vtp2_tp2_pp2_vpp1"),
+    (4, "tiny_vtp2_tp2_pp1_vpp1"),
+]
+
+
+@pytest.mark.vllm
+@pytest.mark.multirank
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed")
+@pytest.mark.parametrize("world,case", VLLM_CASES)
+def test_vllm_logprobs_match_actor_after_sync(vllm_runs, models, world, case):
+    """After the sync vLLM's log-probs of its own samples (T=0.7) equal the actor's runner within
+    1e-4 on every rank; before it they differ; the same prompts and seeds generated before and
+    after the sync give other log-probs (the prefix cache was reset: stale prompt KV would break
+    the match)."""
+    for rank in _vllm(vllm_runs, models, world):
+        c = rank["cases"][case]
+        where = f"rank {rank['rank']} {case}"
+        _fake_checks(c["fake"], where)
+        assert c["after"]["rollout/logprob_diff_max"] <= LOGPROB_TOL, (where, c["after"])
+        assert c["before"]["rollout/logprob_diff_mean"] > 1e-2, (where, c["before"])
+        before, after = c["before_samples"], c["after_samples"]
+        assert len(before) == len(after) == 6
+        for b, a in zip(before, after, strict=True):
+            assert b["logprobs"][0] != pytest.approx(a["logprobs"][0], abs=1e-6), where
+        assert any(b["response"] != a["response"] for b, a in zip(before, after)), where
+        assert c["buckets"] > 3
+
+
+@pytest.mark.vllm
+@pytest.mark.multirank
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed")
+@pytest.mark.parametrize("world", [2, 4])
+def test_vllm_timings_reported(vllm_runs, models, world):
+    rank0 = _vllm(vllm_runs, models, world)[0]
+    syncs = {k: round(c["sync_s"], 3) for k, c in rank0["cases"].items()}
+    starts = {k: round(v, 1) for k, v in rank0["timings"].items()}
+    print(f"\nws{world}: total {rank0['total_s']:.0f} s, engine starts {starts}, syncs {syncs}")
+    assert all(v > 0 for v in syncs.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_sync_with_sleep_keeps_parameter_addresses(models):
+    """bf16 on one GPU: generate, sleep, sync (wakes the weights), wake the KV cache, generate.
+    vLLM's parameter storages keep their addresses (captured CUDA graphs stay valid) and the
+    log-probs follow the actor (bf16 tolerance)."""
+    (rank,) = _launch(models, "gpu", 1)
+    assert rank["asleep"]
+    assert rank["addresses_unchanged"] and rank["num_params"] > 0
+    assert rank["after"]["rollout/logprob_diff_mean"] < 0.03, rank["after"]
+    assert (
+        rank["before"]["rollout/logprob_diff_mean"] > 3 * rank["after"]["rollout/logprob_diff_mean"]
+    )
