@@ -20,6 +20,7 @@ __all__ = [
     "DIFF_MEAN",
     "batch_sequences",
     "logprob_diff_metrics",
+    "micro_batching",
     "rollout_logprob_consistency",
 ]
 
@@ -69,8 +70,17 @@ def batch_sequences(
     return input_ids, prompt_lengths, lengths, logprobs, mask
 
 
-def _divisor_at_most(n: int, limit: int) -> int:
-    return max(d for d in range(1, min(n, max(limit, 1)) + 1) if n % d == 0)
+def micro_batching(n: int, limit: int, multiple: int = 1) -> tuple[int, int]:
+    """``(padded_n, micro_batch_size)``: the fewest sequences ``>= n`` and the largest micro-batch
+    size ``<= limit`` dividing them into a multiple of ``multiple`` micro-batches (Megatron's
+    interleaved schedule needs a multiple of PP)."""
+    padded = -(-n // multiple) * multiple
+    size = max(
+        d
+        for d in range(1, min(padded, max(limit, 1)) + 1)
+        if padded % d == 0 and (padded // d) % multiple == 0
+    )
+    return padded, size
 
 
 def rollout_logprob_consistency(
@@ -85,24 +95,36 @@ def rollout_logprob_consistency(
     """Recompute ``batch``'s log-probs with the actor and compare them with vLLM's.
 
     Collective like the runner: the TP/PP peers of a DP replica must pass the same ``batch``.
-    The micro-batch size is lowered to a divisor of the batch size when needed. Returns the
+    The micro-batch size is lowered to fit the batch, and with VPP the batch is padded (with
+    copies of its last sequence, results dropped) to a multiple of PP micro-batches. Returns the
     metrics of :func:`logprob_diff_metrics` for this rank's batch (reduce over DP as for any
     other metric).
     """
+    from megatron.core import parallel_state
+
     from megarl.models.runner import run_micro_batches
 
     if len(batch) == 0 or all(not s.response_token_ids for s in batch):
         return {DIFF_MEAN: 0.0, DIFF_MAX: 0.0}
     input_ids, prompt_lengths, lengths, rollout_lp, mask = batch_sequences(batch, pad_token_id)
+    n = len(batch)
+    multiple = parallel_state.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
+    padded, size = micro_batching(n, micro_batch_size, multiple)
+    if padded > n:
+        extra = padded - n
+        input_ids, prompt_lengths, lengths = (
+            torch.cat([t, t[-1:].expand(extra, *t.shape[1:])])
+            for t in (input_ids, prompt_lengths, lengths)
+        )
     result = run_micro_batches(
         chunks,
         input_ids,
         prompt_lengths,
         lengths,
         kind="actor",
-        micro_batch_size=_divisor_at_most(len(batch), micro_batch_size),
+        micro_batch_size=size,
         vocab_size=vocab_size,
         temperature=temperature,
     )
-    actor_lp = result.log_probs.float().cpu()  # type: ignore[union-attr]
+    actor_lp = result.log_probs[:n].float().cpu()  # type: ignore[index]
     return logprob_diff_metrics(rollout_lp, actor_lp, mask)

@@ -128,6 +128,41 @@ def test_peak_meter_sees_a_leaky_engine():
     assert meter.peak == plan.total_bytes > 4 * plan.peak_bytes
 
 
+def test_consistency_helpers():
+    from megarl.rollout.base import RolloutBatch, RolloutSample
+    from megarl.rollout.consistency import (
+        DIFF_MAX,
+        DIFF_MEAN,
+        batch_sequences,
+        logprob_diff_metrics,
+        micro_batching,
+    )
+
+    batch = RolloutBatch(
+        [
+            RolloutSample(0, 0, [5, 6, 7], [8, 9], [-1.0, -2.0], "length"),
+            RolloutSample(0, 1, [5, 6, 7], [10], [-0.5], "stop"),
+        ],
+        n=2,
+    )
+    ids, plen, lens, lp, mask = batch_sequences(batch, pad_token_id=1)
+    assert ids.tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 10, 1]]
+    assert plen.tolist() == [3, 3] and lens.tolist() == [5, 4]
+    assert lp.tolist() == [[-1.0, -2.0], [-0.5, 0.0]] and mask.tolist() == [[1, 1], [1, 0]]
+    actor = torch.tensor([[-1.1, -2.0], [-0.2, 99.0]])  # the padded entry is ignored
+    got = logprob_diff_metrics(lp, actor, mask)
+    assert got[DIFF_MEAN] == pytest.approx(0.4 / 3) and got[DIFF_MAX] == pytest.approx(0.3)
+    assert logprob_diff_metrics(lp[:0], actor[:0], mask[:0]) == {DIFF_MEAN: 0.0, DIFF_MAX: 0.0}
+    with pytest.raises(ValueError, match="shapes differ"):
+        logprob_diff_metrics(lp, actor[:1], mask)
+    # micro-batches: largest size <= limit; with VPP a multiple of PP micro-batches (padding)
+    assert micro_batching(6, 8) == (6, 6)
+    assert micro_batching(6, 4) == (6, 3)
+    assert micro_batching(6, 8, multiple=2) == (6, 3)
+    assert micro_batching(7, 8, multiple=2) == (8, 4)
+    assert micro_batching(5, 2, multiple=4) == (8, 2)
+
+
 # --------------------------------------------------------------------------------------------
 # Multi-rank
 # --------------------------------------------------------------------------------------------
