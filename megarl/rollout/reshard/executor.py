@@ -3,7 +3,8 @@
 Collective over the whole world: every rank calls :func:`sync_weights` with its own model chunks
 and the same plan. Per bucket:
 
-1. every rank allocates the bucket's flat buffer (``bucket.nbytes``);
+1. every rank takes a flat buffer for the bucket (``bucket.nbytes``; the previous bucket's when
+   it is large enough, nobody else holds it and the plan's bound allows, else a new one);
 2. the ranks of the owning pipeline stage fill it: each parameter's TP shards are all-gathered
    (skipped at training TP 1) and rearranged into the Hugging Face layout with strided copies
    straight into the buffer (vocab-parallel shards are gathered in place);
@@ -11,13 +12,13 @@ and the same plan. Per bucket:
    ranks each use their own PP group, so every rank ends up with it);
 4. every rank hands the bucket's HF-named views to its engine (``load_weight_chunk``), which
    slices what its vLLM TP rank needs (KV heads replicated by vLLM when TP_v > KV heads);
-5. the buffer is dropped before the next bucket, or reused for it when nothing else holds it
-   any more (see ``_Buffer``).
+5. the buffer is released (or kept for the next bucket) before the next bucket is filled.
 
 Extra memory on a rank is therefore one bucket plus, on owner ranks, one parameter's all-gather
 buffer (``plan.peak_bytes``), whatever the model size. vLLM holds back a module's tensors until
-the whole module has arrived, so the plan keeps modules whole inside a bucket: nothing outlives
-its bucket.
+the whole module has arrived, so the plan keeps modules whole inside a bucket; it may hold the
+embedding / output layer until the update finishes (padded vocabulary rows), which is why those
+travel alone and why a buffer still referenced by anyone is never reused.
 
 Not done (yet): the shard-only fast path (training TP == vLLM TP, PP 1: hand each rank only its
 own shard, no gather). vLLM's ``load_weights`` takes full HF tensors, so that path needs a
