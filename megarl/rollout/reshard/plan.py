@@ -15,8 +15,8 @@ holding the Hugging Face tensors of whole Megatron *modules* (``linear_qkv`` wei
 travel together, because vLLM holds back a module's tensors until all of them have arrived), all
 owned by one pipeline stage (so one broadcast over the PP group moves it). A module larger than
 ``bucket_bytes`` forms a bucket of its own: the bound is then that module's size. The embedding
-and the output layer always travel alone: vLLM pads its vocabulary to a multiple of 64 per rank
-and, when that leaves rows the checkpoint does not fill, holds the tensor until the update is
+and the output layer always travel alone: vLLM pads its vocabulary to a multiple of 64 rows and,
+when that leaves rows the checkpoint does not fill, holds the tensor until the update is
 finished, which keeps its whole bucket alive that long.
 """
 
@@ -37,6 +37,8 @@ __all__ = [
     "ParamTransfer",
     "ReshardPlan",
     "TrainingLayout",
+    "check_rollout_tp",
+    "check_training_layout",
     "chunk_layer_range",
     "make_reshard_plan",
     "owner_of",
@@ -48,7 +50,8 @@ DEFAULT_BUCKET_BYTES = 1 << 30
 ``megarl plan`` prints the numbers of a given model)."""
 
 VLLM_VOCAB_PADDING = 64
-"""vLLM pads vocab-parallel embeddings to a multiple of this per rank (``DEFAULT_VOCAB_PADDING_SIZE``)."""
+"""vLLM pads vocab-parallel embeddings to a multiple of this many rows, then splits them
+(``DEFAULT_VOCAB_PADDING_SIZE``)."""
 
 
 @dataclass(frozen=True)
@@ -350,7 +353,7 @@ def rollout_shard_shape(
     t = rollout_tp
     if t == 1:
         return shape
-    leaf = hf_name.split(".")[-2] if hf_name.count(".") >= 1 else hf_name
+    leaf = hf_name.split(".")[-2] if "." in hf_name else hf_name
     if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
         padded = -(-shape[0] // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
         return (padded // t, *shape[1:])
