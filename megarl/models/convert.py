@@ -14,17 +14,14 @@ the format used on GPU), so it loads at any TP×PP. Beside the shards it holds
 ``hf_files/`` (config, tokenizer and generation files), so ``megatron-to-hf`` needs nothing else.
 
 Processes: run the command once. When TP×PP > 1 and the process is not already one rank of a
-torchrun / Slurm world, it starts TP×PP local worker processes itself (``spawn``; gloo on CPU,
-NCCL on GPU). Under torchrun / srun the existing world is used (its size must be a multiple of
-TP×PP). Entry points keep their work under ``if __name__ == "__main__":`` (DESIGN.md: the
-checkpoint writer's helper process re-imports the main module).
+torchrun / Slurm world, it starts TP×PP local ranks itself (:mod:`megarl.parallel.spawn`; gloo
+on CPU, NCCL on GPU). Under torchrun / srun the existing world is used (its size must be a
+multiple of TP×PP). Entry points keep their work under ``if __name__ == "__main__":``
+(DESIGN.md: the checkpoint writer's helper process re-imports the main module).
 
-Verification runs a few seeded random token sequences of different lengths through the
-Megatron model (any layout, through Megatron's pipeline schedule) and through the HF model with
-``transformers``, both in float32, after rounding both sides' weights to the coarser of the two
-stored dtypes (so a bf16 checkpoint is compared exactly, not through bf16 kernels). It prints
-``max |Δlogit|`` and fails (exit 1) above ``atol + rtol · max|logit|``. The HF reference is
-loaded by one rank (last pipeline stage, TP rank 0) on the CPU in float32: 4 bytes per parameter.
+Verification (``--verify``, ``verify``; :mod:`megarl.models.verify`) runs seeded random token
+sequences through the Megatron model and, in float32 on one rank's CPU, the ``transformers``
+model; it prints ``max |Δlogit|`` and fails (exit 1) above ``atol + rtol · max|logit|``.
 
 Exit status: 0 ok, 1 verification failed, 2 bad arguments or inputs (one ``error: ...`` line),
 3 an unexpected exception (a bug: traceback shown).
@@ -33,19 +30,17 @@ Exit status: 0 ok, 1 verification failed, 2 bad arguments or inputs (one ``error
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
 import shutil
-import socket
 import struct
 import sys
-import tempfile
 import time
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
+
+from megarl.parallel.spawn import WorkerError, free_port, inside_launched_world, run_local_world
 
 EXIT_OK = 0
 EXIT_MISMATCH = 1
@@ -58,26 +53,15 @@ META_FORMAT = "megarl-gpt/1"
 _META_FILE = "megarl_meta.json"
 """= ``megarl.checkpoint.dist_ckpt.META_FILE`` (not imported here: it pulls in Megatron)."""
 
-_DTYPES = {
-    "fp32": "float32",
-    "float32": "float32",
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-    "fp16": "float16",
-    "float16": "float16",
+_DTYPES = {  # --dtype choices -> torch dtype names
+    alias: name
+    for short, name in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16"))
+    for alias in (short, name)
 }
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 _WEIGHT_SUFFIXES = (
-    ".safetensors",
-    ".bin",
-    ".pt",
-    ".pth",
-    ".ckpt",
-    ".h5",
-    ".msgpack",
-    ".gguf",
-    ".safetensors.index.json",
-    ".bin.index.json",
+    *(".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf"),
+    *(".safetensors.index.json", ".bin.index.json"),
 )
 
 
@@ -116,34 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="HF model directory (config.json, *.safetensors)",
     )
-    to_mg.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
-    _add_layout_args(to_mg)
-    to_mg.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", *_DTYPES],
-        metavar="{auto,fp32,bf16,fp16}",
-        help="stored dtype (default auto: the dtype of the HF tensors)",
-    )
-    to_mg.add_argument("--verify", action="store_true", help="compare logits with the HF model")
-    to_mg.add_argument("--force", action="store_true", help="write into a non-empty --out")
     to_mg.set_defaults(hf_config=None)
-    _add_verify_args(to_mg)
+    _add_conversion_args(
+        to_mg,
+        out="checkpoint directory to write",
+        dtype="stored dtype (default auto: the dtype of the HF tensors)",
+        verify="compare logits with the HF model",
+    )
 
     to_hf = commands.add_parser(
         "megatron-to-hf", help="Megatron distributed checkpoint -> HF safetensors directory"
     )
     to_hf.add_argument(
         "--ckpt", required=True, metavar="DIR", help="checkpoint directory (saved at any TP×PP)"
-    )
-    to_hf.add_argument("--out", required=True, metavar="DIR", help="HF model directory to write")
-    _add_layout_args(to_hf)
-    to_hf.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", *_DTYPES],
-        metavar="{auto,fp32,bf16,fp16}",
-        help="dtype of the written tensors (default auto: the checkpoint's)",
     )
     to_hf.add_argument(
         "--hf-config",
@@ -152,11 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="HF directory giving config.json and tokenizer files, for checkpoints saved "
         "without them (default: the ones stored in the checkpoint)",
     )
-    to_hf.add_argument(
-        "--verify", action="store_true", help="compare logits with the written HF model"
+    _add_conversion_args(
+        to_hf,
+        out="HF model directory to write",
+        dtype="dtype of the written tensors (default auto: the checkpoint's)",
+        verify="compare logits with the written HF model",
     )
-    to_hf.add_argument("--force", action="store_true", help="write into a non-empty --out")
-    _add_verify_args(to_hf)
 
     verify = commands.add_parser(
         "verify", help="compare a Megatron checkpoint's logits with an HF model's"
@@ -171,6 +141,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_layout_args(verify)
     _add_verify_args(verify)
     return parser
+
+
+def _add_conversion_args(
+    parser: argparse.ArgumentParser, *, out: str, dtype: str, verify: str
+) -> None:
+    """What both conversions take: --out, the layout, --dtype, --verify, --force."""
+    parser.add_argument("--out", required=True, metavar="DIR", help=out)
+    _add_layout_args(parser)
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *_DTYPES],
+        metavar="{auto,fp32,bf16,fp16}",
+        help=dtype,
+    )
+    parser.add_argument("--verify", action="store_true", help=verify)
+    parser.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    _add_verify_args(parser)
 
 
 def _add_layout_args(parser: argparse.ArgumentParser) -> None:
@@ -208,17 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConvertError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    world = args.tp * args.pp
-    if world > 1 and not _inside_launched_world():
-        return _spawn_workers(args, world)
-    if not _inside_launched_world():
+    if not inside_launched_world():
+        if args.tp * args.pp > 1:
+            return _run_local_ranks(args, args.tp * args.pp)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    try:
-        return run_rank(args)
-    except Exception:  # noqa: BLE001 - a bug: show it, with its own exit status
-        traceback.print_exc()
-        return EXIT_CRASH
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    return run_rank(args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,123 +330,57 @@ def _check_layout(dims, tp: int, pp: int, vpp: int | None, where: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _inside_launched_world() -> bool:
-    """True under torchrun (RANK/WORLD_SIZE) or a multi-task srun step."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return True
-    return "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
+def rank_main(args: argparse.Namespace) -> int:
+    """Body of each local rank started by :func:`_run_local_ranks` (re-imported by name).
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn_workers(args: argparse.Namespace, world: int) -> int:
-    """Run :func:`run_rank` in ``world`` local processes; returns the worst exit status.
-
-    A worker that fails reports it through its pipe and then waits: the others are stopped
-    first, so that none of them crashes on a vanished peer and buries the one-line error
-    under a traceback.
+    A failure (bad input, crash: its error is printed already) exits, so that the launcher
+    stops the other ranks before this one and none of them buries the one-line error under a
+    traceback. A verification mismatch is a result, not a failure.
     """
-    import multiprocessing
-    from multiprocessing.connection import wait
-
-    ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
-    procs, pipes = [], {}
-    for rank in range(world):
-        recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker, args=(rank, world, port, args, send), name=f"rank{rank}")
-        p.start()
-        send.close()
-        procs.append(p)
-        pipes[recv] = p
-    status = EXIT_OK
-    try:
-        alive = {p.sentinel: p for p in procs}
-        while alive:
-            for ready in wait([*alive, *pipes]):
-                if ready in pipes:  # a failure report, or EOF when the worker ends
-                    failed = pipes.pop(ready)
-                    try:
-                        code = ready.recv()
-                    except EOFError:
-                        continue
-                    status = status or code
-                    _terminate([p for p in procs if p is not failed])
-                    _terminate([failed])
-                elif ready in alive:
-                    p = alive.pop(ready)
-                    p.join()
-                    if p.exitcode:  # died without a report (killed, crashed in start-up)
-                        status = status or (p.exitcode if p.exitcode > 0 else EXIT_MISMATCH)
-                        _terminate(procs)
-    finally:
-        _terminate(procs)
-    return status
-
-
-def _terminate(procs) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join()
-
-
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, report) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    try:
-        code = run_rank(args)
-    except BaseException:  # noqa: BLE001 - a bug: show it, then stop the world cleanly
-        traceback.print_exc()
-        code = EXIT_CRASH
+    code = run_rank(args)
     if code not in (EXIT_OK, EXIT_MISMATCH):
-        report.send(code)
-        time.sleep(300)  # until the launcher terminates this process (after the others)
-    sys.exit(code)
+        sys.exit(code)
+    return code
+
+
+def _run_local_ranks(args: argparse.Namespace, world: int) -> int:
+    """Run the command in ``world`` local processes; returns the worst exit status."""
+    try:
+        return max(run_local_world(rank_main, world, (args,)))
+    except WorkerError as exc:
+        if isinstance(exc.error, SystemExit) and isinstance(exc.error.code, int):
+            return exc.error.code
+        print(f"error: {exc}", file=sys.stderr, flush=True)  # killed, or died in start-up
+        return EXIT_CRASH
 
 
 def run_rank(args: argparse.Namespace) -> int:
-    """One rank's share of the command (collective: every rank of the world calls it)."""
+    """One rank's share of the command (collective: every rank of the world calls it).
+
+    Returns the exit status: a bad input prints one ``error:`` line, a bug its traceback.
+    """
     _quiet_third_party()
+    try:
+        return _run_command(args)
+    # ValueError includes an unsupported architecture and a world that does not fit TP×PP.
+    except (ConvertError, FileNotFoundError, KeyError, ValueError) as exc:
+        _print_error(exc)
+        return EXIT_USAGE  # no teardown: it would break the collectives the peers are in
+    except Exception:  # noqa: BLE001 - a bug: show it, with its own exit status
+        traceback.print_exc()
+        return EXIT_CRASH
+
+
+def _run_command(args: argparse.Namespace) -> int:
     import torch
 
-    # Megatron (and with it torch._dynamo) must be imported before the CPU emulation patches
-    # torch.cuda, or dynamo's import trips over the patched functions.
-    import megarl.models.gpt  # noqa: F401
-    from megarl.models.hf_mapping import UnsupportedArchitectureError
     from megarl.parallel.init import ParallelSizes, destroy_distributed, init_distributed
 
     if not torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    try:
-        init_distributed(ParallelSizes(args.tp, args.pp, args.vpp), seed=args.seed)
-    except ValueError as exc:  # the launched world does not fit TP×PP
-        _print_error(exc)
-        return EXIT_USAGE
-    user_errors = (
-        ConvertError,
-        UnsupportedArchitectureError,
-        FileNotFoundError,
-        KeyError,
-        ValueError,
-    )
-    try:
-        code = _COMMANDS[args.command](args)
-    except user_errors as exc:
-        _print_error(exc)
-        return EXIT_USAGE  # no teardown: it would break the collectives the peers are in
+    init_distributed(ParallelSizes(args.tp, args.pp, args.vpp), seed=args.seed)
+    code = _COMMANDS[args.command](args)
     destroy_distributed()
     return code
 
@@ -477,16 +394,11 @@ def _print_error(exc: BaseException) -> None:
 
 
 def _quiet_third_party() -> None:
-    """Silence known-harmless warnings, and the dist-checkpoint 'overwriting' warning that our
-    own ``megarl_meta.json`` (written before the shards) triggers."""
-    import logging
+    """Silence known-harmless warnings of third-party code."""
     import warnings
 
     for pattern in _HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=f".*{pattern}")
-    logging.getLogger("megatron.core.dist_checkpointing.serialization").addFilter(
-        lambda record: "Overwriting old incomplete" not in record.getMessage()
-    )
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # What Megatron asks for with TP on GPU (async grad all-reduce ordering); no effect on CPU.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -543,15 +455,8 @@ def hf_to_megatron(args: argparse.Namespace) -> int:
     _log(f"building {cfg['architectures'][0]} ({dtype}, TP={args.tp} PP={args.pp}) ...")
     dims, chunks = _build_chunks(cfg, args, dtype)
     _log(f"loading HF weights from {hf_path} ...")
-    with _indexed_view(hf_path) as indexed:
-        try:
-            load_hf_weights(chunks, indexed, dims)
-        except KeyError as exc:  # name the user's directory, not the temporary view
-            raise ConvertError(str(exc.args[0]).replace(str(indexed), str(hf_path))) from None
+    load_hf_weights(chunks, hf_path, dims)
     out = Path(args.out)
-    if _rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        copy_side_files(hf_path, out / HF_FILES_DIR, keep_config=True)
     meta = {
         "format": META_FORMAT,
         "hf_config": cfg,
@@ -561,6 +466,9 @@ def hf_to_megatron(args: argparse.Namespace) -> int:
     }
     _log(f"saving Megatron distributed checkpoint to {out} ...")
     save_model_checkpoint(chunks, out, meta=meta)
+    # After the save: Megatron takes files already in the directory for an incomplete checkpoint.
+    if _rank() == 0:
+        copy_side_files(hf_path, out / HF_FILES_DIR)
     _log(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
     del chunks
     if args.verify:
@@ -584,8 +492,7 @@ def megatron_to_hf(args: argparse.Namespace) -> int:
     _log(f"loading {ckpt} ({stored}, TP={args.tp} PP={args.pp}) ...")
     dims, chunks = _build_chunks(cfg, args, stored)
     load_model_checkpoint(chunks, ckpt)
-    out_cfg = dict(cfg)
-    out_cfg["dtype"] = out_dtype
+    out_cfg = {**cfg, "dtype": out_dtype}
     if "torch_dtype" in out_cfg:
         out_cfg["torch_dtype"] = out_dtype
     _log(f"writing HF safetensors ({out_dtype}) to {args.out} ...")
@@ -598,8 +505,6 @@ def megatron_to_hf(args: argparse.Namespace) -> int:
         dtype=getattr(torch, out_dtype),
         progress=_log,
     )
-    if _rank() == 0 and side_dir is not None:
-        copy_side_files(side_dir, out, keep_config=False)  # those export_hf_weights skips
     _log(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
     del chunks
     if args.verify:
@@ -634,27 +539,6 @@ def _safetensors_header(path: Path) -> dict:
     return header
 
 
-@contextlib.contextmanager
-def _indexed_view(hf_path: Path) -> Iterator[Path]:
-    """``hf_path``, or for a directory without ``model.safetensors.index.json`` a temporary view
-    of it (symlinks plus a generated index).
-
-    Works around :class:`megarl.models.weights.HFCheckpointReader`, which iterates a
-    ``safe_open`` handle (not iterable in safetensors 0.7/0.8) when there is no index.
-    """
-    if (hf_path / "model.safetensors.index.json").exists():
-        yield hf_path
-        return
-    with tempfile.TemporaryDirectory(prefix="megarl-hf-") as tmp:
-        weight_map = {}
-        for f in sorted(hf_path.glob("*.safetensors")):
-            (Path(tmp) / f.name).symlink_to(f.resolve())
-            weight_map.update({name: f.name for name in _safetensors_header(f)})
-        index = {"metadata": {}, "weight_map": weight_map}
-        (Path(tmp) / "model.safetensors.index.json").write_text(json.dumps(index))
-        yield Path(tmp)
-
-
 def safetensors_dtype(hf_path: str | Path) -> str:
     """dtype of the HF tensors (read from a safetensors header; the embedding's if present)."""
     files = sorted(Path(hf_path).glob("*.safetensors"))
@@ -669,167 +553,49 @@ def safetensors_dtype(hf_path: str | Path) -> str:
     raise ConvertError(f"no tensors in {hf_path}/*.safetensors")
 
 
-def copy_side_files(src: Path, dst: Path, *, keep_config: bool) -> list[str]:
-    """Copy the non-weight top-level files of an HF directory (tokenizer, generation config...)."""
+def copy_side_files(src: Path, dst: Path) -> list[str]:
+    """Copy the non-weight top-level files of an HF directory (config, tokenizer, generation
+    config...) into ``dst``; returns their names."""
     dst.mkdir(parents=True, exist_ok=True)
     copied = []
     for f in sorted(Path(src).iterdir()):
         if not f.is_file() or f.name.endswith(_WEIGHT_SUFFIXES):
-            continue
-        if f.name == "config.json" and not keep_config:
             continue
         shutil.copy2(f, dst / f.name)
         copied.append(f.name)
     return copied
 
 
-# --------------------------------------------------------------------------------------------
-# Logit verification
-# --------------------------------------------------------------------------------------------
-
-
-def verify_inputs(vocab_size: int, num_sequences: int, seq_len: int, seed: int) -> list:
-    """Seeded random token sequences, longest first, of different lengths (>= 2 tokens)."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    lengths = [
-        max(2, seq_len - i * max(1, seq_len // (2 * num_sequences))) for i in range(num_sequences)
-    ]
-    return [torch.randint(0, vocab_size, (n,), generator=gen) for n in lengths]
-
-
-def _coarser(a: str, b: str) -> str:
-    """The less precise of two dtype names (float32 loses to either 16-bit type)."""
-    return b if a == "float32" else a
-
-
 def verify_logits(args: argparse.Namespace, *, ckpt: Path, hf_path: Path) -> int:
-    """Compare the checkpoint's logits (Megatron, any layout) with the HF model's (transformers)."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
+    """Compare the checkpoint's logits (Megatron, at ``--tp/--pp/--vpp``) with the HF model's
+    (:mod:`megarl.models.verify`); prints the outcome on rank 0 and returns the exit status."""
     from megarl.checkpoint.dist_ckpt import load_model_checkpoint, read_checkpoint_meta
-    from megarl.parallel.init import device
+    from megarl.models import verify as v
 
     t0 = time.perf_counter()
     meta = read_checkpoint_meta(ckpt)
     cfg, _ = _ckpt_hf_config(ckpt, meta, args.hf_config)
-    common = _coarser(meta.get("dtype") or _config_dtype(cfg), safetensors_dtype(hf_path))
+    common = v.coarser_dtype(meta.get("dtype") or _config_dtype(cfg), safetensors_dtype(hf_path))
     _log(f"verifying {ckpt} against {hf_path} (float32 compute, weights as {common}) ...")
     dims, chunks = _build_chunks(cfg, args, "float32")
     load_model_checkpoint(chunks, ckpt)
-    _round_params([p for c in chunks for p in c.parameters()], common)
-    seqs = verify_inputs(dims.vocab_size, args.num_sequences, args.seq_len, args.seed)
-    logits = megatron_logits(chunks, seqs, dims.vocab_size)
-    del chunks
-    reporter = (
-        logits is not None
-        and parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_data_parallel_rank() == 0
+    v.round_params([p for c in chunks for p in c.parameters()], common)
+    seqs = v.verify_inputs(dims.vocab_size, args.num_sequences, args.seq_len, args.seed)
+    logits = v.megatron_logits(chunks, seqs, dims.vocab_size)
+    del chunks  # before the HF model is loaded beside it
+    outcome = v.compare_with_hf(
+        logits,
+        hf_path,
+        seqs,
+        vocab_size=dims.vocab_size,
+        round_to=common,
+        atol=args.atol,
+        rtol=args.rtol,
     )
-    # [max |Δ|, max |logit|] from the reporting rank; the others contribute -1 to the MAX.
-    result = torch.full((2,), -1.0, dtype=torch.float64, device=device())
-    if reporter:
-        ref = hf_logits(hf_path, seqs, common)
-        diff = max(float((m - r).abs().max()) for m, r in zip(logits, ref, strict=True))
-        scale = max(float(r.abs().max()) for r in ref)
-        result = torch.tensor([diff, scale], dtype=torch.float64, device=device())
-    dist.all_reduce(result, op=dist.ReduceOp.MAX)
-    diff, scale = result.tolist()
-    tol = args.atol + args.rtol * scale
-    ok = diff <= tol
     if _rank() == 0:
-        tokens = sum(len(s) for s in seqs)
-        print(
-            f"max |Δlogit| = {diff:.3e} over {len(seqs)} sequences ({tokens} tokens × "
-            f"{dims.vocab_size} vocab; max |logit| {scale:.3g}); tolerance {tol:.3e}: "
-            f"{'OK' if ok else 'MISMATCH'}",
-            flush=True,
-        )
+        print(outcome.summary(), flush=True)
     _log(f"verification took {time.perf_counter() - t0:.1f} s")
-    return EXIT_OK if ok else EXIT_MISMATCH
-
-
-def _round_params(params, dtype_name: str) -> None:
-    import torch
-
-    if dtype_name == "float32":
-        return
-    with torch.no_grad():
-        for p in params:
-            p.copy_(p.to(getattr(torch, dtype_name)).to(p.dtype))
-
-
-def megatron_logits(chunks, sequences: list, vocab_size: int) -> list | None:
-    """Full-vocabulary float32 logits ``[len_i, vocab_size]`` per sequence (CPU tensors).
-
-    Forward-only through Megatron's schedule (one sequence per micro-batch); the vocab-parallel
-    logits are gathered over TP and the padding trimmed. Collective; returns None off the last
-    pipeline stage.
-    """
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megarl.models.gpt import unwrap
-    from megarl.models.runner import causal_mask
-
-    dev = next(unwrap(chunks[0]).parameters()).device
-    batches = [s.to(dev)[None] for s in sequences]
-    collected: list[torch.Tensor] = []
-
-    def forward_step(data_iterator, model):
-        ids = next(data_iterator)
-        pos = torch.arange(ids.shape[1], device=dev)[None]
-        output = model(ids, pos, causal_mask(ids.shape[1], dev))
-
-        def loss_func(output_tensor):
-            collected.append(output_tensor.detach())
-            return output_tensor.sum() * 0.0, torch.ones((), dtype=torch.int), {}
-
-        return output, loss_func
-
-    with torch.no_grad():
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=[iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches),
-            model=list(chunks) if len(chunks) > 1 else chunks[0],
-            num_microbatches=len(batches),
-            seq_length=max(b.shape[1] for b in batches),
-            micro_batch_size=1,
-            forward_only=True,
-        )
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        return None
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    out = []
-    for local in collected:
-        local = local[0].float().contiguous()  # [S, V/tp]
-        if tp > 1:
-            parts = [torch.empty_like(local) for _ in range(tp)]
-            dist.all_gather(parts, local, group=parallel_state.get_tensor_model_parallel_group())
-            local = torch.cat(parts, dim=-1)
-        out.append(local[:, :vocab_size].cpu())
-    return out
-
-
-def hf_logits(hf_path: Path, sequences: list, round_to: str) -> list:
-    """float32 logits of the HF model (``transformers``, CPU) for each sequence."""
-    import torch
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        hf_path, dtype=torch.float32, attn_implementation="eager", local_files_only=True
-    )
-    model.eval()
-    _round_params(list(model.parameters()), round_to)
-    with torch.no_grad():
-        return [model(input_ids=s[None]).logits[0].float() for s in sequences]
+    return EXIT_OK if outcome.ok else EXIT_MISMATCH
 
 
 _COMMANDS = {

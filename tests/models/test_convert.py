@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from megarl.models import convert
+from megarl.models import convert, verify
 from megarl.models.tiny import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -272,8 +272,8 @@ def test_tools_scripts_help():
 
 
 def test_verify_inputs_are_seeded_and_of_different_lengths():
-    a = convert.verify_inputs(1000, 4, 32, seed=0)
-    b = convert.verify_inputs(1000, 4, 32, seed=0)
+    a = verify.verify_inputs(1000, 4, 32, seed=0)
+    b = verify.verify_inputs(1000, 4, 32, seed=0)
     assert [len(s) for s in a] == sorted({len(s) for s in a}, reverse=True)
     assert len(a[0]) == 32 and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert all(int(s.max()) < 1000 for s in a)
