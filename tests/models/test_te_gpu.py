@@ -63,7 +63,8 @@ def test_te_bf16_logits_match_hf(te_model):
         ref = hf(ids).logits.float()
     # bf16 across two implementations: compare relative to the logit scale.
     assert (ours - ref).abs().max() <= 0.05 * ref.abs().max()
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1)) or (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
+    # Near-ties may flip under bf16; the greedy token must agree almost everywhere.
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.95
 
 
 def test_te_export_round_trip(te_model, tmp_path):
@@ -72,7 +73,9 @@ def test_te_export_round_trip(te_model, tmp_path):
     from megarl.models.weights import HFCheckpointReader, export_hf_weights
 
     path, dims, chunks = te_model
-    out = export_hf_weights(chunks, tmp_path / "export", dims, source_dir=path, dtype=torch.bfloat16)
+    out = export_hf_weights(
+        chunks, tmp_path / "export", dims, source_dir=path, dtype=torch.bfloat16
+    )
     exported = {}
     for f in sorted(out.glob("*.safetensors")):
         exported.update(load_file(f))

@@ -37,7 +37,10 @@ def run(tmp_path_factory) -> dict:
     models = tmp_path_factory.mktemp("models")
     out = tmp_path_factory.mktemp("vllm_out")
     make_tiny_model(models / "tiny", "qwen2", num_key_value_heads=2, seed=0)
-    make_tiny_model(models / "tiny_kv1", "llama", num_key_value_heads=1, seed=1)
+    # Tied: vLLM must re-pack a tied lm_head after a reload (see VLLMEngine).
+    make_tiny_model(
+        models / "tiny_kv1", "llama", num_key_value_heads=1, tie_word_embeddings=True, seed=1
+    )
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),

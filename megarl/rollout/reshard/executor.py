@@ -58,7 +58,6 @@ __all__ = [
     "SyncStats",
     "WeightSink",
     "plan_for_chunks",
-    "refresh_tied_lm_head",
     "slot_view",
     "stream_buckets",
     "sync_weights",
@@ -363,38 +362,4 @@ def sync_weights(
         tp_group=parallel_state.get_tensor_model_parallel_group() if tp > 1 else None,
         pp_group=parallel_state.get_pipeline_model_parallel_group() if pp > 1 else None,
     )
-    if plan.dims.tie_word_embeddings:
-        refresh_tied_lm_head(sink)
     return stats
-
-
-# --------------------------------------------------------------------------------------------
-# vLLM workaround (belongs in VLLMEngine.finish_weight_update)
-# --------------------------------------------------------------------------------------------
-
-
-def refresh_tied_lm_head(engine: object) -> None:
-    """Re-run the tied ``lm_head``'s post-load processing after a weight update.
-
-    vLLM's layerwise reload never gives a tied ``lm_head`` a tensor of its own (its loader skips
-    ``lm_head.*``), so it does not redo that layer's ``process_weights_after_loading``; on CPU
-    that step packs the weight for the GEMM kernel, and the logits kept coming from the *old*
-    embedding (measured: log-prob error 1.1 after an update of a tied model). No-op for other
-    sinks. Remove once :class:`~megarl.rollout.vllm_engine.VLLMEngine` does it itself.
-    """
-    llm = getattr(engine, "_llm", None)
-    if llm is not None:
-        llm.collective_rpc(_reprocess_tied_lm_head)
-
-
-def _reprocess_tied_lm_head(worker: object) -> None:
-    from vllm.config import set_current_vllm_config
-
-    model = worker.model_runner.get_model()  # type: ignore[attr-defined]
-    lm_head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    weight = getattr(lm_head, "weight", None)
-    if weight is None or embed is None or weight is not getattr(embed, "weight", None):
-        return  # not tied (or not this model layout)
-    with set_current_vllm_config(worker.vllm_config):  # type: ignore[attr-defined]
-        lm_head.quant_method.process_weights_after_loading(lm_head)
