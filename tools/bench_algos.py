@@ -4,7 +4,8 @@
 
 Cases (sizes from issue 3):
 - GAE, B=256, T=4096, gamma=0.99, lam=0.95 and gamma=lam=1, whitened — right-padded masks of
-  random length, and masks with interior zeros (multi-turn style) and some all-zero rows;
+  random length, and masks with interior zeros (multi-turn style: masked 32-token spans) and some
+  all-zero rows;
 - GRPO and RLOO, B=1024 in groups of 8, T=1024;
 - the PPO clip policy loss (clip-higher + dual-clip, token-mean), B=256, T=4096.
 The references are written here, deliberately plain: a loop over time steps (GAE, the loss) or over
@@ -18,6 +19,8 @@ speed-up is reference / megarl for each statistic.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import statistics
 import sys
 import time
@@ -101,6 +104,23 @@ def reference_policy_loss(old_log_prob, log_prob, advantages, mask, low, high, c
 # ----------------------------------------------------------------------------- harness
 
 
+def keep_freed_memory() -> bool:
+    """Ask glibc malloc to keep freed memory instead of returning it to the OS.
+
+    By default glibc gives large freed blocks back (munmap, heap trimming), so every call that
+    allocates a few [B, T] float64 buffers faults their pages in again: ~2 us per 4 KiB page in
+    this VM, i.e. ~8 ms of a 15 ms GAE call. PyTorch's CPU performance guide recommends jemalloc
+    or tcmalloc for the same reason. Affects the reference and megarl alike; --no-malloc-tuning
+    measures plain glibc.
+    """
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    libc = ctypes.CDLL(name)
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 30))
+
+
 OURS_REPEAT = 10  # the vectorized code is fast: time it more often than the reference
 
 
@@ -131,8 +151,11 @@ def make_masks(batch, length, generator, interior):
     lengths = torch.randint(length // 8, length + 1, (batch,), generator=generator)
     mask = (torch.arange(length)[None, :] < lengths[:, None]).float()
     if interior:
-        # multi-turn style: observation tokens inside the response, plus some empty rows
-        mask = mask * (torch.rand(batch, length, generator=generator) > 0.3).float()
+        # multi-turn style: 32-token spans (tool observations) masked out inside the response
+        # with probability 0.3, and every 8th row empty
+        span = 32
+        keep = torch.rand(batch, length // span, generator=generator) > 0.3
+        mask = mask * keep.repeat_interleave(span, dim=1).float()
         mask[:: batch // 8] = 0.0
     return mask
 
@@ -210,7 +233,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-malloc-tuning", action="store_true", help="leave glibc malloc at its defaults"
+    )
     args = parser.parse_args()
+    tuned = False if args.no_malloc_tuning else keep_freed_memory()
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(args.seed)
 
@@ -219,8 +246,10 @@ def main() -> None:
     rows += bench_policy_loss(args.repeat, generator)
 
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 inputs; times: best "
-        f"and median of {args.repeat} runs; errors vs the reference evaluated in float64"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 inputs, glibc malloc "
+        f"{'keeps freed memory' if tuned else 'defaults'}; times: best and median of "
+        f"{args.repeat} runs (megarl: {OURS_REPEAT * args.repeat}); errors vs the reference "
+        "evaluated in float64"
     )
     header = (
         f"{'case':<40} {'ref best ms':>11} {'ours best ms':>12} {'speed-up':>9} "

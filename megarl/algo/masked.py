@@ -1,7 +1,8 @@
 """Masked reductions over `[B, T]` tensors.
 
-A mask is boolean or 0/1 of the same shape as the values. Positions where the mask is zero never
-reach a result, not even as NaN or inf: they are replaced by zero before any arithmetic.
+A mask is boolean or 0/1 (binary: verl also multiplies by the mask, which only matters for
+fractional weights, unused here) of the same shape as the values. Positions where the mask is zero
+never reach a result, not even as NaN or inf: they are replaced by zero before any arithmetic.
 """
 
 from __future__ import annotations
@@ -14,11 +15,9 @@ _EPS = 1e-8
 def masked_sum(
     values: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] | None = None
 ) -> torch.Tensor:
-    """Sum of `values` where `mask` is non-zero (weighted by the mask), over `dim` (all if None)."""
-    mask = mask.to(values.dtype) if mask.dtype == torch.bool else mask
-    kept = torch.where(mask != 0, values, torch.zeros((), dtype=values.dtype, device=values.device))
-    total = kept * mask
-    return total.sum() if dim is None else total.sum(dim=dim)
+    """Sum of `values` where the (binary) `mask` is non-zero, over `dim` (all if None)."""
+    kept = torch.where(mask.bool(), values, 0.0)
+    return kept.sum() if dim is None else kept.sum(dim=dim)
 
 
 def masked_mean(

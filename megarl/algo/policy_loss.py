@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from megarl.algo.aggregation import agg_loss
-from megarl.algo.masked import masked_mean
+from megarl.algo.masked import masked_mean, masked_sum
 from megarl.algo.registry import POLICY_LOSSES
 
 # log(pi/pi_old) is clamped to +-20 before exp (exp(20) ~ 4.9e8): one wild token cannot overflow.
@@ -87,14 +87,14 @@ def compute_policy_loss_vanilla(
         seq_token_counts=seq_token_counts,
     )
     with torch.no_grad():
+        mask = response_mask.bool()
+        count = mask.sum().clamp(min=1)
         metrics = {
-            "pg_clipfrac": masked_mean((losses_clipped > losses_unclipped).float(), response_mask),
-            "pg_clipfrac_lower": masked_mean(
-                ((clip_losses > dual_bound) & negative).float(), response_mask
-            ),
-            "ppo_kl": masked_mean(-log_ratio, response_mask),
+            "pg_clipfrac": ((losses_clipped > losses_unclipped) & mask).sum() / count,
+            "pg_clipfrac_lower": ((clip_losses > dual_bound) & negative & mask).sum() / count,
+            "ppo_kl": -masked_sum(log_ratio, mask) / count,
         }
-    return loss, {k: v.detach() for k, v in metrics.items()}
+    return loss, metrics
 
 
 @POLICY_LOSSES.register("gpg")

@@ -36,8 +36,46 @@ def reverse_cumsum(x: torch.Tensor) -> torch.Tensor:
 
 def exclusive_cumsum(mask: torch.Tensor) -> torch.Tensor:
     """int64 `[B, T]`: number of non-zero entries of `mask` strictly before each position."""
-    m = mask.to(torch.int64)
-    return torch.cumsum(m, dim=-1) - m
+    inclusive = torch.cumsum(mask, dim=-1, dtype=torch.int64)
+    exclusive = torch.zeros_like(inclusive)
+    exclusive[..., 1:] = inclusive[..., :-1]
+    return exclusive
+
+
+def _block_length(decay: float) -> int:
+    """Longest run of decaying steps whose weights decay**k stay within exp(-_MAX_LOG_RANGE)."""
+    if decay == 1.0:
+        return 1 << 62
+    return max(1, int(_MAX_LOG_RANGE / -math.log(decay)))
+
+
+def _powers(n: int, decay: float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[n]` decay**k and decay**-k for k = 0..n-1 (n within one block)."""
+    k = torch.arange(n, dtype=like.dtype, device=like.device)
+    powers = torch.exp(k * math.log(decay))
+    return powers, 1.0 / powers
+
+
+def reversed_discounted_cumsum_(rev: torch.Tensor, decay: float) -> torch.Tensor:
+    """In place, on time-reversed rows: given `rev = x.flip(-1)`, overwrite it with
+    `discounted_reverse_cumsum(x, decay).flip(-1)` (every step decays, no breaks) and return it.
+
+    This is GAE's hot path. Working in reversed order turns the reverse cumsum into an in-place
+    forward one, so the caller controls the only two flips and can free each source right away:
+    on CPU every new `[B, T]` float64 buffer is faulted in page by page, and that, not the
+    arithmetic, dominates the run time.
+    """
+    if not 0.0 <= decay <= 1.0:
+        raise ValueError(f"decay must lie in [0, 1], got {decay}")
+    T = rev.shape[-1]
+    if T == 0 or decay == 0.0:
+        return rev
+    if _block_length(decay) < T:
+        return rev.copy_(discounted_reverse_cumsum(rev.flip(-1), decay).flip(-1))
+    if decay == 1.0:
+        return rev.cumsum_(-1)
+    powers, inverse = _powers(T, decay, rev)
+    return rev.mul_(powers.flip(-1)).cumsum_(-1).mul_(inverse.flip(-1))
 
 
 def discounted_reverse_cumsum(
@@ -76,10 +114,7 @@ def discounted_reverse_cumsum(
         breaks = steps if breaks is None else (breaks.bool() | steps)
         exponents = torch.zeros_like(exponents)
         decay = 1.0
-    if decay == 1.0:
-        block = T
-    else:
-        block = max(1, int(_MAX_LOG_RANGE / -math.log(decay)))
+    block = _block_length(decay)
     if block >= T:
         return _scan_block(x, decay, exponents, breaks, carry=None, carry_exponent=None)
 
@@ -124,9 +159,7 @@ def _scan_block(
     n = x.shape[1]
     powers = inverse = None
     if decay != 1.0:
-        k = torch.arange(n, dtype=x.dtype, device=x.device)
-        powers = torch.exp(k * math.log(decay))  # decay**k, >= exp(-_MAX_LOG_RANGE)
-        inverse = 1.0 / powers
+        powers, inverse = _powers(n, decay, x)  # decay**k >= exp(-_MAX_LOG_RANGE)
         if exponents is not None:
             local = exponents - exponents[:, :1]  # 0 .. block length: inside the safe range
             powers = powers.expand(B, n).gather(1, local)

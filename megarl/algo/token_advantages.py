@@ -11,7 +11,12 @@ import torch
 
 from megarl.algo.masked import masked_whiten
 from megarl.algo.registry import ADV_ESTIMATORS
-from megarl.algo.scan import discounted_reverse_cumsum, exclusive_cumsum, reverse_cumsum
+from megarl.algo.scan import (
+    discounted_reverse_cumsum,
+    exclusive_cumsum,
+    reverse_cumsum,
+    reversed_discounted_cumsum_,
+)
 
 _F64 = torch.float64
 
@@ -44,8 +49,8 @@ def compute_gae_advantage_return(
     Rewards at masked positions are ignored, exactly as in the recurrence.
 
     Computed in float64 without a loop over time: the valid tokens of each row are packed to the
-    left (a scatter; free for right-padded rows), where the recurrence is plain GAE solved by
-    `discounted_reverse_cumsum`, and unpacked with one gather. Whitening statistics come from the
+    left (a scatter; free for right-padded rows), where the recurrence is plain GAE solved by a
+    weighted cumulative sum on time-reversed rows (`scan.py`), and unpacked with one gather. Whitening statistics come from the
     packed advantages (masked mean and unbiased variance over the valid tokens, as masked_whiten).
 
     Args:
@@ -61,33 +66,40 @@ def compute_gae_advantage_return(
     """
     _check_unit_interval(gamma=gamma, lam=lam)
     gamma, lam = float(gamma), float(lam)
-    mask = response_mask.bool()
-    length = mask.shape[1]
-    # Pack the valid tokens of each row to the left ("slots"): there the recurrence is plain GAE
-    # whose next value is the next slot's value. Right-padded rows are packed already.
-    packed = length < 2 or bool((mask[:, 1:] <= mask[:, :-1]).all())
-    masked_out = ~mask
-    if response_mask.is_floating_point():  # summing a bool tensor would convert it first
-        lengths = response_mask.sum(dim=-1).round().long()
-    else:
-        lengths = mask.sum(dim=-1)
+    length = response_mask.shape[1]
+    if length == 0:
+        return torch.zeros_like(values), values.clone()
+    lengths, packed = _lengths_and_packed(response_mask)
+    # Large float64 buffers dominate the cost on CPU: every new one is faulted in page by page.
+    # The code below keeps at most three alive at a time and works in place where it can.
     v = values.to(_F64, copy=True)  # converted once (mixed-dtype ops would convert each time)
     delta = token_level_rewards.to(_F64, copy=True).sub_(v)  # r[t] - V[t]
     if packed:
+        # Right-padded rows: the valid tokens already sit in their slots.
         position = None
         delta[:, :-1].add_(v[:, 1:], alpha=gamma)
         # The last valid token of a row has no next value: recompute its delta without one.
-        rows = torch.nonzero((lengths > 0) & (lengths < length)).flatten()
-        last = (rows, lengths[rows] - 1)
-        delta[last] = token_level_rewards[last].to(_F64) - v[last]
-        delta.masked_fill_(masked_out, 0.0)
+        last = (lengths - 1).clamp(min=0).unsqueeze(-1)
+        exact = token_level_rewards.gather(1, last).to(_F64) - v.gather(1, last)
+        has_next = ((lengths > 0) & (lengths < length)).unsqueeze(-1)
+        delta.scatter_(1, last, torch.where(has_next, exact, delta.gather(1, last)))
+        padding = torch.arange(length, device=lengths.device) >= lengths.unsqueeze(-1)
+        delta.masked_fill_(padding, 0.0)
     else:
-        # valid t: its own slot; masked t: the slot of the next valid token (n_valid if none).
+        # Pack the valid tokens of each row to the left ("slots"); there the recurrence is plain
+        # GAE whose next value is the next slot's value. Valid t goes to its own slot, masked t
+        # points at the slot of the next valid token (n_valid if none).
+        mask = response_mask.bool()
         position = exclusive_cumsum(mask)
-        value_slots = _pack(v.masked_fill(masked_out, 0.0), position)
+        masked_out = ~mask
         delta = _pack(delta.masked_fill_(masked_out, 0.0), position)
+        value_slots = _pack(v.masked_fill(masked_out, 0.0), position)
         delta[:, :-1].add_(value_slots[:, 1:], alpha=gamma)  # slots past the last hold 0
-    slot_advantages = discounted_reverse_cumsum(delta, gamma * lam)
+        del value_slots
+    reversed_deltas = delta.flip(-1)
+    del delta  # free before the next allocation (see the note above)
+    slot_advantages = reversed_discounted_cumsum_(reversed_deltas, gamma * lam).flip(-1)
+    del reversed_deltas
     # Unpacking gives masked t the advantage of the next valid token, 0 after the last: verl's
     # carried `lastgaelam`. Slots past the last valid token hold exactly 0.
     if position is None:
@@ -106,6 +118,20 @@ def compute_gae_advantage_return(
     if whiten:
         advantages = advantages.sub_(mean).mul_(torch.rsqrt(var + 1e-8))
     return advantages.to(values.dtype), returns
+
+
+def _lengths_and_packed(response_mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Valid tokens per row (int64 `[B]`) and whether every row is right-padded (1...1 0...0)."""
+    length = response_mask.shape[1]
+    if response_mask.is_floating_point():
+        # Cheap on a float mask: a row is right-padded iff its first 0 sits at index n_valid
+        # (argmin returns the first minimum), or it has no 0 at all.
+        lengths = response_mask.sum(dim=-1).round().long()
+        first_zero = response_mask.argmin(dim=-1)
+        return lengths, bool(((first_zero == lengths) | (lengths == length)).all())
+    mask = response_mask.bool()
+    packed = length < 2 or bool((mask[:, 1:] <= mask[:, :-1]).all())
+    return mask.sum(dim=-1), packed
 
 
 def _pack(x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:

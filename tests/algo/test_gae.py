@@ -148,3 +148,25 @@ def test_any_mask_matches_recurrence(mask_rows, gamma, lam, seed):
     ref_adv, ref_returns = gae_recurrence(rewards, values, mask, gamma, lam)
     _assert_relative(adv, ref_adv)
     _assert_relative(returns, ref_returns)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (1, 1)])
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool, torch.int64])
+def test_degenerate_shapes_and_mask_dtypes(shape, mask_dtype):
+    rewards, values = torch.randn(shape), torch.randn(shape)
+    mask = torch.ones(shape, dtype=mask_dtype)
+    adv, returns = compute_gae_advantage_return(rewards, values, mask, gamma=0.9, lam=0.9)
+    assert adv.shape == shape and returns.shape == shape
+    assert torch.isfinite(adv).all() and torch.isfinite(returns).all()
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float64])
+def test_mask_dtypes_agree(mask_dtype):
+    rewards, values, mask = _random_case(5, 16, 40, "interior")
+    expected = compute_gae_advantage_return(rewards, values, mask, gamma=0.99, lam=0.95)
+    got = compute_gae_advantage_return(rewards, values, mask.to(mask_dtype), gamma=0.99, lam=0.95)
+    torch.testing.assert_close(got, expected)
+    rewards, values, mask = _random_case(6, 16, 40, "right-padded")
+    expected = compute_gae_advantage_return(rewards, values, mask, gamma=0.99, lam=0.95)
+    got = compute_gae_advantage_return(rewards, values, mask.to(mask_dtype), gamma=0.99, lam=0.95)
+    torch.testing.assert_close(got, expected)
