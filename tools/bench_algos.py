@@ -5,15 +5,17 @@
 Cases (sizes from issue 3):
 - GAE, B=256, T=4096, gamma=0.99, lam=0.95 and gamma=lam=1, whitened — right-padded masks of
   random length, and masks with interior zeros (multi-turn style: masked 32-token spans) and some
-  all-zero rows;
+  all-zero rows; each through the default route (the C kernel for CPU tensors, when a compiler
+  is there) and through the vectorized torch code ([vectorized], what other devices run);
 - GRPO and RLOO, B=1024 in groups of 8, T=1024;
 - the PPO clip policy loss (clip-higher + dual-clip, token-mean), B=256, T=4096.
 The references are written here, deliberately plain: a loop over time steps (GAE, the loss) or over
 responses and groups (GRPO/RLOO), the way verl's core_algos computes them. Accuracy is measured
 against the same reference evaluated in float64: max |diff| and max |diff| / |ref| (elementwise,
 over valid tokens, |ref| > 1e-3 * max|ref|). Times: best and median of `--repeat` runs (10x as
-many for megarl) after a warm-up; on a shared machine the best time is the least disturbed one. The
-speed-up is reference / megarl for each statistic.
+many for megarl, interleaved with the reference's so that both see the same load) after a warm-up;
+on a shared machine the best time is the least disturbed one. The speed-up is reference / megarl
+for each statistic.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ from megarl.algo import (
     compute_grpo_outcome_advantage,
     compute_policy_loss_vanilla,
     compute_rloo_outcome_advantage,
+    native,
 )
+from megarl.algo.gae import gae_vectorized
 
 # ----------------------------------------------------------------------------- references
 
@@ -124,15 +128,22 @@ def keep_freed_memory() -> bool:
 OURS_REPEAT = 10  # the vectorized code is fast: time it more often than the reference
 
 
-def timed(fn, repeat):
-    """(best, median) wall time of `repeat` calls after a warm-up, and the last result."""
-    fn()  # warm-up
-    times = []
+def timed_pair(reference, ours, repeat):
+    """Best and median wall times of `reference` (`repeat` calls) and `ours` (OURS_REPEAT times as
+    many), interleaved so that both see the same machine load, after a warm-up of each; and the
+    last result of `ours`."""
+    reference(), ours()
+    ref_times, our_times = [], []
     for _ in range(repeat):
         start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return (min(times), statistics.median(times)), result
+        reference()
+        ref_times.append(time.perf_counter() - start)
+        for _ in range(OURS_REPEAT):
+            start = time.perf_counter()
+            result = ours()
+            our_times.append(time.perf_counter() - start)
+    stats = lambda times: (min(times), statistics.median(times))
+    return stats(ref_times), stats(our_times), result
 
 
 def errors(ours: torch.Tensor, ref64: torch.Tensor, mask: torch.Tensor | None):
@@ -161,25 +172,30 @@ def make_masks(batch, length, generator, interior):
 
 
 def bench_gae(repeat, generator):
+    """Both GAE routes: the default (the C kernel on CPU when it builds) and the vectorized torch
+    code that every other device runs."""
     rows = []
     batch, length = 256, 4096
+    routes = [("", compute_gae_advantage_return), (" [vectorized]", gae_vectorized)]
     for interior in (False, True):
         mask = make_masks(batch, length, generator, interior)
         rewards = torch.randn(batch, length, generator=generator) * mask
         values = torch.randn(batch, length, generator=generator)
         for gamma, lam in ((0.99, 0.95), (1.0, 1.0)):
-            ref_t, _ = timed(partial(reference_gae, rewards, values, mask, gamma, lam), repeat)
-            ours = partial(
-                compute_gae_advantage_return, rewards, values, mask, gamma=gamma, lam=lam
-            )
-            ours_t, (adv, ret) = timed(ours, OURS_REPEAT * repeat)
             adv64, ret64 = reference_gae(
                 rewards.double(), values.double(), mask.double(), gamma, lam
             )
-            adv_abs, adv_rel = errors(adv, adv64, mask)
-            ret_abs, ret_rel = errors(ret, ret64, mask)
-            name = f"GAE g={gamma} l={lam} {'interior zeros' if interior else 'right-padded'}"
-            rows.append((name, ref_t, ours_t, max(adv_abs, ret_abs), max(adv_rel, ret_rel)))
+            for suffix, gae in routes:
+                ref_t, ours_t, (adv, ret) = timed_pair(
+                    partial(reference_gae, rewards, values, mask, gamma, lam),
+                    partial(gae, rewards, values, mask, gamma=gamma, lam=lam),
+                    repeat,
+                )
+                adv_abs, adv_rel = errors(adv, adv64, mask)
+                ret_abs, ret_rel = errors(ret, ret64, mask)
+                masks = "interior zeros" if interior else "right-padded"
+                name = f"GAE g={gamma} l={lam} {masks}{suffix}"
+                rows.append((name, ref_t, ours_t, max(adv_abs, ret_abs), max(adv_rel, ret_rel)))
     return rows
 
 
@@ -199,8 +215,7 @@ def bench_groups(repeat, generator):
         ("rloo", compute_rloo_outcome_advantage),
     ):
         ref = partial(reference_group_advantage, rewards, mask, index_list, kind)
-        ref_t, _ = timed(ref, repeat)
-        ours_t, (adv, _) = timed(partial(fn, rewards, mask, index), OURS_REPEAT * repeat)
+        ref_t, ours_t, (adv, _) = timed_pair(ref, partial(fn, rewards, mask, index), repeat)
         ref64 = reference_group_advantage(rewards.double(), mask.double(), index_list, kind)
         abs_err, rel_err = errors(adv, ref64, mask)
         rows.append(
@@ -216,12 +231,12 @@ def bench_policy_loss(repeat, generator):
     new = old + 0.3 * torch.randn(batch, length, generator=generator)
     adv = torch.randn(batch, length, generator=generator)
     params = {"low": 0.2, "high": 0.28, "clip_c": 3.0}
-    ref_t, _ = timed(lambda: reference_policy_loss(old, new, adv, mask, **params), repeat)
-    ours_t, (loss, _) = timed(
+    ref_t, ours_t, (loss, _) = timed_pair(
+        lambda: reference_policy_loss(old, new, adv, mask, **params),
         lambda: compute_policy_loss_vanilla(
             old, new, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0
         ),
-        OURS_REPEAT * repeat,
+        repeat,
     )
     ref64 = reference_policy_loss(old.double(), new.double(), adv.double(), mask.double(), **params)
     abs_err, rel_err = errors(loss.reshape(1), ref64.reshape(1), None)
@@ -245,6 +260,8 @@ def main() -> None:
     rows += bench_groups(args.repeat, generator)
     rows += bench_policy_loss(args.repeat, generator)
 
+    kernel = "built" if native.load("gae_kernel") is not None else "unavailable (torch fallback)"
+    print(f"GAE C kernel: {kernel}")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 inputs, glibc malloc "
         f"{'keeps freed memory' if tuned else 'defaults'}; times: best and median of "
@@ -252,14 +269,14 @@ def main() -> None:
         "evaluated in float64"
     )
     header = (
-        f"{'case':<40} {'ref best ms':>11} {'ours best ms':>12} {'speed-up':>9} "
+        f"{'case':<46} {'ref best ms':>11} {'ours best ms':>12} {'speed-up':>9} "
         f"{'(median)':>9} {'max|diff|':>10} {'max rel':>9}"
     )
     print(header)
     print("-" * len(header))
     for name, (ref_best, ref_median), (ours_best, ours_median), abs_err, rel_err in rows:
         print(
-            f"{name:<40} {ref_best * 1e3:>11.1f} {ours_best * 1e3:>12.2f} "
+            f"{name:<46} {ref_best * 1e3:>11.1f} {ours_best * 1e3:>12.2f} "
             f"{ref_best / ours_best:>8.1f}x {ref_median / ours_median:>8.1f}x "
             f"{abs_err:>10.2e} {rel_err:>9.2e}"
         )

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from megarl.algo.aggregation import LOSS_AGG_MODES, agg_loss, count_tokens_and_seqs
+from megarl.algo.gae import compute_gae_advantage_return
 from megarl.algo.group_advantages import (
     GroupStats,
     compute_gpg_outcome_advantage,
@@ -48,7 +49,6 @@ from megarl.algo.rollout_correction import (
 )
 from megarl.algo.scan import discounted_reverse_cumsum
 from megarl.algo.token_advantages import (
-    compute_gae_advantage_return,
     compute_reinforce_plus_plus_outcome_advantage,
     compute_remax_outcome_advantage,
 )

@@ -15,7 +15,8 @@ sum is accumulated from terms no larger than its own weight and the rounding err
 the natural size of y[t] (the float64 error is ~1e-16 * T). The exponent range is kept inside
 float64 by cutting the time axis into blocks whose weights stay within exp(+-_MAX_LOG_RANGE); the
 blocks are joined by carrying y at each block start into the block before it (a loop over a few
-blocks, one block for gamma*lambda >= 0.87 at T = 4096). Breaks split the row into segments; each
+blocks, one block for decay >= 0.87 at T = 4096). Used by REINFORCE++ (breaks) and by GAE's
+direct route for lam ~ 0 (masked steps as exponents). Breaks split the row into segments; each
 segment's sum is the global reverse cumsum minus the reverse cumsum at the segment's end.
 """
 
@@ -54,28 +55,6 @@ def _powers(n: int, decay: float, like: torch.Tensor) -> tuple[torch.Tensor, tor
     k = torch.arange(n, dtype=like.dtype, device=like.device)
     powers = torch.exp(k * math.log(decay))
     return powers, 1.0 / powers
-
-
-def reversed_discounted_cumsum_(rev: torch.Tensor, decay: float) -> torch.Tensor:
-    """In place, on time-reversed rows: given `rev = x.flip(-1)`, overwrite it with
-    `discounted_reverse_cumsum(x, decay).flip(-1)` (every step decays, no breaks) and return it.
-
-    This is GAE's hot path. Working in reversed order turns the reverse cumsum into an in-place
-    forward one, so the caller controls the only two flips and can free each source right away:
-    on CPU every new `[B, T]` float64 buffer is faulted in page by page, and that, not the
-    arithmetic, dominates the run time.
-    """
-    if not 0.0 <= decay <= 1.0:
-        raise ValueError(f"decay must lie in [0, 1], got {decay}")
-    T = rev.shape[-1]
-    if T == 0 or decay == 0.0:
-        return rev
-    if _block_length(decay) < T:
-        return rev.copy_(discounted_reverse_cumsum(rev.flip(-1), decay).flip(-1))
-    if decay == 1.0:
-        return rev.cumsum_(-1)
-    powers, inverse = _powers(T, decay, rev)
-    return rev.mul_(powers.flip(-1)).cumsum_(-1).mul_(inverse.flip(-1))
 
 
 def discounted_reverse_cumsum(
