@@ -63,6 +63,57 @@ def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), 1)[None, None]
 
 
+def forward_logits(
+    chunks: Sequence[torch.nn.Module],
+    micro_batches: Sequence[torch.Tensor],
+    keep: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+) -> list[torch.Tensor] | None:
+    """Forward-only pass of token-id micro-batches ``[b, s]`` through Megatron's pipeline schedule.
+
+    On the last pipeline stage returns, per micro-batch in order, ``keep(index, logits)`` of its
+    vocab-parallel logits ``[b, s, V/TP]`` (the logits themselves when ``keep`` is None),
+    detached; None on the other stages. Sequences are right-padded (causal mask only). The
+    interleaved (VPP) schedule wants a multiple of PP micro-batches of one shape.
+    """
+    kept: list[torch.Tensor] = []
+
+    def step(data_iterator, model):
+        ids = next(data_iterator)
+        seq = ids.shape[1]
+        positions = torch.arange(seq, device=ids.device)[None].expand_as(ids)
+        output = model(ids, positions, causal_mask(seq, ids.device))
+
+        def loss_func(logits: torch.Tensor):
+            kept.append((logits if keep is None else keep(len(kept), logits)).detach())
+            return logits.sum() * 0.0, torch.ones((), dtype=torch.int), {}
+
+        return output, loss_func
+
+    interleaved = len(chunks) > 1
+    get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=[iter(micro_batches) for _ in chunks] if interleaved else iter(micro_batches),
+        model=list(chunks) if interleaved else chunks[0],
+        num_microbatches=len(micro_batches),
+        seq_length=max(mb.shape[1] for mb in micro_batches),
+        micro_batch_size=micro_batches[0].shape[0],
+        forward_only=True,
+    )
+    return kept if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else None
+
+
+def gather_vocab(local: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Full-vocabulary float32 ``[..., vocab_size]`` from this rank's vocab-parallel shard
+    (all-gather over TP; the padded vocabulary columns dropped). Collective over TP."""
+    local = local.float().contiguous()
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        group = parallel_state.get_tensor_model_parallel_group()
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local, group=group)
+        local = torch.cat(parts, dim=-1)
+    return local[..., :vocab_size]
+
+
 def _device_of(chunks: Sequence[torch.nn.Module]) -> torch.device:
     return next(unwrap(chunks[0]).parameters()).device
 

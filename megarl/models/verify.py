@@ -22,10 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megarl.models.gpt import unwrap
-from megarl.models.runner import causal_mask
+from megarl.models.runner import forward_logits, gather_vocab
 from megarl.parallel.init import device
 
 
@@ -96,41 +95,10 @@ def megatron_logits(
     pipeline stage.
     """
     dev = next(unwrap(chunks[0]).parameters()).device
-    batches = [s.to(dev)[None] for s in sequences]
-    collected: list[torch.Tensor] = []
-
-    def forward_step(data_iterator, model):
-        ids = next(data_iterator)
-        pos = torch.arange(ids.shape[1], device=dev)[None]
-        output = model(ids, pos, causal_mask(ids.shape[1], dev))
-
-        def loss_func(output_tensor):
-            collected.append(output_tensor.detach())
-            return output_tensor.sum() * 0.0, torch.ones((), dtype=torch.int), {}
-
-        return output, loss_func
-
-    get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=[iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches),
-        model=list(chunks) if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(batches),
-        seq_length=max(b.shape[1] for b in batches),
-        micro_batch_size=1,
-        forward_only=True,
-    )
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+    kept = forward_logits(chunks, [s.to(dev)[None] for s in sequences])
+    if kept is None:
         return None
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    out = []
-    for local in collected:
-        local = local[0].float().contiguous()  # [S, V/tp]
-        if tp > 1:
-            parts = [torch.empty_like(local) for _ in range(tp)]
-            dist.all_gather(parts, local, group=parallel_state.get_tensor_model_parallel_group())
-            local = torch.cat(parts, dim=-1)
-        out.append(local[:, :vocab_size].cpu())
-    return out
+    return [gather_vocab(local[0], vocab_size).cpu() for local in kept]
 
 
 @torch.no_grad()

@@ -18,9 +18,8 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megarl.models.runner import causal_mask
+from megarl.models.runner import forward_logits, gather_vocab
 from megarl.rollout.base import RolloutBatch, RolloutSample, request_seed
 
 
@@ -40,42 +39,17 @@ def last_position_logits(
         input_ids = torch.cat([input_ids, input_ids[:1].expand(rows - n, -1)])
         lengths = torch.cat([lengths, lengths[:1].expand(rows - n)])
     mb_size = rows // num_mb
-    captured: list[torch.Tensor] = []
-
-    def step(it, model):
-        ids, mb_len = next(it)
-        seq = ids.shape[1]
-        pos = torch.arange(seq, device=ids.device)[None].expand_as(ids)
-        output = model(ids, pos, causal_mask(seq, ids.device))
-
-        def loss_func(logits: torch.Tensor):
-            idx = (mb_len.to(logits.device) - 1)[:, None, None].expand(-1, 1, logits.shape[-1])
-            captured.append(logits.gather(1, idx).squeeze(1).detach().float())
-            return logits.sum() * 0.0, torch.ones((), dtype=torch.int), {}
-
-        return output, loss_func
-
     seq = int(lengths.max())
-    mbs = list(zip(input_ids[:, :seq].split(mb_size), lengths.split(mb_size), strict=True))
-    its = [iter(mbs) for _ in chunks]
-    get_forward_backward_func()(
-        forward_step_func=step,
-        data_iterator=its if len(chunks) > 1 else its[0],
-        model=list(chunks) if len(chunks) > 1 else chunks[0],
-        num_microbatches=num_mb,
-        seq_length=seq,
-        micro_batch_size=mb_size,
-        forward_only=True,
-    )
+    last = lengths.split(mb_size)
+
+    def keep(index: int, logits: torch.Tensor) -> torch.Tensor:
+        idx = (last[index].to(logits.device) - 1)[:, None, None].expand(-1, 1, logits.shape[-1])
+        return logits.gather(1, idx).squeeze(1)
+
+    kept = forward_logits(chunks, input_ids[:, :seq].split(mb_size), keep)
     device = input_ids.device
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        local = torch.cat(captured)[:n]
-        if tp > 1:
-            parts = [torch.empty_like(local) for _ in range(tp)]
-            dist.all_gather(parts, local, group=parallel_state.get_tensor_model_parallel_group())
-            local = torch.cat(parts, dim=-1)
-        full = local[:, :vocab_size].contiguous()
+    if kept is not None:
+        full = gather_vocab(torch.cat(kept)[:n], vocab_size).contiguous()
     else:
         full = torch.empty(n, vocab_size, dtype=torch.float32, device=device)
     if pp > 1:

@@ -50,38 +50,10 @@ def _build(path: str, tp: int, pp: int, vpp: int | None, *, critic: bool = False
 
 def _logits(chunks, ids: torch.Tensor) -> torch.Tensor | None:
     """Last-stage vocab-parallel logits ``[N, S, V/TP]`` via the pipeline schedule (None elsewhere)."""
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megarl.models.runner import forward_logits
 
-    from megarl.models.runner import causal_mask
-
-    out: list[torch.Tensor] = []
-    mbs = [ids[i : i + 2] for i in range(0, ids.shape[0], 2)]
-
-    def step(it, model):
-        mb = next(it)
-        pos = torch.arange(mb.shape[1])[None].expand_as(mb)
-        output = model(mb, pos, causal_mask(mb.shape[1], mb.device))
-
-        def loss_func(t):
-            out.append(t.detach())
-            return t.sum() * 0, torch.ones((), dtype=torch.int), {}
-
-        return output, loss_func
-
-    its = [iter(mbs) for _ in chunks]
-    get_forward_backward_func()(
-        forward_step_func=step,
-        data_iterator=its if len(chunks) > 1 else its[0],
-        model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(mbs),
-        seq_length=ids.shape[1],
-        micro_batch_size=2,
-        forward_only=True,
-    )
-    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        return torch.cat(out)
-    return None
+    kept = forward_logits(chunks, list(ids.split(2)))
+    return None if kept is None else torch.cat(kept)
 
 
 def _logit_diff(chunks, dims, ids, lengths, ref: torch.Tensor) -> float:
