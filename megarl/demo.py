@@ -7,13 +7,14 @@ GRPO config at its world size → convert HF → Megatron at TP=2 and verify log
 perturb the actor, sync the weights into vLLM and report the log-prob agreement.
 
 Every step prints what it runs and how long it took; the first failure stops the demo with its
-exit code. Outputs go to ``outputs/`` (``--out`` to change).
+exit code. Outputs go to ``outputs/`` (``--out`` to change); a re-run replaces them.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import shutil
 import subprocess
 import sys
 import time
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         ],
     )
     ckpt = out / "tiny-qwen2-megatron"
+    back = out / "tiny-qwen2-roundtrip"
+    for previous in (ckpt, back):  # the demo's own outputs from an earlier run
+        shutil.rmtree(previous, ignore_errors=True)
     timings["hf→megatron"] = _run(
         "convert HF → Megatron dist checkpoint at TP=2, verify logits",
         [
@@ -92,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
             "--verify",
         ],
     )
-    back = out / "tiny-qwen2-roundtrip"
     timings["megatron→hf"] = _run(
         "convert the checkpoint back to HF at PP=2, verify logits",
         [
@@ -121,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 py,
                 "-m",
                 "torch.distributed.run",
+                "--standalone",  # a free rendezvous port, not the fixed default 29500
                 "--nproc_per_node",
                 "2",
                 "-m",
