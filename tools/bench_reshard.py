@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megarl.models import hf_mapping as hm
-from megarl.models.hf_mapping import ModelDims
+from megarl.models.dims import ModelDims
 from megarl.models.tiny import random_hf_state, tiny_hf_config
 from megarl.rollout.plan_cli import PRESETS
 from megarl.rollout.reshard import TrainingLayout, make_reshard_plan, stream_buckets

@@ -257,7 +257,7 @@ def _check_inputs(args: argparse.Namespace) -> None:
 
 
 def _checked_dims(cfg: dict, tp: int, where: Path):
-    from megarl.models.hf_mapping import ModelDims, UnsupportedArchitectureError
+    from megarl.models.dims import ModelDims, UnsupportedArchitectureError
 
     try:
         return ModelDims.from_hf_config(cfg, tp_size=tp)
@@ -428,8 +428,8 @@ def _build_chunks(cfg: dict, args: argparse.Namespace, dtype_name: str):
     """
     import torch
 
+    from megarl.models.dims import ModelDims
     from megarl.models.gpt import build_gpt_chunks, build_transformer_config
-    from megarl.models.hf_mapping import ModelDims
 
     dims = ModelDims.from_hf_config(cfg, tp_size=args.tp)
     config = build_transformer_config(

@@ -23,8 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megarl.models import hf_mapping as hm
+from megarl.models.dims import ModelDims
 from megarl.models.gpt import ValueHead, layer_offset, unwrap
-from megarl.models.hf_mapping import ModelDims
 
 VALUE_HEAD_HF_NAME = "score.weight"
 """HF name of the critic's value head (as ``*ForTokenClassification`` with one label)."""

@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     from megatron.core import parallel_state
 
+    from megarl.models.dims import ModelDims
     from megarl.models.gpt import build_gpt_chunks, build_transformer_config
-    from megarl.models.hf_mapping import ModelDims
     from megarl.models.weights import load_hf_weights, local_global_names, read_hf_config
     from megarl.parallel.init import ParallelSizes, destroy_distributed, init_distributed
     from megarl.rollout.consistency import DIFF_MAX, DIFF_MEAN, rollout_logprob_consistency

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.models.hf_mapping import ModelDims
+from megarl.models.dims import ModelDims
 from megarl.rollout.reshard.plan import (
     DEFAULT_BUCKET_BYTES,
     ReshardPlan,

@@ -30,8 +30,8 @@ def _max_all(x: float) -> float:
 
 
 def _build(path: str, tp: int, pp: int, vpp: int | None, *, critic: bool = False):
+    from megarl.models.dims import ModelDims
     from megarl.models.gpt import build_gpt_chunks, build_transformer_config
-    from megarl.models.hf_mapping import ModelDims
     from megarl.models.weights import load_hf_weights, read_hf_config
     from megarl.parallel.init import ParallelSizes, init_distributed
 

@@ -18,8 +18,8 @@ def te_model(tmp_path_factory):
     from tests.conftest import free_port
 
     pytest.importorskip("transformer_engine.pytorch")
+    from megarl.models.dims import ModelDims
     from megarl.models.gpt import build_gpt_chunks, build_transformer_config
-    from megarl.models.hf_mapping import ModelDims
     from megarl.models.tiny import make_tiny_model
     from megarl.models.weights import load_hf_weights, read_hf_config
     from megarl.parallel.init import ParallelSizes, init_distributed

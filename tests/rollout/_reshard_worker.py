@@ -178,8 +178,8 @@ def reference_hf(path: str, dims, seed: int) -> dict[str, torch.Tensor]:
 
 
 def build(path: str, tp: int, pp: int, vpp: int | None, dtype=torch.float32):
+    from megarl.models.dims import ModelDims
     from megarl.models.gpt import build_gpt_chunks, build_transformer_config
-    from megarl.models.hf_mapping import ModelDims
     from megarl.models.weights import load_hf_weights, read_hf_config
     from megarl.parallel.init import ParallelSizes, init_distributed
 

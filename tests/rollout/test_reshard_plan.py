@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megarl.models import hf_mapping as hm
-from megarl.models.hf_mapping import ModelDims
+from megarl.models.dims import ModelDims
 from megarl.models.tiny import tiny_hf_config
 from megarl.rollout import plan_cli
 from megarl.rollout.reshard.plan import (

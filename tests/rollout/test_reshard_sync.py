@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megarl.models import hf_mapping as hm
-from megarl.models.hf_mapping import ModelDims
+from megarl.models.dims import ModelDims
 from megarl.models.tiny import random_hf_state, tiny_hf_config
 from megarl.rollout.reshard import TrainingLayout, make_reshard_plan, stream_buckets
 from megarl.rollout.reshard.executor import write_hf_from_shards

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megarl.models import hf_mapping as hm
-from megarl.models.hf_mapping import ModelDims
+from megarl.models.dims import ModelDims
 from megarl.rollout.reshard.plan import (
     DEFAULT_BUCKET_BYTES,
     HFSlot,

@@ -28,7 +28,7 @@ from functools import cached_property
 import torch
 
 from megarl.models import hf_mapping as hm
-from megarl.models.hf_mapping import ModelDims
+from megarl.models.dims import ModelDims
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
