@@ -33,6 +33,9 @@ FLAGS = ("-O2", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off")
 _libraries: dict[str, ctypes.CDLL | None] = {}
 _lock = threading.Lock()
 _pools: dict[int, ThreadPoolExecutor] = {}
+# A forked child inherits the pools but not their threads: work submitted there could wait
+# forever (the executor may count the parent's idle threads as its own).
+os.register_at_fork(after_in_child=_pools.clear)
 
 
 def load(name: str) -> ctypes.CDLL | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -46,3 +47,18 @@ def test_run_split_covers_the_range_in_order():
     assert native.run_split(lambda lo, hi: (lo, hi), 10, 3) == [(0, 3), (3, 6), (6, 10)]
     assert native.run_split(lambda lo, hi: (lo, hi), 2, 8) == [(0, 1), (1, 2)]
     assert native.run_split(lambda lo, hi: (lo, hi), 5, 1) == [(0, 5)]
+
+
+def test_a_forked_child_gets_fresh_threads():
+    import multiprocessing
+
+    native.run_split(lambda lo, hi: hi - lo, 4, 2)  # the parent's pool exists now
+    time.sleep(0.2)  # ... and its threads are idle (the executor counts them as available)
+    context = multiprocessing.get_context("fork")
+    with context.Pool(1) as pool:
+        result = pool.apply_async(native.run_split, (_width, 4, 2))
+        assert result.get(timeout=60) == [2, 2]
+
+
+def _width(lo: int, hi: int) -> int:
+    return hi - lo
