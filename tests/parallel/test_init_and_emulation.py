@@ -11,8 +11,13 @@ from megarl.parallel.init import ParallelSizes, read_launch_env
 
 def test_torchrun_env_wins_over_slurm():
     env = {
-        "RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "node7",
-        "MASTER_PORT": "1234", "SLURM_PROCID": "0", "SLURM_NTASKS": "2",
+        "RANK": "3",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "node7",
+        "MASTER_PORT": "1234",
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
     }
     launch = read_launch_env(env)
     assert (launch.rank, launch.world_size, launch.local_rank) == (3, 8, 1)
@@ -21,8 +26,11 @@ def test_torchrun_env_wins_over_slurm():
 
 def test_slurm_env_without_torchrun():
     env = {
-        "SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5",
-        "SLURM_JOB_NODELIST": "gpu-a,gpu-b", "MASTER_PORT": "29600",
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "16",
+        "SLURM_LOCALID": "5",
+        "SLURM_JOB_NODELIST": "gpu-a,gpu-b",
+        "MASTER_PORT": "29600",
     }
     launch = read_launch_env(env)
     assert (launch.rank, launch.world_size, launch.local_rank) == (5, 16, 5)
