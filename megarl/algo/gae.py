@@ -54,6 +54,7 @@ import torch
 from megarl.algo import native
 from megarl.algo.registry import ADV_ESTIMATORS
 from megarl.algo.scan import discounted_reverse_cumsum, exclusive_cumsum
+from megarl.algo.token_advantages import _check_unit_interval
 
 _F64 = torch.float64
 # Below this lam the folded form's V / lam terms cost precision (error grows like 1 / lam).
@@ -132,15 +133,8 @@ def _checked(rewards, values, mask, gamma, lam) -> tuple[float, float]:
         )
     if values.dim() != 2:
         raise ValueError(f"expected [B, T] tensors, got shape {tuple(values.shape)}")
-    gamma, lam = _unit_interval(gamma=gamma, lam=lam)
-    return gamma, lam
-
-
-def _unit_interval(**params: float) -> tuple[float, ...]:
-    for name, value in params.items():
-        if not 0.0 <= float(value) <= 1.0:
-            raise ValueError(f"{name} must lie in [0, 1], got {value}")
-    return tuple(float(value) for value in params.values())
+    _check_unit_interval(gamma=gamma, lam=lam)
+    return float(gamma), float(lam)
 
 
 _NATIVE_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
