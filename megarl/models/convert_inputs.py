@@ -1,0 +1,133 @@
+"""Input checks of ``megarl convert`` (:mod:`megarl.models.convert`): cheap, in the launching
+process, before any worker starts. Each problem is one :class:`ConvertError` naming the flag,
+path, architecture or size that is wrong."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+_META_FILE = "megarl_meta.json"
+"""= ``megarl.checkpoint.dist_ckpt.META_FILE`` (not imported here: it pulls in Megatron)."""
+
+
+class ConvertError(Exception):
+    """A problem with the user's inputs, reported as one ``error: ...`` line (exit 2)."""
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """Raise :class:`ConvertError` naming the path, architecture or size that is wrong."""
+    for name in ("tp", "pp"):
+        if getattr(args, name) < 1:
+            raise ConvertError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.vpp is not None and (args.vpp < 1 or (args.vpp > 1 and args.pp < 2)):
+        raise ConvertError(f"--vpp {args.vpp} needs --pp >= 2 (and --vpp >= 1)")
+    if args.num_sequences < 1 or args.seq_len < 2:
+        raise ConvertError("--num-sequences must be >= 1 and --seq-len >= 2")
+    if args.command == "hf-to-megatron":
+        _check_hf_dir(args.hf_path, "--hf-path", need_weights=True)
+        _check_out(args.out, args.force)
+        cfg = _read_json(Path(args.hf_path) / "config.json")
+        where = Path(args.hf_path) / "config.json"
+    else:
+        meta = _check_ckpt(args.ckpt)
+        if args.hf_config is not None:
+            _check_hf_dir(args.hf_config, "--hf-config", need_weights=False)
+            cfg = _read_json(Path(args.hf_config) / "config.json")
+            where = Path(args.hf_config) / "config.json"
+        elif "hf_config" in meta:
+            cfg, where = meta["hf_config"], Path(args.ckpt) / _META_FILE
+        else:
+            raise ConvertError(
+                f"--ckpt {args.ckpt} has no HF config in megarl_meta.json; pass --hf-config DIR"
+            )
+        if args.command == "verify":
+            _check_hf_dir(args.hf_path, "--hf-path", need_weights=True)
+        else:
+            _check_out(args.out, args.force)
+    dims = _checked_dims(cfg, args.tp, where)
+    if args.command == "verify":
+        hf_where = Path(args.hf_path) / "config.json"
+        hf_dims = _checked_dims(_read_json(hf_where), args.tp, hf_where)
+        if hf_dims != dims:
+            diff = {
+                f.name: (getattr(dims, f.name), getattr(hf_dims, f.name))
+                for f in dataclasses.fields(dims)
+                if getattr(dims, f.name) != getattr(hf_dims, f.name)
+            }
+            raise ConvertError(
+                f"--hf-path {args.hf_path} is a different model from --ckpt {args.ckpt} "
+                f"(checkpoint vs HF: {diff})"
+            )
+    _check_layout(dims, args.tp, args.pp, args.vpp, where)
+
+
+def _checked_dims(cfg: dict, tp: int, where: Path):
+    from megarl.models.dims import ModelDims, UnsupportedArchitectureError
+
+    try:
+        return ModelDims.from_hf_config(cfg, tp_size=tp)
+    except UnsupportedArchitectureError as exc:
+        raise ConvertError(f"{where}: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConvertError(f"{where}: cannot read the model dimensions ({exc!r})") from None
+
+
+def _check_hf_dir(path: str, flag: str, *, need_weights: bool) -> None:
+    p = Path(path)
+    if not p.exists():
+        raise ConvertError(f"{flag} {path} does not exist")
+    if not p.is_dir():
+        raise ConvertError(f"{flag} {path} is not a directory")
+    if not (p / "config.json").is_file():
+        raise ConvertError(f"{flag} {path} has no config.json (not a Hugging Face model directory)")
+    if need_weights and not any(p.glob("*.safetensors")):
+        raise ConvertError(f"{flag} {path} has no *.safetensors files")
+
+
+def _check_out(path: str, force: bool) -> None:
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConvertError(f"--out {path} exists and is not a directory")
+    if p.is_dir() and any(p.iterdir()) and not force:
+        raise ConvertError(f"--out {path} is not empty (pass --force to write into it)")
+
+
+def _check_ckpt(path: str) -> dict:
+    p = Path(path)
+    if not p.exists():
+        raise ConvertError(f"--ckpt {path} does not exist")
+    if not (p / "metadata.json").is_file():
+        raise ConvertError(
+            f"--ckpt {path} is not a Megatron distributed checkpoint (no metadata.json)"
+        )
+    return _read_json(p / _META_FILE) if (p / _META_FILE).is_file() else {}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConvertError(f"cannot read {path}: {exc}") from None
+
+
+def _check_layout(dims, tp: int, pp: int, vpp: int | None, where: Path) -> None:
+    for what, n in (
+        ("num_attention_heads", dims.num_attention_heads),
+        ("intermediate_size", dims.ffn_hidden_size),
+    ):
+        if n % tp:
+            raise ConvertError(f"--tp {tp} does not divide {what}={n} of {where}")
+    groups = dims.num_query_groups
+    if groups % tp and tp % groups:
+        raise ConvertError(
+            f"--tp {tp} must divide or be a multiple of num_key_value_heads={groups} of {where}"
+        )
+    stages = pp * (vpp or 1)
+    if dims.num_layers % stages:
+        raise ConvertError(
+            f"--pp {pp}{f' × --vpp {vpp}' if vpp else ''} does not divide "
+            f"num_hidden_layers={dims.num_layers} of {where}"
+        )
