@@ -28,7 +28,7 @@ test-fast: venv
 	$(BIN)/python -m pytest -q -ra -m "not slow and not vllm and not multirank"
 
 demo: venv
-	$(BIN)/python -m megarl.demo
+	$(BIN)/python -m megarl.commands.demo
 
 lint: venv
 	$(BIN)/ruff check megarl tests tools

@@ -15,20 +15,45 @@ them.
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
 import sys
 from collections.abc import Callable, Sequence
 
 from megarl.config import ConfigError, MegarlConfig, layout, load_config, to_yaml, validate
 
 EXIT_CONFIG_ERROR = 2
-EXIT_UNAVAILABLE = 1
 
-# Subcommands handled by other packages: argv after the name is passed to ``module.main(argv)``.
-FORWARDED = {
-    "convert": ("megarl.models.convert", "convert checkpoints between HF and Megatron formats"),
-    "plan": ("megarl.rollout.plan_cli", "show how weights move between training and rollout"),
+
+def _convert(argv: list[str]) -> int:
+    from megarl.commands import convert
+
+    return convert.main(argv)
+
+
+def _plan(argv: list[str]) -> int:
+    from megarl.commands import plan
+
+    return plan.main(argv)
+
+
+def _data(argv: list[str]) -> int:
+    from megarl.commands import data
+
+    return data.main(argv)
+
+
+def _tracking(argv: list[str]) -> int:
+    from megarl.commands import tracking
+
+    return tracking.main(argv)
+
+
+# Subcommands with parsers of their own: argv after the name goes to their ``main(argv)``. Each
+# is imported only when called (convert and plan pull in torch and Megatron).
+FORWARDED: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "convert": (_convert, "convert checkpoints between HF and Megatron formats"),
+    "plan": (_plan, "show how weights move between training and rollout"),
+    "data": (_data, "make synthetic prompt data (megarl data synth)"),
+    "tracking": (_tracking, "tracking utilities (megarl tracking sync RUN_DIR)"),
 }
 
 
@@ -36,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``megarl`` command line; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in FORWARDED:
-        return _forward(argv[0], argv[1:])
+        result = FORWARDED[argv[0]][0](argv[1:])
+        return result if isinstance(result, int) else 0
     parser = build_parser()
     # Overrides are the arguments argparse does not know; they may come before or after options.
     args, extras = parser.parse_known_args(argv)
@@ -123,27 +149,9 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    cfg = _load(args)
-    world_size = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else None
-    warnings = validate(cfg, world_size, check_paths=True)
-    if os.environ.get("RANK", "0") == "0":
-        _print_warnings(warnings)
-    try:
-        trainer = importlib.import_module("megarl.trainer")
-    except ModuleNotFoundError as exc:
-        if exc.name != "megarl.trainer":
-            raise
-        trainer = None
-    run: Callable | None = getattr(trainer, "main", None)
-    if run is None:
-        print(
-            "error: the trainer is not implemented yet (megarl.trainer.main is missing); the "
-            "configuration is valid",
-            file=sys.stderr,
-        )
-        return EXIT_UNAVAILABLE
-    result = run(cfg)
-    return result if isinstance(result, int) else 0
+    from megarl import train
+
+    return train.run(args.config, args.overrides)
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -160,25 +168,6 @@ def _keys(args: argparse.Namespace) -> int:
             default = " ".join(default.split()) if len(default) < 60 else "..."
             print(f"{key} = {default}\n    {field_docs(owner).get(field.name, '')}")
     return 0
-
-
-def _forward(name: str, argv: list[str]) -> int:
-    module_name = FORWARDED[name][0]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is None or not module_name.startswith(exc.name):
-            raise
-        module = None
-    run = getattr(module, "main", None)
-    if run is None:
-        print(
-            f"error: 'megarl {name}' is not available yet ({module_name}.main is missing)",
-            file=sys.stderr,
-        )
-        return EXIT_UNAVAILABLE
-    result = run(argv)
-    return result if isinstance(result, int) else 0
 
 
 def _print_warnings(warnings: list[str]) -> None:

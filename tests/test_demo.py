@@ -1,4 +1,4 @@
-"""The README's main command (`make demo` = `python -m megarl.demo`) runs end to end, also over
+"""The README's main command (`make demo` = `python -m megarl.commands.demo`) runs end to end, also over
 the outputs of an earlier run."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def test_demo_runs_over_an_earlier_runs_outputs(tmp_path):
         (tmp_path / leftover).mkdir()
         (tmp_path / leftover / "stale.txt").write_text("from an earlier run")
     done = subprocess.run(
-        [sys.executable, "-m", "megarl.demo", "--out", str(tmp_path)],
+        [sys.executable, "-m", "megarl.commands.demo", "--out", str(tmp_path)],
         check=False,
         cwd=REPO,
         capture_output=True,

@@ -28,10 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megarl.commands.plan import PRESETS
 from megarl.models import hf_mapping as hm
 from megarl.models.dims import ModelDims
 from megarl.models.tiny import random_hf_state, tiny_hf_config
-from megarl.rollout.plan_cli import PRESETS
 from megarl.rollout.reshard import TrainingLayout, make_reshard_plan, stream_buckets
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

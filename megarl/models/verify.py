@@ -9,7 +9,7 @@ reports ``max |Δlogit|`` against ``atol + rtol · max|logit|``.
 
 The HF reference is loaded by one rank (last pipeline stage, TP rank 0, DP rank 0) on the CPU in
 float32: 4 bytes per parameter. Used by ``megarl convert ... --verify`` and ``megarl convert
-verify`` (:mod:`megarl.models.convert`).
+verify`` (:mod:`megarl.commands.convert`).
 """
 
 from __future__ import annotations

@@ -18,24 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.parallel.emulation import enable_cpu_emulation
-
-
-@dataclass(frozen=True)
-class ParallelSizes:
-    """Model-parallel grid sizes; data parallel is what remains of the world."""
-
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-
-    def model_parallel_size(self) -> int:
-        return (
-            self.tensor_model_parallel_size
-            * self.pipeline_model_parallel_size
-            * self.context_parallel_size
-        )
+from megarl.parallel.layout import ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -92,7 +75,7 @@ def device() -> torch.device:
 
 
 def init_distributed(
-    sizes: ParallelSizes = ParallelSizes(),
+    sizes: ParallelLayout | None = None,
     *,
     seed: int = 1234,
     timeout_minutes: int = 30,
@@ -101,15 +84,9 @@ def init_distributed(
 
     Raises ``ValueError`` naming the sizes when the world is not divisible by TP×PP×CP.
     """
+    sizes = sizes or ParallelLayout()
     launch = read_launch_env()
-    model_parallel = sizes.model_parallel_size()
-    if launch.world_size % model_parallel:
-        raise ValueError(
-            f"world size {launch.world_size} is not divisible by tensor_model_parallel_size × "
-            f"pipeline_model_parallel_size × context_parallel_size = "
-            f"{sizes.tensor_model_parallel_size}×{sizes.pipeline_model_parallel_size}×"
-            f"{sizes.context_parallel_size}"
-        )
+    sizes.data_parallel_size(launch.world_size)  # raises naming the sizes
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())

@@ -33,9 +33,10 @@ def _build(path: str, tp: int, pp: int, vpp: int | None, *, critic: bool = False
     from megarl.models.dims import ModelDims
     from megarl.models.gpt import build_gpt_chunks, build_transformer_config
     from megarl.models.weights import load_hf_weights, read_hf_config
-    from megarl.parallel.init import ParallelSizes, init_distributed
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
 
-    init_distributed(ParallelSizes(tp, pp, vpp), seed=1234)
+    init_distributed(ParallelLayout(tp, pp, vpp), seed=1234)
     dims = ModelDims.from_hf_config(read_hf_config(path), tp_size=tp)
     config = build_transformer_config(
         dims,
@@ -203,9 +204,10 @@ def _vocab_parallel_check(results: dict) -> None:
     from megatron.core import parallel_state
 
     from megarl.models.logprobs import vocab_parallel_log_probs_and_entropy
-    from megarl.parallel.init import ParallelSizes, init_distributed
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
 
-    init_distributed(ParallelSizes(2, 1))
+    init_distributed(ParallelLayout(2, 1))
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     group = parallel_state.get_tensor_model_parallel_group()
     vocab, padded = 1000, 1024

@@ -20,7 +20,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from megarl.models import convert, verify
+from megarl.commands import convert
+from megarl.models import verify
 from megarl.models.tiny import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]

@@ -22,11 +22,12 @@ def te_model(tmp_path_factory):
     from megarl.models.gpt import build_gpt_chunks, build_transformer_config
     from megarl.models.tiny import make_tiny_model
     from megarl.models.weights import load_hf_weights, read_hf_config
-    from megarl.parallel.init import ParallelSizes, init_distributed
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())
-    init_distributed(ParallelSizes(1, 1))
+    init_distributed(ParallelLayout(1, 1))
     path = make_tiny_model(tmp_path_factory.mktemp("te") / "qwen2", family="qwen2")
     dims = ModelDims.from_hf_config(read_hf_config(path))
     config = build_transformer_config(

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from megarl.parallel import emulation
-from megarl.parallel.init import ParallelSizes, read_launch_env
+from megarl.parallel.init import read_launch_env
+from megarl.parallel.layout import ParallelLayout
 
 
 def test_torchrun_env_wins_over_slurm():
@@ -44,7 +45,7 @@ def test_single_process_default():
 
 
 def test_model_parallel_size():
-    assert ParallelSizes(2, 4, None, 2).model_parallel_size() == 16
+    assert ParallelLayout(2, 4, None, 2).model_parallel_size() == 16
 
 
 def test_world_not_divisible_names_sizes(monkeypatch):
@@ -53,7 +54,7 @@ def test_world_not_divisible_names_sizes(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ValueError, match=r"world size 3 .*tensor_model_parallel_size"):
-        init_distributed(ParallelSizes(2, 1))
+        init_distributed(ParallelLayout(2, 1))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="emulation is CPU-only")

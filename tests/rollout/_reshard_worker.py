@@ -181,9 +181,10 @@ def build(path: str, tp: int, pp: int, vpp: int | None, dtype=torch.float32):
     from megarl.models.dims import ModelDims
     from megarl.models.gpt import build_gpt_chunks, build_transformer_config
     from megarl.models.weights import load_hf_weights, read_hf_config
-    from megarl.parallel.init import ParallelSizes, init_distributed
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
 
-    init_distributed(ParallelSizes(tp, pp, vpp), seed=1234)
+    init_distributed(ParallelLayout(tp, pp, vpp), seed=1234)
     dims = ModelDims.from_hf_config(read_hf_config(path), tp_size=tp)
     config = build_transformer_config(
         dims,

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megarl.commands import plan as plan_cli
 from megarl.models import hf_mapping as hm
 from megarl.models.dims import ModelDims
 from megarl.models.tiny import tiny_hf_config
-from megarl.rollout import plan_cli
 from megarl.rollout.reshard.plan import (
     TrainingLayout,
     chunk_layer_range,

@@ -1,6 +1,6 @@
 """Demo step: a Megatron actor and a vLLM engine in one torchrun world, kept in sync.
 
-    torchrun --nproc_per_node 2 -m megarl.rollout.demo_sync --model outputs/tiny-qwen2
+    torchrun --nproc_per_node 2 -m megarl.commands.demo_sync --model outputs/tiny-qwen2
 
 Builds the actor at ``--tp``×``--pp`` from an HF checkpoint, starts vLLM at ``--rollout-tp``
 inside the same processes, then: generate → compare vLLM's log-probs with the actor's →
@@ -26,7 +26,9 @@ def _print0(msg: str) -> None:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="megarl.rollout.demo_sync", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="megarl.commands.demo_sync", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--model", required=True, help="HF model directory")
     p.add_argument("--tp", type=int, default=2, help="actor tensor parallel size")
     p.add_argument("--pp", type=int, default=1, help="actor pipeline parallel size")
@@ -44,13 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     from megarl.models.dims import ModelDims
     from megarl.models.gpt import build_gpt_chunks, build_transformer_config
     from megarl.models.weights import load_hf_weights, local_global_names, read_hf_config
-    from megarl.parallel.init import ParallelSizes, destroy_distributed, init_distributed
+    from megarl.parallel.init import destroy_distributed, init_distributed
+    from megarl.parallel.layout import ParallelLayout
     from megarl.rollout.consistency import DIFF_MAX, DIFF_MEAN, rollout_logprob_consistency
     from megarl.rollout.distribute import generate_distributed
     from megarl.rollout.reshard import plan_for_chunks, sync_weights
     from megarl.rollout.vllm_engine import VLLMEngine
 
-    init_distributed(ParallelSizes(args.tp, args.pp), seed=0)
+    init_distributed(ParallelLayout(args.tp, args.pp), seed=0)
     dims = ModelDims.from_hf_config(read_hf_config(args.model), tp_size=args.tp)
     config = build_transformer_config(
         dims, tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp

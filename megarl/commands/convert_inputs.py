@@ -1,4 +1,4 @@
-"""Input checks of ``megarl convert`` (:mod:`megarl.models.convert`): cheap, in the launching
+"""Input checks of ``megarl convert`` (:mod:`megarl.commands.convert`): cheap, in the launching
 process, before any worker starts. Each problem is one :class:`ConvertError` naming the flag,
 path, architecture or size that is wrong."""
 

@@ -39,7 +39,7 @@ import time
 import traceback
 from pathlib import Path
 
-from megarl.models.convert_inputs import ConvertError, check_inputs
+from megarl.commands.convert_inputs import ConvertError, check_inputs
 from megarl.parallel.spawn import WorkerError, free_port, inside_launched_world, run_local_world
 
 EXIT_OK = 0
@@ -247,12 +247,13 @@ def run_rank(args: argparse.Namespace) -> int:
 def _run_command(args: argparse.Namespace) -> int:
     import torch
 
-    from megarl.parallel.init import ParallelSizes, destroy_distributed, init_distributed
+    from megarl.parallel.init import destroy_distributed, init_distributed
+    from megarl.parallel.layout import ParallelLayout
 
     if not torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    init_distributed(ParallelSizes(args.tp, args.pp, args.vpp), seed=args.seed)
+    init_distributed(ParallelLayout(args.tp, args.pp, args.vpp), seed=args.seed)
     code = _COMMANDS[args.command](args)
     destroy_distributed()
     return code

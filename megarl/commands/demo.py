@@ -3,7 +3,7 @@
 Until the trainer lands this is: make a tiny randomised Qwen2 checkpoint → validate the tiny
 GRPO config at its world size → convert HF → Megatron at TP=2 and verify logits against
 ``transformers`` → convert back at PP=2, verify, and check the round trip is bit-identical →
-(when the resharding module is present) start Megatron TP=2 and vLLM TP=2 in one torchrun world,
+start Megatron TP=2 and vLLM TP=2 in one torchrun world,
 perturb the actor, sync the weights into vLLM and report the log-prob agreement.
 
 Every step prints what it runs and how long it took; the first failure stops the demo with its
@@ -13,7 +13,6 @@ exit code. Outputs go to ``outputs/`` (``--out`` to change); a re-run replaces t
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -48,7 +47,7 @@ def _same_tensors(a: Path, b: Path) -> tuple[bool, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m megarl.demo", description=__doc__.split("\n")[0]
+        prog="python -m megarl.commands.demo", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--out", default="outputs", help="directory for the demo's files")
     args = parser.parse_args(argv)
@@ -117,22 +116,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nround trip HF → Megatron(TP=2) → HF(PP=2): {count} tensors, bit-identical: {same}")
     if not same:
         return 1
-    if importlib.util.find_spec("megarl.rollout.demo_sync") is not None:
-        timings["rollout+sync"] = _run(
-            "Megatron TP=2 actor + vLLM TP=2 in one torchrun world: generate, perturb, sync",
-            [
-                py,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",  # a free rendezvous port, not the fixed default 29500
-                "--nproc_per_node",
-                "2",
-                "-m",
-                "megarl.rollout.demo_sync",
-                "--model",
-                str(model),
-            ],
-        )
+    timings["rollout+sync"] = _run(
+        "Megatron TP=2 actor + vLLM TP=2 in one torchrun world: generate, perturb, sync",
+        [
+            py,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",  # a free rendezvous port, not the fixed default 29500
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "megarl.commands.demo_sync",
+            "--model",
+            str(model),
+        ],
+    )
     print("\nsummary:")
     for step, took in timings.items():
         print(f"  {step:<14} {took:6.1f} s")

@@ -1,0 +1,53 @@
+"""Training entry point: ``torchrun --nproc_per_node N -m megarl.train --config X.yaml [k=v ...]``.
+
+Also reached as ``megarl train``. Kept light to import: dist-checkpointing's writer starts a
+``spawn``-context helper process that re-imports the launching module (DESIGN.md), so nothing
+heavy happens at import time and all work sits under ``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from megarl.config import ConfigError, load_config, validate
+
+EXIT_CONFIG_ERROR = 2
+
+
+def run(config_paths: Sequence[str], overrides: Sequence[str]) -> int:
+    """Load, validate (files and world size included) and train; returns the exit status."""
+    try:
+        cfg = load_config(list(config_paths), list(overrides))
+        world_size = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else None
+        warnings = validate(cfg, world_size, check_paths=True)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    if os.environ.get("RANK", "0") == "0":
+        for message in warnings:
+            print(f"warning: {message}", file=sys.stderr)
+    from megarl import trainer
+
+    result = trainer.main(cfg)
+    return result if isinstance(result, int) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m megarl.train",
+        description="Run PPO/GRPO training (one process per device, under torchrun or srun).",
+        usage="%(prog)s -c FILE [-c FILE ...] [KEY=VALUE ...]",
+    )
+    parser.add_argument("-c", "--config", action="append", required=True, metavar="FILE")
+    args, overrides = parser.parse_known_args(argv)
+    bad = [a for a in overrides if a.startswith("-")]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    return run(args.config, overrides)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

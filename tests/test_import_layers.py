@@ -1,0 +1,110 @@
+"""Package layering: lower packages never import higher ones, no package cycle, no string imports.
+
+Every import is found by walking the syntax tree of every module, imports inside functions
+included. Packages of one layer may import each other as long as no cycle forms.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "megarl"
+
+LAYERS: dict[str, int] = {
+    **dict.fromkeys(("algo", "config", "parallel"), 0),
+    "models": 1,
+    **dict.fromkeys(("checkpoint", "rollout", "data", "reward", "tracking"), 2),
+    "trainer": 3,
+    **dict.fromkeys(("commands", "cli", "train"), 4),
+}
+
+
+def _package_of(path: Path) -> str:
+    rel = path.relative_to(PACKAGE).with_suffix("")
+    return rel.parts[0]
+
+
+def _imported_packages(tree: ast.AST) -> list[tuple[str, int]]:
+    """(top-level megarl package, line) of every import of megarl code in ``tree``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "megarl":
+                names = [f"megarl.{a.name}" for a in node.names]
+            else:
+                names = [node.module]
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            raise AssertionError(f"relative import at line {node.lineno}: use absolute imports")
+        else:
+            continue
+        found += [(n.split(".")[1], node.lineno) for n in names if n.startswith("megarl.")]
+    return found
+
+
+def _edges() -> dict[str, set[tuple[str, str]]]:
+    edges: dict[str, set[tuple[str, str]]] = defaultdict(set)
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent == PACKAGE and path.name == "__init__.py":
+            continue
+        src = _package_of(path)
+        for dst, line in _imported_packages(ast.parse(path.read_text(), str(path))):
+            if dst != src:
+                edges[src].add((dst, f"{path.relative_to(PACKAGE.parent)}:{line}"))
+    return edges
+
+
+def test_every_package_has_a_layer():
+    packages = {_package_of(p) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+    packages |= {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert packages <= set(LAYERS), f"add {sorted(packages - set(LAYERS))} to LAYERS"
+
+
+def test_lower_layers_never_import_higher_ones():
+    wrong = [
+        f"{where}: {src} (layer {LAYERS[src]}) imports {dst} (layer {LAYERS[dst]})"
+        for src, targets in _edges().items()
+        for dst, where in targets
+        if LAYERS[dst] > LAYERS[src]
+    ]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_no_package_cycle():
+    graph = {src: {dst for dst, _ in targets} for src, targets in _edges().items()}
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                pytest.fail("package cycle: " + " -> ".join([*stack, node, nxt]))
+            if nxt not in state:
+                visit(nxt, [*stack, node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+
+
+def test_no_string_imports():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                fn = node.func
+                name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+                if name in ("import_module", "__import__", "find_spec"):
+                    offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {name}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_walk_sees_imports_inside_functions():
+    tree = ast.parse("def f():\n    from megarl import trainer\n    import megarl.models.gpt\n")
+    assert sorted(p for p, _ in _imported_packages(tree)) == ["models", "trainer"]
