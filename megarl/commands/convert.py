@@ -294,42 +294,37 @@ def _log(message: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _build_chunks(cfg: dict, args: argparse.Namespace, dtype_name: str):
-    """This rank's model chunks, uninitialised (the caller loads every parameter).
+def _build_chunks(hf_path: Path | None, cfg: dict, args: argparse.Namespace, dtype_name: str):
+    """This rank's model chunks: loaded from ``hf_path``, or uninitialised (``hf_path`` None) for
+    a checkpoint load.
 
     The vocabulary is padded for this TP; a checkpoint saved with another padding still loads
     (Megatron marks the embedding and output layer ``allow_shape_mismatch``).
     """
     import torch
 
+    from megarl.models.build import build_model
     from megarl.models.dims import ModelDims
-    from megarl.models.gpt import build_gpt_chunks, build_transformer_config
+    from megarl.parallel.layout import ParallelLayout
 
-    dims = ModelDims.from_hf_config(cfg, tp_size=args.tp)
-    config = build_transformer_config(
-        dims,
-        tensor_model_parallel_size=args.tp,
-        pipeline_model_parallel_size=args.pp,
-        virtual_pipeline_model_parallel_size=args.vpp,
-        params_dtype=getattr(torch, dtype_name),
-    )
-    config.perform_initialization = False  # every parameter is overwritten by the load
-    return dims, build_gpt_chunks(dims, config)
+    layout = ParallelLayout(args.tp, args.pp, args.vpp)
+    source = hf_path if hf_path is not None else ModelDims.from_hf_config(cfg, tp_size=args.tp)
+    built = build_model(source, layout, dtype=getattr(torch, dtype_name), initialize=False)
+    return built.dims, built.chunks
 
 
 def hf_to_megatron(args: argparse.Namespace) -> int:
     """Load the HF directory into a model at ``--tp/--pp/--vpp`` and save a dist checkpoint."""
     from megarl.checkpoint.dist_ckpt import save_model_checkpoint
-    from megarl.models.weights import load_hf_weights, read_hf_config
+    from megarl.models.weights import read_hf_config
 
     t0 = time.perf_counter()
     hf_path = Path(args.hf_path).resolve()
     cfg = read_hf_config(hf_path)
     dtype = _DTYPES.get(args.dtype) or safetensors_dtype(hf_path)
     _log(f"building {cfg['architectures'][0]} ({dtype}, TP={args.tp} PP={args.pp}) ...")
-    dims, chunks = _build_chunks(cfg, args, dtype)
     _log(f"loading HF weights from {hf_path} ...")
-    load_hf_weights(chunks, hf_path, dims)
+    _, chunks = _build_chunks(hf_path, cfg, args, dtype)
     out = Path(args.out)
     meta = {
         "format": META_FORMAT,
@@ -364,7 +359,7 @@ def megatron_to_hf(args: argparse.Namespace) -> int:
     stored = meta.get("dtype") or _config_dtype(cfg)
     out_dtype = _DTYPES.get(args.dtype) or stored
     _log(f"loading {ckpt} ({stored}, TP={args.tp} PP={args.pp}) ...")
-    dims, chunks = _build_chunks(cfg, args, stored)
+    dims, chunks = _build_chunks(None, cfg, args, stored)
     load_model_checkpoint(chunks, ckpt)
     out_cfg = {**cfg, "dtype": out_dtype}
     if "torch_dtype" in out_cfg:
@@ -451,7 +446,7 @@ def verify_logits(args: argparse.Namespace, *, ckpt: Path, hf_path: Path) -> int
     cfg, _ = _ckpt_hf_config(ckpt, meta, args.hf_config)
     common = v.coarser_dtype(meta.get("dtype") or _config_dtype(cfg), safetensors_dtype(hf_path))
     _log(f"verifying {ckpt} against {hf_path} (float32 compute, weights as {common}) ...")
-    dims, chunks = _build_chunks(cfg, args, "float32")
+    dims, chunks = _build_chunks(None, cfg, args, "float32")
     load_model_checkpoint(chunks, ckpt)
     v.round_params([p for c in chunks for p in c.parameters()], common)
     seqs = v.verify_inputs(dims.vocab_size, args.num_sequences, args.seq_len, args.seed)

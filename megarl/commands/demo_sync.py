@@ -43,9 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     from megatron.core import parallel_state
 
-    from megarl.models.dims import ModelDims
-    from megarl.models.gpt import build_gpt_chunks, build_transformer_config
-    from megarl.models.weights import load_hf_weights, local_global_names, read_hf_config
+    from megarl.models.build import build_model
+    from megarl.models.weights import local_global_names
     from megarl.parallel.init import destroy_distributed, init_distributed
     from megarl.parallel.layout import ParallelLayout
     from megarl.rollout.consistency import DIFF_MAX, DIFF_MEAN, rollout_logprob_consistency
@@ -53,13 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     from megarl.rollout.reshard import plan_for_chunks, sync_weights
     from megarl.rollout.vllm_engine import VLLMEngine
 
-    init_distributed(ParallelLayout(args.tp, args.pp), seed=0)
-    dims = ModelDims.from_hf_config(read_hf_config(args.model), tp_size=args.tp)
-    config = build_transformer_config(
-        dims, tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp
-    )
-    chunks = build_gpt_chunks(dims, config)
-    load_hf_weights(chunks, args.model, dims)
+    layout = ParallelLayout(args.tp, args.pp)
+    init_distributed(layout, seed=0)
+    built = build_model(args.model, layout)
+    dims, chunks = built.dims, built.chunks
     _print0(
         f"actor: {dims.architecture}, TP={args.tp} PP={args.pp}; starting vLLM TP={args.rollout_tp}"
     )

@@ -75,9 +75,8 @@ def build_transformer_config(
     """TransformerConfig for a Llama/Qwen-family model on the current parallel grid.
 
     Dropout is taken from the architecture (0.0 for these families; Megatron defaults to 0.1).
-    ``calculate_per_token_loss`` is on so that Megatron neither divides the loss by the number of
-    micro-batches nor averages gradients over data-parallel ranks: megarl's loss functions
-    normalise by global token/sequence counts themselves (see :mod:`megarl.models.runner`).
+    ``calculate_per_token_loss`` is on: the loss-scaling contract built on it is stated once, in
+    :mod:`megarl.models.runner`.
     """
     on_gpu = torch.cuda.is_available()
     impl = resolve_transformer_impl(transformer_impl)

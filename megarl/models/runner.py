@@ -1,29 +1,38 @@
 """Micro-batch runner over Megatron's ``get_forward_backward_func`` (so pipeline parallelism works).
 
-Input: right-padded prompt+response sequences ``input_ids [N, S]`` with per-sequence
-``prompt_lengths [N]`` and total ``lengths [N]``. Output: per-response-token tensors ``[N, R]``
-(``R = max(lengths - prompt_lengths)``), response-aligned: entry ``[i, k]`` belongs to response
-token ``k`` of sequence ``i``, which sits at position ``p_i + k``; it is computed from the model
-output at position ``p_i + k - 1`` (position t's logits score token t+1; the critic's value of
-the state before that token). Entries past a response's end are 0 and masked by
-:func:`response_mask`.
+Input: a :class:`SequenceBatch` of right-padded prompt+response sequences ``input_ids [N, S]``
+with per-sequence ``prompt_lengths [N]`` and total ``lengths [N]``. Outputs are per-response-token
+tensors ``[N, R]`` (``R = max(lengths - prompt_lengths)``), response-aligned: entry ``[i, k]``
+belongs to response token ``k`` of sequence ``i``, which sits at position ``p_i + k``; it is
+computed from the model output at position ``p_i + k - 1`` (position t's logits score token t+1;
+the critic's value of the state before that token). Entries past a response's end are 0 and
+masked by :func:`response_mask`. Results computed on the last pipeline stage are broadcast so
+every rank returns them.
 
-Actor outputs: ``log_probs`` and ``entropy`` of ``softmax(logits / temperature)`` with padded
-vocabulary columns masked out (:mod:`megarl.models.logprobs`). Critic outputs: ``values``.
-Results computed on the last pipeline stage are broadcast so every rank returns them.
+Entry points: :func:`compute_log_probs` (actor: log-probs and entropy of
+``softmax(logits / temperature)``, padded vocabulary columns masked out), :func:`compute_values`
+(critic) and :func:`forward_backward` (training with a loss function).
 
-Training mode: ``loss_fn(outputs, micro_batch) -> (loss, metrics)`` is called per micro-batch on
-the last stage; the loss is back-propagated as returned. Megatron is configured with
-``calculate_per_token_loss`` (see :func:`megarl.models.gpt.build_transformer_config`), so it does
-not divide by the number of micro-batches, and DDP sums rather than averages over DP: a loss
-normalised by global token/sequence counts gives exactly the full-batch gradient.
+The loss-scaling contract (the one place it is implemented is :func:`forward_backward`):
+Megatron is configured with ``calculate_per_token_loss`` (see
+:func:`megarl.models.gpt.build_transformer_config`), so its pipeline schedule does not divide
+losses by the micro-batch count, DDP sums (does not average) gradients over data-parallel ranks,
+and ``finalize_model_grads`` divides the gradients by the sum, over micro-batches and DP×CP
+ranks, of the count each micro-batch's loss function returns. megarl's loss function returns the
+micro-batch's *share* of the mini-batch loss: the aggregation with the counts of the whole
+mini-batch (``megarl.algo.agg_loss`` with ``global_token_count`` / ``global_seq_count``), so the
+shares of all micro-batches on all DP ranks add up to the mini-batch loss. The runner multiplies
+each share by ``G`` (the mini-batch's sequences summed over DP×CP) and reports the micro-batch's
+sequence count to Megatron, which divides by exactly ``G``: the gradient is that of the
+mini-batch loss, however the batch is split over micro-batches and ranks. Without Megatron DDP
+(plain chunks, no ``finalize_model_grads``) the share is back-propagated unscaled and gradients
+are not reduced over DP.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -34,17 +43,47 @@ from megarl.models.gpt import unwrap
 from megarl.models.logprobs import vocab_parallel_log_probs_and_entropy
 
 Outputs = dict[str, torch.Tensor]
-LossFn = Callable[[Outputs, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+Metrics = dict[str, torch.Tensor | float]
+LossFn = Callable[[Outputs, dict[str, torch.Tensor]], tuple[torch.Tensor, Metrics]]
+"""``loss_fn(outputs, micro_batch) -> (share, metrics)``: ``outputs`` holds ``log_probs`` and
+``entropy`` (actor) or ``values`` (critic), each ``[b, R]``; ``micro_batch`` holds the micro-batch's
+``input_ids``, ``prompt_lengths``, ``lengths`` and its rows of every ``SequenceBatch.extra`` tensor.
+``share`` is the micro-batch's share of the mini-batch loss (see the module docstring); metrics
+are 0-dim tensors or floats, as ``megarl.algo``'s losses return them."""
+
+MicroBatches = int | Sequence[torch.Tensor]
+"""A micro-batch size (equal consecutive slices) or explicit row-index tensors, one per
+micro-batch (e.g. formed by a token budget; sizes may differ except under VPP)."""
 
 
 @dataclass
-class RunnerResult:
-    """Per-response-token outputs ``[N, R]`` (present on every rank) and per-micro-batch metrics."""
+class SequenceBatch:
+    """Right-padded prompt+response sequences and per-sequence tensors for a loss function."""
 
-    log_probs: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-    metrics: list[dict[str, float]] = field(default_factory=list)
+    input_ids: torch.Tensor
+    """``[N, S]`` token ids (identical on every TP/PP rank of a data-parallel replica)."""
+    prompt_lengths: torch.Tensor
+    """``[N]`` prompt lengths (at least 1)."""
+    lengths: torch.Tensor
+    """``[N]`` prompt + response lengths."""
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per-sequence tensors ``[N, ...]`` (advantages, old log-probs, ...) sliced per micro-batch."""
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def response_width(self) -> int:
+        """R: the longest response."""
+        return int((self.lengths - self.prompt_lengths).max().item()) if len(self) else 0
+
+
+@dataclass
+class LogProbs:
+    """Per-response-token actor outputs ``[N, R]``, on every rank."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
 
 
 def response_mask(prompt_lengths: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -128,73 +167,121 @@ def _gather_response(
     return torch.where(valid, per_pos.gather(1, idx), 0.0)
 
 
-def run_micro_batches(
+def compute_log_probs(
     chunks: Sequence[torch.nn.Module],
-    input_ids: torch.Tensor,
-    prompt_lengths: torch.Tensor,
-    lengths: torch.Tensor,
+    batch: SequenceBatch,
     *,
-    kind: Literal["actor", "critic"],
-    micro_batch_size: int,
+    vocab_size: int,
+    micro_batches: MicroBatches,
+    temperature: float = 1.0,
+) -> LogProbs:
+    """Log-probs and entropy ``[N, R]`` of every response token (forward only)."""
+    out = _run(
+        chunks, batch, "actor", micro_batches, vocab_size=vocab_size, temperature=temperature
+    )
+    return LogProbs(out.tensors["log_probs"], out.tensors["entropy"])
+
+
+def compute_values(
+    chunks: Sequence[torch.nn.Module], batch: SequenceBatch, *, micro_batches: MicroBatches
+) -> torch.Tensor:
+    """Critic values ``[N, R]`` of the state before every response token (forward only)."""
+    return _run(chunks, batch, "critic", micro_batches).tensors["values"]
+
+
+def forward_backward(
+    chunks: Sequence[torch.nn.Module],
+    batch: SequenceBatch,
+    loss_fn: LossFn,
+    *,
+    micro_batches: MicroBatches,
     vocab_size: int | None = None,
     temperature: float = 1.0,
-    forward_only: bool = True,
-    loss_fn: LossFn | None = None,
-    extra: dict[str, torch.Tensor] | None = None,
-    logprob_chunk: int = 1024,
-) -> RunnerResult:
-    """Forward (and, with ``forward_only=False``, backward) over micro-batches of the batch.
+) -> list[dict[str, float]]:
+    """Forward and backward of one mini-batch; returns each micro-batch's metrics (every rank).
 
-    Args:
-        chunks: this rank's model chunks (one per VPP stage), plain or DDP-wrapped.
-        input_ids: ``[N, S]`` right-padded token ids (same on every TP/PP rank of a DP replica).
-        prompt_lengths / lengths: ``[N]`` prompt length (≥ 1) and prompt+response length.
-        kind: ``actor`` (log-probs, entropy) or ``critic`` (values).
-        vocab_size: the unpadded vocabulary (actor).
-        extra: per-sequence tensors ``[N, ...]`` sliced per micro-batch and passed to ``loss_fn``.
+    Gradients accumulate in the chunks (Megatron DDP buffers when wrapped); step the optimizer
+    afterwards. An actor (``vocab_size`` given) passes ``log_probs`` and ``entropy`` to
+    ``loss_fn``, a critic (``vocab_size`` None) ``values``. Scaling: see the module docstring.
     """
-    n = input_ids.shape[0]
-    if n % micro_batch_size:
-        raise ValueError(
-            f"batch of {n} sequences is not divisible by micro_batch_size={micro_batch_size}"
-        )
-    if kind == "actor" and vocab_size is None:
-        raise ValueError("kind='actor' needs vocab_size")
-    if not forward_only and loss_fn is None:
-        raise ValueError("training mode (forward_only=False) needs a loss_fn")
-    if bool((prompt_lengths < 1).any()) or bool((lengths < prompt_lengths).any()):
+    role = "actor" if vocab_size is not None else "critic"
+    out = _run(
+        chunks,
+        batch,
+        role,
+        micro_batches,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        loss_fn=loss_fn,
+    )
+    return out.metrics
+
+
+@dataclass
+class _RunOutput:
+    tensors: dict[str, torch.Tensor]
+    metrics: list[dict[str, float]]
+
+
+def _micro_batch_rows(n: int, micro_batches: MicroBatches, device: torch.device) -> list:
+    if isinstance(micro_batches, int):
+        if micro_batches < 1 or n % micro_batches:
+            raise ValueError(
+                f"batch of {n} sequences is not divisible by micro_batch_size={micro_batches}"
+            )
+        return [
+            torch.arange(i, i + micro_batches, device=device) for i in range(0, n, micro_batches)
+        ]
+    rows = [torch.as_tensor(r, dtype=torch.long, device=device) for r in micro_batches]
+    seen = torch.cat(rows).sort().values if rows else torch.empty(0, dtype=torch.long)
+    if not torch.equal(seen.cpu(), torch.arange(n)):
+        raise ValueError("micro-batch row indices must cover every sequence of the batch once")
+    return rows
+
+
+def _run(
+    chunks: Sequence[torch.nn.Module],
+    batch: SequenceBatch,
+    role: str,
+    micro_batches: MicroBatches,
+    *,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+    loss_fn: LossFn | None = None,
+) -> _RunOutput:
+    if bool((batch.prompt_lengths < 1).any()) or bool((batch.lengths < batch.prompt_lengths).any()):
         raise ValueError("need 1 <= prompt_lengths <= lengths for every sequence")
     device = _device_of(chunks)
     input_ids, prompt_lengths, lengths = (
-        t.to(device) for t in (input_ids, prompt_lengths, lengths)
+        t.to(device) for t in (batch.input_ids, batch.prompt_lengths, batch.lengths)
     )
-    r = int((lengths - prompt_lengths).max().item())
-    num_mb = n // micro_batch_size
+    extra = {k: v.to(device) for k, v in batch.extra.items()}
+    n, r = len(batch), batch.response_width
+    rows = _micro_batch_rows(n, micro_batches, device)
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if len(chunks) > 1 and num_mb % pp:
+    if len(chunks) > 1 and (len(rows) % pp or len({len(x) for x in rows}) > 1):
         raise ValueError(
-            f"the interleaved (VPP) pipeline schedule needs a multiple of PP={pp} micro-batches; "
-            f"{n} sequences at micro_batch_size={micro_batch_size} give {num_mb}"
+            f"the interleaved (VPP) pipeline schedule needs a multiple of PP={pp} micro-batches "
+            f"of one size; got sizes {[len(x) for x in rows]}"
         )
-    extra = {k: v.to(device) for k, v in (extra or {}).items()}
-
     config = unwrap(chunks[0]).config
-    micro_batches = []
-    for m in range(num_mb):
-        sl = slice(m * micro_batch_size, (m + 1) * micro_batch_size)
+    micro = []
+    for idx in rows:
         # Without variable_seq_lengths (VPP) every micro-batch has the batch's longest length.
-        seq = int((lengths[sl] if config.variable_seq_lengths else lengths).max().item())
+        seq = int((lengths[idx] if config.variable_seq_lengths else lengths).max().item())
         mb = {
-            "input_ids": input_ids[sl, :seq],
-            "prompt_lengths": prompt_lengths[sl],
-            "lengths": lengths[sl],
+            "input_ids": input_ids[idx, :seq],
+            "prompt_lengths": prompt_lengths[idx],
+            "lengths": lengths[idx],
         }
-        mb.update({k: v[sl] for k, v in extra.items()})
-        micro_batches.append(mb)
+        mb.update({k: v[idx] for k, v in extra.items()})
+        micro.append(mb)
 
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    training = loss_fn is not None
+    ddp = _configure_grad_sync(list(chunks), training)
+    scale = _global_sequence_count(n, device) if ddp else 1.0
     collected: list[Outputs] = []
+    outputs_of = _output_fn(role, r, vocab_size, temperature)
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
@@ -204,85 +291,98 @@ def run_micro_batches(
         output = model(ids, pos, causal_mask(seq, ids.device))
 
         def loss_func(output_tensor: torch.Tensor):
-            outputs = _outputs_from_last_stage(output_tensor, mb)
-            if forward_only:
-                collected.append({k: v.detach() for k, v in outputs.items()})
-                zero = output_tensor.sum() * 0.0
-                return zero, torch.ones((), dtype=torch.int), {}
-            loss, metrics = loss_fn(outputs, mb)  # type: ignore[misc]
+            outputs = outputs_of(output_tensor, mb)
             collected.append({k: v.detach() for k, v in outputs.items()})
-            return loss, torch.ones((), dtype=torch.int), metrics
+            count = torch.tensor(ids.shape[0], dtype=torch.int, device=ids.device)
+            if not training:
+                return output_tensor.sum() * 0.0, count, {}
+            share, metrics = loss_fn(outputs, mb)  # type: ignore[misc]
+            return share * scale, count, metrics
 
         return output, loss_func
 
-    def _outputs_from_last_stage(output_tensor: torch.Tensor, mb: dict) -> Outputs:
-        ids = mb["input_ids"]
-        if kind == "critic":
+    chunk_list = list(chunks)
+    iterators = [iter(micro) for _ in chunk_list]
+    metrics = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunk_list) > 1 else iterators[0],
+        model=chunk_list if len(chunk_list) > 1 else chunk_list[0],
+        num_microbatches=len(micro),
+        seq_length=int(lengths.max().item()),
+        micro_batch_size=max(len(x) for x in rows),
+        forward_only=not training,
+    )
+    names = ["values"] if role == "critic" else ["log_probs", "entropy"]
+    return _broadcast_results(names, collected, metrics, torch.cat(rows), n, r, device)
+
+
+def _output_fn(role: str, r: int, vocab_size: int | None, temperature: float):
+    """Per-micro-batch outputs of the last stage from its output tensor."""
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+
+    def outputs_of(output_tensor: torch.Tensor, mb: dict) -> Outputs:
+        if role == "critic":
             values = output_tensor.squeeze(-1).float()
             return {"values": _gather_response(values, mb["prompt_lengths"], mb["lengths"], r)}
-        targets = torch.roll(ids, shifts=-1, dims=1)
-        local_vocab = output_tensor.shape[-1]
+        targets = torch.roll(mb["input_ids"], shifts=-1, dims=1)
         logp, ent = vocab_parallel_log_probs_and_entropy(
             output_tensor,
             targets,
             vocab_size=vocab_size,  # type: ignore[arg-type]
             temperature=temperature,
-            vocab_start=tp_rank * local_vocab,
+            vocab_start=tp_rank * output_tensor.shape[-1],
             group=tp_group,
-            chunk=logprob_chunk,
         )
         return {
             "log_probs": _gather_response(logp, mb["prompt_lengths"], mb["lengths"], r),
             "entropy": _gather_response(ent, mb["prompt_lengths"], mb["lengths"], r),
         }
 
-    chunk_list = list(chunks)
-    _configure_grad_sync(chunk_list, forward_only)
-    iterators = [iter(micro_batches) for _ in chunk_list]
-    fb = get_forward_backward_func()
-    losses = fb(
-        forward_step_func=forward_step,
-        data_iterator=iterators if len(chunk_list) > 1 else iterators[0],
-        model=chunk_list if len(chunk_list) > 1 else chunk_list[0],
-        num_microbatches=num_mb,
-        seq_length=int(lengths.max().item()),
-        micro_batch_size=micro_batch_size,
-        forward_only=forward_only,
-    )
-    return _broadcast_results(kind, collected, losses, n, r, device)
+    return outputs_of
 
 
-def _configure_grad_sync(chunks: list[torch.nn.Module], forward_only: bool) -> None:
-    """Hook Megatron DDP's no-sync and grad finalisation into the schedule (DDP-wrapped only)."""
+def _global_sequence_count(n: int, device: torch.device) -> float:
+    """Sequences of the mini-batch summed over the DP×CP group (Megatron's divisor)."""
+    total = torch.tensor([n], dtype=torch.float64, device=device)
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return float(total.item())
+
+
+def _configure_grad_sync(chunks: list[torch.nn.Module], training: bool) -> bool:
+    """Hook Megatron DDP's no-sync and grad finalisation into the schedule when training a
+    DDP-wrapped model; returns whether it did."""
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 
     config = unwrap(chunks[0]).config
-    if forward_only or not isinstance(chunks[0], DistributedDataParallel):
+    if not training or not isinstance(chunks[0], DistributedDataParallel):
         config.no_sync_func = None
         config.finalize_model_grads_func = None
-        return
+        return False
     no_sync = [c.no_sync for c in chunks]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
     config.finalize_model_grads_func = finalize_model_grads
+    return True
 
 
 def _broadcast_results(
-    kind: str,
+    names: list[str],
     collected: list[Outputs],
     metrics: list[dict] | dict,
+    order: torch.Tensor,
     n: int,
     r: int,
     device: torch.device,
-) -> RunnerResult:
-    """Concatenate the last stage's micro-batch outputs and broadcast them over the PP group."""
-    names = ["values"] if kind == "critic" else ["log_probs", "entropy"]
+) -> _RunOutput:
+    """Join the last stage's micro-batch outputs in batch order and broadcast them over PP."""
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     tensors = {}
     for name in names:
+        t = torch.zeros(n, r, dtype=torch.float32, device=device)
         if last:
-            t = torch.cat([c[name] for c in collected]).float().contiguous()
-        else:
-            t = torch.empty(n, r, dtype=torch.float32, device=device)
+            t[order] = torch.cat([c[name] for c in collected]).float()
         tensors[name] = t
     metric_list = list(metrics) if isinstance(metrics, list) else []
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
@@ -296,7 +396,7 @@ def _broadcast_results(
         metric_list = box[0]  # type: ignore[assignment]
     else:
         metric_list = _plain_metrics(metric_list)
-    return RunnerResult(metrics=metric_list, **tensors)
+    return _RunOutput(tensors, metric_list)
 
 
 def _plain_metrics(metrics: list[dict]) -> list[dict[str, float]]:

@@ -102,7 +102,7 @@ def rollout_logprob_consistency(
     """
     from megatron.core import parallel_state
 
-    from megarl.models.runner import run_micro_batches
+    from megarl.models.runner import SequenceBatch, compute_log_probs
 
     if len(batch) == 0 or all(not s.response_token_ids for s in batch):
         return {DIFF_MEAN: 0.0, DIFF_MAX: 0.0}
@@ -116,15 +116,12 @@ def rollout_logprob_consistency(
             torch.cat([t, t[-1:].expand(extra, *t.shape[1:])])
             for t in (input_ids, prompt_lengths, lengths)
         )
-    result = run_micro_batches(
+    result = compute_log_probs(
         chunks,
-        input_ids,
-        prompt_lengths,
-        lengths,
-        kind="actor",
-        micro_batch_size=size,
+        SequenceBatch(input_ids, prompt_lengths, lengths),
         vocab_size=vocab_size,
+        micro_batches=size,
         temperature=temperature,
     )
-    actor_lp = result.log_probs[:n].float().cpu()  # type: ignore[index]
+    actor_lp = result.log_probs[:n].float().cpu()
     return logprob_diff_metrics(rollout_lp, actor_lp, mask)

@@ -30,23 +30,14 @@ def _max_all(x: float) -> float:
 
 
 def _build(path: str, tp: int, pp: int, vpp: int | None, *, critic: bool = False):
-    from megarl.models.dims import ModelDims
-    from megarl.models.gpt import build_gpt_chunks, build_transformer_config
-    from megarl.models.weights import load_hf_weights, read_hf_config
+    from megarl.models.build import build_model
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
 
-    init_distributed(ParallelLayout(tp, pp, vpp), seed=1234)
-    dims = ModelDims.from_hf_config(read_hf_config(path), tp_size=tp)
-    config = build_transformer_config(
-        dims,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-    )
-    chunks = build_gpt_chunks(dims, config, value_head=critic, value_head_seed=7)
-    load_hf_weights(chunks, path, dims)
-    return dims, chunks
+    layout = ParallelLayout(tp, pp, vpp)
+    init_distributed(layout, seed=1234)
+    built = build_model(path, layout, role="critic" if critic else "actor", value_head_seed=7)
+    return built.dims, built.chunks
 
 
 def _logits(chunks, ids: torch.Tensor) -> torch.Tensor | None:
@@ -101,7 +92,12 @@ def _grads_as_hf(chunks, dims) -> dict[str, torch.Tensor]:
 
 
 def _model_checks(spec: dict, layout, results: dict) -> None:
-    from megarl.models.runner import run_micro_batches
+    from megarl.models.runner import (
+        SequenceBatch,
+        compute_log_probs,
+        compute_values,
+        forward_backward,
+    )
 
     tp, pp, vpp = layout
     batch = torch.load(spec["batch"])
@@ -117,14 +113,11 @@ def _model_checks(spec: dict, layout, results: dict) -> None:
         for c in chunks:
             c.train()
         r["logit_diff_train_mode"] = _logit_diff(chunks, dims, ids, lens, ref)
-        out = run_micro_batches(
+        out = compute_log_probs(
             chunks,
-            ids,
-            plen,
-            lens,
-            kind="actor",
-            micro_batch_size=2,
+            SequenceBatch(ids, plen, lens),
             vocab_size=dims.vocab_size,
+            micro_batches=2,
             temperature=0.7,
         )
         r["log_probs"], r["entropy"] = out.log_probs, out.entropy
@@ -140,23 +133,15 @@ def _model_checks(spec: dict, layout, results: dict) -> None:
     def loss_fn(outputs, mb):
         return (outputs["values"] * mb["w"]).sum(), {}
 
-    out = run_micro_batches(
-        chunks,
-        ids,
-        plen,
-        lens,
-        kind="critic",
-        micro_batch_size=2,
-        forward_only=False,
-        loss_fn=loss_fn,
-        extra={"w": weights},
-    )
-    results[f"{key}/critic"] = {"values": out.values, "grads": _grads_as_hf(chunks, dims)}
+    batch = SequenceBatch(ids, plen, lens, extra={"w": weights})
+    forward_backward(chunks, batch, loss_fn, micro_batches=2)
+    values = compute_values(chunks, batch, micro_batches=2)
+    results[f"{key}/critic"] = {"values": values, "grads": _grads_as_hf(chunks, dims)}
 
 
 def _actor_engine_check(chunks, dims) -> dict:
     """Sample from the actor itself; the runner must score the samples as the engine did."""
-    from megarl.models.runner import run_micro_batches
+    from megarl.models.runner import SequenceBatch, compute_log_probs
     from megarl.rollout.actor_engine import ActorEngine
 
     engine = ActorEngine(chunks, vocab_size=dims.vocab_size, eos_token_ids=[0])
@@ -172,14 +157,11 @@ def _actor_engine_check(chunks, dims) -> dict:
         ids[i, : len(q)] = torch.tensor(q)
     plen = torch.tensor([len(s.prompt_token_ids) for s in batch])
     lens = torch.tensor([len(q) for q in seqs])
-    scored = run_micro_batches(
+    scored = compute_log_probs(
         chunks,
-        ids,
-        plen,
-        lens,
-        kind="actor",
-        micro_batch_size=3,
+        SequenceBatch(ids, plen, lens),
         vocab_size=dims.vocab_size,
+        micro_batches=3,
         temperature=0.7,
     ).log_probs
     diff = max(
@@ -245,41 +227,30 @@ def _vocab_parallel_check(results: dict) -> None:
 def _checkpoint_checks(spec: dict, results: dict) -> None:
     """Save at one layout, load at another: weights equal those loaded from HF at the target."""
     from megarl.checkpoint.dist_ckpt import load_model_checkpoint, save_model_checkpoint
-    from megarl.models.runner import run_micro_batches
+    from megarl.models.build import build_model
+    from megarl.models.runner import SequenceBatch, compute_log_probs
     from megarl.models.weights import local_global_names
+    from megarl.parallel.layout import ParallelLayout
 
     batch = torch.load(spec["batch"])
     path = spec["models"]["qwen2"]
     for src, dst in (((2, 1), (1, 2)), ((1, 2), (2, 1))):
         ckpt = Path(spec["tmp"]) / f"ckpt_tp{src[0]}_pp{src[1]}"
         dims, chunks = _build(path, *src, None)
-        before = run_micro_batches(
-            chunks,
-            batch["input_ids"],
-            batch["prompt_lengths"],
-            batch["lengths"],
-            kind="actor",
-            micro_batch_size=2,
-            vocab_size=dims.vocab_size,
+        sequences = SequenceBatch(batch["input_ids"], batch["prompt_lengths"], batch["lengths"])
+        before = compute_log_probs(
+            chunks, sequences, vocab_size=dims.vocab_size, micro_batches=2
         ).log_probs
         save_model_checkpoint(chunks, ckpt, meta={"layout": list(src)})
         dims, direct = _build(path, *dst, None)
-        from megarl.models.gpt import build_gpt_chunks
-
-        loaded = build_gpt_chunks(dims, direct[0].config)
+        loaded = build_model(dims, ParallelLayout(*dst)).chunks
         load_model_checkpoint(loaded, ckpt)
         same = all(
             torch.equal(a[3], b[3])
             for a, b in zip(local_global_names(direct), local_global_names(loaded), strict=True)
         )
-        after = run_micro_batches(
-            loaded,
-            batch["input_ids"],
-            batch["prompt_lengths"],
-            batch["lengths"],
-            kind="actor",
-            micro_batch_size=2,
-            vocab_size=dims.vocab_size,
+        after = compute_log_probs(
+            loaded, sequences, vocab_size=dims.vocab_size, micro_batches=2
         ).log_probs
         flag = torch.tensor([0 if same else 1])
         dist.all_reduce(flag)

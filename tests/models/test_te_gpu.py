@@ -18,10 +18,8 @@ def te_model(tmp_path_factory):
     from tests.conftest import free_port
 
     pytest.importorskip("transformer_engine.pytorch")
-    from megarl.models.dims import ModelDims
-    from megarl.models.gpt import build_gpt_chunks, build_transformer_config
+    from megarl.models.build import build_model
     from megarl.models.tiny import make_tiny_model
-    from megarl.models.weights import load_hf_weights, read_hf_config
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
 
@@ -29,13 +27,10 @@ def te_model(tmp_path_factory):
     os.environ["MASTER_PORT"] = str(free_port())
     init_distributed(ParallelLayout(1, 1))
     path = make_tiny_model(tmp_path_factory.mktemp("te") / "qwen2", family="qwen2")
-    dims = ModelDims.from_hf_config(read_hf_config(path))
-    config = build_transformer_config(
-        dims, params_dtype=torch.bfloat16, transformer_impl="transformer_engine"
+    built = build_model(
+        path, ParallelLayout(1, 1), dtype=torch.bfloat16, transformer_impl="transformer_engine"
     )
-    chunks = build_gpt_chunks(dims, config, transformer_impl="transformer_engine")
-    load_hf_weights(chunks, path, dims)
-    return path, dims, chunks
+    return path, built.dims, built.chunks
 
 
 def test_te_names_map_onto_local_names(te_model):

@@ -1,0 +1,134 @@
+"""The one way to build a model: HF path (or dims) + layout + dtype + role → this rank's chunks.
+
+Every caller (trainer, conversion, resharding demo, tests) builds through :func:`build_model`, so
+the ``TransformerConfig``, the layer spec, the value head and the weight loading are decided in
+one place. Megatron's parallel state must already be initialised for ``layout``
+(:func:`megarl.parallel.init.init_distributed`).
+
+Weights are loaded here, before any optimizer exists: Megatron's bf16 optimizer clones fp32 main
+parameters when it is built, so weights copied in afterwards would be reverted by its first step
+(DESIGN.md, "Traps"). :class:`megarl.models.trainable.TrainableModel` is built on the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer import TransformerConfig
+
+from megarl.models.dims import ModelDims
+from megarl.models.gpt import (
+    TransformerImpl,
+    build_gpt_chunks,
+    build_transformer_config,
+)
+from megarl.models.weights import load_hf_weights, read_hf_config
+from megarl.parallel.layout import ParallelLayout
+
+Role = Literal["actor", "critic"]
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Megatron activation recomputation (``recompute_granularity`` None: off)."""
+
+    granularity: Literal["full", "selective"] | None = None
+    method: Literal["uniform", "block"] | None = None
+    num_layers: int | None = None
+
+
+@dataclass
+class BuiltModel:
+    """This rank's model chunks (one per virtual pipeline stage) and what they were built from."""
+
+    dims: ModelDims
+    chunks: list[torch.nn.Module]
+    config: TransformerConfig
+    layout: ParallelLayout
+    role: Role
+    hf_path: Path | None = None
+    meta: dict = field(default_factory=dict)
+
+
+def build_model(
+    source: str | Path | ModelDims,
+    layout: ParallelLayout,
+    *,
+    role: Role = "actor",
+    dtype: torch.dtype = torch.float32,
+    load_weights: bool = True,
+    initialize: bool = True,
+    transformer_impl: TransformerImpl = "auto",
+    recompute: Recompute | None = None,
+    value_head_seed: int = 0,
+) -> BuiltModel:
+    """Build this rank's chunks of a Llama/Qwen-family actor or critic.
+
+    Args:
+        source: an HF checkpoint directory (config.json + safetensors) or a ``ModelDims``
+            (random initialisation; nothing is loaded).
+        layout: the parallel layout; must equal the initialised Megatron parallel state.
+        role: ``actor`` (vocabulary output layer) or ``critic`` (scalar value head, initialised
+            from the checkpoint's ``score.weight`` when it has one, else seeded by
+            ``value_head_seed``).
+        dtype: parameter dtype (float32 on CPU tests, bfloat16 on GPU).
+        load_weights: copy the HF weights in (ignored for a ``ModelDims`` source).
+        initialize: run Megatron's random initialisation when nothing is loaded (False: leave
+            the parameters uninitialised, for a Megatron checkpoint loaded next).
+    """
+    _check_parallel_state(layout)
+    hf_path: Path | None = None
+    if isinstance(source, ModelDims):
+        dims = source
+        load_weights = False
+    else:
+        hf_path = Path(source)
+        dims = ModelDims.from_hf_config(read_hf_config(hf_path), tp_size=layout.tp)
+    recompute = recompute or Recompute()
+    config = build_transformer_config(
+        dims,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+        context_parallel_size=layout.cp,
+        sequence_parallel=layout.sequence_parallel,
+        params_dtype=dtype,
+        recompute_granularity=recompute.granularity,
+        recompute_method=recompute.method,
+        recompute_num_layers=recompute.num_layers,
+        transformer_impl=transformer_impl,
+    )
+    if load_weights or not initialize:
+        config.perform_initialization = False  # every parameter is overwritten by a load
+    chunks = build_gpt_chunks(
+        dims,
+        config,
+        transformer_impl=transformer_impl,
+        value_head=role == "critic",
+        value_head_seed=value_head_seed,
+    )
+    if load_weights:
+        with torch.no_grad():
+            load_hf_weights(chunks, hf_path, dims)  # type: ignore[arg-type]
+    return BuiltModel(dims, list(chunks), config, layout, role, hf_path)
+
+
+def _check_parallel_state(layout: ParallelLayout) -> None:
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("Megatron parallel state is not initialised (call init_distributed)")
+    have = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
+        parallel_state.get_context_parallel_world_size(),
+    )
+    want = (layout.tp, layout.pp, layout.vpp, layout.cp)
+    if have != want:
+        raise ValueError(
+            f"layout TP×PP×VPP×CP = {'×'.join(map(str, want))} differs from the initialised "
+            f"Megatron parallel state {'×'.join(map(str, have))}"
+        )
