@@ -178,24 +178,14 @@ def reference_hf(path: str, dims, seed: int) -> dict[str, torch.Tensor]:
 
 
 def build(path: str, tp: int, pp: int, vpp: int | None, dtype=torch.float32):
-    from megarl.models.dims import ModelDims
-    from megarl.models.gpt import build_gpt_chunks, build_transformer_config
-    from megarl.models.weights import load_hf_weights, read_hf_config
+    from megarl.models.build import build_model
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
 
-    init_distributed(ParallelLayout(tp, pp, vpp), seed=1234)
-    dims = ModelDims.from_hf_config(read_hf_config(path), tp_size=tp)
-    config = build_transformer_config(
-        dims,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-        params_dtype=dtype,
-    )
-    chunks = build_gpt_chunks(dims, config)
-    load_hf_weights(chunks, path, dims)
-    return dims, chunks
+    layout = ParallelLayout(tp, pp, vpp)
+    init_distributed(layout, seed=1234)
+    built = build_model(path, layout, dtype=dtype)
+    return built.dims, built.chunks
 
 
 def ownership_agrees(chunks, plan) -> bool:
