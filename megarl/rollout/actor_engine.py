@@ -13,8 +13,8 @@ HF → Megatron conversion per sync.) ``sleep``/``wake_up`` free nothing (no sep
 
 Rollout replicas are Megatron's data-parallel replicas (``dp_rank`` = Megatron's DP rank): every
 rank of one model-parallel group (TP × PP, not contiguous in rank order when PP > 1) calls
-:meth:`ActorEngine.generate` with the same prompts. Logits of the last position are gathered over TP and
-broadcast from the last pipeline stage, and tokens are drawn with a per-request
+:meth:`ActorEngine.generate` with the same prompts. Logits of the last position are gathered
+over TP and broadcast from the last pipeline stage, and tokens are drawn with a per-request
 ``torch.Generator`` seeded by :func:`megarl.rollout.base.request_seed`, so every rank draws the
 same tokens without any further communication.
 """
