@@ -172,8 +172,8 @@ def _bench_vllm(args, hf_cfg, hf, params, plan) -> dict:
         engine = VLLMEngine(
             tmp,
             max_model_len=64,
-            dtype=args.dtype.replace("bf16", "bfloat16").replace("fp32", "float32"),
-            kv_cache_bytes=16 << 20,
+            dtype=args.dtype,
+            kv_cache_memory_bytes=16 << 20,
         )
         started = time.perf_counter() - start
         times = _time(lambda: stream_buckets(params, plan, engine), max(1, args.reps // 2))

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         tensor_parallel_size=args.rollout_tp,
         dtype="float32",
         max_model_len=256,
-        kv_cache_bytes=32 << 20,
+        kv_cache_memory_bytes=32 << 20,
         seed=0,
     )
     dp_rank = parallel_state.get_data_parallel_rank()

@@ -1,12 +1,20 @@
 """A rollout engine that samples from the Megatron actor itself (no vLLM).
 
-For trainer tests and debugging: it needs no engine start-up, no weight sync (it *is* the
-trained model) and is exactly reproducible. It re-runs the full prefix every decoding step (no
-KV cache), so it is only meant for tiny models and short responses.
+For trainer tests and debugging: it needs no engine start-up and is exactly reproducible. It
+re-runs the full prefix every decoding step (no KV cache), so it is only meant for tiny models
+and short responses.
 
-Every rank of the actor's model-parallel group calls :meth:`ActorEngine.generate` with the same
-prompts (its data-parallel shard). Logits of the last position are gathered over TP and
-broadcast from the last pipeline stage, and tokens are drawn with a per-request
+Weight updates: the engine samples from the live parameters of the actor's chunks, i.e. it *is*
+the trained model, so a weight update has nothing to load. It still runs the protocol's session
+(same call-order errors as vLLM) and consumes every chunk, and the contract holds by
+construction: after ``sync_weights(chunks, plan, engine)`` the engine samples from the actor's
+current weights. (Copying the pushed tensors back into the same parameters would only cost an
+HF → Megatron conversion per sync.) ``sleep``/``wake_up`` free nothing (no separate state).
+
+Rollout replicas are Megatron's data-parallel replicas (``dp_rank`` = Megatron's DP rank): every
+rank of one model-parallel group (TP × PP, not contiguous in rank order when PP > 1) calls
+:meth:`ActorEngine.generate` with the same prompts. Logits of the last position are gathered
+over TP and broadcast from the last pipeline stage, and tokens are drawn with a per-request
 ``torch.Generator`` seeded by :func:`megarl.rollout.base.request_seed`, so every rank draws the
 same tokens without any further communication.
 """
@@ -20,7 +28,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megarl.models.runner import forward_logits, gather_vocab
-from megarl.rollout.base import RolloutBatch, RolloutSample, request_seed
+from megarl.rollout.base import CallOrder, RolloutBatch, RolloutSample, request_seed
+
+__all__ = ["ActorEngine", "last_position_logits"]
 
 
 def last_position_logits(
@@ -59,7 +69,14 @@ def last_position_logits(
 
 
 class ActorEngine:
-    """:class:`megarl.rollout.base.RolloutEngine` backed by the actor's own Megatron chunks."""
+    """:class:`megarl.rollout.base.RolloutEngine` backed by the actor's own Megatron chunks.
+
+    Args:
+        chunks: this rank's model chunks (Megatron parallel state initialised).
+        vocab_size: real (unpadded) vocabulary size; padded logits are never sampled.
+        eos_token_ids: ids that end a response.
+        pad_token_id: filler of the right-padded decoding batch (never attended to).
+    """
 
     def __init__(
         self,
@@ -73,6 +90,10 @@ class ActorEngine:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
+        self.tensor_parallel_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self._order = CallOrder()
 
     @torch.no_grad()
     def generate(
@@ -87,15 +108,22 @@ class ActorEngine:
         stop_token_ids: list[int] | None = None,
         seed: int,
         step: int = 0,
-        prompt_ids: list[int] | None = None,
+        prompt_ids: Sequence[int] | None = None,
     ) -> RolloutBatch:
-        """Sample ``n`` responses per prompt; log-probs are of ``softmax(logits / temperature)``."""
+        """Sample ``n`` responses per prompt (see ``RolloutEngine.generate``); log-probs are of
+        ``log_softmax(logits / temperature)``. Only full-distribution sampling (top_p 1, top_k
+        off) at a temperature > 0."""
+        self._order.check_can_generate()
+        if n < 1 or max_tokens < 1:
+            raise ValueError(f"need n >= 1 and max_tokens >= 1, got n={n}, max_tokens={max_tokens}")
         if top_p != 1.0 or top_k not in (-1, 0):
             raise ValueError("ActorEngine samples from the full distribution: top_p=1, top_k=-1")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         stops = set(self.eos_token_ids) | set(stop_token_ids or [])
-        ids_of = prompt_ids if prompt_ids is not None else list(range(len(prompts)))
+        ids_of = list(prompt_ids) if prompt_ids is not None else list(range(len(prompts)))
+        if len(ids_of) != len(prompts):
+            raise ValueError(f"{len(ids_of)} prompt_ids for {len(prompts)} prompts")
         requests = [(p, s) for p in range(len(prompts)) for s in range(n)]
         gens = [
             torch.Generator().manual_seed(request_seed(seed, step, ids_of[p], s))
@@ -132,18 +160,29 @@ class ActorEngine:
                 response_token_ids=responses[i],
                 response_logprobs=logprobs[i],
                 finish_reason="stop" if responses[i] and responses[i][-1] in stops else "length",
+                prompt_id=int(ids_of[p]),
             )
             for i, (p, s) in enumerate(requests)
         ]
         return RolloutBatch(samples=samples, n=n)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Nothing to do: the engine samples from the live actor weights."""
+    def begin_weight_update(self) -> None:
+        """Open an update (nothing to prepare: the engine samples from the live actor)."""
+        self._order.begin_update()
+
+    def load_weight_chunk(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Consume the chunk and drop it: the actor's parameters already hold these weights."""
+        self._order.check_updating("load_weight_chunk")
         for _ in named_tensors:
             pass
 
-    def sleep(self) -> None:
-        """No separate state to offload."""
+    def finish_weight_update(self) -> None:
+        """Close the update."""
+        self._order.finish_update()
+
+    def sleep(self, level: int = 1) -> None:
+        """Nothing to free; ``level=2`` still requires a weight update before generating."""
+        self._order.sleep(level)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """No separate state to reload."""
+        """Nothing to reload."""

@@ -1,7 +1,12 @@
 """The narrow interface between the trainer and a rollout engine, and what a rollout returns.
 
-The trainer only ever talks to rollout through :class:`RolloutEngine` (``generate``,
-``update_weights``, ``sleep``, ``wake_up``); vLLM stays inside :mod:`megarl.rollout.vllm_engine`.
+The trainer only ever talks to rollout through :class:`RolloutEngine`: ``generate``, one
+weight-update session (``begin_weight_update`` / ``load_weight_chunk`` / ``finish_weight_update``,
+which the resharding executor drives; :func:`update_weights` wraps one session), ``sleep`` and
+``wake_up``, and the attributes ``tensor_parallel_size``, ``dp_rank``, ``dp_size``,
+``eos_token_ids``. Implementations: :class:`~megarl.rollout.vllm_engine.VLLMEngine` and
+:class:`~megarl.rollout.actor_engine.ActorEngine`. vLLM stays inside
+:mod:`megarl.rollout.vllm_engine`.
 """
 
 from __future__ import annotations
@@ -15,11 +20,14 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "CallOrder",
     "FinishReason",
     "RolloutBatch",
     "RolloutEngine",
     "RolloutSample",
+    "WeightSink",
     "request_seed",
+    "update_weights",
 ]
 
 FinishReason = Literal["stop", "length"]
@@ -42,6 +50,9 @@ class RolloutSample:
     finish_reason: FinishReason
     """``"stop"``: ended on an EOS/stop token (included in the response); ``"length"``: hit
     ``max_tokens`` (no EOS)."""
+    prompt_id: int = field(kw_only=True)
+    """Global id of the prompt (its position in the step's global batch), the id its seed was
+    drawn from; GRPO groups the ``n`` responses of one prompt by it."""
 
     def __post_init__(self) -> None:
         if len(self.response_logprobs) != len(self.response_token_ids):
@@ -72,14 +83,26 @@ class RolloutBatch:
     def num_prompts(self) -> int:
         return len(self.samples) // self.n if self.n else 0
 
+    @property
+    def prompt_ids(self) -> Tensor:
+        """``[B]`` long: the global prompt id of every sample."""
+        return torch.tensor([s.prompt_id for s in self.samples], dtype=torch.long)
+
     def check_order(self) -> None:
-        """Raise unless samples are prompt-major with prompt indices 0..num_prompts-1."""
+        """Raise unless samples are prompt-major with prompt indices 0..num_prompts-1 and the
+        ``n`` samples of a prompt share its ``prompt_id``."""
         for i, s in enumerate(self.samples):
             want = (i // self.n, i % self.n)
             if (s.prompt_index, s.sample_index) != want:
                 raise ValueError(
                     f"sample {i} is (prompt {s.prompt_index}, sample {s.sample_index}), "
                     f"expected {want}"
+                )
+            first = self.samples[i - i % self.n]
+            if s.prompt_id != first.prompt_id:
+                raise ValueError(
+                    f"sample {i} has prompt_id {s.prompt_id}, its prompt's first sample "
+                    f"{first.prompt_id}"
                 )
 
     def padded_responses(self, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -111,8 +134,53 @@ def request_seed(seed: int, step: int, prompt_id: int, sample_index: int) -> int
 
 
 @runtime_checkable
-class RolloutEngine(Protocol):
-    """What the trainer needs from a rollout engine. Every rank calls every method (SPMD)."""
+class WeightSink(Protocol):
+    """The weight-update half of :class:`RolloutEngine`: what the resharding executor feeds.
+
+    One update is a session: :meth:`begin_weight_update`, any number of
+    :meth:`load_weight_chunk` calls (any order and split; a module's tensors may span chunks),
+    then :meth:`finish_weight_update`. Every rank calls each method (collective). Tests use
+    fakes that implement only these three methods.
+    """
+
+    def begin_weight_update(self) -> None:
+        """Open an update (raises ``RuntimeError`` when one is already open)."""
+        ...
+
+    def load_weight_chunk(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Consume Hugging Face-named full (unsharded) tensors; the engine slices them for its
+        own TP layout. The tensors are only valid during this call. Raises ``RuntimeError``
+        outside an open update."""
+        ...
+
+    def finish_weight_update(self) -> None:
+        """Close the update: names not given keep their values; cached prefixes are dropped.
+        From the next :meth:`RolloutEngine.generate` on, the engine samples from the new
+        weights."""
+        ...
+
+
+@runtime_checkable
+class RolloutEngine(WeightSink, Protocol):
+    """What the trainer needs from a rollout engine. Every rank calls every method (SPMD).
+
+    The ranks of one rollout replica (``dp_rank``) generate together and must call
+    :meth:`generate` with identical requests; replicas take different prompts (see
+    :func:`megarl.rollout.distribute.generate_distributed`).
+
+    Call-order contract, enforced by every engine (``RuntimeError``): no :meth:`generate` while a
+    weight update is open, and none after ``sleep(level=2)`` until a weight update finished.
+    """
+
+    tensor_parallel_size: int
+    """Rollout TP: ranks that hold one model copy split by tensor parallelism (the resharding
+    plan's ``rollout_tp``)."""
+    dp_rank: int
+    """This rank's rollout replica, in ``[0, dp_size)``."""
+    dp_size: int
+    """Number of rollout replicas (rollout DP)."""
+    eos_token_ids: list[int]
+    """Token ids that always end a response."""
 
     def generate(
         self,
@@ -129,22 +197,67 @@ class RolloutEngine(Protocol):
         prompt_ids: Sequence[int] | None = None,
     ) -> RolloutBatch:
         """``n`` responses per prompt, prompt-major. Response ``(p, s)`` is sampled with
-        ``request_seed(seed, step, prompt_ids[p], s)`` (``prompt_ids`` defaults to
-        ``range(len(prompts))``; pass global prompt ids when ``prompts`` is a shard). The model's
-        EOS ids always stop generation; ``stop_token_ids`` adds more."""
+        ``request_seed(seed, step, prompt_ids[p], s)`` and carries ``prompt_id=prompt_ids[p]``
+        (``prompt_ids`` defaults to ``range(len(prompts))``; pass global prompt ids when
+        ``prompts`` is a shard). Log-probs are of ``log_softmax(logits / temperature)``. The
+        engine's ``eos_token_ids`` always stop generation; ``stop_token_ids`` adds more."""
         ...
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Replace the weights with Hugging Face-named full (unsharded) tensors; the engine slices
-        them for its own TP layout. The iterable may be a lazy generator (streamed buckets); a
-        partial set updates only the named tensors. Cached prefixes are dropped afterwards."""
-        ...
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory between rollouts (a no-op where there is nothing to free).
 
-    def sleep(self) -> None:
-        """Free accelerator memory (weights offloaded, KV cache dropped); no-op on CPU."""
+        ``level=1``: weights offloaded to host memory, KV cache dropped; ``level=2``: both
+        dropped, so a weight update must finish before the next :meth:`generate` (enforced on
+        every engine, on CPU too, so CPU runs catch a missing sync).
+        """
         ...
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Bring back what :meth:`sleep` freed (``tags``: ``"weights"``, ``"kv_cache"``; None:
-        all); no-op on CPU."""
+        """Bring back what :meth:`sleep` freed: ``tags`` from ``("weights", "kv_cache")``, None
+        for all. Wake the weights, update them, then wake the KV cache to keep the peak low."""
         ...
+
+
+def update_weights(engine: WeightSink, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+    """One whole weight-update session: HF-named full tensors (a partial set updates only the
+    named ones; a lazy generator is consumed once). For the trainer's sync use
+    :func:`megarl.rollout.reshard.sync_weights`, which streams buckets into the same session."""
+    engine.begin_weight_update()
+    engine.load_weight_chunk(named_tensors)
+    engine.finish_weight_update()
+
+
+class CallOrder:
+    """The call-order rules of :class:`RolloutEngine`, one implementation for every engine."""
+
+    def __init__(self) -> None:
+        self.updating = False
+        """A weight update is open."""
+        self.weights_dropped = False
+        """``sleep(level=2)`` dropped the weights and no update has finished since."""
+
+    def begin_update(self) -> None:
+        if self.updating:
+            raise RuntimeError("begin_weight_update: a weight update is already open")
+        self.updating = True
+
+    def check_updating(self, method: str) -> None:
+        if not self.updating:
+            raise RuntimeError(f"{method} called without begin_weight_update()")
+
+    def finish_update(self) -> None:
+        self.check_updating("finish_weight_update")
+        self.updating = False
+        self.weights_dropped = False
+
+    def sleep(self, level: int) -> None:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if level == 2:
+            self.weights_dropped = True
+
+    def check_can_generate(self) -> None:
+        if self.updating:
+            raise RuntimeError("generate during an open weight update (finish it first)")
+        if self.weights_dropped:
+            raise RuntimeError("generate after sleep(level=2): update the weights first")

@@ -1,12 +1,13 @@
 """Move prompts from the training data-parallel layout to the rollout layout and back.
 
 Training shards prompts by its DP rank (TP/PP/CP peers hold identical shards); rollout splits the
-same global batch over rollout DP groups of TP_v consecutive ranks (vLLM's external-launcher
-layout), and every rank of one group must submit the identical request list. The simple, correct
-scheme used here: all-gather each rank's (DP rank, prompts) over a gloo group, keep one copy per
-DP rank to form the global batch (DP-rank-major), split it contiguously over rollout DP ranks,
-generate, all-gather the results (one copy per rollout group) and slice out each rank's own
-prompts. Object collectives pickle the data; fine for token-id lists of a rollout step.
+same global batch over the engine's rollout replicas (``engine.dp_rank``; with vLLM's external
+launcher, groups of TP_v consecutive ranks), and every rank of one replica must submit the
+identical request list. The simple, correct scheme used here: all-gather each rank's (DP rank,
+prompts) over a gloo group, keep one copy per DP rank to form the global batch (DP-rank-major),
+split it contiguously over rollout replicas, generate, all-gather the results (one copy per
+replica) and slice out each rank's own prompts, which keep their global prompt ids. Object
+collectives pickle the data; fine for token-id lists of a rollout step.
 
 No Megatron import: the caller passes its training DP rank and size.
 """
@@ -64,65 +65,75 @@ def generate_distributed(
     *,
     dp_rank: int,
     dp_size: int,
-    rollout_tp_size: int | None = None,
     group: dist.ProcessGroup | None = None,
     **sampling: Any,
 ) -> RolloutBatch:
     """Generate for this rank's training-DP prompt shard on the whole rollout layout.
 
     Args:
-        engine: the rollout engine (same on every rank).
+        engine: the rollout engine (same on every rank); its ``dp_rank``/``dp_size`` say which
+            ranks form one rollout replica (vLLM: ``rank // TP_v``; ``ActorEngine``: Megatron's
+            DP replicas).
         prompts: this rank's training-DP shard (identical on its TP/PP peers).
         dp_rank, dp_size: this rank's training DP coordinates (e.g. Megatron's DP group).
-        rollout_tp_size: TP_v (default: ``engine.tensor_parallel_size``); rollout DP rank =
-            rank // TP_v.
         group: a gloo group spanning all ranks (default: the default group).
         **sampling: ``n``, ``temperature``, ``max_tokens``, ``seed``, ``step``, ... as for
-            ``RolloutEngine.generate``. Seeds use the prompt's position in the global batch, so
-            the tokens do not depend on the rollout layout.
+            ``RolloutEngine.generate`` (not ``prompt_ids``: they are the global positions).
 
     Returns:
-        The responses to ``prompts``, prompt-major, ``prompt_index`` relative to ``prompts``.
+        The responses to ``prompts``, prompt-major; ``prompt_index`` is relative to ``prompts``
+        and ``prompt_id`` is the prompt's position in the global batch (all training-DP shards
+        joined in DP-rank order), which also seeded it, so tokens do not depend on the rollout
+        layout. ``batch.prompt_ids`` gives them as a tensor.
     """
-    if rollout_tp_size is None:
-        rollout_tp_size = int(engine.tensor_parallel_size)
+    if "prompt_ids" in sampling:
+        raise TypeError("generate_distributed assigns prompt_ids itself (global positions)")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if world % rollout_tp_size:
-        raise ValueError(f"rollout TP {rollout_tp_size} does not divide world size {world}")
     n = sampling["n"]
     everything, offset = gather_global_prompts(
         prompts, dp_rank=dp_rank, dp_size=dp_size, group=group
     )
+    reporter = _replica_reporter(engine, world, rank, group)
 
-    rollout_dp_size = world // rollout_tp_size
-    mine = even_split(len(everything), rollout_dp_size, rank // rollout_tp_size)
+    mine = even_split(len(everything), engine.dp_size, engine.dp_rank)
     batch = engine.generate([everything[i] for i in mine], prompt_ids=list(mine), **sampling)
 
-    # One copy per rollout group travels (its TP rank 0's); the rest send None.
-    payload = (mine.start, _pack(batch)) if rank % rollout_tp_size == 0 else None
+    # One copy per rollout replica travels (its lowest rank's); the rest send None.
+    payload = _pack(batch) if reporter == rank else None
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, payload, group=group)
     by_prompt: dict[int, list[tuple]] = {}
-    for item in gathered:
-        if item is None:
-            continue
-        start, rows = item
-        for row in rows:
-            by_prompt.setdefault(start + row[0], []).append(row)
+    for rows in gathered:
+        for row in rows or []:
+            by_prompt.setdefault(row[0], []).append(row)
 
     samples = []
     for local, global_index in enumerate(range(offset, offset + len(prompts))):
-        rows = by_prompt[global_index]
+        rows = by_prompt.get(global_index, [])
         if len(rows) != n:
             raise RuntimeError(f"prompt {global_index}: {len(rows)} responses, expected {n}")
         samples.extend(_unpack(row, local) for row in sorted(rows, key=lambda r: r[1]))
     return RolloutBatch(samples, n)
 
 
+def _replica_reporter(
+    engine: RolloutEngine, world: int, rank: int, group: dist.ProcessGroup | None
+) -> int:
+    """The rank (in ``group``) that reports this rank's replica's results: its lowest rank.
+    Checks that the engine's replicas cover ``0..dp_size-1``."""
+    replicas: list[Any] = [None] * world
+    dist.all_gather_object(replicas, (int(engine.dp_rank), int(engine.dp_size)), group=group)
+    sizes = {size for _, size in replicas}
+    ranks_of = {r for r, _ in replicas}
+    if len(sizes) != 1 or ranks_of != set(range(engine.dp_size)):
+        raise ValueError(f"rollout replicas (dp_rank, dp_size) per rank {replicas} are not 0..n-1")
+    return replicas.index((engine.dp_rank, engine.dp_size))
+
+
 def _pack(batch: RolloutBatch) -> list[tuple]:
     return [
         (
-            s.prompt_index,
+            s.prompt_id,
             s.sample_index,
             s.prompt_token_ids,
             s.response_token_ids,
@@ -134,5 +145,13 @@ def _pack(batch: RolloutBatch) -> list[tuple]:
 
 
 def _unpack(row: Sequence[Any], prompt_index: int) -> RolloutSample:
-    _, sample_index, prompt_ids, response_ids, logprobs, finish = row
-    return RolloutSample(prompt_index, sample_index, prompt_ids, response_ids, logprobs, finish)
+    prompt_id, sample_index, prompt_tokens, response_ids, logprobs, finish = row
+    return RolloutSample(
+        prompt_index,
+        sample_index,
+        prompt_tokens,
+        response_ids,
+        logprobs,
+        finish,
+        prompt_id=prompt_id,
+    )

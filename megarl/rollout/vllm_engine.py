@@ -25,15 +25,18 @@ import os
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megarl.rollout.base import RolloutBatch, RolloutSample, request_seed
+from megarl.rollout.base import CallOrder, RolloutBatch, RolloutSample, request_seed
 
-__all__ = ["VLLMEngine", "read_eos_token_ids"]
+if TYPE_CHECKING:
+    from megarl.config.schema import RolloutConfig
+
+__all__ = ["VLLMEngine", "engine_args_from_config", "read_eos_token_ids", "vllm_dtype"]
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
 """KV cache per rank on CPU when none is given (256 MiB: ~130k tokens of the tiny test models)."""
@@ -59,28 +62,88 @@ def read_eos_token_ids(model_path: str | Path) -> list[int]:
     return ids
 
 
+_VLLM_DTYPES = {
+    "bf16": "bfloat16",
+    "fp32": "float32",
+    "fp16": "float16",
+    "bfloat16": "bfloat16",
+    "float32": "float32",
+    "float16": "float16",
+}
+
+
+def vllm_dtype(dtype: str | torch.dtype) -> str:
+    """vLLM's spelling of a dtype given in the config's (``bf16``, ``fp32``), vLLM's
+    (``bfloat16``, ``float32``, ``float16``) or torch's form."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _VLLM_DTYPES:
+        raise ValueError(
+            f"unsupported rollout dtype {dtype!r}: use bf16, fp32 or fp16 "
+            "(or bfloat16, float32, float16)"
+        )
+    return _VLLM_DTYPES[name]
+
+
+def engine_args_from_config(
+    rollout: RolloutConfig, *, dtype: str | torch.dtype, seed: int
+) -> dict[str, Any]:
+    """:class:`VLLMEngine` keyword arguments for the ``actor_rollout_ref.rollout`` section.
+
+    Engine settings keep the config's names; ``tensor_model_parallel_size`` becomes
+    ``tensor_parallel_size``, ``max_model_len`` defaults to ``prompt_length + response_length``
+    and ``dtype`` (``trainer.dtype``) is translated to vLLM's spelling. Sampling settings
+    (temperature, n, ...) are not engine settings: they go to :meth:`VLLMEngine.generate`.
+    """
+    if rollout.name != "vllm":
+        raise ValueError(f"rollout.name={rollout.name!r} is not vllm")
+    max_model_len = rollout.max_model_len
+    if max_model_len is None:
+        max_model_len = rollout.prompt_length + rollout.response_length
+    return {
+        "tensor_parallel_size": rollout.tensor_model_parallel_size,
+        "seed": seed,
+        "dtype": vllm_dtype(dtype),
+        "max_model_len": max_model_len,
+        "gpu_memory_utilization": rollout.gpu_memory_utilization,
+        "kv_cache_memory_bytes": rollout.kv_cache_memory_bytes,
+        "free_cache_engine": rollout.free_cache_engine,
+        "enforce_eager": rollout.enforce_eager,
+        "enable_prefix_caching": rollout.enable_prefix_caching,
+        "enable_chunked_prefill": rollout.enable_chunked_prefill,
+        "max_num_batched_tokens": rollout.max_num_batched_tokens,
+        "max_num_seqs": rollout.max_num_seqs,
+        "engine_kwargs": dict(rollout.engine_kwargs),
+    }
+
+
 class VLLMEngine:
     """A :class:`~megarl.rollout.base.RolloutEngine` backed by an in-process vLLM ``LLM``.
 
+    The trainer builds it with :meth:`from_config`. Keyword names follow the config section
+    ``actor_rollout_ref.rollout`` where they map one to one.
+
     Args:
         model_path: HF checkpoint directory (config, safetensors; tokenizer not needed).
-        tensor_parallel_size: rollout TP (TP_v); must divide the world size. (No rollout PP:
-            vLLM's external launcher does not support it.)
+        tensor_parallel_size: rollout TP (TP_v, the config's ``tensor_model_parallel_size``);
+            must divide the world size. (No rollout PP: vLLM's external launcher lacks it.)
         seed: vLLM's engine seed (requests carry their own seeds, see ``generate``).
+        dtype: ``bf16``/``fp32``/``fp16`` or vLLM's ``bfloat16``/``float32``/``float16``.
         max_model_len: longest prompt + response.
-        enforce_eager: no CUDA graphs / torch.compile (faster start; the only mode tested on CPU).
         gpu_memory_utilization: GPU only, fraction of device memory vLLM may take when
-            ``kv_cache_bytes`` is None.
-        kv_cache_bytes: KV cache per rank, pinned rather than profiled. None: on GPU vLLM
-            profiles (``gpu_memory_utilization``; the external launcher takes the minimum over
-            ranks, so TP peers agree), on CPU ``DEFAULT_CPU_KV_CACHE_BYTES``.
-        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (CPU tests use float32).
+            ``kv_cache_memory_bytes`` is None.
+        kv_cache_memory_bytes: KV cache per rank, pinned rather than profiled. None: on GPU
+            vLLM profiles (``gpu_memory_utilization``; the external launcher takes the minimum
+            over ranks, so TP peers agree), on CPU ``DEFAULT_CPU_KV_CACHE_BYTES``.
+        free_cache_engine: start vLLM in sleep mode so that :meth:`sleep` frees device memory
+            (CUDA only: on CPU vLLM has no sleep mode, and sleep/wake free nothing).
+        enforce_eager: no CUDA graphs / torch.compile (faster start; the only mode tested on CPU).
         enable_prefix_caching: share prompt KV between the n samples of a prompt; the cache is
             reset after every weight update.
-        enable_sleep_mode: vLLM sleep mode (GPU only); None means "on when CUDA is available".
-        max_num_seqs: concurrent sequences per engine step (vLLM's default when None).
+        enable_chunked_prefill: vLLM chunked prefill (None: vLLM's default).
+        max_num_batched_tokens: tokens per scheduler step (None: vLLM's default).
+        max_num_seqs: concurrent sequences per engine step (None: vLLM's default).
         num_threads: torch intra-op threads on CPU (None: leave as is; torchrun sets 1).
-        engine_kwargs: any further ``vllm.LLM`` keyword arguments.
+        engine_kwargs: any further ``vllm.LLM`` keyword arguments (they win over the above).
     """
 
     def __init__(
@@ -89,13 +152,15 @@ class VLLMEngine:
         *,
         tensor_parallel_size: int = 1,
         seed: int = 0,
+        dtype: str | torch.dtype = "bfloat16",
         max_model_len: int = 2048,
-        enforce_eager: bool = True,
         gpu_memory_utilization: float = 0.5,
-        kv_cache_bytes: int | None = None,
-        dtype: str = "bfloat16",
+        kv_cache_memory_bytes: int | None = None,
+        free_cache_engine: bool = True,
+        enforce_eager: bool = True,
         enable_prefix_caching: bool = True,
-        enable_sleep_mode: bool | None = None,
+        enable_chunked_prefill: bool | None = None,
+        max_num_batched_tokens: int | None = None,
         max_num_seqs: int | None = None,
         num_threads: int | None = None,
         engine_kwargs: dict[str, Any] | None = None,
@@ -105,8 +170,9 @@ class VLLMEngine:
         self.tensor_parallel_size = tensor_parallel_size
         self.max_model_len = max_model_len
         self.eos_token_ids = read_eos_token_ids(model_path)
-        self._sleep_enabled = on_gpu if enable_sleep_mode is None else enable_sleep_mode
+        self._sleep_enabled = free_cache_engine and on_gpu
         self._sleeping: set[str] = set()
+        self._order = CallOrder()
 
         distributed = _ensure_process_group()
         world = dist.get_world_size() if distributed else 1
@@ -122,19 +188,19 @@ class VLLMEngine:
 
         if num_threads is not None and not on_gpu:
             torch.set_num_threads(num_threads)
-        if kv_cache_bytes is None and not on_gpu:
-            kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+        if kv_cache_memory_bytes is None and not on_gpu:
+            kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
         kwargs: dict[str, Any] = {
             "tensor_parallel_size": tensor_parallel_size,
             "distributed_executor_backend": "external_launcher" if distributed else "uni",
             "seed": seed,
+            "dtype": vllm_dtype(dtype),
             "max_model_len": max_model_len,
-            "enforce_eager": enforce_eager,
             "gpu_memory_utilization": gpu_memory_utilization,
-            "kv_cache_memory_bytes": kv_cache_bytes,
-            "dtype": dtype,
-            "enable_prefix_caching": enable_prefix_caching,
+            "kv_cache_memory_bytes": kv_cache_memory_bytes,
             "enable_sleep_mode": self._sleep_enabled,
+            "enforce_eager": enforce_eager,
+            "enable_prefix_caching": enable_prefix_caching,
             # Prompts arrive as token ids and responses leave as token ids.
             "skip_tokenizer_init": True,
             # Log-probs of the distribution actually sampled from (temperature applied), which
@@ -143,23 +209,33 @@ class VLLMEngine:
             # Sampling defaults come from our arguments, not the checkpoint's generation config.
             "generation_config": "vllm",
         }
-        if max_num_seqs is not None:
-            kwargs["max_num_seqs"] = max_num_seqs
+        optional = {
+            "enable_chunked_prefill": enable_chunked_prefill,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "max_num_seqs": max_num_seqs,
+        }
+        kwargs.update({k: v for k, v in optional.items() if v is not None})
         kwargs.update(engine_kwargs or {})
+        self._llm = _start_llm(self.model_path, kwargs)
 
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
-        _quiet_expected_vllm_warnings()
-        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process;
-        # training code sharing the process keeps the real one.
-        set_num_threads = torch.set_num_threads
-        try:
-            with _preserve_rng_state():  # importing vLLM already draws from Python's RNG
-                from vllm import LLM
+    @classmethod
+    def from_config(
+        cls,
+        rollout: RolloutConfig,
+        model_path: str | Path,
+        *,
+        dtype: str | torch.dtype,
+        seed: int,
+        **overrides: Any,
+    ) -> VLLMEngine:
+        """The engine the config section ``actor_rollout_ref.rollout`` describes.
 
-                self._llm = LLM(self.model_path, **kwargs)
-        finally:
-            torch.set_num_threads = set_num_threads
-        _keep_default_group_on_shutdown(self._llm)
+        ``dtype``: ``trainer.dtype`` (``bf16``/``fp32``); ``seed``: ``trainer.seed``;
+        ``overrides``: constructor arguments that win over the config (e.g. ``num_threads``).
+        See :func:`engine_args_from_config` for the mapping.
+        """
+        args = engine_args_from_config(rollout, dtype=dtype, seed=seed)
+        return cls(model_path, **{**args, **overrides})
 
     # ------------------------------------------------------------------ generation
 
@@ -185,18 +261,8 @@ class VLLMEngine:
         requests of a prompt share its KV. Global RNGs are left untouched. ``temperature=0`` is
         greedy (log-probs then of ``log_softmax(logits)``). Wakes the engine if it sleeps.
         """
-        if n < 1 or max_tokens < 1:
-            raise ValueError(f"need n >= 1 and max_tokens >= 1, got n={n}, max_tokens={max_tokens}")
-        if prompt_ids is None:
-            prompt_ids = range(len(prompts))
-        elif len(prompt_ids) != len(prompts):
-            raise ValueError(f"{len(prompt_ids)} prompt_ids for {len(prompts)} prompts")
-        for p, ids in enumerate(prompts):
-            if not ids or len(ids) + max_tokens > self.max_model_len:
-                raise ValueError(
-                    f"prompt {p}: {len(ids)} tokens + max_tokens={max_tokens} must be in "
-                    f"[1 + max_tokens, max_model_len={self.max_model_len}]"
-                )
+        self._order.check_can_generate()
+        ids = self._check_requests(prompts, n=n, max_tokens=max_tokens, prompt_ids=prompt_ids)
         if not prompts:
             return RolloutBatch([], n)
         self.wake_up()
@@ -205,99 +271,89 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         stops = list(dict.fromkeys([*self.eos_token_ids, *(stop_token_ids or [])]))
-        requests, params, keys = [], [], []
-        for p, ids in enumerate(prompts):
-            for s in range(n):
-                requests.append(TokensPrompt(prompt_token_ids=list(ids)))
-                params.append(
-                    SamplingParams(
-                        n=1,
-                        temperature=temperature,
-                        top_p=top_p,
-                        top_k=top_k,
-                        max_tokens=max_tokens,
-                        stop_token_ids=stops,
-                        seed=request_seed(seed, step, int(prompt_ids[p]), s),
-                        logprobs=0,  # just the sampled token's
-                        detokenize=False,
-                    )
-                )
-                keys.append((p, s))
+        keys = [(p, s) for p in range(len(prompts)) for s in range(n)]
+        requests = [TokensPrompt(prompt_token_ids=list(prompts[p])) for p, _ in keys]
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                max_tokens=max_tokens,
+                stop_token_ids=stops,
+                seed=request_seed(seed, step, ids[p], s),
+                logprobs=0,  # just the sampled token's
+                detokenize=False,
+            )
+            for p, s in keys
+        ]
         with _preserve_rng_state():
             outputs = self._llm.generate(requests, params, use_tqdm=False)
-
-        samples = []
-        for (p, s), out in zip(keys, outputs, strict=True):
-            (completion,) = out.outputs
-            tokens = list(completion.token_ids)
-            if completion.finish_reason not in ("stop", "length"):
-                raise RuntimeError(
-                    f"prompt {p} sample {s}: finish_reason {completion.finish_reason}"
-                )
-            logprobs = [step_lp[t].logprob for t, step_lp in zip(tokens, completion.logprobs)]
-            samples.append(
-                RolloutSample(
-                    prompt_index=p,
-                    sample_index=s,
-                    prompt_token_ids=list(prompts[p]),
-                    response_token_ids=tokens,
-                    response_logprobs=logprobs,
-                    finish_reason=completion.finish_reason,
-                )
-            )
+        samples = [
+            _sample_from_output(out, prompts[p], p, s, ids[p])
+            for (p, s), out in zip(keys, outputs, strict=True)
+        ]
         return RolloutBatch(samples, n)
+
+    def _check_requests(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        max_tokens: int,
+        prompt_ids: Sequence[int] | None,
+    ) -> list[int]:
+        """Validate a request list; return the prompt ids (default ``0..len(prompts)-1``)."""
+        if n < 1 or max_tokens < 1:
+            raise ValueError(f"need n >= 1 and max_tokens >= 1, got n={n}, max_tokens={max_tokens}")
+        if prompt_ids is not None and len(prompt_ids) != len(prompts):
+            raise ValueError(f"{len(prompt_ids)} prompt_ids for {len(prompts)} prompts")
+        for p, ids in enumerate(prompts):
+            if not ids or len(ids) + max_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompt {p}: {len(ids)} tokens + max_tokens={max_tokens} must be in "
+                    f"[1 + max_tokens, max_model_len={self.max_model_len}]"
+                )
+        return [int(i) for i in (range(len(prompts)) if prompt_ids is None else prompt_ids)]
 
     # ------------------------------------------------------------------ weights
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Load HF-named full tensors in place (vLLM slices them for this rank's TP shard).
-
-        ``named_tensors`` is consumed once and may be a lazy generator (e.g. buckets arriving
-        from the trainer); vLLM buffers each tensor only until every weight of its module (e.g.
-        q, k, v of one ``qkv_proj``) has arrived, then repacks that module. Names not given keep
-        their current values. Yielded tensors must stay unmodified until this returns. When the
-        weights are asleep (GPU), they are woken first; the KV cache stays asleep.
-        """
-        self.wake_up(["weights"])
-        self._llm.collective_rpc(
-            "reload_weights",
-            kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True},
-        )
-        self._llm.collective_rpc(_reprocess_tied_lm_head)
-        self._llm.reset_prefix_cache()
-
     def begin_weight_update(self) -> None:
-        """Open a push-style weight update: then any number of :meth:`load_weight_chunk` calls
-        in any order and split (a module's tensors may span chunks), then
-        :meth:`finish_weight_update`. Same result as one :meth:`update_weights` call."""
+        """Open a weight-update session (see ``WeightSink``). When the weights are asleep (GPU)
+        they are woken first; the KV cache stays asleep."""
+        self._order.begin_update()
         self.wake_up(["weights"])
         self._llm.collective_rpc(_begin_layerwise_reload)
 
     def load_weight_chunk(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Feed HF-named full tensors into the update opened by :meth:`begin_weight_update`."""
+        """Feed HF-named full tensors (vLLM slices them for this rank's TP shard).
+
+        ``named_tensors`` is consumed once and may be a lazy generator; vLLM buffers each tensor
+        only until every weight of its module (e.g. q, k, v of one ``qkv_proj``) has arrived,
+        then repacks that module, so yielded tensors must stay unmodified until the session
+        finishes.
+        """
+        self._order.check_updating("load_weight_chunk")
         self._llm.collective_rpc(_load_weights, args=(iter(named_tensors),))
 
     def finish_weight_update(self) -> None:
         """Process modules still waiting for tensors, and drop cached prefixes."""
+        self._order.check_updating("finish_weight_update")
         self._llm.collective_rpc(_finish_layerwise_reload)
         self._llm.collective_rpc(_reprocess_tied_lm_head)
         self._llm.reset_prefix_cache()
-
-    @contextlib.contextmanager
-    def weight_update(self) -> Iterator[VLLMEngine]:
-        """``with engine.weight_update(): engine.load_weight_chunk(bucket) ...``"""
-        self.begin_weight_update()
-        yield self
-        self.finish_weight_update()
+        self._order.finish_update()
 
     # ------------------------------------------------------------------ memory
 
     def sleep(self, level: int = 1) -> None:
-        """Free accelerator memory between rollouts (GPU with sleep mode; otherwise a no-op).
+        """Free accelerator memory between rollouts (GPU with ``free_cache_engine``; otherwise
+        nothing is freed, but the level-2 rule of ``RolloutEngine.sleep`` holds everywhere).
 
         Level 1 offloads weights to host memory and drops the KV cache; level 2 drops both, so a
-        full :meth:`update_weights` must follow before generating again.
+        full weight update must follow before generating again.
         """
+        self._order.sleep(level)
         if not self._sleep_enabled or self._sleeping:
             return
         self._llm.sleep(level=level)
@@ -330,6 +386,46 @@ class VLLMEngine:
             finalizer()
         del llm, client
         gc.collect()
+
+
+def _start_llm(model_path: str, kwargs: dict[str, Any]) -> Any:
+    """``vllm.LLM(model_path, **kwargs)`` in this process, leaving the trainer's state alone."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+    _quiet_expected_vllm_warnings()
+    # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process;
+    # training code sharing the process keeps the real one.
+    set_num_threads = torch.set_num_threads
+    try:
+        with _preserve_rng_state():  # importing vLLM already draws from Python's RNG
+            from vllm import LLM
+
+            llm = LLM(model_path, **kwargs)
+    finally:
+        torch.set_num_threads = set_num_threads
+    _keep_default_group_on_shutdown(llm)
+    return llm
+
+
+def _sample_from_output(
+    out: Any, prompt: list[int], prompt_index: int, sample_index: int, prompt_id: int
+) -> RolloutSample:
+    """One vLLM ``RequestOutput`` (``n=1``, ``logprobs=0``) as a :class:`RolloutSample`."""
+    (completion,) = out.outputs
+    tokens = list(completion.token_ids)
+    if completion.finish_reason not in ("stop", "length"):
+        raise RuntimeError(
+            f"prompt {prompt_index} sample {sample_index}: finish_reason {completion.finish_reason}"
+        )
+    logprobs = [step_lp[t].logprob for t, step_lp in zip(tokens, completion.logprobs, strict=True)]
+    return RolloutSample(
+        prompt_index=prompt_index,
+        sample_index=sample_index,
+        prompt_token_ids=list(prompt),
+        response_token_ids=tokens,
+        response_logprobs=logprobs,
+        finish_reason=completion.finish_reason,
+        prompt_id=prompt_id,
+    )
 
 
 # ---------------------------------------------------------------------- worker-side functions

@@ -14,12 +14,16 @@ Suites:
   again, and compare both rollouts' log-probs with the actor's runner.
 - ``gpu``: bf16 with sleep/wake and vLLM parameter addresses (only meaningful with CUDA).
 
+The engine-protocol conformance probe (``_engine_conformance.py``) runs on an ``ActorEngine`` in
+``layouts`` (Megatron DP 2 and PP 2) and on the vLLM TP 1 engine in ``vllm`` (rollout DP 2).
+
 Every rank writes ``OUT/{suite}_rank{r}.json``; the pytest side asserts.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import hashlib
 import json
@@ -243,6 +247,34 @@ def fake_sync_check(path: str, dims, chunks, seed: int, bucket_bytes: int) -> di
 # --------------------------------------------------------------------------------------------
 
 
+ACTOR_CONFORMANCE_CASES = ("tiny_tp1_pp1_vpp1", "tiny_tp1_pp2_vpp1")  # DP 2; PP 2
+
+
+def _train_dp() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_data_parallel_world_size(),
+    )
+
+
+def actor_conformance(path: str, dims, chunks, seed: int) -> dict:
+    """The engine protocol's conformance probe on an ActorEngine over ``chunks``."""
+    from megarl.rollout.actor_engine import ActorEngine
+    from megarl.rollout.vllm_engine import read_eos_token_ids
+    from tests.rollout._engine_conformance import probe_engine
+
+    engine = ActorEngine(chunks, vocab_size=dims.vocab_size, eos_token_ids=read_eos_token_ids(path))
+    return probe_engine(
+        engine,
+        chunks,
+        dims,
+        perturb_actor=functools.partial(perturb, chunks, dims, seed + 1000),
+        train_dp=_train_dp(),
+    )
+
+
 def layouts_suite(models: Path) -> dict:
     cases = [
         ("tiny", (1, 1, None)),
@@ -262,6 +294,8 @@ def layouts_suite(models: Path) -> dict:
             "small": fake_sync_check(path, dims, chunks, seed, 64 << 10),
             "large": fake_sync_check(path, dims, chunks, seed, 512 << 10),
         }
+        if key in ACTOR_CONFORMANCE_CASES:
+            out[key]["conformance"] = actor_conformance(path, dims, chunks, seed)
         del chunks
         gc.collect()
     return out
@@ -297,7 +331,7 @@ def vllm_suite(models: Path, world: int) -> dict:
             seed=0,
             max_model_len=64,
             dtype="float32",
-            kv_cache_bytes=16 << 20,
+            kv_cache_memory_bytes=16 << 20,
             max_num_seqs=16,
         )
         out["timings"][f"{model}_vtp{rollout_tp}_start_s"] = time.perf_counter() - t
@@ -328,6 +362,16 @@ def vllm_suite(models: Path, world: int) -> dict:
                 sync_bytes=stats.bytes,
             )
             out["cases"][key] = case
+        if rollout_tp == 1:  # rollout DP 2 at 2 ranks; the engine holds the actor's weights
+            from tests.rollout._engine_conformance import probe_engine
+
+            out["conformance"] = probe_engine(
+                engine,
+                chunks,
+                dims,
+                perturb_actor=functools.partial(perturb, chunks, dims, seed + 1000),
+                train_dp=_train_dp(),
+            )
         engine.shutdown()
         del chunks
         gc.collect()
@@ -349,7 +393,7 @@ def gpu_suite(models: Path) -> dict:
         max_model_len=64,
         dtype="bfloat16",
         gpu_memory_utilization=0.2,
-        enable_sleep_mode=True,
+        free_cache_engine=True,
         enforce_eager=False,
     )
 

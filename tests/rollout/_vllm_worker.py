@@ -2,7 +2,8 @@
 
 Run as ``torchrun --nproc_per_node 2 _vllm_worker.py --models DIR --out DIR``. Starts a gloo
 default group first (as the trainer does), then builds three engines one after another in the same
-processes (TP_v=1 → rollout DP 2; TP_v=2 → DP 1; TP_v=2 on a single-KV-head model), records every
+processes (TP_v=1 → rollout DP 2; TP_v=2 → DP 1, built with ``VLLMEngine.from_config``; TP_v=2 on
+a single-KV-head model), records every
 rollout to ``OUT/rank{r}.json`` and writes perturbed checkpoints for the HF reference to ``OUT/``.
 The pytest side asserts; this script only records (and fails loudly on exceptions).
 """
@@ -31,6 +32,7 @@ def record(batch) -> list[dict]:
         {
             "prompt_index": s.prompt_index,
             "sample_index": s.sample_index,
+            "prompt_id": s.prompt_id,
             "prompt": s.prompt_token_ids,
             "response": s.response_token_ids,
             "logprobs": s.response_logprobs,
@@ -89,6 +91,8 @@ def main() -> None:
     assert world == 2, world
     dist.new_group([0, 1])  # groups made before the engine (as Megatron's) must not confuse it
 
+    from megarl.config.schema import RolloutConfig
+    from megarl.rollout.base import update_weights
     from megarl.rollout.distribute import generate_distributed
     from megarl.rollout.vllm_engine import VLLMEngine
 
@@ -108,10 +112,40 @@ def main() -> None:
             seed=0,
             max_model_len=128,
             dtype="float32",
-            kv_cache_bytes=32 << 20,
+            kv_cache_memory_bytes=32 << 20,
             max_num_seqs=64,
         )
         tim[f"{tag}_start_s"] = time.perf_counter() - t
+        return engine
+
+    def make_from_config(path: Path, tag: str) -> VLLMEngine:
+        """The trainer's way: the config section; non-default scheduler settings that must
+        reach vLLM (chunked prefill off, a token budget), recorded from vLLM's own config."""
+        t = time.perf_counter()
+        rollout = RolloutConfig(
+            tensor_model_parallel_size=2,
+            prompt_length=64,
+            response_length=64,
+            max_num_seqs=64,
+            max_num_batched_tokens=256,
+            enable_chunked_prefill=False,
+            enforce_eager=True,
+            kv_cache_memory_bytes=32 << 20,
+        )
+        engine = VLLMEngine.from_config(rollout, path, dtype="fp32", seed=0)
+        tim[f"{tag}_start_s"] = time.perf_counter() - t
+        cfg = engine._llm.llm_engine.vllm_config
+        out["meta"]["from_config"] = {
+            "max_model_len": cfg.model_config.max_model_len,
+            "dtype": str(cfg.model_config.dtype),
+            "logprobs_mode": cfg.model_config.logprobs_mode,
+            "enable_chunked_prefill": cfg.scheduler_config.enable_chunked_prefill,
+            "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+            "max_num_seqs": cfg.scheduler_config.max_num_seqs,
+            "enforce_eager": cfg.model_config.enforce_eager,
+            "tensor_parallel_size": cfg.parallel_config.tensor_parallel_size,
+            "kv_cache_memory_bytes": cfg.cache_config.kv_cache_memory_bytes,
+        }
         return engine
 
     def timed(tag: str, fn):
@@ -163,18 +197,17 @@ def main() -> None:
     engine.shutdown()
     dist.barrier()
 
-    # ---- B: TP_v=2, rollout DP 1; weight updates -------------------------------------------
-    engine = make(tiny, 2, "tp2")
+    # ---- B: TP_v=2, rollout DP 1, built from the config; weight updates ---------------------
+    engine = make_from_config(tiny, "tp2")
     rec["tp2"] = record(run())
     noisy = noisy_state(tiny, seed=123)
     if rank == 0:
         save_checkpoint(tiny, args.out / "tiny_noisy", noisy)
-    # One call, a lazy generator (what a streaming resharder hands in).
-    timed("tp2_update_weights", lambda: engine.update_weights((k, v) for k, v in noisy.items()))
+    # One session, one chunk given as a lazy generator.
+    timed("tp2_update_weights", lambda: update_weights(engine, ((k, v) for k, v in noisy.items())))
     rec["tp2_noisy"] = record(run())
-    # Push-style session: zero lm_head only (a partial update).
-    with engine.weight_update():
-        engine.load_weight_chunk([("lm_head.weight", torch.zeros_like(noisy["lm_head.weight"]))])
+    # Zero lm_head only (a partial update).
+    update_weights(engine, [("lm_head.weight", torch.zeros_like(noisy["lm_head.weight"]))])
     rec["tp2_zero_lm_head"] = record(run(n=1))
     # Back to the original weights, one tensor per chunk in shuffled order (modules split
     # across chunks), then the very first call again.
@@ -182,9 +215,10 @@ def main() -> None:
 
     original = sorted(load_file(str(tiny / "model.safetensors")).items())
     random.Random(0).shuffle(original)
-    with engine.weight_update():
-        for name, tensor in original:
-            engine.load_weight_chunk([(name, tensor)])
+    engine.begin_weight_update()
+    for name, tensor in original:
+        engine.load_weight_chunk([(name, tensor)])
+    engine.finish_weight_update()
     rec["tp2_restored"] = record(run())
     engine.shutdown()
     dist.barrier()
@@ -195,7 +229,7 @@ def main() -> None:
     noisy = noisy_state(tiny_kv1, seed=321)
     if rank == 0:
         save_checkpoint(tiny_kv1, args.out / "tiny_kv1_noisy", noisy)
-    engine.update_weights(noisy.items())
+    update_weights(engine, noisy.items())
     rec["kv1_noisy"] = record(run())
     engine.shutdown()
 

@@ -1,6 +1,7 @@
 """Prompt redistribution (training DP layout → rollout DP groups → back) with a fake engine.
 
-No vLLM: 4 gloo ranks (torch.multiprocessing) run every combination of rollout TP and training
+No vLLM: 4 gloo ranks (torch.multiprocessing) run every combination of rollout layout (replicas
+of 1, 2, 4 consecutive ranks, and interleaved replicas as ActorEngine has with PP) and training
 layout in one launch; the fake engine answers with the global prompt id it was asked about.
 """
 
@@ -36,36 +37,61 @@ def test_request_seed_is_stable_and_distinct():
 def test_rollout_batch_padding_and_order():
     batch = RolloutBatch(
         [
-            RolloutSample(0, 0, [1], [5, 6, 7], [-0.1, -0.2, -0.3], "length"),
-            RolloutSample(0, 1, [1], [8], [-0.4], "stop"),
+            RolloutSample(0, 0, [1], [5, 6, 7], [-0.1, -0.2, -0.3], "length", prompt_id=7),
+            RolloutSample(0, 1, [1], [8], [-0.4], "stop", prompt_id=7),
         ],
         n=2,
     )
     batch.check_order()
+    assert batch.prompt_ids.tolist() == [7, 7]
     ids, logprobs, mask = batch.padded_responses(pad_token_id=-1)
     assert ids.tolist() == [[5, 6, 7], [8, -1, -1]]
     assert mask.tolist() == [[True] * 3, [True, False, False]]
     assert logprobs[1, 0].item() == pytest.approx(-0.4)
     with pytest.raises(ValueError):
-        RolloutSample(0, 0, [1], [5], [], "stop")
+        RolloutSample(0, 0, [1], [5], [], "stop", prompt_id=0)
+    with pytest.raises(TypeError):  # every sample carries its global prompt id
+        RolloutSample(0, 0, [1], [5], [-0.1], "stop")  # type: ignore[call-arg]
+    batch.samples[1].prompt_id = 8
+    with pytest.raises(ValueError, match="prompt_id"):
+        batch.check_order()
 
 
 class FakeEngine:
     """Answers prompt p, sample s with tokens [global id of p, s]; remembers what it was asked."""
 
-    def __init__(self, tensor_parallel_size: int) -> None:
-        self.tensor_parallel_size = tensor_parallel_size
+    def __init__(self, dp_rank: int, dp_size: int) -> None:
+        self.tensor_parallel_size = 4 // dp_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.calls: list[tuple] = []
 
     def generate(self, prompts, *, n, prompt_ids=None, seed, step=0, **_) -> RolloutBatch:
         prompt_ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
         self.calls.append((prompts, prompt_ids))
         samples = [
-            RolloutSample(p, s, prompts[p], [prompt_ids[p], s], [-1.0, -2.0], "length")
+            RolloutSample(
+                p,
+                s,
+                prompts[p],
+                [prompt_ids[p], s],
+                [-1.0, -2.0],
+                "length",
+                prompt_id=prompt_ids[p],
+            )
             for p in range(len(prompts))
             for s in range(n)
         ]
         return RolloutBatch(samples, n)
+
+
+# Rollout replica of each rank and their number: vLLM-like groups of 1, 2, 4 consecutive ranks,
+# and interleaved replicas {0, 2}, {1, 3} (ActorEngine: Megatron DP with PP 2).
+ROLLOUT_LAYOUTS = [
+    ("tp_v1", lambda r: r, 4),
+    ("tp_v2", lambda r: r // 2, 2),
+    ("tp_v4", lambda r: 0, 1),
+    ("interleaved", lambda r: r % 2, 2),
+]
 
 
 def _check_layouts(rank: int, port: int) -> None:
@@ -86,8 +112,8 @@ def _check_layouts(rank: int, port: int) -> None:
             dp_rank = dp_of(rank)
             shard_range = even_split(num_prompts, dp_size, dp_rank)
             local = [prompts[i] for i in shard_range]
-            for tp_v in (1, 2, 4):
-                engine = FakeEngine(tp_v)
+            for name, replica_of, replicas in ROLLOUT_LAYOUTS:
+                engine = FakeEngine(replica_of(rank), replicas)
                 batch = generate_distributed(
                     engine,
                     local,
@@ -98,23 +124,29 @@ def _check_layouts(rank: int, port: int) -> None:
                     max_tokens=2,
                     seed=0,
                 )
-                where = f"rank {rank} prompts {num_prompts} dp {dp_size} tp_v {tp_v}"
+                where = f"rank {rank} prompts {num_prompts} dp {dp_size} rollout {name}"
                 batch.check_order()
                 assert len(batch) == n * len(local), where
                 for i, s in enumerate(batch):
                     assert s.prompt_token_ids == local[i // n], where
                     assert s.response_token_ids == [shard_range[i // n], i % n], where
-                # Every rank of a rollout TP group was asked the same; groups cover all prompts.
+                    assert s.prompt_id == shard_range[i // n], where
+                assert batch.prompt_ids.tolist() == [shard_range[i // n] for i in range(len(batch))]
+                # Every rank of a replica was asked the same; replicas cover all prompts in order.
                 calls: list = [None] * WORLD
-                dist.all_gather_object(calls, engine.calls[0])
-                groups = [calls[g * tp_v : (g + 1) * tp_v] for g in range(WORLD // tp_v)]
-                assert all(c == grp[0] for grp in groups for c in grp), where
-                asked = [pid for grp in groups for pid in grp[0][1]]
+                dist.all_gather_object(calls, (replica_of(rank), engine.calls[0]))
+                asked_by = {}
+                for replica, call in calls:
+                    assert asked_by.setdefault(replica, call) == call, where
+                asked = [pid for r in range(replicas) for pid in asked_by[r][1]]
                 assert asked == list(range(num_prompts)), where
     dist.destroy_process_group()
 
 
+@pytest.mark.multirank
 def test_generate_distributed_all_layouts():
+    """Each rank gets its own prompts back with their global prompt ids, at every training and
+    rollout layout (incl. rollout DP 2 and 4)."""
     from tests.conftest import free_port
 
     mp.spawn(_check_layouts, args=(free_port(),), nprocs=WORLD, join=True)

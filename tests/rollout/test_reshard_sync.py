@@ -13,6 +13,9 @@ Multi-rank (``_reshard_worker.py``, one torchrun launch per suite):
   (1,2,2), (1,1); vLLM TP 2 on the single-KV-head model (KV replication) ← (1,2). At 4 ranks:
   vLLM TP 2 ← (2,2), (2,1). Per case: perturb the actor, generate, sync, generate the same
   prompts and seeds again; vLLM's log-probs vs the actor's runner at T = 0.7.
+
+The engine-protocol conformance test runs in these launches too: on an ``ActorEngine`` in
+``layouts`` and on the vLLM TP 1 engine in ``vllm`` (one check function for both engines).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from megarl.models.tiny import random_hf_state, tiny_hf_config
 from megarl.rollout.reshard import TrainingLayout, make_reshard_plan, stream_buckets
 from megarl.rollout.reshard.executor import write_hf_from_shards
 from tests.conftest import run_torchrun
+from tests.rollout._engine_conformance import assert_conforms
 from tests.rollout._reshard_worker import CopySink, LiveBytes
 
 WORKER = Path(__file__).with_name("_reshard_worker.py")
@@ -180,8 +184,8 @@ def test_consistency_helpers():
 
     batch = RolloutBatch(
         [
-            RolloutSample(0, 0, [5, 6, 7], [8, 9], [-1.0, -2.0], "length"),
-            RolloutSample(0, 1, [5, 6, 7], [10], [-0.5], "stop"),
+            RolloutSample(0, 0, [5, 6, 7], [8, 9], [-1.0, -2.0], "length", prompt_id=0),
+            RolloutSample(0, 1, [5, 6, 7], [10], [-0.5], "stop", prompt_id=0),
         ],
         n=2,
     )
@@ -343,6 +347,42 @@ def test_vllm_timings_reported(vllm_runs, models, world):
     starts = {k: round(v, 1) for k, v in rank0["timings"].items()}
     print(f"\nws{world}: total {rank0['total_s']:.0f} s, engine starts {starts}, syncs {syncs}")
     assert all(v > 0 for v in syncs.values())
+
+
+_VLLM_PARAM = {
+    "marks": [
+        pytest.mark.vllm,
+        pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed"),
+    ]
+}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "engine,case",
+    [
+        ("actor", "tiny_tp1_pp1_vpp1"),
+        ("actor", "tiny_tp1_pp2_vpp1"),
+        pytest.param("vllm", "tiny_vtp1_tp1_pp1_vpp1", **_VLLM_PARAM),
+    ],
+)
+def test_engine_conformance(request, models, engine, case):
+    """The rollout-engine protocol, the same test for ActorEngine (Megatron DP 2, and PP 2) and
+    VLLMEngine (TP 1, rollout DP 2): attributes and method signatures, n responses per prompt
+    prompt-major with prompt ids, seeds, EOS/stop, log-probs equal to the actor's, a sync
+    visible in the next generation, call-order errors, sleep/wake, and generate_distributed's
+    global prompt ids (see _engine_conformance.py)."""
+    if engine == "actor":
+        ranks = [rank[case]["conformance"] for rank in request.getfixturevalue("layouts_run")]
+    else:
+        runs = request.getfixturevalue("vllm_runs")
+        ranks = [rank["conformance"] for rank in _vllm(runs, models, 2)]
+    for r, rec in enumerate(ranks):
+        assert_conforms(rec, f"{engine} {case} rank {r}")
+    if case != "tiny_tp1_pp2_vpp1":  # two rollout replicas: each rank its own global prompts
+        assert [rec["attributes"]["dp_size"] for rec in ranks] == [2, 2]
+        assert ranks[0]["distributed_shard"] == [0, 1, 2]
+        assert ranks[1]["distributed_shard"] == [3, 4]
 
 
 @pytest.mark.gpu

@@ -137,6 +137,33 @@ def test_n_responses_per_prompt_in_prompt_order(run, key):
             assert r["prompt"] == local[i // n]
 
 
+def test_samples_carry_global_prompt_ids(run):
+    """generate_distributed returns each prompt's position in the global batch (rank 0 holds
+    prompts 0-2, rank 1 prompts 3-4), at rollout DP 2 (TP_v=1) and DP 1 (TP_v=2)."""
+    for key in ("tp1", "tp2", "kv1"):
+        for rank, recs in enumerate(records(run, key)):
+            offset = 0 if rank == 0 else 3
+            assert [r["prompt_id"] for r in recs] == [offset + i // 3 for i in range(len(recs))]
+
+
+def test_from_config_reaches_vllm(run):
+    """VLLMEngine.from_config: the config's names and values arrive in vLLM's own config
+    (dtype spelled fp32 in the config, max_model_len = prompt + response length, processed
+    log-probs)."""
+    got = run["ranks"][0]["meta"]["from_config"]
+    assert got == {
+        "max_model_len": 128,
+        "dtype": "torch.float32",
+        "logprobs_mode": "processed_logprobs",
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": 256,
+        "max_num_seqs": 64,
+        "enforce_eager": True,
+        "tensor_parallel_size": 2,
+        "kv_cache_memory_bytes": 32 << 20,
+    }
+
+
 def test_dp1_identical_shards_get_identical_results(run):
     """Training DP 1 (both ranks hold all prompts, like TP peers): no duplicates, same answers."""
     r0, r1 = records(run, "tp1_dp1_stops")
@@ -230,7 +257,7 @@ def test_update_weights_changes_the_rollout(run):
 
 
 def test_zeroed_lm_head_gives_uniform_logprobs(run):
-    """A partial update (only lm_head, pushed through a weight_update session) at TP_v=2."""
+    """A partial update (only lm_head) at TP_v=2."""
     for recs in records(run, "tp2_zero_lm_head"):
         assert recs
         for r in recs:
@@ -260,6 +287,7 @@ def test_sleep_wake_around_update_on_gpu(tmp_path):
     """Sleep frees GPU memory; wake weights → update → wake KV cache; generation reflects the new
     weights (zeroed lm_head → uniform log-probs)."""
     from megarl.models.tiny import make_tiny_model
+    from megarl.rollout.base import update_weights
     from megarl.rollout.vllm_engine import VLLMEngine
 
     path = make_tiny_model(tmp_path / "tiny")
@@ -269,7 +297,7 @@ def test_sleep_wake_around_update_on_gpu(tmp_path):
         dtype="float32",
         max_model_len=128,
         gpu_memory_utilization=0.2,
-        enable_sleep_mode=True,
+        free_cache_engine=True,
     )
     try:
         kw = {"n": 2, "temperature": 0.7, "max_tokens": 8, "seed": 0}
@@ -282,7 +310,7 @@ def test_sleep_wake_around_update_on_gpu(tmp_path):
         from safetensors.torch import load_file
 
         lm_head = load_file(str(path / "model.safetensors"))["lm_head.weight"]
-        engine.update_weights([("lm_head.weight", torch.zeros_like(lm_head).cuda())])
+        update_weights(engine, [("lm_head.weight", torch.zeros_like(lm_head).cuda())])
         engine.wake_up(["kv_cache"])
         assert not engine.is_sleeping
         after = engine.generate([[5, 6, 7]], **kw)

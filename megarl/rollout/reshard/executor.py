@@ -35,9 +35,8 @@ buffer. Tests check it against ``hf_mapping`` for every partition kind and sever
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -45,6 +44,7 @@ from torch import Tensor
 
 from megarl.models import hf_mapping as hm
 from megarl.models.dims import ModelDims
+from megarl.rollout.base import WeightSink
 from megarl.rollout.reshard.plan import (
     DEFAULT_BUCKET_BYTES,
     HFSlot,
@@ -63,18 +63,6 @@ __all__ = [
     "sync_weights",
     "write_hf_from_shards",
 ]
-
-
-class WeightSink(Protocol):
-    """What receives the buckets: :class:`~megarl.rollout.vllm_engine.VLLMEngine` or a fake."""
-
-    def begin_weight_update(self) -> None: ...
-
-    def load_weight_chunk(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Consume HF-named full tensors; they are only valid during this call."""
-        ...
-
-    def finish_weight_update(self) -> None: ...
 
 
 @dataclass
@@ -203,8 +191,8 @@ def stream_buckets(
     Args:
         params: this rank's TP shards of its stage's parameters, by global Megatron name.
         plan: the same plan on every rank.
-        sink: the engine (``begin_weight_update`` / ``load_weight_chunk`` /
-            ``finish_weight_update``).
+        sink: the engine, or anything with its weight-update session
+            (:class:`~megarl.rollout.base.WeightSink`).
         pp_rank: this rank's pipeline stage (its rank in ``pp_group``).
         tp_group / pp_group: the TP and PP groups of this rank (unused at size 1).
         device: where bucket buffers live (default: the parameters' device).
