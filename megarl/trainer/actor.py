@@ -1,0 +1,196 @@
+"""The actor update: ``ppo_epochs`` × mini-batches × micro-batches in verl's units.
+
+Mini-batch membership comes from global response indices (a permutation seeded by (seed, step,
+epoch) when ``shuffle``), so mini-batch i is the same set of responses at every layout; each DP
+rank trains on its share of it (:func:`megarl.trainer.batch.dp_share`). The loss of a micro-batch
+is its *share* of the mini-batch loss: every term is aggregated with the mini-batch's global
+token and sequence counts (known on every rank, since every rank holds the whole batch), which
+is the contract :func:`megarl.models.runner.forward_backward` turns into exact gradients.
+
+Loss = policy loss (``policy_loss.loss_mode``) − entropy_coeff · entropy + kl_loss_coef · KL(π‖π_ref)
+(``use_kl_loss``), each aggregated with ``loss_agg_mode`` (verl's actor does the same).
+
+Metrics: the loss terms are reported as the exact mini-batch values (the shares summed over
+micro-batches and DP ranks); ``pg_clipfrac``, ``ppo_kl`` and friends as global token-weighted
+means over the mini-batch; then averaged over mini-batches and epochs. (verl averages per
+micro-batch values instead, which weights small micro-batches more.)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megarl.algo import agg_loss, compute_policy_loss, count_tokens_and_seqs, kl_penalty
+from megarl.models.runner import forward_backward
+from megarl.models.trainable import TrainableModel
+from megarl.parallel.init import device
+from megarl.trainer.batch import (
+    RolloutTensors,
+    dp_share,
+    mini_batches,
+    seeded_generator,
+    token_budget_micro_batches,
+)
+
+
+@dataclass(frozen=True)
+class PolicyUpdate:
+    """Everything the actor update needs from the config (``actor_rollout_ref.actor.*``)."""
+
+    responses_per_mini_batch: int
+    """ppo_mini_batch_size × rollout.n."""
+    micro_batch_size: int | None = None
+    """ppo_micro_batch_size_per_gpu (responses per DP rank); None with use_dynamic_bsz."""
+    max_token_len: int | None = None
+    """ppo_max_token_len_per_gpu (use_dynamic_bsz)."""
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    loss_mode: str = "vanilla"
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: float | None = None
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    temperature: float = 1.0
+    policy_loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    """clip_ratio, clip_ratio_low/high, clip_ratio_c and each loss mode's own keys."""
+
+
+_TOKEN_MEANS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
+
+
+def update_policy(
+    actor: TrainableModel,
+    batch: RolloutTensors,
+    settings: PolicyUpdate,
+    *,
+    vocab_size: int,
+    seed: int,
+    step: int,
+    old_log_probs: str = "old_log_probs",
+) -> dict[str, float]:
+    """Run the actor update on ``batch`` (which holds ``advantages``, ``old_log_probs`` and, as
+    needed, ``ref_log_probs`` / ``rollout_is_weights`` in its fields); returns ``actor/*``."""
+    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    names = ["advantages", old_log_probs]
+    if settings.use_kl_loss:
+        names.append("ref_log_probs")
+    if "rollout_is_weights" in batch.fields:
+        names.append("rollout_is_weights")
+
+    totals: dict[str, float] = defaultdict(float)
+    count = 0
+    for epoch in range(settings.ppo_epochs):
+        order = seeded_generator(seed, "mini-batches", step, epoch)
+        for indices in mini_batches(
+            len(batch), settings.responses_per_mini_batch, shuffle=settings.shuffle, generator=order
+        ):
+            tokens, seqs = count_tokens_and_seqs(batch.response_mask[indices])
+            mine = dp_share(indices, dp_rank, dp_size)
+            sequences = batch.sequences(mine, names)
+            loss_fn = _loss_fn(settings, float(tokens), float(seqs), old_log_probs)
+            micro = _micro_batches(batch, indices, mine, settings, dp_size)
+            per_micro = forward_backward(
+                actor.chunks,
+                sequences,
+                loss_fn,
+                micro_batches=micro,
+                vocab_size=vocab_size,
+                temperature=settings.temperature,
+            )
+            sums = _sum_over_dp({k: sum(m[k] for m in per_micro) for k in per_micro[0]})
+            result = actor.step()
+            for key, value in sums.items():
+                totals[key] += value
+            totals["grad_norm"] += result.grad_norm
+            totals["skipped_steps"] += 0.0 if result.updated else 1.0
+            count += 1
+    metrics = {f"actor/{k}": v / count for k, v in totals.items() if k != "skipped_steps"}
+    metrics["actor/skipped_steps"] = totals["skipped_steps"]
+    metrics["actor/lr"] = actor.lr
+    return metrics
+
+
+def _micro_batches(
+    batch: RolloutTensors,
+    indices: torch.Tensor,
+    mine: torch.Tensor,
+    settings: PolicyUpdate,
+    dp_size: int,
+) -> int | list[torch.Tensor]:
+    if settings.max_token_len is None:
+        return settings.micro_batch_size  # type: ignore[return-value]
+    # Every DP rank uses the same number of micro-batches: the largest any share needs.
+    most = max(
+        len(
+            token_budget_micro_batches(
+                batch.lengths[dp_share(indices, r, dp_size)], settings.max_token_len
+            )
+        )
+        for r in range(dp_size)
+    )
+    return token_budget_micro_batches(
+        batch.lengths[mine], settings.max_token_len, num_micro_batches=most
+    )
+
+
+def _loss_fn(settings: PolicyUpdate, tokens: float, seqs: float, old_name: str):
+    """The micro-batch loss: its share of the mini-batch loss, and metric shares that add up to
+    the mini-batch's values over micro-batches and DP ranks."""
+    counts = {
+        "loss_agg_mode": settings.loss_agg_mode,
+        "global_token_count": max(tokens, 1.0),
+        "global_seq_count": max(seqs, 1.0),
+        "loss_scale_factor": settings.loss_scale_factor,
+    }
+
+    def loss_fn(outputs, mb):
+        log_prob = outputs["log_probs"]
+        width = log_prob.shape[1]
+        mask = mb["response_mask"][:, :width]
+        pg_loss, pg_metrics = compute_policy_loss(
+            settings.loss_mode,
+            old_log_prob=mb[old_name][:, :width],
+            log_prob=log_prob,
+            advantages=mb["advantages"][:, :width],
+            response_mask=mask,
+            rollout_is_weights=(
+                mb["rollout_is_weights"][:, :width] if "rollout_is_weights" in mb else None
+            ),
+            **counts,
+            **settings.policy_loss_kwargs,
+        )
+        loss = pg_loss
+        weight = mask.sum() / counts["global_token_count"]
+        metrics = {"pg_loss": pg_loss.detach()}
+        metrics.update({k: v.detach() * weight for k, v in pg_metrics.items() if k in _TOKEN_MEANS})
+        entropy = agg_loss(outputs["entropy"], mask, **counts)
+        metrics["entropy"] = entropy.detach()
+        if settings.entropy_coeff:
+            loss = loss - settings.entropy_coeff * entropy
+        if settings.use_kl_loss:
+            kld = kl_penalty(log_prob, mb["ref_log_probs"][:, :width], settings.kl_loss_type)
+            kl_loss = agg_loss(kld, mask, **counts)
+            loss = loss + settings.kl_loss_coef * kl_loss
+            metrics["kl_loss"] = kl_loss.detach()
+        return loss, metrics
+
+    return loss_fn
+
+
+def _sum_over_dp(values: dict[str, float]) -> dict[str, float]:
+    """Sum per-rank metric shares over the DP (×CP) group (one all-reduce)."""
+    keys = sorted(values)
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device())
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return dict(zip(keys, t.cpu().tolist(), strict=True))

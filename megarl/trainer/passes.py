@@ -1,0 +1,121 @@
+"""Passes over the whole step batch: generation and log-prob passes, each returning global tensors.
+
+Generation: every rank holds the step's global prompt list; the engine's replicas split it and
+every rank gets every response back (:func:`megarl.rollout.distribute.generate_distributed`
+with one "training shard", the global list). Log-prob passes: each DP rank computes its
+contiguous share of the batch and the shares are all-gathered over the DP group, so the result
+is the same global ``[B, R]`` tensor on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megarl.data import PromptSample
+from megarl.models.runner import compute_log_probs
+from megarl.parallel.init import device
+from megarl.rollout.base import RolloutBatch, RolloutEngine
+from megarl.rollout.distribute import generate_distributed
+from megarl.trainer.batch import RolloutTensors, dp_share, rollout_tensors
+
+
+def generate(
+    engine: RolloutEngine,
+    prompts: Sequence[PromptSample],
+    *,
+    n: int,
+    sampling: dict[str, Any],
+    seed: int,
+    step: int,
+    pad_token_id: int,
+) -> tuple[RolloutTensors, RolloutBatch]:
+    """``n`` responses to each prompt, prompt-major, as global tensors on every rank."""
+    out = generate_distributed(
+        engine,
+        [list(p.prompt_ids) for p in prompts],
+        dp_rank=0,
+        dp_size=1,
+        n=n,
+        seed=seed,
+        step=step,
+        **sampling,
+    )
+    tensors = rollout_tensors(
+        [s.prompt_token_ids for s in out],
+        [s.response_token_ids for s in out],
+        [s.response_logprobs for s in out],
+        [s.prompt_id for s in out],
+        [s.finish_reason == "length" for s in out],
+        pad_token_id=pad_token_id,
+    )
+    return tensors, out
+
+
+def global_log_probs(
+    chunks: Sequence[torch.nn.Module],
+    batch: RolloutTensors,
+    *,
+    vocab_size: int,
+    temperature: float,
+    micro_batches: int | None,
+    max_token_len: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy ``[B, R]`` of every response token of the batch, on every rank."""
+    from megarl.trainer.batch import token_budget_micro_batches
+
+    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    rows = dp_share(torch.arange(len(batch)), dp_rank, dp_size)
+    sequences = batch.sequences(rows)
+    if max_token_len is not None:
+        most = max(
+            len(
+                token_budget_micro_batches(
+                    batch.lengths[dp_share(torch.arange(len(batch)), r, dp_size)], max_token_len
+                )
+            )
+            for r in range(dp_size)
+        )
+        micro: Any = token_budget_micro_batches(
+            batch.lengths[rows], max_token_len, num_micro_batches=most
+        )
+    else:
+        micro = _fitting_micro_batch(len(rows), micro_batches or len(rows))
+    out = compute_log_probs(
+        chunks, sequences, vocab_size=vocab_size, micro_batches=micro, temperature=temperature
+    )
+    width = batch.response_mask.shape[1]
+    return (
+        _gather_dp(_pad_to(out.log_probs, width), dp_size),
+        _gather_dp(_pad_to(out.entropy, width), dp_size),
+    )
+
+
+def _fitting_micro_batch(rows: int, size: int) -> int:
+    """The configured micro-batch size, lowered to a divisor of the rows (forward-only passes
+    accept any split)."""
+    size = max(1, min(size, rows))
+    while rows % size:
+        size -= 1
+    return size
+
+
+def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
+    if t.shape[1] >= width:
+        return t[:, :width]
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
+def _gather_dp(local: torch.Tensor, dp_size: int) -> torch.Tensor:
+    if dp_size == 1:
+        return local.cpu()
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    local = local.to(device()).contiguous()
+    parts = [torch.empty_like(local) for _ in range(dp_size)]
+    dist.all_gather(parts, local, group=group)
+    return torch.cat(parts).cpu()

@@ -1,0 +1,213 @@
+"""Everything a run holds, built from the config in the order the devices need it.
+
+On GPU vLLM refuses to start unless ``gpu_memory_utilization`` × total memory is free, so the
+rollout engine starts before Megatron allocates the models; on CPU the order is the same (one
+code path). The reference policy is built only when a KL term is on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.config import BatchPlan, MegarlConfig, ref_used
+from megarl.data import GlobalBatchSampler, PromptDataset, total_training_steps
+from megarl.models.build import BuiltModel, Recompute, build_model
+from megarl.models.trainable import OptimizerSettings, TrainableModel
+from megarl.parallel.init import init_distributed
+from megarl.reward import RewardManager
+from megarl.rollout.actor_engine import ActorEngine
+from megarl.rollout.base import RolloutEngine
+from megarl.rollout.vllm_engine import read_eos_token_ids
+from megarl.trainer.actor import PolicyUpdate
+from megarl.trainer.console import Console
+from megarl.trainer.state import TrainerState
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class Run:
+    """The objects of one training run (identical structure on every rank)."""
+
+    cfg: MegarlConfig
+    run_dir: Path
+    console: Console
+    rank: int
+    world_size: int
+    tokenizer: Any
+    train_data: PromptDataset
+    val_data: PromptDataset | None
+    sampler: GlobalBatchSampler
+    total_steps: int
+    plan: BatchPlan
+    actor: TrainableModel
+    ref: BuiltModel | None
+    engine: RolloutEngine
+    rewards: RewardManager
+    policy: PolicyUpdate
+    state: TrainerState = field(default_factory=TrainerState)
+    reshard_plan: Any = None
+    """The Megatron → engine weight plan (None when the engine samples from the actor)."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.actor.model.dims.vocab_size
+
+
+def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
+    """Initialise the process group and Megatron, then data, engine, models and rewards."""
+    arr = cfg.actor_rollout_ref
+    layout = arr.actor.megatron.parallel_layout()
+    launch = init_distributed(layout, seed=cfg.trainer.seed)
+    world = launch.world_size
+    plan = BatchPlan.from_config(cfg, world)
+    from transformers import AutoTokenizer
+
+    model_path = str(Path(arr.model.path).expanduser())
+    tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or model_path)
+    data_seed = cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed
+    train_data = PromptDataset.from_config(cfg.data, tokenizer, "train", cfg.trainer.seed)
+    val_data = (
+        PromptDataset.from_config(cfg.data, tokenizer, "val", cfg.trainer.seed)
+        if cfg.data.val_files and (cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train)
+        else None
+    )
+    sampler = GlobalBatchSampler(
+        len(train_data), cfg.data.train_batch_size, seed=data_seed, shuffle=cfg.data.shuffle
+    )
+    total = total_training_steps(
+        sampler.batches_per_epoch, cfg.trainer.total_epochs, cfg.trainer.total_training_steps
+    )
+
+    dtype = DTYPES[cfg.trainer.dtype]
+    engine_from_vllm = arr.rollout.name == "vllm"
+    vllm_engine = _start_vllm(cfg, model_path) if engine_from_vllm else None
+    meg = arr.actor.megatron
+    recompute = Recompute(meg.recompute_granularity, meg.recompute_method, meg.recompute_num_layers)
+    actor_model = build_model(
+        model_path,
+        layout,
+        dtype=dtype,
+        transformer_impl=meg.transformer_impl,
+        recompute=recompute,
+    )
+    actor = TrainableModel(actor_model, optimizer_settings(cfg, total))
+    ref = None
+    if ref_used(cfg):
+        ref = build_model(model_path, layout, dtype=dtype, transformer_impl=meg.transformer_impl)
+        for chunk in ref.chunks:
+            chunk.eval()
+            chunk.requires_grad_(False)
+    eos = read_eos_token_ids(model_path) or [tokenizer.eos_token_id]
+    if vllm_engine is not None:
+        engine: RolloutEngine = vllm_engine
+        from megarl.rollout.reshard import plan_for_chunks
+
+        reshard = plan_for_chunks(actor.chunks, actor_model.dims, vllm_engine.tensor_parallel_size)
+    else:
+        engine = ActorEngine(
+            actor.chunks,
+            vocab_size=actor_model.dims.vocab_size,
+            eos_token_ids=eos,
+            pad_token_id=_pad_id(tokenizer),
+        )
+        reshard = None
+    rewards = RewardManager.from_config(cfg, tokenizer, group=None)
+    return Run(
+        cfg=cfg,
+        run_dir=run_dir,
+        console=console,
+        rank=launch.rank,
+        world_size=world,
+        tokenizer=tokenizer,
+        train_data=train_data,
+        val_data=val_data,
+        sampler=sampler,
+        total_steps=total,
+        plan=plan,
+        actor=actor,
+        ref=ref,
+        engine=engine,
+        rewards=rewards,
+        policy=policy_update(cfg, plan),
+        reshard_plan=reshard,
+    )
+
+
+def optimizer_settings(cfg: MegarlConfig, total_steps: int) -> OptimizerSettings:
+    """The actor's optimizer and LR schedule from ``actor_rollout_ref.actor.optim``.
+
+    Warm-up counts trainer steps (verl): ``lr_warmup_steps`` when ≥ 0, else
+    ``lr_warmup_steps_ratio`` × total steps.
+    """
+    optim = cfg.actor_rollout_ref.actor.optim
+    warmup = optim.lr_warmup_steps
+    if warmup < 0:
+        warmup = math.floor(optim.lr_warmup_steps_ratio * total_steps)
+    return OptimizerSettings(
+        lr=optim.lr,
+        optimizer=optim.optimizer,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        betas=(optim.betas[0], optim.betas[1]),
+        clip_grad=optim.clip_grad,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=total_steps,
+        lr_decay_style=optim.lr_decay_style,
+        use_distributed_optimizer=cfg.actor_rollout_ref.actor.megatron.use_distributed_optimizer,
+    )
+
+
+def policy_update(cfg: MegarlConfig, plan: BatchPlan) -> PolicyUpdate:
+    """The actor update's settings from ``actor_rollout_ref.actor`` and the batch plan."""
+    actor = cfg.actor_rollout_ref.actor
+    loss = actor.policy_loss
+    extra = {
+        k: getattr(loss, k) for k in vars(loss) if k != "loss_mode" and getattr(loss, k) is not None
+    }
+    return PolicyUpdate(
+        responses_per_mini_batch=plan.actor.responses_per_batch,
+        micro_batch_size=plan.actor.micro_batch_size,
+        max_token_len=plan.actor.max_token_len_per_gpu,
+        ppo_epochs=actor.ppo_epochs,
+        shuffle=actor.shuffle,
+        loss_mode=loss.loss_mode,
+        loss_agg_mode=actor.loss_agg_mode,
+        loss_scale_factor=actor.loss_scale_factor,
+        entropy_coeff=actor.entropy_coeff,
+        use_kl_loss=actor.use_kl_loss,
+        kl_loss_coef=actor.kl_loss_coef,
+        kl_loss_type=actor.kl_loss_type,
+        temperature=cfg.actor_rollout_ref.rollout.temperature,
+        policy_loss_kwargs={
+            "clip_ratio": actor.clip_ratio,
+            "clip_ratio_low": actor.clip_ratio_low,
+            "clip_ratio_high": actor.clip_ratio_high,
+            "clip_ratio_c": actor.clip_ratio_c,
+            **extra,
+        },
+    )
+
+
+def _start_vllm(cfg: MegarlConfig, model_path: str):
+    from megarl.rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine.from_config(
+        cfg.actor_rollout_ref.rollout, model_path, dtype=cfg.trainer.dtype, seed=cfg.trainer.seed
+    )
+
+
+def _pad_id(tokenizer: Any) -> int:
+    pad = tokenizer.pad_token_id
+    return int(pad if pad is not None else tokenizer.eos_token_id or 0)
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,29 @@
+"""What a resumed run needs besides model and optimizer state (the checkpoint issue saves it)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class TrainerState:
+    """The trainer's own state, identical on every rank."""
+
+    step: int = 0
+    """Trainer steps completed."""
+    sampler: dict[str, Any] = field(default_factory=dict)
+    """``GlobalBatchSampler.state_dict()`` after the last completed step."""
+    kl_coef: float | None = None
+    """The KL-in-reward controller's current coefficient (part 2)."""
+    tracking_run_id: str | None = None
+    """The MLflow run id, so a resumed run logs into the same run."""
+    consecutive_skips: int = 0
+    """Optimizer steps skipped in a row for a non-finite gradient."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainerState:
+        return cls(**data)
