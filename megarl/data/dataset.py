@@ -84,7 +84,7 @@ def _check_columns(row: dict[str, Any], where: str, prompt_key: str, reward_fn_k
                 f"{sorted(row)}"
             )
     reward_model = row.get("reward_model")
-    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
         raise DataError(f"{where}: no reward_model.ground_truth")
 
 
