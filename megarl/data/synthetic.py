@@ -16,9 +16,9 @@ Reward, on the response decoded as verl does (special tokens skipped), in ``[0, 
 - ``score = 0.5 * format + 0.5 * digits``; the dict also carries ``acc`` (exact answer).
 
 Why this shape: a randomly initialised tiny model (vocabulary 1000, a quarter of whose tokens
-start with a digit) starts near 0.16-0.20 mean reward at temperature 1 (tests/data measure it), every
-group of responses has spread (format is a coin flip with p ~ 0.25), and the first signal GRPO
-picks up, starting the response with a number, is prompt-independent and learnt in a few dozen
+start with a digit) starts near 0.16-0.20 mean reward at temperature 1 (tests/data measure it),
+every group of responses has spread (format is a coin flip with p ~ 0.3; greedy decoding starts
+near 0.06), and the first signal GRPO picks up, starting the response with a number, is prompt-independent and learnt in a few dozen
 steps on CPU; per-digit credit then rewards getting the sum's leading digit right. Responses are
 scored on their prefix, so the response length (the tiny config's 64 tokens) does not matter.
 """
