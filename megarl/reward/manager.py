@@ -157,7 +157,12 @@ class RewardManager:
             for i, s in enumerate(samples)
             if i % world == rank
         ]
-        outcomes = self.pool.score(mine)
+        try:
+            outcomes = self.pool.score(mine)
+        except Exception as exc:  # noqa: BLE001 -- every rank must reach the all-gather
+            outcomes = [
+                Outcome(t[0], "error", message=f"{type(exc).__name__}: {exc}") for t in mine
+            ]
         if world > 1:
             import torch.distributed as dist
 

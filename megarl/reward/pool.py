@@ -1,6 +1,8 @@
 """A pool of scoring worker processes with a per-sample time limit.
 
-Each worker scores one sample at a time. A worker still busy when its sample's limit runs out
+Each worker loads its scorer, reports ready, then scores one sample at a time; the time limit
+runs from the moment a sample is handed to a ready worker, so interpreter start-up and the
+scorer's imports (sympy for Math-Verify) never count against it. A worker still busy when its sample's limit runs out
 is killed (SIGKILL) and reaped, a fresh worker takes its place, and the sample is reported as
 timed out; a worker that dies by itself (a crash in native code, ``os._exit``) is replaced and
 its sample reported as an error. The limit holds with a single worker too.
@@ -30,6 +32,9 @@ from typing import Any, Self
 from megarl.reward.loader import ScorerSpec
 
 __all__ = ["Outcome", "ScoringPool", "Task"]
+
+START_TIMEOUT_S = 120.0
+"""How long a new worker may take to start and load its scorer (not counted in the limit)."""
 
 Task = tuple[int, str, str, Any, Any]
 """(index, data_source, solution_str, ground_truth, extra_info)."""
@@ -67,6 +72,7 @@ class _Worker:
         finally:
             child.close()
         self.conn = Connection(parent.detach())
+        self.ready = False
         self.task: Task | None = None
         self.deadline = 0.0
 
@@ -99,7 +105,7 @@ class ScoringPool:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.spec, self.timeout_s = spec, float(timeout_s)
         self._spec_json = json.dumps({**asdict(spec), "reward_kwargs": dict(spec.reward_kwargs)})
-        self._workers: list[_Worker] = [_Worker(self._spec_json) for _ in range(num_workers)]
+        self._workers: list[_Worker] = [self._start_worker() for _ in range(num_workers)]
         self._finalizer = weakref.finalize(self, _stop_all, self._workers)
 
     @property
@@ -126,16 +132,19 @@ class ScoringPool:
         while pending or any(w.task is not None for w in self._workers):
             now = time.monotonic()
             for w in self._workers:
-                if w.task is None and pending:
+                if w.ready and w.task is None and pending:
                     w.task, w.deadline = pending.popleft(), now + self.timeout_s
                     w.conn.send(w.task)
-            busy = [w for w in self._workers if w.task is not None]
-            wait_s = max(0.0, min(w.deadline for w in busy) - time.monotonic())
-            ready = set(wait([w.conn for w in busy], timeout=wait_s))
+            watched = [w for w in self._workers if w.task is not None or not w.ready]
+            wait_s = max(0.0, min(w.deadline for w in watched) - time.monotonic())
+            readable = set(wait([w.conn for w in watched], timeout=wait_s))
             for slot, w in enumerate(list(self._workers)):
+                if not w.ready:
+                    self._check_start(w, w.conn in readable)
+                    continue
                 if w.task is None:
                     continue
-                if w.conn in ready:
+                if w.conn in readable:
                     outcome = self._receive(w)
                 elif time.monotonic() >= w.deadline:
                     outcome = Outcome(
@@ -148,8 +157,31 @@ class ScoringPool:
                     w.task = None
                 else:  # timed out or died: kill, reap and replace
                     w.stop(kill=True)
-                    self._workers[slot] = _Worker(self._spec_json)
+                    self._workers[slot] = self._start_worker()
         return [done[t[0]] for t in tasks]
+
+    def _start_worker(self) -> _Worker:
+        w = _Worker(self._spec_json)
+        w.deadline = time.monotonic() + START_TIMEOUT_S
+        return w
+
+    def _check_start(self, w: _Worker, readable: bool) -> None:
+        """A starting worker reports ready (its scorer loaded) before the clock runs for it."""
+        if readable:
+            try:
+                reply = w.conn.recv()
+            except (EOFError, OSError):
+                reply = ("failed", f"it exited with code {w.proc.wait()}")
+            if reply[0] == "ready":
+                w.ready = True
+                return
+            problem = reply[1]
+        elif time.monotonic() >= w.deadline:
+            problem = f"it was not ready after {START_TIMEOUT_S:g} s"
+        else:
+            return
+        self.close()
+        raise RuntimeError(f"a scoring worker for {self.spec.label} failed to start: {problem}")
 
     def _receive(self, w: _Worker) -> Outcome:
         index = w.task[0]  # type: ignore[index]

@@ -3,7 +3,8 @@
 This module is what a worker imports first, so it imports nothing heavy (no torch): a worker
 starts in tens of milliseconds and loads only the scorer modules its samples need.
 
-Protocol on the worker's end of a ``multiprocessing`` pipe: it receives
+Protocol on the worker's end of a ``multiprocessing`` connection: it first loads the scorer
+and sends ``("ready",)`` (or ``("failed", why)`` and exits); then it receives
 ``(index, data_source, solution_str, ground_truth, extra_info)`` tuples (``None`` stops it) and
 answers each with one of
 
@@ -69,8 +70,14 @@ def serve_fd(fd: int, spec_json: str) -> None:
 
 
 def serve(conn: Connection, spec: ScorerSpec) -> None:
-    """Serve scoring requests on ``conn`` until ``None`` arrives or the parent goes away."""
-    fn: Callable[..., Any] | None = None
+    """Load the scorer, report ``("ready",)`` (or ``("failed", why)`` and stop), then serve
+    scoring requests on ``conn`` until ``None`` arrives or the parent goes away."""
+    try:
+        fn = load_scorer(spec)
+    except Exception as exc:  # noqa: BLE001 -- reported to the parent, which stops the pool
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready",))
     while True:
         try:
             task = conn.recv()
@@ -78,12 +85,6 @@ def serve(conn: Connection, spec: ScorerSpec) -> None:
             return
         if task is None:
             return
-        if fn is None:
-            try:
-                fn = load_scorer(spec)
-            except Exception as exc:  # noqa: BLE001 -- reported per sample
-                conn.send(("error", task[0], f"{type(exc).__name__}: {exc}"))
-                continue
         reply = _score_one(fn, spec, task)
         try:
             conn.send(reply)
