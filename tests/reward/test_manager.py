@@ -121,7 +121,10 @@ def test_a_raising_scorer_fails_with_scorer_data_source_and_index(manager, token
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("text", "returned score 'not a number' of type str"), ("die", r"worker died \(exit code 3\)")],
+    [
+        ("text", "returned score 'not a number' of type str"),
+        ("die", r"worker died \(exit code 3\)"),
+    ],
 )
 def test_bad_results_and_crashes_are_errors_and_the_pool_recovers(
     manager, tokenizer, text, expected
