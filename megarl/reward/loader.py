@@ -60,6 +60,8 @@ class ScorerSpec:
 
 
 def _is_file_path(path: str) -> bool:
+    if path.startswith("pkg://"):
+        return False
     return path.startswith("file://") or path.endswith(".py") or "/" in path
 
 

@@ -190,6 +190,9 @@ def test_loader_paths_names_and_errors(custom_file, tmp_path):
     mv = load_scorer(ScorerSpec("megarl.reward.scorers.math_verify"))
     assert mv("any", "\\boxed{0.5}", "\\frac{1}{2}") == 1.0
     assert load_scorer(ScorerSpec("pkg://megarl.reward.scorers.math_verify")) is mv
+    cfg = type("Cfg", (), {"path": "pkg://megarl/reward/scorers/math_verify", "name": None})
+    cfg.reward_kwargs = None
+    assert load_scorer(ScorerSpec.from_config(cfg)) is mv
     with pytest.raises(RewardFunctionError, match="path='/nope/r.py': no such file"):
         load_scorer(ScorerSpec("/nope/r.py"))
     with pytest.raises(RewardFunctionError, match="name='missing'"):
