@@ -66,6 +66,10 @@ class DataConfig:
     """What to do with a prompt longer than max_prompt_length that was not filtered."""
     dataloader_num_workers: int = 8
     """Worker processes of the prompt data loader (0: load in the main process)."""
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Free-form: extra keyword arguments of tokenizer.apply_chat_template (e.g. enable_thinking)."""
+    use_chat_template: bool = True
+    """(megarl) Render prompts with the chat template; false: tokenise plain-string prompts as is."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,6 +407,12 @@ class RewardModelConfig:
     """Responses per reward-model forward pass on one GPU."""
     max_length: int | None = None
     """Longest prompt + response scored; null: no limit."""
+    num_workers: int = 2
+    """Scoring worker processes per rank (rule and custom reward functions)."""
+    compute_score_timeout: float = 30.0
+    """(megarl) Per-sample time limit of a reward function, seconds; over it the sample scores 0."""
+    dump_samples: int = 16
+    """(megarl) First samples per step written to the rollout/validation dumps; -1: all."""
 
 
 @dataclass
@@ -445,6 +455,10 @@ class TrainerConfig:
     """(megarl) MLflow tracking URI; null: $MLFLOW_TRACKING_URI or ./mlruns."""
     log_val_generations: int = 0
     """Validation generations to log per validation."""
+    rollout_data_dir: str | None = None
+    """Directory of per-step JSON-lines dumps of scored rollouts; null: none."""
+    validation_data_dir: str | None = None
+    """Directory of JSON-lines dumps of scored validation generations; null: none."""
     save_freq: int = -1
     """Checkpoint every this many steps; -1: never."""
     test_freq: int = -1

@@ -248,6 +248,15 @@ class _Checks(LayoutChecks):
             )
         if fn.path and fn.path.endswith(".py") and not Path(fn.path).expanduser().is_file():
             self.problem(f"custom_reward_function.path={fn.path!r} does not exist")
+        if rm.num_workers < 1:
+            self.error(f"reward_model.num_workers must be >= 1, got {rm.num_workers}")
+        if not rm.compute_score_timeout > 0:
+            self.error(
+                f"reward_model.compute_score_timeout must be > 0 seconds, got "
+                f"{rm.compute_score_timeout}"
+            )
+        if rm.dump_samples < -1:
+            self.error(f"reward_model.dump_samples must be -1 (all) or >= 0, got {rm.dump_samples}")
 
     def check_trainer(self) -> None:
         t = self.cfg.trainer

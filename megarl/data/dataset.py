@@ -1,0 +1,217 @@
+"""Prompt datasets over local parquet files in verl's schema.
+
+Columns (as verl's ``examples/data_preprocess/*.py`` write them): ``data_source``, ``prompt``
+(chat messages or a string; ``data.prompt_key``), ``ability``, ``reward_model`` (``style``,
+``ground_truth``) and ``extra_info``. ``data.reward_fn_key`` names the column that selects the
+reward function (``data_source`` by default). Files are read with pyarrow and tokenised once,
+up front (:mod:`megarl.data.tokenize`); items are then plain Python objects.
+
+Row selection as verl's ``RLHFDataset``: the files are concatenated; ``*_max_samples`` > 0 keeps
+that many rows (a seeded random choice without replacement when ``data.shuffle``, else the first
+ones; megarl uses numpy's ``default_rng(seed)`` as verl does, so the same rows are chosen);
+``filter_overlong_prompts`` then drops prompts longer than ``max_prompt_length`` (counted and
+reported once); longer prompts that remain are truncated by ``data.truncation``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megarl.data.tokenize import render_prompts, tokenize_prompts, truncate
+
+__all__ = ["DataError", "PromptDataset", "PromptSample", "cap_num_workers"]
+
+log = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """A data file or row cannot be used; one line naming the key, file and row."""
+
+
+@dataclass
+class PromptSample:
+    """One prompt, ready for rollout and scoring."""
+
+    index: int
+    """Position in the dataset (what the sampler yields)."""
+    prompt_ids: list[int]
+    """Token ids of the rendered (and possibly truncated) prompt."""
+    raw_prompt: Any
+    """The prompt cell as stored: chat messages or a string."""
+    data_source: str
+    """Value of the ``data.reward_fn_key`` column: selects the reward function."""
+    ground_truth: Any
+    """``reward_model.ground_truth``."""
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    """``extra_info`` (an empty dict when the row has none)."""
+    ability: str | None = None
+    """``ability`` column, when present."""
+    source: str = ""
+    """``file row N`` the sample came from (for messages)."""
+
+
+def _read_rows(files: Sequence[str], key: str) -> tuple[list[dict[str, Any]], list[str]]:
+    import pyarrow.parquet as pq
+
+    rows: list[dict[str, Any]] = []
+    wheres: list[str] = []
+    for name in files:
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise DataError(f"{key}: {name!r} does not exist")
+        try:
+            table = pq.read_table(path)
+        except Exception as exc:
+            raise DataError(f"{key}: cannot read {name!r} as parquet: {exc}") from exc
+        rows += table.to_pylist()
+        wheres += [f"{key}: {name} row {r}" for r in range(table.num_rows)]
+    return rows, wheres
+
+
+def _check_columns(row: dict[str, Any], where: str, prompt_key: str, reward_fn_key: str) -> None:
+    for column, config_key in (
+        (prompt_key, "data.prompt_key"),
+        (reward_fn_key, "data.reward_fn_key"),
+    ):
+        if column not in row:
+            raise DataError(
+                f"{where.rsplit(' row ', 1)[0]} has no column {column!r} ({config_key}); columns: "
+                f"{sorted(row)}"
+            )
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+        raise DataError(f"{where}: no reward_model.ground_truth")
+
+
+class PromptDataset:
+    """Tokenised prompts of one split; ``len()``, ``[i]`` -> :class:`PromptSample`."""
+
+    def __init__(
+        self,
+        files: str | Sequence[str],
+        tokenizer: Any,
+        *,
+        files_key: str = "data.train_files",
+        prompt_key: str = "prompt",
+        reward_fn_key: str = "data_source",
+        max_prompt_length: int = 512,
+        truncation: str = "error",
+        filter_overlong_prompts: bool = False,
+        use_chat_template: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        max_samples: int = -1,
+        shuffle: bool = True,
+        seed: int | None = 0,
+    ) -> None:
+        files = [files] if isinstance(files, str) else list(files)
+        if not files:
+            raise DataError(f"{files_key} is empty")
+        rows, wheres = _read_rows(files, files_key)
+        if 0 < max_samples < len(rows):
+            import numpy as np
+
+            if shuffle:
+                keep = np.random.default_rng(seed).choice(len(rows), max_samples, replace=False)
+            else:
+                keep = np.arange(max_samples)
+            rows, wheres = [rows[i] for i in keep], [wheres[i] for i in keep]
+        for row, where in zip(rows, wheres, strict=True):
+            _check_columns(row, where, prompt_key, reward_fn_key)
+        texts = render_prompts(
+            tokenizer,
+            [row[prompt_key] for row in rows],
+            wheres,
+            use_chat_template=use_chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        ids = tokenize_prompts(tokenizer, texts)
+        self.num_filtered = 0
+        if filter_overlong_prompts:
+            keep_rows = [i for i, t in enumerate(ids) if len(t) <= max_prompt_length]
+            self.num_filtered = len(rows) - len(keep_rows)
+            if self.num_filtered:
+                log.warning(
+                    "data.filter_overlong_prompts: dropped %d of %d prompts of %s longer than "
+                    "data.max_prompt_length=%d tokens",
+                    self.num_filtered,
+                    len(rows),
+                    files_key,
+                    max_prompt_length,
+                )
+            rows = [rows[i] for i in keep_rows]
+            wheres = [wheres[i] for i in keep_rows]
+            ids = [ids[i] for i in keep_rows]
+        self.samples = [
+            PromptSample(
+                index=i,
+                prompt_ids=truncate(t, max_prompt_length, truncation, where),
+                raw_prompt=row[prompt_key],
+                data_source=row[reward_fn_key],
+                ground_truth=row["reward_model"]["ground_truth"],
+                extra_info=dict(row.get("extra_info") or {}),
+                ability=row.get("ability"),
+                source=where,
+            )
+            for i, (row, t, where) in enumerate(zip(rows, ids, wheres, strict=True))
+        ]
+        if not self.samples:
+            raise DataError(f"{files_key}: no prompts left (all filtered or the files are empty)")
+
+    @classmethod
+    def from_config(cls, data: Any, tokenizer: Any, split: str, seed: int) -> PromptDataset:
+        """The ``train`` or ``val`` split of a ``DataConfig``; ``seed``: ``data.seed`` or
+        ``trainer.seed``."""
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        return cls(
+            data.train_files if split == "train" else data.val_files,
+            tokenizer,
+            files_key=f"data.{split}_files",
+            prompt_key=data.prompt_key,
+            reward_fn_key=data.reward_fn_key,
+            max_prompt_length=data.max_prompt_length,
+            truncation=data.truncation,
+            filter_overlong_prompts=data.filter_overlong_prompts,
+            use_chat_template=data.use_chat_template,
+            chat_template_kwargs=data.apply_chat_template_kwargs,
+            max_samples=data.train_max_samples if split == "train" else data.val_max_samples,
+            shuffle=data.shuffle,
+            seed=data.seed if data.seed is not None else seed,
+        )
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> PromptSample:
+        return self.samples[index]
+
+
+_capped_note_given = False
+
+
+def cap_num_workers(requested: int, cpus: int | None = None) -> int:
+    """``data.dataloader_num_workers`` capped at the CPUs this process may use (noted once).
+
+    megarl tokenises prompts up front, so the value bounds only helper processes the caller
+    starts for loading; a value above the CPU count would just oversubscribe the machine.
+    """
+    global _capped_note_given
+    if cpus is None:
+        affinity = getattr(os, "sched_getaffinity", None)
+        cpus = len(affinity(0)) if affinity else (os.cpu_count() or 1)
+    if requested <= cpus:
+        return requested
+    if not _capped_note_given:
+        _capped_note_given = True
+        log.warning(
+            "data.dataloader_num_workers=%d exceeds the %d CPU(s) available; using %d",
+            requested,
+            cpus,
+            cpus,
+        )
+    return cpus

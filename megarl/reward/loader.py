@@ -1,0 +1,118 @@
+"""Which function scores a sample: the built-in router, or a user's function loaded by path.
+
+``custom_reward_function.path`` takes what verl 0.9.1 takes: a Python file (``/abs/my_reward.py``,
+``rel/my_reward.py`` or ``file://...``) or a module (``pkg://pkg.mod`` or plain ``pkg.mod``).
+A file is executed as a module of its own name, ``megarl_reward_<stem>_<hash of its path>``
+(registered in ``sys.modules`` so that pickling and dataclasses inside it work; nothing is added
+to ``sys.path``, exactly as verl loads it), so a verl user's reward file works unchanged.
+``reward_kwargs`` are passed to every call as keyword arguments, as verl does.
+
+:class:`ScorerSpec` is what a scoring worker receives (plain, picklable data): each worker loads
+the function itself, by path and name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+__all__ = ["RewardFunctionError", "ScorerSpec", "load_scorer"]
+
+BUILTIN = "megarl.reward.scorers.default_compute_score"
+
+
+class RewardFunctionError(ValueError):
+    """The configured reward function cannot be loaded (one line naming the key and value)."""
+
+
+@dataclass(frozen=True)
+class ScorerSpec:
+    """A reward function by location: ``path`` None means the built-in router."""
+
+    path: str | None = None
+    """File or module of the function (``custom_reward_function.path``); None: built-in."""
+    name: str = "compute_score"
+    """Function name in that file or module (``custom_reward_function.name``)."""
+    reward_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of every call (``custom_reward_function.reward_kwargs``)."""
+
+    @classmethod
+    def from_config(cls, fn_cfg: Any) -> ScorerSpec:
+        """From a ``CustomRewardFunctionConfig`` (or anything with path/name/reward_kwargs)."""
+        path = fn_cfg.path or None
+        if path is not None and not Path(path).is_absolute() and _is_file_path(path):
+            path = str(Path(path.removeprefix("file://")).expanduser().resolve())
+        return cls(path, fn_cfg.name or "compute_score", dict(fn_cfg.reward_kwargs or {}))
+
+    @property
+    def label(self) -> str:
+        """How error messages name the scorer."""
+        if self.path is None:
+            return "default_compute_score (built-in)"
+        return f"{self.name} from {self.path} (custom_reward_function)"
+
+
+def _is_file_path(path: str) -> bool:
+    if path.startswith("pkg://"):
+        return False
+    return path.startswith("file://") or path.endswith(".py") or "/" in path
+
+
+def _load_file(path: str) -> ModuleType:
+    file = Path(path.removeprefix("file://")).expanduser().resolve()
+    if not file.is_file():
+        raise RewardFunctionError(f"custom_reward_function.path={path!r}: no such file")
+    digest = hashlib.sha1(str(file).encode()).hexdigest()[:10]
+    name = f"megarl_reward_{''.join(c if c.isalnum() else '_' for c in file.stem)}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise RewardFunctionError(f"custom_reward_function.path={path!r} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise RewardFunctionError(
+            f"custom_reward_function.path={path!r} failed to load: {type(exc).__name__}: {exc}"
+        ) from exc
+    return module
+
+
+def _load_module(dotted: str) -> ModuleType:
+    try:
+        return importlib.import_module(dotted)
+    except ImportError as exc:
+        raise RewardFunctionError(
+            f"custom_reward_function.path={dotted!r} cannot be imported: {exc}"
+        ) from exc
+
+
+def load_scorer(spec: ScorerSpec) -> Callable[..., Any]:
+    """The function ``spec`` names, called as ``fn(data_source=, solution_str=, ground_truth=,
+    extra_info=, **reward_kwargs)``."""
+    if spec.path is None:
+        from megarl.reward.scorers import default_compute_score
+
+        return default_compute_score
+    if spec.path.startswith("pkg://"):
+        module = _load_module(spec.path.removeprefix("pkg://").replace("/", "."))
+    elif _is_file_path(spec.path):
+        module = _load_file(spec.path)
+    else:
+        module = _load_module(spec.path)
+    fn = getattr(module, spec.name, None)
+    if not callable(fn):
+        raise RewardFunctionError(
+            f"custom_reward_function.name={spec.name!r}: {spec.path!r} has no function of that name"
+        )
+    return fn

@@ -1,0 +1,260 @@
+"""The reward manager: every sample of the global batch scored exactly once in the whole job.
+
+Called SPMD: every rank passes the same global list of :class:`RewardInput` (same order). Rank
+``r`` of ``W`` scores samples ``r, r + W, r + 2W, ...`` in its own :class:`ScoringPool` (so the
+work is spread over all ranks, TP and PP ranks included, and no sample is scored twice), then
+an all-gather of the outcomes gives every rank the full :class:`RewardResult`. Without an
+initialised ``torch.distributed`` (or with ``group`` of size 1) the one process scores all.
+
+Like verl's naive reward manager, a response is decoded from its valid token ids with
+``skip_special_tokens=True`` and scored by ``compute_score(data_source=, solution_str=,
+ground_truth=, extra_info=, **reward_kwargs)``; the score goes on the response's last valid
+token. Where megarl differs, deliberately:
+
+- a per-sample time limit always applies (verl's is optional and SIGALRM-based); a sample over
+  it scores 0, has no dict fields, and counts in ``reward/timeouts``;
+- a scorer that raises fails the step on every rank with one message naming the scorer, the
+  data_source and the sample index (verl propagates the raw exception from one worker);
+- an empty response has no token to carry its reward: its row of ``token_level_rewards`` is all
+  zero (verl writes it to index -1, the last padding column); its score is still in ``scores``;
+- dict fields missing from some samples (timeouts, or a scorer that returns a dict only
+  sometimes) are 0 in the numeric field tensors.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+import torch
+
+from megarl.reward.dump import write_dump
+from megarl.reward.loader import ScorerSpec, load_scorer
+from megarl.reward.pool import Outcome, ScoringPool
+
+__all__ = ["RewardError", "RewardInput", "RewardManager", "RewardResult"]
+
+
+class RewardError(RuntimeError):
+    """A scorer raised (or crashed) on a sample; one line naming scorer, data_source, index."""
+
+
+@dataclass
+class RewardInput:
+    """One response to score, as the trainer has it after generation."""
+
+    data_source: str
+    """The prompt's ``data_source`` (or the ``data.reward_fn_key`` column)."""
+    response_ids: Sequence[int]
+    """Valid response token ids only (EOS included when generated; no padding)."""
+    ground_truth: Any
+    """``reward_model.ground_truth`` of the prompt."""
+    extra_info: dict[str, Any] | None = None
+    """The prompt's ``extra_info``."""
+    prompt: str = ""
+    """Prompt text, for the dump only."""
+
+
+@dataclass
+class RewardResult:
+    """Scores of a global batch of ``B`` responses."""
+
+    token_level_rewards: torch.Tensor
+    """``[B, T]`` float32: the score on each response's last valid token, 0 elsewhere."""
+    scores: torch.Tensor
+    """``[B]`` float32 per-sample scores (0 for a timed-out sample)."""
+    fields: dict[str, torch.Tensor]
+    """Numeric (and bool) dict fields of the scorer: name -> ``[B]`` float32."""
+    extra: dict[str, list[Any]]
+    """Non-numeric dict fields (e.g. math_dapo's ``pred``): name -> ``B`` values (None if absent)."""
+    timed_out: torch.Tensor
+    """``[B]`` bool: the sample exceeded the time limit."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """``reward/<data_source>/mean|min|max|count``, ``reward/<data_source>/<field>/mean``,
+    ``reward/timeouts``."""
+
+
+def _rank_and_world(group: Any) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+class RewardManager:
+    """Scores global batches with a pool of ``num_workers`` scoring processes per rank.
+
+    ``RewardManager(tokenizer, spec, num_workers=1, timeout_s=30.0, dump_samples=16)``; use
+    :meth:`from_config` in the trainer. Call :meth:`close` (or use ``with``) at the end.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        spec: ScorerSpec | None = None,
+        *,
+        num_workers: int = 1,
+        timeout_s: float = 30.0,
+        dump_samples: int = 16,
+        group: Any = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.spec = spec or ScorerSpec()
+        load_scorer(self.spec)  # a bad path or name fails here, before any worker starts
+        self.dump_samples = dump_samples
+        self.group = group
+        self.pool = ScoringPool(self.spec, num_workers, timeout_s)
+
+    @classmethod
+    def from_config(cls, cfg: Any, tokenizer: Any, group: Any = None) -> RewardManager:
+        """From a ``MegarlConfig`` (``custom_reward_function.*``, ``reward_model.*``)."""
+        rm = cfg.reward_model
+        return cls(
+            tokenizer,
+            ScorerSpec.from_config(cfg.custom_reward_function),
+            num_workers=rm.num_workers,
+            timeout_s=rm.compute_score_timeout,
+            dump_samples=rm.dump_samples,
+            group=group,
+        )
+
+    def close(self) -> None:
+        """Stop the scoring workers."""
+        self.pool.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def decode(self, sample: RewardInput) -> str:
+        """The response text as verl decodes it (special tokens skipped)."""
+        return self.tokenizer.decode(list(sample.response_ids), skip_special_tokens=True)
+
+    def __call__(
+        self,
+        samples: Sequence[RewardInput],
+        *,
+        response_width: int | None = None,
+        dump_dir: str | Path | None = None,
+        step: int = 0,
+    ) -> RewardResult:
+        """Score the global batch ``samples`` (same list on every rank); see the module doc.
+
+        ``response_width`` is T of ``token_level_rewards`` (default: the longest response).
+        With ``dump_dir``, rank 0 writes the first ``dump_samples`` samples to
+        ``dump_dir/<step>.jsonl``.
+        """
+        rank, world = _rank_and_world(self.group)
+        mine = [
+            (i, s.data_source, self.decode(s), s.ground_truth, s.extra_info)
+            for i, s in enumerate(samples)
+            if i % world == rank
+        ]
+        try:
+            outcomes = self.pool.score(mine)
+        except Exception as exc:  # noqa: BLE001 -- every rank must reach the all-gather
+            outcomes = [
+                Outcome(t[0], "error", message=f"{type(exc).__name__}: {exc}") for t in mine
+            ]
+        if world > 1:
+            import torch.distributed as dist
+
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, outcomes, group=self.group)
+            outcomes = [o for part in gathered for o in part]
+        by_index = sorted(outcomes, key=lambda o: o.index)
+        if [o.index for o in by_index] != list(range(len(samples))):
+            raise RuntimeError("reward manager: ranks returned a different set of samples")
+        self._raise_first_error(by_index, samples)
+        result = self._assemble(by_index, samples, response_width)
+        if dump_dir is not None and rank == 0 and self.dump_samples != 0:
+            k = len(samples) if self.dump_samples < 0 else min(self.dump_samples, len(samples))
+            texts = [self.decode(s) for s in samples[:k]]
+            write_dump(Path(dump_dir), step, samples[:k], texts, result)
+        return result
+
+    def _raise_first_error(self, outcomes: list[Outcome], samples: Sequence[RewardInput]) -> None:
+        errors = [o for o in outcomes if o.status == "error"]
+        if errors:
+            o = errors[0]
+            more = f" ({len(errors) - 1} more sample(s) failed)" if len(errors) > 1 else ""
+            raise RewardError(
+                f"scorer {self.spec.label} failed on sample {o.index} "
+                f"(data_source={samples[o.index].data_source!r}): {o.message}{more}"
+            )
+
+    def _assemble(
+        self, outcomes: list[Outcome], samples: Sequence[RewardInput], width: int | None
+    ) -> RewardResult:
+        n = len(samples)
+        lengths = [len(s.response_ids) for s in samples]
+        width = max(lengths, default=0) if width is None else width
+        too_long = [i for i, length in enumerate(lengths) if length > width]
+        if too_long:
+            i = too_long[0]
+            raise ValueError(
+                f"reward manager: sample {i} has {lengths[i]} response tokens, more than "
+                f"response_width={width}"
+            )
+        scores = torch.tensor([o.score for o in outcomes], dtype=torch.float32).reshape(n)
+        token_rewards = torch.zeros(n, width, dtype=torch.float32)
+        for i, length in enumerate(lengths):
+            if length > 0:
+                token_rewards[i, length - 1] = scores[i]
+        timed_out = torch.tensor([o.status == "timeout" for o in outcomes], dtype=torch.bool)
+        per_sample = [o.fields or {} for o in outcomes]
+        fields, extra = _split_fields(per_sample)
+        metrics = _metrics([s.data_source for s in samples], scores, per_sample, fields, timed_out)
+        return RewardResult(token_rewards, scores, fields, extra, timed_out, metrics)
+
+
+def _split_fields(
+    per_sample: list[dict[str, Any]],
+) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]]:
+    names = sorted({k for fields in per_sample for k in fields})
+    numeric: dict[str, torch.Tensor] = {}
+    other: dict[str, list[Any]] = {}
+    for name in names:
+        values = [fields.get(name) for fields in per_sample]
+        present = [v for v in values if v is not None]
+        if present and all(isinstance(v, numbers.Real) for v in present):
+            numeric[name] = torch.tensor(
+                [float(v) if v is not None else 0.0 for v in values], dtype=torch.float32
+            )
+        else:
+            other[name] = values
+    return numeric, other
+
+
+def _metrics(
+    sources: list[str],
+    scores: torch.Tensor,
+    per_sample: list[dict[str, Any]],
+    numeric: dict[str, torch.Tensor],
+    timed_out: torch.Tensor,
+) -> dict[str, float]:
+    """Per data_source score statistics; numeric field means over the samples that have them."""
+    rows: dict[str, list[int]] = defaultdict(list)
+    for i, source in enumerate(sources):
+        rows[source].append(i)
+    metrics: dict[str, float] = {}
+    for source, idx in sorted(rows.items()):
+        s = scores[idx]
+        prefix = f"reward/{source}"
+        metrics[f"{prefix}/mean"] = s.mean().item()
+        metrics[f"{prefix}/min"] = s.min().item()
+        metrics[f"{prefix}/max"] = s.max().item()
+        metrics[f"{prefix}/count"] = float(len(idx))
+        for name, values in numeric.items():
+            has = [i for i in idx if per_sample[i].get(name) is not None]
+            if has:
+                metrics[f"{prefix}/{name}/mean"] = values[has].mean().item()
+    metrics["reward/timeouts"] = float(timed_out.sum().item())
+    return metrics

@@ -1,0 +1,198 @@
+"""A pool of scoring worker processes with a per-sample time limit.
+
+Each worker loads its scorer, reports ready, then scores one sample at a time; the time limit
+runs from the moment a sample is handed to a ready worker, so interpreter start-up and the
+scorer's imports (sympy for Math-Verify) never count against it. A worker still busy when its sample's limit runs out
+is killed (SIGKILL) and reaped, a fresh worker takes its place, and the sample is reported as
+timed out; a worker that dies by itself (a crash in native code, ``os._exit``) is replaced and
+its sample reported as an error. The limit holds with a single worker too.
+
+Each worker is a fresh interpreter (``python -c``, the parent's ``sys.path``) that imports only
+:mod:`megarl.reward.worker` and then the scorer: starting one takes a few tens of milliseconds
+however much the trainer has imported or allocated, nothing is forked from a process holding
+GPU memory or threads, and, unlike multiprocessing's spawn and forkserver children, the worker
+does not re-import the trainer's ``__main__`` module. Parent and worker talk over a socket
+pair with ``multiprocessing.connection`` framing; a worker whose parent dies reads EOF and
+exits. A scorer may start processes of its own (verl's Math-Verify wrapper does).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from collections import deque
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Self
+
+from megarl.reward.loader import ScorerSpec
+
+__all__ = ["Outcome", "ScoringPool", "Task"]
+
+START_TIMEOUT_S = 120.0
+"""How long a new worker may take to start and load its scorer (not counted in the limit)."""
+
+Task = tuple[int, str, str, Any, Any]
+"""(index, data_source, solution_str, ground_truth, extra_info)."""
+
+
+@dataclass
+class Outcome:
+    """What became of one sample: a score, a timeout, or an error."""
+
+    index: int
+    status: str
+    """"ok", "timeout" or "error"."""
+    score: float = 0.0
+    fields: dict[str, Any] | None = None
+    message: str = ""
+
+
+_BOOT = (
+    "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
+    "from megarl.reward.worker import serve_fd; serve_fd(int(sys.argv[2]), sys.argv[3])"
+)
+
+
+class _Worker:
+    """One scoring process: a fresh interpreter talking over a socket pair."""
+
+    def __init__(self, spec_json: str) -> None:
+        parent, child = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _BOOT, json.dumps(sys.path), str(child.fileno()), spec_json],
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            child.close()
+        self.conn = Connection(parent.detach())
+        self.ready = False
+        self.task: Task | None = None
+        self.deadline = 0.0
+
+    def stop(self, kill: bool) -> None:
+        if not kill:
+            try:
+                self.conn.send(None)
+                self.proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.conn.close()
+
+
+def _stop_all(workers: list[_Worker]) -> None:
+    for w in workers:
+        w.stop(kill=w.task is not None)
+    workers.clear()
+
+
+class ScoringPool:
+    """``num_workers`` scoring processes running ``spec`` with ``timeout_s`` per sample."""
+
+    def __init__(self, spec: ScorerSpec, num_workers: int = 1, timeout_s: float = 30.0) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.spec, self.timeout_s = spec, float(timeout_s)
+        self._spec_json = json.dumps({**asdict(spec), "reward_kwargs": dict(spec.reward_kwargs)})
+        self._workers: list[_Worker] = [self._start_worker() for _ in range(num_workers)]
+        self._finalizer = weakref.finalize(self, _stop_all, self._workers)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the current workers."""
+        return [w.proc.pid for w in self._workers if w.proc.pid is not None]
+
+    def close(self) -> None:
+        """Stop every worker (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def score(self, tasks: list[Task]) -> list[Outcome]:
+        """Score ``tasks``; one :class:`Outcome` per task, in the order given."""
+        if not self._finalizer.alive:
+            raise RuntimeError("the scoring pool is closed")
+        pending: deque[Task] = deque(tasks)
+        done: dict[int, Outcome] = {}
+        while pending or any(w.task is not None for w in self._workers):
+            now = time.monotonic()
+            for w in self._workers:
+                if w.ready and w.task is None and pending:
+                    w.task, w.deadline = pending.popleft(), now + self.timeout_s
+                    w.conn.send(w.task)
+            watched = [w for w in self._workers if w.task is not None or not w.ready]
+            wait_s = max(0.0, min(w.deadline for w in watched) - time.monotonic())
+            readable = set(wait([w.conn for w in watched], timeout=wait_s))
+            for slot, w in enumerate(list(self._workers)):
+                if not w.ready:
+                    self._check_start(w, w.conn in readable)
+                    continue
+                if w.task is None:
+                    continue
+                if w.conn in readable:
+                    outcome = self._receive(w)
+                elif time.monotonic() >= w.deadline:
+                    outcome = Outcome(
+                        w.task[0], "timeout", message=f"exceeded {self.timeout_s:g} s"
+                    )
+                else:
+                    continue
+                done[outcome.index] = outcome
+                if outcome.status == "ok" or outcome.status == "error" and w.proc.poll() is None:
+                    w.task = None
+                else:  # timed out or died: kill, reap and replace
+                    w.stop(kill=True)
+                    self._workers[slot] = self._start_worker()
+        return [done[t[0]] for t in tasks]
+
+    def _start_worker(self) -> _Worker:
+        w = _Worker(self._spec_json)
+        w.deadline = time.monotonic() + START_TIMEOUT_S
+        return w
+
+    def _check_start(self, w: _Worker, readable: bool) -> None:
+        """A starting worker reports ready (its scorer loaded) before the clock runs for it."""
+        if readable:
+            try:
+                reply = w.conn.recv()
+            except (EOFError, OSError):
+                reply = ("failed", f"it exited with code {w.proc.wait()}")
+            if reply[0] == "ready":
+                w.ready = True
+                return
+            problem = reply[1]
+        elif time.monotonic() >= w.deadline:
+            problem = f"it was not ready after {START_TIMEOUT_S:g} s"
+        else:
+            return
+        self.close()
+        raise RuntimeError(f"a scoring worker for {self.spec.label} failed to start: {problem}")
+
+    def _receive(self, w: _Worker) -> Outcome:
+        index = w.task[0]  # type: ignore[index]
+        try:
+            reply = w.conn.recv()
+        except (EOFError, OSError):
+            try:
+                code = w.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                code = None
+            return Outcome(index, "error", message=f"the scoring worker died (exit code {code})")
+        if reply[0] == "ok":
+            return Outcome(index, "ok", score=reply[2], fields=reply[3])
+        return Outcome(index, "error", message=reply[2])

@@ -1,0 +1,101 @@
+"""Rule-based scorers chosen by ``data_source``, with verl 0.9.1's routing and semantics.
+
+:func:`default_compute_score` has verl's signature ``(data_source, solution_str, ground_truth,
+extra_info=None, **reward_kwargs) -> float | dict`` and routes as verl's
+``verl.utils.reward_score.default_compute_score`` does:
+
+=====================================================================  ==========================
+data_source                                                             scorer
+=====================================================================  ==========================
+``openai/gsm8k``                                                        :mod:`.gsm8k` (strict)
+``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``,             :mod:`.hendrycks_math`
+``HuggingFaceH4/MATH-500``
+``math_dapo``, ``math``, ``math_dapo_reasoning``, ``aime*``             :mod:`.math_dapo` (dict)
+``searchR1_nq``, ``_triviaqa``, ``_popqa``, ``_hotpotqa``,              :mod:`.qa_em`
+``_2wikimultihopqa``, ``_musique``, ``_bamboogle``
+megarl's synthetic task (``megarl/digit_sum``)                          :mod:`megarl.data.synthetic`
+=====================================================================  ==========================
+
+Not built in (an error names the data_source and points to ``custom_reward_function``): verl's
+``numina_*`` (PRIME math grader), ``codecontests``/``apps``/``codeforces``/``taco`` (code
+execution, optionally through a sandbox service) and ``hiyouga/geometry3k`` (``mathruler``).
+Modules are imported on first use, so a scoring worker loads only what its samples need.
+Extra keyword arguments are accepted and ignored by the routed scorers, as in verl.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["UnsupportedDataSource", "default_compute_score", "scorer_module_for"]
+
+_EXACT = {
+    "openai/gsm8k": "gsm8k",
+    "lighteval/MATH": "hendrycks_math",
+    "DigitalLearningGmbH/MATH-lighteval": "hendrycks_math",
+    "HuggingFaceH4/MATH-500": "hendrycks_math",
+    "math_dapo": "math_dapo",
+    "math": "math_dapo",
+    "math_dapo_reasoning": "math_dapo",
+    **{
+        f"searchR1_{name}": "qa_em"
+        for name in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique")
+    },
+    "searchR1_bamboogle": "qa_em",
+}
+_NOT_BUILT_IN = {
+    **dict.fromkeys(
+        [
+            "numina_aops_forum",
+            "numina_synthetic_math",
+            "numina_amc_aime",
+            "numina_synthetic_amc",
+            "numina_cn_k12",
+            "numina_olympiads",
+        ],
+        "verl's PRIME math grader",
+    ),
+    **dict.fromkeys(["codecontests", "apps", "codeforces", "taco"], "code execution"),
+    "hiyouga/geometry3k": "verl's mathruler-based geometry3k scorer",
+}
+
+
+class UnsupportedDataSource(NotImplementedError):
+    """No built-in scorer for a ``data_source``."""
+
+
+def scorer_module_for(data_source: str) -> str:
+    """Dotted module whose ``compute_score(solution_str, ground_truth)`` scores ``data_source``."""
+    from megarl.data.synthetic import DATA_SOURCE as SYNTHETIC
+
+    if data_source == SYNTHETIC:
+        return "megarl.data.synthetic"
+    name = _EXACT.get(data_source) or ("math_dapo" if data_source.startswith("aime") else None)
+    if name is not None:
+        return f"{__name__}.{name}"
+    if data_source in _NOT_BUILT_IN:
+        raise UnsupportedDataSource(
+            f"data_source {data_source!r} needs {_NOT_BUILT_IN[data_source]}, which megarl does "
+            "not build in; set custom_reward_function.path/name to a scorer for it"
+        )
+    raise UnsupportedDataSource(
+        f"no built-in reward function for data_source {data_source!r}; set "
+        "custom_reward_function.path/name (verl's signature compute_score(data_source, "
+        "solution_str, ground_truth, extra_info=None, **kwargs))"
+    )
+
+
+def default_compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict[str, Any] | None = None,
+    **reward_kwargs: Any,
+) -> float | dict[str, Any]:
+    """Score one response with the built-in scorer of its ``data_source`` (float or dict)."""
+    module = importlib.import_module(scorer_module_for(data_source))
+    result = module.compute_score(solution_str, ground_truth)
+    if isinstance(result, dict):
+        return result
+    return float(result)

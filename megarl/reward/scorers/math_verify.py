@@ -1,0 +1,52 @@
+"""Math-Verify grading: verl 0.9.1's opt-in ``math_verify`` scorer, on the ``math-verify`` package.
+
+verl routes MATH data to the Hendrycks normaliser by default and suggests Math-Verify as the
+more accurate alternative; a megarl user picks it with
+``custom_reward_function.path=megarl.reward.scorers.math_verify`` (function ``compute_score``).
+
+Semantics as verl 0.9.1's ``verl/utils/reward_score/math_verify.py``: the ground truth is wrapped
+in ``\\boxed{}`` and parsed as LaTeX; the response is parsed as a plain expression and as LaTeX;
+1.0 when some parsed prediction verifies against some parsed gold answer, else 0.0.
+
+Where megarl differs: verl runs each call in its own spawn-process pool with a 30 s limit; in
+megarl the call already runs in a scoring worker process under the reward manager's per-sample
+limit (``reward_model.compute_score_timeout``), so Math-Verify's own ``signal.alarm`` timeouts
+work (the worker scores on its main thread) and no second pool is started. Math-Verify's
+``TimeoutException`` scores ``timeout_score`` (0.0) and any other error inside Math-Verify 0.0,
+as in verl.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["compute_score", "math_verify_score"]
+
+
+def math_verify_score(model_output: str, ground_truth: str, timeout_score: float = 0.0) -> float:
+    """1.0 when Math-Verify finds the response equal to ``ground_truth``, else 0.0."""
+    from math_verify.errors import TimeoutException
+    from math_verify.grader import verify
+    from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    try:
+        gold = parse("\\boxed{" + ground_truth + "}", (LatexExtractionConfig(),))
+        preds = parse(model_output, (ExprExtractionConfig(), LatexExtractionConfig()))
+        if not gold or not preds:
+            return 0.0
+        return max(1.0 if any(verify(g, p) for g in gold) else 0.0 for p in preds)
+    except TimeoutException:
+        return float(timeout_score)
+    except Exception:  # noqa: BLE001 -- verl scores any Math-Verify failure 0 (a wrong answer)
+        return 0.0
+
+
+def compute_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info: dict[str, Any] | None = None,
+    **reward_kwargs: Any,
+) -> float:
+    """verl's custom-reward signature around :func:`math_verify_score` (any data_source)."""
+    return math_verify_score(solution_str, ground_truth, **reward_kwargs)

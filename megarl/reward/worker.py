@@ -1,0 +1,92 @@
+"""The body of a scoring worker process: load the scorer by location, score one sample at a time.
+
+This module is what a worker imports first, so it imports nothing heavy (no torch): a worker
+starts in tens of milliseconds and loads only the scorer modules its samples need.
+
+Protocol on the worker's end of a ``multiprocessing`` connection: it first loads the scorer
+and sends ``("ready",)`` (or ``("failed", why)`` and exits); then it receives
+``(index, data_source, solution_str, ground_truth, extra_info)`` tuples (``None`` stops it) and
+answers each with one of
+
+- ``("ok", index, score, fields)``: ``score`` a float, ``fields`` the other entries of a dict
+  result (``{}`` for a plain number);
+- ``("error", index, summary)``: the scorer raised or returned something unusable; ``summary``
+  is one line ``ExceptionType: message``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from megarl.reward.loader import ScorerSpec, load_scorer
+
+__all__ = ["normalise_result", "serve", "serve_fd"]
+
+
+class BadResult(TypeError):
+    """A scorer returned neither a number nor a dict with a numeric ``score``."""
+
+
+def normalise_result(result: Any) -> tuple[float, dict[str, Any]]:
+    """``(score, other fields)`` of a scorer's return value (verl: float, or dict with score)."""
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise BadResult(f"returned a dict without 'score' (keys {sorted(result)})")
+        score, fields = result["score"], {k: v for k, v in result.items() if k != "score"}
+    else:
+        score, fields = result, {}
+    if isinstance(score, bool) or not isinstance(score, numbers.Real):
+        raise BadResult(f"returned score {score!r} of type {type(score).__name__}, not a number")
+    if not math.isfinite(float(score)):
+        raise BadResult(f"returned a non-finite score {score!r}")
+    return float(score), fields
+
+
+def _score_one(fn: Callable[..., Any], spec: ScorerSpec, task: tuple) -> tuple:
+    index, data_source, solution_str, ground_truth, extra_info = task
+    try:
+        result = fn(
+            data_source=data_source,
+            solution_str=solution_str,
+            ground_truth=ground_truth,
+            extra_info=extra_info,
+            **spec.reward_kwargs,
+        )
+        score, fields = normalise_result(result)
+    except Exception as exc:  # noqa: BLE001 -- reported to the parent, which fails the step
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        return ("error", index, f"{type(exc).__name__}: {first_line}")
+    return ("ok", index, score, fields)
+
+
+def serve_fd(fd: int, spec_json: str) -> None:
+    """Entry point of a worker process: serve on socket ``fd`` the scorer ``spec_json`` names."""
+    serve(Connection(fd), ScorerSpec(**json.loads(spec_json)))
+
+
+def serve(conn: Connection, spec: ScorerSpec) -> None:
+    """Load the scorer, report ``("ready",)`` (or ``("failed", why)`` and stop), then serve
+    scoring requests on ``conn`` until ``None`` arrives or the parent goes away."""
+    try:
+        fn = load_scorer(spec)
+    except Exception as exc:  # noqa: BLE001 -- reported to the parent, which stops the pool
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready",))
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        reply = _score_one(fn, spec, task)
+        try:
+            conn.send(reply)
+        except Exception as exc:  # noqa: BLE001 -- e.g. a field that cannot be pickled
+            conn.send(("error", task[0], f"result cannot be returned: {type(exc).__name__}: {exc}"))
