@@ -8,15 +8,16 @@ from collections import defaultdict
 import torch
 
 
-def gae_recurrence(rewards, values, mask, gamma, lam):
+def gae_recurrence(rewards, values, mask, gamma, lam, dtype=torch.float64):
     """verl's per-step GAE: masked steps carry `nextvalues` and `lastgaelam` unchanged.
 
-    Returns raw (un-whitened) advantages and returns = advantages + values, in float64."""
-    r, v, m = rewards.double(), values.double(), mask.double()
+    Returns raw (un-whitened) advantages and returns = advantages + values, in `dtype` (float64;
+    `tools/bench_algos.py` times it in the inputs' dtype)."""
+    r, v, m = rewards.to(dtype), values.to(dtype), mask.to(dtype)
     batch, length = r.shape
-    nextvalues = torch.zeros(batch, dtype=torch.float64)
-    lastgaelam = torch.zeros(batch, dtype=torch.float64)
-    out = torch.zeros(batch, length, dtype=torch.float64)
+    nextvalues = torch.zeros(batch, dtype=dtype)
+    lastgaelam = torch.zeros(batch, dtype=dtype)
+    out = torch.zeros(batch, length, dtype=dtype)
     for t in reversed(range(length)):
         delta = r[:, t] + gamma * nextvalues - v[:, t]
         candidate = delta + gamma * lam * lastgaelam
@@ -49,9 +50,9 @@ def reinforce_plus_plus_returns(rewards, mask, gamma):
     return returns
 
 
-def whiten(values, mask):
-    """masked whitening with unbiased variance (verl's masked_whiten), float64."""
-    v, m = values.double(), mask.double()
+def whiten(values, mask, dtype=torch.float64):
+    """masked whitening with unbiased variance (verl's masked_whiten), in `dtype`."""
+    v, m = values.to(dtype), mask.to(dtype)
     n = m.sum()
     mean = (v * m).sum() / n
     var = (((v - mean) ** 2) * m).sum() / (n - 1)
