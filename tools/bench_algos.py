@@ -168,7 +168,12 @@ def bench_gae(repeat, generator):
                 ref_t, ours_t, (adv, ret) = timed_pair(
                     partial(reference_gae, rewards, values, mask, gamma, lam),
                     partial(
-                        compute_gae_advantage_return, rewards, values, our_mask, gamma=gamma, lam=lam
+                        compute_gae_advantage_return,
+                        rewards,
+                        values,
+                        our_mask,
+                        gamma=gamma,
+                        lam=lam,
                     ),
                     repeat,
                 )
