@@ -10,11 +10,9 @@ from __future__ import annotations
 import torch
 
 from megarl.algo.aggregation import agg_loss
+from megarl.algo.log_ratio import clamp_log_ratio
 from megarl.algo.masked import masked_mean, masked_sum
 from megarl.algo.registry import POLICY_LOSSES
-
-# log(pi/pi_old) is clamped to +-20 before exp (exp(20) ~ 4.9e8): one wild token cannot overflow.
-LOG_RATIO_CLAMP = 20.0
 
 
 @POLICY_LOSSES.register("vanilla")
@@ -66,7 +64,7 @@ def compute_policy_loss_vanilla(
     low = clip_ratio if clip_ratio_low is None else clip_ratio_low
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
 
-    log_ratio = torch.clamp(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = clamp_log_ratio(log_prob - old_log_prob)
     ratio = torch.exp(log_ratio)
     losses_unclipped = -advantages * ratio
     losses_clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)

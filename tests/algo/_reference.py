@@ -39,14 +39,15 @@ def linear_recurrence(x, factors):
 
 
 def reinforce_plus_plus_returns(rewards, mask, gamma):
-    """verl's REINFORCE++ loop: the running return is reset after every masked position."""
-    r, m = rewards.double(), mask.double()
-    returns = torch.zeros_like(r)
-    running = torch.zeros(r.shape[0], dtype=torch.float64)
-    for t in reversed(range(r.shape[1])):
-        running = r[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * m[:, t]
+    """verl 0.9.1's REINFORCE++ loop, one step and one row at a time: a valid step discounts and
+    adds its reward; a masked step leaves the running return as it is and has return 0."""
+    returns = torch.zeros(rewards.shape, dtype=torch.float64)
+    for i in range(rewards.shape[0]):
+        running = 0.0
+        for t in reversed(range(rewards.shape[1])):
+            if mask[i, t]:
+                running = float(rewards[i, t]) + gamma * running
+                returns[i, t] = running
     return returns
 
 
