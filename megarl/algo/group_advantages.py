@@ -83,7 +83,11 @@ def _broadcast(
     scalars: torch.Tensor, stats: GroupStats, response_mask: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     scalars = torch.where(stats.in_group, scalars, 0.0).to(dtype)
-    advantages = scalars.unsqueeze(-1) * response_mask.to(dtype)
+    # One pass over [B, T] whatever the mask's dtype (bool, int64, float): the product promotes
+    # to `dtype` inside the kernel, no separate conversion of the mask.
+    advantages = scalars.unsqueeze(-1) * response_mask
+    if advantages.dtype != dtype:  # a float64 mask with float32 rewards
+        advantages = advantages.to(dtype)
     return advantages, advantages
 
 
