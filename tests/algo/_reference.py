@@ -78,3 +78,38 @@ def group_scalars(scores, index, rule):
         for k, i in enumerate(members):
             out[i] = rule(group, k)
     return out
+
+
+MASK = [
+    [1, 1, 1, 1, 1, 1],
+    [1, 1, 0, 1, 0, 0],  # interior zero, then padding
+    [1, 0, 0, 0, 0, 0],  # one token
+    [0, 0, 0, 0, 0, 0],  # empty row
+    [1, 1, 1, 0, 1, 1],  # interior zero
+]
+
+
+def policy_batch(seed, sequence_advantages=False, zero_advantage=True):
+    """(old_log_prob, log_prob (requires grad), advantages, mask) `[5, 6]` float32: ragged rows,
+    interior zeros, an empty row; log-ratios up to ~+-0.8 (some clipped at 0.2), advantages of both
+    signs with some zeros."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.tensor(MASK, dtype=torch.float32)
+    old = -0.05 - 2.5 * torch.rand(5, 6, generator=g)
+    new = (old + 0.5 * torch.randn(5, 6, generator=g)).clamp(max=-0.01)
+    if sequence_advantages:
+        adv = torch.randn(5, 1, generator=g).expand(5, 6).clone()
+    else:
+        adv = torch.randn(5, 6, generator=g)
+        if zero_advantage:
+            adv[0, 2] = 0.0
+    return old, new.requires_grad_(True), adv, mask
+
+
+def token_mean(per_token, mask):
+    """(loss, d loss / d per-token value) of token-mean aggregation, by a loop, float64."""
+    n = sum(1 for row in mask.tolist() for m in row if m)
+    loss = sum(
+        per_token[i][t] for i, row in enumerate(mask.tolist()) for t, m in enumerate(row) if m
+    )
+    return loss / n, 1.0 / n
