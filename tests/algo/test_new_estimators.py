@@ -50,7 +50,7 @@ def test_gdpo_normalises_each_component_then_whitens(by_std):
     g = torch.Generator().manual_seed(0)
     correct = (torch.rand(8, generator=g) > 0.5).float()
     length_penalty = -torch.rand(8, generator=g) * 10  # a dominant scale
-    weights = [1.0, 0.5]
+    weights = [2.0, 0.5]
     adv, returns = compute_gdpo_outcome_advantage(
         torch.zeros(8, 5), MASK, INDEX,
         norm_adv_by_std_in_grpo=by_std,

@@ -90,13 +90,17 @@ def test_dppo_matches_the_formula(kind):
 def test_dppo_drops_only_tokens_pushed_out_of_the_region(kind):
     fn = compute_policy_loss_dppo_tv if kind == "tv" else compute_policy_loss_dppo_kl
     # p_old = 0.5 -> p = 0.9: far out upwards. A > 0 pushes further up: dropped; A < 0: kept.
-    old = torch.log(torch.tensor([[0.5, 0.5]]))
-    new = torch.log(torch.tensor([[0.9, 0.9]])).requires_grad_(True)
-    adv = torch.tensor([[1.0, -1.0]])
-    loss, metrics = fn(old, new, adv, torch.ones(1, 2), clip_ratio=0.1, clip_ratio_c=20.0)
+    # p_old = 0.5 -> 0.62 (TV 0.12, binary KL 0.029) is just out for delta = 0.1 / 0.025;
+    # -> 0.58 (TV 0.08, binary KL 0.013) just in.
+    delta = 0.1 if kind == "tv" else 0.025
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5]]))
+    new = torch.log(torch.tensor([[0.9, 0.9, 0.62, 0.58]])).requires_grad_(True)
+    adv = torch.tensor([[1.0, -1.0, 1.0, 1.0]])
+    loss, metrics = fn(old, new, adv, torch.ones(1, 4), clip_ratio=delta, clip_ratio_c=20.0)
     (grad,) = torch.autograd.grad(loss, new)
-    assert grad[0, 0].item() == 0.0
-    assert grad[0, 1].item() == pytest.approx(1.0 * 1.8 / 2, rel=1e-6)  # -A * ratio / N
+    assert grad[0, 0].item() == 0.0 and grad[0, 2].item() == 0.0
+    assert grad[0, 1].item() == pytest.approx(1.0 * 1.8 / 4, rel=1e-6)  # -A * ratio / N
+    assert grad[0, 3].item() == pytest.approx(-1.0 * 1.16 / 4, rel=1e-6)
     assert metrics["pg_clipfrac"].item() == 0.5
 
 
