@@ -77,7 +77,7 @@ def get_adv_estimator(name: str) -> Callable[..., Any]:
 
 
 def get_policy_loss(name: str) -> Callable[..., Any]:
-    """Policy loss by name ("vanilla" = PPO clip with clip-higher and dual-clip, "gpg")."""
+    """Policy loss by `actor.policy_loss.loss_mode` name (vanilla, gpg, gspo, cispo, ...)."""
     return POLICY_LOSSES.get(name)
 
 
