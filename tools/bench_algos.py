@@ -5,12 +5,12 @@
 Cases (sizes from issue 3):
 - GAE, B=256, T=4096, gamma=0.99, lam=0.95 and gamma=lam=1, whitened — right-padded masks of
   random length, and masks with interior zeros (multi-turn style: masked 32-token spans) and some
-  all-zero rows; each through the default route (the C kernel for CPU tensors, when a compiler
-  is there) and through the vectorized torch code ([vectorized], what other devices run);
-- GRPO and RLOO, B=1024 in groups of 8, T=1024;
+  all-zero rows; float32 masks, and int64 masks ([int64 mask], what the trainer passes);
+- GRPO and RLOO, B=1024 in groups of 8, T=1024, float32 and int64 masks;
 - the PPO clip policy loss (clip-higher + dual-clip, token-mean), B=256, T=4096.
-The references are written here, deliberately plain: a loop over time steps (GAE, the loss) or over
-responses and groups (GRPO/RLOO), the way verl's core_algos computes them. Accuracy is measured
+The references are deliberately plain: a loop over time steps (GAE: `tests/algo/_reference.py`,
+shared with the tests; the loss) or over responses and groups (GRPO/RLOO), the way verl's
+core_algos computes them. Accuracy is measured
 against the same reference evaluated in float64: max |diff| and max |diff| / |ref| (elementwise,
 over valid tokens, |ref| > 1e-3 * max|ref|). Times: best and median of `--repeat` runs (10x as
 many for megarl, interleaved with the reference's so that both see the same load) after a warm-up;
@@ -39,35 +39,16 @@ from megarl.algo import (
     compute_grpo_outcome_advantage,
     compute_policy_loss_vanilla,
     compute_rloo_outcome_advantage,
-    native,
 )
-from megarl.algo.gae import gae_vectorized
+from tests.algo._reference import gae_recurrence, whiten
 
 # ----------------------------------------------------------------------------- references
 
 
-def reference_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    count = mask.sum()
-    mean = (values * mask).sum() / count
-    var = (((values - mean) ** 2) * mask).sum() / count * count / (count - 1)
-    return (values - mean) * torch.rsqrt(var + 1e-8)
-
-
 def reference_gae(rewards, values, mask, gamma, lam):
-    """verl's per-step recurrence: masked steps carry nextvalues and lastgaelam."""
-    batch, length = rewards.shape
-    nextvalues = torch.zeros(batch, dtype=rewards.dtype)
-    lastgaelam = torch.zeros(batch, dtype=rewards.dtype)
-    reversed_advantages = []
-    for t in reversed(range(length)):
-        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
-        candidate = delta + gamma * lam * lastgaelam
-        nextvalues = values[:, t] * mask[:, t] + (1 - mask[:, t]) * nextvalues
-        lastgaelam = candidate * mask[:, t] + (1 - mask[:, t]) * lastgaelam
-        reversed_advantages.append(lastgaelam)
-    advantages = torch.stack(reversed_advantages[::-1], dim=1)
-    returns = advantages + values
-    return reference_whiten(advantages, mask), returns
+    """verl's per-step recurrence in the inputs' dtype, whitened; (advantages, returns)."""
+    advantages, returns = gae_recurrence(rewards, values, mask, gamma, lam, dtype=rewards.dtype)
+    return whiten(advantages, mask, dtype=rewards.dtype), returns
 
 
 def reference_group_advantage(rewards, mask, index, kind, epsilon=1e-6):
@@ -172,11 +153,9 @@ def make_masks(batch, length, generator, interior):
 
 
 def bench_gae(repeat, generator):
-    """Both GAE routes: the default (the C kernel on CPU when it builds) and the vectorized torch
-    code that every other device runs."""
+    """GAE with float32 masks and with int64 masks (the trainer's)."""
     rows = []
     batch, length = 256, 4096
-    routes = [("", compute_gae_advantage_return), (" [vectorized]", gae_vectorized)]
     for interior in (False, True):
         mask = make_masks(batch, length, generator, interior)
         rewards = torch.randn(batch, length, generator=generator) * mask
@@ -185,10 +164,17 @@ def bench_gae(repeat, generator):
             adv64, ret64 = reference_gae(
                 rewards.double(), values.double(), mask.double(), gamma, lam
             )
-            for suffix, gae in routes:
+            for suffix, our_mask in (("", mask), (" [int64 mask]", mask.long())):
                 ref_t, ours_t, (adv, ret) = timed_pair(
                     partial(reference_gae, rewards, values, mask, gamma, lam),
-                    partial(gae, rewards, values, mask, gamma=gamma, lam=lam),
+                    partial(
+                        compute_gae_advantage_return,
+                        rewards,
+                        values,
+                        our_mask,
+                        gamma=gamma,
+                        lam=lam,
+                    ),
                     repeat,
                 )
                 adv_abs, adv_rel = errors(adv, adv64, mask)
@@ -210,17 +196,19 @@ def bench_groups(repeat, generator):
     rewards = last.float() * scores[:, None]
     index = torch.arange(batch) // group
     index_list = index.tolist()
-    for kind, fn in (
-        ("grpo", compute_grpo_outcome_advantage),
-        ("rloo", compute_rloo_outcome_advantage),
-    ):
+    cases = [
+        ("grpo", compute_grpo_outcome_advantage, ""),
+        ("grpo", compute_grpo_outcome_advantage, " [int64 mask]"),
+        ("rloo", compute_rloo_outcome_advantage, ""),
+    ]
+    for kind, fn, suffix in cases:
+        our_mask = mask.long() if suffix else mask
         ref = partial(reference_group_advantage, rewards, mask, index_list, kind)
-        ref_t, ours_t, (adv, _) = timed_pair(ref, partial(fn, rewards, mask, index), repeat)
+        ref_t, ours_t, (adv, _) = timed_pair(ref, partial(fn, rewards, our_mask, index), repeat)
         ref64 = reference_group_advantage(rewards.double(), mask.double(), index_list, kind)
         abs_err, rel_err = errors(adv, ref64, mask)
-        rows.append(
-            (f"{kind.upper()} B={batch} groups of {group}", ref_t, ours_t, abs_err, rel_err)
-        )
+        name = f"{kind.upper()} B={batch} groups of {group}{suffix}"
+        rows.append((name, ref_t, ours_t, abs_err, rel_err))
     return rows
 
 
@@ -260,8 +248,6 @@ def main() -> None:
     rows += bench_groups(args.repeat, generator)
     rows += bench_policy_loss(args.repeat, generator)
 
-    kernel = "built" if native.load("gae_kernel") is not None else "unavailable (torch fallback)"
-    print(f"GAE C kernel: {kernel}")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32 inputs, glibc malloc "
         f"{'keeps freed memory' if tuned else 'defaults'}; times: best and median of "

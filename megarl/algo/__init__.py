@@ -10,9 +10,15 @@ from typing import Any
 import torch
 
 from megarl.algo.aggregation import LOSS_AGG_MODES, agg_loss, count_tokens_and_seqs
+from megarl.algo.covariance_losses import (
+    compute_policy_loss_clip_cov,
+    compute_policy_loss_kl_cov,
+    micro_batch_generator,
+)
 from megarl.algo.gae import compute_gae_advantage_return
 from megarl.algo.group_advantages import (
     GroupStats,
+    compute_gdpo_outcome_advantage,
     compute_gpg_outcome_advantage,
     compute_grpo_outcome_advantage,
     compute_grpo_passk_outcome_advantage,
@@ -30,7 +36,12 @@ from megarl.algo.kl import (
     get_kl_controller,
     kl_penalty,
 )
+from megarl.algo.log_ratio import LOG_RATIO_BOUND, clamp_log_ratio
 from megarl.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from megarl.algo.optimal_baseline import (
+    compute_optimal_token_baseline_advantage,
+    compute_tir_optimal_token_baseline_advantage,
+)
 from megarl.algo.policy_loss import compute_policy_loss_gpg, compute_policy_loss_vanilla
 from megarl.algo.registry import (
     ADV_ESTIMATORS,
@@ -48,19 +59,31 @@ from megarl.algo.rollout_correction import (
     select_old_log_prob,
 )
 from megarl.algo.scan import discounted_reverse_cumsum
+from megarl.algo.sequence_losses import (
+    compute_policy_loss_geo_mean,
+    compute_policy_loss_gspo,
+    compute_policy_loss_sapo,
+)
 from megarl.algo.token_advantages import (
     compute_reinforce_plus_plus_outcome_advantage,
     compute_remax_outcome_advantage,
 )
 from megarl.algo.value_loss import compute_entropy_loss, compute_value_loss, entropy_from_logits
+from megarl.algo.weighted_logprob_losses import (
+    compute_policy_loss_cispo,
+    compute_policy_loss_dppo_kl,
+    compute_policy_loss_dppo_tv,
+    compute_policy_loss_dro,
+)
 
 
 def compute_advantage(adv_estimator: str, **inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the estimator named `adv_estimator` with the inputs it declares, ignoring the rest.
 
     Pass everything the batch has (`token_level_rewards`, `response_mask`, `values`, `index`,
-    `reward_baselines`, `gamma`, `lam`, `norm_adv_by_std_in_grpo`, `epsilon`, ...). Returns
-    (advantages, returns), both `[B, T]`.
+    `reward_baselines`, `old_log_prob`, `sum_pi_squared`, `reward_components`, `gamma`, `lam`,
+    `norm_adv_by_std_in_grpo`, `epsilon`, ...); a name no estimator takes raises ValueError.
+    Returns (advantages, returns), both `[B, T]`.
     """
     return call_with_supported_kwargs(get_adv_estimator(adv_estimator), **inputs)
 
@@ -68,7 +91,8 @@ def compute_advantage(adv_estimator: str, **inputs: Any) -> tuple[torch.Tensor, 
 def compute_policy_loss(
     policy_loss: str, **inputs: Any
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Run the policy loss named `policy_loss` with the inputs it declares, ignoring the rest."""
+    """Run the policy loss named `policy_loss` with the inputs it declares, ignoring the rest
+    (a name no policy loss takes raises ValueError). Returns (loss, metrics)."""
     return call_with_supported_kwargs(get_policy_loss(policy_loss), **inputs)
 
 
@@ -76,6 +100,7 @@ __all__ = [
     "ADV_ESTIMATORS",
     "KL_CONTROLLER_TYPES",
     "KL_ESTIMATORS",
+    "LOG_RATIO_BOUND",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "ROLLOUT_IS_LEVELS",
@@ -86,22 +111,35 @@ __all__ = [
     "agg_loss",
     "apply_kl_penalty",
     "call_with_supported_kwargs",
+    "clamp_log_ratio",
     "compute_advantage",
     "compute_entropy_loss",
     "compute_gae_advantage_return",
+    "compute_gdpo_outcome_advantage",
     "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
     "compute_grpo_passk_outcome_advantage",
     "compute_kl_loss",
     "compute_opo_outcome_advantage",
+    "compute_optimal_token_baseline_advantage",
     "compute_policy_loss",
+    "compute_policy_loss_cispo",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_dppo_kl",
+    "compute_policy_loss_dppo_tv",
+    "compute_policy_loss_dro",
+    "compute_policy_loss_geo_mean",
     "compute_policy_loss_gpg",
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_kl_cov",
+    "compute_policy_loss_sapo",
     "compute_policy_loss_vanilla",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
     "compute_remax_outcome_advantage",
     "compute_rloo_outcome_advantage",
     "compute_rollout_is_weights",
+    "compute_tir_optimal_token_baseline_advantage",
     "compute_value_loss",
     "count_tokens_and_seqs",
     "discounted_reverse_cumsum",
@@ -116,5 +154,6 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "micro_batch_generator",
     "select_old_log_prob",
 ]

@@ -32,6 +32,7 @@ from megarl.algo.masked import masked_sum
 
 LOSS_AGG_MODES = (
     "token-mean",
+    "token-sum",
     "seq-mean-token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
@@ -62,14 +63,15 @@ def agg_loss(
     Modes (N_tok, N_seq: the global counts if given, else this batch's; "sequences" are those with
     at least one valid token; l_it: loss of token t of sequence i, summed over valid tokens only):
         token-mean:              sum_it l_it / N_tok
+        token-sum:               sum_it l_it                             (no normaliser)
         seq-mean-token-sum:      sum_i (sum_t l_it) / N_seq
         seq-mean-token-mean:     sum_i (sum_t l_it / T_i) / N_seq        (T_i: valid tokens of i)
         seq-mean-token-sum-norm: sum_i (sum_t l_it / loss_scale_factor) / N_seq   (Dr.GRPO)
     `loss_scale_factor` defaults to T (the padded response length); set a constant (e.g. the max
-    response length) to keep the normaliser fixed through training. In verl's standalone `agg_loss`
-    this mode returns the plain sum over sequences / loss_scale_factor and the actor later scales
-    by micro-batch size / mini-batch size; megarl folds that mean over sequences in here so the mode
-    behaves like the others under micro-batching.
+    response length) to keep the normaliser fixed through training. verl 0.9.1 computes the same:
+    the mean over sequences of seq-mean-token-sum, divided by loss_scale_factor. token-sum needs
+    no count: the micro-batch sums add up to the mini-batch's sum (verl multiplies it by the DP
+    size to undo its gradient averaging; the trainer's loss contract owns that scaling here).
 
     Masked positions never reach the result (not even NaN/inf). With no valid token at all, the
     result is 0 (counts are clamped to at least 1 when computed locally).
@@ -92,6 +94,8 @@ def agg_loss(
         raise ValueError(
             f"unknown loss_agg_mode {loss_agg_mode!r}; valid names: " + ", ".join(LOSS_AGG_MODES)
         )
+    if loss_agg_mode == "token-sum":
+        return masked_sum(loss_mat, loss_mask)
     if loss_agg_mode == "token-mean":
         if global_token_count is None:
             global_token_count = loss_mask.sum().clamp(min=1)

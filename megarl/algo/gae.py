@@ -1,4 +1,4 @@
-"""Generalized Advantage Estimation (PPO's `adv_estimator: gae`), float64-exact, two routes.
+"""Generalized Advantage Estimation (PPO's `adv_estimator: gae`), float64-exact, torch only.
 
 verl's per-step recurrence, going backwards over t with `nextvalues = lastgaelam = 0`:
 
@@ -17,10 +17,7 @@ and leading masked steps instead; those positions never reach a loss (every aggr
 Whitening, as verl's `masked_whiten`, takes the masked mean and unbiased variance over valid tokens
 and applies them to every position.
 
-Two routes give the same numbers. float32/float64 CPU tensors (where RL trainers compute
-advantages) go through `gae_kernel.c`, the recurrence itself in C, compiled on first use
-(`native.py`) and bit-identical to the float64 loop. Everything else (GPU tensors, other dtypes,
-no C compiler) goes through `gae_vectorized`: torch operations only, no loop over time steps.
+One route on every device: torch operations only, no loop over time steps.
 
 How the vectorized route works. With d = gamma * lam, the recurrence is
 A[t] = a[t] * A[t+1] + m[t] * delta[t] with a[t] = d at valid and 1 at masked steps. Folding the
@@ -39,19 +36,17 @@ chunks of ~2 MiB float64 buffers.
 lam < _MIN_LAMBDA (the fold divides by lam) and gamma = 0 take the direct route: delta with an
 explicit next-value lookup, then the masked reverse scan of `scan.py`.
 
-Speed (`tools/bench_algos.py`, B=256, T=4096, 2 threads): the C kernel ~2.3 ms, 80-140x verl's
-loop; the vectorized route 4-8 ms, 25-70x. On CPU the latter is memory-bound (each pass over a
-`[B, T]` float64 tensor moves 16 bytes per element), so its code counts passes.
+Speed (`tools/bench_algos.py`, B=256, T=4096, 2 threads): 4-8 ms, 25-70x verl's per-step loop.
+On CPU it is memory-bound (each pass over a `[B, T]` float64 tensor moves 16 bytes per element),
+so the code counts passes.
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
 
 import torch
 
-from megarl.algo import native
 from megarl.algo.registry import ADV_ESTIMATORS
 from megarl.algo.scan import discounted_reverse_cumsum, exclusive_cumsum
 from megarl.algo.token_advantages import _check_unit_interval
@@ -81,9 +76,6 @@ def compute_gae_advantage_return(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE advantages and returns for PPO (see the module docstring for the exact semantics).
 
-    float32/float64 CPU tensors go through the C kernel when it can be built (`native.py`),
-    everything else through `gae_vectorized`; both give the same numbers.
-
     Args:
         token_level_rewards: `[B, T]` rewards per response token.
         values: `[B, T]` critic values V(s_t).
@@ -97,25 +89,6 @@ def compute_gae_advantage_return(
         advantages `[B, T]` (whitened if `whiten`), returns `[B, T]` = raw advantages + values; in
         the dtype of `values`. A non-binary mask raises ValueError.
     """
-    gamma, lam = _checked(token_level_rewards, values, response_mask, gamma, lam)
-    if values.numel() == 0:
-        return torch.zeros_like(values), values.clone()
-    kernel = _native_kernel(values)
-    if kernel is None:
-        return gae_vectorized(token_level_rewards, values, response_mask, gamma, lam, whiten)
-    return _gae_native(kernel, token_level_rewards, values, response_mask, gamma, lam, whiten)
-
-
-@torch.no_grad()
-def gae_vectorized(
-    token_level_rewards: torch.Tensor,
-    values: torch.Tensor,
-    response_mask: torch.Tensor,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    whiten: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`compute_gae_advantage_return` in torch operations only, on any device (no loop over time)."""
     gamma, lam = _checked(token_level_rewards, values, response_mask, gamma, lam)
     if values.numel() == 0:
         return torch.zeros_like(values), values.clone()
@@ -137,61 +110,9 @@ def _checked(rewards, values, mask, gamma, lam) -> tuple[float, float]:
     return float(gamma), float(lam)
 
 
-_NATIVE_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
-
-
-def _native_kernel(values: torch.Tensor) -> ctypes.CDLL | None:
-    """The C kernel (gae_kernel.c) for float32/float64 CPU tensors, when it can be built."""
-    if values.device.type != "cpu" or values.dtype not in _NATIVE_SUFFIX:
-        return None
-    library = native.load("gae_kernel")
-    if library is not None and not hasattr(library, "_megarl_typed"):
-        pointer, i64, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-        for suffix in _NATIVE_SUFFIX.values():
-            rows = getattr(library, f"gae_rows_{suffix}")
-            rows.argtypes = [pointer] * 5 + [i64] * 3 + [f64, f64, ctypes.POINTER(f64)]
-            rows.restype = ctypes.c_int
-            whiten = getattr(library, f"whiten_{suffix}")
-            whiten.argtypes = [pointer, pointer, i64, i64, f64, f64]
-            whiten.restype = None
-        library._megarl_typed = True
-    return library
-
-
-def _gae_native(kernel, rewards, values, mask, gamma, lam, whiten):
-    """The CPU route: verl's recurrence in C, rows split over torch's intra-op thread count."""
-    B, T = values.shape
-    dtype = values.dtype
-    suffix = _NATIVE_SUFFIX[dtype]
-    r, v, m = (x.to(dtype).contiguous() for x in (rewards, values, mask))
-    raw = torch.empty(B, T, dtype=_F64)
-    advantages, returns = torch.empty(B, T, dtype=dtype), torch.empty(B, T, dtype=dtype)
-    pointers = [x.data_ptr() for x in (r, v, m, raw, returns)]
-    gae_rows = getattr(kernel, f"gae_rows_{suffix}")
-
-    def rows(lo: int, hi: int) -> tuple[int, list[float]]:
-        stats = (ctypes.c_double * 3)()
-        return gae_rows(*pointers, lo, hi, T, gamma, lam, stats), list(stats)
-
-    threads = torch.get_num_threads()
-    parts = native.run_split(rows, B, threads)
-    if any(status != 0 for status, _ in parts):
-        raise ValueError("response_mask must be binary: 0/1 (float, int) or bool")
-    count, total, total_sq = (sum(column) for column in zip(*(stats for _, stats in parts)))
-    mean, scale = _whitening(total, total_sq, count) if whiten else (0.0, 1.0)
-    whiten_part = getattr(kernel, f"whiten_{suffix}")
-    native.run_split(
-        lambda lo, hi: whiten_part(raw.data_ptr(), advantages.data_ptr(), lo, hi, mean, scale),
-        B * T,
-        threads,
-    )
-    return advantages, returns
-
-
 def _gae_folded(rewards, values, mask, gamma, lam, whiten):
     """The fast route (lam >= _MIN_LAMBDA, gamma > 0): chunks of rows, float64 inside."""
     B, T = values.shape
-    count, right_padded = _mask_rows(mask)
     blocks = _Blocks(gamma * lam, T, values.device)
     step = max(1, _CHUNK_ELEMENTS // blocks.width)
     # Raw advantages stay in float64 until the whitening statistics are known; the other work
@@ -201,13 +122,17 @@ def _gae_folded(rewards, values, mask, gamma, lam, whiten):
     for buffer in (raw, *work):
         buffer[:, T:] = 0.0
     advantages, returns = torch.empty_like(values), torch.empty_like(values)
-    total = total_sq = 0.0
+    count = total = total_sq = 0.0
     for lo in range(0, B, step):
         hi = min(lo + step, B)
         R = raw[lo:hi]
         V, M, X, W = (buffer[: hi - lo] for buffer in work)
+        # The mask is taken as given (bool, int64 or float) and converted chunk by chunk, while
+        # copied into the float64 buffer: no full-size conversion pass.
         R[:, :T].copy_(rewards[lo:hi]), V[:, :T].copy_(values[lo:hi]), M[:, :T].copy_(mask[lo:hi])
-        _chunk_advantages(R, V, M, X, W, lam, blocks, all(right_padded[lo:hi]))
+        chunk_count, right_padded = _mask_rows(M)
+        count += chunk_count
+        _chunk_advantages(R, V, M, X, W, lam, blocks, right_padded)
         returns[lo:hi].copy_(V[:, :T])
         flat = R.view(-1)
         total += float(flat.sum())
@@ -220,25 +145,18 @@ def _gae_folded(rewards, values, mask, gamma, lam, whiten):
     return advantages, returns
 
 
-def _mask_rows(mask: torch.Tensor) -> tuple[float, list[bool]]:
-    """(number of valid tokens, whether each row is right-padded) of a binary `[B, T]` mask.
+def _mask_rows(mask: torch.Tensor) -> tuple[float, bool]:
+    """(number of valid tokens, whether every row is right-padded) of a float64 `[b, n]` mask.
 
     Raises ValueError when the mask holds anything but 0 and 1.
     """
-    T = mask.shape[1]
-    if mask.dtype not in (torch.float32, torch.float64):
-        mask = mask.float()
-    # Row sums of positions are integers; float32 holds them exactly while below 2**24.
-    if mask.dtype == torch.float32 and T * (T - 1) // 2 >= 1 << 24:
-        mask = mask.to(_F64)
     counts = mask.sum(dim=-1)
     if not torch.equal((mask * mask).sum(dim=-1), counts):
         raise ValueError("response_mask must be binary: 0/1 (float, int) or bool")
-    positions = mask @ torch.arange(T, dtype=mask.dtype, device=mask.device)
-    counts, positions = counts.to(_F64), positions.to(_F64)
+    positions = mask @ torch.arange(mask.shape[1], dtype=_F64, device=mask.device)
     # n ones sit at 0..n-1 exactly when their positions sum to n(n-1)/2, the least possible.
-    right_padded = positions == counts * (counts - 1) * 0.5
-    return float(counts.sum()), right_padded.tolist()
+    right_padded = bool((positions == counts * (counts - 1) * 0.5).all())
+    return float(counts.sum()), right_padded
 
 
 class _Blocks:
@@ -341,8 +259,8 @@ def _whitening(total: float, total_sq: float, count: float) -> tuple[float, floa
 def _gae_direct(rewards, values, mask, gamma, lam, whiten):
     """lam < _MIN_LAMBDA or gamma = 0: delta with an explicit next-valid-value lookup, then the
     masked reverse scan of `scan.py` (a loop over few blocks at most). Slower, rarely used."""
-    _mask_rows(mask)  # raises on a non-binary mask
     r, v, m = rewards.to(_F64), values.to(_F64), mask.to(_F64)
+    _mask_rows(m)  # raises on a non-binary mask
     valid = m != 0
     delta = (r - v + gamma * _next_valid_values(v, valid)) * m
     d = gamma * lam

@@ -15,7 +15,7 @@ pseudo-code (000, §2.1) writes the population std.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -83,7 +83,11 @@ def _broadcast(
     scalars: torch.Tensor, stats: GroupStats, response_mask: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     scalars = torch.where(stats.in_group, scalars, 0.0).to(dtype)
-    advantages = scalars.unsqueeze(-1) * response_mask.to(dtype)
+    # One pass over [B, T] whatever the mask's dtype (bool, int64, float): the product promotes
+    # to `dtype` inside the kernel, no separate conversion of the mask.
+    advantages = scalars.unsqueeze(-1) * response_mask
+    if advantages.dtype != dtype:  # a float64 mask with float32 rewards
+        advantages = advantages.to(dtype)
     return advantages, advantages
 
 
@@ -195,3 +199,70 @@ def compute_grpo_passk_outcome_advantage(
         gap = gap / (stats.std[best] + epsilon)
     scalars = torch.zeros_like(stats.scores).index_put_((best,), gap)
     return _broadcast(scalars, stats, response_mask, token_level_rewards.dtype)
+
+
+@ADV_ESTIMATORS.register("gdpo")
+@torch.no_grad()
+def compute_gdpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    reward_components: Mapping[str, torch.Tensor] | None = None,
+    gdpo_reward_keys: Sequence[str] | None = None,
+    gdpo_reward_weights: Sequence[float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO (arXiv:2601.05242): normalise each reward component within its group, then combine.
+
+        A_k  = GRPO advantage of component k alone: (r_k - group mean) / (group std + epsilon)
+               (without the std if `norm_adv_by_std_in_grpo` is False)
+        A    = sum_k w_k A_k, broadcast over the response tokens
+        adv  = masked_whiten(A, mask) * mask       (whitened over the batch's valid tokens)
+    A dominant reward no longer drowns the others, as it would in GRPO on their sum. With no
+    `gdpo_reward_keys` it falls back to one component, `token_level_rewards` (GRPO + whitening),
+    as verl does without the key list.
+
+    Groups of one get advantage 0 (megarl's rule) and stay out of the whitening statistics (verl:
+    score / (1 + epsilon) per component, whitened with the rest).
+
+    Args:
+        token_level_rewards: `[B, T]`, the single-reward fallback.
+        response_mask: `[B, T]` binary.
+        index: `[B]` group labels.
+        epsilon, norm_adv_by_std_in_grpo: as for grpo.
+        reward_components: name -> `[B]` score of that component per response (or `[B, T]`
+            token rewards, summed over T); verl takes them from compute_score's returned dict.
+        gdpo_reward_keys: `algorithm.gdpo_reward_keys`, which components to use, in order.
+        gdpo_reward_weights: `algorithm.gdpo_reward_weights`, one weight per key (default 1).
+
+    Returns:
+        (advantages, advantages), `[B, T]` in the dtype of `token_level_rewards`.
+    """
+    if gdpo_reward_keys:
+        components = reward_components or {}
+        missing = [key for key in gdpo_reward_keys if key not in components]
+        if missing:
+            raise ValueError(
+                f"gdpo_reward_keys {missing} not among the reward components "
+                f"({', '.join(components) or 'none given'})"
+            )
+        scores = [components[key] for key in gdpo_reward_keys]
+        scores = [s.sum(dim=-1) if s.dim() == 2 else s for s in scores]
+    else:
+        scores = [token_level_rewards.sum(dim=-1)]
+    weights = [1.0] * len(scores) if gdpo_reward_weights is None else list(gdpo_reward_weights)
+    if len(weights) != len(scores):
+        raise ValueError(
+            f"gdpo_reward_weights has {len(weights)} entries for {len(scores)} gdpo_reward_keys"
+        )
+    combined = None
+    for weight, score in zip(weights, scores, strict=True):
+        stats = GroupStats(score.to(token_level_rewards.device), index)
+        centered = stats.scores - stats.mean
+        scalar = centered / (stats.std + epsilon) if norm_adv_by_std_in_grpo else centered
+        combined = weight * scalar if combined is None else combined + weight * scalar
+    mask = response_mask.bool() & stats.in_group.unsqueeze(-1)
+    advantages = combined.unsqueeze(-1) * mask
+    advantages = (masked_whiten(advantages, mask) * mask).to(token_level_rewards.dtype)
+    return advantages, advantages

@@ -13,7 +13,8 @@ KL divergence", http://joschu.net/blog/kl-approx.html), with d = log_prob - ref_
                       are `[B, T, V]` log-softmax tensors (verl raises NotImplementedError here).
                       With a vocab-parallel (TP) layout the caller must all-reduce the sum.
     "<name>+":        the value of <name> with the gradient of k2 (straight-through), for kl, k1,
-                      abs, low_var_kl and k3: k2's gradient is the unbiased KL gradient.
+                      abs, low_var_kl and k3: k2's gradient is the unbiased KL gradient. "mse+"
+                      and "k2+" are k2 itself (value and gradient), as in verl.
 All estimators return `[B, T]`; none of them masks — callers pass the mask to `agg_loss` or
 multiply.
 """
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from megarl.algo.aggregation import agg_loss
+from megarl.algo.log_ratio import clamp_log_ratio
 from megarl.algo.masked import masked_mean
 from megarl.algo.registry import KL_ESTIMATORS
 
@@ -44,7 +46,7 @@ def kl_abs(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     return (log_prob - ref_log_prob).abs()
 
 
-@KL_ESTIMATORS.register("mse", "k2")
+@KL_ESTIMATORS.register("mse", "k2", "mse+", "k2+")
 def kl_k2(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     """k2 = 0.5 (log pi - log pi_ref)^2, `[B, T]`."""
     return 0.5 * (log_prob - ref_log_prob).square()
@@ -53,7 +55,7 @@ def kl_k2(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
 @KL_ESTIMATORS.register("low_var_kl", "k3")
 def kl_k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     """k3 = r - log r - 1, r = pi_ref / pi, log r clamped to +-20, result to [-10, 10]; `[B, T]`."""
-    log_r = torch.clamp(ref_log_prob - log_prob, -20.0, 20.0)
+    log_r = clamp_log_ratio(ref_log_prob - log_prob)
     return torch.clamp(torch.exp(log_r) - log_r - 1.0, -10.0, 10.0)
 
 

@@ -1,8 +1,13 @@
-"""Policy-gradient losses (`actor.policy_loss`): PPO clip with clip-higher and dual-clip, and GPG.
+"""Policy-gradient losses (`actor.policy_loss.loss_mode`): PPO clip with clip-higher and dual-clip,
+and GPG. The rest of verl 0.9.1's menu lives beside this module: `sequence_losses.py` (gspo, sapo,
+geo_mean), `weighted_logprob_losses.py` (cispo, dppo_tv, dppo_kl, dro) and `covariance_losses.py`
+(kl_cov, clip_cov).
 
 Every loss takes `[B, T]` tensors and returns `(loss, metrics)`: a scalar aggregated with
 `agg_loss` (pass the global counts when micro-batching, see `aggregation.py`) and a dict of detached
-0-dim tensors (no `.item()`, so no device sync; the trainer converts them).
+0-dim tensors (no `.item()`, so no device sync; the trainer converts them). Rollout IS weights
+(`rollout_is_weights`, `[B, T]`, detached) multiply the per-token loss before aggregation, in every
+loss.
 """
 
 from __future__ import annotations
@@ -10,11 +15,9 @@ from __future__ import annotations
 import torch
 
 from megarl.algo.aggregation import agg_loss
+from megarl.algo.log_ratio import clamp_log_ratio
 from megarl.algo.masked import masked_mean, masked_sum
 from megarl.algo.registry import POLICY_LOSSES
-
-# log(pi/pi_old) is clamped to +-20 before exp (exp(20) ~ 4.9e8): one wild token cannot overflow.
-LOG_RATIO_CLAMP = 20.0
 
 
 @POLICY_LOSSES.register("vanilla")
@@ -66,7 +69,7 @@ def compute_policy_loss_vanilla(
     low = clip_ratio if clip_ratio_low is None else clip_ratio_low
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
 
-    log_ratio = torch.clamp(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = clamp_log_ratio(log_prob - old_log_prob)
     ratio = torch.exp(log_ratio)
     losses_unclipped = -advantages * ratio
     losses_clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
@@ -129,3 +132,36 @@ def compute_policy_loss_gpg(
     with torch.no_grad():
         ppo_kl = masked_mean(old_log_prob - log_prob, response_mask)
     return loss, {"ppo_kl": ppo_kl.detach()}
+
+
+def aggregate_policy_loss(
+    pg_losses: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    rollout_is_weights: torch.Tensor | None,
+    global_token_count: torch.Tensor | float | None,
+    global_seq_count: torch.Tensor | float | None,
+    loss_scale_factor: float | None,
+    seq_token_counts: torch.Tensor | None,
+) -> torch.Tensor:
+    """`[B, T]` per-token losses times the rollout IS weights (if any), aggregated by `agg_loss`."""
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    return agg_loss(
+        pg_losses,
+        response_mask,
+        loss_agg_mode,
+        global_token_count=global_token_count,
+        global_seq_count=global_seq_count,
+        loss_scale_factor=loss_scale_factor,
+        seq_token_counts=seq_token_counts,
+    )
+
+
+def clip_bounds(
+    clip_ratio: float, clip_ratio_low: float | None, clip_ratio_high: float | None
+) -> tuple[float, float]:
+    """(low, high): `clip_ratio_low/high`, each defaulting to `clip_ratio`."""
+    low = clip_ratio if clip_ratio_low is None else clip_ratio_low
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    return low, high

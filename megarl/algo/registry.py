@@ -21,6 +21,7 @@ class Registry:
         self.kind = kind
         self.config_key = config_key
         self._table: dict[str, Callable[..., Any]] = {}
+        self._parameters: frozenset[str] | None = None  # cache of `parameters()`
 
     def register(self, *names: str) -> Callable[[F], F]:
         """Decorator registering a function under one or more names."""
@@ -30,6 +31,7 @@ class Registry:
                 if name in self._table and self._table[name] is not fn:
                     raise ValueError(f"{self.kind} {name!r} is already registered")
                 self._table[name] = fn
+            self._parameters = None
             return fn
 
         return decorator
@@ -51,6 +53,18 @@ class Registry:
     def __contains__(self, name: object) -> bool:
         return name in self._table
 
+    def holds(self, fn: Callable[..., Any]) -> bool:
+        """Whether `fn` is registered here (under any name)."""
+        return any(registered is fn for registered in self._table.values())
+
+    def parameters(self) -> frozenset[str]:
+        """The union of the keyword parameters of every registered function."""
+        if self._parameters is None:
+            self._parameters = frozenset(
+                name for fn in self._table.values() for name in _keyword_parameters(fn)
+            )
+        return self._parameters
+
 
 ADV_ESTIMATORS = Registry("advantage estimator", "algorithm.adv_estimator")
 POLICY_LOSSES = Registry("policy loss", "actor_rollout_ref.actor.policy_loss")
@@ -63,7 +77,7 @@ def get_adv_estimator(name: str) -> Callable[..., Any]:
 
 
 def get_policy_loss(name: str) -> Callable[..., Any]:
-    """Policy loss by name ("vanilla" = PPO clip with clip-higher and dual-clip, "gpg")."""
+    """Policy loss by `actor.policy_loss.loss_mode` name (vanilla, gpg, gspo, cispo, ...)."""
     return POLICY_LOSSES.get(name)
 
 
@@ -72,13 +86,34 @@ def get_kl_estimator(name: str) -> Callable[..., Any]:
     return KL_ESTIMATORS.get(name)
 
 
+def _keyword_parameters(fn: Callable[..., Any]) -> list[str]:
+    return [
+        name
+        for name, p in inspect.signature(fn).parameters.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
+
+
 def call_with_supported_kwargs(fn: Callable[..., Any], **kwargs: Any) -> Any:
     """Call `fn` with the keyword arguments it declares, dropping the others.
 
     Lets the trainer pass one set of inputs (values, index, gamma, ...) to whichever estimator or
-    loss the config names. A required parameter that is missing still raises TypeError.
+    loss the config names: a name that some function of the same registry declares and `fn` does
+    not is dropped. A name that no function of `fn`'s registries declares (for a function in no
+    registry: that `fn` does not declare) is a mistake, e.g. a misspelt input, and raises
+    ValueError naming it. A required parameter that is missing still raises TypeError.
     """
     params = inspect.signature(fn).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return fn(**kwargs)
+    known = set(_keyword_parameters(fn))
+    for registry in (ADV_ESTIMATORS, POLICY_LOSSES, KL_ESTIMATORS):
+        if registry.holds(fn):
+            known |= registry.parameters()
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(
+            f"{getattr(fn, '__name__', fn)!s} got unknown input(s) {', '.join(unknown)}: no "
+            "registered function of its kind takes them"
+        )
     return fn(**{k: v for k, v in kwargs.items() if k in params})

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
+from megarl.algo.log_ratio import clamp_log_ratio
 from megarl.algo.masked import masked_mean, masked_sum
 
 ROLLOUT_LOG_PROB_MODES = ("decoupled", "bypass")
 ROLLOUT_IS_LEVELS = ("token", "sequence")
-_SAFETY_BOUND = 20.0  # log-space clamp before exp, as for the PPO ratio
 
 
 def select_old_log_prob(
@@ -78,7 +78,7 @@ def compute_rollout_is_weights(
     log_ratio = old_log_prob - rollout_log_prob
     if rollout_is == "sequence":
         log_ratio = masked_sum(log_ratio, mask, dim=-1).unsqueeze(-1).expand_as(old_log_prob)
-    raw = torch.exp(torch.clamp(log_ratio, -_SAFETY_BOUND, _SAFETY_BOUND))
+    raw = torch.exp(clamp_log_ratio(log_ratio))
     raw = torch.where(mask, raw, torch.zeros_like(raw))
     metrics = {
         "rollout_is_mean": masked_mean(raw, mask),

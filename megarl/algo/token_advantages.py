@@ -11,7 +11,7 @@ import torch
 
 from megarl.algo.masked import masked_whiten
 from megarl.algo.registry import ADV_ESTIMATORS
-from megarl.algo.scan import discounted_reverse_cumsum, reverse_cumsum
+from megarl.algo.scan import discounted_reverse_cumsum, exclusive_cumsum, reverse_cumsum
 
 _F64 = torch.float64
 
@@ -31,8 +31,13 @@ def compute_reinforce_plus_plus_outcome_advantage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (arXiv:2501.03262): discounted returns, whitened over the batch.
 
-    returns[t] = r[t] + gamma * mask[t+1] * returns[t+1] — the running return is reset at every
-    masked position (verl: "reset after EOS"), so a masked step cuts what flows to earlier tokens.
+    verl 0.9.1's recurrence, going backwards with a running return R = 0:
+        valid t:   R = r[t] + gamma * R;  returns[t] = R
+        masked t:  R carried through unchanged (no discount, r[t] ignored);  returns[t] = 0
+    so at a valid t, returns[t] = sum over valid s >= t of gamma**(valid steps in [t, s)) * r[s]:
+    a masked span (tool output, another turn) passes the later reward on to the tokens before it.
+    (verl before 0.9.1, and megarl before, reset R at every masked step instead, cutting the
+    credit of every token before the span.) Right-padded rows are unaffected by the change.
     advantages = masked_whiten(returns, mask) * mask.
 
     Args:
@@ -40,13 +45,14 @@ def compute_reinforce_plus_plus_outcome_advantage(
         gamma: discount (`algorithm.gamma`), in [0, 1].
 
     Returns:
-        advantages `[B, T]` (0 at masked positions), returns `[B, T]`.
+        advantages `[B, T]`, returns `[B, T]`; both 0 at masked positions.
     """
     _check_unit_interval(gamma=gamma)
     mask = response_mask.bool()
-    breaks = torch.zeros_like(mask)
-    breaks[:, :-1] = ~mask[:, 1:]
-    returns = discounted_reverse_cumsum(token_level_rewards.to(_F64), float(gamma), breaks=breaks)
+    masked_rewards = torch.where(mask, token_level_rewards.to(_F64), 0.0)
+    # exponents = valid steps before t: a valid step decays by gamma, a masked one carries.
+    returns = discounted_reverse_cumsum(masked_rewards, float(gamma), exclusive_cumsum(mask))
+    returns = returns * mask
     advantages = masked_whiten(returns, mask) * mask
     dtype = token_level_rewards.dtype
     return advantages.to(dtype), returns.to(dtype)

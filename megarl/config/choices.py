@@ -19,6 +19,9 @@ AdvEstimator = Literal[
     "opo",
     "gpg",
     "grpo_passk",
+    "gdpo",
+    "optimal_token_baseline",
+    "tir_optimal_token_baseline",
 ]
 ADV_ESTIMATORS: tuple[str, ...] = get_args(AdvEstimator)
 GROUP_ESTIMATORS: tuple[str, ...] = (
@@ -28,21 +31,34 @@ GROUP_ESTIMATORS: tuple[str, ...] = (
     "opo",
     "gpg",
     "reinforce_plus_plus_baseline",
+    "gdpo",
+    "optimal_token_baseline",
+    "tir_optimal_token_baseline",
 )
 """Estimators whose baseline comes from the other responses to the same prompt (need n >= 2)."""
 
 LossAggMode = Literal[
-    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
 ]
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 KLType = Literal[
     "kl", "abs", "mse", "low_var_kl", "full",
     "k1", "k2", "k3",  # verl's aliases of kl, mse, low_var_kl
     "kl+", "k1+", "abs+", "low_var_kl+", "k3+",  # value of the estimator, gradient of k2
+    "mse+", "k2+",  # verl's names for k2 itself
 ]  # fmt: skip
 KL_TYPES: tuple[str, ...] = get_args(KLType)
 LogprobMode = Literal["decoupled", "bypass", "importance_sampling"]
 LOGPROB_MODES: tuple[str, ...] = get_args(LogprobMode)
-PolicyLossMode = Literal["vanilla", "gpg"]
+PolicyLossMode = Literal[
+    "vanilla", "gpg", "gspo", "sapo", "cispo", "geo_mean", "dppo_tv", "dppo_kl", "kl_cov",
+    "clip_cov", "dro",
+]  # fmt: skip
+SEQUENCE_AGGREGATED_LOSSES: tuple[str, ...] = ("gspo", "sapo", "geo_mean")
+"""Policy losses that aggregate per sequence whatever ``loss_agg_mode`` says (as verl)."""
 POLICY_LOSS_MODES: tuple[str, ...] = get_args(PolicyLossMode)
 LOGGERS: tuple[str, ...] = ("console", "mlflow")

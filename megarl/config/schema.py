@@ -181,7 +181,19 @@ class PolicyLossConfig:
     """``actor_rollout_ref.actor.policy_loss.*``."""
 
     loss_mode: PolicyLossMode = "vanilla"
-    """vanilla: PPO clip (with clip_ratio_low/high and dual-clip); gpg: GPG's loss."""
+    """verl's loss modes: vanilla (PPO clip), gpg, gspo, sapo, cispo, geo_mean, dppo_*, *_cov, dro."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: fraction of tokens whose gradient is dropped (> 0)."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: lower bound of the covariance of a candidate token."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper bound of the covariance of a candidate token."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: fraction of tokens (largest covariance) given the KL penalty (> 0)."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: weight of the |log-ratio| penalty on the selected tokens."""
+    dro_beta: float | None = None
+    """dro: weight of the quadratic log-ratio penalty; required (> 0) for loss_mode=dro."""
 
 
 @dataclass
@@ -205,7 +217,13 @@ class ActorConfig:
     clip_ratio_high: float = 0.2
     """Upper clip range (ratio <= 1 + clip_ratio_high; DAPO clip-higher); unset: clip_ratio."""
     clip_ratio_c: float = 3.0
-    """Dual-clip bound for negative advantages (must be > 1)."""
+    """Dual-clip bound for negative advantages (must be > 1); dppo_*: IS truncation bound."""
+    tau_pos: float = 1.0
+    """sapo: gate temperature for tokens with positive advantage (> 0)."""
+    tau_neg: float = 1.05
+    """sapo: gate temperature for tokens with advantage <= 0 (> 0)."""
+    calculate_sum_pi_squared: bool = False
+    """Compute sum_v pi(v)^2 per token with the old log-probs (optimal_token_baseline needs it)."""
     loss_agg_mode: LossAggMode = "token-mean"
     """How token losses are averaged into the batch loss."""
     loss_scale_factor: float | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megarl.config.choices import GROUP_ESTIMATORS, LOGGERS
+from megarl.config.choices import GROUP_ESTIMATORS, LOGGERS, SEQUENCE_AGGREGATED_LOSSES
 from megarl.config.errors import ConfigError
 from megarl.config.layout_checks import (
     ACTOR,
@@ -58,6 +58,7 @@ class _Checks(LayoutChecks):
         self.check_shared_layouts()
         self.check_sampling()
         self.check_algorithm()
+        self.check_policy_loss()
         self.check_rewards()
         self.check_trainer()
         self.check_files()
@@ -236,6 +237,37 @@ class _Checks(LayoutChecks):
             self.warn(
                 f"{ACTOR}.loss_scale_factor is only used by loss_agg_mode=seq-mean-token-sum-norm "
                 f"(got {a.loss_agg_mode})"
+            )
+
+    def check_policy_loss(self) -> None:
+        """The keys of the loss that `policy_loss.loss_mode` names (verl 0.9.1's names)."""
+        a = self.cfg.actor_rollout_ref.actor
+        pl, mode = a.policy_loss, a.policy_loss.loss_mode
+        key = f"{ACTOR}.policy_loss"
+        if mode == "dro" and (pl.dro_beta is None or pl.dro_beta <= 0):
+            self.error(f"{key}.dro_beta must be set > 0 for loss_mode=dro, got {pl.dro_beta}")
+        if mode == "kl_cov" and pl.kl_cov_ratio <= 0:
+            self.error(f"{key}.kl_cov_ratio must be > 0, got {pl.kl_cov_ratio}")
+        if mode == "clip_cov":
+            if pl.clip_cov_ratio <= 0:
+                self.error(f"{key}.clip_cov_ratio must be > 0, got {pl.clip_cov_ratio}")
+            if pl.clip_cov_lb >= pl.clip_cov_ub:
+                self.error(
+                    f"{key}.clip_cov_lb={pl.clip_cov_lb} must be below "
+                    f"{key}.clip_cov_ub={pl.clip_cov_ub}"
+                )
+        if mode == "sapo" and (a.tau_pos <= 0 or a.tau_neg <= 0):
+            self.error(f"{ACTOR}.tau_pos and tau_neg must be > 0, got {a.tau_pos}, {a.tau_neg}")
+        if mode in SEQUENCE_AGGREGATED_LOSSES and a.loss_agg_mode != "token-mean":
+            self.warn(
+                f"{ACTOR}.loss_agg_mode={a.loss_agg_mode} is ignored by {key}.loss_mode={mode}, "
+                "which aggregates per sequence (as verl)"
+            )
+        est = self.cfg.algorithm.adv_estimator
+        if est.endswith("optimal_token_baseline") and not a.calculate_sum_pi_squared:
+            self.error(
+                f"algorithm.adv_estimator={est} needs sum_v pi(v)^2 per token: set "
+                f"{ACTOR}.calculate_sum_pi_squared=true"
             )
 
     def check_rewards(self) -> None:

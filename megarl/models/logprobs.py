@@ -135,3 +135,51 @@ def vocab_parallel_log_probs_and_entropy(
     return _VocabParallelLogProbEntropy.apply(
         logits, targets.long(), float(temperature), vocab_start, vocab_size, group, chunk
     )
+
+
+@torch.no_grad()
+def vocab_parallel_sum_pi_squared(
+    logits: torch.Tensor,
+    *,
+    vocab_size: int,
+    temperature: float = 1.0,
+    vocab_start: int = 0,
+    group: dist.ProcessGroup | None = None,
+    chunk: int = DEFAULT_CHUNK,
+) -> torch.Tensor:
+    """Per-position ``sum_v pi(v)^2`` under ``softmax(logits / temperature)``, never gathering V.
+
+    The optimal-token-baseline estimators (``megarl.algo.optimal_baseline``) need it next to the
+    old log-probs; compute it in the same forward pass. With m the global max and
+    S_k = sum_v exp(k (z_v - m)): sum pi^2 = S_2 / S_1^2, so each rank reduces its shard's max,
+    then S_1 and S_2 over the TP group (padded columns are -inf: they add 0).
+
+    Args:
+        logits: ``[B, T, V_local]`` this TP rank's slice of the (padded) vocabulary.
+        vocab_size, temperature, vocab_start, group, chunk: as for
+            ``vocab_parallel_log_probs_and_entropy``.
+
+    Returns:
+        ``[B, T]`` fp32, in [1/V, 1], identical on every TP rank; no gradient (an input of the
+        advantage estimator, not of the loss).
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V]; got {tuple(logits.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    seq = logits.shape[1]
+    stats_max = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+    sum_exp = torch.empty_like(stats_max)
+    sum_exp2 = torch.empty_like(stats_max)
+    for s in range(0, seq, chunk):
+        z = _scaled_masked(logits[:, s : s + chunk], temperature, vocab_start, vocab_size)
+        stats_max[:, s : s + chunk] = z.max(dim=-1).values
+    _all_reduce(stats_max, dist.ReduceOp.MAX, group)
+    for s in range(0, seq, chunk):
+        z = _scaled_masked(logits[:, s : s + chunk], temperature, vocab_start, vocab_size)
+        e = (z - stats_max[:, s : s + chunk, None]).exp()
+        sum_exp[:, s : s + chunk] = e.sum(-1)
+        sum_exp2[:, s : s + chunk] = e.square().sum(-1)
+    _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
+    _all_reduce(sum_exp2, dist.ReduceOp.SUM, group)
+    return sum_exp2 / sum_exp.square()

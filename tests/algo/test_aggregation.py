@@ -14,6 +14,9 @@ MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0,
 def test_hand_made_batch_every_mode():
     # valid tokens: row 0 -> 1, 2, 3 (sum 6, mean 2); row 1 -> 5, 6 (sum 11, mean 5.5); row 2 empty
     assert agg_loss(LOSS, MASK, "token-mean").item() == pytest.approx(17 / 5)
+    assert agg_loss(LOSS, MASK, "token-sum").item() == pytest.approx(17)
+    # global counts do not change a sum
+    assert agg_loss(LOSS, MASK, "token-sum", global_token_count=10).item() == pytest.approx(17)
     assert agg_loss(LOSS, MASK, "seq-mean-token-sum").item() == pytest.approx((6 + 11) / 2)
     assert agg_loss(LOSS, MASK, "seq-mean-token-mean").item() == pytest.approx((2 + 5.5) / 2)
     # Dr.GRPO: token sums over a constant (default: T = 4), averaged over sequences

@@ -1,32 +1,18 @@
-"""GAE: the seed's worked example, and both implementations (the C kernel that CPU tensors use
-and the vectorized torch code every other device uses) against verl's per-step recurrence."""
+"""GAE: the seed's worked example, and the vectorized torch code against verl's per-step
+recurrence (tests/algo/_reference.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megarl.algo import compute_gae_advantage_return, get_adv_estimator, masked_whiten, native
-from megarl.algo.gae import gae_vectorized
+from megarl.algo import compute_gae_advantage_return, get_adv_estimator, masked_whiten
 from tests.algo._reference import gae_recurrence, whiten
 
-needs_native = pytest.mark.skipif(
-    native.load("gae_kernel") is None, reason="the C kernel cannot be built here (no compiler?)"
-)
-IMPLEMENTATIONS = [
-    pytest.param(compute_gae_advantage_return, id="native", marks=needs_native),
-    pytest.param(gae_vectorized, id="vectorized"),
-]
+gae = compute_gae_advantage_return
 
 
-def test_cpu_tensors_use_the_c_kernel_here():
-    """The development and CI machines have a C compiler: the fast path must really be built
-    (a broken kernel would otherwise hide behind the fallback)."""
-    assert native.load("gae_kernel") is not None
-
-
-@pytest.mark.parametrize("gae", IMPLEMENTATIONS)
-def test_seed_worked_example(gae):
+def test_seed_worked_example():
     # seeds/003 §2.5: T=4 (2 prompt + 2 response tokens), reward 1.0 on the last token.
     rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
     values = torch.tensor([[0.2, 0.3, 0.4, 0.5]])
@@ -40,8 +26,7 @@ def test_seed_worked_example(gae):
     assert torch.equal(returns, adv + values)
 
 
-@pytest.mark.parametrize("gae", IMPLEMENTATIONS)
-def test_seed_example_whitened_over_valid_tokens(gae):
+def test_seed_example_whitened_over_valid_tokens():
     rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
     values = torch.tensor([[0.2, 0.3, 0.4, 0.5]])
     mask = torch.tensor([[0.0, 0.0, 1.0, 1.0]])
@@ -81,7 +66,7 @@ def _assert_relative(actual, expected, rtol=1e-5):
     assert bool((diff <= bound).all()), f"max relative error {worst:.3e}"
 
 
-def _assert_matches_recurrence(gae, rewards, values, mask, gamma, lam):
+def _assert_matches_recurrence(rewards, values, mask, gamma, lam):
     """Valid positions within a relative 1e-5 of verl's float64 recurrence (advantages, returns
     and whitened advantages); masked positions: advantage 0, returns = values."""
     ref_adv, ref_returns = gae_recurrence(rewards, values, mask, gamma, lam)
@@ -122,46 +107,19 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("gae", IMPLEMENTATIONS)
 @pytest.mark.parametrize("gamma,lam,batch,length,kind", CASES)
-def test_matches_per_step_recurrence(gae, gamma, lam, batch, length, kind):
+def test_matches_per_step_recurrence(gamma, lam, batch, length, kind):
     rewards, values, mask = _random_case(batch * 1000 + length, batch, length, kind)
-    _assert_matches_recurrence(gae, rewards, values, mask, gamma, lam)
+    _assert_matches_recurrence(rewards, values, mask, gamma, lam)
 
 
-@pytest.mark.parametrize("gae", IMPLEMENTATIONS)
-def test_batches_larger_than_one_chunk(gae):
-    # 300 rows of 4096 steps: several chunks of the vectorized route, rows split over threads
+def test_batches_larger_than_one_chunk():
+    # 300 rows of 4096 steps: several chunks of rows
     rewards, values, mask = _random_case(17, 300, 4096, "right-padded")
-    _assert_matches_recurrence(gae, rewards, values, mask, 0.99, 0.95)
+    _assert_matches_recurrence(rewards, values, mask, 0.99, 0.95)
 
 
-@needs_native
-def test_c_kernel_is_bit_identical_to_the_float64_recurrence():
-    rewards, values, mask = _random_case(5, 16, 500, "interior")
-    rewards, values = rewards.double(), values.double()
-    adv, returns = compute_gae_advantage_return(
-        rewards, values, mask, gamma=0.99, lam=0.95, whiten=False
-    )
-    ref_adv, ref_returns = gae_recurrence(rewards, values, mask, 0.99, 0.95)
-    valid = mask.bool()
-    assert torch.equal(adv[valid], ref_adv[valid])
-    assert torch.equal(returns[valid], ref_returns[valid])
-
-
-@needs_native
-def test_c_kernel_and_vectorized_code_agree(monkeypatch):
-    rewards, values, mask = _random_case(9, 64, 1000, "block")
-    ours = compute_gae_advantage_return(rewards, values, mask, gamma=0.99, lam=0.95)
-    torch.testing.assert_close(ours, gae_vectorized(rewards, values, mask, gamma=0.99, lam=0.95))
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # one part instead of two
-    torch.testing.assert_close(
-        ours, compute_gae_advantage_return(rewards, values, mask, gamma=0.99, lam=0.95)
-    )
-
-
-@pytest.mark.parametrize("gae", IMPLEMENTATIONS)
-def test_float64_inputs_are_not_modified_and_stay_float64(gae):
+def test_float64_inputs_are_not_modified_and_stay_float64():
     rewards, values, mask = _random_case(3, 8, 50, "interior")
     rewards, values = rewards.double(), values.double()
     r0, v0, m0 = rewards.clone(), values.clone(), mask.clone()
@@ -170,8 +128,7 @@ def test_float64_inputs_are_not_modified_and_stay_float64(gae):
     assert adv.dtype == torch.float64 and returns.dtype == torch.float64
 
 
-@pytest.mark.parametrize("gae", IMPLEMENTATIONS)
-def test_strided_and_bfloat16_inputs(gae):
+def test_strided_and_bfloat16_inputs():
     rewards, values, mask = _random_case(4, 16, 80, "interior")
     expected = gae(rewards, values, mask, gamma=0.99, lam=0.95)
     strided = [torch.stack([x, -x], dim=-1)[..., 0] for x in (rewards, values, mask)]
@@ -183,8 +140,7 @@ def test_strided_and_bfloat16_inputs(gae):
     torch.testing.assert_close(half[1], reference[1].bfloat16())
 
 
-@pytest.mark.parametrize("gae", IMPLEMENTATIONS)
-def test_no_nan_for_empty_or_single_token_batches(gae):
+def test_no_nan_for_empty_or_single_token_batches():
     values = torch.randn(3, 5)
     rewards = torch.randn(3, 5)
     adv, returns = gae(rewards, values, torch.zeros(3, 5))
@@ -195,8 +151,7 @@ def test_no_nan_for_empty_or_single_token_batches(gae):
     assert torch.isfinite(adv).all() and adv[1, 2].item() == 0.0
 
 
-@pytest.mark.parametrize("gae", IMPLEMENTATIONS)
-def test_rejects_bad_arguments(gae):
+def test_rejects_bad_arguments():
     x = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="gamma"):
         gae(x, x, x + 1, gamma=1.5, lam=1.0)
@@ -208,6 +163,8 @@ def test_rejects_bad_arguments(gae):
         gae(x, x, torch.full((2, 3), 0.5), gamma=0.99, lam=0.95)
     with pytest.raises(ValueError, match="binary"):
         gae(x, x, torch.full((2, 3), 2, dtype=torch.int64), gamma=0.9, lam=0.0)
+    with pytest.raises(ValueError, match="binary"):  # the chunked route checks each chunk
+        gae(x, x, torch.full((2, 3), 2, dtype=torch.int64), gamma=0.9, lam=0.9)
 
 
 def test_registered_as_gae():
@@ -218,7 +175,6 @@ hypothesis = pytest.importorskip("hypothesis")
 st = pytest.importorskip("hypothesis.strategies")
 
 
-@pytest.mark.parametrize("gae", IMPLEMENTATIONS)
 @hypothesis.settings(max_examples=60, deadline=None)
 @hypothesis.given(
     mask_rows=st.lists(st.lists(st.booleans(), min_size=12, max_size=12), min_size=1, max_size=5),
@@ -226,18 +182,17 @@ st = pytest.importorskip("hypothesis.strategies")
     lam=st.sampled_from([1.0, 0.95, 0.5, 0.005, 0.0]),
     seed=st.integers(0, 2**16),
 )
-def test_any_mask_matches_recurrence(gae, mask_rows, gamma, lam, seed):
+def test_any_mask_matches_recurrence(mask_rows, gamma, lam, seed):
     mask = torch.tensor(mask_rows, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
     rewards = torch.randn(mask.shape, generator=g)
     values = torch.randn(mask.shape, generator=g)
-    _assert_matches_recurrence(gae, rewards, values, mask, gamma, lam)
+    _assert_matches_recurrence(rewards, values, mask, gamma, lam)
 
 
-@pytest.mark.parametrize("gae", IMPLEMENTATIONS)
 @pytest.mark.parametrize("shape", [(0, 5), (3, 0), (1, 1)])
 @pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool, torch.int64])
-def test_degenerate_shapes_and_mask_dtypes(gae, shape, mask_dtype):
+def test_degenerate_shapes_and_mask_dtypes(shape, mask_dtype):
     rewards, values = torch.randn(shape), torch.randn(shape)
     mask = torch.ones(shape, dtype=mask_dtype)
     adv, returns = gae(rewards, values, mask, gamma=0.9, lam=0.9)
@@ -245,9 +200,8 @@ def test_degenerate_shapes_and_mask_dtypes(gae, shape, mask_dtype):
     assert torch.isfinite(adv).all() and torch.isfinite(returns).all()
 
 
-@pytest.mark.parametrize("gae", IMPLEMENTATIONS)
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float64])
-def test_mask_dtypes_agree(gae, mask_dtype):
+def test_mask_dtypes_agree(mask_dtype):
     for seed, kind in ((5, "interior"), (6, "right-padded")):
         rewards, values, mask = _random_case(seed, 16, 40, kind)
         expected = gae(rewards, values, mask, gamma=0.99, lam=0.95)

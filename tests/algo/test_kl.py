@@ -105,3 +105,15 @@ def test_kl_loss_is_aggregated_estimator():
     loss = compute_kl_loss(LP, REF, mask, kl_loss_type="low_var_kl", loss_agg_mode="token-mean")
     k3 = kl_penalty(LP, REF, "k3")[0]
     assert loss.item() == pytest.approx((k3[0] + k3[1]).item() / 2)
+
+
+@pytest.mark.parametrize("name", ["k2+", "mse+"])
+def test_k2_plus_is_k2(name):
+    """verl 0.9.1 accepts "k2+" / "mse+": k2's value with k2's gradient, i.e. k2 itself."""
+    log_prob = torch.tensor([[-1.0, -0.3, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -0.1, -2.0]])
+    value = kl_penalty(log_prob, ref, name)
+    (grad,) = torch.autograd.grad(value.sum(), log_prob)
+    d = log_prob.detach() - ref
+    torch.testing.assert_close(value.detach(), 0.5 * d * d, rtol=0, atol=0)
+    torch.testing.assert_close(grad, d, rtol=0, atol=0)  # d/dlogp of d^2/2

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megarl.algo import (
     ADV_ESTIMATORS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
+    call_with_supported_kwargs,
     compute_advantage,
+    compute_policy_loss,
     get_adv_estimator,
     get_kl_estimator,
     get_policy_loss,
@@ -55,3 +58,79 @@ def test_unknown_name_lists_valid_names(getter, registry, bad):
 def test_compute_advantage_unknown_name():
     with pytest.raises(ValueError, match="grpo_passk"):
         compute_advantage("dapo", token_level_rewards=None)
+
+
+def test_inputs_another_estimator_declares_are_dropped():
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
+    mask = torch.ones(2, 2)
+    # `values` and `gamma` belong to gae / reinforce_plus_plus: grpo ignores them
+    adv, _ = compute_advantage(
+        "grpo",
+        token_level_rewards=rewards,
+        response_mask=mask,
+        index=[0, 0],
+        values=torch.zeros(2, 2),
+        gamma=0.9,
+    )
+    assert adv[:, 0].tolist() == pytest.approx([2**-0.5, -(2**-0.5)], abs=1e-5)
+
+
+def test_an_input_no_registered_function_declares_is_refused():
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
+    with pytest.raises(ValueError, match="respons_mask"):
+        compute_advantage(
+            "grpo", token_level_rewards=rewards, respons_mask=torch.ones(2, 2), index=[0, 0]
+        )
+    with pytest.raises(ValueError, match="clip_ratio_hihg"):
+        compute_policy_loss(
+            "vanilla",
+            old_log_prob=torch.zeros(1, 1),
+            log_prob=torch.zeros(1, 1),
+            advantages=torch.ones(1, 1),
+            response_mask=torch.ones(1, 1),
+            clip_ratio_hihg=0.3,
+        )
+    # an input of the other kind (a policy-loss key passed to an estimator) is refused too
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        compute_advantage(
+            "grpo",
+            token_level_rewards=rewards,
+            response_mask=torch.ones(2, 2),
+            index=[0, 0],
+            clip_ratio_c=3.0,
+        )
+
+
+def test_a_function_outside_the_registries_takes_only_its_own_inputs():
+    def scale(x, factor=2.0):
+        return x * factor
+
+    assert call_with_supported_kwargs(scale, x=1.0) == 2.0
+    with pytest.raises(ValueError, match="gamma"):
+        call_with_supported_kwargs(scale, x=1.0, gamma=0.5)
+
+
+def test_every_policy_loss_runs_with_the_trainers_inputs():
+    """The trainer passes one set of keyword inputs (config keys and batch fields) whatever the
+    loss mode; each loss takes what it declares."""
+    from megarl.algo import micro_batch_generator
+    from megarl.config import POLICY_LOSS_MODES
+    from tests.algo._reference import policy_batch
+
+    old, new, adv, mask = policy_batch(0)
+    inputs = {
+        "old_log_prob": old, "log_prob": new, "advantages": adv, "response_mask": mask,
+        "rollout_is_weights": torch.ones(5, 6), "loss_agg_mode": "token-mean",
+        "global_token_count": mask.sum(), "global_seq_count": 4.0, "loss_scale_factor": None,
+        "seq_token_counts": mask.sum(-1), "clip_ratio": 0.2, "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.28, "clip_ratio_c": 3.0, "tau_pos": 1.0, "tau_neg": 1.05,
+        "dro_beta": 0.1, "kl_cov_ratio": 0.2, "ppo_kl_coef": 0.1, "clip_cov_ratio": 0.2,
+        "clip_cov_lb": 0.0, "clip_cov_ub": 5.0, "generator": micro_batch_generator(0, 1, 2),
+    }  # fmt: skip
+    assert sorted(POLICY_LOSS_MODES) == POLICY_LOSSES.names()
+    for name in POLICY_LOSS_MODES:
+        loss, metrics = compute_policy_loss(name, **inputs)
+        (grad,) = torch.autograd.grad(loss, new)
+        assert loss.dim() == 0 and torch.isfinite(loss) and torch.isfinite(grad).all(), name
+        assert grad[3].abs().sum() == 0, name  # the empty row gets no gradient
+        assert all(v.dim() == 0 and not v.requires_grad for v in metrics.values()), name

@@ -25,11 +25,31 @@ def test_reinforce_plus_plus_hand_example():
     assert adv[0, 3].item() == 0.0
 
 
+def test_reinforce_plus_plus_carries_the_return_through_a_masked_span():
+    # verl 0.9.1: the masked step (holding a stray reward 5) neither discounts nor adds; return 0
+    rewards = torch.tensor([[0.0, 5.0, 0.0, 1.0]])
+    mask = torch.tensor([[1, 0, 1, 1]])
+    _, returns = compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=0.5)
+    assert returns.tolist() == [[0.25, 0.0, 0.5, 1.0]]  # pre-0.9.1 reset gave [0.0, 5.25, ...]
+
+
+def test_reinforce_plus_plus_right_padding_ignores_padded_rewards():
+    rewards = torch.tensor([[1.0, 2.0, 3.0, 7.0], [4.0, 9.0, 9.0, 9.0]])
+    mask = torch.tensor([[True, True, True, False], [True, False, False, False]])
+    _, returns = compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=0.5)
+    assert returns.tolist() == [
+        [1.0 + 0.5 * 2.0 + 0.25 * 3.0, 2.0 + 0.5 * 3.0, 3.0, 0.0],
+        [4.0] + [0.0] * 3,
+    ]
+
+
 @pytest.mark.parametrize("gamma", [1.0, 0.99, 0.3])
 def test_reinforce_plus_plus_matches_loop_with_interior_zeros(gamma):
     g = torch.Generator().manual_seed(3)
-    rewards = torch.randn(8, 2000, generator=g)
-    mask = (torch.rand(8, 2000, generator=g) > 0.1).float()
+    rewards = torch.randn(8, 1000, generator=g)
+    mask = (torch.rand(8, 1000, generator=g) > 0.1).float()
+    mask[1, 600:] = 0.0  # right padding after interior zeros
+    mask[2] = 0.0  # an empty row
     adv, returns = compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=gamma)
     ref = reinforce_plus_plus_returns(rewards, mask, gamma)
     torch.testing.assert_close(returns.double(), ref, rtol=1e-5, atol=1e-5)
