@@ -7,16 +7,9 @@ all micro-batches and all DP (and CP) ranks, e.g. `count_tokens_and_seqs(mask)` 
 the micro-batch losses *add up* to the full-batch loss, so K micro-batches give the same gradient as
 one batch.
 
-How the trainer must use it with Megatron: the pipeline schedule divides each micro-batch loss by
-`num_microbatches`, and Megatron DDP averages gradients over the data-parallel group (DP x CP
-ranks). The sum this module wants is undone by both, so the loss function handed to
-`get_forward_backward_func` must return
-
-    agg_loss(..., global_token_count=N_tok, global_seq_count=N_seq) * num_microbatches * dp_cp_size
-
-(`dp_cp_size` = size of the group DDP averages over: DP, times CP when context parallel is used).
-Then schedule and DDP together compute exactly d/dθ of the full mini-batch loss. For logging, report
-the unscaled value summed over micro-batches (and over ranks).
+With Megatron, the runner turns these micro-batch shares into exact gradients; the contract
+is stated once, in `megarl/models/runner.py`. For logging, the shares summed over micro-batches
+and ranks are the mini-batch's loss.
 
 Context parallelism splits each sequence's tokens over the CP ranks: all-reduce the token count
 over DP x CP but the sequence count over DP only (CP ranks share sequences), and for
