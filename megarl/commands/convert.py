@@ -302,7 +302,7 @@ def _build_chunks(cfg: dict, args: argparse.Namespace, dtype_name: str):
     """
     import torch
 
-    from megarl.models.dims import ModelDims
+    from megarl.config.model_dims import ModelDims
     from megarl.models.gpt import build_gpt_chunks, build_transformer_config
 
     dims = ModelDims.from_hf_config(cfg, tp_size=args.tp)
@@ -320,7 +320,8 @@ def _build_chunks(cfg: dict, args: argparse.Namespace, dtype_name: str):
 def hf_to_megatron(args: argparse.Namespace) -> int:
     """Load the HF directory into a model at ``--tp/--pp/--vpp`` and save a dist checkpoint."""
     from megarl.checkpoint.dist_ckpt import save_model_checkpoint
-    from megarl.models.weights import load_hf_weights, read_hf_config
+    from megarl.config.model_dims import read_hf_config
+    from megarl.models.weights import load_hf_weights
 
     t0 = time.perf_counter()
     hf_path = Path(args.hf_path).resolve()
@@ -392,7 +393,7 @@ def verify(args: argparse.Namespace) -> int:
 
 def _ckpt_hf_config(ckpt: Path, meta: dict, hf_config: str | None) -> tuple[dict, Path | None]:
     """(HF config dict, directory of tokenizer/config files) of a checkpoint."""
-    from megarl.models.weights import read_hf_config
+    from megarl.config.model_dims import read_hf_config
 
     if hf_config:
         return read_hf_config(hf_config), Path(hf_config)

@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     from megatron.core import parallel_state
 
-    from megarl.models.dims import ModelDims
+    from megarl.config.model_dims import ModelDims, read_hf_config
     from megarl.models.gpt import build_gpt_chunks, build_transformer_config
-    from megarl.models.weights import load_hf_weights, local_global_names, read_hf_config
+    from megarl.models.weights import load_hf_weights, local_global_names
     from megarl.parallel.init import destroy_distributed, init_distributed
     from megarl.parallel.layout import ParallelLayout
     from megarl.rollout.consistency import DIFF_MAX, DIFF_MEAN, rollout_logprob_consistency

@@ -26,6 +26,7 @@ from megarl.config.choices import (
     LossAggMode,
     PolicyLossMode,
 )
+from megarl.parallel.layout import ParallelLayout
 
 # ---------------------------------------------------------------------------------------------
 # data
@@ -77,10 +78,15 @@ class DataConfig:
 class ArchitectureConfig:
     """``*.model.architecture`` (megarl): model shape, for validation without the model files.
 
-    When the model path exists its ``config.json`` is the source of truth and every value given
-    here must agree with it; when it does not exist (validating a 72B config on a laptop) these
-    values are used instead.
+    The keys are the HF ``config.json`` names and are parsed by the same parser into the one
+    model-shape type (:func:`megarl.config.model_dims.known_dims`; complete sections also give
+    a :class:`~megarl.config.model_dims.ModelDims`). When the model path exists its
+    ``config.json`` is the source of truth and every value given here must agree with it; when
+    it does not exist (validating a 72B config on a laptop) these values are used instead.
     """
+
+    architecture: str | None = None
+    """HF architecture class (config.json architectures[0]), e.g. Qwen2ForCausalLM."""
 
     num_attention_heads: int | None = None
     """Query heads (HF num_attention_heads)."""
@@ -96,6 +102,12 @@ class ArchitectureConfig:
     """Longest sequence the model supports (HF max_position_embeddings)."""
     num_experts: int | None = None
     """Routed experts of a MoE model; null or 0: dense."""
+    intermediate_size: int | None = None
+    """MLP width (HF intermediate_size; Megatron ffn_hidden_size)."""
+    head_dim: int | None = None
+    """Channels per attention head; null: hidden_size / num_attention_heads."""
+    tie_word_embeddings: bool | None = None
+    """Output layer shares the embedding weight (HF tie_word_embeddings)."""
 
 
 @dataclass
@@ -171,6 +183,17 @@ class MegatronConfig:
     override_transformer_config: dict[str, Any] = field(default_factory=dict)
     """Free-form: extra TransformerConfig fields, applied last."""
 
+    def parallel_layout(self) -> ParallelLayout:
+        """This section's grid sizes as the one layout type."""
+        return ParallelLayout(
+            tensor_model_parallel_size=self.tensor_model_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
+            context_parallel_size=self.context_parallel_size,
+            expert_model_parallel_size=self.expert_model_parallel_size,
+            sequence_parallel=self.sequence_parallel,
+        )
+
 
 @dataclass
 class PolicyLossConfig:
@@ -189,7 +212,11 @@ class ActorConfig:
     ppo_mini_batch_size: int = 256
     """Prompts per optimizer step; the mini-batch holds this x rollout.n responses."""
     ppo_micro_batch_size_per_gpu: int | None = None
-    """Responses per forward/backward pass on one GPU (required)."""
+    """Responses per forward/backward pass on one GPU (required unless use_dynamic_bsz)."""
+    use_dynamic_bsz: bool = False
+    """Pack micro-batches up to ppo_max_token_len_per_gpu tokens instead of a fixed count."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """Token budget of one micro-batch on one GPU with use_dynamic_bsz."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     shuffle: bool = False
@@ -272,6 +299,10 @@ class RolloutConfig:
     """Most tokens generated per response; unset: data.max_response_length."""
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Responses per old-log-prob forward pass; unset: actor.ppo_micro_batch_size_per_gpu."""
+    log_prob_use_dynamic_bsz: bool = False
+    """Old-log-prob passes packed by token budget; unset: actor.use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: int = 16384
+    """Token budget of one old-log-prob micro-batch; unset: actor.ppo_max_token_len_per_gpu."""
     max_num_seqs: int = 256
     """vLLM max_num_seqs (concurrent sequences)."""
     max_num_batched_tokens: int = 8192
@@ -306,6 +337,10 @@ class RefConfig:
 
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Responses per forward pass for ref log-probs; unset: the rollout's."""
+    log_prob_use_dynamic_bsz: bool = False
+    """Ref log-prob passes packed by token budget; unset: the rollout's."""
+    log_prob_max_token_len_per_gpu: int = 16384
+    """Token budget of one ref log-prob micro-batch; unset: the rollout's."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """Parallel layout of the reference; sizes follow the actor's and must match it."""
 
@@ -347,6 +382,12 @@ class CriticConfig:
     """Prompts per critic mini-batch; unset: the actor's."""
     ppo_micro_batch_size_per_gpu: int | None = None
     """Responses per forward/backward pass on one GPU; unset: the actor's."""
+    use_dynamic_bsz: bool = False
+    """Pack micro-batches by token budget; unset: the actor's."""
+    ppo_max_token_len_per_gpu: int = 32768
+    """Token budget of one critic update micro-batch with use_dynamic_bsz."""
+    forward_max_token_len_per_gpu: int = 32768
+    """Token budget of one value-pass micro-batch; unset: ppo_max_token_len_per_gpu."""
     ppo_epochs: int = 1
     """Passes over each rollout batch; unset: the actor's."""
     cliprange_value: float = 0.5
@@ -507,6 +548,24 @@ FOLLOWS: tuple[tuple[str, str], ...] = (
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
     ),
     ("critic.ppo_epochs", "actor_rollout_ref.actor.ppo_epochs"),
+    (
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+        "actor_rollout_ref.actor.use_dynamic_bsz",
+    ),
+    (
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+    ),
+    (
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+    ),
+    (
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+    ),
+    ("critic.use_dynamic_bsz", "actor_rollout_ref.actor.use_dynamic_bsz"),
+    ("critic.forward_max_token_len_per_gpu", "critic.ppo_max_token_len_per_gpu"),
     ("critic.loss_agg_mode", "actor_rollout_ref.actor.loss_agg_mode"),
 )
 """(key, source): a key that no file or override sets takes its source's value when loading

@@ -9,23 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megarl.config.batch import ACTOR, ARR, ROLL, critic_enabled
 from megarl.config.choices import GROUP_ESTIMATORS, LOGGERS
 from megarl.config.errors import ConfigError
-from megarl.config.layout_checks import (
-    ACTOR,
-    ARR,
-    ROLL,
-    Layout,
-    LayoutChecks,
-    critic_enabled,
-    fmt_value,
-    layout,
-    ref_used,
-)
-from megarl.config.model_facts import ModelFacts, is_remote, resolve_model_facts
+from megarl.config.layout_checks import LayoutChecks, fmt_value
+from megarl.config.model_source import ModelShape, is_remote, resolve_model_shape
 from megarl.config.schema import MegarlConfig
 
-__all__ = ["Layout", "critic_enabled", "layout", "ref_used", "validate"]
+__all__ = ["validate"]
 
 
 def validate(
@@ -50,10 +41,10 @@ class _Checks(LayoutChecks):
     def run(self) -> None:
         self.check_ranges()
         world = self.check_world()
-        facts = self.check_model()
+        shape = self.check_model()
         if world:
-            self.check_training_layout(world, facts)
-            self.check_rollout_layout(world, facts)
+            self.check_training_layout(world, shape)
+            self.check_rollout_layout(world, shape)
             self.check_batches(world)
         self.check_shared_layouts()
         self.check_sampling()
@@ -265,43 +256,28 @@ class _Checks(LayoutChecks):
         if t.device == "cpu" and t.dtype == "bf16":
             self.warn("trainer.dtype=bf16 on trainer.device=cpu is slow; CPU configs use fp32")
 
-    def check_model(self) -> ModelFacts | None:
+    def check_model(self) -> ModelShape | None:
         c = self.cfg
         if not c.actor_rollout_ref.model.path:
             self.error(f"{ARR}.model.path is required (a local HF model directory or a hub id)")
             return None
-        facts, errors, warnings = resolve_model_facts(
+        shape, errors, warnings = resolve_model_shape(
             c.actor_rollout_ref.model, f"{ARR}.model", self.check_paths
         )
         self.errors += errors
         self.warnings += warnings
         critic = c.critic.model
         if critic_enabled(c) and critic.path and critic.path != c.actor_rollout_ref.model.path:
-            critic_facts, errors, warnings = resolve_model_facts(
+            critic_shape, errors, warnings = resolve_model_shape(
                 critic, "critic.model", self.check_paths
             )
             self.errors += errors
             self.warnings += warnings
-            if critic_facts:
-                self.check_critic_shape(critic_facts)
-        return facts
-
-    def check_critic_shape(self, facts: ModelFacts) -> None:
-        meg = self.cfg.critic.megatron
-        tp, pp = meg.tensor_model_parallel_size, meg.pipeline_model_parallel_size
-        for name in ("num_attention_heads", "num_key_value_heads"):
-            value = getattr(facts, name)
-            if value and tp > 0 and value % tp:
-                self.error(
-                    f"critic.megatron.tensor_model_parallel_size={tp} does not divide the critic "
-                    f"model's {name}={value} (from {facts.source})"
-                )
-        layers = facts.num_hidden_layers
-        if layers and pp > 0 and layers % pp:
-            self.error(
-                f"the critic model's num_hidden_layers={layers} (from {facts.source}) is not "
-                f"divisible by critic.megatron.pipeline_model_parallel_size={pp}"
-            )
+            if critic_shape:
+                meg = self.cfg.critic.megatron
+                if meg.tensor_model_parallel_size > 0 and meg.pipeline_model_parallel_size > 0:
+                    self.check_model_rule("critic.megatron", meg, critic_shape)
+        return shape
 
     def check_files(self) -> None:
         data = self.cfg.data
