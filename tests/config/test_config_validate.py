@@ -429,7 +429,10 @@ def test_separate_critic_model_is_checked_against_the_critic_layout(hf_model):
     with pytest.raises(ConfigError) as info:
         validate(cfg)
     message = str(info.value)
-    assert "num_hidden_layers=3 is not divisible by critic.megatron.pipeline_model_parallel_size=2" in message
+    assert (
+        "num_hidden_layers=3 is not divisible by critic.megatron.pipeline_model_parallel_size=2"
+        in message
+    )
     assert str(critic / "config.json") in message
 
 
