@@ -157,8 +157,8 @@ def _train(args: argparse.Namespace) -> int:
 def _keys(args: argparse.Namespace) -> int:
     import yaml
 
+    from megarl.config.keys import field_docs, iter_fields
     from megarl.config.loader import get_key
-    from megarl.config.schema import field_docs, iter_fields
 
     defaults = MegarlConfig()
     for key, field, owner in iter_fields(MegarlConfig):

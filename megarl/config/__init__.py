@@ -20,7 +20,7 @@ Keys megarl adds to verl's vocabulary:
 - ``actor_rollout_ref.actor.megatron.{transformer_impl, recompute_granularity, recompute_method,
   recompute_num_layers, recompute_modules}`` (same under ``critic.megatron`` and
   ``actor_rollout_ref.ref.megatron``)
-- ``actor_rollout_ref.rollout.{logprob_mode, is_threshold, allow_non_unit_top_p_top_k,
+- ``actor_rollout_ref.rollout.{allow_non_unit_top_p_top_k,
   max_model_len, enforce_eager, kv_cache_memory_bytes}``, validation sampling in
   ``actor_rollout_ref.rollout.val_kwargs.{temperature, top_p, top_k, n, do_sample}``
 - ``actor_rollout_ref.model.architecture.{architecture, num_attention_heads,
@@ -29,7 +29,7 @@ Keys megarl adds to verl's vocabulary:
   the model's shape (HF names) for validation without its files.
 
 Keys that, when no file or override sets them, take another key's value are listed in
-``schema.FOLLOWS`` (e.g. critic and ref parallel sizes follow the actor's).
+``keys.FOLLOWS`` (e.g. critic and ref parallel sizes follow the actor's).
 """
 
 from megarl.config.batch import BatchPlan, PassBatches, critic_enabled, ref_used, world_size
@@ -37,9 +37,10 @@ from megarl.config.choices import (
     ADV_ESTIMATORS,
     GROUP_ESTIMATORS,
     KL_TYPES,
-    LOGPROB_MODES,
     LOSS_AGG_MODES,
     POLICY_LOSS_MODES,
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_LOG_PROB_MODES,
 )
 from megarl.config.errors import ConfigError
 from megarl.config.loader import from_dict, get_key, load_config, to_dict, to_yaml
@@ -61,6 +62,7 @@ from megarl.config.schema import (
     RefConfig,
     RewardModelConfig,
     RolloutConfig,
+    RolloutCorrectionConfig,
     SamplingConfig,
     TrainerConfig,
 )
@@ -70,9 +72,10 @@ __all__ = [
     "ADV_ESTIMATORS",
     "GROUP_ESTIMATORS",
     "KL_TYPES",
-    "LOGPROB_MODES",
     "LOSS_AGG_MODES",
     "POLICY_LOSS_MODES",
+    "ROLLOUT_IS_LEVELS",
+    "ROLLOUT_LOG_PROB_MODES",
     "ActorConfig",
     "ActorRolloutRefConfig",
     "AlgorithmConfig",
@@ -93,6 +96,7 @@ __all__ = [
     "RefConfig",
     "RewardModelConfig",
     "RolloutConfig",
+    "RolloutCorrectionConfig",
     "SamplingConfig",
     "TrainerConfig",
     "critic_enabled",

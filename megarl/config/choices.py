@@ -41,8 +41,11 @@ KLType = Literal[
     "kl+", "k1+", "abs+", "low_var_kl+", "k3+",  # value of the estimator, gradient of k2
 ]  # fmt: skip
 KL_TYPES: tuple[str, ...] = get_args(KLType)
-LogprobMode = Literal["decoupled", "bypass", "importance_sampling"]
-LOGPROB_MODES: tuple[str, ...] = get_args(LogprobMode)
+RolloutIsLevel = Literal["token", "sequence"]
+ROLLOUT_IS_LEVELS: tuple[str, ...] = get_args(RolloutIsLevel)
+"""Levels of the rollout importance weights (``megarl.algo.compute_rollout_is_weights``)."""
+ROLLOUT_LOG_PROB_MODES: tuple[str, ...] = ("decoupled", "bypass")
+"""``megarl.algo.select_old_log_prob``'s modes: bypass_mode false and true."""
 PolicyLossMode = Literal["vanilla", "gpg"]
 POLICY_LOSS_MODES: tuple[str, ...] = get_args(PolicyLossMode)
 LOGGERS: tuple[str, ...] = ("console", "mlflow")

@@ -15,8 +15,9 @@ from megarl.config.batch import (
     critic_enabled,
     ref_used,
 )
+from megarl.config.keys import PARALLEL_KEYS
 from megarl.config.model_source import ModelShape
-from megarl.config.schema import PARALLEL_KEYS, MegarlConfig, MegatronConfig
+from megarl.config.schema import MegarlConfig, MegatronConfig
 from megarl.parallel.layout import layout_problems
 
 WORLD = "trainer.nnodes × trainer.n_gpus_per_node"

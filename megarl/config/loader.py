@@ -21,7 +21,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from megarl.config.errors import ConfigError, close_matches
-from megarl.config.schema import FOLLOWS, MegarlConfig
+from megarl.config.keys import FOLLOWS
+from megarl.config.schema import MegarlConfig
 
 BASE_KEY = "_base_"
 """Top-level YAML key naming the file(s) a config inherits from (relative to that file)."""

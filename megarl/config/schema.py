@@ -10,21 +10,15 @@ is added on the command line with ``+section.key=value``.
 
 from __future__ import annotations
 
-import ast
-import dataclasses
-import inspect
-import textwrap
 from dataclasses import dataclass, field
-from functools import cache
-from itertools import pairwise
-from typing import Any, Literal, get_type_hints
+from typing import Any, Literal
 
 from megarl.config.choices import (
     AdvEstimator,
     KLType,
-    LogprobMode,
     LossAggMode,
     PolicyLossMode,
+    RolloutIsLevel,
 )
 from megarl.parallel.layout import ParallelLayout
 
@@ -140,8 +134,14 @@ class OptimConfig:
     """Decoupled weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """Adam beta1, beta2."""
-    warmup_steps: int = 0
-    """Linear warm-up steps from 0 to lr."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0: off)."""
+    lr_warmup_steps: int = -1
+    """Linear warm-up over this many trainer steps; -1: lr_warmup_steps_ratio decides."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Warm-up as a fraction of the total trainer steps (when lr_warmup_steps is -1)."""
+    lr_warmup_init: float = 0.0
+    """Learning rate at the start of the warm-up."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """Schedule after warm-up, over trainer.total_training_steps."""
 
@@ -241,8 +241,6 @@ class ActorConfig:
     """Weight of the KL loss."""
     kl_loss_type: KLType = "low_var_kl"
     """KL estimator of the KL loss (kl/k1, abs, mse/k2, low_var_kl/k3, full; "+": k2 grad)."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip (verl's grad_clip; optim.clip_grad in newer verl)."""
     policy_loss: PolicyLossConfig = field(default_factory=lambda: PolicyLossConfig())
     """Which policy loss."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -271,10 +269,8 @@ class SamplingConfig:
 class RolloutConfig:
     """``actor_rollout_ref.rollout.*``: the vLLM engine colocated with training.
 
-    ``logprob_mode``: *decoupled* recomputes the old log-probs with the actor after generation;
-    *bypass* takes vLLM's (temperature-processed) log-probs as the old log-probs; and
-    *importance_sampling* recomputes them and weights the loss by the truncated ratio
-    min(pi_old / pi_rollout, is_threshold).
+    vLLM always reports processed (temperature-scaled) log-probs; how they are used is
+    ``algorithm.rollout_correction``.
     """
 
     name: Literal["vllm"] = "vllm"
@@ -319,10 +315,6 @@ class RolloutConfig:
     """(megarl) vLLM enforce_eager (no CUDA graphs; slower, starts faster)."""
     kv_cache_memory_bytes: int | None = None
     """(megarl) vLLM KV-cache size in bytes; overrides gpu_memory_utilization (set it on CPU)."""
-    logprob_mode: LogprobMode = "decoupled"
-    """(megarl) Old log-probs: decoupled (recompute), bypass (vLLM's), importance_sampling."""
-    is_threshold: float = 2.0
-    """(megarl) Truncation C of the rollout importance weights min(pi_old/pi_rollout, C)."""
     allow_non_unit_top_p_top_k: bool = False
     """(megarl) Permit top_p < 1 or top_k > 0 in training rollouts (biased log-probs)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -394,8 +386,6 @@ class CriticConfig:
     """Value clip range."""
     loss_agg_mode: LossAggMode = "token-mean"
     """Aggregation of the value loss; unset: the actor's."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip."""
 
 
 @dataclass
@@ -410,6 +400,27 @@ class KLCtrlConfig:
     """Adaptive controller horizon."""
     target_kl: float = 0.1
     """Adaptive controller target."""
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """``algorithm.rollout_correction.*``: which log-probs anchor the PPO ratio, and importance
+    weights for the rollout/trainer mismatch (``megarl.algo.rollout_correction``)."""
+
+    bypass_mode: bool = False
+    """false: recompute old log-probs with the actor (decoupled); true: use vLLM's (bypass)."""
+    rollout_is: RolloutIsLevel | None = None
+    """Truncated IS weights min(pi_old / pi_rollout, threshold) per token or sequence; null: off."""
+    rollout_is_threshold: float = 2.0
+    """Upper truncation bound of the IS weights."""
+    rollout_is_batch_normalize: bool = False
+    """Rescale the IS weights to mean 1 over the batch."""
+    rollout_rs: str | None = None
+    """Rejection sampling; only null (off) is supported."""
+    rollout_rs_threshold: float | None = None
+    """Rejection-sampling threshold; only null is supported."""
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+    """Loss in bypass mode; only ppo_clip (the ratio carries the correction) is supported."""
 
 
 @dataclass
@@ -430,6 +441,8 @@ class AlgorithmConfig:
     """KL estimator of the in-reward penalty."""
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     """KL coefficient controller."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Old log-probs (decoupled or bypass) and rollout importance weights."""
 
 
 @dataclass
@@ -494,6 +507,8 @@ class TrainerConfig:
     """Validate once before the first step."""
     critic_warmup: int = 0
     """Steps that train only the critic."""
+    balance_batch: bool = True
+    """Reorder each step's responses so that every DP rank gets a similar token count."""
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
     """Checkpoint directory (${...} refers to other keys)."""
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
@@ -526,98 +541,3 @@ class MegarlConfig:
     """User reward function."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Run settings."""
-
-
-FOLLOWS: tuple[tuple[str, str], ...] = (
-    ("actor_rollout_ref.actor.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio"),
-    ("actor_rollout_ref.actor.clip_ratio_high", "actor_rollout_ref.actor.clip_ratio"),
-    ("actor_rollout_ref.rollout.prompt_length", "data.max_prompt_length"),
-    ("actor_rollout_ref.rollout.response_length", "data.max_response_length"),
-    (
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-    ),
-    (
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-    ),
-    ("critic.model.path", "actor_rollout_ref.model.path"),
-    ("critic.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size"),
-    (
-        "critic.ppo_micro_batch_size_per_gpu",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-    ),
-    ("critic.ppo_epochs", "actor_rollout_ref.actor.ppo_epochs"),
-    (
-        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
-        "actor_rollout_ref.actor.use_dynamic_bsz",
-    ),
-    (
-        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-    ),
-    (
-        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
-        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
-    ),
-    (
-        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-    ),
-    ("critic.use_dynamic_bsz", "actor_rollout_ref.actor.use_dynamic_bsz"),
-    ("critic.forward_max_token_len_per_gpu", "critic.ppo_max_token_len_per_gpu"),
-    ("critic.loss_agg_mode", "actor_rollout_ref.actor.loss_agg_mode"),
-)
-"""(key, source): a key that no file or override sets takes its source's value when loading
-(verl expresses these as ${...} interpolations)."""
-
-PARALLEL_KEYS: tuple[str, ...] = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "virtual_pipeline_model_parallel_size",
-    "context_parallel_size",
-    "expert_model_parallel_size",
-)
-"""Megatron layout keys that critic and ref must share with the actor (one parallel state)."""
-
-_SHARED_MEGATRON_KEYS = (*PARALLEL_KEYS, "sequence_parallel", "transformer_impl")
-FOLLOWS += tuple(
-    (f"{role}.megatron.{key}", f"actor_rollout_ref.actor.megatron.{key}")
-    for role in ("critic", "actor_rollout_ref.ref")
-    for key in _SHARED_MEGATRON_KEYS
-) + (
-    (
-        "actor_rollout_ref.ref.megatron.param_offload",
-        "actor_rollout_ref.actor.megatron.param_offload",
-    ),
-)
-
-
-@cache
-def field_docs(cls: type) -> dict[str, str]:
-    """Map each field of dataclass ``cls`` to its docstring (the string literal after it)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = nxt.value.value.strip()
-    return docs
-
-
-def iter_fields(cls: type, prefix: str = ""):
-    """Yield ``(dotted_key, field, owner_class)`` for every leaf field below dataclass ``cls``."""
-    hints = get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            yield from iter_fields(tp, key + ".")
-        else:
-            yield key, f, cls

@@ -101,8 +101,10 @@ class _Checks(LayoutChecks):
         for key, value in [
             (f"{ACTOR}.entropy_coeff", a.entropy_coeff),
             (f"{ACTOR}.kl_loss_coef", a.kl_loss_coef),
-            (f"{ACTOR}.grad_clip", a.grad_clip),
-            ("critic.grad_clip", c.critic.grad_clip),
+            (f"{ACTOR}.optim.clip_grad", a.optim.clip_grad),
+            ("critic.optim.clip_grad", c.critic.optim.clip_grad),
+            (f"{ACTOR}.optim.lr_warmup_init", a.optim.lr_warmup_init),
+            ("critic.optim.lr_warmup_init", c.critic.optim.lr_warmup_init),
             ("algorithm.kl_ctrl.kl_coef", c.algorithm.kl_ctrl.kl_coef),
             ("data.dataloader_num_workers", c.data.dataloader_num_workers),
             ("trainer.critic_warmup", c.trainer.critic_warmup),
@@ -115,8 +117,16 @@ class _Checks(LayoutChecks):
                 self.error(f"{prefix}.lr, min_lr and weight_decay must be >= 0")
             if optim.min_lr > optim.lr:
                 self.error(f"{prefix}.min_lr={optim.min_lr} exceeds {prefix}.lr={optim.lr}")
-            if optim.warmup_steps < 0:
-                self.error(f"{prefix}.warmup_steps must be >= 0, got {optim.warmup_steps}")
+            if optim.lr_warmup_steps < -1:
+                self.error(
+                    f"{prefix}.lr_warmup_steps must be -1 (use lr_warmup_steps_ratio) or >= 0, "
+                    f"got {optim.lr_warmup_steps}"
+                )
+            if not 0 <= optim.lr_warmup_steps_ratio <= 1:
+                self.error(
+                    f"{prefix}.lr_warmup_steps_ratio must be in [0, 1], got "
+                    f"{optim.lr_warmup_steps_ratio}"
+                )
             if len(optim.betas) != 2 or not all(0 <= b < 1 for b in optim.betas):
                 self.error(f"{prefix}.betas must be two numbers in [0, 1), got {optim.betas}")
         for key, value in [
@@ -166,13 +176,6 @@ class _Checks(LayoutChecks):
                 f"length {model_len} ({ROLL}.max_model_len or prompt_length + response_length); "
                 f"vLLM needs it to be at least that when {ROLL}.enable_chunked_prefill=false"
             )
-        if r.logprob_mode == "importance_sampling":
-            if r.is_threshold <= 0:
-                self.error(f"{ROLL}.is_threshold must be > 0, got {r.is_threshold}")
-            elif r.is_threshold < 1:
-                self.warn(
-                    f"{ROLL}.is_threshold={r.is_threshold} < 1 caps even on-policy weights below 1"
-                )
         v = r.val_kwargs
         if v.temperature < 0 or not 0 < v.top_p <= 1 or v.top_k < -1:
             self.error(
@@ -223,11 +226,54 @@ class _Checks(LayoutChecks):
                     "algorithm.kl_ctrl.type=adaptive has no effect unless "
                     "algorithm.use_kl_in_reward=true"
                 )
+        for key, value in [
+            (f"{ACTOR}.kl_loss_type", a.kl_loss_type),
+            ("algorithm.kl_penalty", alg.kl_penalty),
+        ]:
+            if value == "full":
+                self.error(
+                    f"unsupported: {key}=full (the exact KL needs both policies' full-vocabulary "
+                    "log-distributions, which the vocab-parallel runner does not build; verl "
+                    "raises for it too); use low_var_kl, kl, mse or abs"
+                )
+        self.check_rollout_correction()
         if a.loss_scale_factor is not None and a.loss_agg_mode != "seq-mean-token-sum-norm":
             self.warn(
                 f"{ACTOR}.loss_scale_factor is only used by loss_agg_mode=seq-mean-token-sum-norm "
                 f"(got {a.loss_agg_mode})"
             )
+
+    def check_rollout_correction(self) -> None:
+        rc, key = self.cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+        if rc.rollout_rs is not None:
+            self.error(
+                f"unsupported: {key}.rollout_rs={rc.rollout_rs} (rejection sampling is not in "
+                "megarl.algo); use rollout_is for truncated importance weights"
+            )
+        if rc.rollout_rs_threshold is not None:
+            self.error(f"unsupported: {key}.rollout_rs_threshold (no rejection sampling)")
+        if rc.loss_type != "ppo_clip":
+            self.error(
+                f"unsupported: {key}.loss_type={rc.loss_type} (megarl's bypass mode uses the "
+                "PPO-clip loss, whose ratio carries the correction)"
+            )
+        if rc.rollout_is is not None:
+            if rc.rollout_is_threshold <= 0:
+                self.error(f"{key}.rollout_is_threshold must be > 0, got {rc.rollout_is_threshold}")
+            elif rc.rollout_is_threshold < 1:
+                self.warn(
+                    f"{key}.rollout_is_threshold={rc.rollout_is_threshold} < 1 caps even "
+                    "on-policy weights below 1"
+                )
+            if (
+                rc.bypass_mode
+                and self.cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
+            ):
+                self.warn(
+                    f"{key}.rollout_is={rc.rollout_is} with bypass_mode=true and the PPO-clip "
+                    "loss: the ratio already is pi_theta / pi_rollout, so the weights would count "
+                    "the correction twice and are not applied"
+                )
 
     def check_rewards(self) -> None:
         rm, fn = self.cfg.reward_model, self.cfg.custom_reward_function
