@@ -17,7 +17,9 @@ _MODELS = ("actor_rollout_ref.model", "critic.model")
 _NO_RAY = "megarl runs SPMD under torchrun (no Ray)"
 _NO_DYNAMIC_BSZ_GLOBAL = "global micro-batch sizes (deprecated in verl); use *_per_gpu"
 _DATA = "data option not supported yet"
-_REWARD = "reward option not supported yet; megarl reads reward_model.* and custom_reward_function.*"
+_REWARD = (
+    "reward option not supported yet; megarl reads reward_model.* and custom_reward_function.*"
+)
 _MULTIMODAL = "text-only models"
 _LORA = "no LoRA: megarl trains full weights"
 _FUSED = "fused kernels are chosen by transformer_impl"
