@@ -276,6 +276,57 @@ BAD_CONFIGS = [
         [f"{ARCH}.num_attention_heads must be positive"],
     ),
     (
+        "kl-loss-type-full",
+        GRPO,
+        ["actor_rollout_ref.actor.kl_loss_type=full"],
+        None,
+        ["unsupported: actor_rollout_ref.actor.kl_loss_type=full", "low_var_kl"],
+    ),
+    (
+        "kl-penalty-full",
+        GRPO,
+        ["algorithm.kl_penalty=full"],
+        None,
+        ["unsupported: algorithm.kl_penalty=full"],
+    ),
+    (
+        "rejection-sampling",
+        GRPO,
+        ["algorithm.rollout_correction.rollout_rs=seq_mean_k3"],
+        None,
+        ["unsupported: algorithm.rollout_correction.rollout_rs=seq_mean_k3"],
+    ),
+    (
+        "bypass-reinforce-loss",
+        GRPO,
+        ["algorithm.rollout_correction.bypass_mode=true",
+         "algorithm.rollout_correction.loss_type=reinforce"],
+        None,
+        ["unsupported: algorithm.rollout_correction.loss_type=reinforce"],
+    ),
+    (
+        "rollout-is-threshold-not-positive",
+        GRPO,
+        ["algorithm.rollout_correction.rollout_is=token",
+         "algorithm.rollout_correction.rollout_is_threshold=0"],
+        None,
+        ["algorithm.rollout_correction.rollout_is_threshold must be > 0"],
+    ),
+    (
+        "warmup-ratio-above-one",
+        GRPO,
+        ["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=1.5"],
+        None,
+        ["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio must be in [0, 1]"],
+    ),
+    (
+        "negative-clip-grad",
+        GRPO,
+        ["critic.optim.clip_grad=-1"],
+        None,
+        ["critic.optim.clip_grad must be >= 0"],
+    ),
+    (
         "model-path-missing",
         GRPO,
         ["actor_rollout_ref.model.path=null"],
@@ -401,8 +452,36 @@ def test_small_head_dim_on_cpu_warns(hf_model):
 
 
 def test_mha_models_default_kv_heads_to_heads(hf_model):
+    from megarl.config.model_source import resolve_model_shape
+
     path = hf_model("mha", num_key_value_heads=None)
-    validate(load_config(GRPO, [f"actor_rollout_ref.model.path={path}", f"~{ARCH}"]))
+    cfg = load_config(GRPO, [f"actor_rollout_ref.model.path={path}", f"~{ARCH}"])
+    validate(cfg)
+    shape, errors, _ = resolve_model_shape(cfg.actor_rollout_ref.model, "m", check_paths=True)
+    assert not errors and shape is not None
+    assert shape.get("num_query_groups") == shape.get("num_attention_heads") == 4
+
+
+def test_rollout_is_weights_with_bypass_and_ppo_clip_warn():
+    cfg = load_config(
+        GRPO,
+        [
+            "algorithm.rollout_correction.bypass_mode=true",
+            "algorithm.rollout_correction.rollout_is=token",
+        ],
+    )
+    assert any("count the correction twice" in w for w in validate(cfg))
+
+
+def test_old_megarl_names_point_to_verls():
+    for old, new in [
+        (f"{ROLL}.logprob_mode=bypass", "algorithm.rollout_correction.bypass_mode"),
+        (f"{ROLL}.is_threshold=2", "algorithm.rollout_correction.rollout_is_threshold"),
+        ("actor_rollout_ref.actor.grad_clip=1", "optim.clip_grad"),
+        ("critic.optim.warmup_steps=3", "optim.lr_warmup_steps"),
+    ]:
+        with pytest.raises(ConfigError, match=new.replace(".", r"\.")):
+            load_config(GRPO, [old])
 
 
 def test_directory_without_config_json_is_an_error(tmp_path):
