@@ -18,7 +18,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from megarl.config import ConfigError, MegarlConfig, layout, load_config, to_yaml, validate
+from megarl.config import ConfigError, MegarlConfig, load_config, to_yaml, validate
 
 EXIT_CONFIG_ERROR = 2
 
@@ -157,8 +157,8 @@ def _train(args: argparse.Namespace) -> int:
 def _keys(args: argparse.Namespace) -> int:
     import yaml
 
+    from megarl.config.keys import field_docs, iter_fields
     from megarl.config.loader import get_key
-    from megarl.config.schema import field_docs, iter_fields
 
     defaults = MegarlConfig()
     for key, field, owner in iter_fields(MegarlConfig):
@@ -176,16 +176,21 @@ def _print_warnings(warnings: list[str]) -> None:
 
 
 def _summary(cfg: MegarlConfig, world_size: int | None) -> str:
-    lay = layout(cfg, world_size)
-    meg = cfg.actor_rollout_ref.actor.megatron
-    roll = cfg.actor_rollout_ref.rollout
-    from megarl.config import critic_enabled, ref_used
+    from megarl.config import BatchPlan, critic_enabled, ref_used
+    from megarl.config import world_size as configured_world
 
+    world = world_size or configured_world(cfg)
+    lay = cfg.actor_rollout_ref.actor.megatron.parallel_layout()
+    plan = BatchPlan.from_config(cfg, world)  # validated: no error left
+    micro = plan.micro_batches_per_mini_batch
     return (
-        f"world {lay.world_size} = {cfg.trainer.nnodes} node(s) × {cfg.trainer.n_gpus_per_node}; "
-        f"training TP {meg.tensor_model_parallel_size} × PP {meg.pipeline_model_parallel_size}"
-        f" × CP {meg.context_parallel_size} → DP {lay.data_parallel_size}; rollout TP "
-        f"{roll.tensor_model_parallel_size} → {lay.rollout_data_parallel_size} vLLM engine(s); "
+        f"world {world} = {cfg.trainer.nnodes} node(s) × {cfg.trainer.n_gpus_per_node}; "
+        f"training TP {lay.tp} × PP {lay.pp} × CP {lay.cp} → DP {plan.data_parallel_size}; "
+        f"rollout TP {cfg.actor_rollout_ref.rollout.tensor_model_parallel_size} → "
+        f"{plan.rollout_data_parallel_size} vLLM engine(s); {plan.responses_per_step} responses "
+        f"per step in {plan.mini_batches_per_step} mini-batch(es) of "
+        f"{plan.responses_per_mini_batch}, {plan.responses_per_rank_per_mini_batch} per rank in "
+        f"{'token-budget' if micro is None else micro} micro-batch(es); "
         f"{cfg.algorithm.adv_estimator}, critic {'on' if critic_enabled(cfg) else 'off'}, "
         f"reference {'on' if ref_used(cfg) else 'off'}."
     )

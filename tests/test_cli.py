@@ -142,10 +142,10 @@ def test_unknown_option_is_a_usage_error(capsys):
 
 
 def test_keys_lists_defaults_and_docs(capsys):
-    code, out, _ = run_cli(capsys, "config", "keys", "actor_rollout_ref.rollout.logprob_mode")
+    code, out, _ = run_cli(capsys, "config", "keys", "algorithm.rollout_correction.rollout_is")
     assert code == 0
-    assert "actor_rollout_ref.rollout.logprob_mode = decoupled" in out
-    assert "importance_sampling" in out
+    assert "algorithm.rollout_correction.rollout_is = null" in out
+    assert "per token or sequence" in out
 
 
 # -- train ----------------------------------------------------------------------------------

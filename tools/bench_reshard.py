@@ -29,10 +29,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megarl.commands.plan import PRESETS
+from megarl.config.model_dims import ModelDims
 from megarl.models import hf_mapping as hm
-from megarl.models.dims import ModelDims
 from megarl.models.tiny import random_hf_state, tiny_hf_config
-from megarl.rollout.reshard import TrainingLayout, make_reshard_plan, stream_buckets
+from megarl.parallel.layout import ParallelLayout
+from megarl.rollout.reshard import make_reshard_plan, stream_buckets
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -106,7 +107,7 @@ def bench_sync(args) -> dict:
     hf = random_hf_state(dims, seed=0, dtype=dtype)
     params = {k: v.contiguous() for k, v in hm.hf_to_megatron(hf, dims).items()}
     plan = make_reshard_plan(
-        dims, TrainingLayout(), 1, bucket_bytes=int(args.bucket_mb * (1 << 20)), dtype=dtype
+        dims, ParallelLayout(), 1, bucket_bytes=int(args.bucket_mb * (1 << 20)), dtype=dtype
     )
     nbytes = plan.hf_bytes
     results: dict = {
@@ -188,8 +189,8 @@ def _bench_vllm(args, hf_cfg, hf, params, plan) -> dict:
 
 def bench_plan(reps: int) -> dict:
     dims = ModelDims.from_hf_config(PRESETS["qwen2.5-72b"], tp_size=8)
-    times = _time(lambda: make_reshard_plan(dims, TrainingLayout(8, 4), 8), reps)
-    plan = make_reshard_plan(dims, TrainingLayout(8, 4), 8)
+    times = _time(lambda: make_reshard_plan(dims, ParallelLayout(8, 4), 8), reps)
+    plan = make_reshard_plan(dims, ParallelLayout(8, 4), 8)
     return {
         "plan_72b_ms_best": min(times) * 1e3,
         "plan_72b_ms_median": statistics.median(times) * 1e3,

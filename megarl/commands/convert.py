@@ -303,8 +303,8 @@ def _build_chunks(hf_path: Path | None, cfg: dict, args: argparse.Namespace, dty
     """
     import torch
 
+    from megarl.config.model_dims import ModelDims
     from megarl.models.build import build_model
-    from megarl.models.dims import ModelDims
     from megarl.parallel.layout import ParallelLayout
 
     layout = ParallelLayout(args.tp, args.pp, args.vpp)
@@ -316,7 +316,7 @@ def _build_chunks(hf_path: Path | None, cfg: dict, args: argparse.Namespace, dty
 def hf_to_megatron(args: argparse.Namespace) -> int:
     """Load the HF directory into a model at ``--tp/--pp/--vpp`` and save a dist checkpoint."""
     from megarl.checkpoint.dist_ckpt import save_model_checkpoint
-    from megarl.models.weights import read_hf_config
+    from megarl.config.model_dims import read_hf_config
 
     t0 = time.perf_counter()
     hf_path = Path(args.hf_path).resolve()
@@ -387,7 +387,7 @@ def verify(args: argparse.Namespace) -> int:
 
 def _ckpt_hf_config(ckpt: Path, meta: dict, hf_config: str | None) -> tuple[dict, Path | None]:
     """(HF config dict, directory of tokenizer/config files) of a checkpoint."""
-    from megarl.models.weights import read_hf_config
+    from megarl.config.model_dims import read_hf_config
 
     if hf_config:
         return read_hf_config(hf_config), Path(hf_config)

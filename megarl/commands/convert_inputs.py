@@ -29,13 +29,13 @@ def check_inputs(args: argparse.Namespace) -> None:
     if args.command == "hf-to-megatron":
         _check_hf_dir(args.hf_path, "--hf-path", need_weights=True)
         _check_out(args.out, args.force)
-        cfg = _read_json(Path(args.hf_path) / "config.json")
+        cfg = _read_hf(Path(args.hf_path) / "config.json")
         where = Path(args.hf_path) / "config.json"
     else:
         meta = _check_ckpt(args.ckpt)
         if args.hf_config is not None:
             _check_hf_dir(args.hf_config, "--hf-config", need_weights=False)
-            cfg = _read_json(Path(args.hf_config) / "config.json")
+            cfg = _read_hf(Path(args.hf_config) / "config.json")
             where = Path(args.hf_config) / "config.json"
         elif "hf_config" in meta:
             cfg, where = meta["hf_config"], Path(args.ckpt) / _META_FILE
@@ -50,7 +50,7 @@ def check_inputs(args: argparse.Namespace) -> None:
     dims = _checked_dims(cfg, args.tp, where)
     if args.command == "verify":
         hf_where = Path(args.hf_path) / "config.json"
-        hf_dims = _checked_dims(_read_json(hf_where), args.tp, hf_where)
+        hf_dims = _checked_dims(_read_hf(hf_where), args.tp, hf_where)
         if hf_dims != dims:
             diff = {
                 f.name: (getattr(dims, f.name), getattr(hf_dims, f.name))
@@ -65,7 +65,7 @@ def check_inputs(args: argparse.Namespace) -> None:
 
 
 def _checked_dims(cfg: dict, tp: int, where: Path):
-    from megarl.models.dims import ModelDims, UnsupportedArchitectureError
+    from megarl.config.model_dims import ModelDims, UnsupportedArchitectureError
 
     try:
         return ModelDims.from_hf_config(cfg, tp_size=tp)
@@ -106,6 +106,15 @@ def _check_ckpt(path: str) -> dict:
     return _read_json(p / _META_FILE) if (p / _META_FILE).is_file() else {}
 
 
+def _read_hf(path: Path) -> dict:
+    from megarl.config.model_dims import read_hf_config
+
+    try:
+        return read_hf_config(path)
+    except (OSError, ValueError) as exc:
+        raise ConvertError(f"cannot read {path}: {exc}") from None
+
+
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -114,20 +123,17 @@ def _read_json(path: Path) -> dict:
 
 
 def _check_layout(dims, tp: int, pp: int, vpp: int | None, where: Path) -> None:
-    for what, n in (
-        ("num_attention_heads", dims.num_attention_heads),
-        ("intermediate_size", dims.ffn_hidden_size),
-    ):
-        if n % tp:
-            raise ConvertError(f"--tp {tp} does not divide {what}={n} of {where}")
-    groups = dims.num_query_groups
-    if groups % tp and tp % groups:
-        raise ConvertError(
-            f"--tp {tp} must divide or be a multiple of num_key_value_heads={groups} of {where}"
-        )
-    stages = pp * (vpp or 1)
-    if dims.num_layers % stages:
-        raise ConvertError(
-            f"--pp {pp}{f' × --vpp {vpp}' if vpp else ''} does not divide "
-            f"num_hidden_layers={dims.num_layers} of {where}"
-        )
+    """Megatron's rule (:func:`megarl.parallel.layout.layout_problems`), named by flag."""
+    from megarl.parallel.layout import ParallelLayout, layout_problems
+
+    problems = layout_problems(
+        ParallelLayout(tp, pp, vpp),
+        num_attention_heads=dims.num_attention_heads,
+        num_query_groups=dims.num_query_groups,
+        num_layers=dims.num_layers,
+        ffn_hidden_size=dims.ffn_hidden_size,
+        head_dim=dims.head_dim,
+    )
+    if problems:
+        text = problems[0].describe(tp=f"--tp {tp}", pp=f"--pp {pp}", vpp=f"--vpp {vpp}")
+        raise ConvertError(f"{text} of {where}")

@@ -10,7 +10,6 @@ Nothing is allocated and no process group is started; the plan is pure arithmeti
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -18,13 +17,9 @@ from pathlib import Path
 
 import torch
 
-from megarl.models.dims import ModelDims
-from megarl.rollout.reshard.plan import (
-    DEFAULT_BUCKET_BYTES,
-    ReshardPlan,
-    TrainingLayout,
-    make_reshard_plan,
-)
+from megarl.config.model_dims import ModelDims, read_hf_config
+from megarl.parallel.layout import ParallelLayout
+from megarl.rollout.reshard.plan import DEFAULT_BUCKET_BYTES, ReshardPlan, make_reshard_plan
 
 __all__ = ["PRESETS", "main"]
 
@@ -89,15 +84,15 @@ def _hf_config(args: argparse.Namespace, model_path: str | None) -> tuple[dict, 
     if args.model:
         path = Path(args.model)
         path = path / "config.json" if path.is_dir() else path
-        return json.loads(path.read_text()), str(path)
+        return read_hf_config(path), str(path)
     if args.preset:
         return PRESETS[args.preset], f"preset {args.preset}"
     if model_path:
-        from megarl.config.model_facts import find_config_json
+        from megarl.config.model_source import find_config_json
 
         found = find_config_json(model_path)
         if found is not None and found.is_file():
-            return json.loads(found.read_text()), str(found)
+            return read_hf_config(found), str(found)
         key = model_path.lower().replace("_", ".")
         for name in sorted(PRESETS, key=len, reverse=True):
             if name in key:
@@ -116,9 +111,8 @@ def build_plan(args: argparse.Namespace) -> tuple[ReshardPlan, str]:
         from megarl.config import load_config
 
         cfg = load_config(args.config, args.overrides)
-        meg = cfg.actor_rollout_ref.actor.megatron
-        tp, pp = meg.tensor_model_parallel_size, meg.pipeline_model_parallel_size
-        vpp = meg.virtual_pipeline_model_parallel_size
+        layout = cfg.actor_rollout_ref.actor.megatron.parallel_layout()
+        tp, pp, vpp = layout.tp, layout.pp, layout.virtual_pipeline_model_parallel_size
         rollout_tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
         dtype = cfg.trainer.dtype
         model_path = cfg.actor_rollout_ref.model.path
@@ -132,7 +126,7 @@ def build_plan(args: argparse.Namespace) -> tuple[ReshardPlan, str]:
     hf, source = _hf_config(args, model_path)
     dims = ModelDims.from_hf_config(hf, tp_size=tp)
     bucket = int(args.bucket_mb * (1 << 20)) if args.bucket_mb else DEFAULT_BUCKET_BYTES
-    layout = TrainingLayout(tp, pp, vpp if vpp and vpp > 1 else None)
+    layout = ParallelLayout(tp, pp, vpp if vpp and vpp > 1 else None)
     plan = make_reshard_plan(dims, layout, rollout_tp, bucket_bytes=bucket, dtype=_DTYPES[dtype])
     return plan, source
 
@@ -142,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         plan, source = build_plan(args)
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - start

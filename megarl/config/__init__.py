@@ -1,7 +1,10 @@
 """megarl's configuration: a typed dataclass tree with verl's key names, loaded from YAML.
 
 Entry points: ``load_config(paths, overrides)`` → ``MegarlConfig``; ``validate(cfg, world_size)``
-→ warnings (raises ``ConfigError`` listing every problem); ``to_yaml(cfg)``.
+→ warnings (raises ``ConfigError`` listing every problem); ``to_yaml(cfg)``;
+``BatchPlan.from_config(cfg, world_size)`` → the step's batch sizes in verl's units;
+``cfg.<role>.megatron.parallel_layout()`` → ``megarl.parallel.layout.ParallelLayout``;
+``ModelDims.from_hf_config(read_hf_config(path))`` → the model's shape.
 
 YAML files may inherit: ``_base_: base.yaml`` (or a list, merged in order, paths relative to the
 file), then the file's own keys are merged on top. Command-line overrides are dotted:
@@ -17,27 +20,31 @@ Keys megarl adds to verl's vocabulary:
 - ``actor_rollout_ref.actor.megatron.{transformer_impl, recompute_granularity, recompute_method,
   recompute_num_layers, recompute_modules}`` (same under ``critic.megatron`` and
   ``actor_rollout_ref.ref.megatron``)
-- ``actor_rollout_ref.rollout.{logprob_mode, is_threshold, allow_non_unit_top_p_top_k,
+- ``actor_rollout_ref.rollout.{allow_non_unit_top_p_top_k,
   max_model_len, enforce_eager, kv_cache_memory_bytes}``, validation sampling in
   ``actor_rollout_ref.rollout.val_kwargs.{temperature, top_p, top_k, n, do_sample}``
-- ``actor_rollout_ref.model.architecture.{num_attention_heads, num_key_value_heads,
-  num_hidden_layers, hidden_size, vocab_size, max_position_embeddings, num_experts}`` (and
-  ``critic.model.architecture``): the model's shape for validation without its files.
+- ``actor_rollout_ref.model.architecture.{architecture, num_attention_heads,
+  num_key_value_heads, num_hidden_layers, hidden_size, intermediate_size, head_dim, vocab_size,
+  max_position_embeddings, tie_word_embeddings, num_experts}`` (and ``critic.model.architecture``):
+  the model's shape (HF names) for validation without its files.
 
 Keys that, when no file or override sets them, take another key's value are listed in
-``schema.FOLLOWS`` (e.g. critic and ref parallel sizes follow the actor's).
+``keys.FOLLOWS`` (e.g. critic and ref parallel sizes follow the actor's).
 """
 
+from megarl.config.batch import BatchPlan, PassBatches, critic_enabled, ref_used, world_size
 from megarl.config.choices import (
     ADV_ESTIMATORS,
     GROUP_ESTIMATORS,
     KL_TYPES,
-    LOGPROB_MODES,
     LOSS_AGG_MODES,
     POLICY_LOSS_MODES,
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_LOG_PROB_MODES,
 )
 from megarl.config.errors import ConfigError
 from megarl.config.loader import from_dict, get_key, load_config, to_dict, to_yaml
+from megarl.config.model_dims import ModelDims, known_dims, read_hf_config
 from megarl.config.schema import (
     ActorConfig,
     ActorRolloutRefConfig,
@@ -55,45 +62,52 @@ from megarl.config.schema import (
     RefConfig,
     RewardModelConfig,
     RolloutConfig,
+    RolloutCorrectionConfig,
     SamplingConfig,
     TrainerConfig,
 )
-from megarl.config.validate import Layout, critic_enabled, layout, ref_used, validate
+from megarl.config.validate import validate
 
 __all__ = [
     "ADV_ESTIMATORS",
     "GROUP_ESTIMATORS",
     "KL_TYPES",
-    "LOGPROB_MODES",
     "LOSS_AGG_MODES",
     "POLICY_LOSS_MODES",
+    "ROLLOUT_IS_LEVELS",
+    "ROLLOUT_LOG_PROB_MODES",
     "ActorConfig",
     "ActorRolloutRefConfig",
     "AlgorithmConfig",
     "ArchitectureConfig",
+    "BatchPlan",
     "ConfigError",
     "CriticConfig",
     "CustomRewardFunctionConfig",
     "DataConfig",
     "KLCtrlConfig",
-    "Layout",
     "MegarlConfig",
     "MegatronConfig",
     "ModelConfig",
+    "ModelDims",
     "OptimConfig",
+    "PassBatches",
     "PolicyLossConfig",
     "RefConfig",
     "RewardModelConfig",
     "RolloutConfig",
+    "RolloutCorrectionConfig",
     "SamplingConfig",
     "TrainerConfig",
     "critic_enabled",
     "from_dict",
     "get_key",
-    "layout",
+    "known_dims",
     "load_config",
+    "read_hf_config",
     "ref_used",
     "to_dict",
     "to_yaml",
     "validate",
+    "world_size",
 ]

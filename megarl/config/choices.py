@@ -52,8 +52,11 @@ KLType = Literal[
     "mse+", "k2+",  # verl's names for k2 itself
 ]  # fmt: skip
 KL_TYPES: tuple[str, ...] = get_args(KLType)
-LogprobMode = Literal["decoupled", "bypass", "importance_sampling"]
-LOGPROB_MODES: tuple[str, ...] = get_args(LogprobMode)
+RolloutIsLevel = Literal["token", "sequence"]
+ROLLOUT_IS_LEVELS: tuple[str, ...] = get_args(RolloutIsLevel)
+"""Levels of the rollout importance weights (``megarl.algo.compute_rollout_is_weights``)."""
+ROLLOUT_LOG_PROB_MODES: tuple[str, ...] = ("decoupled", "bypass")
+"""``megarl.algo.select_old_log_prob``'s modes: bypass_mode false and true."""
 PolicyLossMode = Literal[
     "vanilla", "gpg", "gspo", "sapo", "cispo", "geo_mean", "dppo_tv", "dppo_kl", "kl_cov",
     "clip_cov", "dro",

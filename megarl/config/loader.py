@@ -21,7 +21,9 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from megarl.config.errors import ConfigError, close_matches
-from megarl.config.schema import FOLLOWS, MegarlConfig
+from megarl.config.keys import FOLLOWS
+from megarl.config.schema import MegarlConfig
+from megarl.config.verl_keys import unsupported_reason
 
 BASE_KEY = "_base_"
 """Top-level YAML key naming the file(s) a config inherits from (relative to that file)."""
@@ -42,18 +44,15 @@ _KEY_HINTS = {
     "fsdp_config": "megarl trains with Megatron only; set the layout in the section's "
     "'megatron' keys",
     "megatron_config": "this section is called 'megatron' (as in current verl)",
-    "use_dynamic_bsz": "dynamic batch sizes are not supported; set the *_micro_batch_size_per_gpu "
-    "keys",
-    "log_prob_use_dynamic_bsz": "dynamic batch sizes are not supported; set "
-    "log_prob_micro_batch_size_per_gpu",
-    "ppo_max_token_len_per_gpu": "dynamic batch sizes are not supported; set "
-    "ppo_micro_batch_size_per_gpu",
     "ppo_micro_batch_size": "global micro-batch sizes (deprecated in verl) are not supported; use "
     "ppo_micro_batch_size_per_gpu",
     "log_prob_micro_batch_size": "global micro-batch sizes (deprecated in verl) are not "
     "supported; use log_prob_micro_batch_size_per_gpu",
-    "clip_grad": "gradient clipping is '<actor or critic>.grad_clip' (verl's name)",
-    "lr_warmup_steps": "use 'optim.warmup_steps'",
+    "grad_clip": "gradient clipping is '<actor or critic>.optim.clip_grad' (verl's current name)",
+    "warmup_steps": "use 'optim.lr_warmup_steps' (or optim.lr_warmup_steps_ratio)",
+    "logprob_mode": "use 'algorithm.rollout_correction.bypass_mode' (true: vLLM's log-probs) "
+    "and 'algorithm.rollout_correction.rollout_is' for importance weights",
+    "is_threshold": "use 'algorithm.rollout_correction.rollout_is_threshold'",
     "seed": "the global seed is trainer.seed",
     "dtype": "the training and rollout dtype is trainer.dtype (bf16 or fp32)",
     "enable_gradient_checkpointing": "activation recompute is "
@@ -203,13 +202,17 @@ def parse_override_value(text: str, tp: Any) -> Any:
 
 
 def unknown_key_message(key: str, where: str = "") -> str:
-    """``unknown key 'a.b.c'`` with a hint, a "did you mean", or the valid keys of the section."""
+    """``unsupported: a.b.c (reason)`` for a verl key megarl lacks (:mod:`megarl.config.verl_keys`),
+    else ``unknown key 'a.b.c'`` with a hint, a "did you mean", or the valid keys of the section."""
     parts = key.split(".")
     leaf, parent = parts[-1], ".".join(parts[:-1])
     msg = f"unknown key '{key}'{where}"
     kind, tp, _ = _lookup(parts[:-1])
     if kind == "field" and not dataclasses.is_dataclass(tp):
         return f"'{parent}' is a value, not a section, so '{key}'{where} does not exist"
+    reason = unsupported_reason(key)
+    if reason is not None:
+        return f"unsupported: {key}{where} ({reason})"
     if leaf in _KEY_HINTS:
         return f"{msg}: {_KEY_HINTS[leaf]}"
     siblings = [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []

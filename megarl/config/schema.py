@@ -10,22 +10,17 @@ is added on the command line with ``+section.key=value``.
 
 from __future__ import annotations
 
-import ast
-import dataclasses
-import inspect
-import textwrap
 from dataclasses import dataclass, field
-from functools import cache
-from itertools import pairwise
-from typing import Any, Literal, get_type_hints
+from typing import Any, Literal
 
 from megarl.config.choices import (
     AdvEstimator,
     KLType,
-    LogprobMode,
     LossAggMode,
     PolicyLossMode,
+    RolloutIsLevel,
 )
+from megarl.parallel.layout import ParallelLayout
 
 # ---------------------------------------------------------------------------------------------
 # data
@@ -81,10 +76,15 @@ class DataConfig:
 class ArchitectureConfig:
     """``*.model.architecture`` (megarl): model shape, for validation without the model files.
 
-    When the model path exists its ``config.json`` is the source of truth and every value given
-    here must agree with it; when it does not exist (validating a 72B config on a laptop) these
-    values are used instead.
+    The keys are the HF ``config.json`` names and are parsed by the same parser into the one
+    model-shape type (:func:`megarl.config.model_dims.known_dims`; complete sections also give
+    a :class:`~megarl.config.model_dims.ModelDims`). When the model path exists its
+    ``config.json`` is the source of truth and every value given here must agree with it; when
+    it does not exist (validating a 72B config on a laptop) these values are used instead.
     """
+
+    architecture: str | None = None
+    """HF architecture class (config.json architectures[0]), e.g. Qwen2ForCausalLM."""
 
     num_attention_heads: int | None = None
     """Query heads (HF num_attention_heads)."""
@@ -100,6 +100,12 @@ class ArchitectureConfig:
     """Longest sequence the model supports (HF max_position_embeddings)."""
     num_experts: int | None = None
     """Routed experts of a MoE model; null or 0: dense."""
+    intermediate_size: int | None = None
+    """MLP width (HF intermediate_size; Megatron ffn_hidden_size)."""
+    head_dim: int | None = None
+    """Channels per attention head; null: hidden_size / num_attention_heads."""
+    tie_word_embeddings: bool | None = None
+    """Output layer shares the embedding weight (HF tie_word_embeddings)."""
 
 
 @dataclass
@@ -132,8 +138,14 @@ class OptimConfig:
     """Decoupled weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """Adam beta1, beta2."""
-    warmup_steps: int = 0
-    """Linear warm-up steps from 0 to lr."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0: off)."""
+    lr_warmup_steps: int = -1
+    """Linear warm-up over this many trainer steps; -1: lr_warmup_steps_ratio decides."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Warm-up as a fraction of the total trainer steps (when lr_warmup_steps is -1)."""
+    lr_warmup_init: float = 0.0
+    """Learning rate at the start of the warm-up."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """Schedule after warm-up, over trainer.total_training_steps."""
 
@@ -175,6 +187,17 @@ class MegatronConfig:
     override_transformer_config: dict[str, Any] = field(default_factory=dict)
     """Free-form: extra TransformerConfig fields, applied last."""
 
+    def parallel_layout(self) -> ParallelLayout:
+        """This section's grid sizes as the one layout type."""
+        return ParallelLayout(
+            tensor_model_parallel_size=self.tensor_model_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
+            context_parallel_size=self.context_parallel_size,
+            expert_model_parallel_size=self.expert_model_parallel_size,
+            sequence_parallel=self.sequence_parallel,
+        )
+
 
 @dataclass
 class PolicyLossConfig:
@@ -205,7 +228,11 @@ class ActorConfig:
     ppo_mini_batch_size: int = 256
     """Prompts per optimizer step; the mini-batch holds this x rollout.n responses."""
     ppo_micro_batch_size_per_gpu: int | None = None
-    """Responses per forward/backward pass on one GPU (required)."""
+    """Responses per forward/backward pass on one GPU (required unless use_dynamic_bsz)."""
+    use_dynamic_bsz: bool = False
+    """Pack micro-batches up to ppo_max_token_len_per_gpu tokens instead of a fixed count."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """Token budget of one micro-batch on one GPU with use_dynamic_bsz."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     shuffle: bool = False
@@ -236,8 +263,6 @@ class ActorConfig:
     """Weight of the KL loss."""
     kl_loss_type: KLType = "low_var_kl"
     """KL estimator of the KL loss (kl/k1, abs, mse/k2, low_var_kl/k3, full; "+": k2 grad)."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip (verl's grad_clip; optim.clip_grad in newer verl)."""
     policy_loss: PolicyLossConfig = field(default_factory=lambda: PolicyLossConfig())
     """Which policy loss."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -266,10 +291,8 @@ class SamplingConfig:
 class RolloutConfig:
     """``actor_rollout_ref.rollout.*``: the vLLM engine colocated with training.
 
-    ``logprob_mode``: *decoupled* recomputes the old log-probs with the actor after generation;
-    *bypass* takes vLLM's (temperature-processed) log-probs as the old log-probs; and
-    *importance_sampling* recomputes them and weights the loss by the truncated ratio
-    min(pi_old / pi_rollout, is_threshold).
+    vLLM always reports processed (temperature-scaled) log-probs; how they are used is
+    ``algorithm.rollout_correction``.
     """
 
     name: Literal["vllm"] = "vllm"
@@ -294,6 +317,10 @@ class RolloutConfig:
     """Most tokens generated per response; unset: data.max_response_length."""
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Responses per old-log-prob forward pass; unset: actor.ppo_micro_batch_size_per_gpu."""
+    log_prob_use_dynamic_bsz: bool = False
+    """Old-log-prob passes packed by token budget; unset: actor.use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: int = 16384
+    """Token budget of one old-log-prob micro-batch; unset: actor.ppo_max_token_len_per_gpu."""
     max_num_seqs: int = 256
     """vLLM max_num_seqs (concurrent sequences)."""
     max_num_batched_tokens: int = 8192
@@ -310,10 +337,6 @@ class RolloutConfig:
     """(megarl) vLLM enforce_eager (no CUDA graphs; slower, starts faster)."""
     kv_cache_memory_bytes: int | None = None
     """(megarl) vLLM KV-cache size in bytes; overrides gpu_memory_utilization (set it on CPU)."""
-    logprob_mode: LogprobMode = "decoupled"
-    """(megarl) Old log-probs: decoupled (recompute), bypass (vLLM's), importance_sampling."""
-    is_threshold: float = 2.0
-    """(megarl) Truncation C of the rollout importance weights min(pi_old/pi_rollout, C)."""
     allow_non_unit_top_p_top_k: bool = False
     """(megarl) Permit top_p < 1 or top_k > 0 in training rollouts (biased log-probs)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -328,6 +351,10 @@ class RefConfig:
 
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Responses per forward pass for ref log-probs; unset: the rollout's."""
+    log_prob_use_dynamic_bsz: bool = False
+    """Ref log-prob passes packed by token budget; unset: the rollout's."""
+    log_prob_max_token_len_per_gpu: int = 16384
+    """Token budget of one ref log-prob micro-batch; unset: the rollout's."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """Parallel layout of the reference; sizes follow the actor's and must match it."""
 
@@ -369,14 +396,18 @@ class CriticConfig:
     """Prompts per critic mini-batch; unset: the actor's."""
     ppo_micro_batch_size_per_gpu: int | None = None
     """Responses per forward/backward pass on one GPU; unset: the actor's."""
+    use_dynamic_bsz: bool = False
+    """Pack micro-batches by token budget; unset: the actor's."""
+    ppo_max_token_len_per_gpu: int = 32768
+    """Token budget of one critic update micro-batch with use_dynamic_bsz."""
+    forward_max_token_len_per_gpu: int = 32768
+    """Token budget of one value-pass micro-batch; unset: ppo_max_token_len_per_gpu."""
     ppo_epochs: int = 1
     """Passes over each rollout batch; unset: the actor's."""
     cliprange_value: float = 0.5
     """Value clip range."""
     loss_agg_mode: LossAggMode = "token-mean"
     """Aggregation of the value loss; unset: the actor's."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip."""
 
 
 @dataclass
@@ -391,6 +422,27 @@ class KLCtrlConfig:
     """Adaptive controller horizon."""
     target_kl: float = 0.1
     """Adaptive controller target."""
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """``algorithm.rollout_correction.*``: which log-probs anchor the PPO ratio, and importance
+    weights for the rollout/trainer mismatch (``megarl.algo.rollout_correction``)."""
+
+    bypass_mode: bool = False
+    """false: recompute old log-probs with the actor (decoupled); true: use vLLM's (bypass)."""
+    rollout_is: RolloutIsLevel | None = None
+    """Truncated IS weights min(pi_old / pi_rollout, threshold) per token or sequence; null: off."""
+    rollout_is_threshold: float = 2.0
+    """Upper truncation bound of the IS weights."""
+    rollout_is_batch_normalize: bool = False
+    """Rescale the IS weights to mean 1 over the batch."""
+    rollout_rs: str | None = None
+    """Rejection sampling; only null (off) is supported."""
+    rollout_rs_threshold: float | None = None
+    """Rejection-sampling threshold; only null is supported."""
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+    """Loss in bypass mode; only ppo_clip (the ratio carries the correction) is supported."""
 
 
 @dataclass
@@ -411,6 +463,8 @@ class AlgorithmConfig:
     """KL estimator of the in-reward penalty."""
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     """KL coefficient controller."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Old log-probs (decoupled or bypass) and rollout importance weights."""
 
 
 @dataclass
@@ -485,6 +539,8 @@ class TrainerConfig:
     """Validate once before the first step."""
     critic_warmup: int = 0
     """Steps that train only the critic."""
+    balance_batch: bool = True
+    """Reorder each step's responses so that every DP rank gets a similar token count."""
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
     """Checkpoint directory (${...} refers to other keys)."""
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
@@ -517,80 +573,3 @@ class MegarlConfig:
     """User reward function."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Run settings."""
-
-
-FOLLOWS: tuple[tuple[str, str], ...] = (
-    ("actor_rollout_ref.actor.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio"),
-    ("actor_rollout_ref.actor.clip_ratio_high", "actor_rollout_ref.actor.clip_ratio"),
-    ("actor_rollout_ref.rollout.prompt_length", "data.max_prompt_length"),
-    ("actor_rollout_ref.rollout.response_length", "data.max_response_length"),
-    (
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-    ),
-    (
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-    ),
-    ("critic.model.path", "actor_rollout_ref.model.path"),
-    ("critic.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size"),
-    (
-        "critic.ppo_micro_batch_size_per_gpu",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-    ),
-    ("critic.ppo_epochs", "actor_rollout_ref.actor.ppo_epochs"),
-    ("critic.loss_agg_mode", "actor_rollout_ref.actor.loss_agg_mode"),
-)
-"""(key, source): a key that no file or override sets takes its source's value when loading
-(verl expresses these as ${...} interpolations)."""
-
-PARALLEL_KEYS: tuple[str, ...] = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "virtual_pipeline_model_parallel_size",
-    "context_parallel_size",
-    "expert_model_parallel_size",
-)
-"""Megatron layout keys that critic and ref must share with the actor (one parallel state)."""
-
-_SHARED_MEGATRON_KEYS = (*PARALLEL_KEYS, "sequence_parallel", "transformer_impl")
-FOLLOWS += tuple(
-    (f"{role}.megatron.{key}", f"actor_rollout_ref.actor.megatron.{key}")
-    for role in ("critic", "actor_rollout_ref.ref")
-    for key in _SHARED_MEGATRON_KEYS
-) + (
-    (
-        "actor_rollout_ref.ref.megatron.param_offload",
-        "actor_rollout_ref.actor.megatron.param_offload",
-    ),
-)
-
-
-@cache
-def field_docs(cls: type) -> dict[str, str]:
-    """Map each field of dataclass ``cls`` to its docstring (the string literal after it)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = nxt.value.value.strip()
-    return docs
-
-
-def iter_fields(cls: type, prefix: str = ""):
-    """Yield ``(dotted_key, field, owner_class)`` for every leaf field below dataclass ``cls``."""
-    hints = get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            yield from iter_fields(tp, key + ".")
-        else:
-            yield key, f, cls

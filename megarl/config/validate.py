@@ -9,23 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megarl.config.batch import ACTOR, ARR, ROLL, critic_enabled
 from megarl.config.choices import GROUP_ESTIMATORS, LOGGERS, SEQUENCE_AGGREGATED_LOSSES
 from megarl.config.errors import ConfigError
-from megarl.config.layout_checks import (
-    ACTOR,
-    ARR,
-    ROLL,
-    Layout,
-    LayoutChecks,
-    critic_enabled,
-    fmt_value,
-    layout,
-    ref_used,
-)
-from megarl.config.model_facts import ModelFacts, is_remote, resolve_model_facts
+from megarl.config.layout_checks import LayoutChecks, fmt_value
+from megarl.config.model_source import ModelShape, is_remote, resolve_model_shape
 from megarl.config.schema import MegarlConfig
 
-__all__ = ["Layout", "critic_enabled", "layout", "ref_used", "validate"]
+__all__ = ["validate"]
 
 
 def validate(
@@ -50,10 +41,10 @@ class _Checks(LayoutChecks):
     def run(self) -> None:
         self.check_ranges()
         world = self.check_world()
-        facts = self.check_model()
+        shape = self.check_model()
         if world:
-            self.check_training_layout(world, facts)
-            self.check_rollout_layout(world, facts)
+            self.check_training_layout(world, shape)
+            self.check_rollout_layout(world, shape)
             self.check_batches(world)
         self.check_shared_layouts()
         self.check_sampling()
@@ -111,8 +102,10 @@ class _Checks(LayoutChecks):
         for key, value in [
             (f"{ACTOR}.entropy_coeff", a.entropy_coeff),
             (f"{ACTOR}.kl_loss_coef", a.kl_loss_coef),
-            (f"{ACTOR}.grad_clip", a.grad_clip),
-            ("critic.grad_clip", c.critic.grad_clip),
+            (f"{ACTOR}.optim.clip_grad", a.optim.clip_grad),
+            ("critic.optim.clip_grad", c.critic.optim.clip_grad),
+            (f"{ACTOR}.optim.lr_warmup_init", a.optim.lr_warmup_init),
+            ("critic.optim.lr_warmup_init", c.critic.optim.lr_warmup_init),
             ("algorithm.kl_ctrl.kl_coef", c.algorithm.kl_ctrl.kl_coef),
             ("data.dataloader_num_workers", c.data.dataloader_num_workers),
             ("trainer.critic_warmup", c.trainer.critic_warmup),
@@ -125,8 +118,16 @@ class _Checks(LayoutChecks):
                 self.error(f"{prefix}.lr, min_lr and weight_decay must be >= 0")
             if optim.min_lr > optim.lr:
                 self.error(f"{prefix}.min_lr={optim.min_lr} exceeds {prefix}.lr={optim.lr}")
-            if optim.warmup_steps < 0:
-                self.error(f"{prefix}.warmup_steps must be >= 0, got {optim.warmup_steps}")
+            if optim.lr_warmup_steps < -1:
+                self.error(
+                    f"{prefix}.lr_warmup_steps must be -1 (use lr_warmup_steps_ratio) or >= 0, "
+                    f"got {optim.lr_warmup_steps}"
+                )
+            if not 0 <= optim.lr_warmup_steps_ratio <= 1:
+                self.error(
+                    f"{prefix}.lr_warmup_steps_ratio must be in [0, 1], got "
+                    f"{optim.lr_warmup_steps_ratio}"
+                )
             if len(optim.betas) != 2 or not all(0 <= b < 1 for b in optim.betas):
                 self.error(f"{prefix}.betas must be two numbers in [0, 1), got {optim.betas}")
         for key, value in [
@@ -176,13 +177,6 @@ class _Checks(LayoutChecks):
                 f"length {model_len} ({ROLL}.max_model_len or prompt_length + response_length); "
                 f"vLLM needs it to be at least that when {ROLL}.enable_chunked_prefill=false"
             )
-        if r.logprob_mode == "importance_sampling":
-            if r.is_threshold <= 0:
-                self.error(f"{ROLL}.is_threshold must be > 0, got {r.is_threshold}")
-            elif r.is_threshold < 1:
-                self.warn(
-                    f"{ROLL}.is_threshold={r.is_threshold} < 1 caps even on-policy weights below 1"
-                )
         v = r.val_kwargs
         if v.temperature < 0 or not 0 < v.top_p <= 1 or v.top_k < -1:
             self.error(
@@ -233,6 +227,17 @@ class _Checks(LayoutChecks):
                     "algorithm.kl_ctrl.type=adaptive has no effect unless "
                     "algorithm.use_kl_in_reward=true"
                 )
+        for key, value in [
+            (f"{ACTOR}.kl_loss_type", a.kl_loss_type),
+            ("algorithm.kl_penalty", alg.kl_penalty),
+        ]:
+            if value == "full":
+                self.error(
+                    f"unsupported: {key}=full (the exact KL needs both policies' full-vocabulary "
+                    "log-distributions, which the vocab-parallel runner does not build; verl "
+                    "raises for it too); use low_var_kl, kl, mse or abs"
+                )
+        self.check_rollout_correction()
         if a.loss_scale_factor is not None and a.loss_agg_mode != "seq-mean-token-sum-norm":
             self.warn(
                 f"{ACTOR}.loss_scale_factor is only used by loss_agg_mode=seq-mean-token-sum-norm "
@@ -270,6 +275,38 @@ class _Checks(LayoutChecks):
                 f"{ACTOR}.calculate_sum_pi_squared=true"
             )
 
+    def check_rollout_correction(self) -> None:
+        rc, key = self.cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+        if rc.rollout_rs is not None:
+            self.error(
+                f"unsupported: {key}.rollout_rs={rc.rollout_rs} (rejection sampling is not in "
+                "megarl.algo); use rollout_is for truncated importance weights"
+            )
+        if rc.rollout_rs_threshold is not None:
+            self.error(f"unsupported: {key}.rollout_rs_threshold (no rejection sampling)")
+        if rc.loss_type != "ppo_clip":
+            self.error(
+                f"unsupported: {key}.loss_type={rc.loss_type} (megarl's bypass mode uses the "
+                "PPO-clip loss, whose ratio carries the correction)"
+            )
+        if rc.rollout_is is not None:
+            if rc.rollout_is_threshold <= 0:
+                self.error(f"{key}.rollout_is_threshold must be > 0, got {rc.rollout_is_threshold}")
+            elif rc.rollout_is_threshold < 1:
+                self.warn(
+                    f"{key}.rollout_is_threshold={rc.rollout_is_threshold} < 1 caps even "
+                    "on-policy weights below 1"
+                )
+            if (
+                rc.bypass_mode
+                and self.cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
+            ):
+                self.warn(
+                    f"{key}.rollout_is={rc.rollout_is} with bypass_mode=true and the PPO-clip "
+                    "loss: the ratio already is pi_theta / pi_rollout, so the weights would count "
+                    "the correction twice and are not applied"
+                )
+
     def check_rewards(self) -> None:
         rm, fn = self.cfg.reward_model, self.cfg.custom_reward_function
         if rm.enable and not rm.path:
@@ -306,43 +343,28 @@ class _Checks(LayoutChecks):
         if t.device == "cpu" and t.dtype == "bf16":
             self.warn("trainer.dtype=bf16 on trainer.device=cpu is slow; CPU configs use fp32")
 
-    def check_model(self) -> ModelFacts | None:
+    def check_model(self) -> ModelShape | None:
         c = self.cfg
         if not c.actor_rollout_ref.model.path:
             self.error(f"{ARR}.model.path is required (a local HF model directory or a hub id)")
             return None
-        facts, errors, warnings = resolve_model_facts(
+        shape, errors, warnings = resolve_model_shape(
             c.actor_rollout_ref.model, f"{ARR}.model", self.check_paths
         )
         self.errors += errors
         self.warnings += warnings
         critic = c.critic.model
         if critic_enabled(c) and critic.path and critic.path != c.actor_rollout_ref.model.path:
-            critic_facts, errors, warnings = resolve_model_facts(
+            critic_shape, errors, warnings = resolve_model_shape(
                 critic, "critic.model", self.check_paths
             )
             self.errors += errors
             self.warnings += warnings
-            if critic_facts:
-                self.check_critic_shape(critic_facts)
-        return facts
-
-    def check_critic_shape(self, facts: ModelFacts) -> None:
-        meg = self.cfg.critic.megatron
-        tp, pp = meg.tensor_model_parallel_size, meg.pipeline_model_parallel_size
-        for name in ("num_attention_heads", "num_key_value_heads"):
-            value = getattr(facts, name)
-            if value and tp > 0 and value % tp:
-                self.error(
-                    f"critic.megatron.tensor_model_parallel_size={tp} does not divide the critic "
-                    f"model's {name}={value} (from {facts.source})"
-                )
-        layers = facts.num_hidden_layers
-        if layers and pp > 0 and layers % pp:
-            self.error(
-                f"the critic model's num_hidden_layers={layers} (from {facts.source}) is not "
-                f"divisible by critic.megatron.pipeline_model_parallel_size={pp}"
-            )
+            if critic_shape:
+                meg = self.cfg.critic.megatron
+                if meg.tensor_model_parallel_size > 0 and meg.pipeline_model_parallel_size > 0:
+                    self.check_model_rule("critic.megatron", meg, critic_shape)
+        return shape
 
     def check_files(self) -> None:
         data = self.cfg.data

@@ -20,13 +20,13 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer import TransformerConfig
 
-from megarl.models.dims import ModelDims
+from megarl.config.model_dims import ModelDims, read_hf_config
 from megarl.models.gpt import (
     TransformerImpl,
     build_gpt_chunks,
     build_transformer_config,
 )
-from megarl.models.weights import load_hf_weights, read_hf_config
+from megarl.models.weights import load_hf_weights
 from megarl.parallel.layout import ParallelLayout
 
 Role = Literal["actor", "critic"]

@@ -25,7 +25,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from megarl.models.dims import ModelDims, UnsupportedArchitectureError
+from megarl.config.model_dims import ModelDims, UnsupportedArchitectureError
 
 TransformerImpl = Literal["auto", "local", "transformer_engine"]
 

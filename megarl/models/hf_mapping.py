@@ -2,7 +2,7 @@
 
 Pure tensor functions: no ``torch.distributed``, no Megatron imports. Everything here works on
 *full* (unsharded) Megatron tensors keyed by Megatron names with *global* layer indices
-(``decoder.layers.{global_i}.…``); the model's dimensions are :class:`megarl.models.dims.ModelDims`
+(``decoder.layers.{global_i}.…``); the model's dimensions are :class:`megarl.config.model_dims.ModelDims`
 (re-exported here). :func:`tp_split` / :func:`tp_merge` convert between a full
 tensor and its tensor-parallel shards, and :func:`megatron_name_to_global` /
 :func:`megatron_name_to_local` translate the per-stage (PP / VPP chunk) layer indices.
@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from megarl.models.dims import (
+from megarl.config.model_dims import (
     SUPPORTED_ARCHITECTURES,
     ModelDims,
     UnsupportedArchitectureError,

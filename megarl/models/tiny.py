@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megarl.models.dims import ModelDims
+from megarl.config.model_dims import ModelDims
 from megarl.models.hf_mapping import hf_param_names, hf_param_shape
 
 __all__ = [

@@ -22,8 +22,8 @@ from megatron.core import parallel_state
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megarl.config.model_dims import ModelDims, read_hf_config
 from megarl.models import hf_mapping as hm
-from megarl.models.dims import ModelDims
 from megarl.models.gpt import ValueHead, layer_offset, unwrap
 
 VALUE_HEAD_HF_NAME = "score.weight"
@@ -82,14 +82,6 @@ class HFCheckpointReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def read_hf_config(path: str | Path) -> dict:
-    """``config.json`` of an HF model directory, with a clear error when absent."""
-    cfg = Path(path) / "config.json"
-    if not cfg.exists():
-        raise FileNotFoundError(f"no config.json in {path}")
-    return json.loads(cfg.read_text())
 
 
 def local_global_names(

@@ -49,3 +49,73 @@ class ParallelLayout:
                 f"{self.tp}×{self.pp}×{self.cp}"
             )
         return world_size // self.model_parallel_size()
+
+
+# ---------------------------------------------------------------------------------------------
+# The rule for legal layouts (Megatron-Core 0.16.1's own checks)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayoutProblem:
+    """One way a layout breaks Megatron's rule for a model; ``text`` names sizes as ``{tp}``,
+    ``{pp}``, ``{vpp}`` so that each caller can name them its own way (a config key, a flag)."""
+
+    text: str
+
+    def describe(self, **names: str) -> str:
+        """The message with the caller's names, e.g. ``describe(tp="--tp 3", pp=..., vpp=...)``."""
+        return self.text.format(**names)
+
+
+def layout_problems(
+    layout: ParallelLayout,
+    *,
+    num_attention_heads: int | None = None,
+    num_query_groups: int | None = None,
+    num_layers: int | None = None,
+    ffn_hidden_size: int | None = None,
+    head_dim: int | None = None,
+) -> list[LayoutProblem]:
+    """What Megatron-Core 0.16.1 refuses when building this model at this layout (empty: legal).
+
+    The rule, read in Megatron's sources: ``TransformerConfig`` requires attention heads
+    divisible by TP and query groups (KV heads) a multiple or a divisor of TP; with TP above the
+    query groups each rank holds one group (``transformer/attention.py``). The column-parallel
+    ``linear_qkv`` splits (heads + 2·groups)·head_dim rows and the row-parallel ``linear_fc2``
+    the FFN width, so both must divide by TP. Layers must split evenly over PP, and each stage's
+    layers over VPP (``get_num_layers_to_build``). Model fields that are ``None`` (unknown, as in
+    a partial shape) are not checked. Sizes below 1 are the caller's to refuse.
+    """
+    tp, pp, vpp = layout.tp, layout.pp, layout.vpp
+    out: list[LayoutProblem] = []
+    heads, groups = num_attention_heads, num_query_groups
+    if heads is not None and heads % tp:
+        out.append(LayoutProblem(f"{{tp}} does not divide num_attention_heads={heads}"))
+    if groups is not None and groups % tp and tp % groups:
+        out.append(
+            LayoutProblem(
+                f"{{tp}} is neither a divisor nor a multiple of num_key_value_heads={groups} "
+                "(Megatron's query groups)"
+            )
+        )
+    if (
+        not out
+        and heads is not None
+        and groups is not None
+        and head_dim is not None
+        and ((heads + 2 * groups) * head_dim) % tp
+    ):
+        rows = (heads + 2 * groups) * head_dim
+        out.append(
+            LayoutProblem(
+                f"{{tp}} does not divide the linear_qkv rows (num_attention_heads + 2 × "
+                f"num_key_value_heads) × head_dim = ({heads} + 2 × {groups}) × {head_dim} = {rows}"
+            )
+        )
+    if ffn_hidden_size is not None and ffn_hidden_size % tp:
+        out.append(LayoutProblem(f"{{tp}} does not divide intermediate_size={ffn_hidden_size}"))
+    if num_layers is not None and num_layers % (pp * vpp):
+        sizes = "{pp} × {vpp} = " + str(pp * vpp) if vpp > 1 else "{pp}"
+        out.append(LayoutProblem(f"num_hidden_layers={num_layers} is not divisible by {sizes}"))
+    return out

@@ -6,7 +6,14 @@ import typing
 
 import pytest
 
-from megarl.config import ADV_ESTIMATORS, KL_TYPES, LOSS_AGG_MODES, POLICY_LOSS_MODES
+from megarl.config import (
+    ADV_ESTIMATORS,
+    KL_TYPES,
+    LOSS_AGG_MODES,
+    POLICY_LOSS_MODES,
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_LOG_PROB_MODES,
+)
 from megarl.config.schema import KLCtrlConfig
 
 
@@ -19,5 +26,7 @@ def test_choices_match_the_algorithm_registries():
     assert sorted(KL_TYPES) == registry.KL_ESTIMATORS.names()
     assert sorted(POLICY_LOSS_MODES) == registry.POLICY_LOSSES.names()
     assert set(LOSS_AGG_MODES) == set(algo.LOSS_AGG_MODES)
+    assert set(ROLLOUT_IS_LEVELS) == set(algo.rollout_correction.ROLLOUT_IS_LEVELS)
+    assert ROLLOUT_LOG_PROB_MODES == algo.rollout_correction.ROLLOUT_LOG_PROB_MODES
     kl_ctrl_types = typing.get_args(typing.get_type_hints(KLCtrlConfig)["type"])
     assert set(kl_ctrl_types) == set(algo.KL_CONTROLLER_TYPES)

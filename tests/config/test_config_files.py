@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import ConfigError, layout, load_config, to_yaml, validate
+from megarl.config import ConfigError, load_config, to_yaml, validate, world_size
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -74,7 +74,7 @@ def test_grpo_7b_respects_the_four_kv_heads():
         28,
     )
     assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size <= 4
-    assert layout(cfg).world_size == 8
+    assert world_size(cfg) == 8
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from megarl.config import ConfigError, MegarlConfig, from_dict, get_key, load_config, to_yaml
-from megarl.config.schema import FOLLOWS, field_docs, iter_fields
+from megarl.config.keys import FOLLOWS, field_docs, iter_fields
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

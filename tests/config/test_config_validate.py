@@ -49,12 +49,12 @@ BAD_CONFIGS = [
         [f"{MEG}.tensor_model_parallel_size=8", "num_attention_heads=28"],
     ),
     (
-        "kv-heads-not-divisible-by-tp",
+        "kv-heads-neither-divisor-nor-multiple-of-tp",
         GRPO,
-        [f"{ARCH}.num_key_value_heads=1"],
+        [f"{ARCH}.num_attention_heads=6", f"{ARCH}.num_key_value_heads=3"],
         None,
-        [f"{MEG}.tensor_model_parallel_size=2", "num_key_value_heads=1",
-         "Megatron cannot replicate KV heads", "vLLM can"],
+        [f"{MEG}.tensor_model_parallel_size=2", "num_key_value_heads=3",
+         "neither a divisor nor a multiple"],
     ),
     (
         "layers-not-divisible-by-pp",
@@ -276,6 +276,57 @@ BAD_CONFIGS = [
         [f"{ARCH}.num_attention_heads must be positive"],
     ),
     (
+        "kl-loss-type-full",
+        GRPO,
+        ["actor_rollout_ref.actor.kl_loss_type=full"],
+        None,
+        ["unsupported: actor_rollout_ref.actor.kl_loss_type=full", "low_var_kl"],
+    ),
+    (
+        "kl-penalty-full",
+        GRPO,
+        ["algorithm.kl_penalty=full"],
+        None,
+        ["unsupported: algorithm.kl_penalty=full"],
+    ),
+    (
+        "rejection-sampling",
+        GRPO,
+        ["algorithm.rollout_correction.rollout_rs=seq_mean_k3"],
+        None,
+        ["unsupported: algorithm.rollout_correction.rollout_rs=seq_mean_k3"],
+    ),
+    (
+        "bypass-reinforce-loss",
+        GRPO,
+        ["algorithm.rollout_correction.bypass_mode=true",
+         "algorithm.rollout_correction.loss_type=reinforce"],
+        None,
+        ["unsupported: algorithm.rollout_correction.loss_type=reinforce"],
+    ),
+    (
+        "rollout-is-threshold-not-positive",
+        GRPO,
+        ["algorithm.rollout_correction.rollout_is=token",
+         "algorithm.rollout_correction.rollout_is_threshold=0"],
+        None,
+        ["algorithm.rollout_correction.rollout_is_threshold must be > 0"],
+    ),
+    (
+        "warmup-ratio-above-one",
+        GRPO,
+        ["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=1.5"],
+        None,
+        ["actor_rollout_ref.actor.optim.lr_warmup_steps_ratio must be in [0, 1]"],
+    ),
+    (
+        "negative-clip-grad",
+        GRPO,
+        ["critic.optim.clip_grad=-1"],
+        None,
+        ["critic.optim.clip_grad must be >= 0"],
+    ),
+    (
         "model-path-missing",
         GRPO,
         ["actor_rollout_ref.model.path=null"],
@@ -377,14 +428,21 @@ def test_config_json_is_the_source_of_truth(hf_model):
 
 
 def test_kv_heads_from_config_json(hf_model):
-    path = hf_model("gqa", num_attention_heads=8, num_key_value_heads=1)
+    path = hf_model("gqa", num_attention_heads=6, num_key_value_heads=3, hidden_size=192)
     cfg = load_config(GRPO, [f"actor_rollout_ref.model.path={path}", f"~{ARCH}"])
     with pytest.raises(ConfigError) as info:
         validate(cfg)
     message = str(info.value)
-    assert "num_key_value_heads=1" in message and str(path / "config.json") in message
-    # vLLM replicates KV heads: rollout TP 2 > 1 KV head is fine, so only training TP is named
-    assert f"{ROLL}.tensor_model_parallel_size" not in message
+    assert "num_key_value_heads=3" in message and str(path / "config.json") in message
+    assert f"{MEG}.tensor_model_parallel_size=2" in message
+
+
+def test_training_tp_above_the_kv_heads_is_valid(hf_model):
+    """Megatron-Core 0.16 gives each rank one KV group when TP exceeds them (as vLLM does)."""
+    path = hf_model("one-kv", num_attention_heads=8, num_key_value_heads=1)
+    cfg = load_config(GRPO, [f"actor_rollout_ref.model.path={path}", f"~{ARCH}"])
+    assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 2
+    validate(cfg)
 
 
 def test_small_head_dim_on_cpu_warns(hf_model):
@@ -394,8 +452,36 @@ def test_small_head_dim_on_cpu_warns(hf_model):
 
 
 def test_mha_models_default_kv_heads_to_heads(hf_model):
+    from megarl.config.model_source import resolve_model_shape
+
     path = hf_model("mha", num_key_value_heads=None)
-    validate(load_config(GRPO, [f"actor_rollout_ref.model.path={path}", f"~{ARCH}"]))
+    cfg = load_config(GRPO, [f"actor_rollout_ref.model.path={path}", f"~{ARCH}"])
+    validate(cfg)
+    shape, errors, _ = resolve_model_shape(cfg.actor_rollout_ref.model, "m", check_paths=True)
+    assert not errors and shape is not None
+    assert shape.get("num_query_groups") == shape.get("num_attention_heads") == 4
+
+
+def test_rollout_is_weights_with_bypass_and_ppo_clip_warn():
+    cfg = load_config(
+        GRPO,
+        [
+            "algorithm.rollout_correction.bypass_mode=true",
+            "algorithm.rollout_correction.rollout_is=token",
+        ],
+    )
+    assert any("count the correction twice" in w for w in validate(cfg))
+
+
+def test_old_megarl_names_point_to_verls():
+    for old, new in [
+        (f"{ROLL}.logprob_mode=bypass", "algorithm.rollout_correction.bypass_mode"),
+        (f"{ROLL}.is_threshold=2", "algorithm.rollout_correction.rollout_is_threshold"),
+        ("actor_rollout_ref.actor.grad_clip=1", "optim.clip_grad"),
+        ("critic.optim.warmup_steps=3", "optim.lr_warmup_steps"),
+    ]:
+        with pytest.raises(ConfigError, match=new.replace(".", r"\.")):
+            load_config(GRPO, [old])
 
 
 def test_directory_without_config_json_is_an_error(tmp_path):
@@ -409,10 +495,10 @@ def test_hub_id_is_read_from_the_hf_cache(tmp_path):
     snapshot = tmp_path / "hf-cache/models--Org--Tiny/snapshots/abc123"
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text(
-        json.dumps({"num_attention_heads": 4, "num_key_value_heads": 1, "num_hidden_layers": 4})
+        json.dumps({"num_attention_heads": 6, "num_key_value_heads": 3, "num_hidden_layers": 4})
     )
     cfg = load_config(GRPO, ["actor_rollout_ref.model.path=Org/Tiny", f"~{ARCH}"])
-    with pytest.raises(ConfigError, match="num_key_value_heads=1"):
+    with pytest.raises(ConfigError, match="num_key_value_heads=3"):
         validate(cfg)
 
 
@@ -421,8 +507,12 @@ def test_separate_critic_model_is_checked_against_the_critic_layout(hf_model):
     cfg = load_config(PPO, [f"critic.model.path={critic}"])
     with pytest.raises(ConfigError) as info:
         validate(cfg)
-    assert "critic model's num_hidden_layers=3" in str(info.value)
-    assert "critic.megatron.pipeline_model_parallel_size=2" in str(info.value)
+    message = str(info.value)
+    assert (
+        "num_hidden_layers=3 is not divisible by critic.megatron.pipeline_model_parallel_size=2"
+        in message
+    )
+    assert str(critic / "config.json") in message
 
 
 def test_check_paths_turns_missing_files_into_errors(hf_model, tmp_path):

@@ -271,6 +271,10 @@ def main() -> None:
     if world == 2:
         _vocab_parallel_check(results)
         _checkpoint_checks(spec, results)
+    if world in (2, 4):  # Megatron's verdict on the layout rule's rows (test_layout_rule.py)
+        from tests.models._layout_rule_checks import run_layout_rule_checks
+
+        run_layout_rule_checks(results)
     if dist.get_rank() == 0:
         torch.save(results, Path(spec["tmp"]) / f"results_ws{world}.pt")
     dist.barrier()

@@ -2,74 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import run_torchrun
+from tests.models.conftest import MODELS
 
-WORKER = Path(__file__).with_name("_parallel_worker.py")
 pytestmark = pytest.mark.multirank
-
-MODELS = {
-    "qwen2": {"family": "qwen2"},
-    "llama_tied": {"family": "llama", "tie_word_embeddings": True},
-    "llama_untied": {"family": "llama"},
-}
-
-
-@pytest.fixture(scope="module")
-def spec(tmp_path_factory) -> dict:
-    """Tiny randomised checkpoints, HF reference logits and a variable-length batch."""
-    from transformers import AutoModelForCausalLM
-
-    from megarl.models.tiny import make_tiny_model
-
-    tmp = tmp_path_factory.mktemp("parallel")
-    g = torch.Generator().manual_seed(11)
-    n, s = 4, 14
-    ids = torch.randint(0, 1000, (n, s), generator=g)
-    batch = {
-        "input_ids": ids,
-        "prompt_lengths": torch.tensor([3, 6, 2, 5]),
-        "lengths": torch.tensor([14, 9, 7, 12]),
-        "value_loss_weights": torch.randn(n, 11, generator=g),
-    }
-    torch.save(batch, tmp / "batch.pt")
-    paths = {}
-    for i, (name, kw) in enumerate(MODELS.items()):
-        path = make_tiny_model(tmp / name, seed=100 + i, **kw)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        with torch.no_grad():
-            torch.save(hf(ids).logits, Path(path) / "ref_logits.pt")
-        paths[name] = str(path)
-    spec = {"models": paths, "batch": str(tmp / "batch.pt"), "tmp": str(tmp)}
-    (tmp / "spec.json").write_text(json.dumps(spec))
-    return spec
-
-
-def _results(spec: dict, world: int) -> dict:
-    out = Path(spec["tmp"]) / f"results_ws{world}.pt"
-    if not out.exists():
-        run_torchrun(WORKER, world, [str(Path(spec["tmp"]) / "spec.json")])
-    return torch.load(out, weights_only=False)
-
-
-@pytest.fixture(scope="module")
-def ws1(spec):
-    return _results(spec, 1)
-
-
-@pytest.fixture(scope="module")
-def ws2(spec):
-    return _results(spec, 2)
-
-
-@pytest.fixture(scope="module")
-def ws4(spec):
-    return _results(spec, 4)
 
 
 def _reference_log_probs(spec: dict, name: str, temperature: float) -> torch.Tensor:

@@ -9,11 +9,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megarl.commands import plan as plan_cli
+from megarl.config.model_dims import ModelDims
 from megarl.models import hf_mapping as hm
-from megarl.models.dims import ModelDims
 from megarl.models.tiny import tiny_hf_config
+from megarl.parallel.layout import ParallelLayout
 from megarl.rollout.reshard.plan import (
-    TrainingLayout,
     chunk_layer_range,
     make_reshard_plan,
     owner_of,
@@ -34,7 +34,7 @@ def _plan(dims_kw: dict, layout, rollout_tp=1, bucket_bytes=64 << 10, **kw):
     tp, pp, vpp = layout
     dims = tiny_dims(tp=tp, **dims_kw)
     return make_reshard_plan(
-        dims, TrainingLayout(tp, pp, vpp), rollout_tp, bucket_bytes=bucket_bytes, **kw
+        dims, ParallelLayout(tp, pp, vpp), rollout_tp, bucket_bytes=bucket_bytes, **kw
     )
 
 
@@ -104,7 +104,7 @@ def test_same_plan_every_time():
 
 def test_even_split_ownership_by_hand():
     dims = qwen72b_dims()
-    lay = TrainingLayout(8, 4)
+    lay = ParallelLayout(8, 4)
     assert owner_of("decoder.layers.19.mlp.linear_fc2.weight", dims, lay) == (0, 0)
     assert owner_of("decoder.layers.20.input_layernorm.weight", dims, lay) == (1, 0)
     assert owner_of("decoder.layers.79.mlp.linear_fc1.weight", dims, lay) == (3, 0)
@@ -112,7 +112,7 @@ def test_even_split_ownership_by_hand():
     assert owner_of(hm.OUTPUT_LAYER, dims, lay) == (3, 0)
     # VPP: 8 layers, PP 2, VPP 2 -> chunks of 2 layers: s0c0, s1c0, s0c1, s1c1
     d8 = tiny_dims(num_layers=8)
-    v = TrainingLayout(1, 2, 2)
+    v = ParallelLayout(1, 2, 2)
     owners = [owner_of(f"decoder.layers.{i}.input_layernorm.weight", d8, v) for i in range(8)]
     assert owners == [(0, 0), (0, 0), (1, 0), (1, 0), (0, 1), (0, 1), (1, 1), (1, 1)]
     assert owner_of(hm.FINAL_NORM, d8, v) == (1, 1)
@@ -189,7 +189,7 @@ def test_72b_plan_is_fast_and_allocates_nothing():
     dims = qwen72b_dims()
     with _NoTensors() as mode:
         start = time.perf_counter()
-        plan = make_reshard_plan(dims, TrainingLayout(8, 4), 8)
+        plan = make_reshard_plan(dims, ParallelLayout(8, 4), 8)
         elapsed = time.perf_counter() - start
     print(f"\n72B plan: {elapsed * 1e3:.1f} ms, {len(plan.buckets)} buckets")
     assert mode.ops == []

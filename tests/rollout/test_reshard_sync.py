@@ -30,10 +30,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megarl.config.model_dims import ModelDims
 from megarl.models import hf_mapping as hm
-from megarl.models.dims import ModelDims
 from megarl.models.tiny import random_hf_state, tiny_hf_config
-from megarl.rollout.reshard import TrainingLayout, make_reshard_plan, stream_buckets
+from megarl.parallel.layout import ParallelLayout
+from megarl.rollout.reshard import make_reshard_plan, stream_buckets
 from megarl.rollout.reshard.executor import write_hf_from_shards
 from tests.conftest import run_torchrun
 from tests.rollout._engine_conformance import assert_conforms
@@ -79,7 +80,7 @@ def _single_rank(bucket_bytes: int, family="qwen2", **kw):
     hf = random_hf_state(dims, seed=3)
     full = hm.hf_to_megatron(hf, dims)
     plan = make_reshard_plan(
-        dims, TrainingLayout(), 1, bucket_bytes=bucket_bytes, dtype=torch.float32
+        dims, ParallelLayout(), 1, bucket_bytes=bucket_bytes, dtype=torch.float32
     )
     return dims, hf, full, plan
 

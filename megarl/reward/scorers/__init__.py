@@ -25,7 +25,7 @@ Extra keyword arguments are accepted and ignored by the routed scorers, as in ve
 
 from __future__ import annotations
 
-import importlib
+from types import ModuleType
 from typing import Any
 
 __all__ = ["UnsupportedDataSource", "default_compute_score", "scorer_module_for"]
@@ -94,8 +94,31 @@ def default_compute_score(
     **reward_kwargs: Any,
 ) -> float | dict[str, Any]:
     """Score one response with the built-in scorer of its ``data_source`` (float or dict)."""
-    module = importlib.import_module(scorer_module_for(data_source))
+    module = _import_scorer(scorer_module_for(data_source))
     result = module.compute_score(solution_str, ground_truth)
     if isinstance(result, dict):
         return result
     return float(result)
+
+
+def _import_scorer(dotted: str) -> ModuleType:
+    """The scorer module ``dotted`` (imported on first use: workers load only what they need)."""
+    if dotted == "megarl.data.synthetic":
+        from megarl.data import synthetic
+
+        return synthetic
+    if dotted == f"{__name__}.gsm8k":
+        from megarl.reward.scorers import gsm8k
+
+        return gsm8k
+    if dotted == f"{__name__}.hendrycks_math":
+        from megarl.reward.scorers import hendrycks_math
+
+        return hendrycks_math
+    if dotted == f"{__name__}.math_dapo":
+        from megarl.reward.scorers import math_dapo
+
+        return math_dapo
+    from megarl.reward.scorers import qa_em
+
+    return qa_em

@@ -22,7 +22,6 @@ from megarl.rollout.reshard.plan import (
     HFSlot,
     ParamTransfer,
     ReshardPlan,
-    TrainingLayout,
     make_reshard_plan,
     owner_of,
 )
@@ -34,7 +33,6 @@ __all__ = [
     "ParamTransfer",
     "ReshardPlan",
     "SyncStats",
-    "TrainingLayout",
     "WeightSink",
     "make_reshard_plan",
     "owner_of",

@@ -42,15 +42,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megarl.config.model_dims import ModelDims
 from megarl.models import hf_mapping as hm
-from megarl.models.dims import ModelDims
+from megarl.parallel.layout import ParallelLayout
 from megarl.rollout.base import WeightSink
 from megarl.rollout.reshard.plan import (
     DEFAULT_BUCKET_BYTES,
     HFSlot,
     ParamTransfer,
     ReshardPlan,
-    TrainingLayout,
     make_reshard_plan,
 )
 
@@ -282,7 +282,7 @@ def plan_for_chunks(
     model = unwrap(chunks[0])
     cfg = model.config
     vpp = cfg.virtual_pipeline_model_parallel_size
-    layout = TrainingLayout(
+    layout = ParallelLayout(
         cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, vpp if vpp else None
     )
     dtype = next(model.parameters()).dtype

@@ -27,8 +27,9 @@ from functools import cached_property
 
 import torch
 
+from megarl.config.model_dims import ModelDims
 from megarl.models import hf_mapping as hm
-from megarl.models.dims import ModelDims
+from megarl.parallel.layout import ParallelLayout, layout_problems
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -36,7 +37,6 @@ __all__ = [
     "HFSlot",
     "ParamTransfer",
     "ReshardPlan",
-    "TrainingLayout",
     "check_rollout_tp",
     "check_training_layout",
     "chunk_layer_range",
@@ -49,25 +49,10 @@ DEFAULT_BUCKET_BYTES = 1 << 30
 """1 GiB: about half a layer of a 72B model in bf16 (its ``linear_fc1``, 0.9 GiB, still fits;
 ``megarl plan`` prints the numbers of a given model)."""
 
+
 VLLM_VOCAB_PADDING = 64
 """vLLM pads vocab-parallel embeddings to a multiple of this many rows, then splits them
 (``DEFAULT_VOCAB_PADDING_SIZE``)."""
-
-
-@dataclass(frozen=True)
-class TrainingLayout:
-    """The Megatron model-parallel layout the actor is trained with."""
-
-    tp: int = 1
-    """Tensor-parallel size."""
-    pp: int = 1
-    """Pipeline-parallel size."""
-    vpp: int | None = None
-    """Virtual pipeline chunks per stage (None: no interleaving)."""
-
-    @property
-    def chunks_per_stage(self) -> int:
-        return self.vpp or 1
 
 
 @dataclass(frozen=True)
@@ -185,7 +170,7 @@ class ReshardPlan:
     """Megatron (TP, PP, VPP) → vLLM TP weight transfer, as ordered buckets."""
 
     dims: ModelDims
-    layout: TrainingLayout
+    layout: ParallelLayout
     rollout_tp: int
     bucket_bytes: int
     dtype: torch.dtype
@@ -260,7 +245,7 @@ class ReshardPlan:
                 f"tied={d.tie_word_embeddings}"
             ),
             (
-                f"training TP={lay.tp} PP={lay.pp} VPP={lay.vpp or 1} -> vLLM TP="
+                f"training TP={lay.tp} PP={lay.pp} VPP={lay.vpp} -> vLLM TP="
                 f"{self.rollout_tp}{replicated}"
             ),
             (
@@ -293,30 +278,30 @@ class ReshardPlan:
 
 
 def chunk_layer_range(
-    dims: ModelDims, layout: TrainingLayout, pp_rank: int, vp_stage: int
+    dims: ModelDims, layout: ParallelLayout, pp_rank: int, vp_stage: int
 ) -> range:
     """Global layer indices of model chunk ``vp_stage`` on stage ``pp_rank`` (even split)."""
-    chunks = layout.pp * layout.chunks_per_stage
+    chunks = layout.pp * layout.vpp
     if dims.num_layers % chunks:
         raise ValueError(
             f"num_layers={dims.num_layers} is not divisible by PP×VPP={layout.pp}×"
-            f"{layout.chunks_per_stage} (uneven pipeline splits are not supported)"
+            f"{layout.vpp} (uneven pipeline splits are not supported)"
         )
     per_chunk = dims.num_layers // chunks
     start = (vp_stage * layout.pp + pp_rank) * per_chunk
     return range(start, start + per_chunk)
 
 
-def owner_of(mg_name: str, dims: ModelDims, layout: TrainingLayout) -> tuple[int, int]:
+def owner_of(mg_name: str, dims: ModelDims, layout: ParallelLayout) -> tuple[int, int]:
     """(pp_rank, vp_stage) holding the Megatron parameter ``mg_name`` (global index)."""
     layer = hm.layer_index(hm.from_te_name(mg_name))
     if layer is None:
         if hm.from_te_name(mg_name) == hm.EMBEDDING:
             return 0, 0
-        return layout.pp - 1, layout.chunks_per_stage - 1
+        return layout.pp - 1, layout.vpp - 1
     if not 0 <= layer < dims.num_layers:
         raise ValueError(f"{mg_name}: layer {layer} outside 0..{dims.num_layers - 1}")
-    per_chunk = dims.num_layers // (layout.pp * layout.chunks_per_stage)
+    per_chunk = dims.num_layers // (layout.pp * layout.vpp)
     chunk = layer // per_chunk
     return chunk % layout.pp, chunk // layout.pp
 
@@ -382,26 +367,31 @@ def check_rollout_tp(dims: ModelDims, rollout_tp: int) -> None:
         )
 
 
-def check_training_layout(dims: ModelDims, layout: TrainingLayout) -> None:
-    """Megatron's divisibility requirements for this model; raises ``ValueError`` naming them."""
-    tp = layout.tp
-    if tp < 1 or layout.pp < 1 or (layout.vpp is not None and layout.vpp < 1):
+def check_training_layout(dims: ModelDims, layout: ParallelLayout) -> None:
+    """Megatron's rule for this model (:func:`~megarl.parallel.layout.layout_problems`);
+    raises ``ValueError`` naming the first problem."""
+    tp, pp, vpp = layout.tp, layout.pp, layout.virtual_pipeline_model_parallel_size
+    if tp < 1 or pp < 1 or (vpp is not None and vpp < 1):
         raise ValueError(f"invalid training layout {layout}")
-    if layout.vpp is not None and layout.vpp > 1 and layout.pp == 1:
+    if layout.vpp > 1 and pp == 1:
         raise ValueError("virtual pipeline parallelism needs PP > 1")
-    for what, n in (
-        ("num_attention_heads", dims.num_attention_heads),
-        ("ffn_hidden_size", dims.ffn_hidden_size),
-        ("padded_vocab_size", dims.padded_vocab_size),
-    ):
-        if n % tp:
-            raise ValueError(f"training TP={tp} does not divide {what}={n}")
-    if dims.num_query_groups % tp and tp % dims.num_query_groups:
+    problems = layout_problems(
+        layout,
+        num_attention_heads=dims.num_attention_heads,
+        num_query_groups=dims.num_query_groups,
+        num_layers=dims.num_layers,
+        ffn_hidden_size=dims.ffn_hidden_size,
+        head_dim=dims.head_dim,
+    )
+    if problems:
         raise ValueError(
-            f"training TP={tp} must divide or be a multiple of num_query_groups="
-            f"{dims.num_query_groups}"
+            problems[0].describe(tp=f"training TP={tp}", pp=f"PP={pp}", vpp=f"VPP={layout.vpp}")
         )
-    chunk_layer_range(dims, layout, 0, 0)  # divisibility of the layer split
+    if dims.padded_vocab_size % tp:
+        raise ValueError(
+            f"training TP={tp} does not divide padded_vocab_size={dims.padded_vocab_size} (the "
+            "dimensions were read for another TP)"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -415,7 +405,7 @@ def _module_of(mg_name: str) -> str:
 
 def make_reshard_plan(
     dims: ModelDims,
-    layout: TrainingLayout,
+    layout: ParallelLayout,
     rollout_tp: int,
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,

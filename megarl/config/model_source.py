@@ -1,47 +1,34 @@
-"""The model shape validation needs: from the HF ``config.json``, else from ``*.model.architecture``.
+"""Where validation finds a model's shape: the HF ``config.json``, else ``*.model.architecture``.
 
-Only the JSON file is read (no transformers import), so validation stays fast and offline.
+Only the JSON file is read (no transformers import), so validation stays fast and offline. The
+shape is the partial form of :class:`~megarl.config.model_dims.ModelDims` (the dict
+:func:`~megarl.config.model_dims.known_dims` returns), with the place it came from for messages.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from megarl.config.model_dims import known_dims, read_hf_config
 from megarl.config.schema import ArchitectureConfig, ModelConfig
 
-_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
-
-@dataclass
-class ModelFacts:
-    """What is known about a model's shape, and where it came from (for messages)."""
+@dataclass(frozen=True)
+class ModelShape:
+    """A partial :class:`~megarl.config.model_dims.ModelDims` and where it was read."""
 
     source: str
     """``path/config.json`` or the dotted key of the architecture section."""
-    num_attention_heads: int | None = None
-    """Query heads."""
-    num_key_value_heads: int | None = None
-    """KV heads (query groups)."""
-    num_hidden_layers: int | None = None
-    """Transformer layers."""
-    hidden_size: int | None = None
-    """Hidden width."""
-    vocab_size: int | None = None
-    """Vocabulary size."""
-    max_position_embeddings: int | None = None
-    """Longest supported sequence."""
-    num_experts: int | None = None
-    """Routed experts (None or 0: dense)."""
-    head_dim: int | None = None
-    """Channels per attention head (HF head_dim, else hidden_size / num_attention_heads)."""
+    dims: dict[str, Any] = field(default_factory=dict)
+    """Known ModelDims fields (see :func:`~megarl.config.model_dims.known_dims`)."""
 
-    def __post_init__(self) -> None:
-        if self.head_dim is None and self.hidden_size and self.num_attention_heads:
-            self.head_dim = self.hidden_size // self.num_attention_heads
+    def get(self, name: str) -> Any:
+        """A ModelDims field, or None when unknown."""
+        return self.dims.get(name)
 
 
 def is_remote(path: str) -> bool:
@@ -76,38 +63,24 @@ def find_config_json(path: str) -> Path | None:
     return None
 
 
-def read_hf_config(config_json: Path) -> dict:
-    """The HF config as a dict; the text part of multimodal configs is merged on top."""
-    data = json.loads(config_json.read_text())
-    text = data.get("text_config")
-    if isinstance(text, dict) and "num_attention_heads" not in data:
-        data = {**data, **text}
-    return data
+def architecture_dims(arch: ArchitectureConfig) -> dict[str, Any]:
+    """The architecture section as a partial ModelDims (parsed as the HF config it mirrors)."""
+    hf = {f.name: getattr(arch, f.name) for f in dataclasses.fields(arch)}
+    declared = {k: v for k, v in hf.items() if v is not None}
+    if "architecture" in declared:
+        declared["architectures"] = [declared.pop("architecture")]
+    dims = known_dims(declared)
+    if arch.num_key_value_heads is None:
+        dims.pop("num_query_groups", None)  # unknown here, not "equal to the heads"
+    return dims
 
 
-def facts_from_hf(data: dict, source: str) -> ModelFacts:
-    """ModelFacts from an HF config dict (KV heads default to the query heads, as in HF)."""
-    heads = data.get("num_attention_heads")
-    experts = next((data[k] for k in _EXPERT_KEYS if data.get(k) is not None), None)
-    return ModelFacts(
-        source=source,
-        num_attention_heads=heads,
-        num_key_value_heads=data.get("num_key_value_heads") or heads,
-        num_hidden_layers=data.get("num_hidden_layers"),
-        hidden_size=data.get("hidden_size"),
-        vocab_size=data.get("vocab_size"),
-        max_position_embeddings=data.get("max_position_embeddings"),
-        num_experts=experts or 0,
-        head_dim=data.get("head_dim"),
-    )
-
-
-def resolve_model_facts(
+def resolve_model_shape(
     model: ModelConfig, key: str, check_paths: bool
-) -> tuple[ModelFacts | None, list[str], list[str]]:
-    """Facts about the model configured at ``key`` (e.g. ``actor_rollout_ref.model``).
+) -> tuple[ModelShape | None, list[str], list[str]]:
+    """The shape of the model configured at ``key`` (e.g. ``actor_rollout_ref.model``).
 
-    Returns ``(facts or None, errors, warnings)``. A ``config.json`` found locally wins and the
+    Returns ``(shape or None, errors, warnings)``. A ``config.json`` found locally wins and the
     architecture section must agree with it; otherwise the architecture section is used.
     """
     errors: list[str] = []
@@ -119,6 +92,8 @@ def resolve_model_facts(
         if getattr(model.architecture, f.name) is not None
     }
     for name, value in declared.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue
         if value < 0 or (value == 0 and name != "num_experts"):
             errors.append(f"{arch_key}.{name} must be positive, got {value}")
     if errors:
@@ -137,17 +112,17 @@ def resolve_model_facts(
             errors.append(f"{key}.path={path!r}: cannot read {config_json}: {exc}")
             return None, errors, warnings
         hf.update(model.override_config)
-        facts = facts_from_hf(hf, str(config_json))
+        from_file = known_dims(hf)
+        from_section = architecture_dims(model.architecture)
         for name, value in declared.items():
-            actual = getattr(facts, name)
-            if name == "num_experts":
-                actual, value = actual or 0, value or 0
-            if actual is not None and actual != value:
+            dims_name = _DIMS_NAME.get(name, name)
+            actual = from_file.get(dims_name)
+            if actual is not None and actual != from_section.get(dims_name, value):
                 errors.append(
                     f"{arch_key}.{name}={value} disagrees with {config_json} ({name}={actual}); "
                     f"fix the architecture section or {key}.path"
                 )
-        return facts, errors, warnings
+        return ModelShape(str(config_json), from_file), errors, warnings
     if is_remote(path):
         where = "a remote path"
     elif looks_like_hub_id(path):
@@ -161,9 +136,17 @@ def resolve_model_facts(
             warnings.append(
                 f"{key}.path={path!r} is {where}; checking the layout against {arch_key}"
             )
-        return ModelFacts(source=arch_key, **declared), errors, warnings
+        return ModelShape(arch_key, architecture_dims(model.architecture)), errors, warnings
     warnings.append(
         f"{key}.path={path!r} is {where} and {arch_key} is not set: attention heads and layers "
         "were not checked against the parallel layout"
     )
     return None, errors, warnings
+
+
+_DIMS_NAME = {
+    "num_key_value_heads": "num_query_groups",
+    "num_hidden_layers": "num_layers",
+    "intermediate_size": "ffn_hidden_size",
+}
+"""Architecture-section (HF) names that differ from ModelDims field names."""

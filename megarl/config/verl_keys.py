@@ -1,0 +1,189 @@
+"""verl keys megarl does not support, with the reason: refused as "unsupported: <key>", never as
+"unknown".
+
+The table covers every key of verl 0.9.1's composed PPO Megatron trainer config that megarl's
+schema lacks (``tests/config/test_verl_keys.py`` holds that key list). A key is unsupported
+when a pattern matches it or one of its parent sections; patterns are dotted, ``*`` matches
+within one segment. Keys the schema has are never looked up here.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+"""Sections that carry a Megatron engine (``megatron``, ``optim``, ``profiler``...)."""
+_MODELS = ("actor_rollout_ref.model", "critic.model")
+_NO_RAY = "megarl runs SPMD under torchrun (no Ray)"
+_NO_DYNAMIC_BSZ_GLOBAL = "global micro-batch sizes (deprecated in verl); use *_per_gpu"
+_DATA = "data option not supported yet"
+_REWARD = (
+    "reward option not supported yet; megarl reads reward_model.* and custom_reward_function.*"
+)
+_MULTIMODAL = "text-only models"
+_LORA = "no LoRA: megarl trains full weights"
+_FUSED = "fused kernels are chosen by transformer_impl"
+_PROFILE = "no profiler integration"
+_OFFLOAD_KEYS = "set param_offload / grad_offload / optimizer_offload"
+
+
+def _each(prefixes: tuple[str, ...], tail: str, reason: str) -> list[tuple[str, str]]:
+    return [(f"{p}.{tail}", reason) for p in prefixes]
+
+
+UNSUPPORTED: tuple[tuple[str, str], ...] = (
+    ("*._target_", "Hydra instantiation target; megarl's config is typed, drop it"),
+    ("*.*._target_", "Hydra instantiation target; megarl's config is typed, drop it"),
+    ("*.*.*._target_", "Hydra instantiation target; megarl's config is typed, drop it"),
+    # -- whole sections ------------------------------------------------------------------------
+    ("ray_kwargs", _NO_RAY),
+    ("transfer_queue", "no transfer queue: rollout and training are colocated"),
+    ("distillation", "no on-policy distillation"),
+    ("global_profiler", _PROFILE),
+    ("skip", "no rollout skipping / replay"),
+    ("sandbox_fusion", "no code sandbox; reward functions run in-process"),
+    ("reward", _REWARD),
+    ("algorithm.filter_groups", "no dynamic sampling (DAPO group filtering)"),
+    ("algorithm.use_pf_ppo", "no preference-feedback PPO reweighting"),
+    ("algorithm.pf_ppo", "no preference-feedback PPO reweighting"),
+    # -- engine sections (actor, ref, critic) -----------------------------------------------------
+    *_each(ROLES, "profiler", _PROFILE),
+    *_each(ROLES, "checkpoint", "checkpoints always hold the model and optimizer state"),
+    *_each(ROLES, "rollout_n", "taken from actor_rollout_ref.rollout.n"),
+    *_each(ROLES, "strategy", "megarl has only the megatron strategy"),
+    *_each(ROLES, "use_torch_compile", "no torch.compile of the model"),
+    *_each(ROLES, "data_loader_seed", "the seed is trainer.seed"),
+    *_each(ROLES, "nccl_timeout", "process-group timeout is not configurable yet"),
+    *_each(ROLES, "ppo_micro_batch_size", _NO_DYNAMIC_BSZ_GLOBAL),
+    *_each(ROLES, "log_prob_micro_batch_size", _NO_DYNAMIC_BSZ_GLOBAL),
+    *_each(ROLES, "entropy_from_logits_with_chunking", "the vocab-parallel entropy always chunks"),
+    *_each(ROLES, "entropy_from_logits_chunk_size", "the vocab-parallel entropy always chunks"),
+    *_each(ROLES, "shuffle", "responses keep their order (see trainer.balance_batch)"),
+    *_each(ROLES, "loss_scale_factor", "set on the actor (loss_scale_factor) only"),
+    *_each(ROLES, "qat", "no quantization-aware training"),
+    *_each(ROLES, "freeze_vision_tower", _MULTIMODAL),
+    *_each(ROLES, "use_fused_kernels", _FUSED),
+    *_each(ROLES, "use_prefix_grouper", "no prefix-shared forward passes"),
+    *_each(ROLES, "calculate_sum_pi_squared", "no optimal-token-baseline statistics"),
+    *_each(ROLES, "tau_pos", "no SAPO soft gate"),
+    *_each(ROLES, "tau_neg", "no SAPO soft gate"),
+    *_each(ROLES, "calculate_entropy", "entropy is computed when entropy_coeff > 0"),
+    *_each(ROLES, "use_dynamic_bsz", "the reference uses log_prob_use_dynamic_bsz"),
+    *_each(ROLES, "ppo_max_token_len_per_gpu", "the reference uses log_prob_max_token_len_per_gpu"),
+    *_each(ROLES, "optim.total_training_steps", "the schedule uses trainer.total_training_steps"),
+    *_each(ROLES, "optim.lr_decay_steps", "decay runs over the remaining trainer steps"),
+    *_each(ROLES, "optim.weight_decay_incr_style", "weight decay is constant"),
+    *_each(ROLES, "optim.lr_wsd_*", "no warmup-stable-decay schedule"),
+    *_each(ROLES, "optim.use_checkpoint_opt_param_scheduler", "the config's schedule always wins"),
+    *_each(ROLES, "optim.use_precision_aware_optimizer", "main params and moments are fp32"),
+    *_each(ROLES, "optim.main_grads_dtype", "main gradients are fp32"),
+    *_each(ROLES, "optim.exp_avg_dtype", "Adam moments are fp32"),
+    *_each(ROLES, "optim.exp_avg_sq_dtype", "Adam moments are fp32"),
+    *_each(ROLES, "optim.use_layer_wise_distributed_optimizer", "the distributed optimizer shards over DP"),
+    *_each(ROLES, "optim.muon_*", "no Muon optimizer (adam or sgd)"),
+    *_each(ROLES, "optim.override_optimizer_config", "Megatron's OptimizerConfig is built from optim.*"),
+    *_each(ROLES, "megatron.expert_tensor_parallel_size", "dense models only"),
+    *_each(ROLES, "megatron.router_replay", "dense models only"),
+    *_each(ROLES, "megatron.use_dist_checkpointing", "weights load from the HF directory"),
+    *_each(ROLES, "megatron.dist_checkpointing_*", "weights load from the HF directory (see megarl convert)"),
+    *_each(ROLES, "megatron.dist_ckpt_optim_fully_reshardable", "optimizer checkpoints are always fully reshardable"),
+    *_each(ROLES, "megatron.distrib_optim_fully_reshardable_mem_efficient", "optimizer checkpoints are always fully reshardable"),
+    *_each(ROLES, "megatron.dynamic_context_parallel", "context parallelism is static"),
+    *_each(ROLES, "megatron.max_seqlen_per_dp_cp_rank", "context parallelism is static"),
+    *_each(ROLES, "megatron.seed", "the seed is trainer.seed"),
+    *_each(ROLES, "megatron.entropy_from_logits_*", "the vocab-parallel entropy always chunks"),
+    *_each(ROLES, "megatron.dtype", "the dtype is trainer.dtype"),
+    *_each(ROLES, "megatron.override_ddp_config", "Megatron's DDP config is megarl's"),
+    *_each(ROLES, "megatron.override_mcore_model_config", "use override_transformer_config"),
+    *_each(ROLES, "megatron.use_mbridge", "megarl maps HF weights itself"),
+    *_each(ROLES, "megatron.vanilla_mbridge", "megarl maps HF weights itself"),
+    *_each(ROLES, "megatron.use_remove_padding", "sequences are right-padded"),
+    *_each(ROLES, "megatron.pad_*", "sequences are right-padded"),
+    *_each(ROLES, "megatron.use_megatron_fsdp", "Megatron DDP with the distributed optimizer"),
+    *_each(ROLES, "megatron.forward_only", "set by the role (the reference is forward-only)"),
+    *_each(ROLES, "megatron.qat", "no quantization-aware training"),
+    ("actor_rollout_ref.ref.megatron.param_offload", _OFFLOAD_KEYS),
+    # -- model sections ----------------------------------------------------------------------------
+    *_each(_MODELS, "external_lib", "no custom modelling code is imported"),
+    *_each(_MODELS, "hf_config_path", "config.json is read from the model path"),
+    *_each(_MODELS, "custom_chat_template", "the tokenizer's chat template is used"),
+    *_each(_MODELS, "use_shm", "models load from the filesystem"),
+    *_each(_MODELS, "enable_gradient_checkpointing", "use megatron.recompute_granularity"),
+    *_each(_MODELS, "enable_activation_offload", "no activation offloading"),
+    *_each(_MODELS, "use_remove_padding", "sequences are right-padded"),
+    *_each(_MODELS, "use_fused_kernels", _FUSED),
+    *_each(_MODELS, "fused_kernel_options", _FUSED),
+    *_each(_MODELS, "use_liger", _FUSED),
+    *_each(_MODELS, "lora*", _LORA),
+    *_each(_MODELS, "target_modules", _LORA),
+    *_each(_MODELS, "exclude_modules", _LORA),
+    *_each(_MODELS, "tiled_mlp", "no tiled MLP"),
+    *_each(_MODELS, "mtp", "no multi-token prediction"),
+    # -- rollout -------------------------------------------------------------------------------------
+    ("actor_rollout_ref.hybrid_engine", "megarl always colocates rollout and training"),
+    ("actor_rollout_ref.nccl_timeout", "process-group timeout is not configurable yet"),
+    ("actor_rollout_ref.rollout.mode", "vLLM runs in-process on every rank (external_launcher)"),
+    ("actor_rollout_ref.rollout.logprobs_mode", "vLLM always reports processed (temperature-scaled) log-probs"),
+    ("actor_rollout_ref.rollout.calculate_log_probs", "vLLM's log-probs are always kept"),
+    ("actor_rollout_ref.rollout.dtype", "the dtype is trainer.dtype"),
+    ("actor_rollout_ref.rollout.seed", "the seed is trainer.seed"),
+    ("actor_rollout_ref.rollout.log_prob_micro_batch_size", _NO_DYNAMIC_BSZ_GLOBAL),
+    ("actor_rollout_ref.rollout.data_parallel_size", "rollout DP is world / rollout TP"),
+    ("actor_rollout_ref.rollout.pipeline_model_parallel_size", "vLLM runs tensor-parallel only"),
+    ("actor_rollout_ref.rollout.expert_parallel_size", "dense models only"),
+    ("actor_rollout_ref.rollout.nnodes", "vLLM shares the training processes"),
+    ("actor_rollout_ref.rollout.n_gpus_per_node", "vLLM shares the training processes"),
+    ("actor_rollout_ref.rollout.load_format", "weights come from the trainer"),
+    ("actor_rollout_ref.rollout.layered_summon", "weights travel in buckets"),
+    ("actor_rollout_ref.rollout.multi_stage_wake_up", "vLLM wakes up in one stage"),
+    ("actor_rollout_ref.rollout.checkpoint_engine", "weights travel through megarl's resharding"),
+    ("actor_rollout_ref.rollout.ignore_eos", "training rollouts stop at EOS"),
+    ("actor_rollout_ref.rollout.disable_log_stats", "vLLM's logs go to a file"),
+    ("actor_rollout_ref.rollout.cudagraph_capture_sizes", "use engine_kwargs"),
+    ("actor_rollout_ref.rollout.full_determinism", "use engine_kwargs"),
+    ("actor_rollout_ref.rollout.skip_tokenizer_init", "the engine always loads the tokenizer"),
+    ("actor_rollout_ref.rollout.scheduling_policy", "use engine_kwargs"),
+    ("actor_rollout_ref.rollout.over_sample_rate", "no over-sampling"),
+    ("actor_rollout_ref.rollout.quantization*", "rollout weights are not quantized"),
+    ("actor_rollout_ref.rollout.qat", "no quantization-aware training"),
+    ("actor_rollout_ref.rollout.mtp", "no multi-token prediction"),
+    ("actor_rollout_ref.rollout.enable_rollout_routing_replay", "dense models only"),
+    ("actor_rollout_ref.rollout.moe_load_balance_metrics_interval", "dense models only"),
+    ("actor_rollout_ref.rollout.router_config_path", "dense models only"),
+    ("actor_rollout_ref.rollout.multi_turn", "single-turn rollouts only"),
+    ("actor_rollout_ref.rollout.agent", "single-turn rollouts only"),
+    ("actor_rollout_ref.rollout.trace", "no rollout tracing"),
+    ("actor_rollout_ref.rollout.profiler", _PROFILE),
+    ("actor_rollout_ref.rollout.prometheus", "no Prometheus metrics"),
+    ("actor_rollout_ref.rollout.disaggregation", "rollout and training are colocated"),
+    ("actor_rollout_ref.rollout.val_kwargs.*", "not a validation-sampling option megarl has"),
+    # -- policy loss (keys of loss modes megarl does not offer yet) ----------------------------------
+    ("actor_rollout_ref.actor.policy_loss.*", "option of a policy loss megarl does not offer yet"),
+    # -- data, rewards, trainer (other sections' owners may add some of these) -------------------------
+    ("data.*", _DATA),
+    ("reward_model.*", _REWARD),
+    ("custom_reward_function.*", _REWARD),
+    ("trainer.rollout_data_dir", "rollout dumps are not supported yet"),
+    ("trainer.validation_data_dir", "validation dumps are not supported yet"),
+    ("trainer.val_only", "validation-only runs are not supported yet"),
+    ("trainer.esi_redundant_time", "no elastic-server-instance expiry handling"),
+    ("trainer.checkpoint_callback_class", "no checkpoint callbacks"),
+    ("trainer.default_hdfs_dir", "checkpoints are local (default_local_dir)"),
+    ("trainer.del_local_ckpt_after_load", "checkpoints are kept"),
+    ("trainer.ray_wait_register_center_timeout", _NO_RAY),
+    ("trainer.use_v1", "one trainer: megarl's"),
+    ("trainer.v1", "one trainer: megarl's"),
+)  # fmt: skip
+"""(pattern, reason) per verl key (or section) megarl does not support."""
+
+
+def unsupported_reason(key: str) -> str | None:
+    """Why the verl key ``key`` is not supported, or None when it is not in the table."""
+    parts = key.split(".")
+    for pattern, reason in UNSUPPORTED:
+        segs = pattern.split(".")
+        if len(segs) <= len(parts) and all(
+            fnmatchcase(p, s) for p, s in zip(parts, segs, strict=False)
+        ):
+            return reason
+    return None
