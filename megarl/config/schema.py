@@ -295,8 +295,8 @@ class RolloutConfig:
     ``algorithm.rollout_correction``.
     """
 
-    name: Literal["vllm"] = "vllm"
-    """Rollout engine."""
+    name: Literal["vllm", "actor"] = "vllm"
+    """Rollout engine: vllm, or (megarl) actor: sample from the Megatron actor itself (tests)."""
     tensor_model_parallel_size: int = 2
     """vLLM tensor-parallel size (independent of training TP); rollout DP = world / this."""
     gpu_memory_utilization: float = 0.5
@@ -540,7 +540,9 @@ class TrainerConfig:
     critic_warmup: int = 0
     """Steps that train only the critic."""
     balance_batch: bool = True
-    """Reorder each step's responses so that every DP rank gets a similar token count."""
+    """Give every DP rank a similar token count within each mini-batch (membership unchanged)."""
+    max_consecutive_skipped_steps: int = 10
+    """(megarl) Abort after this many steps in a row with a non-finite gradient; 0: never."""
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
     """Checkpoint directory (${...} refers to other keys)."""
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"

@@ -59,6 +59,8 @@ class PolicyUpdate:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     temperature: float = 1.0
+    balance: bool = True
+    """trainer.balance_batch: balance token counts over DP ranks within each mini-batch."""
     policy_loss_kwargs: dict[str, Any] = field(default_factory=dict)
     """clip_ratio, clip_ratio_low/high, clip_ratio_c and each loss mode's own keys."""
 
@@ -94,7 +96,8 @@ def update_policy(
             len(batch), settings.responses_per_mini_batch, shuffle=settings.shuffle, generator=order
         ):
             tokens, seqs = count_tokens_and_seqs(batch.response_mask[indices])
-            mine = dp_share(indices, dp_rank, dp_size)
+            lengths = batch.lengths if settings.balance else None
+            mine = dp_share(indices, dp_rank, dp_size, lengths)
             sequences = batch.sequences(mine, names)
             loss_fn = _loss_fn(settings, float(tokens), float(seqs), old_log_probs)
             micro = _micro_batches(batch, indices, mine, settings, dp_size)
@@ -128,11 +131,12 @@ def _micro_batches(
 ) -> int | list[torch.Tensor]:
     if settings.max_token_len is None:
         return settings.micro_batch_size  # type: ignore[return-value]
+    balance_by = batch.lengths if settings.balance else None
     # Every DP rank uses the same number of micro-batches: the largest any share needs.
     most = max(
         len(
             token_budget_micro_batches(
-                batch.lengths[dp_share(indices, r, dp_size)], settings.max_token_len
+                batch.lengths[dp_share(indices, r, dp_size, balance_by)], settings.max_token_len
             )
         )
         for r in range(dp_size)

@@ -121,12 +121,33 @@ def mini_batches(
     return list(order.split(responses_per_mini_batch))
 
 
-def dp_share(indices: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
-    """This DP rank's contiguous share of a set of global indices (equal shares)."""
+def dp_share(
+    indices: torch.Tensor, dp_rank: int, dp_size: int, lengths: torch.Tensor | None = None
+) -> torch.Tensor:
+    """This DP rank's share of a set of global indices (equal counts on every rank).
+
+    Without ``lengths``: a contiguous slice. With ``lengths`` (``trainer.balance_batch``): the
+    indices are dealt so that token counts are balanced — longest first, each to the rank with
+    the fewest tokens that still has room — deterministically, so every rank computes the same
+    partition. The set being partitioned (a mini-batch) is the same either way; only which rank
+    computes which response changes, and the reduced gradient does not depend on that.
+    """
     if len(indices) % dp_size:
         raise ValueError(f"{len(indices)} responses do not split over {dp_size} DP ranks")
     per = len(indices) // dp_size
-    return indices[dp_rank * per : (dp_rank + 1) * per]
+    if lengths is None or dp_size == 1:
+        return indices[dp_rank * per : (dp_rank + 1) * per]
+    sizes = lengths[indices]
+    order = torch.argsort(sizes, descending=True, stable=True).tolist()
+    load = [0] * dp_size
+    members: list[list[int]] = [[] for _ in range(dp_size)]
+    for k in order:
+        target = min(
+            (r for r in range(dp_size) if len(members[r]) < per), key=lambda r: (load[r], r)
+        )
+        members[target].append(k)
+        load[target] += int(sizes[k])
+    return indices[torch.tensor(sorted(members[dp_rank]), dtype=torch.long)]
 
 
 def token_budget_micro_batches(

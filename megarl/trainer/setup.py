@@ -185,6 +185,7 @@ def policy_update(cfg: MegarlConfig, plan: BatchPlan) -> PolicyUpdate:
         kl_loss_coef=actor.kl_loss_coef,
         kl_loss_type=actor.kl_loss_type,
         temperature=cfg.actor_rollout_ref.rollout.temperature,
+        balance=cfg.trainer.balance_batch,
         policy_loss_kwargs={
             "clip_ratio": actor.clip_ratio,
             "clip_ratio_low": actor.clip_ratio_low,
