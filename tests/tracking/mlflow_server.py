@@ -22,7 +22,7 @@ class MlflowServer:
         self.uri = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 120) -> None:
+    def start(self, timeout: float = 300) -> None:
         """Start the server and wait until ``/health`` answers (~20 s on 2 cores)."""
         cmd = [
             str(Path(sys.executable).parent / "mlflow"), "server",
