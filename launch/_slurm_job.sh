@@ -11,6 +11,8 @@
 #   MEGARL_GPUS_PER_NODE    processes per node (default: the GPUs Slurm allocated, else 8); a
 #                           node without GPUs runs the same script with e.g. 2 (CPU configs)
 #   MEGARL_PYTHON           interpreter with megarl installed (default: python)
+#   MEGARL_TRAIN_MODULE     module torchrun runs (default: megarl.train; a wrapper of your own,
+#                           or the stand-ins with which the tests exercise this script)
 #   MEGARL_LOG_DIR          parent of the per-job log directory (default: <run dir>/logs)
 #   MEGARL_REQUEUE=1        after a clean stop on USR1/TERM, requeue this job to resume
 #   MEGARL_CONTAINER_IMAGE  run inside this image with pyxis/enroot (srun --container-image)
@@ -30,6 +32,7 @@
 # and the script waits for it in a loop; the trap writes <run dir>/STOP, the trainer sees it at
 # the end of the current step, saves a checkpoint, exits 0, and this script exits 0. A
 # requeued (--requeue, or MEGARL_REQUEUE=1) or chained job then resumes from that checkpoint.
+# A --time shorter than the lead time sends USR1 at once: the job stops after its first step.
 
 set -euo pipefail
 
@@ -96,7 +99,7 @@ srun --kill-on-bad-exit=1 --nodes="$NNODES" --ntasks-per-node=1 --cpu-bind=none 
     "$PYTHON" -m torch.distributed.run \
     --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE" \
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
-    -m megarl.train --config "$CONFIG" "${OVERRIDES[@]}" &
+    -m "${MEGARL_TRAIN_MODULE:-megarl.train}" --config "$CONFIG" "${OVERRIDES[@]}" &
 SRUN_PID=$!
 while true; do
     RC=0
