@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Literal, Protocol
@@ -90,6 +91,7 @@ class JsonlSink:
     ) -> None:
         if self._file is None:
             raise RuntimeError(f"{self.path}: metrics logged after finish()")
+        timestamp = time.time() if timestamp is None else timestamp
         record = {
             "step": int(step),
             "time": timestamp,
