@@ -37,14 +37,16 @@ def job_id(first_line: str) -> str:
 
 
 def wait_for_job(slurm, job: str, timeout: float = 300) -> int:
-    """The job's exit status once it ended (``sbatch --wait`` polls at growing intervals and
-    returned ~30 s after the job here; this polls every 0.5 s)."""
+    """The job's exit status once it ended, 128 + N when signal N killed the batch script
+    (``sbatch --wait`` polls at growing intervals and returned ~30 s after the job here; this
+    polls every 0.5 s)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         info = slurm.run("scontrol", "show", "job", "-o", job).stdout
         state = re.search(r"JobState=(\S+)", info)
         if state and state.group(1) not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
-            return int(re.search(r" ExitCode=(\d+):", info).group(1))
+            code, signal = re.search(r" ExitCode=(\d+):(\d+)", info).groups()
+            return 128 + int(signal) if int(signal) else int(code)
         time.sleep(0.5)
     pytest.fail(f"job {job} did not end within {timeout:.0f} s")
 
