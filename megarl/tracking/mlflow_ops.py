@@ -87,22 +87,26 @@ def make_client(uri: str) -> Any:
     return MlflowClient(tracking_uri=uri)
 
 
-def ensure_run(client: Any, state: RunState, run_dir: Path, tags: dict[str, str]) -> bool:
-    """Create the experiment and run, or reopen ``state.run_id``; True when it was reopened."""
+def ensure_run(client: Any, state: RunState, run_dir: Path, tags: dict[str, str]) -> str:
+    """Reopen ``state.run_id`` or create the experiment and run.
+
+    Returns "reopened", "created", or "replaced" (the run to resume is not on this server, e.g.
+    the tracking URI changed: a new run is created rather than losing the metrics).
+    """
     from mlflow.exceptions import MlflowException
 
+    outcome = "created"
     if state.run_id is not None:
         try:
             run = client.get_run(state.run_id)
         except MlflowException as exc:
             if not is_permanent(exc):
                 raise
-            raise MlflowException(
-                f"MLflow run {state.run_id} (to resume) does not exist at {state.tracking_uri}"
-            ) from exc
-        if run.info.status != "RUNNING" and state.status is None:
-            client.update_run(state.run_id, status="RUNNING")
-        return True
+            state.run_id, state.uploaded_configs, outcome = None, [], "replaced"
+        else:
+            if run.info.status != "RUNNING" and state.status is None:
+                client.update_run(state.run_id, status="RUNNING")
+            return "reopened"
     experiment = client.get_experiment_by_name(state.experiment_name)
     if experiment is None:
         local = None
@@ -116,7 +120,7 @@ def ensure_run(client: Any, state: RunState, run_dir: Path, tags: dict[str, str]
         experiment_id = experiment.experiment_id
     run = client.create_run(experiment_id, run_name=state.run_name, tags=tags)
     state.run_id = run.info.run_id
-    return False
+    return outcome
 
 
 def push_config(client: Any, state: RunState, run_dir: Path, stem: str) -> None:

@@ -177,7 +177,7 @@ class MlflowSink:
                     backoff = min(2 * backoff, self.options.max_backoff_s)
                     continue
                 self._notify(f"MLflow refused {self._describe(stage, pending)}: {_one_line(exc)}")
-                if stage == "connect":  # e.g. the run to resume is not on this server
+                if stage == "connect":  # e.g. the server refuses this experiment name
                     self._status_sent.set()
                     self._done.set()
                     return
@@ -199,11 +199,18 @@ class MlflowSink:
 
     def _open(self, client) -> None:
         tags = {"megarl.run_dir": str(self.run_dir), "megarl.world_size": str(self._world_size)}
-        resumed = mlflow_ops.ensure_run(client, self._state, self.run_dir, tags)
+        wanted = self._state.run_id
+        outcome = mlflow_ops.ensure_run(client, self._state, self.run_dir, tags)
         self._opened = True
         self._save()
-        verb = "continues" if resumed else "is"
-        self._notify(f"MLflow run {self._state.run_id} {verb} at {self._state.tracking_uri}")
+        where = f"{self._state.run_id} at {self._state.tracking_uri}"
+        self._notify(
+            {
+                "created": f"MLflow run {where}",
+                "reopened": f"MLflow run {where} continues",
+                "replaced": f"MLflow run {wanted} (to resume) is not there; new run {where}",
+            }[outcome]
+        )
 
     def _next(self) -> tuple | None:
         try:

@@ -113,3 +113,20 @@ def test_non_logging_rank_logs_nothing(tmp_path, mlflow_server):
         tracker.log_config(to_dict(cfg), to_yaml(cfg))
         tracker.log_metrics(1, metrics(1))
     assert tracker.run_id is None and not (tmp_path / "run").exists()
+
+
+def test_resuming_a_run_the_server_lacks_starts_a_new_one(tmp_path, mlflow_server, client):
+    cfg = tiny_config(tmp_path, mlflow_server.uri)
+    notes: list[str] = []
+    missing = "0" * 32
+    with make_tracker(cfg, rank=0, world_size=2, resume_run_id=missing, notify=notes.append,
+                      options=FAST) as tracker:  # fmt: skip
+        tracker.log_config(to_dict(cfg), to_yaml(cfg))
+        tracker.log_metrics(1, metrics(1))
+    assert tracker.run_id != missing
+    assert notes[0] == (
+        f"MLflow run {missing} (to resume) is not there; new run {tracker.run_id} at "
+        f"{mlflow_server.uri}"
+    )
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["a_b"] == 1.4
