@@ -13,6 +13,7 @@ import argparse
 import sys
 
 EXIT_ERROR = 1
+EXIT_CONFIG_ERROR = 2
 
 
 def main(argv: list[str]) -> int:
@@ -28,20 +29,33 @@ def main(argv: list[str]) -> int:
     args, extras = parser.parse_known_args(argv)
     if args.action == "sync" and extras:
         parser.error(f"unrecognized arguments: {' '.join(extras)}")
+    from megarl.config import ConfigError
+    from megarl.tracking.paths import TrackingError
+
     try:
         return _sync(args) if args.action == "sync" else _run_dir(args, extras)
-    except Exception as exc:  # noqa: BLE001 (a command-line tool: one line, no traceback)
-        text = " ".join(str(exc).split())
-        print(f"error: {text[:500] or type(exc).__name__}", file=sys.stderr)
-        return EXIT_ERROR
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except (TrackingError, OSError) as exc:
+        return _error(exc)
+    except Exception as exc:
+        if type(exc).__name__ != "MlflowException":  # a bug: keep its traceback
+            raise
+        return _error(exc)
+
+
+def _error(exc: BaseException) -> int:
+    text = " ".join(str(exc).split())
+    print(f"error: {text[:500] or type(exc).__name__}", file=sys.stderr)
+    return EXIT_ERROR
 
 
 def _sync(args: argparse.Namespace) -> int:
     from megarl.tracking.sync import sync_run
 
-    print(
-        f"synced {args.run_dir}: {sync_run(args.run_dir, args.tracking_uri, timeout_s=args.timeout)}"
-    )
+    report = sync_run(args.run_dir, args.tracking_uri, timeout_s=args.timeout)
+    print(f"synced {args.run_dir}: {report}")
     return 0
 
 

@@ -9,6 +9,7 @@ twice uploads nothing the second time.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +52,16 @@ def sync_run(run_dir: Path, tracking_uri: str | None = None, *, timeout_s: int =
         state.tracking_uri = tracking_uri
     mlflow_ops.configure_http(timeout_s, retries=2)
     client = mlflow_ops.make_client(state.tracking_uri)
-    mlflow_ops.ensure_run(client, state, run_dir, {"megarl.run_dir": str(run_dir.resolve())})
+    try:
+        mlflow_ops.ensure_run(client, state, run_dir, {"megarl.run_dir": str(run_dir.resolve())})
+    except Exception as exc:
+        if mlflow_ops.is_permanent(exc) or type(exc).__name__ != "MlflowException":
+            raise
+        reason = re.search(r"\[Errno -?\d+\] ([^\"')]+)", str(exc))
+        raise TrackingError(
+            f"MLflow at {state.tracking_uri} does not answer"
+            f"{f' ({reason.group(1)})' if reason else ''}; start it or pass --tracking-uri"
+        ) from exc
     state.save(run_dir)
     configs = [c for c in state.configs if c not in state.uploaded_configs]
     for stem in configs:

@@ -6,7 +6,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.multirank
 
 ENV = {
     **os.environ,

@@ -117,3 +117,16 @@ def test_sync_of_a_directory_without_mlflow_names_it(tmp_path):
         f"error: {tmp_path}/mlflow_run.json does not exist: {tmp_path} is not the run "
         "directory of a run with trainer.logger mlflow"
     )
+
+
+def test_sync_to_a_dead_server_says_so_in_one_line(tmp_path):
+    RunState(f"http://127.0.0.1:{free_port()}", "p", "e").save(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "megarl.commands.tracking", "sync", str(tmp_path), "--timeout=2"],
+        env=ENV, check=False, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.startswith("error: MLflow at http://127.0.0.1:")
+    assert done.stderr.endswith(
+        "does not answer (Connection refused); start it or pass --tracking-uri\n"
+    )
