@@ -524,7 +524,7 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console"])
     """Metric sinks: console, mlflow."""
     tracking_uri: str | None = None
-    """(megarl) MLflow tracking URI; null: $MLFLOW_TRACKING_URI or ./mlruns."""
+    """(megarl) MLflow URI; null: $MLFLOW_TRACKING_URI, else SQLite in the run dir (1 node only)."""
     log_val_generations: int = 0
     """Validation generations to log per validation."""
     rollout_data_dir: str | None = None
@@ -544,7 +544,7 @@ class TrainerConfig:
     max_consecutive_skipped_steps: int = 10
     """(megarl) Abort after this many steps in a row with a non-finite gradient; 0: never."""
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
-    """Checkpoint directory (${...} refers to other keys)."""
+    """Checkpoints and run directory: metrics.jsonl, STOP file (${...} refers to other keys)."""
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
     """auto: latest in default_local_dir; resume_path: resume_from_path; disable: fresh."""
     resume_from_path: str | None = None

@@ -1,0 +1,43 @@
+"""``launch/torchrun_local.sh`` with a stand-in trainer module, and ``megarl tracking run-dir``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.multirank
+
+ENV = {
+    **os.environ,
+    "PYTHONPATH": str(REPO),
+    "OMP_NUM_THREADS": "1",
+    "MEGARL_PYTHON": sys.executable,
+}
+
+
+def test_torchrun_local_passes_config_and_overrides_to_2_ranks():
+    env = {**ENV, "MEGARL_TRAIN_MODULE": "tests.launch._gloo_payload"}
+    done = subprocess.run(
+        ["launch/torchrun_local.sh", "configs/grpo_tiny_cpu.yaml", "trainer.seed=7"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    args = "--config configs/grpo_tiny_cpu.yaml trainer.seed=7 trainer.nnodes=1 "
+    args += "trainer.n_gpus_per_node=2"
+    for rank in (0, 1):
+        assert f"rank {rank} of 2: sum 3, args {args}" in done.stdout
+
+
+def test_run_dir_command_resolves_the_config(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "megarl.commands.tracking", "run-dir", "--config",
+         "configs/ppo_tiny_cpu.yaml", "trainer.experiment_name=x${trainer.seed}"],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{REPO}/outputs/checkpoints/x42\n"
