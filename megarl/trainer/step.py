@@ -106,7 +106,7 @@ def train_step(run: Run, step: int, prompts: Sequence[PromptSample]) -> dict[str
             gamma=cfg.algorithm.gamma,
             lam=cfg.algorithm.lam,
             norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
-            **scored.fields,
+            reward_components=scored.fields,
         )
         batch.fields["advantages"], batch.fields["returns"] = advantages, returns
 
