@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast demo lint clean
+.PHONY: venv test test-fast demo demo-convert lint clean
 
 venv: $(STAMP)
 
@@ -27,7 +27,12 @@ test: venv
 test-fast: venv
 	$(BIN)/python -m pytest -q -ra -m "not slow and not vllm and not multirank"
 
+# The main job: a tiny GRPO run on CPU (makes the tiny model and data when missing).
 demo: venv
+	$(BIN)/python -m megarl.commands.quickstart
+
+# Conversion round trip and a Megatron -> vLLM weight sync, without training.
+demo-convert: venv
 	$(BIN)/python -m megarl.commands.demo
 
 lint: venv

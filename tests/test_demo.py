@@ -1,4 +1,4 @@
-"""The README's main command (`make demo` = `python -m megarl.commands.demo`) runs end to end, also over
+"""The conversion demo (`make demo-convert` = `python -m megarl.commands.demo`) runs end to end, also over
 the outputs of an earlier run."""
 
 from __future__ import annotations

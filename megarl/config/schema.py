@@ -543,6 +543,9 @@ class TrainerConfig:
     """Give every DP rank a similar token count within each mini-batch (membership unchanged)."""
     max_consecutive_skipped_steps: int = 10
     """(megarl) Abort after this many steps in a row with a non-finite gradient; 0: never."""
+    skip_weight_sync_steps: list[int] = field(default_factory=list)
+    """(megarl) Steps whose weight sync is skipped on purpose (shows what a stale engine does to
+    rollout/logprob_diff_*); empty in real runs."""
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
     """Checkpoints and run directory: metrics.jsonl, STOP file (${...} refers to other keys)."""
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"

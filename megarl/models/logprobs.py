@@ -26,8 +26,9 @@ def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | N
 def _scaled_masked(
     logits: torch.Tensor, temperature: float, vocab_start: int, vocab_size: int
 ) -> torch.Tensor:
-    """logits / T in fp32 with columns at or beyond ``vocab_size`` (padding) set to -inf."""
-    z = logits.float() / temperature
+    """logits / T in at least fp32 (float64 stays float64) with columns at or beyond
+    ``vocab_size`` (padding) set to -inf."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     local_vocab = z.shape[-1]
     valid = vocab_size - vocab_start
     if valid < local_vocab:
@@ -49,7 +50,8 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         seq = logits.shape[1]
         local_vocab = logits.shape[-1]
-        stats_max = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+        dtype = torch.promote_types(logits.dtype, torch.float32)  # float64 stays float64
+        stats_max = torch.empty(logits.shape[:-1], dtype=dtype, device=logits.device)
         sum_exp = torch.empty_like(stats_max)
         sum_exp_z = torch.empty_like(stats_max)
         target_z = torch.zeros_like(stats_max)

@@ -313,7 +313,8 @@ def _run(
         forward_only=not training,
     )
     names = ["values"] if role == "critic" else ["log_probs", "entropy"]
-    return _broadcast_results(names, collected, metrics, torch.cat(rows), n, r, device)
+    dtype = torch.promote_types(next(unwrap(chunks[0]).parameters()).dtype, torch.float32)
+    return _broadcast_results(names, collected, metrics, torch.cat(rows), n, r, device, dtype)
 
 
 def _output_fn(role: str, r: int, vocab_size: int | None, temperature: float):
@@ -323,7 +324,8 @@ def _output_fn(role: str, r: int, vocab_size: int | None, temperature: float):
 
     def outputs_of(output_tensor: torch.Tensor, mb: dict) -> Outputs:
         if role == "critic":
-            values = output_tensor.squeeze(-1).float()
+            values = output_tensor.squeeze(-1)
+            values = values.to(torch.promote_types(values.dtype, torch.float32))
             return {"values": _gather_response(values, mb["prompt_lengths"], mb["lengths"], r)}
         targets = torch.roll(mb["input_ids"], shifts=-1, dims=1)
         logp, ent = vocab_parallel_log_probs_and_entropy(
@@ -375,14 +377,16 @@ def _broadcast_results(
     n: int,
     r: int,
     device: torch.device,
+    dtype: torch.dtype,
 ) -> _RunOutput:
-    """Join the last stage's micro-batch outputs in batch order and broadcast them over PP."""
+    """Join the last stage's micro-batch outputs in batch order and broadcast them over PP
+    (``dtype``: at least fp32; float64 models keep float64)."""
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     tensors = {}
     for name in names:
-        t = torch.zeros(n, r, dtype=torch.float32, device=device)
+        t = torch.zeros(n, r, dtype=dtype, device=device)
         if last:
-            t[order] = torch.cat([c[name] for c in collected]).float()
+            t[order] = torch.cat([c[name] for c in collected]).to(dtype)
         tensors[name] = t
     metric_list = list(metrics) if isinstance(metrics, list) else []
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()

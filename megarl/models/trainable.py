@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megarl.models.build import BuiltModel
@@ -164,15 +163,16 @@ class TrainableModel:
                 updated=False, grad_norm=norm if not math.isfinite(norm) else math.nan
             )
         if self.settings.clip_grad > 0:
-            for opt in _leaf_optimizers(self.optimizer):
-                params = opt.get_parameters()
-                if params:
-                    clip_grad_by_total_norm_fp32(
-                        params,
-                        self.settings.clip_grad,
-                        norm,
-                        opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
-                    )
+            # Megatron's clip_grad_by_total_norm_fp32, with its formula, for any gradient dtype.
+            coeff = self.settings.clip_grad / (norm + 1.0e-6)
+            if coeff < 1.0:
+                grads = [
+                    p.grad
+                    for opt in _leaf_optimizers(self.optimizer)
+                    for p in opt.get_parameters()
+                    if p.grad is not None
+                ]
+                torch._foreach_mul_(grads, coeff)
         self.optimizer.step_with_ready_grads()
         self.zero_grad()
         return StepResult(updated=True, grad_norm=norm)

@@ -123,7 +123,8 @@ def train_step(run: Run, step: int, prompts: Sequence[PromptSample]) -> dict[str
         )
     run.actor.advance_lr()  # verl steps the LR schedule once per trainer step
     with timer("update_weights"):
-        sync_engine(run)
+        if step not in cfg.trainer.skip_weight_sync_steps:
+            sync_engine(run)
 
     metrics.update(scored.metrics)
     metrics.update(batch_metrics(batch, scored, cfg.data.max_response_length))

@@ -1,0 +1,115 @@
+"""The README's main command learns, its console is megarl's alone, and every sync is checked.
+
+Three real runs (2 ranks, actor TP 2, vLLM TP 2, the synthetic task): the main command itself
+(30 steps, greedy validation before and every 10 steps); the same run with lr 0 for 10 steps
+(validation must not move: greedy validation is deterministic, so σ of r0 is measured as the
+spread of three evaluations of the initial weights); and 3 steps with step 1's weight sync
+skipped on purpose (vLLM then samples from stale weights at step 2).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.multirank]
+
+# What megarl itself prints: its own lines, the per-step summary and the progress bar.
+MEGARL_LINE = re.compile(r"^(megarl: |step \d+ \| |training: )")
+
+
+def _quickstart(out: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "megarl.commands.quickstart", "--out", str(out), *overrides],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+
+
+def _metrics(run_dir: Path) -> dict[int, dict[str, float]]:
+    steps = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        steps.setdefault(record["step"], {}).update(record["metrics"])
+    return steps
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("quickstart")
+    main = _quickstart(out)
+    assert main.returncode == 0, main.stdout[-3000:] + main.stderr[-5000:]
+    frozen = _quickstart(
+        out,
+        "actor_rollout_ref.actor.optim.lr=0",
+        "trainer.total_training_steps=10",
+        "trainer.default_local_dir=" + str(out / "runs" / "lr0"),
+    )
+    assert frozen.returncode == 0, frozen.stderr[-5000:]
+    stale = _quickstart(
+        out,
+        "trainer.total_training_steps=3",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.skip_weight_sync_steps=[1]",
+        "trainer.default_local_dir=" + str(out / "runs" / "stale"),
+    )
+    assert stale.returncode == 0, stale.stderr[-5000:]
+    return {
+        "main": main,
+        "main_metrics": _metrics(out / "runs" / "grpo_tiny_cpu"),
+        "lr0_metrics": _metrics(out / "runs" / "lr0"),
+        "stale_metrics": _metrics(out / "runs" / "stale"),
+    }
+
+
+def test_greedy_validation_reward_rises(runs):
+    main, frozen = runs["main_metrics"], runs["lr0_metrics"]
+    r0 = main[0]["val/score/mean"]
+    evaluations_of_r0 = [r0, frozen[0]["val/score/mean"], frozen[10]["val/score/mean"]]
+    sigma = statistics.pstdev(evaluations_of_r0)
+    final = main[30]["val/score/mean"]
+    print(f"r0={r0:.4f} sigma={sigma:.4g} final={final:.4f} gain={final - r0:.4f}")
+    assert final - r0 >= max(0.15, 3 * sigma)
+
+
+def test_lr_zero_leaves_validation_bit_identical(runs):
+    frozen = runs["lr0_metrics"]
+    assert frozen[10]["val/score/mean"] == frozen[0]["val/score/mean"]
+    assert frozen[0]["val/score/mean"] == runs["main_metrics"][0]["val/score/mean"]
+
+
+def test_every_sync_leaves_vllm_agreeing_with_the_actor(runs):
+    diffs = [m["rollout/logprob_diff_max"] for s, m in runs["main_metrics"].items() if s > 0]
+    assert len(diffs) == 30 and max(diffs) <= 1e-4, max(diffs)
+
+
+def test_a_skipped_sync_shows_in_the_metric(runs):
+    stale = runs["stale_metrics"]
+    assert stale[1]["rollout/logprob_diff_max"] <= 1e-4
+    assert stale[2]["rollout/logprob_diff_max"] > 1e-2  # sampled from step 0's weights
+    assert stale[3]["rollout/logprob_diff_max"] <= 1e-4  # step 2's sync caught up
+
+
+def test_console_holds_only_megarl_lines(runs):
+    main = runs["main"]
+    lines = [
+        piece.strip()
+        for text in (main.stdout, main.stderr)
+        for line in text.splitlines()
+        for piece in line.split("\r")
+        if piece.strip()
+    ]
+    foreign = [line for line in lines if not MEGARL_LINE.match(line)]
+    assert foreign == [], foreign[:10]
+    assert any("validation score" in line for line in lines)
