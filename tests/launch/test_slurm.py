@@ -22,10 +22,10 @@ SCRIPT = "launch/ppo_72b.slurm"
 CONFIG = "configs/ppo_tiny_cpu.yaml"
 
 
-def sbatch_cmd(tmp_path: Path, *, wait: bool) -> list[str]:
+def sbatch_cmd(tmp_path: Path, *, wait: bool, script: str = SCRIPT) -> list[str]:
     return [
         "sbatch", *(["--wait"] if wait else []), "--nodes=1", "--time=60",
-        f"--output={tmp_path}/batch-%j.out", SCRIPT, CONFIG,
+        f"--output={tmp_path}/batch-%j.out", script, CONFIG,
         f"trainer.default_local_dir={tmp_path}/run",
     ]  # fmt: skip
 
@@ -56,13 +56,17 @@ def node_log(tmp_path: Path, job: str, node: str) -> Path:
 
 
 # torchrun reports a failed worker as its own exit status 1.
-@pytest.mark.parametrize(("exit_code", "job_status"), [(0, 0), (3, 1)])
-def test_sbatch_wait_runs_torchrun_over_gloo(slurm, job_env, tmp_path, exit_code, job_status):
+@pytest.mark.parametrize(
+    ("script", "exit_code", "job_status"),
+    [(SCRIPT, 0, 0), (SCRIPT, 3, 1), ("launch/grpo_7b.slurm", 0, 0)],
+)
+def test_sbatch_runs_torchrun_over_gloo(slurm, job_env, tmp_path, script, exit_code, job_status):
     env = {**job_env, "MEGARL_TRAIN_MODULE": "tests.launch._gloo_payload",
            "PAYLOAD_EXIT": str(exit_code)}  # fmt: skip
     # sbatch --wait (what users and CI run) returns the job's status; one case shows it.
-    wait = exit_code == 0
-    done = slurm.run(*sbatch_cmd(tmp_path, wait=wait), env=env, timeout=600, cwd=REPO)
+    wait = script == SCRIPT and exit_code == 0
+    cmd = sbatch_cmd(tmp_path, wait=wait, script=script)
+    done = slurm.run(*cmd, env=env, timeout=600, cwd=REPO)
     job = job_id(done.stdout.splitlines()[0])
     status = done.returncode if wait else wait_for_job(slurm, job)
     batch_out = (tmp_path / f"batch-{job}.out").read_text()
