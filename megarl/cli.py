@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    train = commands.add_parser("train", help="validate a config and run the trainer")
+    train = commands.add_parser("train", help="check a config and run the trainer")
     _add_config_args(train, required=True)
+    train.add_argument("--verbose", action="store_true", help="show third-party output too")
     train.set_defaults(handler=_train)
 
     config = commands.add_parser("config", help="show, validate or list configuration keys")
@@ -149,9 +150,10 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from megarl import train
+    from megarl.commands import train
 
-    return train.run(args.config, args.overrides)
+    argv = [f"--config={c}" for c in args.config] + list(args.overrides)
+    return train.main(argv + (["--verbose"] if args.verbose else []))
 
 
 def _keys(args: argparse.Namespace) -> int:

@@ -177,11 +177,13 @@ def _tiny_files(tmp_path: Path) -> None:
     )
     (tmp_path / "outputs/tiny-data").mkdir(parents=True)
     (tmp_path / "outputs/tiny-data/train.parquet").write_bytes(b"")
+    (tmp_path / "outputs/tiny-data/test.parquet").write_bytes(b"")
 
 
 def test_train_calls_the_trainer_with_the_validated_config(capsys, monkeypatch, tmp_path):
     calls = _fake_trainer(monkeypatch)
     _tiny_files(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # inside the launched world: train in this process
     code, _, err = run_cli(capsys, "train", "-c", GRPO, "trainer.seed=9")
     assert code == 0, err
     assert len(calls) == 1 and calls[0].trainer.seed == 9

@@ -223,6 +223,12 @@ def build_gpt_chunks(
         )
         if value_head and post:
             model.output_layer = ValueHead(dims.hidden_size, config.params_dtype, value_head_seed)
+        # The local spec builds torch.nn.RMSNorm without params_dtype (fp32 norms in a bf16 or
+        # float64 model); Transformer Engine's norms take params_dtype. Match TE, so the CPU
+        # path holds the GPU path's dtypes (and one gradient-buffer dtype).
+        for module in model.modules():
+            if isinstance(module, torch.nn.RMSNorm):
+                module.to(config.params_dtype)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         chunks.append(model)

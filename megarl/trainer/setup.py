@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.config import BatchPlan, MegarlConfig, ref_used
+from megarl.config import BatchPlan, ConfigError, MegarlConfig, ref_used
 from megarl.data import GlobalBatchSampler, PromptDataset, total_training_steps
 from megarl.models.build import BuiltModel, Recompute, build_model
 from megarl.models.trainable import OptimizerSettings, TrainableModel
@@ -27,6 +27,7 @@ from megarl.rollout.vllm_engine import read_eos_token_ids
 from megarl.trainer.actor import PolicyUpdate
 from megarl.trainer.console import Console
 from megarl.trainer.state import TrainerState
+from megarl.trainer.support import unsupported_by_trainer
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -63,6 +64,8 @@ class Run:
 def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
     """Initialise the process group and Megatron, then data, engine, models and rewards."""
     arr = cfg.actor_rollout_ref
+    if (reason := unsupported_by_trainer(cfg)) is not None:
+        raise ConfigError(reason)
     layout = arr.actor.megatron.parallel_layout()
     launch = init_distributed(layout, seed=cfg.trainer.seed)
     world = launch.world_size

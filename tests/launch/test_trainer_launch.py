@@ -33,6 +33,8 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not _has_trainer_main(), reason="megarl/train.py has no main() yet"),
 ]
+NEEDS_PPO = pytest.mark.skip(reason="PPO with a critic is the trainer's part 2 (issue 12)")
+NEEDS_STOP_SAVE = pytest.mark.skip(reason="save on a stop request is the checkpoint issue (13)")
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +70,7 @@ def submit(slurm, job_env, tmp_path, overrides) -> str:
     return job_id(done.stdout)
 
 
+@NEEDS_PPO
 def test_sbatch_ppo_72b_script_trains_the_tiny_ppo_config(slurm, job_env, tmp_path, tiny_overrides):
     cmd = [
         "sbatch", "--wait", "--nodes=1", "--time=60", f"--output={tmp_path}/batch-%j.out",
@@ -83,6 +86,8 @@ def test_sbatch_ppo_72b_script_trains_the_tiny_ppo_config(slurm, job_env, tmp_pa
     assert "step 1 " in log and "step 2 " in log
 
 
+@NEEDS_PPO
+@NEEDS_STOP_SAVE
 def test_preempted_job_saves_and_a_second_job_resumes(slurm, job_env, tmp_path, tiny_overrides):
     run_dir = tmp_path / "run"
     first = submit(slurm, job_env, tmp_path, ["trainer.total_training_steps=50", *tiny_overrides])
