@@ -53,6 +53,9 @@ class ParamSlot:
     numel: int
     shared_embedding: bool = False
     """Megatron marks the tied embedding's two copies (PP > 1); they get a bucket of their own."""
+    norm: bool = False
+    """An RMSNorm weight: fp32 in the local spec whatever the model dtype (``torch.nn.RMSNorm``
+    ignores ``params_dtype``), the model dtype in the TE spec."""
 
 
 def chunk_params(
@@ -79,19 +82,19 @@ def chunk_params(
     start = (vp_stage * layout.pp + pp_rank) * per_chunk
     for layer in range(start, start + per_chunk):
         pre = f"decoder.layers.{layer}."
-        out.append(ParamSlot(pre + "input_layernorm.weight", h))
+        out.append(ParamSlot(pre + "input_layernorm.weight", h, norm=True))
         out.append(ParamSlot(pre + "self_attention.linear_proj.weight", h * dims.num_attention_heads * d // t))
         out.append(ParamSlot(pre + "self_attention.linear_qkv.weight", qkv_rows * h))
         if dims.qkv_bias:
             out.append(ParamSlot(pre + "self_attention.linear_qkv.bias", qkv_rows))
         if dims.qk_norm:
-            out.append(ParamSlot(pre + "self_attention.q_layernorm.weight", d))
-            out.append(ParamSlot(pre + "self_attention.k_layernorm.weight", d))
-        out.append(ParamSlot(pre + "pre_mlp_layernorm.weight", h))
+            out.append(ParamSlot(pre + "self_attention.q_layernorm.weight", d, norm=True))
+            out.append(ParamSlot(pre + "self_attention.k_layernorm.weight", d, norm=True))
+        out.append(ParamSlot(pre + "pre_mlp_layernorm.weight", h, norm=True))
         out.append(ParamSlot(pre + "mlp.linear_fc1.weight", 2 * dims.ffn_hidden_size // t * h))
         out.append(ParamSlot(pre + "mlp.linear_fc2.weight", h * dims.ffn_hidden_size // t))
     if last:
-        out.append(ParamSlot("decoder.final_layernorm.weight", h))
+        out.append(ParamSlot("decoder.final_layernorm.weight", h, norm=True))
         if role == "critic":
             out.append(ParamSlot("output_layer.weight", h))
         elif not tied:
@@ -167,7 +170,7 @@ def owned_elements(buffer: GradBuffer, dp: int, dp_rank: int) -> tuple[int, int]
 
 @dataclass(frozen=True)
 class OptimizerAssumptions:
-    """How a model's optimizer is configured (what changes its bytes)."""
+    """How a model's parameters and optimizer are configured (what changes their bytes)."""
 
     dtype: Dtype = "bf16"
     """Parameter dtype (``trainer.dtype``)."""
@@ -179,6 +182,8 @@ class OptimizerAssumptions:
     """``*.optim.optimizer``; sgd without momentum has no state."""
     adam: AdamKind = "fused"
     """``fused``: TE FusedAdam (GPU, no per-tensor step); ``torch``: torch.optim.Adam (CPU)."""
+    impl: Literal["local", "transformer_engine"] = "transformer_engine"
+    """Layer spec: the local spec (CPU) keeps RMSNorm weights in fp32."""
 
 
 @dataclass(frozen=True)
@@ -193,6 +198,16 @@ class ModelState:
     @property
     def total(self) -> int:
         return self.params + self.grads + self.main_params + self.optimizer_states
+
+
+def _by_dtype(slots: list[ParamSlot], opt: OptimizerAssumptions) -> dict[int, list[ParamSlot]]:
+    """Slots per parameter itemsize: DDP keeps one buffer per (param, grad) dtype pair."""
+    e = ITEMSIZE[opt.dtype]
+    groups: dict[int, list[ParamSlot]] = {}
+    for slot in slots:
+        size = 4 if slot.norm and opt.impl == "local" else e
+        groups.setdefault(size, []).append(slot)
+    return groups
 
 
 def model_state(
@@ -211,31 +226,31 @@ def model_state(
     updates, ``j`` its main-parameter tensors): params ``e·n_pad`` (distributed optimizer) or
     ``e·n``; grads ``g·n_pad`` with ``g`` = 4 (``grad_reduce_in_fp32``) or ``e``; main params
     ``4·k`` when ``e`` < 4; Adam ``8·k`` (+ ``4·j`` with torch's Adam). ``k`` = ``n`` without the
-    distributed optimizer. A reference model (``ref``) holds parameters only.
+    distributed optimizer. Each (parameter dtype, gradient dtype) pair has its own buffer. A
+    reference model (``ref``) holds parameters only.
     """
     if pp_rank is None:
         stages = [model_state(dims, layout, world, role, opt, pp_rank=r) for r in range(layout.pp)]
         return max(stages, key=lambda s: s.total)
     dp = layout.data_parallel_size(world)
-    e = ITEMSIZE[opt.dtype]
-    g = 4 if opt.grad_reduce_in_fp32 else e
     params = grads = main = states = 0
     for vp_stage in range(layout.vpp):
         slots = chunk_params(dims, layout, pp_rank, vp_stage, role)
-        if role == "ref":
-            params += e * sum(s.numel for s in slots)
-            continue
-        buffer = grad_buffer(slots, dp, opt.distributed_optimizer)
-        if opt.distributed_optimizer:
+        for e, group in _by_dtype(slots, opt).items():
+            if role == "ref":
+                params += e * sum(s.numel for s in group)
+                continue
+            g = 4 if opt.grad_reduce_in_fp32 else e
+            buffer = grad_buffer(group, dp, opt.distributed_optimizer)
+            if opt.distributed_optimizer:
+                updated, tensors = owned_elements(buffer, dp, dp_rank)
+            else:
+                updated, tensors = buffer.numel, len(group)
             params += e * buffer.numel
-            updated, tensors = owned_elements(buffer, dp, dp_rank)
-        else:
-            params += e * buffer.numel
-            updated, tensors = buffer.numel, len(slots)
-        grads += g * buffer.numel
-        main += 4 * updated if e < 4 else 0
-        if opt.optimizer == "adam":
-            states += 8 * updated + (4 * tensors if opt.adam == "torch" else 0)
+            grads += g * buffer.numel
+            main += 4 * updated if e < 4 else 0
+            if opt.optimizer == "adam":
+                states += 8 * updated + (4 * tensors if opt.adam == "torch" else 0)
     return ModelState(params, grads, main, states)
 
 

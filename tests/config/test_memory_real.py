@@ -5,7 +5,8 @@ buffers, main parameters and optimizer states (distinct storages, counted by
 ``_memory_worker.py``) must equal :func:`megarl.config.memory.model_state` *exactly*: the planner
 reproduces Megatron's buffer padding (parameters start at multiples of 64 elements and buckets
 end at multiples of lcm(DP, 128) with the distributed optimizer). On CPU the optimizer is
-torch's ``Adam`` (one 4-byte ``step`` tensor per main-parameter tensor: ``adam="torch"``).
+torch's ``Adam`` (one 4-byte ``step`` tensor per main-parameter tensor: ``adam="torch"``) and the
+layer spec is the local one (RMSNorm weights stay fp32 in a bf16 model: ``impl="local"``).
 
 Activations: the bytes saved for backward in one training micro-batch (``saved_tensors_hooks``,
 distinct non-parameter storages) within 10% of the planner's estimate, with and without
@@ -64,7 +65,10 @@ def test_model_state_bytes_equal_what_megatron_holds(spec, world):
     for r in held:
         tp, pp, _ = r["layout"]
         opt = OptimizerAssumptions(
-            dtype=r["dtype"], distributed_optimizer=r["distributed_optimizer"], adam="torch"
+            dtype=r["dtype"],
+            distributed_optimizer=r["distributed_optimizer"],
+            adam="torch",
+            impl="local",
         )
         planned = model_state(
             _dims(spec, r["model"]),
@@ -92,7 +96,8 @@ def test_model_state_cases_are_not_trivial(spec):
     bf16 = by[("qwen2", "actor", "bf16", True)]
     fp32 = by[("qwen2", "actor", "fp32", True)]
     assert bf16["main_params"] > 0 and fp32["main_params"] == 0  # fp32 steps the params
-    assert bf16["grads"] == 2 * bf16["params"]  # fp32 gradients of bf16 parameters
+    assert bf16["params"] < 0.6 * fp32["params"]  # 16-bit parameters (norm weights stay fp32)
+    assert bf16["grads"] > 1.9 * bf16["params"]  # fp32 gradients of bf16 parameters
     critic = by[("qwen2", "critic", "fp32", False)]
     assert critic["params"] < fp32["params"]  # a value head instead of the output layer
 
