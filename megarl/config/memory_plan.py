@@ -385,32 +385,39 @@ class Proposal:
 
 
 def _with(cfg: MegarlConfig, tp: int, pp: int, offload: bool, recompute: bool) -> tuple:
-    cfg = copy.deepcopy(cfg)
-    arr = cfg.actor_rollout_ref
-    megs = {"actor_rollout_ref.actor": arr.actor.megatron, "critic": cfg.critic.megatron,
-            "actor_rollout_ref.ref": arr.ref.megatron}  # fmt: skip
+    """A copy of ``cfg`` with this layout and these switches on every model, and the overrides
+    (only keys whose value changes) that select it."""
+    new = copy.deepcopy(cfg)
+    values: dict[str, Any] = {
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "virtual_pipeline_model_parallel_size": None,
+        "use_distributed_optimizer": True,
+        "param_offload": offload,
+        "grad_offload": offload,
+        "optimizer_offload": offload,
+        "recompute_granularity": "full" if recompute else None,
+        "recompute_method": "uniform" if recompute else None,
+        "recompute_num_layers": 1 if recompute else None,
+    }
     overrides = []
-    for prefix, meg in megs.items():
-        meg.tensor_model_parallel_size, meg.pipeline_model_parallel_size = tp, pp
-        meg.virtual_pipeline_model_parallel_size = None
-        meg.use_distributed_optimizer = True
-        meg.param_offload = meg.grad_offload = meg.optimizer_offload = offload
-        if recompute:
-            meg.recompute_granularity, meg.recompute_method, meg.recompute_num_layers = (
-                "full", "uniform", 1)  # fmt: skip
-        else:
-            meg.recompute_granularity = meg.recompute_method = meg.recompute_num_layers = None
-        values = {
-            "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-            "virtual_pipeline_model_parallel_size": "null", "use_distributed_optimizer": "true",
-            "param_offload": str(offload).lower(), "grad_offload": str(offload).lower(),
-            "optimizer_offload": str(offload).lower(),
-            "recompute_granularity": "full" if recompute else "null",
-            "recompute_method": "uniform" if recompute else "null",
-            "recompute_num_layers": 1 if recompute else "null",
-        }  # fmt: skip
-        overrides += [f"{prefix}.megatron.{k}={v}" for k, v in values.items()]
-    return cfg, tuple(overrides)
+    for prefix, section in (("actor_rollout_ref.actor", "actor"), ("critic", "critic"),
+                            ("actor_rollout_ref.ref", "ref")):  # fmt: skip
+        old_meg = _megatron(cfg, section)
+        meg = _megatron(new, section)
+        for key, value in values.items():
+            if getattr(old_meg, key) != value:
+                setattr(meg, key, value)
+                text = "null" if value is None else str(value).lower()
+                overrides.append(f"{prefix}.megatron.{key}={text}")
+    return new, tuple(overrides)
+
+
+def _megatron(cfg: MegarlConfig, section: str) -> MegatronConfig:
+    arr = cfg.actor_rollout_ref
+    return {"actor": arr.actor.megatron, "critic": cfg.critic.megatron, "ref": arr.ref.megatron}[
+        section
+    ]
 
 
 def search_layouts(
@@ -451,3 +458,46 @@ def search_layouts(
                         bubble = (pp - 1) / ((m or 1) + pp - 1)
                         found.append(Proposal(tp, pp, offload, recompute, bubble, plan, overrides))
     return sorted(found, key=lambda p: p.key)[:limit]
+
+
+DEFAULT_GPU_MEMORY_GIB = 80.0
+"""GPU memory ``megarl config validate`` assumes (H100-80GB); ``megarl plan --gpu-memory``."""
+
+
+def memory_warnings(cfg: MegarlConfig, world: int) -> list[str]:
+    """One warning when ``cfg`` (already valid) does not fit on 80 GiB GPUs; none on CPU or
+    when the model's shape is unknown (no config.json, preset or complete architecture)."""
+    from megarl.config.errors import ConfigError
+    from megarl.config.model_presets import resolve_hf_config
+
+    if cfg.trainer.device != "cuda":
+        return []
+    try:
+        hf, _ = resolve_hf_config(cfg.actor_rollout_ref.model)
+        dims = ModelDims.from_hf_config(hf)
+    except (OSError, ValueError):
+        return []
+    gpus = cfg.trainer.n_gpus_per_node
+    cluster = (
+        Cluster(world // gpus, gpus, DEFAULT_GPU_MEMORY_GIB)
+        if world % gpus == 0
+        else Cluster(1, world, DEFAULT_GPU_MEMORY_GIB)
+    )
+    try:
+        plan = plan_memory(cfg, dims, cluster)
+    except ConfigError:
+        return []
+    if plan.fits:
+        return []
+    bad = [
+        f"{p.name} {p.total / GIB:.1f} GiB"
+        for p in plan.phases
+        if not plan.phase_fits(p)
+    ]
+    if plan.kv_cache["bytes"] <= 0:
+        bad.append("rollout: no room left for vLLM's KV cache")
+    return [
+        f"memory: does not fit on {DEFAULT_GPU_MEMORY_GIB:g} GiB GPUs ({cluster.usable_bytes / GIB:g} "
+        f"GiB usable per GPU): {', '.join(bad)}; `megarl plan --config ...` shows the terms and "
+        "layouts that fit"
+    ]
