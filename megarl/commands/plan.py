@@ -75,11 +75,15 @@ def render(plan: MemoryPlan, proposals: list[Proposal], source: str) -> str:
     c, lay = plan.cluster, plan.layout
     lines = [
         f"model: {source}",
-        f"cluster: {c.nodes} node(s) × {c.gpus_per_node} GPU(s) of {c.gpu_memory_gib:g} GiB; "
-        f"usable per GPU {c.gpu_memory_gib - c.reserve_gib:g} GiB "
-        f"(reserve {c.reserve_gib:g} GiB)",
-        f"training TP {lay.tp} × PP {lay.pp} × VPP {lay.vpp} → DP "
-        f"{lay.data_parallel_size(c.world)}",
+        (
+            f"cluster: {c.nodes} node(s) × {c.gpus_per_node} GPU(s) of {c.gpu_memory_gib:g} GiB; "
+            f"usable per GPU {c.gpu_memory_gib - c.reserve_gib:g} GiB "
+            f"(reserve {c.reserve_gib:g} GiB)"
+        ),
+        (
+            f"training TP {lay.tp} × PP {lay.pp} × VPP {lay.vpp} → DP "
+            f"{lay.data_parallel_size(c.world)}"
+        ),
     ]
     for phase in plan.phases:
         verdict = "FITS" if plan.phase_fits(phase) else "DOES NOT FIT"
@@ -102,7 +106,9 @@ def render(plan: MemoryPlan, proposals: list[Proposal], source: str) -> str:
     if not plan.fits:
         lines.append(
             "layouts that fit (sorted: no offload, TP within a node, less pipeline bubble, "
-            "no recompute, lower peak):" if proposals else "no layout of the search fits"
+            "no recompute, lower peak):"
+            if proposals
+            else "no layout of the search fits"
         )
         for p in proposals:
             lines.append(

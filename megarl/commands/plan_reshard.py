@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-from megarl.config.errors import ConfigError
 from megarl.commands.plan_args import InputError, OneLineParser, positive_int
+from megarl.config.errors import ConfigError
 from megarl.config.model_dims import ModelDims
 from megarl.config.model_presets import PRESETS, hf_config_at, preset_config
 from megarl.parallel.layout import ParallelLayout

@@ -188,5 +188,7 @@ def forward_activations(
     tokens = micro_batch * seq_len
     layer = tokens * layer_bytes_per_token(dims, layout, seq_len, dtype, impl)
     edge = tokens * _edge_bytes_per_token(dims, layout, dtype, role, False, True)
-    work = logprob_working_bytes(dims, layout, micro_batch, seq_len, dtype) if role != "critic" else 0
+    work = (
+        logprob_working_bytes(dims, layout, micro_batch, seq_len, dtype) if role != "critic" else 0
+    )
     return Activations(0, int(layer + edge + work))

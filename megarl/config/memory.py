@@ -83,7 +83,11 @@ def chunk_params(
     for layer in range(start, start + per_chunk):
         pre = f"decoder.layers.{layer}."
         out.append(ParamSlot(pre + "input_layernorm.weight", h, norm=True))
-        out.append(ParamSlot(pre + "self_attention.linear_proj.weight", h * dims.num_attention_heads * d // t))
+        out.append(
+            ParamSlot(
+                pre + "self_attention.linear_proj.weight", h * dims.num_attention_heads * d // t
+            )
+        )
         out.append(ParamSlot(pre + "self_attention.linear_qkv.weight", qkv_rows * h))
         if dims.qkv_bias:
             out.append(ParamSlot(pre + "self_attention.linear_qkv.bias", qkv_rows))
@@ -285,4 +289,6 @@ def vllm_weight_bytes(dims: ModelDims, rollout_tp: int, itemsize: int = 2) -> in
 
 def kv_bytes_per_token(dims: ModelDims, rollout_tp: int, itemsize: int = 2) -> int:
     """KV-cache bytes per token on one vLLM rank: ``2·L·max(nkv/T, 1)·d·e``."""
-    return 2 * dims.num_layers * max(dims.num_query_groups // rollout_tp, 1) * dims.head_dim * itemsize
+    return (
+        2 * dims.num_layers * max(dims.num_query_groups // rollout_tp, 1) * dims.head_dim * itemsize
+    )

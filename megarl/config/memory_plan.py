@@ -156,8 +156,10 @@ class _Model:
     def resident(self) -> int:
         """Bytes that stay on the GPU while the model is idle."""
         s, (p, g, o) = self.state, self.offload
-        return (0 if p else s.params) + (0 if g else s.grads) + (
-            0 if o else s.main_params + s.optimizer_states
+        return (
+            (0 if p else s.params)
+            + (0 if g else s.grads)
+            + (0 if o else s.main_params + s.optimizer_states)
         )
 
     @property
@@ -223,8 +225,14 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
     models = {m.name: m for m in _models(cfg, dims, world)}
     resident = sum(m.resident for m in models.values())
     rollout, vllm, kv = _rollout_terms(cfg, dims, cluster, resident)
-    asleep = 0 if arr.rollout.free_cache_engine else int(arr.rollout.gpu_memory_utilization * cluster.gpu_bytes)
-    sleep_term = Term("vLLM asleep", asleep, "0 (sleep level 1) or the pool (free_cache_engine=false)")
+    asleep = (
+        0
+        if arr.rollout.free_cache_engine
+        else int(arr.rollout.gpu_memory_utilization * cluster.gpu_bytes)
+    )
+    sleep_term = Term(
+        "vLLM asleep", asleep, "0 (sleep level 1) or the pool (free_cache_engine=false)"
+    )
     phases = [
         Phase("rollout", rollout),
         Phase("log-probs", (sleep_term, *_logprob_terms(cfg, dims, batches, models, seq))),
@@ -246,9 +254,11 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
     )
     impl = _impl(cfg, arr.actor.megatron)
     notes = (
-        f"optimizer: {'TE FusedAdam' if impl == 'transformer_engine' else 'torch Adam'}, fp32 "
-        "main params and moments; the precision-aware optimizer and store_param_remainders "
-        "are not modelled",
+        (
+            f"optimizer: {'TE FusedAdam' if impl == 'transformer_engine' else 'torch Adam'}, fp32 "
+            "main params and moments; the precision-aware optimizer and store_param_remainders "
+            "are not modelled"
+        ),
         f"layer spec: {impl}; sequence length {seq} = max_prompt_length + max_response_length",
         f"gradient buffers in fp32 (grad_reduce_in_fp32), {'distributed' if arr.actor.megatron.use_distributed_optimizer else 'plain'} optimizer over DP {layout.data_parallel_size(world)}",
         f"reserve {cluster.reserve_gib:g} GiB per GPU for CUDA context, NCCL and fragmentation",
@@ -262,7 +272,9 @@ def _rollout_terms(cfg, dims, cluster, resident) -> tuple[tuple[Term, ...], int,
     pool = int(r.gpu_memory_utilization * cluster.gpu_bytes)
     weights = vllm_weight_bytes(dims, t, e)
     h, f, d = dims.hidden_size, dims.ffn_hidden_size, dims.head_dim
-    per_token = e * (4 * h + (dims.num_attention_heads + 2 * dims.num_query_groups) * d // t + 3 * f // t)
+    per_token = e * (
+        4 * h + (dims.num_attention_heads + 2 * dims.num_query_groups) * d // t + 3 * f // t
+    )
     profile = r.max_num_batched_tokens * per_token + 4 * r.max_num_seqs * dims.vocab_size
     graphs = 0 if r.enforce_eager else CUDA_GRAPH_BYTES
     kv = pool - weights - profile - graphs
@@ -307,7 +319,9 @@ def _logprob_terms(cfg, dims, batches, models, seq) -> tuple[Term, ...]:
     return (
         Term("training state resident", resident, "Σ models: state not offloaded"),
         Term(f"params loaded for {best[1]}", best[2], "e·n if param_offload else 0"),
-        Term(f"forward activations, {best[1]}", best[3], "one layer + logits + log-prob working set"),
+        Term(
+            f"forward activations, {best[1]}", best[3], "one layer + logits + log-prob working set"
+        ),
     )
 
 
@@ -348,7 +362,9 @@ def _sync_terms(cfg, dims, models, vllm) -> tuple[Term, ...]:
     e = ITEMSIZE[cfg.trainer.dtype]
     actor = models["actor"]
     rest = actor.resident - (0 if actor.offload[0] else actor.state.params)
-    gather = padded_vocab_size(dims.vocab_size, layout.tp) * dims.hidden_size * e if layout.tp > 1 else 0
+    gather = (
+        padded_vocab_size(dims.vocab_size, layout.tp) * dims.hidden_size * e if layout.tp > 1 else 0
+    )
     others = sum(m.resident for m in models.values() if m is not actor)
     return (
         Term("vLLM weights (awake)", vllm, "vLLM weights per rank"),
@@ -489,15 +505,13 @@ def memory_warnings(cfg: MegarlConfig, world: int) -> list[str]:
         return []
     if plan.fits:
         return []
-    bad = [
-        f"{p.name} {p.total / GIB:.1f} GiB"
-        for p in plan.phases
-        if not plan.phase_fits(p)
-    ]
+    bad = [f"{p.name} {p.total / GIB:.1f} GiB" for p in plan.phases if not plan.phase_fits(p)]
     if plan.kv_cache["bytes"] <= 0:
         bad.append("rollout: no room left for vLLM's KV cache")
     return [
-        f"memory: does not fit on {DEFAULT_GPU_MEMORY_GIB:g} GiB GPUs ({cluster.usable_bytes / GIB:g} "
-        f"GiB usable per GPU): {', '.join(bad)}; `megarl plan --config ...` shows the terms and "
-        "layouts that fit"
+        (
+            f"memory: does not fit on {DEFAULT_GPU_MEMORY_GIB:g} GiB GPUs ({cluster.usable_bytes / GIB:g} "
+            f"GiB usable per GPU): {', '.join(bad)}; `megarl plan --config ...` shows the terms and "
+            "layouts that fit"
+        )
     ]

@@ -94,7 +94,9 @@ def resolve_hf_config(model: ModelConfig, *, preset: str | None = None) -> tuple
     )
 
 
-def resolve_dims(model: ModelConfig, tp: int, *, preset: str | None = None) -> tuple[ModelDims, str]:
+def resolve_dims(
+    model: ModelConfig, tp: int, *, preset: str | None = None
+) -> tuple[ModelDims, str]:
     """:class:`ModelDims` of ``model`` (vocabulary padded for ``tp``) and its source."""
     hf, source = resolve_hf_config(model, preset=preset)
     return ModelDims.from_hf_config(hf, tp_size=tp), source

@@ -87,9 +87,9 @@ def _state_checks(spec: dict, tp: int, pp: int, results: list) -> None:
     init_distributed(layout)
     cases = [("actor", "qwen2"), ("critic", "qwen2"), ("actor", "llama_tied")]
     for role, model in cases:
-        for dtype in DTYPES:
+        for dtype, torch_dtype in DTYPES.items():
             for dist_opt in (False, True):
-                built = build_model(spec["models"][model], layout, role=role, dtype=DTYPES[dtype])
+                built = build_model(spec["models"][model], layout, role=role, dtype=torch_dtype)
                 settings = OptimizerSettings(
                     lr=1e-3, grad_reduce_in_fp32=True, use_distributed_optimizer=dist_opt
                 )
@@ -165,6 +165,42 @@ def _activation_checks(spec: dict, results: list) -> None:
                 )
 
 
+def _gpu_peak(spec: dict, results: list) -> None:
+    """GPU only: ``torch.cuda.max_memory_allocated`` over building, one training micro-batch
+    and one optimizer step of a mid-sized bf16 model (TE spec when it imports)."""
+    from megarl.config.model_dims import ModelDims
+    from megarl.models.build import build_model
+    from megarl.models.gpt import transformer_engine_available
+    from megarl.models.runner import SequenceBatch, forward_backward
+    from megarl.models.tiny import tiny_hf_config
+    from megarl.models.trainable import OptimizerSettings, TrainableModel
+    from megarl.parallel.layout import ParallelLayout
+
+    hf = tiny_hf_config("qwen2", **spec["gpu_model"])
+    dims = ModelDims.from_hf_config(hf)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    built = build_model(dims, ParallelLayout(), dtype=torch.bfloat16)
+    trainable = TrainableModel(built, OptimizerSettings(lr=1e-5))
+    b, s = spec["gpu_batch"]
+    ids = torch.randint(0, dims.vocab_size, (b, s), device="cuda")
+    batch = SequenceBatch(ids, torch.full((b,), 8), torch.full((b,), s))
+
+    def loss_fn(outputs, mb):
+        return outputs["log_probs"].float().mean(), {}
+
+    forward_backward(trainable.chunks, batch, loss_fn, micro_batches=b, vocab_size=dims.vocab_size)
+    trainable.step()
+    torch.cuda.synchronize()
+    results.append(
+        {
+            "gpu": True,
+            "peak": torch.cuda.max_memory_allocated() - base,
+            "impl": "transformer_engine" if transformer_engine_available() else "local",
+        }
+    )
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     from megarl.parallel.init import destroy_distributed, init_distributed
@@ -173,6 +209,11 @@ def main() -> None:
     init_distributed(ParallelLayout())
     world = dist.get_world_size()
     results: list = []
+    if "--gpu" in sys.argv:
+        _gpu_peak(spec, results)
+        Path(spec["tmp"], "memory_gpu.json").write_text(json.dumps(results))
+        destroy_distributed()
+        return
     for tp, pp in LAYOUTS[world]:
         _state_checks(spec, tp, pp, results)
     if world == 1:

@@ -138,7 +138,10 @@ def _no_heads(tmp_path) -> str:
         ([], "--config"),
         (["--config", CFG_72B, "--preset", "qwen9"], "unknown preset 'qwen9'"),
         (["--config", CFG_72B, "--model", "/no/such/model"], "/no/such/model"),
-        (["--config", CFG_72B, f"{MEG}.tensor_model_parallel_size=3"], "tensor_model_parallel_size"),
+        (
+            ["--config", CFG_72B, f"{MEG}.tensor_model_parallel_size=3"],
+            "tensor_model_parallel_size",
+        ),
         (["--config", CFG_72B, "--gpu-memory", "0"], "--gpu-memory"),
         (["--config", "no/such.yaml"], "no/such.yaml"),
         (["reshard"], "--config, --model or --preset"),
