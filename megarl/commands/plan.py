@@ -1,154 +1,149 @@
-"""``megarl plan``: print the Megatron → vLLM weight-sync plan for a model and two layouts.
+"""``megarl plan``: will a config fit on the GPUs, and which layouts do if it does not.
 
-    megarl plan --config configs/ppo_qwen2_5_72b.yaml            layouts and model from a config
-    megarl plan --preset qwen2.5-72b --tp 8 --pp 4 --rollout-tp 8
-    megarl plan --model /path/to/hf_model --tp 2 --rollout-tp 1 --bucket-mb 64 --buckets
+    megarl plan --config configs/ppo_qwen2_5_72b.yaml [KEY=VALUE ...] [--gpu-memory 80]
+                [--nodes N --gpus-per-node G] [--reserve 4] [--model DIR | --preset NAME] [--json]
+    megarl plan reshard ...        the Megatron → vLLM weight-sync plan (``plan_reshard``)
 
-Nothing is allocated and no process group is started; the plan is pure arithmetic.
+Per phase of a step (rollout, log-probs, update, sync) a table of the per-GPU terms with their
+formulas, FITS / DOES NOT FIT against the GPU memory minus a reserve, host RAM per node, the
+vLLM KV cache; when a phase does not fit, the cheapest layouts and switches that do, as
+overrides. Pure arithmetic (:mod:`megarl.config.memory_plan`): no process, no tensor.
 """
 
 from __future__ import annotations
 
-import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
-import torch
-
-from megarl.config.model_dims import ModelDims, read_hf_config
-from megarl.parallel.layout import ParallelLayout
-from megarl.rollout.reshard.plan import DEFAULT_BUCKET_BYTES, ReshardPlan, make_reshard_plan
+from megarl.commands.plan_args import InputError, OneLineParser, positive_float, positive_int
+from megarl.config.errors import ConfigError
+from megarl.config.memory import GIB
+from megarl.config.memory_plan import Cluster, MemoryPlan, Proposal, plan_memory, search_layouts
+from megarl.config.model_dims import ModelDims
+from megarl.config.model_presets import PRESETS, hf_config_at, resolve_hf_config
 
 __all__ = ["PRESETS", "main"]
 
-_QWEN25 = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "vocab_size": 152064,
-    "max_position_embeddings": 32768,
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6,
-}
-PRESETS: dict[str, dict] = {
-    "qwen2.5-7b": {
-        **_QWEN25,
-        "hidden_size": 3584,
-        "intermediate_size": 18944,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 28,
-        "num_key_value_heads": 4,
-    },
-    "qwen2.5-32b": {
-        **_QWEN25,
-        "hidden_size": 5120,
-        "intermediate_size": 27648,
-        "num_hidden_layers": 64,
-        "num_attention_heads": 40,
-        "num_key_value_heads": 8,
-    },
-    "qwen2.5-72b": {
-        **_QWEN25,
-        "hidden_size": 8192,
-        "intermediate_size": 29568,
-        "num_hidden_layers": 80,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-    },
-}
-"""HF ``config.json`` shapes of common models, for planning without the model files."""
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="megarl plan", description="Show how weights move from training to vLLM."
-    )
-    p.add_argument("--config", help="megarl YAML config (layouts, model path, dtype)")
-    p.add_argument("--model", help="HF model directory or config.json")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="a known model shape")
-    p.add_argument("--tp", type=int, help="training tensor-parallel size")
-    p.add_argument("--pp", type=int, help="training pipeline-parallel size")
-    p.add_argument("--vpp", type=int, help="virtual pipeline chunks per stage")
-    p.add_argument("--rollout-tp", type=int, help="vLLM tensor-parallel size")
-    p.add_argument("--bucket-mb", type=float, help="bucket size limit in MiB (default 1024)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), help="parameter dtype (default bf16)")
-    p.add_argument("--buckets", action="store_true", help="also list every bucket")
-    p.add_argument("overrides", nargs="*", help="dotted config overrides (with --config)")
+def _parser() -> OneLineParser:
+    p = OneLineParser(prog="megarl plan", description="Will a config fit on its GPUs?")
+    p.add_argument("--config", "-c", action="append", default=[], help="megarl YAML config")
+    p.add_argument("--gpu-memory", type=positive_float, default=80.0, help="GiB per GPU (80)")
+    p.add_argument("--reserve", type=positive_float, default=4.0, help="GiB kept free (4)")
+    p.add_argument("--nodes", type=positive_int, help="nodes (default trainer.nnodes)")
+    p.add_argument("--gpus-per-node", type=positive_int, help="default trainer.n_gpus_per_node")
+    p.add_argument("--model", help="HF model directory or config.json (instead of the config's)")
+    p.add_argument("--preset", help=f"a known model shape: {', '.join(sorted(PRESETS))}")
+    p.add_argument("--propose", type=positive_int, default=5, help="layouts to propose (5)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides")
     return p
 
 
-def _hf_config(args: argparse.Namespace, model_path: str | None) -> tuple[dict, str]:
-    """The HF config dict and where it came from."""
+def build(args) -> tuple[MemoryPlan, list[Proposal], str]:
+    """The plan, the proposals (only when it does not fit) and the model's source."""
+    from megarl.config import load_config, validate
+
+    if not args.config:
+        raise InputError("give --config FILE (or `megarl plan reshard ...` for the sync plan)")
+    cfg = load_config(args.config, args.overrides)
+    nodes = args.nodes or cfg.trainer.nnodes
+    gpus = args.gpus_per_node or cfg.trainer.n_gpus_per_node
+    cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node = nodes, gpus
+    cluster = Cluster(nodes, gpus, args.gpu_memory, args.reserve)
+    if args.reserve >= args.gpu_memory:
+        raise InputError(f"--reserve {args.reserve:g} GiB leaves nothing of --gpu-memory")
+    validate(cfg, cluster.world, check_memory=False)  # a ConfigError names the keys
     if args.model:
-        path = Path(args.model)
-        path = path / "config.json" if path.is_dir() else path
-        return read_hf_config(path), str(path)
-    if args.preset:
-        return PRESETS[args.preset], f"preset {args.preset}"
-    if model_path:
-        from megarl.config.model_source import find_config_json
-
-        found = find_config_json(model_path)
-        if found is not None and found.is_file():
-            return read_hf_config(found), str(found)
-        key = model_path.lower().replace("_", ".")
-        for name in sorted(PRESETS, key=len, reverse=True):
-            if name in key:
-                return PRESETS[name], f"preset {name} (matched {model_path!r})"
-        raise SystemExit(f"error: no config.json for {model_path!r}; pass --model or --preset")
-    raise SystemExit("error: give --config, --model or --preset")
+        hf, source = hf_config_at(args.model)
+    else:
+        hf, source = resolve_hf_config(cfg.actor_rollout_ref.model, preset=args.preset)
+    dims = ModelDims.from_hf_config(hf)
+    plan = plan_memory(cfg, dims, cluster)
+    proposals = [] if plan.fits else search_layouts(cfg, dims, cluster, limit=args.propose)
+    return plan, proposals, source
 
 
-def build_plan(args: argparse.Namespace) -> tuple[ReshardPlan, str]:
-    """The plan the arguments describe, and the model's source."""
-    tp = pp = rollout_tp = 1
-    vpp = None
-    dtype = "bf16"
-    model_path = None
-    if args.config:
-        from megarl.config import load_config
+def _gib(n: float) -> str:
+    return f"{n / GIB:8.2f} GiB"
 
-        cfg = load_config(args.config, args.overrides)
-        layout = cfg.actor_rollout_ref.actor.megatron.parallel_layout()
-        tp, pp, vpp = layout.tp, layout.pp, layout.virtual_pipeline_model_parallel_size
-        rollout_tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
-        dtype = cfg.trainer.dtype
-        model_path = cfg.actor_rollout_ref.model.path
-    elif args.overrides:
-        raise SystemExit(f"error: overrides {args.overrides} need --config")
-    tp = args.tp or tp
-    pp = args.pp or pp
-    vpp = args.vpp if args.vpp is not None else vpp
-    rollout_tp = args.rollout_tp or rollout_tp
-    dtype = args.dtype or dtype
-    hf, source = _hf_config(args, model_path)
-    dims = ModelDims.from_hf_config(hf, tp_size=tp)
-    bucket = int(args.bucket_mb * (1 << 20)) if args.bucket_mb else DEFAULT_BUCKET_BYTES
-    layout = ParallelLayout(tp, pp, vpp if vpp and vpp > 1 else None)
-    plan = make_reshard_plan(dims, layout, rollout_tp, bucket_bytes=bucket, dtype=_DTYPES[dtype])
-    return plan, source
+
+def render(plan: MemoryPlan, proposals: list[Proposal], source: str) -> str:
+    """The human-readable plan."""
+    c, lay = plan.cluster, plan.layout
+    lines = [
+        f"model: {source}",
+        (
+            f"cluster: {c.nodes} node(s) × {c.gpus_per_node} GPU(s) of {c.gpu_memory_gib:g} GiB; "
+            f"usable per GPU {c.gpu_memory_gib - c.reserve_gib:g} GiB "
+            f"(reserve {c.reserve_gib:g} GiB)"
+        ),
+        (
+            f"training TP {lay.tp} × PP {lay.pp} × VPP {lay.vpp} → DP "
+            f"{lay.data_parallel_size(c.world)}"
+        ),
+    ]
+    for phase in plan.phases:
+        verdict = "FITS" if plan.phase_fits(phase) else "DOES NOT FIT"
+        lines.append(f"\nphase {phase.name}: {_gib(phase.total)} per GPU  {verdict}")
+        lines += [f"  {_gib(t.nbytes)}  {t.name:<48} {t.formula}" for t in phase.terms]
+    kv = plan.kv_cache
+    lines.append(
+        f"\nvLLM KV cache per rank: {_gib(kv['bytes'])} = {kv['tokens']:.0f} tokens "
+        f"({kv['bytes_per_token']} B each) = {kv['sequences']:.1f} sequences of the configured "
+        f"length; weights {_gib(kv['weights_bytes']).strip()}, activation profile "
+        f"{_gib(kv['activation_profile_bytes']).strip()}, CUDA graphs "
+        f"{_gib(kv['cuda_graph_bytes']).strip()}"
+        + ("  (NO ROOM: vLLM will not start)" if kv["bytes"] <= 0 else "")
+    )
+    host = sum(t.nbytes for t in plan.host_ram_per_node)
+    lines.append(f"host RAM per node: {_gib(host)}")
+    lines += [f"  {_gib(t.nbytes)}  {t.name:<48} {t.formula}" for t in plan.host_ram_per_node]
+    lines.append("assumptions: " + "; ".join(plan.assumptions))
+    lines.append(f"\nverdict: {'FITS' if plan.fits else 'DOES NOT FIT'}")
+    if not plan.fits:
+        lines.append(
+            "layouts that fit (sorted: no offload, TP within a node, less pipeline bubble, "
+            "no recompute, lower peak):"
+            if proposals
+            else "no layout of the search fits"
+        )
+        for p in proposals:
+            lines.append(
+                f"  TP {p.tp} × PP {p.pp}, offload {'on' if p.offload else 'off'}, recompute "
+                f"{'full' if p.recompute else 'off'}, bubble {p.bubble:.0%}, peak "
+                f"{_gib(p.plan.peak).strip()}\n    {' '.join(p.overrides)}"
+            )
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["reshard"]:
+        from megarl.commands import plan_reshard
+
+        return plan_reshard.main(argv[1:])
     start = time.perf_counter()
     try:
-        plan, source = build_plan(args)
-    except (OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        args = _parser().parse_args(argv)
+        plan, proposals, source = build(args)
+    except (InputError, ConfigError, OSError, ValueError) as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    elapsed = time.perf_counter() - start
-    print(f"source: {source}")
-    print(plan.summary())
-    print(f"plan computed in {elapsed * 1e3:.1f} ms")
-    if args.buckets:
-        mib = 1 << 20
-        for b in plan.buckets:
-            first, last = b.params[0].name, b.params[-1].name
-            span = first if first == last else f"{first} .. {last}"
-            print(f"  bucket {b.index:4d}  PP{b.pp_rank}  {b.nbytes / mib:9.2f} MiB  {span}")
+    if args.json:
+        out = plan.to_dict()
+        out["source"] = source
+        out["proposals"] = [
+            {"tp": p.tp, "pp": p.pp, "offload": p.offload, "recompute": p.recompute,
+             "bubble": p.bubble, "peak_bytes": p.plan.peak, "overrides": list(p.overrides)}
+            for p in proposals
+        ]  # fmt: skip
+        print(json.dumps(out, indent=1))
+    else:
+        print(render(plan, proposals, source))
+        print(f"planned in {time.perf_counter() - start:.2f} s")
     return 0
 
 

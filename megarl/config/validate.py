@@ -20,18 +20,29 @@ __all__ = ["validate"]
 
 
 def validate(
-    cfg: MegarlConfig, world_size: int | None = None, *, check_paths: bool = False
+    cfg: MegarlConfig,
+    world_size: int | None = None,
+    *,
+    check_paths: bool = False,
+    check_memory: bool = True,
 ) -> list[str]:
     """Check ``cfg`` at ``world_size`` (default nnodes x n_gpus_per_node); return warnings.
 
     With ``check_paths`` (``megarl train``), missing local model and data files are errors;
-    otherwise (validating a cluster config on a laptop) they are warnings.
+    otherwise (validating a cluster config on a laptop) they are warnings. With
+    ``check_memory`` a valid GPU config that does not fit on 80 GiB GPUs gets a warning
+    (:func:`megarl.config.memory_plan.memory_warnings`).
     Raises ``ConfigError`` listing every problem found.
     """
     checks = _Checks(cfg, world_size, check_paths)
     checks.run()
     if checks.errors:
         raise ConfigError(checks.errors)
+    if check_memory:
+        from megarl.config.batch import world_size as configured_world
+        from megarl.config.memory_plan import memory_warnings
+
+        checks.warnings += memory_warnings(cfg, world_size or configured_world(cfg))
     return checks.warnings
 
 

@@ -206,16 +206,18 @@ def test_72b_plan_is_fast_and_allocates_nothing():
 
 def test_plan_cli(capsys):
     assert (
-        plan_cli.main(["--preset", "qwen2.5-72b", "--tp", "8", "--pp", "4", "--rollout-tp", "8"])
+        plan_cli.main(
+            ["reshard", "--preset", "qwen2.5-72b", "--tp", "8", "--pp", "4", "--rollout-tp", "8"]
+        )
         == 0
     )
     out = capsys.readouterr().out
     assert "training TP=8 PP=4 VPP=1 -> vLLM TP=8" in out
     assert "buckets: " in out and "MiB per stage: PP0" in out and "TP all-gather" in out
-    assert plan_cli.main(["--config", "configs/ppo_qwen2_5_72b.yaml", "--buckets"]) == 0
+    assert plan_cli.main(["reshard", "--config", "configs/ppo_qwen2_5_72b.yaml", "--buckets"]) == 0
     out = capsys.readouterr().out
     assert "preset qwen2.5-72b" in out and "bucket    0  PP0" in out
-    assert plan_cli.main(["--preset", "qwen2.5-7b", "--rollout-tp", "8"]) == 2
+    assert plan_cli.main(["reshard", "--preset", "qwen2.5-7b", "--rollout-tp", "8"]) == 2
     assert "does not divide num_attention_heads=28" in capsys.readouterr().err
 
 
@@ -225,7 +227,10 @@ def test_plan_cli_tiny_model_dir(tmp_path, capsys):
     cfg = tiny_hf_config("qwen2", tie_word_embeddings=True)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert (
-        plan_cli.main(["--model", str(tmp_path), "--tp", "2", "--pp", "2", "--dtype", "fp32"]) == 0
+        plan_cli.main(
+            ["reshard", "--model", str(tmp_path), "--tp", "2", "--pp", "2", "--dtype", "fp32"]
+        )
+        == 0
     )
     out = capsys.readouterr().out
     assert "tied=True" in out and "skipped: output_layer.weight" in out and "float32" in out

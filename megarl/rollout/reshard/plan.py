@@ -336,12 +336,13 @@ def rollout_shard_shape(
     multiple of 64 rows and split evenly; norms are replicated.
     """
     t = rollout_tp
-    if t == 1:
-        return shape
     leaf = hf_name.split(".")[-2] if "." in hf_name else hf_name
     if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+        # vLLM pads the vocabulary at every TP size, 1 included (VocabParallelEmbedding)
         padded = -(-shape[0] // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
         return (padded // t, *shape[1:])
+    if t == 1:
+        return shape
     if leaf in ("k_proj", "v_proj"):
         heads = max(dims.num_query_groups // t, 1)
         return (heads * dims.head_dim, *shape[1:])

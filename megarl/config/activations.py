@@ -1,0 +1,194 @@
+"""Activation memory of one training micro-batch, per GPU: pure arithmetic.
+
+Notation as in :mod:`megarl.config.memory`; ``σ`` is ``t`` with sequence parallelism (the
+``h``-sized tensors are split over TP) and 1 without; ``e`` the activation dtype's bytes.
+
+Bytes saved for backward per token and layer (read off the layer's autograd graph in
+Megatron-Core 0.16.1; the tests measure them with ``saved_tensors_hooks``):
+
+- local spec (CPU; unfused attention, GQA keys/values expanded to ``nq`` heads):
+  ``e·(6h/σ + (4·nq·d + 5F)/t + nq·s/t) + 8/σ``: two RMSNorms (input and normalised output,
+  fp32 ``rstd``), the ``linear_qkv`` and ``linear_fc1`` inputs, q and expanded k, v, the softmax
+  probabilities (``nq·s`` per token), the ``linear_proj`` input, and the SwiGLU MLP (``fc1``
+  output ``2F``, ``silu(gate)`` and the product's two operands ``F`` each, ``fc2`` input ``F``);
+  plus ``16·s·d`` bytes of RoPE cos/sin per layer (fp32, not per sequence).
+- Transformer Engine spec (GPU; flash attention, nothing quadratic in ``s``):
+  ``e·(4h/σ + ((nq + 2·nkv)·d + nq·d + 3F)/t) + 8/σ + 4·nq/t``: fused norm inputs and outputs,
+  q, k, v, the attention output (= ``linear_proj`` input), ``fc1`` output and activation output,
+  fp32 ``rstd`` and the softmax log-sum-exp.
+
+Recomputation (Megatron's ``recompute_*``): ``full``/``uniform`` with ``n`` layers keeps only the
+input of every group of ``n`` layers (``e·h/σ`` per token) and recomputes one group at a time in
+the backward pass (that group's activations are the transient working set); ``full``/``block``
+recomputes the first ``n`` layers of every chunk and keeps the rest; ``selective`` drops the
+attention core (the ``nq·s/t`` probabilities and, on TE, the log-sum-exp).
+
+Outside the layers: the first stage keeps the token ids (8 bytes per token); the last keeps the
+final norm and the output layer's input (``e·3h/σ + 4/σ``), then the actor's vocab-parallel
+logits (``e·V/t``) and the log-prob function's per-token tensors (43 bytes), or the critic's
+values (``e + 24`` bytes). The log-prob working set (transient) is the logits' gradient plus five
+fp32 chunks of 1024 positions: ``e·b·s·V/t + 20·b·min(s, 1024)·V/t``.
+
+Pipeline: with 1F1B the first stage holds ``min(p, m)`` micro-batches in flight (``m`` micro-
+batches per step); interleaved (VPP) it holds Megatron's warm-up count ``2(p-1) + (v-1)p + 1``
+model-chunk forwards (at most ``m·v``), each of ``L/(p·v)`` layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megarl.config.memory import ITEMSIZE, Role
+from megarl.config.model_dims import ModelDims, padded_vocab_size
+from megarl.parallel.layout import ParallelLayout
+
+Impl = Literal["local", "transformer_engine"]
+LOGPROB_CHUNK = 1024
+"""Positions per chunk of megarl's vocab-parallel log-prob function (``DEFAULT_CHUNK``)."""
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Megatron's activation recomputation settings (granularity None: off)."""
+
+    granularity: Literal["full", "selective"] | None = None
+    method: Literal["uniform", "block"] | None = None
+    num_layers: int | None = None
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Activation bytes of one rank for one pass."""
+
+    saved: int
+    """Bytes saved for backward by all micro-batches in flight (the training forward)."""
+    working: int
+    """Transient bytes on top: one recomputed group, the log-prob working set."""
+
+    @property
+    def peak(self) -> int:
+        return self.saved + self.working
+
+
+def layer_bytes_per_token(
+    dims: ModelDims,
+    layout: ParallelLayout,
+    seq_len: int,
+    dtype: str,
+    impl: Impl,
+    *,
+    selective: bool = False,
+) -> float:
+    """Bytes one layer saves per token (formulas in the module docstring; RoPE excluded)."""
+    e, t = ITEMSIZE[dtype], layout.tp
+    sigma = t if layout.sequence_parallel and t > 1 else 1
+    h, f, d = dims.hidden_size, dims.ffn_hidden_size, dims.head_dim
+    nq, nkv = dims.num_attention_heads, dims.num_query_groups
+    if impl == "local":
+        scores = 0 if selective else nq * seq_len / t
+        return e * (6 * h / sigma + (4 * nq * d + 5 * f) / t + scores) + 8 / sigma
+    lse = 0 if selective else 4 * nq / t
+    return e * (4 * h / sigma + ((nq + 2 * nkv) * d + nq * d + 3 * f) / t) + 8 / sigma + lse
+
+
+def _edge_bytes_per_token(
+    dims: ModelDims, layout: ParallelLayout, dtype: str, role: Role, first: bool, last: bool
+) -> float:
+    e, t = ITEMSIZE[dtype], layout.tp
+    sigma = t if layout.sequence_parallel and t > 1 else 1
+    out = 8.0 if first else 0.0
+    if last:
+        out += e * 3 * dims.hidden_size / sigma + 4 / sigma
+        if role == "critic":
+            out += e + 24
+        else:
+            out += e * padded_vocab_size(dims.vocab_size, t) / t + 43
+    return out
+
+
+def logprob_working_bytes(
+    dims: ModelDims, layout: ParallelLayout, micro_batch: int, seq_len: int, dtype: str
+) -> int:
+    """``e·b·s·V/t + 20·b·min(s, 1024)·V/t``: logits' gradient plus five fp32 chunks."""
+    local_vocab = padded_vocab_size(dims.vocab_size, layout.tp) // layout.tp
+    e = ITEMSIZE[dtype]
+    return int(
+        e * micro_batch * seq_len * local_vocab
+        + 20 * micro_batch * min(seq_len, LOGPROB_CHUNK) * local_vocab
+    )
+
+
+def _in_flight(layout: ParallelLayout, micro_batches: int) -> int:
+    """Chunk forwards whose activations the first stage holds at once (Megatron's warm-up)."""
+    p, v = layout.pp, layout.vpp
+    if v == 1:
+        return min(p, micro_batches)
+    return min(micro_batches * v, 2 * (p - 1) + (v - 1) * p + 1)
+
+
+def training_activations(
+    dims: ModelDims,
+    layout: ParallelLayout,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    micro_batches: int,
+    dtype: str,
+    impl: Impl,
+    role: Role = "actor",
+    recompute: Recompute = Recompute(),
+) -> Activations:
+    """Peak activation bytes on the busiest pipeline stage during a training pass."""
+    tokens = micro_batch * seq_len
+    per_chunk = dims.num_layers // (layout.pp * layout.vpp)
+    selective = recompute.granularity == "selective"
+    full_layer = layer_bytes_per_token(dims, layout, seq_len, dtype, impl, selective=selective)
+    rope = 16 * seq_len * dims.head_dim if impl == "local" else 0
+    sigma = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
+    kept_layers, inputs_kept, group = per_chunk, 0, 0
+    if recompute.granularity == "full":
+        n = max(1, min(recompute.num_layers or 1, per_chunk))
+        if recompute.method == "block":
+            kept_layers, inputs_kept, group = per_chunk - n, n, 1
+        else:
+            kept_layers, inputs_kept, group = 0, -(-per_chunk // n), n
+    chunk_saved = (
+        kept_layers * (tokens * full_layer + rope)
+        + inputs_kept * tokens * ITEMSIZE[dtype] * dims.hidden_size / sigma
+    )
+    in_flight = _in_flight(layout, micro_batches)
+    best = Activations(0, 0)
+    for pp_rank in range(layout.pp):
+        first, last = pp_rank == 0, pp_rank == layout.pp - 1
+        flight = max(1, in_flight - pp_rank * (1 if layout.vpp == 1 else layout.vpp))
+        saved = flight * chunk_saved
+        saved += tokens * _edge_bytes_per_token(dims, layout, dtype, role, first, last)
+        working = group * (tokens * full_layer + rope)
+        if last and role != "critic":
+            working += logprob_working_bytes(dims, layout, micro_batch, seq_len, dtype)
+        candidate = Activations(int(saved), int(working))
+        if candidate.peak > best.peak:
+            best = candidate
+    return best
+
+
+def forward_activations(
+    dims: ModelDims,
+    layout: ParallelLayout,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    dtype: str,
+    impl: Impl,
+    role: Role = "actor",
+) -> Activations:
+    """Forward-only pass (log-probs, values): nothing is saved; one layer's tensors plus the
+    last stage's outputs and the log-prob working set are transient."""
+    tokens = micro_batch * seq_len
+    layer = tokens * layer_bytes_per_token(dims, layout, seq_len, dtype, impl)
+    edge = tokens * _edge_bytes_per_token(dims, layout, dtype, role, False, True)
+    work = (
+        logprob_working_bytes(dims, layout, micro_batch, seq_len, dtype) if role != "critic" else 0
+    )
+    return Activations(0, int(layer + edge + work))

@@ -1,0 +1,294 @@
+"""Per-GPU memory terms of a model on a layout: pure arithmetic (no processes, no tensors).
+
+Every function takes the one model-shape type (:class:`ModelDims`) and the one layout type
+(:class:`ParallelLayout`) and returns bytes. Notation: ``h`` hidden size, ``F`` FFN width,
+``L`` layers, ``nq``/``nkv`` query/KV heads, ``d`` head width, ``V`` vocabulary padded to a
+multiple of 128·TP (Megatron's ``_vocab_size_with_padding``), ``t`` TP, ``p`` PP, ``v`` VPP,
+``N`` DP, ``b`` micro-batch (sequences), ``s`` sequence length, ``e`` bytes per parameter.
+
+**Model state** follows Megatron-Core 0.16.1's ``DistributedDataParallel`` and optimizers as
+megarl builds them (:class:`megarl.models.trainable.TrainableModel`: ``overlap_grad_reduce`` off,
+so one bucket per model chunk):
+
+- parameters: ``e`` per element. With the distributed optimizer they live in one contiguous
+  buffer per chunk, in which every parameter starts at a multiple of 64 elements and the
+  bucket ends at a multiple of lcm(N, 128) (``_ParamAndGradBuffer``); the tied embedding copy
+  (PP > 1) forms a bucket of its own. Without it each parameter is its own tensor (no padding).
+- gradient buffers: the same layout in fp32 (``grad_reduce_in_fp32``) or in the parameter dtype.
+- main parameters: fp32 copies of 16-bit parameters (4 bytes per element this rank updates);
+  none in fp32 (the optimizer steps the parameters themselves).
+- Adam states: ``exp_avg`` and ``exp_avg_sq`` in fp32 (8 bytes per element this rank updates),
+  plus, for torch's ``Adam`` (the CPU fallback), one 4-byte ``step`` tensor per main-parameter
+  tensor. The GPU assumption is Transformer Engine's ``FusedAdam`` with fp32 states and no
+  per-tensor step; the precision-aware optimizer (16-bit moments) and ``store_param_remainders``
+  (16-bit main-parameter remainders) would change these bytes and are not modelled.
+- With the distributed optimizer a rank updates the elements of its contiguous 1/N slice of each
+  bucket (padding excluded), otherwise every element.
+
+**Activations** are per layer and token; see :func:`activation_bytes`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from megarl.config.model_dims import ModelDims, padded_vocab_size
+from megarl.parallel.layout import ParallelLayout
+
+Role = Literal["actor", "critic", "ref"]
+Dtype = Literal["bf16", "fp32"]
+AdamKind = Literal["fused", "torch"]
+
+ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter tensor of a rank's model chunk (Megatron's local-spec name)."""
+
+    name: str
+    numel: int
+    shared_embedding: bool = False
+    """Megatron marks the tied embedding's two copies (PP > 1); they get a bucket of their own."""
+    norm: bool = False
+    """An RMSNorm weight: fp32 in the local spec whatever the model dtype (``torch.nn.RMSNorm``
+    ignores ``params_dtype``), the model dtype in the TE spec."""
+
+
+def chunk_params(
+    dims: ModelDims, layout: ParallelLayout, pp_rank: int, vp_stage: int = 0, role: Role = "actor"
+) -> list[ParamSlot]:
+    """Parameters of chunk ``vp_stage`` on stage ``pp_rank`` and any TP rank, in the order of
+    ``GPTModel.named_parameters()`` (local spec; the TE spec holds the same tensors).
+
+    Per layer on a TP rank: norms ``2h``; ``linear_qkv`` ``(nq + 2·nkv)·d/t × h`` (+ the same
+    rows of bias for Qwen2); ``linear_proj`` ``h × nq·d/t``; q/k norms ``2d`` (Qwen3);
+    ``linear_fc1`` ``2F/t × h``; ``linear_fc2`` ``h × F/t``. Embedding ``V/t × h`` on the first
+    chunk; final norm ``h`` and output layer ``V/t × h`` (critic: value head ``h``) on the last.
+    """
+    t, h, d = layout.tp, dims.hidden_size, dims.head_dim
+    vocab = padded_vocab_size(dims.vocab_size, t)
+    first = pp_rank == 0 and vp_stage == 0
+    last = pp_rank == layout.pp - 1 and vp_stage == layout.vpp - 1
+    tied = dims.tie_word_embeddings and role != "critic"
+    out: list[ParamSlot] = []
+    if first:
+        out.append(ParamSlot("embedding.word_embeddings.weight", vocab // t * h, tied and not last))
+    per_chunk = dims.num_layers // (layout.pp * layout.vpp)
+    qkv_rows = (dims.num_attention_heads + 2 * dims.num_query_groups) * d // t
+    start = (vp_stage * layout.pp + pp_rank) * per_chunk
+    for layer in range(start, start + per_chunk):
+        pre = f"decoder.layers.{layer}."
+        out.append(ParamSlot(pre + "input_layernorm.weight", h, norm=True))
+        out.append(
+            ParamSlot(
+                pre + "self_attention.linear_proj.weight", h * dims.num_attention_heads * d // t
+            )
+        )
+        out.append(ParamSlot(pre + "self_attention.linear_qkv.weight", qkv_rows * h))
+        if dims.qkv_bias:
+            out.append(ParamSlot(pre + "self_attention.linear_qkv.bias", qkv_rows))
+        if dims.qk_norm:
+            out.append(ParamSlot(pre + "self_attention.q_layernorm.weight", d, norm=True))
+            out.append(ParamSlot(pre + "self_attention.k_layernorm.weight", d, norm=True))
+        out.append(ParamSlot(pre + "pre_mlp_layernorm.weight", h, norm=True))
+        out.append(ParamSlot(pre + "mlp.linear_fc1.weight", 2 * dims.ffn_hidden_size // t * h))
+        out.append(ParamSlot(pre + "mlp.linear_fc2.weight", h * dims.ffn_hidden_size // t))
+    if last:
+        out.append(ParamSlot("decoder.final_layernorm.weight", h, norm=True))
+        if role == "critic":
+            out.append(ParamSlot("output_layer.weight", h))
+        elif not tied:
+            out.append(ParamSlot("output_layer.weight", vocab // t * h))
+        elif not first:  # tied at PP > 1: the last stage holds a copy of the embedding
+            out.append(ParamSlot("output_layer.weight", vocab // t * h, True))
+    return out
+
+
+@dataclass(frozen=True)
+class GradBuffer:
+    """Megatron's contiguous parameter/gradient buffer of one chunk (``_ParamAndGradBuffer``)."""
+
+    numel: int
+    """Elements including padding."""
+    buckets: tuple[tuple[int, int], ...]
+    """(start, end) of every bucket."""
+    ranges: tuple[tuple[int, int], ...]
+    """(start, end) of every parameter (in the order of :func:`chunk_params`)."""
+
+
+def grad_buffer(params: list[ParamSlot], dp: int, distributed_optimizer: bool) -> GradBuffer:
+    """Lay out ``params`` as Megatron 0.16.1 does with one bucket (no ``bucket_size``).
+
+    Parameters are placed in reverse order. With the distributed optimizer every parameter
+    starts at a multiple of 64 elements and every bucket ends at a multiple of lcm(N, 128); a
+    ``shared_embedding`` parameter closes the bucket before it and forms its own.
+    """
+
+    def pad(n: int, k: int) -> int:
+        return -(-n // k) * k if distributed_optimizer else n
+
+    end_divisor = math.lcm(dp, 128)
+    buckets: list[tuple[int, int]] = []
+    ranges: dict[int, tuple[int, int]] = {}
+    bucket_start = cursor = 0
+    open_bucket = False
+    for index in range(len(params) - 1, -1, -1):
+        slot = params[index]
+        cursor = pad(cursor, 64)
+        own = slot.shared_embedding and distributed_optimizer
+        if own and open_bucket:
+            cursor = pad(cursor, end_divisor)
+            buckets.append((bucket_start, cursor))
+            bucket_start = cursor
+        ranges[index] = (cursor, cursor + slot.numel)
+        cursor += slot.numel
+        open_bucket = True
+        if own:
+            cursor = pad(cursor, end_divisor)
+            buckets.append((bucket_start, cursor))
+            bucket_start, open_bucket = cursor, False
+    if open_bucket:
+        cursor = pad(cursor, end_divisor)
+        buckets.append((bucket_start, cursor))
+    return GradBuffer(cursor, tuple(buckets), tuple(ranges[i] for i in range(len(params))))
+
+
+def owned_elements(buffer: GradBuffer, dp: int, dp_rank: int) -> tuple[int, int]:
+    """(elements, parameter tensors) the distributed optimizer updates on ``dp_rank``: the
+    parameters' overlap with the rank's slice ``[r·n/N, (r+1)·n/N)`` of every bucket."""
+    elements = tensors = 0
+    for start, end in buffer.buckets:
+        size = (end - start) // dp
+        lo, hi = start + dp_rank * size, start + (dp_rank + 1) * size
+        for p_start, p_end in buffer.ranges:
+            overlap = min(hi, p_end) - max(lo, p_start)
+            if overlap > 0:
+                elements += overlap
+                tensors += 1
+    return elements, tensors
+
+
+@dataclass(frozen=True)
+class OptimizerAssumptions:
+    """How a model's parameters and optimizer are configured (what changes their bytes)."""
+
+    dtype: Dtype = "bf16"
+    """Parameter dtype (``trainer.dtype``)."""
+    distributed_optimizer: bool = True
+    """``*.megatron.use_distributed_optimizer``."""
+    grad_reduce_in_fp32: bool = True
+    """Gradient buffers in fp32 (megarl's default for 16-bit parameters)."""
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """``*.optim.optimizer``; sgd without momentum has no state."""
+    adam: AdamKind = "fused"
+    """``fused``: TE FusedAdam (GPU, no per-tensor step); ``torch``: torch.optim.Adam (CPU)."""
+    impl: Literal["local", "transformer_engine"] = "transformer_engine"
+    """Layer spec: the local spec (CPU) keeps RMSNorm weights in fp32."""
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """Bytes one rank holds for one model (parameters, gradients, optimizer)."""
+
+    params: int
+    grads: int
+    main_params: int
+    optimizer_states: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.main_params + self.optimizer_states
+
+
+def _by_dtype(slots: list[ParamSlot], opt: OptimizerAssumptions) -> dict[int, list[ParamSlot]]:
+    """Slots per parameter itemsize: DDP keeps one buffer per (param, grad) dtype pair."""
+    e = ITEMSIZE[opt.dtype]
+    groups: dict[int, list[ParamSlot]] = {}
+    for slot in slots:
+        size = 4 if slot.norm and opt.impl == "local" else e
+        groups.setdefault(size, []).append(slot)
+    return groups
+
+
+def model_state(
+    dims: ModelDims,
+    layout: ParallelLayout,
+    world: int,
+    role: Role,
+    opt: OptimizerAssumptions,
+    *,
+    pp_rank: int | None = None,
+    dp_rank: int = 0,
+) -> ModelState:
+    """Bytes on one rank of stage ``pp_rank`` (None: the stage holding most) and ``dp_rank``.
+
+    Formulas (``n`` this rank's elements, ``n_pad`` with buffer padding, ``k`` the elements it
+    updates, ``j`` its main-parameter tensors): params ``e·n_pad`` (distributed optimizer) or
+    ``e·n``; grads ``g·n_pad`` with ``g`` = 4 (``grad_reduce_in_fp32``) or ``e``; main params
+    ``4·k`` when ``e`` < 4; Adam ``8·k`` (+ ``4·j`` with torch's Adam). ``k`` = ``n`` without the
+    distributed optimizer. Each (parameter dtype, gradient dtype) pair has its own buffer. A
+    reference model (``ref``) holds parameters only.
+    """
+    if pp_rank is None:
+        stages = [model_state(dims, layout, world, role, opt, pp_rank=r) for r in range(layout.pp)]
+        return max(stages, key=lambda s: s.total)
+    dp = layout.data_parallel_size(world)
+    params = grads = main = states = 0
+    for vp_stage in range(layout.vpp):
+        slots = chunk_params(dims, layout, pp_rank, vp_stage, role)
+        for e, group in _by_dtype(slots, opt).items():
+            if role == "ref":
+                params += e * sum(s.numel for s in group)
+                continue
+            g = 4 if opt.grad_reduce_in_fp32 else e
+            buffer = grad_buffer(group, dp, opt.distributed_optimizer)
+            if opt.distributed_optimizer:
+                updated, tensors = owned_elements(buffer, dp, dp_rank)
+            else:
+                updated, tensors = buffer.numel, len(group)
+            params += e * buffer.numel
+            grads += g * buffer.numel
+            main += 4 * updated if e < 4 else 0
+            if opt.optimizer == "adam":
+                states += 8 * updated + (4 * tensors if opt.adam == "torch" else 0)
+    return ModelState(params, grads, main, states)
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM weights
+# ---------------------------------------------------------------------------------------------
+
+VLLM_VOCAB_PADDING = 64
+"""vLLM pads vocab-parallel embeddings to a multiple of this many rows before splitting them."""
+
+
+def vllm_weight_bytes(dims: ModelDims, rollout_tp: int, itemsize: int = 2) -> int:
+    """Weight bytes one vLLM TP rank keeps (``T`` = rollout TP; KV heads replicated past nkv).
+
+    Per layer: norms ``2h``; q ``nq·d/T × h`` and k, v ``max(nkv/T, 1)·d × h`` each (+ biases of
+    the same rows for Qwen2); o ``h × nq·d/T``; gate, up ``F/T × h`` each; down ``h × F/T``; q/k
+    norms ``2d`` (Qwen3). Embedding (and an untied ``lm_head``) ``ceil64(vocab)/T × h``; final
+    norm ``h``. ``vocab`` here is the HF size: vLLM pads it itself.
+    """
+    t, h, d, f = rollout_tp, dims.hidden_size, dims.head_dim, dims.ffn_hidden_size
+    q_rows = dims.num_attention_heads * d // t
+    kv_rows = max(dims.num_query_groups // t, 1) * d
+    layer = 2 * h + (q_rows + 2 * kv_rows) * h + h * q_rows + 3 * (f // t) * h
+    if dims.qkv_bias:
+        layer += q_rows + 2 * kv_rows
+    if dims.qk_norm:
+        layer += 2 * d
+    vocab_rows = -(-dims.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING // t
+    embeddings = vocab_rows * h * (1 if dims.tie_word_embeddings else 2)
+    return itemsize * (dims.num_layers * layer + embeddings + h)
+
+
+def kv_bytes_per_token(dims: ModelDims, rollout_tp: int, itemsize: int = 2) -> int:
+    """KV-cache bytes per token on one vLLM rank: ``2·L·max(nkv/T, 1)·d·e``."""
+    return (
+        2 * dims.num_layers * max(dims.num_query_groups // rollout_tp, 1) * dims.head_dim * itemsize
+    )

@@ -1,0 +1,55 @@
+"""The memory planner against ``torch.cuda.max_memory_allocated`` (GPU only; skipped on CPU).
+
+A mid-sized bf16 model (TE spec when Transformer Engine imports, else local), distributed
+optimizer, one training micro-batch and one optimizer step at TP = PP = DP = 1: the measured
+peak is within 15% of the planner's update phase (model state + activations peak).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megarl.config.activations import training_activations
+from megarl.config.memory import OptimizerAssumptions, model_state
+from megarl.config.model_dims import ModelDims
+from megarl.models.tiny import tiny_hf_config
+from megarl.parallel.layout import ParallelLayout
+from tests.conftest import run_torchrun
+
+WORKER = Path(__file__).with_name("_memory_worker.py")
+MODEL = {
+    "num_layers": 4,
+    "hidden_size": 1024,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "intermediate_size": 2816,
+    "vocab_size": 32000,
+}
+BATCH = (2, 2048)
+
+
+@pytest.mark.gpu
+def test_update_peak_within_15_percent_of_max_memory_allocated(tmp_path):
+    spec = {"tmp": str(tmp_path), "gpu_model": MODEL, "gpu_batch": list(BATCH)}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    run_torchrun(WORKER, 1, [str(tmp_path / "spec.json"), "--gpu"])
+    (measured,) = json.loads((tmp_path / "memory_gpu.json").read_text())
+    impl = measured["impl"]
+    dims = ModelDims.from_hf_config(tiny_hf_config("qwen2", **MODEL))
+    opt = OptimizerAssumptions(adam="fused" if impl == "transformer_engine" else "torch", impl=impl)
+    state = model_state(dims, ParallelLayout(), 1, "actor", opt)
+    act = training_activations(
+        dims,
+        ParallelLayout(),
+        micro_batch=BATCH[0],
+        seq_len=BATCH[1],
+        micro_batches=1,
+        dtype="bf16",
+        impl=impl,
+    )
+    planned = state.total + act.peak
+    assert abs(planned - measured["peak"]) <= 0.15 * measured["peak"], (planned, measured)

@@ -1,0 +1,161 @@
+"""The memory planner without processes: against the resharding plan, a hand calculation for
+Qwen2.5-72B, ``megarl config validate`` and the command line's answers to bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megarl.commands import plan as plan_cli
+from megarl.config import load_config, validate
+from megarl.config.memory import GIB, OptimizerAssumptions, model_state, vllm_weight_bytes
+from megarl.config.memory_plan import Cluster, plan_memory, search_layouts
+from megarl.config.model_dims import ModelDims
+from megarl.config.model_presets import PRESETS
+from megarl.models.tiny import tiny_hf_config
+from megarl.parallel.layout import ParallelLayout
+from megarl.rollout.reshard.plan import make_reshard_plan
+
+CFG_72B = str(Path(__file__).resolve().parents[2] / "configs" / "ppo_qwen2_5_72b.yaml")
+MEG = "actor_rollout_ref.actor.megatron"
+NO_OFFLOAD_TP1_PP1 = [
+    f"{MEG}.tensor_model_parallel_size=1",
+    f"{MEG}.pipeline_model_parallel_size=1",
+    *(f"{m}.{k}=false" for m in (MEG, "critic.megatron")
+      for k in ("param_offload", "grad_offload", "optimizer_offload")),
+]  # fmt: skip
+
+
+def _dims_72b() -> ModelDims:
+    return ModelDims.from_hf_config(PRESETS["qwen2.5-72b"])
+
+
+@pytest.mark.parametrize(
+    "hf",
+    [
+        tiny_hf_config("qwen2"),
+        tiny_hf_config("llama", tie_word_embeddings=True, num_key_value_heads=1),
+        tiny_hf_config("qwen3", vocab_size=1001),
+        PRESETS["qwen2.5-72b"],
+        PRESETS["qwen2.5-7b"],
+    ],
+    ids=["qwen2", "llama_tied_kv1", "qwen3_odd_vocab", "qwen2.5-72b", "qwen2.5-7b"],
+)
+@pytest.mark.parametrize("rollout_tp", [1, 2, 4])
+def test_vllm_weight_bytes_equal_the_resharding_plans(hf, rollout_tp):
+    dims = ModelDims.from_hf_config(hf)
+    if dims.num_attention_heads % rollout_tp:
+        pytest.skip("rollout TP does not divide the heads")
+    reshard = make_reshard_plan(dims, ParallelLayout(), rollout_tp)
+    assert vllm_weight_bytes(dims, rollout_tp, 2) == reshard.rollout_bytes_per_rank()
+
+
+def test_qwen72b_actor_state_per_gpu_equals_the_hand_calculation():
+    """TP 8, PP 4, DP 2, bf16, fp32 gradient buffers, distributed optimizer, TE FusedAdam.
+
+    Hand calculation for one GPU of the last stage (20 layers + final norm + output layer),
+    h=8192, F=29568, d=128, 64 query / 8 KV heads, vocabulary 152064 padded to 152576 (a
+    multiple of 128·8), per TP rank:
+      linear_qkv  (64 + 2·8)·128/8 × 8192 = 10,485,760  + bias 1,280
+      linear_proj 8192 × 64·128/8         =  8,388,608
+      linear_fc1  2·29568/8 × 8192        = 60,555,264
+      linear_fc2  8192 × 29568/8          = 30,277,632
+      two norms   2 × 8192                =     16,384
+      one layer                           = 109,724,928;  20 layers = 2,194,498,560
+      final norm 8,192 + output layer 152576/8 × 8192 = 156,237,824
+      n = 2,350,744,576 elements.
+    Every count is a multiple of 64 and n of lcm(2, 128): Megatron's buffer adds no padding.
+    Bytes: params 2n (bf16) + gradient buffer 4n (fp32) + main params 4n/2 + Adam 8n/2 = 12n
+    = 28,208,934,912 B = 26.27 GiB.
+    """
+    n = 20 * (10_485_760 + 1_280 + 8_388_608 + 60_555_264 + 30_277_632 + 16_384)
+    n += 8_192 + 156_237_824
+    assert n == 2_350_744_576
+    state = model_state(_dims_72b(), ParallelLayout(8, 4), 64, "actor", OptimizerAssumptions())
+    assert (state.params, state.grads, state.main_params, state.optimizer_states) == (
+        2 * n,
+        4 * n,
+        2 * n,
+        4 * n,
+    )
+    assert state.total == 12 * n == 28_208_934_912
+
+
+def test_qwen72b_config_fits_and_tp1_pp1_without_offload_does_not():
+    cluster = Cluster(8, 8, 80.0)
+    dims = _dims_72b()
+    assert plan_memory(load_config(CFG_72B), dims, cluster).fits
+    cfg = load_config(CFG_72B, NO_OFFLOAD_TP1_PP1)
+    plan = plan_memory(cfg, dims, cluster)
+    assert not plan.fits
+    update = next(p for p in plan.phases if p.name == "update")
+    assert update.total > 80 * GIB  # 72.7B parameters at 16 B/param over DP 64 alone: ~1.2 TB/64
+    proposals = search_layouts(cfg, dims, cluster)
+    assert proposals
+    assert [p.key for p in proposals] == sorted(p.key for p in proposals)
+    for p in proposals:
+        assert p.plan.fits
+        proposed = load_config(CFG_72B, [*NO_OFFLOAD_TP1_PP1, *p.overrides])
+        assert plan_memory(proposed, dims, cluster).fits
+        warnings = validate(proposed, 64)
+        assert not [w for w in warnings if w.startswith("memory:")], warnings
+
+
+def test_validate_warns_when_a_config_does_not_fit():
+    warnings = validate(load_config(CFG_72B, NO_OFFLOAD_TP1_PP1), 64)
+    memory = [w for w in warnings if w.startswith("memory:")]
+    assert len(memory) == 1 and "does not fit on 80 GiB GPUs" in memory[0], warnings
+    assert "update" in memory[0]
+    assert not [w for w in validate(load_config(CFG_72B), 64) if w.startswith("memory:")]
+
+
+def test_plan_cli_text_and_json(capsys):
+    assert plan_cli.main(["--config", CFG_72B]) == 0
+    out = capsys.readouterr().out
+    for phase in ("rollout", "log-probs", "update", "sync"):
+        assert f"phase {phase}:" in out
+    assert "verdict: FITS" in out and "host RAM per node" in out and "KV cache" in out
+    assert plan_cli.main(["--config", CFG_72B, "--json", *NO_OFFLOAD_TP1_PP1]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] is False and data["proposals"]
+    assert {p["name"] for p in data["phases"]} == {"rollout", "log-probs", "update", "sync"}
+    assert plan_cli.main(["--config", CFG_72B, "--gpu-memory", "40", "--nodes", "16"]) == 0
+    assert "16 node(s) × 8 GPU(s) of 40 GiB" in capsys.readouterr().out
+
+
+def _no_heads(tmp_path) -> str:
+    cfg = tiny_hf_config("qwen2")
+    del cfg["num_attention_heads"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        ([], "--config"),
+        (["--config", CFG_72B, "--preset", "qwen9"], "unknown preset 'qwen9'"),
+        (["--config", CFG_72B, "--model", "/no/such/model"], "/no/such/model"),
+        (
+            ["--config", CFG_72B, f"{MEG}.tensor_model_parallel_size=3"],
+            "tensor_model_parallel_size",
+        ),
+        (["--config", CFG_72B, "--gpu-memory", "0"], "--gpu-memory"),
+        (["--config", "no/such.yaml"], "no/such.yaml"),
+        (["reshard"], "--config, --model or --preset"),
+        (["reshard", "--model", "/no/such/model"], "/no/such/model"),
+        (["reshard", "--model", "NO_HEADS"], "num_attention_heads"),
+        (["reshard", "--preset", "qwen2.5-7b", "--rollout-tp", "0"], "--rollout-tp"),
+        (["reshard", "--preset", "qwen2.5-7b", "--tp", "-2"], "argument --tp: must be >= 1"),
+        (["reshard", "--preset", "qwen9"], "unknown preset 'qwen9'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, names, tmp_path, capsys):
+    argv = [_no_heads(tmp_path) if a == "NO_HEADS" else a for a in argv]
+    assert plan_cli.main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
