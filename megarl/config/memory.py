@@ -54,8 +54,8 @@ class ParamSlot:
     shared_embedding: bool = False
     """Megatron marks the tied embedding's two copies (PP > 1); they get a bucket of their own."""
     norm: bool = False
-    """An RMSNorm weight: fp32 in the local spec whatever the model dtype (``torch.nn.RMSNorm``
-    ignores ``params_dtype``), the model dtype in the TE spec."""
+    """An RMSNorm weight (the model dtype in both specs: megarl casts the local spec's
+    ``torch.nn.RMSNorm`` to ``params_dtype``, as Transformer Engine builds it)."""
 
 
 def chunk_params(
@@ -187,7 +187,7 @@ class OptimizerAssumptions:
     adam: AdamKind = "fused"
     """``fused``: TE FusedAdam (GPU, no per-tensor step); ``torch``: torch.optim.Adam (CPU)."""
     impl: Literal["local", "transformer_engine"] = "transformer_engine"
-    """Layer spec: the local spec (CPU) keeps RMSNorm weights in fp32."""
+    """Layer spec (local on CPU, Transformer Engine on GPU); both hold the same parameters."""
 
 
 @dataclass(frozen=True)
@@ -209,7 +209,7 @@ def _by_dtype(slots: list[ParamSlot], opt: OptimizerAssumptions) -> dict[int, li
     e = ITEMSIZE[opt.dtype]
     groups: dict[int, list[ParamSlot]] = {}
     for slot in slots:
-        size = 4 if slot.norm and opt.impl == "local" else e
+        size = e
         groups.setdefault(size, []).append(slot)
     return groups
 

@@ -229,10 +229,44 @@ def build_gpt_chunks(
         for module in model.modules():
             if isinstance(module, torch.nn.RMSNorm):
                 module.to(config.params_dtype)
+        if not config.perform_initialization:
+            mark_tensor_parallel_weights(model)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
+    """Set ``tensor_model_parallel`` / ``partition_dim`` on the weights of TP-split layers.
+
+    Megatron sets these attributes only inside its weight initialisers, which do not run with
+    ``perform_initialization=False`` (megarl skips them when it loads weights anyway). Without
+    them Megatron takes every TP shard for a replicated tensor: its gradient norm (and so the
+    clipping) counts only TP rank 0's shards. Column-parallel layers and the vocabulary split
+    dimension 0, row-parallel layers dimension 1 (Transformer Engine's linears say which by
+    ``parallel_mode``).
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.nn.Parameter):
+            continue
+        mode = getattr(module, "parallel_mode", None)
+        if isinstance(module, ColumnParallelLinear | VocabParallelEmbedding) or mode == "column":
+            dim = 0
+        elif isinstance(module, RowParallelLinear) or mode == "row":
+            dim = 1
+        else:
+            continue
+        weight.tensor_model_parallel = True  # type: ignore[attr-defined]
+        weight.partition_dim = dim  # type: ignore[attr-defined]
+        weight.partition_stride = getattr(weight, "partition_stride", 1)  # type: ignore[attr-defined]
 
 
 def layer_offset(config: TransformerConfig, vp_stage: int | None) -> int:
