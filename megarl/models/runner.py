@@ -40,7 +40,10 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megarl.models.gpt import unwrap
-from megarl.models.logprobs import vocab_parallel_log_probs_and_entropy
+from megarl.models.logprobs import (
+    vocab_parallel_log_probs_and_entropy,
+    vocab_parallel_sum_pi_squared,
+)
 
 Outputs = dict[str, torch.Tensor]
 Metrics = dict[str, torch.Tensor | float]
@@ -84,6 +87,8 @@ class LogProbs:
 
     log_probs: torch.Tensor
     entropy: torch.Tensor
+    sum_pi_squared: torch.Tensor | None = None
+    """sum_v pi(v)^2 of each position's distribution (optimal-token-baseline estimators)."""
 
 
 def response_mask(prompt_lengths: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -174,12 +179,21 @@ def compute_log_probs(
     vocab_size: int,
     micro_batches: MicroBatches,
     temperature: float = 1.0,
+    sum_pi_squared: bool = False,
 ) -> LogProbs:
-    """Log-probs and entropy ``[N, R]`` of every response token (forward only)."""
+    """Log-probs and entropy ``[N, R]`` of every response token (forward only); with
+    ``sum_pi_squared`` also sum_v pi(v)^2 at each of those positions (same forward pass)."""
     out = _run(
-        chunks, batch, "actor", micro_batches, vocab_size=vocab_size, temperature=temperature
+        chunks,
+        batch,
+        "actor",
+        micro_batches,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        sum_pi_squared=sum_pi_squared,
     )
-    return LogProbs(out.tensors["log_probs"], out.tensors["entropy"])
+    t = out.tensors
+    return LogProbs(t["log_probs"], t["entropy"], t.get("sum_pi_squared"))
 
 
 def compute_values(
@@ -197,8 +211,11 @@ def forward_backward(
     micro_batches: MicroBatches,
     vocab_size: int | None = None,
     temperature: float = 1.0,
-) -> list[dict[str, float]]:
-    """Forward and backward of one mini-batch; returns each micro-batch's metrics (every rank).
+    keep_outputs: bool = False,
+):
+    """Forward and backward of one mini-batch; returns each micro-batch's metrics (every rank),
+    and with ``keep_outputs`` also the outputs ``[N, R]`` (log-probs and entropy, or values) of
+    the forward pass, as :func:`compute_log_probs` / :func:`compute_values` would give them.
 
     Gradients accumulate in the chunks (Megatron DDP buffers when wrapped); step the optimizer
     afterwards. An actor (``vocab_size`` given) passes ``log_probs`` and ``entropy`` to
@@ -214,7 +231,7 @@ def forward_backward(
         temperature=temperature,
         loss_fn=loss_fn,
     )
-    return out.metrics
+    return (out.metrics, out.tensors) if keep_outputs else out.metrics
 
 
 @dataclass
@@ -248,6 +265,7 @@ def _run(
     vocab_size: int | None = None,
     temperature: float = 1.0,
     loss_fn: LossFn | None = None,
+    sum_pi_squared: bool = False,
 ) -> _RunOutput:
     if bool((batch.prompt_lengths < 1).any()) or bool((batch.lengths < batch.prompt_lengths).any()):
         raise ValueError("need 1 <= prompt_lengths <= lengths for every sequence")
@@ -281,7 +299,7 @@ def _run(
     ddp = _configure_grad_sync(list(chunks), training)
     scale = _global_sequence_count(n, device) if ddp else 1.0
     collected: list[Outputs] = []
-    outputs_of = _output_fn(role, r, vocab_size, temperature)
+    outputs_of = _output_fn(role, r, vocab_size, temperature, sum_pi_squared)
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
@@ -313,11 +331,15 @@ def _run(
         forward_only=not training,
     )
     names = ["values"] if role == "critic" else ["log_probs", "entropy"]
+    if sum_pi_squared:
+        names.append("sum_pi_squared")
     dtype = torch.promote_types(next(unwrap(chunks[0]).parameters()).dtype, torch.float32)
     return _broadcast_results(names, collected, metrics, torch.cat(rows), n, r, device, dtype)
 
 
-def _output_fn(role: str, r: int, vocab_size: int | None, temperature: float):
+def _output_fn(
+    role: str, r: int, vocab_size: int | None, temperature: float, sum_pi_squared: bool = False
+):
     """Per-micro-batch outputs of the last stage from its output tensor."""
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -336,10 +358,20 @@ def _output_fn(role: str, r: int, vocab_size: int | None, temperature: float):
             vocab_start=tp_rank * output_tensor.shape[-1],
             group=tp_group,
         )
-        return {
+        out = {
             "log_probs": _gather_response(logp, mb["prompt_lengths"], mb["lengths"], r),
             "entropy": _gather_response(ent, mb["prompt_lengths"], mb["lengths"], r),
         }
+        if sum_pi_squared:
+            sq = vocab_parallel_sum_pi_squared(
+                output_tensor.detach(),
+                vocab_size=vocab_size,  # type: ignore[arg-type]
+                temperature=temperature,
+                vocab_start=tp_rank * output_tensor.shape[-1],
+                group=tp_group,
+            )
+            out["sum_pi_squared"] = _gather_response(sq, mb["prompt_lengths"], mb["lengths"], r)
+        return out
 
     return outputs_of
 

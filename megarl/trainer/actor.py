@@ -79,10 +79,18 @@ def update_policy(
     old_log_probs: str = "old_log_probs",
 ) -> dict[str, float]:
     """Run the actor update on ``batch`` (which holds ``advantages``, ``old_log_probs`` and, as
-    needed, ``ref_log_probs`` / ``rollout_is_weights`` in its fields); returns ``actor/*``."""
+    needed, ``ref_log_probs`` / ``rollout_is_weights`` in its fields); returns ``actor/*``.
+
+    ``old_log_probs="current"``: the old log-probs are the current ones (one mini-batch, one
+    epoch, decoupled, no IS weights: verl's shortcut), taken from the update's own forward pass;
+    they are then stored, gathered over DP, in ``batch.fields["recomputed_log_probs"]``.
+    """
     dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
     dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-    names = ["advantages", old_log_probs]
+    current = old_log_probs == "current"
+    if current and (settings.ppo_epochs != 1 or settings.responses_per_mini_batch != len(batch)):
+        raise ValueError("old_log_probs='current' needs exactly one mini-batch and one epoch")
+    names = ["advantages"] if current else ["advantages", old_log_probs]
     if settings.use_kl_loss:
         names.append("ref_log_probs")
     if "rollout_is_weights" in batch.fields:
@@ -101,14 +109,19 @@ def update_policy(
             sequences = batch.sequences(mine, names)
             loss_fn = _loss_fn(settings, float(tokens), float(seqs), old_log_probs)
             micro = _micro_batches(batch, indices, mine, settings, dp_size)
-            per_micro = forward_backward(
+            per_micro, outputs = forward_backward(
                 actor.chunks,
                 sequences,
                 loss_fn,
                 micro_batches=micro,
                 vocab_size=vocab_size,
                 temperature=settings.temperature,
+                keep_outputs=True,
             )
+            if current:
+                batch.fields["recomputed_log_probs"] = _gather_rows(
+                    outputs["log_probs"], mine, len(batch), batch.response_mask.shape[1]
+                )
             sums = _sum_over_dp({k: sum(m[k] for m in per_micro) for k in per_micro[0]})
             result = actor.step()
             for key, value in sums.items():
@@ -160,9 +173,10 @@ def _loss_fn(settings: PolicyUpdate, tokens: float, seqs: float, old_name: str):
         log_prob = outputs["log_probs"]
         width = log_prob.shape[1]
         mask = mb["response_mask"][:, :width]
+        old = log_prob.detach() if old_name == "current" else mb[old_name][:, :width]
         pg_loss, pg_metrics = compute_policy_loss(
             settings.loss_mode,
-            old_log_prob=mb[old_name][:, :width],
+            old_log_prob=old,
             log_prob=log_prob,
             advantages=mb["advantages"][:, :width],
             response_mask=mask,
@@ -185,9 +199,20 @@ def _loss_fn(settings: PolicyUpdate, tokens: float, seqs: float, old_name: str):
             kl_loss = agg_loss(kld, mask, **counts)
             loss = loss + settings.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss.detach()
+        metrics["loss"] = loss.detach()
         return loss, metrics
 
     return loss_fn
+
+
+def _gather_rows(local: torch.Tensor, rows: torch.Tensor, n: int, width: int) -> torch.Tensor:
+    """``[n, width]`` on every rank from each DP rank's ``local`` values of its ``rows``."""
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    full = torch.zeros(n, width, dtype=local.dtype, device=device())
+    full[rows.to(full.device), : local.shape[1]] = local.to(full.device)[:, :width]
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(full, group=group)  # the rows of different ranks are disjoint
+    return full.cpu()
 
 
 def _sum_over_dp(values: dict[str, float]) -> dict[str, float]:

@@ -90,7 +90,7 @@ def _loop(run: Run, tracker, last_val: float | None) -> float | None:
     limit = cfg.trainer.max_consecutive_skipped_steps
     for step in range(run.state.step + 1, run.total_steps + 1):
         prompts = [run.train_data[i] for i in next(run.sampler)]
-        metrics = train_step(run, step, prompts)
+        metrics, _ = train_step(run, step, prompts)
         run.state.step = step
         run.state.sampler = run.sampler.state_dict()
         skipped = metrics.get("actor/skipped_steps", 0.0)

@@ -64,8 +64,10 @@ def global_log_probs(
     temperature: float,
     micro_batches: int | None,
     max_token_len: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropy ``[B, R]`` of every response token of the batch, on every rank."""
+    sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Log-probs, entropy and (when asked) sum_v pi^2, ``[B, R]`` for every response token of
+    the batch, on every rank."""
     from megarl.trainer.batch import token_budget_micro_batches
 
     dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
@@ -87,12 +89,19 @@ def global_log_probs(
     else:
         micro = _fitting_micro_batch(len(rows), micro_batches or len(rows))
     out = compute_log_probs(
-        chunks, sequences, vocab_size=vocab_size, micro_batches=micro, temperature=temperature
+        chunks,
+        sequences,
+        vocab_size=vocab_size,
+        micro_batches=micro,
+        temperature=temperature,
+        sum_pi_squared=sum_pi_squared,
     )
     width = batch.response_mask.shape[1]
+    squared = out.sum_pi_squared
     return (
         _gather_dp(_pad_to(out.log_probs, width), dp_size),
         _gather_dp(_pad_to(out.entropy, width), dp_size),
+        None if squared is None else _gather_dp(_pad_to(squared, width), dp_size),
     )
 
 

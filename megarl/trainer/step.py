@@ -39,8 +39,12 @@ class Timer:
         return {f"timing_s/{k}": v for k, v in self.seconds.items()}
 
 
-def train_step(run: Run, step: int, prompts: Sequence[PromptSample]) -> dict[str, float]:
-    """Run training step ``step`` (1-based) on the global prompt batch ``prompts``."""
+def train_step(
+    run: Run, step: int, prompts: Sequence[PromptSample]
+) -> tuple[dict[str, float], RolloutTensors]:
+    """Run training step ``step`` (1-based) on the global prompt batch ``prompts``; returns its
+    metrics and the step's batch (tokens, rewards, log-probs, advantages: identical on every
+    rank)."""
     cfg = run.cfg
     rollout_cfg = cfg.actor_rollout_ref.rollout
     correction = cfg.algorithm.rollout_correction
@@ -60,19 +64,32 @@ def train_step(run: Run, step: int, prompts: Sequence[PromptSample]) -> dict[str
     with timer("reward"):
         scored = _score(run, prompts, samples, batch, step, dump=cfg.trainer.rollout_data_dir)
         batch.fields["token_level_rewards"] = scored.token_level_rewards
-    with timer("old_log_prob"):
-        old, _entropy = global_log_probs(
-            run.actor.chunks,
-            batch,
-            vocab_size=run.vocab_size,
-            temperature=rollout_cfg.temperature,
-            micro_batches=run.plan.old_log_prob.micro_batch_size,
-            max_token_len=run.plan.old_log_prob.max_token_len_per_gpu,
-        )
-        batch.fields["recomputed_log_probs"] = old
+    # verl's shortcut: with one mini-batch, one epoch, no IS weights and nothing else needing
+    # them first, the old log-probs are the current ones; the update's forward provides them.
+    actor_cfg = cfg.actor_rollout_ref.actor
+    shortcut = (
+        run.policy.ppo_epochs == 1
+        and run.policy.responses_per_mini_batch == len(batch)
+        and not correction.bypass_mode
+        and correction.rollout_is is None
+        and not actor_cfg.calculate_sum_pi_squared
+    )
+    sum_pi_squared = None
+    if not shortcut:
+        with timer("old_log_prob"):
+            old, _entropy, sum_pi_squared = global_log_probs(
+                run.actor.chunks,
+                batch,
+                vocab_size=run.vocab_size,
+                temperature=rollout_cfg.temperature,
+                micro_batches=run.plan.old_log_prob.micro_batch_size,
+                max_token_len=run.plan.old_log_prob.max_token_len_per_gpu,
+                sum_pi_squared=actor_cfg.calculate_sum_pi_squared,
+            )
+            batch.fields["recomputed_log_probs"] = old
     if run.ref is not None:
         with timer("ref"):
-            batch.fields["ref_log_probs"], _ = global_log_probs(
+            batch.fields["ref_log_probs"], _, _ = global_log_probs(
                 run.ref.chunks,
                 batch,
                 vocab_size=run.vocab_size,
@@ -83,11 +100,16 @@ def train_step(run: Run, step: int, prompts: Sequence[PromptSample]) -> dict[str
     # Rollout log-prob handling: decoupled (recomputed old log-probs anchor the ratio), bypass
     # (the rollout's own), optionally with truncated importance weights pi_old / pi_rollout.
     mask = batch.response_mask
-    batch.fields["old_log_probs"] = batch.rollout_log_probs if correction.bypass_mode else old
     metrics: dict[str, float] = {}
+    if not shortcut:
+        batch.fields["old_log_probs"] = (
+            batch.rollout_log_probs
+            if correction.bypass_mode
+            else batch.fields["recomputed_log_probs"]
+        )
     if correction.rollout_is is not None and not correction.bypass_mode:
         weights, is_metrics = compute_rollout_is_weights(
-            old,
+            batch.fields["recomputed_log_probs"],
             batch.rollout_log_probs,
             mask,
             rollout_is=correction.rollout_is,
@@ -107,6 +129,8 @@ def train_step(run: Run, step: int, prompts: Sequence[PromptSample]) -> dict[str
             lam=cfg.algorithm.lam,
             norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
             reward_components=scored.fields,
+            old_log_prob=batch.fields.get("old_log_probs"),
+            sum_pi_squared=sum_pi_squared,
         )
         batch.fields["advantages"], batch.fields["returns"] = advantages, returns
 
@@ -119,6 +143,7 @@ def train_step(run: Run, step: int, prompts: Sequence[PromptSample]) -> dict[str
                 vocab_size=run.vocab_size,
                 seed=cfg.trainer.seed,
                 step=step,
+                old_log_probs="current" if shortcut else "old_log_probs",
             )
         )
     run.actor.advance_lr()  # verl steps the LR schedule once per trainer step
@@ -128,13 +153,13 @@ def train_step(run: Run, step: int, prompts: Sequence[PromptSample]) -> dict[str
 
     metrics.update(scored.metrics)
     metrics.update(batch_metrics(batch, scored, cfg.data.max_response_length))
-    metrics.update(rollout_consistency(batch, old))
+    metrics.update(rollout_consistency(batch, batch.fields["recomputed_log_probs"]))
     metrics.update(timer.metrics())
     metrics["timing_s/step"] = time.perf_counter() - start
     tokens = float(batch.lengths.sum())
     metrics["perf/total_num_tokens"] = tokens
     metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / run.world_size
-    return metrics
+    return metrics, batch
 
 
 def validate(run: Run, step: int) -> dict[str, float]:

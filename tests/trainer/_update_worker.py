@@ -91,7 +91,7 @@ def _run_case(spec: dict, layout, case: dict, optimizer: str) -> dict:
     tp, pp, vpp, dist_opt = layout
     # float64 wherever Megatron allows it (its distributed optimizer takes fp32/bf16 only), so
     # that the comparison measures the parallel arithmetic, not fp32 rounding.
-    exact = not (optimizer == "adamw" and dist_opt)
+    exact = optimizer != "adamw_fp32" and not (optimizer == "adamw" and dist_opt)
     dtype = torch.float64 if exact else torch.float32
     built = build_model(spec["model"], ParallelLayout(tp, pp, vpp), dtype=dtype)
     if optimizer == "sgd":
@@ -153,7 +153,10 @@ def main() -> None:
         for case in spec["cases"]:
             if vpp and case["dynamic"]:
                 continue  # the interleaved schedule needs equal micro-batches: no token budget
-            for optimizer in ("sgd", "adamw"):  # SGD always without the distributed optimizer
+            # SGD always without the distributed optimizer; at (1,1,1) also AdamW in fp32, the
+            # like-for-like reference of the distributed optimizer (fp32/bf16 only).
+            extra = ("adamw_fp32",) if layout == (1, 1, None, False) else ()
+            for optimizer in ("sgd", "adamw", *extra):
                 name = f"{key}/{case['name']}/{optimizer}"
                 results[name] = _run_case(spec, layout, case, optimizer)
     if dist.get_rank() == 0:

@@ -31,7 +31,10 @@ def tiny(tmp_path_factory) -> list[str]:
     ("override", "named"),
     [
         ("data.train_files=/nonexistent/train.parquet", "/nonexistent/train.parquet"),
-        ("data.max_prompt_length=4 data.filter_overlong_prompts=false data.truncation=error", "row"),
+        (
+            "data.max_prompt_length=4 data.filter_overlong_prompts=false data.truncation=error",
+            "row",
+        ),
         ("actor_rollout_ref.actor.ppo_mini_batch_size=3", "ppo_mini_batch_size"),
         ("algorithm.adv_estimator=gae", "critic"),
     ],

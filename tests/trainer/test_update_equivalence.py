@@ -48,11 +48,12 @@ SPEC = {
         },
     ],
 }
-ADAM_EPS = 1e-6
-"""Adam's first step moves a weight by lr·g/(|g| + eps): with eps 1e-8, elements whose gradient is
-~1e-8 turn 1e-9 of rounding noise into ~1e-4 of weight (seen: single elements of 32768). eps 1e-6
-keeps the comparison well conditioned and still exercises groups, decay, bias correction and
-clipping."""
+ADAM_EPS = 1e-5
+"""Adam's first step moves a weight by lr·g/(|g| + eps), which turns rounding noise in gradients
+near eps into weight differences: with eps 1e-8, single elements of 32768 moved by ~1e-4
+(HF vs Megatron); with 1e-6, fp32 at TP2·DP2 with the distributed optimizer vs fp32 at (1,1,1)
+differed by 1.2e-5. eps 1e-5 keeps the comparison well conditioned and still exercises the
+decay groups (lr·wd·w = 1e-4·w), bias correction and clipping."""
 LAYOUT_KEYS = {
     1: ["tp1_pp1_vpp1_dp1"],
     2: ["tp2_pp1_vpp1_dp1", "tp1_pp2_vpp1_dp1", "tp1_pp1_vpp1_dp2", "tp1_pp2_vpp2_dp1"],
@@ -213,9 +214,25 @@ def _results(setup, world: int) -> dict:
     return torch.load(out, weights_only=False)
 
 
+FP32_WEIGHTS, FP32_METRICS = 3e-5, 5e-6
+"""fp32 against the float64 reference after two updates: measured 1.0-1.6e-5 on weights and
+~2e-6 on metrics at every layout, (1,1,1) included (rounding, not parallelism)."""
+
+
+def _compare(got: dict, ref_weights: dict, ref_metrics: dict) -> tuple[float, float, float]:
+    weights = max(float((got["weights"][n] - w).abs().max()) for n, w in ref_weights.items())
+    metrics = max(
+        abs(got["metrics"][f"actor/{key}"] - ref_metrics[key])
+        for key in ("pg_loss", "pg_clipfrac", "ppo_kl")
+    )
+    norm = abs(got["metrics"]["actor/grad_norm"] / ref_metrics["grad_norm"] - 1)
+    return weights, metrics, norm
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_update_equals_single_process_reference(setup, references, world):
     results = _results(setup, world)
+    fp32_base = _results(setup, 1) if world == 4 else results
     rows, failures = [], []
     for layout in LAYOUT_KEYS[world]:
         for case in SPEC["cases"]:
@@ -224,18 +241,22 @@ def test_update_equals_single_process_reference(setup, references, world):
                 if got is None:
                     assert "vpp2" in layout and case["dynamic"], f"missing {layout}/{case['name']}"
                     continue
-                ref_weights, ref_metrics = references[(case["name"], opt)]
-                where = f"{layout} {case['name']} {opt}"
-                weights = max(
-                    float((got["weights"][n] - w).abs().max()) for n, w in ref_weights.items()
-                )
-                metrics = {
-                    key: abs(got["metrics"][f"actor/{key}"] - ref_metrics[key])
-                    for key in ("pg_loss", "pg_clipfrac", "ppo_kl")
-                }
-                norm = abs(got["metrics"]["actor/grad_norm"] / ref_metrics["grad_norm"] - 1)
-                rows.append(f"{where}: weights {weights:.2e} metrics {max(metrics.values()):.2e}")
-                if weights > 1e-5 or max(metrics.values()) > 1e-6:
+                where = f"{layout} {case['name']} {opt} ({got['dtype']})"
+                weights, metrics, norm = _compare(got, *references[(case["name"], opt)])
+                rows.append(f"{where}: weights {weights:.2e} metrics {metrics:.2e}")
+                if got["dtype"] == "torch.float64":
+                    bad = weights > 1e-5 or metrics > 1e-6
+                else:  # the distributed optimizer: fp32 only
+                    bad = weights > FP32_WEIGHTS or metrics > FP32_METRICS
+                    like = fp32_base[f"tp1_pp1_vpp1_dp1/{case['name']}/adamw_fp32"]
+                    same = {n: like["weights"][n] for n in references[(case["name"], opt)][0]}
+                    w32, m32, _ = _compare(got, same, {
+                        k: like["metrics"][f"actor/{k}"]
+                        for k in ("pg_loss", "pg_clipfrac", "ppo_kl", "grad_norm")
+                    })  # fmt: skip
+                    rows.append(f"{where} vs fp32 at (1,1,1): weights {w32:.2e} metrics {m32:.2e}")
+                    bad = bad or w32 > 1e-5 or m32 > 1e-6
+                if bad:
                     failures.append(rows[-1])
                 if opt == "sgd" and norm > 1e-5:
                     failures.append(f"{where}: grad norm relative difference {norm:.2e}")

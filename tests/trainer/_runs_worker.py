@@ -1,0 +1,113 @@
+"""Several short training runs in one torchrun launch (importing Megatron costs ~10 s a process).
+
+Each run builds the trainer's ``Run`` from a config with overrides and calls ``train_step`` for
+a few steps, recording per step the metrics, the advantages and the responses, and at the end
+whether the DP replicas hold bit-identical weights. Rank 0 saves everything for pytest:
+``python -m torch.distributed.run --nproc_per_node W _runs_worker.py SPEC.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+POISON = {"step": None}
+"""Set to a step number: rank 1's loss becomes NaN in that step (the NaN-injection check)."""
+
+
+def _poisoned_forward_backward(original):
+    def forward_backward(chunks, batch, loss_fn, **kwargs):
+        step = POISON["step"]
+
+        def poisoned(outputs, mb):
+            loss, metrics = loss_fn(outputs, mb)
+            return loss * float("nan"), metrics
+
+        if step is not None and dist.get_rank() == 1:
+            return original(chunks, batch, poisoned, **kwargs)
+        return original(chunks, batch, loss_fn, **kwargs)
+
+    return forward_backward
+
+
+def _weights_checksums(chunks) -> torch.Tensor:
+    from megarl.models.weights import local_global_names
+
+    return torch.tensor(
+        [float(p.detach().double().sum()) for *_, p in local_global_names(chunks)],
+        dtype=torch.float64,
+    )
+
+
+def _replicas_identical(chunks) -> bool:
+    from megatron.core import parallel_state
+
+    sums = _weights_checksums(chunks)
+    group = parallel_state.get_data_parallel_group()
+    parts = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, sums, group=group)
+    return all(torch.equal(parts[0], p) for p in parts)
+
+
+def _one_run(spec: dict, run_spec: dict) -> dict:
+    from megarl.config import load_config
+    from megarl.trainer.console import Console
+    from megarl.trainer.setup import build_run
+    from megarl.trainer.step import train_step
+
+    run_dir = Path(spec["tmp"]) / f"{run_spec['name']}_ws{dist.get_world_size()}"
+    overrides = [*spec["overrides"], *run_spec["overrides"], f"trainer.default_local_dir={run_dir}"]
+    cfg = load_config([spec["config"]], overrides)
+    steps = []
+    with Console(run_dir / "logs", rank=dist.get_rank()) as console:
+        run = build_run(cfg, console, run_dir)
+        try:
+            for step in range(1, run_spec["steps"] + 1):
+                POISON["step"] = step if step == run_spec.get("poison_step") else None
+                before = _weights_checksums(run.actor.chunks)
+                metrics, batch = train_step(
+                    run, step, [run.train_data[i] for i in next(run.sampler)]
+                )
+                steps.append(
+                    {
+                        "metrics": metrics,
+                        "advantages": batch.fields["advantages"],
+                        "input_ids": batch.input_ids,
+                        "mask": batch.response_mask,
+                        "weights_unchanged": torch.equal(
+                            before, _weights_checksums(run.actor.chunks)
+                        ),
+                    }
+                )
+            identical = _replicas_identical(run.actor.chunks)
+        finally:
+            POISON["step"] = None
+            run.rewards.close()
+    return {"steps": steps, "replicas_identical": identical}
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    from megarl.trainer import actor
+
+    actor.forward_backward = _poisoned_forward_backward(actor.forward_backward)
+    from megarl.parallel.init import destroy_distributed, init_distributed
+
+    init_distributed(seed=1)
+    world = dist.get_world_size()
+    results = {}
+    for run_spec in spec["runs"]:
+        if world in run_spec["worlds"]:
+            results[run_spec["name"]] = _one_run(spec, run_spec)
+    if dist.get_rank() == 0:
+        torch.save(results, Path(spec["tmp"]) / f"runs_ws{world}.pt")
+    dist.barrier()
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Where the tiny CPU GRPO step spends its time: each phase's seconds and share, over several steps.
+
+Runs the README's main job (``megarl.commands.quickstart``: 2 processes, actor TP 2, vLLM TP 2)
+for ``--steps`` steps without validation, then reads ``timing_s/*`` from the run's
+``metrics.jsonl``. The first step is reported apart (vLLM's first generation compiles and warms
+up); the table averages the others. "bookkeeping" is the step minus its timed phases (metrics,
+batch tensors, Python).
+
+    .venv/bin/python tools/bench_step.py [--steps 8] [--out outputs] [KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--out", default="outputs")
+    args, overrides = parser.parse_known_args()
+    run_dir = Path(args.out).resolve() / "runs" / "bench_step"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megarl.commands.quickstart",
+            "--out",
+            args.out,
+            f"trainer.total_training_steps={args.steps}",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            f"trainer.default_local_dir={run_dir}",
+            *overrides,
+        ],
+        check=False,
+    )
+    if done.returncode:
+        return done.returncode
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["metrics"] for r in records if r["step"] > 0][-args.steps :]
+    first, rest = steps[0], steps[1:] or steps
+    step_time = statistics.mean(m["timing_s/step"] for m in rest)
+    print(
+        f"\nfirst step {first['timing_s/step']:.2f} s (vLLM warm-up: gen {first['timing_s/gen']:.2f} s)"
+    )
+    print(f"steps 2..{len(steps)}: {step_time:.3f} s per step\n")
+    print(f"{'phase':<16}{'seconds':>10}{'share':>9}")
+    timed = 0.0
+    for phase in PHASES:
+        values = [m.get(f"timing_s/{phase}", 0.0) for m in rest]
+        mean = statistics.mean(values)
+        timed += mean
+        print(f"{phase:<16}{mean:>10.3f}{mean / step_time:>9.1%}")
+    other = step_time - timed
+    print(f"{'bookkeeping':<16}{other:>10.3f}{other / step_time:>9.1%}")
+    tokens = statistics.mean(m["perf/total_num_tokens"] for m in rest)
+    print(f"\n{tokens:.0f} tokens per step; {tokens / step_time:.0f} tokens/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
