@@ -186,6 +186,35 @@ class TrainableModel:
         """Current learning rate of the first parameter group."""
         return float(self.optimizer.param_groups[0]["lr"])
 
+    # -- memory between phases (RL: the rollout engine needs the device in between) --------
+
+    def offload(self, *, params: bool = False, grads: bool = False, optimizer: bool = False):
+        """Free device memory with Megatron's own helpers: parameter buffers (host copy kept),
+        gradient buffers (dropped; they are zero at this point) and optimizer state (moved to
+        host memory). :meth:`reload` brings back what was offloaded."""
+        self._offloaded = (params, grads, optimizer)
+        if params or grads:
+            for chunk in self.chunks:
+                for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                    buffer.offload_to_cpu(move_params=params, move_grads=grads)
+        if optimizer:
+            for leaf in _leaf_optimizers(self.optimizer):
+                leaf.offload_to_cpu()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        """Undo :meth:`offload` (gradient buffers come back zeroed)."""
+        params, grads, optimizer = getattr(self, "_offloaded", (False, False, False))
+        if params or grads:
+            for chunk in self.chunks:
+                for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                    buffer.reload_from_cpu(move_params=params, move_grads=grads)
+        if optimizer:
+            for leaf in _leaf_optimizers(self.optimizer):
+                leaf.restore_from_cpu()
+        self._offloaded = (False, False, False)
+
     def reload_model_params(self) -> None:
         """Refresh the optimizer's main (fp32) parameters after weights were loaded in place."""
         self.optimizer.reload_model_params()

@@ -128,3 +128,80 @@ def _gather_dp(local: torch.Tensor, dp_size: int) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(dp_size)]
     dist.all_gather(parts, local, group=group)
     return torch.cat(parts).cpu()
+
+
+def old_log_probs_are_current(run, num_responses: int) -> bool:
+    """verl's shortcut: one mini-batch, one epoch, decoupled mode, no IS weights and no
+    estimator reading the old log-probs: they equal the current ones."""
+    correction = run.cfg.algorithm.rollout_correction
+    return (
+        run.policy.ppo_epochs == 1
+        and run.policy.responses_per_mini_batch == num_responses
+        and not correction.bypass_mode
+        and correction.rollout_is is None
+        and not run.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared
+    )
+
+
+def recompute_log_probs(run, batch: RolloutTensors) -> torch.Tensor | None:
+    """The actor's log-probs of the rollout (``recomputed_log_probs``); returns sum_v pi^2 when
+    ``actor.calculate_sum_pi_squared`` asks for it."""
+    plan = run.plan.old_log_prob
+    old, _, sum_pi_squared = global_log_probs(
+        run.actor.chunks,
+        batch,
+        vocab_size=run.vocab_size,
+        temperature=run.cfg.actor_rollout_ref.rollout.temperature,
+        micro_batches=plan.micro_batch_size,
+        max_token_len=plan.max_token_len_per_gpu,
+        sum_pi_squared=run.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared,
+    )
+    batch.fields["recomputed_log_probs"] = old
+    return sum_pi_squared
+
+
+def reference_log_probs(run, batch: RolloutTensors) -> None:
+    """The frozen reference's log-probs (``ref_log_probs``), at the rollout temperature. With
+    ``ref.megatron.param_offload`` it lives in host memory between its passes (``.cuda()`` and
+    ``.cpu()`` are no-ops under CPU emulation)."""
+    offload = run.cfg.actor_rollout_ref.ref.megatron.param_offload
+    if offload:
+        for chunk in run.ref.chunks:
+            chunk.cuda()
+    plan = run.plan.ref_log_prob
+    batch.fields["ref_log_probs"], _, _ = global_log_probs(
+        run.ref.chunks,
+        batch,
+        vocab_size=run.vocab_size,
+        temperature=run.cfg.actor_rollout_ref.rollout.temperature,
+        micro_batches=plan.micro_batch_size,
+        max_token_len=plan.max_token_len_per_gpu,
+    )
+    if offload:
+        for chunk in run.ref.chunks:
+            chunk.cpu()
+
+
+def correct_for_rollout(batch: RolloutTensors, correction, shortcut: bool) -> dict[str, float]:
+    """Old log-probs by ``algorithm.rollout_correction``: decoupled (recomputed), bypass (the
+    rollout's own), and truncated importance weights pi_old / pi_rollout (``rollout_is``)."""
+    from megarl.algo import compute_rollout_is_weights
+
+    if not shortcut:
+        batch.fields["old_log_probs"] = (
+            batch.rollout_log_probs
+            if correction.bypass_mode
+            else batch.fields["recomputed_log_probs"]
+        )
+    if correction.rollout_is is None or correction.bypass_mode:
+        return {}
+    weights, metrics = compute_rollout_is_weights(
+        batch.fields["recomputed_log_probs"],
+        batch.rollout_log_probs,
+        batch.response_mask,
+        rollout_is=correction.rollout_is,
+        rollout_is_threshold=correction.rollout_is_threshold,
+        rollout_is_batch_normalize=correction.rollout_is_batch_normalize,
+    )
+    batch.fields["rollout_is_weights"] = weights
+    return {f"rollout_corr/{k}": float(v) for k, v in metrics.items()}

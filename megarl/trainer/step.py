@@ -13,13 +13,19 @@ from contextlib import contextmanager
 
 import torch
 
-from megarl.algo import compute_advantage, compute_rollout_is_weights, masked_mean
+from megarl.algo import compute_advantage, masked_mean
 from megarl.data import PromptSample
 from megarl.reward import RewardInput, RewardResult
 from megarl.rollout.consistency import logprob_diff_metrics
 from megarl.trainer.actor import update_policy
 from megarl.trainer.batch import RolloutTensors
-from megarl.trainer.passes import generate, global_log_probs
+from megarl.trainer.passes import (
+    correct_for_rollout,
+    generate,
+    old_log_probs_are_current,
+    recompute_log_probs,
+    reference_log_probs,
+)
 from megarl.trainer.setup import Run
 
 
@@ -46,84 +52,45 @@ def train_step(
     metrics and the step's batch (tokens, rewards, log-probs, advantages: identical on every
     rank)."""
     cfg = run.cfg
-    rollout_cfg = cfg.actor_rollout_ref.rollout
-    correction = cfg.algorithm.rollout_correction
-    timer = Timer()
-    start = time.perf_counter()
+    timer, start = Timer(), time.perf_counter()
+    metrics: dict[str, float] = {}
 
     with timer("gen"):
         batch, samples = generate(
             run.engine,
             prompts,
-            n=rollout_cfg.n,
+            n=cfg.actor_rollout_ref.rollout.n,
             sampling=training_sampling(run),
             seed=cfg.trainer.seed,
             step=step,
             pad_token_id=_pad_id(run),
         )
+    engine_sleeps = _engine_sleeps(run)
+    if engine_sleeps:
+        run.engine.sleep(level=1)  # weights to host memory, KV cache dropped, until the sync
+    run.actor.reload()  # what the previous step offloaded (nothing by default)
+
     with timer("reward"):
         scored = _score(run, prompts, samples, batch, step, dump=cfg.trainer.rollout_data_dir)
         batch.fields["token_level_rewards"] = scored.token_level_rewards
-    # verl's shortcut: with one mini-batch, one epoch, no IS weights and nothing else needing
-    # them first, the old log-probs are the current ones; the update's forward provides them.
-    actor_cfg = cfg.actor_rollout_ref.actor
-    shortcut = (
-        run.policy.ppo_epochs == 1
-        and run.policy.responses_per_mini_batch == len(batch)
-        and not correction.bypass_mode
-        and correction.rollout_is is None
-        and not actor_cfg.calculate_sum_pi_squared
-    )
+
+    # Old log-probs: recomputed by the actor (decoupled), or, with one mini-batch and one epoch
+    # and nothing needing them earlier, taken from the update's own forward (verl's shortcut).
+    shortcut = old_log_probs_are_current(run, len(batch))
     sum_pi_squared = None
     if not shortcut:
         with timer("old_log_prob"):
-            old, _entropy, sum_pi_squared = global_log_probs(
-                run.actor.chunks,
-                batch,
-                vocab_size=run.vocab_size,
-                temperature=rollout_cfg.temperature,
-                micro_batches=run.plan.old_log_prob.micro_batch_size,
-                max_token_len=run.plan.old_log_prob.max_token_len_per_gpu,
-                sum_pi_squared=actor_cfg.calculate_sum_pi_squared,
-            )
-            batch.fields["recomputed_log_probs"] = old
+            sum_pi_squared = recompute_log_probs(run, batch)
     if run.ref is not None:
         with timer("ref"):
-            batch.fields["ref_log_probs"], _, _ = global_log_probs(
-                run.ref.chunks,
-                batch,
-                vocab_size=run.vocab_size,
-                temperature=rollout_cfg.temperature,
-                micro_batches=run.plan.ref_log_prob.micro_batch_size,  # type: ignore[union-attr]
-                max_token_len=run.plan.ref_log_prob.max_token_len_per_gpu,  # type: ignore[union-attr]
-            )
-    # Rollout log-prob handling: decoupled (recomputed old log-probs anchor the ratio), bypass
-    # (the rollout's own), optionally with truncated importance weights pi_old / pi_rollout.
-    mask = batch.response_mask
-    metrics: dict[str, float] = {}
-    if not shortcut:
-        batch.fields["old_log_probs"] = (
-            batch.rollout_log_probs
-            if correction.bypass_mode
-            else batch.fields["recomputed_log_probs"]
-        )
-    if correction.rollout_is is not None and not correction.bypass_mode:
-        weights, is_metrics = compute_rollout_is_weights(
-            batch.fields["recomputed_log_probs"],
-            batch.rollout_log_probs,
-            mask,
-            rollout_is=correction.rollout_is,
-            rollout_is_threshold=correction.rollout_is_threshold,
-            rollout_is_batch_normalize=correction.rollout_is_batch_normalize,
-        )
-        batch.fields["rollout_is_weights"] = weights
-        metrics.update({f"rollout_corr/{k}": float(v) for k, v in is_metrics.items()})
+            reference_log_probs(run, batch)
+    metrics.update(correct_for_rollout(batch, cfg.algorithm.rollout_correction, shortcut))
 
-    with timer("adv"):
+    with timer("adv"):  # over the global batch: the same at every layout
         advantages, returns = compute_advantage(
             cfg.algorithm.adv_estimator,
             token_level_rewards=batch.fields["token_level_rewards"],
-            response_mask=mask,
+            response_mask=batch.response_mask,
             index=batch.prompt_ids,
             gamma=cfg.algorithm.gamma,
             lam=cfg.algorithm.lam,
@@ -147,18 +114,18 @@ def train_step(
             )
         )
     run.actor.advance_lr()  # verl steps the LR schedule once per trainer step
+    meg = cfg.actor_rollout_ref.actor.megatron
+    run.actor.offload(grads=meg.grad_offload, optimizer=meg.optimizer_offload)
+
     with timer("update_weights"):
+        if engine_sleeps:
+            run.engine.wake_up(["weights"])
         if step not in cfg.trainer.skip_weight_sync_steps:
             sync_engine(run)
+        if engine_sleeps:
+            run.engine.wake_up(["kv_cache"])  # after the sync: a lower peak
 
-    metrics.update(scored.metrics)
-    metrics.update(batch_metrics(batch, scored, cfg.data.max_response_length))
-    metrics.update(rollout_consistency(batch, batch.fields["recomputed_log_probs"]))
-    metrics.update(timer.metrics())
-    metrics["timing_s/step"] = time.perf_counter() - start
-    tokens = float(batch.lengths.sum())
-    metrics["perf/total_num_tokens"] = tokens
-    metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / run.world_size
+    metrics.update(step_metrics(run, batch, scored, timer, start))
     return metrics, batch
 
 
@@ -200,6 +167,13 @@ def training_sampling(run: Run) -> dict[str, float | int]:
         "top_k": roll.top_k,
         "max_tokens": roll.response_length,
     }
+
+
+def _engine_sleeps(run: Run) -> bool:
+    """vLLM on GPU with ``free_cache_engine`` sleeps while training runs (on CPU sleeping frees
+    nothing and vLLM only warns, so it is not called)."""
+    roll = run.cfg.actor_rollout_ref.rollout
+    return roll.name == "vllm" and roll.free_cache_engine and torch.cuda.is_available()
 
 
 def sync_engine(run: Run) -> None:
@@ -255,6 +229,21 @@ def batch_metrics(batch: RolloutTensors, scored: RewardResult, max_response: int
     metrics.update(_stats("response_length", response))
     metrics["response_length/clip_ratio"] = float((response >= max_response).float().mean())
     metrics.update(_stats("prompt_length", batch.prompt_lengths))
+    return metrics
+
+
+def step_metrics(
+    run: Run, batch: RolloutTensors, scored: RewardResult, timer: Timer, start: float
+) -> dict[str, float]:
+    """Rewards, data, consistency, timing and throughput metrics of a finished step."""
+    metrics = dict(scored.metrics)
+    metrics.update(batch_metrics(batch, scored, run.cfg.data.max_response_length))
+    metrics.update(rollout_consistency(batch, batch.fields["recomputed_log_probs"]))
+    metrics.update(timer.metrics())
+    metrics["timing_s/step"] = time.perf_counter() - start
+    tokens = float(batch.lengths.sum())
+    metrics["perf/total_num_tokens"] = tokens
+    metrics["perf/throughput"] = tokens / metrics["timing_s/step"] / run.world_size
     return metrics
 
 

@@ -4,7 +4,8 @@
   advantages at DP=2 equal those at DP=1 (the global batch makes them layout-independent);
 - DP replicas hold bit-identical weights after two steps at DP=2;
 - a NaN injected into one rank's loss skips the step on every rank, leaves the weights
-  unchanged, is counted, and the run continues.
+  unchanged, is counted, and the run continues;
+- offloading gradient buffers and optimizer state between steps changes nothing.
 """
 
 from __future__ import annotations
@@ -116,3 +117,11 @@ def test_nan_on_one_rank_skips_the_step_everywhere_and_the_run_goes_on(dp2):
     assert poisoned["weights_unchanged"]
     assert after["metrics"]["actor/skipped_steps"] == 0 and not after["weights_unchanged"]
     assert dp2["nan"]["replicas_identical"]
+
+
+def test_offloading_between_steps_changes_nothing(dp2):
+    plain, offloaded = dp2["grpo"]["steps"], dp2["offload"]["steps"]
+    for a, b in zip(plain, offloaded, strict=True):
+        assert torch.equal(a["input_ids"], b["input_ids"])
+        keys = [k for k in a["metrics"] if not k.startswith(("timing_s/", "perf/throughput"))]
+        assert {k: a["metrics"][k] for k in keys} == {k: b["metrics"][k] for k in keys}
