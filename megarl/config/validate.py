@@ -58,6 +58,7 @@ class _Checks(LayoutChecks):
             self.check_rollout_layout(world, shape)
             self.check_batches(world)
         self.check_shared_layouts()
+        self.check_sequence_parallel()
         self.check_sampling()
         self.check_algorithm()
         self.check_policy_loss()
@@ -253,6 +254,19 @@ class _Checks(LayoutChecks):
             self.warn(
                 f"{ACTOR}.loss_scale_factor is only used by loss_agg_mode=seq-mean-token-sum-norm "
                 f"(got {a.loss_agg_mode})"
+            )
+
+    def check_sequence_parallel(self) -> None:
+        """Megatron's local layer spec (CPU) refuses sequence parallelism: say so in one line."""
+        meg = self.cfg.actor_rollout_ref.actor.megatron
+        local = meg.transformer_impl == "local" or (
+            meg.transformer_impl == "auto" and self.cfg.trainer.device == "cpu"
+        )
+        if local and meg.sequence_parallel and meg.tensor_model_parallel_size > 1:
+            self.error(
+                f"{ACTOR}.megatron.sequence_parallel=true needs Transformer Engine's layer spec; "
+                f"the local spec ({ACTOR}.megatron.transformer_impl={meg.transformer_impl}, "
+                f"trainer.device={self.cfg.trainer.device}) refuses it: set it to false on CPU"
             )
 
     def check_policy_loss(self) -> None:

@@ -167,20 +167,33 @@ def llama3_rope_factor(dims: ModelDims) -> float | None:
 
 
 class ValueHead(torch.nn.Module):
-    """Scalar value head replacing ``GPTModel.output_layer`` for the critic.
+    """Scalar value head replacing ``GPTModel.output_layer`` for the critic (and a reward model).
 
-    Replicated on every TP rank (the hidden states it reads are replicated too), so its gradient
-    is identical across TP ranks and needs no reduction. Called with the output layer's signature.
+    Replicated on every TP rank. With sequence parallelism the hidden states reaching the output
+    layer are sequence-sharded: the head first gathers them from the sequence-parallel region
+    with a *split* backward (not Megatron's default reduce-scatter, which assumes a TP-split
+    consumer), so every TP rank computes the same full-sequence values and the same weight
+    gradient, which then needs no reduction over TP (correct by construction). Called with the
+    output layer's signature.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, seed: int = 0) -> None:
+    def __init__(
+        self, hidden_size: int, dtype: torch.dtype, seed: int = 0, sequence_parallel: bool = False
+    ) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         weight = torch.randn(1, hidden_size, generator=gen) / hidden_size**0.5
         self.weight = torch.nn.Parameter(weight.to(dtype))
         self.weight.sequence_parallel = False  # type: ignore[attr-defined]
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False
+            )
         return F.linear(hidden_states, self.weight.to(hidden_states.device)), None
 
 
@@ -222,7 +235,9 @@ def build_gpt_chunks(
             vp_stage=vp,
         )
         if value_head and post:
-            model.output_layer = ValueHead(dims.hidden_size, config.params_dtype, value_head_seed)
+            model.output_layer = ValueHead(
+                dims.hidden_size, config.params_dtype, value_head_seed, config.sequence_parallel
+            )
         # The local spec builds torch.nn.RMSNorm without params_dtype (fp32 norms in a bf16 or
         # float64 model); Transformer Engine's norms take params_dtype. Match TE, so the CPU
         # path holds the GPU path's dtypes (and one gradient-buffer dtype).

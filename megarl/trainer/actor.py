@@ -40,8 +40,8 @@ from megarl.trainer.batch import (
 
 
 @dataclass(frozen=True)
-class PolicyUpdate:
-    """Everything the actor update needs from the config (``actor_rollout_ref.actor.*``)."""
+class MiniBatching:
+    """How an update pass cuts the step's batch (verl's units), shared by actor and critic."""
 
     responses_per_mini_batch: int
     """ppo_mini_batch_size × rollout.n."""
@@ -51,6 +51,14 @@ class PolicyUpdate:
     """ppo_max_token_len_per_gpu (use_dynamic_bsz)."""
     ppo_epochs: int = 1
     shuffle: bool = False
+    balance: bool = True
+    """trainer.balance_batch: balance token counts over DP ranks within each mini-batch."""
+
+
+@dataclass(frozen=True)
+class PolicyUpdate(MiniBatching):
+    """Everything the actor update needs from the config (``actor_rollout_ref.actor.*``)."""
+
     loss_mode: str = "vanilla"
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None
@@ -59,13 +67,11 @@ class PolicyUpdate:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     temperature: float = 1.0
-    balance: bool = True
-    """trainer.balance_batch: balance token counts over DP ranks within each mini-batch."""
     policy_loss_kwargs: dict[str, Any] = field(default_factory=dict)
     """clip_ratio, clip_ratio_low/high, clip_ratio_c and each loss mode's own keys."""
 
 
-_TOKEN_MEANS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
+_TOKEN_MEANS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "vf_clipfrac")
 
 
 def update_policy(
@@ -85,8 +91,6 @@ def update_policy(
     epoch, decoupled, no IS weights: verl's shortcut), taken from the update's own forward pass;
     they are then stored, gathered over DP, in ``batch.fields["recomputed_log_probs"]``.
     """
-    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
-    dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     current = old_log_probs == "current"
     if current and (settings.ppo_epochs != 1 or settings.responses_per_mini_batch != len(batch)):
         raise ValueError("old_log_probs='current' needs exactly one mini-batch and one epoch")
@@ -96,42 +100,79 @@ def update_policy(
     if "rollout_is_weights" in batch.fields:
         names.append("rollout_is_weights")
 
+    def keep(outputs: dict, mine: torch.Tensor) -> None:
+        if current:
+            batch.fields["recomputed_log_probs"] = _gather_rows(
+                outputs["log_probs"], mine, len(batch), batch.response_mask.shape[1]
+            )
+
+    metrics = run_update(
+        actor,
+        batch,
+        settings,
+        names,
+        lambda tokens, seqs: _loss_fn(settings, tokens, seqs, old_log_probs),
+        seed=seed,
+        step=step,
+        purpose="actor",
+        vocab_size=vocab_size,
+        temperature=settings.temperature,
+        keep=keep,
+    )
+    return {f"actor/{k}": v for k, v in metrics.items()}
+
+
+def run_update(
+    model: TrainableModel,
+    batch: RolloutTensors,
+    settings: MiniBatching,
+    names: list[str],
+    make_loss_fn,
+    *,
+    seed: int,
+    step: int,
+    purpose: str,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+    keep=None,
+) -> dict[str, float]:
+    """``ppo_epochs`` × mini-batches of ``model``'s update: each mini-batch's loss comes from
+    ``make_loss_fn(global_tokens, global_seqs)``, its gradient is reduced and stepped; returns
+    metrics averaged over mini-batches (loss terms exact, token means token-weighted), the grad
+    norm, skipped steps and the learning rate."""
+    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     totals: dict[str, float] = defaultdict(float)
     count = 0
     for epoch in range(settings.ppo_epochs):
-        order = seeded_generator(seed, "mini-batches", step, epoch)
+        order = seeded_generator(seed, f"{purpose}-mini-batches", step, epoch)
         for indices in mini_batches(
             len(batch), settings.responses_per_mini_batch, shuffle=settings.shuffle, generator=order
         ):
             tokens, seqs = count_tokens_and_seqs(batch.response_mask[indices])
             lengths = batch.lengths if settings.balance else None
             mine = dp_share(indices, dp_rank, dp_size, lengths)
-            sequences = batch.sequences(mine, names)
-            loss_fn = _loss_fn(settings, float(tokens), float(seqs), old_log_probs)
-            micro = _micro_batches(batch, indices, mine, settings, dp_size)
             per_micro, outputs = forward_backward(
-                actor.chunks,
-                sequences,
-                loss_fn,
-                micro_batches=micro,
+                model.chunks,
+                batch.sequences(mine, names),
+                make_loss_fn(float(tokens), float(seqs)),
+                micro_batches=_micro_batches(batch, indices, mine, settings, dp_size),
                 vocab_size=vocab_size,
-                temperature=settings.temperature,
+                temperature=temperature,
                 keep_outputs=True,
             )
-            if current:
-                batch.fields["recomputed_log_probs"] = _gather_rows(
-                    outputs["log_probs"], mine, len(batch), batch.response_mask.shape[1]
-                )
+            if keep is not None:
+                keep(outputs, mine)
             sums = _sum_over_dp({k: sum(m[k] for m in per_micro) for k in per_micro[0]})
-            result = actor.step()
+            result = model.step()
             for key, value in sums.items():
                 totals[key] += value
             totals["grad_norm"] += result.grad_norm
             totals["skipped_steps"] += 0.0 if result.updated else 1.0
             count += 1
-    metrics = {f"actor/{k}": v / count for k, v in totals.items() if k != "skipped_steps"}
-    metrics["actor/skipped_steps"] = totals["skipped_steps"]
-    metrics["actor/lr"] = actor.lr
+    metrics = {k: v / count for k, v in totals.items() if k != "skipped_steps"}
+    metrics["skipped_steps"] = totals["skipped_steps"]
+    metrics["lr"] = model.lr
     return metrics
 
 
@@ -139,7 +180,7 @@ def _micro_batches(
     batch: RolloutTensors,
     indices: torch.Tensor,
     mine: torch.Tensor,
-    settings: PolicyUpdate,
+    settings: MiniBatching,
     dp_size: int,
 ) -> int | list[torch.Tensor]:
     if settings.max_token_len is None:

@@ -68,41 +68,58 @@ def global_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Log-probs, entropy and (when asked) sum_v pi^2, ``[B, R]`` for every response token of
     the batch, on every rank."""
+    out = global_pass(
+        chunks,
+        batch,
+        "actor",
+        micro_batches=micro_batches,
+        max_token_len=max_token_len,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        sum_pi_squared=sum_pi_squared,
+    )
+    return out["log_probs"], out["entropy"], out.get("sum_pi_squared")
+
+
+def global_pass(
+    chunks: Sequence[torch.nn.Module],
+    batch: RolloutTensors,
+    role: str,
+    *,
+    micro_batches: int | None,
+    max_token_len: int | None = None,
+    **kwargs: Any,
+) -> dict[str, torch.Tensor]:
+    """A forward-only pass over the whole batch: each DP rank computes its contiguous share and
+    the shares are all-gathered, so every rank gets every output ``[B, R]``."""
+    from megarl.models.runner import compute_values
     from megarl.trainer.batch import token_budget_micro_batches
 
     dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
     dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-    rows = dp_share(torch.arange(len(batch)), dp_rank, dp_size)
+    everyone = torch.arange(len(batch))
+    rows = dp_share(everyone, dp_rank, dp_size)
     sequences = batch.sequences(rows)
     if max_token_len is not None:
         most = max(
-            len(
-                token_budget_micro_batches(
-                    batch.lengths[dp_share(torch.arange(len(batch)), r, dp_size)], max_token_len
-                )
-            )
+            len(token_budget_micro_batches(batch.lengths[dp_share(everyone, r, dp_size)],
+                                           max_token_len))
             for r in range(dp_size)
-        )
+        )  # fmt: skip
         micro: Any = token_budget_micro_batches(
             batch.lengths[rows], max_token_len, num_micro_batches=most
         )
     else:
         micro = _fitting_micro_batch(len(rows), micro_batches or len(rows))
-    out = compute_log_probs(
-        chunks,
-        sequences,
-        vocab_size=vocab_size,
-        micro_batches=micro,
-        temperature=temperature,
-        sum_pi_squared=sum_pi_squared,
-    )
+    if role == "critic":
+        outputs = {"values": compute_values(chunks, sequences, micro_batches=micro)}
+    else:
+        out = compute_log_probs(chunks, sequences, micro_batches=micro, **kwargs)
+        outputs = {"log_probs": out.log_probs, "entropy": out.entropy}
+        if out.sum_pi_squared is not None:
+            outputs["sum_pi_squared"] = out.sum_pi_squared
     width = batch.response_mask.shape[1]
-    squared = out.sum_pi_squared
-    return (
-        _gather_dp(_pad_to(out.log_probs, width), dp_size),
-        _gather_dp(_pad_to(out.entropy, width), dp_size),
-        None if squared is None else _gather_dp(_pad_to(squared, width), dp_size),
-    )
+    return {k: _gather_dp(_pad_to(v, width), dp_size) for k, v in outputs.items()}
 
 
 def _fitting_micro_batch(rows: int, size: int) -> int:
@@ -131,8 +148,8 @@ def _gather_dp(local: torch.Tensor, dp_size: int) -> torch.Tensor:
 
 
 def old_log_probs_are_current(run, num_responses: int) -> bool:
-    """verl's shortcut: one mini-batch, one epoch, decoupled mode, no IS weights and no
-    estimator reading the old log-probs: they equal the current ones."""
+    """verl's shortcut: one mini-batch, one epoch, decoupled mode, no IS weights, no KL in the
+    reward and no estimator reading the old log-probs: they equal the current ones."""
     correction = run.cfg.algorithm.rollout_correction
     return (
         run.policy.ppo_epochs == 1
@@ -140,6 +157,7 @@ def old_log_probs_are_current(run, num_responses: int) -> bool:
         and not correction.bypass_mode
         and correction.rollout_is is None
         and not run.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared
+        and not run.cfg.algorithm.use_kl_in_reward
     )
 
 

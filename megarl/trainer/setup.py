@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.config import BatchPlan, ConfigError, MegarlConfig, ref_used
+from megarl.config import BatchPlan, ConfigError, MegarlConfig, critic_enabled, ref_used
 from megarl.data import GlobalBatchSampler, PromptDataset, total_training_steps
 from megarl.models.build import BuiltModel, Recompute, build_model
 from megarl.models.trainable import OptimizerSettings, TrainableModel
@@ -26,6 +26,7 @@ from megarl.rollout.base import RolloutEngine
 from megarl.rollout.vllm_engine import read_eos_token_ids
 from megarl.trainer.actor import PolicyUpdate
 from megarl.trainer.console import Console
+from megarl.trainer.critic import ValueUpdate
 from megarl.trainer.state import TrainerState
 from megarl.trainer.support import unsupported_by_trainer
 
@@ -55,6 +56,12 @@ class Run:
     state: TrainerState = field(default_factory=TrainerState)
     reshard_plan: Any = None
     """The Megatron → engine weight plan (None when the engine samples from the actor)."""
+    critic: TrainableModel | None = None
+    """The value model (estimators that need values: gae)."""
+    values: ValueUpdate | None = None
+    """The critic update's settings."""
+    kl_ctrl: Any = None
+    """The KL-in-reward coefficient controller (``algorithm.use_kl_in_reward``)."""
 
     @property
     def vocab_size(self) -> int:
@@ -121,6 +128,33 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
             pad_token_id=_pad_id(tokenizer),
         )
         reshard = None
+    critic, values = None, None
+    if critic_enabled(cfg):
+        critic_cfg = cfg.critic
+        critic_layout = critic_cfg.megatron.parallel_layout()
+        if critic_layout != layout:
+            raise ConfigError(
+                f"critic.megatron layout {critic_layout} differs from the actor's {layout}: "
+                "Megatron-Core keeps one parallel state per process"
+            )
+        critic_model = build_model(
+            str(Path(critic_cfg.model.path or model_path).expanduser()),
+            layout,
+            role="critic",
+            dtype=dtype,
+            transformer_impl=meg.transformer_impl,
+            value_head_seed=cfg.trainer.seed,
+        )
+        critic = TrainableModel(critic_model, optimizer_settings(cfg, total, role="critic"))
+        values = value_update(cfg, plan)
+    kl_ctrl = None
+    if cfg.algorithm.use_kl_in_reward:
+        from megarl.algo import get_kl_controller
+
+        ctrl = cfg.algorithm.kl_ctrl
+        kl_ctrl = get_kl_controller(
+            ctrl.type, kl_coef=ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon
+        )
     rewards = RewardManager.from_config(cfg, tokenizer, group=None)
     return Run(
         cfg=cfg,
@@ -140,16 +174,21 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         rewards=rewards,
         policy=policy_update(cfg, plan),
         reshard_plan=reshard,
+        critic=critic,
+        values=values,
+        kl_ctrl=kl_ctrl,
     )
 
 
-def optimizer_settings(cfg: MegarlConfig, total_steps: int) -> OptimizerSettings:
-    """The actor's optimizer and LR schedule from ``actor_rollout_ref.actor.optim``.
+def optimizer_settings(
+    cfg: MegarlConfig, total_steps: int, role: str = "actor"
+) -> OptimizerSettings:
+    """The optimizer and LR schedule from ``actor_rollout_ref.actor.optim`` (or ``critic.optim``).
 
     Warm-up counts trainer steps (verl): ``lr_warmup_steps`` when ≥ 0, else
     ``lr_warmup_steps_ratio`` × total steps.
     """
-    optim = cfg.actor_rollout_ref.actor.optim
+    optim = cfg.critic.optim if role == "critic" else cfg.actor_rollout_ref.actor.optim
     warmup = optim.lr_warmup_steps
     if warmup < 0:
         warmup = math.floor(optim.lr_warmup_steps_ratio * total_steps)
@@ -163,7 +202,9 @@ def optimizer_settings(cfg: MegarlConfig, total_steps: int) -> OptimizerSettings
         lr_warmup_steps=warmup,
         lr_decay_steps=total_steps,
         lr_decay_style=optim.lr_decay_style,
-        use_distributed_optimizer=cfg.actor_rollout_ref.actor.megatron.use_distributed_optimizer,
+        use_distributed_optimizer=(
+            cfg.critic.megatron if role == "critic" else cfg.actor_rollout_ref.actor.megatron
+        ).use_distributed_optimizer,
     )
 
 
@@ -196,6 +237,22 @@ def policy_update(cfg: MegarlConfig, plan: BatchPlan) -> PolicyUpdate:
             "clip_ratio_c": actor.clip_ratio_c,
             **extra,
         },
+    )
+
+
+def value_update(cfg: MegarlConfig, plan: BatchPlan) -> ValueUpdate:
+    """The critic update's settings from ``critic.*`` and the batch plan."""
+    critic = cfg.critic
+    passes = plan.critic
+    return ValueUpdate(
+        responses_per_mini_batch=passes.responses_per_batch,  # type: ignore[union-attr]
+        micro_batch_size=passes.micro_batch_size,  # type: ignore[union-attr]
+        max_token_len=passes.max_token_len_per_gpu,  # type: ignore[union-attr]
+        ppo_epochs=critic.ppo_epochs,
+        shuffle=cfg.actor_rollout_ref.actor.shuffle,
+        balance=cfg.trainer.balance_batch,
+        cliprange_value=critic.cliprange_value,
+        loss_agg_mode=critic.loss_agg_mode,
     )
 
 

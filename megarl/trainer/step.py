@@ -19,6 +19,7 @@ from megarl.reward import RewardInput, RewardResult
 from megarl.rollout.consistency import logprob_diff_metrics
 from megarl.trainer.actor import update_policy
 from megarl.trainer.batch import RolloutTensors
+from megarl.trainer.critic import global_values, update_critic, value_metrics
 from megarl.trainer.passes import (
     correct_for_rollout,
     generate,
@@ -85,6 +86,18 @@ def train_step(
         with timer("ref"):
             reference_log_probs(run, batch)
     metrics.update(correct_for_rollout(batch, cfg.algorithm.rollout_correction, shortcut))
+    if run.critic is not None:
+        with timer("values"):
+            batch.fields["values"] = global_values(
+                run.critic, batch, run.plan.values.micro_batch_size,  # type: ignore[union-attr]
+                run.plan.values.max_token_len_per_gpu,  # type: ignore[union-attr]
+            )  # fmt: skip
+    if run.kl_ctrl is not None:  # KL in the reward, before the advantages
+        metrics.update(penalize_kl(run, batch))
+    baselines = None
+    if cfg.algorithm.adv_estimator == "remax":
+        with timer("gen_baseline"):
+            baselines = batch.fields["reward_baselines"] = greedy_baselines(run, prompts, step)
 
     with timer("adv"):  # over the global batch: the same at every layout
         advantages, returns = compute_advantage(
@@ -98,22 +111,32 @@ def train_step(
             reward_components=scored.fields,
             old_log_prob=batch.fields.get("old_log_probs"),
             sum_pi_squared=sum_pi_squared,
+            values=batch.fields.get("values"),
+            reward_baselines=baselines,
         )
         batch.fields["advantages"], batch.fields["returns"] = advantages, returns
 
-    with timer("update_actor"):
-        metrics.update(
-            update_policy(
-                run.actor,
-                batch,
-                run.policy,
-                vocab_size=run.vocab_size,
-                seed=cfg.trainer.seed,
-                step=step,
-                old_log_probs="current" if shortcut else "old_log_probs",
+    if run.critic is not None:
+        with timer("update_critic"):
+            metrics.update(update_critic(run.critic, batch, run.values, seed=cfg.trainer.seed,
+                                         step=step))  # fmt: skip
+        run.critic.advance_lr()
+    if step > cfg.trainer.critic_warmup:  # the first critic_warmup steps train only the critic
+        with timer("update_actor"):
+            metrics.update(
+                update_policy(
+                    run.actor,
+                    batch,
+                    run.policy,
+                    vocab_size=run.vocab_size,
+                    seed=cfg.trainer.seed,
+                    step=step,
+                    old_log_probs="current" if shortcut else "old_log_probs",
+                )
             )
-        )
-    run.actor.advance_lr()  # verl steps the LR schedule once per trainer step
+        run.actor.advance_lr()  # verl steps the LR schedule once per trainer step
+    elif shortcut:  # no update ran: the recomputed log-probs still have to come from somewhere
+        recompute_log_probs(run, batch)
     meg = cfg.actor_rollout_ref.actor.megatron
     run.actor.offload(grads=meg.grad_offload, optimizer=meg.optimizer_offload)
 
@@ -167,6 +190,44 @@ def training_sampling(run: Run) -> dict[str, float | int]:
         "top_k": roll.top_k,
         "max_tokens": roll.response_length,
     }
+
+
+def penalize_kl(run: Run, batch: RolloutTensors) -> dict[str, float]:
+    """``algorithm.use_kl_in_reward``: token rewards minus β·KL(π_old ‖ π_ref) (the rollout's
+    log-probs in bypass mode), then the controller's update from the global mean KL with
+    n_steps = the batch's responses, as verl."""
+    from megarl.algo import apply_kl_penalty
+
+    coef = run.kl_ctrl.value
+    rewards, current_kl = apply_kl_penalty(
+        batch.fields["token_level_rewards"],
+        batch.fields["old_log_probs"],
+        batch.fields["ref_log_probs"],
+        batch.response_mask,
+        kl_coef=coef,
+        kl_penalty=run.cfg.algorithm.kl_penalty,
+    )
+    batch.fields["token_level_scores"] = batch.fields["token_level_rewards"]
+    batch.fields["token_level_rewards"] = rewards
+    run.kl_ctrl.update(float(current_kl), n_steps=len(batch))
+    return {"actor/reward_kl_penalty": float(current_kl), "actor/reward_kl_penalty_coeff": coef}
+
+
+def greedy_baselines(run: Run, prompts: Sequence[PromptSample], step: int) -> torch.Tensor:
+    """ReMax: one greedy response per prompt, scored; each response's baseline is its prompt's
+    greedy score (``reward_baselines [B]``)."""
+    n = run.cfg.actor_rollout_ref.rollout.n
+    greedy, samples = generate(
+        run.engine,
+        prompts,
+        n=1,
+        sampling={**training_sampling(run), "temperature": 0.0, "top_p": 1.0, "top_k": -1},
+        seed=run.cfg.trainer.seed,
+        step=step,
+        pad_token_id=_pad_id(run),
+    )
+    scored = _score(run, prompts, samples, greedy, step, dump=None)
+    return scored.scores.repeat_interleave(n)
 
 
 def _engine_sleeps(run: Run) -> bool:
@@ -238,6 +299,8 @@ def step_metrics(
     """Rewards, data, consistency, timing and throughput metrics of a finished step."""
     metrics = dict(scored.metrics)
     metrics.update(batch_metrics(batch, scored, run.cfg.data.max_response_length))
+    if "values" in batch.fields:
+        metrics.update(value_metrics(batch))
     metrics.update(rollout_consistency(batch, batch.fields["recomputed_log_probs"]))
     metrics.update(timer.metrics())
     metrics["timing_s/step"] = time.perf_counter() - start

@@ -15,6 +15,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+KEPT = (
+    "advantages", "returns", "values", "token_level_scores", "token_level_rewards",
+    "old_log_probs", "ref_log_probs", "reward_baselines",
+)  # fmt: skip
 POISON = {"step": None}
 """Set to a step number: rank 1's loss becomes NaN in that step (the NaN-injection check)."""
 
@@ -53,6 +57,26 @@ def _replicas_identical(chunks) -> bool:
     return all(torch.equal(parts[0], p) for p in parts)
 
 
+def _greedy_scores(run, prompts) -> torch.Tensor:
+    """Each prompt's greedy response scored by the data source's rule, computed here directly
+    (the engine at temperature 0, the scorer function on the decoded text)."""
+    from megarl.reward.scorers import default_compute_score
+
+    out = run.engine.generate(
+        [list(p.prompt_ids) for p in prompts],
+        n=1,
+        temperature=0.0,
+        max_tokens=run.cfg.actor_rollout_ref.rollout.response_length,
+        seed=0,
+    )
+    scores = []
+    for sample, prompt in zip(out, prompts, strict=True):
+        text = run.tokenizer.decode(sample.response_token_ids, skip_special_tokens=True)
+        result = default_compute_score(prompt.data_source, text, prompt.ground_truth)
+        scores.append(float(result["score"] if isinstance(result, dict) else result))
+    return torch.tensor(scores)
+
+
 def _one_run(spec: dict, run_spec: dict) -> dict:
     from megarl.config import load_config
     from megarl.trainer.console import Console
@@ -69,20 +93,18 @@ def _one_run(spec: dict, run_spec: dict) -> dict:
             for step in range(1, run_spec["steps"] + 1):
                 POISON["step"] = step if step == run_spec.get("poison_step") else None
                 before = _weights_checksums(run.actor.chunks)
-                metrics, batch = train_step(
-                    run, step, [run.train_data[i] for i in next(run.sampler)]
-                )
-                steps.append(
-                    {
-                        "metrics": metrics,
-                        "advantages": batch.fields["advantages"],
-                        "input_ids": batch.input_ids,
-                        "mask": batch.response_mask,
-                        "weights_unchanged": torch.equal(
-                            before, _weights_checksums(run.actor.chunks)
-                        ),
-                    }
-                )
+                prompts = [run.train_data[i] for i in next(run.sampler)]
+                greedy = _greedy_scores(run, prompts) if run_spec.get("greedy_scores") else None
+                metrics, batch = train_step(run, step, prompts)
+                record = {
+                    "metrics": metrics,
+                    "input_ids": batch.input_ids,
+                    "mask": batch.response_mask,
+                    "greedy_scores": greedy,
+                    "weights_unchanged": torch.equal(before, _weights_checksums(run.actor.chunks)),
+                }
+                record.update({k: batch.fields[k] for k in KEPT if k in batch.fields})
+                steps.append(record)
             identical = _replicas_identical(run.actor.chunks)
         finally:
             POISON["step"] = None

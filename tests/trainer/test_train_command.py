@@ -36,7 +36,7 @@ def tiny(tmp_path_factory) -> list[str]:
             "row",
         ),
         ("actor_rollout_ref.actor.ppo_mini_batch_size=3", "ppo_mini_batch_size"),
-        ("algorithm.adv_estimator=gae", "critic"),
+        ("reward_model.enable=true", "reward_model"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tiny, override, named):

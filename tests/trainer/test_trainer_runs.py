@@ -1,7 +1,10 @@
 """Short trainer runs (actor engine, no vLLM), one launch per world size for all of them.
 
-- every registered critic-free advantage estimator runs two steps at DP=2 and at DP=1, and its
-  advantages at DP=2 equal those at DP=1 (the global batch makes them layout-independent);
+- every registered advantage estimator runs two steps at DP=2 and at DP=1, and its advantages at
+  DP=2 equal those at DP=1 (the global batch makes them layout-independent); gae with a critic
+  also for values and returns;
+- KL in the reward equals score - beta·KL by hand; the adaptive controller follows verl's rule;
+  ReMax's baseline is the score of a greedy sample generated and scored here;
 - DP replicas hold bit-identical weights after two steps at DP=2;
 - a NaN injected into one rank's loss skips the step on every rank, leaves the weights
   unchanged, is counted, and the run continues;
@@ -22,10 +25,10 @@ from tests.conftest import run_torchrun
 WORKER = Path(__file__).with_name("_runs_worker.py")
 pytestmark = pytest.mark.multirank
 
-# ReMax needs part 2's greedy baseline rollout; gae needs a critic (part 2).
+# Every registered estimator without a critic (gae, with one, has its own test below).
 ESTIMATORS = [
     "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "gpg",
-    "grpo_passk", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline",
+    "grpo_passk", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline", "remax",
 ]  # fmt: skip
 OVERRIDES = [
     "actor_rollout_ref.rollout.name=actor",
@@ -62,6 +65,19 @@ def spec(tmp_path_factory) -> dict:
         for name in ESTIMATORS
     ]
     runs.append({"name": "nan", "overrides": [], "steps": 2, "poison_step": 1, "worlds": [2]})
+    runs.append({"name": "gae", "overrides": ["algorithm.adv_estimator=gae"], "steps": 2,
+                 "worlds": [1, 2]})  # fmt: skip
+    kl = ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=kl"]
+    runs.append({"name": "kl_fixed", "overrides": [*kl, "algorithm.kl_ctrl.kl_coef=0.1"],
+                 "steps": 2, "worlds": [2]})  # fmt: skip
+    adaptive = [*kl, "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.2",
+                "algorithm.kl_ctrl.target_kl=0.01", "algorithm.kl_ctrl.horizon=40"]  # fmt: skip
+    runs.append({"name": "kl_adaptive", "overrides": adaptive, "steps": 5, "worlds": [2]})
+    runs.append({"name": "remax_greedy", "overrides": ["algorithm.adv_estimator=remax"],
+                 "steps": 1,
+                 "greedy_scores": True, "worlds": [2]})  # fmt: skip
+    offload = [f"actor_rollout_ref.actor.megatron.{k}_offload=true" for k in ("grad", "optimizer")]
+    runs.append({"name": "offload", "overrides": offload, "steps": 2, "worlds": [2]})
     spec = {
         "config": "configs/grpo_tiny_cpu.yaml",
         "overrides": [
@@ -125,3 +141,42 @@ def test_offloading_between_steps_changes_nothing(dp2):
         assert torch.equal(a["input_ids"], b["input_ids"])
         keys = [k for k in a["metrics"] if not k.startswith(("timing_s/", "perf/throughput"))]
         assert {k: a["metrics"][k] for k in keys} == {k: b["metrics"][k] for k in keys}
+
+
+def test_gae_with_a_critic_is_layout_independent(dp1, dp2):
+    one, two = dp1["gae"]["steps"], dp2["gae"]["steps"]
+    assert torch.equal(one[0]["input_ids"], two[0]["input_ids"])
+    for key in ("values", "advantages", "returns"):
+        assert float(one[0][key].abs().max()) > 0, key
+        assert torch.allclose(one[0][key], two[0][key], atol=1e-6, rtol=0), key
+    for run in (one, two):
+        m = run[1]["metrics"]
+        assert math.isfinite(m["critic/vf_loss"]) and "critic/vf_explained_var" in m
+        assert m["critic/skipped_steps"] == 0
+    assert dp2["gae"]["replicas_identical"]
+
+
+def test_kl_in_the_reward_by_hand(dp2):
+    step = dp2["kl_fixed"]["steps"][1]  # step 2: the actor has moved away from the reference
+    kl = (step["old_log_probs"] - step["ref_log_probs"]) * step["mask"]  # the k1 estimator
+    expected = step["token_level_scores"] - 0.1 * kl
+    assert float(kl.abs().max()) > 1e-3
+    assert torch.allclose(step["token_level_rewards"], expected, atol=1e-7, rtol=0)
+
+
+def test_adaptive_kl_controller_follows_verls_rule(dp2):
+    steps = dp2["kl_adaptive"]["steps"]
+    coef, responses = 0.2, int(steps[0]["mask"].shape[0])
+    for step in steps:
+        m = step["metrics"]
+        assert m["actor/reward_kl_penalty_coeff"] == pytest.approx(coef, rel=1e-12)
+        error = min(max(m["actor/reward_kl_penalty"] / 0.01 - 1.0, -0.2), 0.2)
+        coef *= 1.0 + error * responses / 40
+    assert steps[-1]["metrics"]["actor/reward_kl_penalty_coeff"] != 0.2
+
+
+def test_remax_baseline_is_the_greedy_samples_score(dp2):
+    (step,) = dp2["remax_greedy"]["steps"]
+    expected = step["greedy_scores"].repeat_interleave(4)  # rollout.n = 4
+    assert float(expected.abs().max()) > 0
+    assert torch.equal(step["reward_baselines"].float(), expected.float())
