@@ -35,13 +35,13 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(
             [py, str(REPO / "tools/make_tiny_model.py"), "--family", "qwen2", "--out", str(model)],
             check=True,
+            capture_output=True,
         )
     if not (data / "train.parquet").exists():
-        print(f"megarl: making the synthetic task's data in {data}", flush=True)
-        from megarl.commands import data as data_command
+        from megarl.data.synthetic import write_synthetic_data
 
-        if data_command.main(["synth", "--out", str(data)]):
-            return 1
+        write_synthetic_data(data)
+        print(f"megarl: wrote the synthetic task's data to {data}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     command = [
         py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),

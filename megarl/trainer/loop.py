@@ -10,11 +10,16 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megarl.config import MegarlConfig, to_dict, to_yaml
 from megarl.trainer.console import Console
-from megarl.trainer.setup import Run, build_run
-from megarl.trainer.step import train_step, validate
+
+if TYPE_CHECKING:
+    from megarl.trainer.setup import Run
+
+# Megatron, vLLM and transformers are imported inside train(), after the console is redirected:
+# some of them print warnings when imported.
 
 SUMMARY_KEYS = (
     ("critic/score/mean", "score"),
@@ -33,8 +38,6 @@ class TrainingError(RuntimeError):
 
 def train(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
     """Run training; returns the exit status (0 finished, 1 failed)."""
-    from megarl.tracking import make_tracker
-
     if verbose is None:
         verbose = os.environ.get("MEGARL_VERBOSE", "0") not in ("", "0")
     run_dir = Path(cfg.trainer.default_local_dir).expanduser().resolve()
@@ -43,6 +46,10 @@ def train(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
     tracker = None
     with Console(run_dir / "logs", rank=rank, verbose=verbose) as console:
         try:
+            from megarl.tracking import make_tracker
+            from megarl.trainer.setup import build_run
+            from megarl.trainer.step import validate
+
             run = build_run(cfg, console, run_dir)
             tracker = make_tracker(
                 cfg, rank=run.rank, world_size=run.world_size, console_write=console.print
@@ -75,9 +82,11 @@ def train(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
 
 
 def _loop(run: Run, tracker, last_val: float | None) -> float | None:
-    cfg = run.cfg
     from tqdm import tqdm
 
+    from megarl.trainer.step import train_step, validate
+
+    cfg = run.cfg
     bar = tqdm(
         total=run.total_steps,
         initial=run.state.step,

@@ -29,10 +29,14 @@ def _hf_weights(chunks, dims) -> dict[str, torch.Tensor]:
     from megatron.core import parallel_state
 
     from megarl.models import hf_mapping as hm
+    from megarl.models.gpt import ValueHead, unwrap
     from megarl.models.weights import gather_tp, local_global_names
 
     local: dict[str, torch.Tensor] = {}
-    for _, _, global_name, param in local_global_names(chunks):
+    for i, _, global_name, param in local_global_names(chunks):
+        if global_name == hm.OUTPUT_LAYER and isinstance(unwrap(chunks[i]).output_layer, ValueHead):
+            local["score.weight"] = param.detach().float().clone()
+            continue
         full = gather_tp(global_name, param.detach().float(), dims)
         local.update(
             {k: v.clone() for k, v in hm.megatron_param_to_hf(global_name, full, dims).items()}
@@ -137,6 +141,66 @@ def _run_case(spec: dict, layout, case: dict, optimizer: str) -> dict:
     }
 
 
+def _critic_case(spec: dict, layout) -> dict:
+    """One critic update (SGD, lr 1, float64) on the fixed batch's values and returns."""
+    from megarl.models.build import build_model
+    from megarl.models.trainable import OptimizerSettings, TrainableModel
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.trainer.critic import ValueUpdate, update_critic
+
+    tp, pp, vpp, _ = layout
+    built = build_model(
+        spec["model"], ParallelLayout(tp, pp, vpp), role="critic", dtype=torch.float64,
+        value_head_seed=spec["value_head_seed"],
+    )  # fmt: skip
+    critic = TrainableModel(
+        built,
+        OptimizerSettings(
+            lr=1.0, optimizer="sgd", weight_decay=0.0, clip_grad=0.0, grad_reduce_in_fp32=False,
+            use_distributed_optimizer=False,
+        ),
+    )  # fmt: skip
+    batch = _rollout(spec)
+    data = torch.load(spec["batch"])
+    batch.fields["values"], batch.fields["returns"] = data["values"], data["returns"]
+    settings = ValueUpdate(
+        responses_per_mini_batch=spec["responses_per_mini_batch"],
+        micro_batch_size=spec["micro_batch_size"],
+        cliprange_value=spec["cliprange_value"],
+    )
+    metrics = update_critic(critic, batch, settings, seed=0, step=1)
+    return {"weights": _hf_weights(critic.chunks, built.dims), "metrics": metrics}
+
+
+def _bf16_case(spec: dict) -> dict:
+    """Two AdamW updates (steps 1 and 2) on the fixed batch in bf16 and in fp32."""
+    from megarl.models.build import build_model
+    from megarl.models.trainable import OptimizerSettings, TrainableModel
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.trainer.actor import PolicyUpdate, update_policy
+
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        built = build_model(spec["model"], ParallelLayout(), dtype=dtype)
+        actor = TrainableModel(built, OptimizerSettings(lr=1e-4, weight_decay=0.1))
+        update = PolicyUpdate(
+            responses_per_mini_batch=spec["responses_per_mini_batch"],
+            micro_batch_size=spec["micro_batch_size"],
+            entropy_coeff=spec["entropy_coeff"],
+            use_kl_loss=True,
+            kl_loss_coef=spec["kl_loss_coef"],
+            temperature=spec["temperature"],
+            policy_loss_kwargs=spec["clip"],
+        )
+        out[name] = [
+            update_policy(
+                actor, _rollout(spec), update, vocab_size=built.dims.vocab_size, seed=0, step=step
+            )
+            for step in (1, 2)
+        ]
+    return out
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     from megarl.parallel.init import destroy_distributed, init_distributed, read_launch_env
@@ -159,6 +223,9 @@ def main() -> None:
             for optimizer in ("sgd", "adamw", *extra):
                 name = f"{key}/{case['name']}/{optimizer}"
                 results[name] = _run_case(spec, layout, case, optimizer)
+        results[f"{key}/critic"] = _critic_case(spec, layout)
+    if world == 1:
+        results["bf16"] = _bf16_case(spec)
     if dist.get_rank() == 0:
         torch.save(results, Path(spec["tmp"]) / f"update_ws{world}.pt")
     dist.barrier()

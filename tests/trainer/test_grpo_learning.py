@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.multirank]
 
 # What megarl itself prints: its own lines, the per-step summary and the progress bar.
-MEGARL_LINE = re.compile(r"^(megarl: |step \d+ \| |training: )")
+MEGARL_LINE = re.compile(r"^(megarl: |warning: |step \d+ \| |training: )")
 
 
 def _quickstart(out: Path, *overrides: str) -> subprocess.CompletedProcess:

@@ -65,6 +65,13 @@ def spec(tmp_path_factory) -> dict:
         for name in ESTIMATORS
     ]
     runs.append({"name": "nan", "overrides": [], "steps": 2, "poison_step": 1, "worlds": [2]})
+    # One mini-batch with IS weights on (so the old log-probs are recomputed, not shortcut): the
+    # first mini-batch of the first epoch sees ratio 1.
+    one_mini = ["actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "algorithm.rollout_correction.rollout_is=token"]  # fmt: skip
+    runs.append({"name": "decoupled", "overrides": one_mini, "steps": 1, "worlds": [2]})
+    runs.append({"name": "bf16_lr0", "overrides": ["trainer.dtype=bf16",
+                 "actor_rollout_ref.actor.optim.lr=0"], "steps": 1, "worlds": [2]})  # fmt: skip
     runs.append({"name": "gae", "overrides": ["algorithm.adv_estimator=gae"], "steps": 2,
                  "worlds": [1, 2]})  # fmt: skip
     kl = ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=kl"]
@@ -180,3 +187,17 @@ def test_remax_baseline_is_the_greedy_samples_score(dp2):
     expected = step["greedy_scores"].repeat_interleave(4)  # rollout.n = 4
     assert float(expected.abs().max()) > 0
     assert torch.equal(step["reward_baselines"].float(), expected.float())
+
+
+def test_decoupled_first_mini_batch_has_ratio_one(dp2):
+    (step,) = dp2["decoupled"]["steps"]
+    m = step["metrics"]
+    assert abs(m["actor/ppo_kl"]) <= 1e-6 and m["actor/pg_clipfrac"] <= 1e-6
+    assert "rollout_corr/rollout_is_mean" in m
+
+
+def test_bf16_training_starts_from_the_loaded_weights(dp2):
+    (step,) = dp2["bf16_lr0"]["steps"]
+    # lr 0: the step writes the optimizer's main parameters back; they are the loaded weights
+    # only if the optimizer was built after the load (bf16 main parameters are clones).
+    assert step["metrics"]["actor/skipped_steps"] == 0 and step["weights_unchanged"]
