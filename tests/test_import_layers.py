@@ -115,3 +115,21 @@ def test_no_string_imports():
 def test_the_walk_sees_imports_inside_functions():
     tree = ast.parse("def f():\n    from megarl import trainer\n    import megarl.models.gpt\n")
     assert sorted(p for p, _ in _imported_packages(tree)) == ["models", "trainer"]
+
+
+def test_megatron_models_and_optimizers_are_built_only_in_models():
+    """One builder: ``GPTModel(`` and ``get_megatron_optimizer(`` appear only in megarl/models."""
+    found = []
+    for path in sorted(PACKAGE.parent.glob("*/**/*.py")):
+        rel = path.relative_to(PACKAGE.parent)
+        if rel.parts[0] not in ("megarl", "tests", "tools") or rel.parts[:2] == (
+            "megarl",
+            "models",
+        ):
+            continue
+        text = path.read_text()
+        found += [
+            f"{rel}: {name}" for name in ("GPTModel(", "get_megatron_optimizer(") if name in text
+        ]
+    found = [f for f in found if not f.startswith("tests/test_import_layers.py")]
+    assert not found, "\n".join(found)
