@@ -112,14 +112,15 @@ class ActorEngine:
     ) -> RolloutBatch:
         """Sample ``n`` responses per prompt (see ``RolloutEngine.generate``); log-probs are of
         ``log_softmax(logits / temperature)``. Only full-distribution sampling (top_p 1, top_k
-        off) at a temperature > 0."""
+        off); temperature 0 is greedy decoding (log-probs of ``log_softmax(logits)``), as in
+        vLLM."""
         self._order.check_can_generate()
         if n < 1 or max_tokens < 1:
             raise ValueError(f"need n >= 1 and max_tokens >= 1, got n={n}, max_tokens={max_tokens}")
         if top_p != 1.0 or top_k not in (-1, 0):
             raise ValueError("ActorEngine samples from the full distribution: top_p=1, top_k=-1")
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
         stops = set(self.eos_token_ids) | set(stop_token_ids or [])
         ids_of = list(prompt_ids) if prompt_ids is not None else list(range(len(prompts)))
         if len(ids_of) != len(prompts):
@@ -144,9 +145,12 @@ class ActorEngine:
                 ids[row, : len(seqs[i])] = torch.tensor(seqs[i])
             lengths = torch.tensor([len(seqs[i]) for i in active])
             logits = last_position_logits(self.chunks, ids.to(device), lengths, self.vocab_size)
-            log_p = torch.log_softmax(logits.cpu().double() / temperature, dim=-1)
+            log_p = torch.log_softmax(logits.cpu().double() / (temperature or 1.0), dim=-1)
             for row, i in enumerate(active):
-                token = int(torch.multinomial(log_p[row].exp(), 1, generator=gens[i]).item())
+                if temperature == 0:
+                    token = int(log_p[row].argmax().item())
+                else:
+                    token = int(torch.multinomial(log_p[row].exp(), 1, generator=gens[i]).item())
                 seqs[i].append(token)
                 responses[i].append(token)
                 logprobs[i].append(float(log_p[row, token]))
