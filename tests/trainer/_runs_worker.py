@@ -58,9 +58,11 @@ def _replicas_identical(chunks) -> bool:
 
 
 def _greedy_scores(run, prompts) -> torch.Tensor:
-    """Each prompt's greedy response scored by the data source's rule, computed here directly
-    (the engine at temperature 0, the scorer function on the decoded text)."""
-    from megarl.reward.scorers import default_compute_score
+    """Each prompt's greedy response scored here directly: the engine at temperature 0, the
+    configured scorer function (a user file in the test) on the decoded text."""
+    from megarl.reward.loader import ScorerSpec, load_scorer
+
+    compute_score = load_scorer(ScorerSpec.from_config(run.cfg.custom_reward_function))
 
     out = run.engine.generate(
         [list(p.prompt_ids) for p in prompts],
@@ -72,7 +74,7 @@ def _greedy_scores(run, prompts) -> torch.Tensor:
     scores = []
     for sample, prompt in zip(out, prompts, strict=True):
         text = run.tokenizer.decode(sample.response_token_ids, skip_special_tokens=True)
-        result = default_compute_score(prompt.data_source, text, prompt.ground_truth)
+        result = compute_score(prompt.data_source, text, prompt.ground_truth)
         scores.append(float(result["score"] if isinstance(result, dict) else result))
     return torch.tensor(scores)
 

@@ -79,8 +79,15 @@ def spec(tmp_path_factory) -> dict:
     adaptive = [*kl, "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.2",
                 "algorithm.kl_ctrl.target_kl=0.01", "algorithm.kl_ctrl.horizon=40"]  # fmt: skip
     runs.append({"name": "kl_adaptive", "overrides": adaptive, "steps": 5, "worlds": [2]})
-    runs.append({"name": "remax_greedy", "overrides": ["algorithm.adv_estimator=remax"],
-                 "steps": 1,
+    # A scorer that is non-zero for any answer (the random model's greedy answers score 0 on
+    # the synthetic task), so that the baseline check compares non-zero numbers.
+    scorer = tmp / "reward.py"
+    scorer.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
+        "    return 0.1 + (len(solution_str) % 7) / 10\n"
+    )
+    remax = ["algorithm.adv_estimator=remax", f"custom_reward_function.path={scorer}"]
+    runs.append({"name": "remax_greedy", "overrides": remax, "steps": 1,
                  "greedy_scores": True, "worlds": [2]})  # fmt: skip
     offload = [f"actor_rollout_ref.actor.megatron.{k}_offload=true" for k in ("grad", "optimizer")]
     runs.append({"name": "offload", "overrides": offload, "steps": 2, "worlds": [2]})
