@@ -12,9 +12,10 @@ while a save is in progress (:func:`saving`) the same way: when the rank dies, t
 them. :func:`stop_writer_processes` shuts the Manager down at the end of the run. Linux only
 (elsewhere the death signal is skipped and only the orderly shutdown remains).
 
-Test hook: ``MEGARL_TEST_SLOW_CHECKPOINT=<step>:<seconds>`` makes every writer process of the
-save of step ``<step>`` sleep ``<seconds>`` before writing, and the rank write its PID to
-``<run dir>/test_hooks/saving-rank<r>.pid`` first, so a test can kill a rank mid-write.
+Test hook: ``MEGARL_TEST_SLOW_CHECKPOINT=<step>:<seconds>[:<rank>]`` makes every writer process
+of the save of step ``<step>`` (on ``<rank>`` only, if given) sleep ``<seconds>`` before writing,
+and that rank write its PID to ``<run dir>/test_hooks/saving-rank<r>.pid`` first, so a test can
+kill a rank mid-write.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def saving(step: int, run_dir: Path, rank: int) -> Iterator[None]:
     """Around one save: forked writers die with this rank (and the test hook applies)."""
     global _saving, _writer_delay_s
     start_writer_processes()
-    _writer_delay_s = _test_delay(step)
+    _writer_delay_s = _test_delay(step, rank)
     if _writer_delay_s > 0:
         hooks = Path(run_dir) / TEST_HOOK_DIR
         hooks.mkdir(parents=True, exist_ok=True)
@@ -114,9 +115,11 @@ def saving(step: int, run_dir: Path, rank: int) -> Iterator[None]:
         _saving, _writer_delay_s = False, 0.0
 
 
-def _test_delay(step: int) -> float:
+def _test_delay(step: int, rank: int) -> float:
     spec = os.environ.get(TEST_HOOK_ENV, "")
     if not spec:
         return 0.0
-    at, _, seconds = spec.partition(":")
-    return float(seconds) if at.strip() == str(step) else 0.0
+    at, seconds, *only = spec.split(":")
+    if int(at) != step or (only and int(only[0]) != rank):
+        return 0.0
+    return float(seconds)
