@@ -28,6 +28,8 @@ SCHEDULE_KEYS: dict[str, str] = {
 """Scheduler state key → the config key that sets it (relative to the role)."""
 GROUP_KEYS: dict[str, str] = {"betas": "optim.betas"}
 """Optimizer parameter-group key → config key (relative to the role)."""
+GROUP_SCHEDULE_KEYS = ("max_lr", "min_lr")
+"""Per-group schedule values Megatron's scheduler prefers to its own."""
 
 
 def _config_key(prefix: str, relative: str) -> str:
@@ -62,33 +64,41 @@ def restore_scheduler(
 
 def restore_group_hyperparameters(
     optimizer: Any,
-    loaded_groups: list[dict],
-    configured: dict[str, Any],
+    configured: list[dict],
     *,
     use_checkpoint: bool,
     prefix: str,
     warn: Callable[[str], None],
 ) -> list[str]:
-    """After an optimizer load: keep the checkpoint's betas/eps or put the config's back."""
+    """After an optimizer load (which takes the checkpoint's parameter groups): keep them, or
+    put back ``configured`` (the groups as built from the config, taken before the load).
+
+    Besides Adam's betas this covers the per-group ``max_lr``/``min_lr`` that Megatron's
+    scheduler reads before its own values (named by the schedule warning already).
+    """
+    groups = param_groups(optimizer)
     differing: dict[str, tuple[Any, Any]] = {}
-    for group in loaded_groups:
+    for have, want in zip(groups, configured, strict=True):
         for key, relative in GROUP_KEYS.items():
-            want = configured.get(key)
-            have = group.get(key)
-            if want is None or have is None:
-                continue
-            if _normal(have) != _normal(want):
-                differing.setdefault(f"{prefix}.{relative}", (_normal(have), _normal(want)))
+            if key in have and key in want and _normal(have[key]) != _normal(want[key]):
+                differing.setdefault(f"{prefix}.{relative}", (_normal(have[key]), want[key]))
     if differing:
         _warn(differing, use_checkpoint, prefix, "optimizer", warn)
     if not use_checkpoint:
-        for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
-            inner = getattr(leaf, "optimizer", None)
-            for group in getattr(inner, "param_groups", []):
-                for key in GROUP_KEYS:
-                    if key in group and configured.get(key) is not None:
-                        group[key] = configured[key]
+        for have, want in zip(groups, configured, strict=True):
+            for key in (*GROUP_KEYS, *GROUP_SCHEDULE_KEYS):
+                if key in want:
+                    have[key] = want[key]
     return list(differing)
+
+
+def param_groups(optimizer: Any) -> list[dict]:
+    """The live parameter groups of Megatron's (chained) optimizer, in a fixed order."""
+    return [
+        group
+        for leaf in getattr(optimizer, "chained_optimizers", [optimizer])
+        for group in getattr(getattr(leaf, "optimizer", None), "param_groups", [])
+    ]
 
 
 def _normal(value: Any) -> Any:

@@ -11,6 +11,7 @@ function here is collective: call it on every rank.
 
 from __future__ import annotations
 
+import copy
 import shutil
 import socket
 import time
@@ -41,7 +42,11 @@ from megarl.checkpoint.layout import (
     write_json,
 )
 from megarl.checkpoint.resume import check_model_fits
-from megarl.checkpoint.schedule import restore_group_hyperparameters, restore_scheduler
+from megarl.checkpoint.schedule import (
+    param_groups,
+    restore_group_hyperparameters,
+    restore_scheduler,
+)
 from megarl.models.gpt import unwrap
 from megarl.models.trainable import TrainableModel
 
@@ -195,12 +200,15 @@ def _load_model(saved: SavedModel, path: Path, warn: Warn) -> None:
     for part in sorted((wanted & {"optimizer", "extra"}) - stored):
         warn(f"resume: {path} holds no {part} (save_contents); it starts fresh")
     if "optimizer" in wanted & stored:
+        configured = [
+            {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+            for group in param_groups(model.optimizer)
+        ]
         state = dist_checkpointing.load(model.sharded_state_dict(is_loading=True), str(path))
         model.load_sharded_state_dict(state)
         restore_group_hyperparameters(
             model.optimizer,
-            _param_groups(model.optimizer),
-            {"betas": tuple(model.settings.betas)},
+            configured,
             use_checkpoint=saved.use_checkpoint_schedule,
             prefix=saved.prefix,
             warn=warn,
@@ -218,15 +226,6 @@ def _load_model(saved: SavedModel, path: Path, warn: Warn) -> None:
             prefix=saved.prefix,
             warn=warn,
         )
-
-
-def _param_groups(optimizer: Any) -> list[dict]:
-    """The parameter groups of Megatron's (chained) optimizer after a load (as loaded)."""
-    return [
-        dict(group)
-        for leaf in getattr(optimizer, "chained_optimizers", [optimizer])
-        for group in getattr(getattr(leaf, "optimizer", None), "param_groups", [])
-    ]
 
 
 def _load_weights_only(model: TrainableModel, state: dict, path: Path) -> None:
