@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from megarl.checkpoint.layout import META_FILE
 from megarl.models.gpt import unwrap
 
-META_FILE = "megarl_meta.json"
+__all__ = ["META_FILE", "load_model_checkpoint", "read_checkpoint_meta", "save_model_checkpoint"]
 
 
 def _sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict:

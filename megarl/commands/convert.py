@@ -32,13 +32,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import struct
 import sys
 import time
 import traceback
 from pathlib import Path
 
+from megarl.checkpoint.hf_export import checkpoint_meta, copy_side_files
+from megarl.checkpoint.layout import HF_FILES_DIR
 from megarl.commands.convert_inputs import ConvertError, check_inputs
 from megarl.parallel.spawn import WorkerError, free_port, inside_launched_world, run_local_world
 
@@ -47,9 +48,6 @@ EXIT_MISMATCH = 1
 EXIT_USAGE = 2
 EXIT_CRASH = 3
 
-HF_FILES_DIR = "hf_files"
-"""Sub-directory of a converted checkpoint holding the source's config and tokenizer files."""
-META_FORMAT = "megarl-gpt/1"
 
 _DTYPES = {  # --dtype choices -> torch dtype names
     alias: name
@@ -57,10 +55,6 @@ _DTYPES = {  # --dtype choices -> torch dtype names
     for alias in (short, name)
 }
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-_WEIGHT_SUFFIXES = (
-    *(".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf"),
-    *(".safetensors.index.json", ".bin.index.json"),
-)
 
 
 # Third-party noise on every run (CPU without TE/Apex, deprecations inside Megatron's own calls).
@@ -326,13 +320,8 @@ def hf_to_megatron(args: argparse.Namespace) -> int:
     _log(f"loading HF weights from {hf_path} ...")
     _, chunks = _build_chunks(hf_path, cfg, args, dtype)
     out = Path(args.out)
-    meta = {
-        "format": META_FORMAT,
-        "hf_config": cfg,
-        "source": str(hf_path),
-        "dtype": dtype,
-        "saved_layout": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp},
-    }
+    layout = {"tp": args.tp, "pp": args.pp, "vpp": args.vpp}
+    meta = checkpoint_meta(cfg, source=str(hf_path), dtype=dtype, layout=layout)
     _log(f"saving Megatron distributed checkpoint to {out} ...")
     save_model_checkpoint(chunks, out, meta=meta)
     # After the save: Megatron takes files already in the directory for an incomplete checkpoint.
@@ -347,10 +336,8 @@ def hf_to_megatron(args: argparse.Namespace) -> int:
 
 def megatron_to_hf(args: argparse.Namespace) -> int:
     """Load the dist checkpoint at ``--tp/--pp/--vpp`` and write an HF directory."""
-    import torch
-
     from megarl.checkpoint.dist_ckpt import load_model_checkpoint, read_checkpoint_meta
-    from megarl.models.weights import export_hf_weights
+    from megarl.checkpoint.hf_export import export_hf
 
     t0 = time.perf_counter()
     ckpt = Path(args.ckpt)
@@ -361,17 +348,14 @@ def megatron_to_hf(args: argparse.Namespace) -> int:
     _log(f"loading {ckpt} ({stored}, TP={args.tp} PP={args.pp}) ...")
     dims, chunks = _build_chunks(None, cfg, args, stored)
     load_model_checkpoint(chunks, ckpt)
-    out_cfg = {**cfg, "dtype": out_dtype}
-    if "torch_dtype" in out_cfg:
-        out_cfg["torch_dtype"] = out_dtype
     _log(f"writing HF safetensors ({out_dtype}) to {args.out} ...")
-    out = export_hf_weights(
+    out = export_hf(
         chunks,
         args.out,
         dims,
-        source_dir=side_dir,
-        hf_config=out_cfg,
-        dtype=getattr(torch, out_dtype),
+        hf_config=cfg,
+        dtype_name=out_dtype,
+        side_dir=side_dir,
         progress=_log,
     )
     _log(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
@@ -420,19 +404,6 @@ def safetensors_dtype(hf_path: str | Path) -> str:
             raise ConvertError(f"{f}: unsupported tensor dtype {entry['dtype']}")
         return _SAFETENSORS_DTYPES[entry["dtype"]]
     raise ConvertError(f"no tensors in {hf_path}/*.safetensors")
-
-
-def copy_side_files(src: Path, dst: Path) -> list[str]:
-    """Copy the non-weight top-level files of an HF directory (config, tokenizer, generation
-    config...) into ``dst``; returns their names."""
-    dst.mkdir(parents=True, exist_ok=True)
-    copied = []
-    for f in sorted(Path(src).iterdir()):
-        if not f.is_file() or f.name.endswith(_WEIGHT_SUFFIXES):
-            continue
-        shutil.copy2(f, dst / f.name)
-        copied.append(f.name)
-    return copied
 
 
 def verify_logits(args: argparse.Namespace, *, ckpt: Path, hf_path: Path) -> int:

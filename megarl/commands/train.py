@@ -3,9 +3,11 @@
 Inside a launched world (``WORLD_SIZE`` set: torchrun, srun) it trains in this process. Otherwise
 it first checks what would otherwise fail on every rank — the config with its files and world
 size, the data files (read and tokenised: a missing file, an overlong prompt with
-``truncation=error``), what the trainer runs — and answers a problem in one line with exit 2,
+``truncation=error``), what the trainer runs, the checkpoint a resume would load (missing, or
+of another architecture) — and answers a problem in one line with exit 2,
 then starts ``torchrun --standalone`` with ``trainer.n_gpus_per_node`` processes (torchrun itself
-prints a traceback whenever a worker fails, which is why the checks come first).
+prints a traceback whenever a worker fails, which is why the checks come first). SIGINT, SIGTERM
+and SIGUSR1 are passed on to torchrun (the trainer's stop protocol).
 
     megarl train -c X.yaml [-c Y.yaml] [KEY=VALUE ...] [--verbose]
 """
@@ -13,11 +15,15 @@ prints a traceback whenever a worker fails, which is why the checks come first).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 EXIT_INPUT_ERROR = 2
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 def main(argv: list[str]) -> int:
@@ -46,7 +52,24 @@ def main(argv: list[str]) -> int:
         "--nproc_per_node", str(nproc), "-m", "megarl.train",
         *(f"--config={c}" for c in args.config), *overrides,
     ]  # fmt: skip
-    return subprocess.run(command, env=env, check=False).returncode
+    return run_forwarding_signals(command, env)
+
+
+def run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
+    """Run torchrun and hand it SIGINT/SIGTERM/SIGUSR1 (``subprocess.run`` would SIGKILL it on
+    Ctrl-C and orphan its workers); torchrun passes them on to the ranks (stop protocol)."""
+    child = subprocess.Popen(command, env=env)
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def preflight(configs: list[str], overrides: list[str]) -> tuple[str | None, int]:
@@ -65,11 +88,19 @@ def preflight(configs: list[str], overrides: list[str]) -> tuple[str | None, int
         validate(cfg, nproc, check_paths=True)
     except ConfigError as exc:
         return " ".join(str(exc).split()), 0
+    from megarl.checkpoint.resume import resume_problem
     from megarl.trainer.support import unsupported_by_trainer
 
     if (reason := unsupported_by_trainer(cfg)) is not None:
         return reason, nproc
+    if (reason := resume_problem(cfg, run_dir_of(cfg))) is not None:
+        return reason, nproc
     return _check_data(cfg), nproc
+
+
+def run_dir_of(cfg) -> Path:
+    """The run directory (``trainer.default_local_dir``), absolute."""
+    return Path(cfg.trainer.default_local_dir).expanduser().resolve()
 
 
 def _check_data(cfg) -> str | None:

@@ -148,6 +148,18 @@ class OptimConfig:
     """Learning rate at the start of the warm-up."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """Schedule after warm-up, over trainer.total_training_steps."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """Resume takes the schedule (lr, warm-up, decay, weight decay) from the checkpoint."""
+
+
+@dataclass
+class CheckpointConfig:
+    """``*.checkpoint.*``: what a trainer checkpoint of this model holds and what a resume loads."""
+
+    save_contents: list[str] = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    """Saved parts: model, optimizer, extra (LR scheduler), hf_model (<role>/huggingface)."""
+    load_contents: list[str] | None = None
+    """Parts loaded on resume (model, optimizer, extra); null: save_contents."""
 
 
 @dataclass
@@ -267,6 +279,8 @@ class ActorConfig:
     """Which policy loss."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer of the actor."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """What the actor's checkpoints hold and what a resume loads."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """Parallel layout of the actor; critic and ref default to it."""
 
@@ -390,6 +404,8 @@ class CriticConfig:
     """The critic's HF model (a value head is added); path unset: the actor's."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Optimizer of the critic."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """What the critic's checkpoints hold and what a resume loads."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """Parallel layout; parallel sizes default to the actor's and must match it."""
     ppo_mini_batch_size: int = 256

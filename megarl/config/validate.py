@@ -359,6 +359,11 @@ class _Checks(LayoutChecks):
                 self.error(f"{key} must be -1 (never) or a positive step count, got {value}")
         if t.resume_mode == "resume_path" and not t.resume_from_path:
             self.error("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+        for role, ckpt in (
+            (ACTOR, self.cfg.actor_rollout_ref.actor.checkpoint),
+            ("critic", self.cfg.critic.checkpoint),
+        ):
+            self.check_checkpoint_contents(role, ckpt)
         unknown = [name for name in t.logger if name not in LOGGERS]
         if unknown:
             self.error(
@@ -367,6 +372,20 @@ class _Checks(LayoutChecks):
             )
         if t.device == "cpu" and t.dtype == "bf16":
             self.warn("trainer.dtype=bf16 on trainer.device=cpu is slow; CPU configs use fp32")
+
+    def check_checkpoint_contents(self, role: str, ckpt) -> None:
+        """save_contents ⊆ {model, optimizer, extra, hf_model} with model; load_contents too."""
+        for name, parts, allowed in (
+            ("save_contents", ckpt.save_contents, ("model", "optimizer", "extra", "hf_model")),
+            ("load_contents", ckpt.load_contents, ("model", "optimizer", "extra", "hf_model")),
+        ):
+            if parts is None:
+                continue
+            bad = [p for p in parts if p not in allowed]
+            if bad:
+                self.error(f"{role}.checkpoint.{name} has {bad}; choose from {list(allowed)}")
+            elif "model" not in parts:
+                self.error(f"{role}.checkpoint.{name}={parts} must include model")
 
     def check_model(self) -> ModelShape | None:
         c = self.cfg

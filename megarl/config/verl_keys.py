@@ -48,7 +48,9 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     ("algorithm.pf_ppo", "no preference-feedback PPO reweighting"),
     # -- engine sections (actor, ref, critic) -----------------------------------------------------
     *_each(ROLES, "profiler", _PROFILE),
-    *_each(ROLES, "checkpoint", "checkpoints always hold the model and optimizer state"),
+    *_each(ROLES, "checkpoint.async_save", "saves are synchronous (all ranks, then an atomic rename)"),
+    *_each(ROLES, "checkpoint.strict", "a checkpoint must match the model (other layouts are resharded)"),
+    *_each(ROLES, "checkpoint.mbridge_config", "megarl maps HF weights itself"),
     *_each(ROLES, "rollout_n", "taken from actor_rollout_ref.rollout.n"),
     *_each(ROLES, "strategy", "megarl has only the megatron strategy"),
     *_each(ROLES, "use_torch_compile", "no torch.compile of the model"),
@@ -74,7 +76,6 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     *_each(ROLES, "optim.lr_decay_steps", "decay runs over the remaining trainer steps"),
     *_each(ROLES, "optim.weight_decay_incr_style", "weight decay is constant"),
     *_each(ROLES, "optim.lr_wsd_*", "no warmup-stable-decay schedule"),
-    *_each(ROLES, "optim.use_checkpoint_opt_param_scheduler", "the config's schedule always wins"),
     *_each(ROLES, "optim.use_precision_aware_optimizer", "main params and moments are fp32"),
     *_each(ROLES, "optim.main_grads_dtype", "main gradients are fp32"),
     *_each(ROLES, "optim.exp_avg_dtype", "Adam moments are fp32"),

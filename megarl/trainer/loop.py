@@ -9,9 +9,14 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megarl.checkpoint.layout import CheckpointError
+from megarl.checkpoint.processes import stop_writer_processes
+from megarl.checkpoint.resume import choose_checkpoint
+from megarl.checkpoint.stop import StopRequest
 from megarl.config import MegarlConfig, to_dict, to_yaml
 from megarl.trainer.console import Console
 
@@ -44,6 +49,7 @@ def train(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     run: Run | None = None
     tracker = None
+    stop = StopRequest(run_dir, rank).install()  # SIGTERM/SIGUSR1/STOP file: save, exit 0
     with Console(run_dir / "logs", rank=rank, verbose=verbose) as console:
         try:
             from megarl.tracking import make_tracker
@@ -51,18 +57,24 @@ def train(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
             from megarl.trainer.step import validate
 
             run = build_run(cfg, console, run_dir)
+            resumed = _resume(run)
             tracker = make_tracker(
-                cfg, rank=run.rank, world_size=run.world_size, console_write=console.print
+                cfg,
+                rank=run.rank,
+                world_size=run.world_size,
+                console_write=console.print,
+                resume_run_id=run.state.tracking_run_id,
+                resumed=resumed,
             )
             tracker.log_config(to_dict(cfg), to_yaml(cfg))
             _announce(run)
             first_val = last_val = None
             if run.val_data is not None and cfg.trainer.val_before_train:
-                metrics = validate(run, 0)
+                metrics = validate(run, run.state.step)
                 first_val = last_val = metrics["val/score/mean"]
-                tracker.log_metrics(0, metrics)
-            last_val = _loop(run, tracker, last_val)
-            tracker.finish("FINISHED")
+                tracker.log_metrics(run.state.step, metrics)
+            last_val, stopped = _loop(run, tracker, last_val, stop)
+            tracker.finish("KILLED" if stopped else "FINISHED")
             _farewell(run, first_val, last_val)
             return 0
         except BaseException as exc:
@@ -71,17 +83,24 @@ def train(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
             if isinstance(exc, KeyboardInterrupt):
                 raise
             console.error(f"error: {_one_line(exc)} (details: {console.log_path})")
-            if verbose or not isinstance(exc, TrainingError | ValueError | FileNotFoundError):
+            if verbose or not isinstance(
+                exc, TrainingError | ValueError | FileNotFoundError | CheckpointError
+            ):
                 import traceback
 
                 traceback.print_exc()  # into the log file unless verbose
             return 1
         finally:
+            stop.restore()
+            stop_writer_processes()
             if run is not None:
                 run.rewards.close()
 
 
-def _loop(run: Run, tracker, last_val: float | None) -> float | None:
+def _loop(
+    run: Run, tracker, last_val: float | None, stop: StopRequest
+) -> tuple[float | None, bool]:
+    """Train the remaining steps; returns (last validation score, stopped on request)."""
     from tqdm import tqdm
 
     from megarl.trainer.step import train_step, validate
@@ -120,8 +139,88 @@ def _loop(run: Run, tracker, last_val: float | None) -> float | None:
                 f"{run.state.consecutive_skips} consecutive steps had a non-finite gradient and "
                 f"were skipped (trainer.max_consecutive_skipped_steps={limit})"
             )
+        stopping = stop.agreed()  # collective, once per step
+        save_freq = cfg.trainer.save_freq
+        if stopping or (save_freq > 0 and (step % save_freq == 0 or step == run.total_steps)):
+            _save(run, step, tracker)
+        if stopping:
+            bar.close()
+            why = stop.reason or "a request on another rank"
+            run.console.print(f"megarl: stopped after step {step} ({why}); resume to continue")
+            if run.rank == 0:
+                stop.consume_stop_file()
+            return last_val, True
     bar.close()
-    return last_val
+    return last_val, False
+
+
+# -- checkpoints (issue 13): resume before the loop, save after a step ---------------------
+
+
+def _saved_models(run: Run) -> list:
+    """The run's trained models as the checkpoint code sees them (a critic once part 2 has it)."""
+    from megarl.checkpoint.trainer_ckpt import SavedModel
+
+    arr = run.cfg.actor_rollout_ref
+    roles = [("actor", run.actor, arr.actor, "actor_rollout_ref.actor", "actor_rollout_ref.model")]
+    critic = getattr(run, "critic", None)  # a TrainableModel once PPO with a critic exists
+    if critic is not None:
+        roles.append(("critic", critic, run.cfg.critic, "critic", "critic.model"))
+    saved = []
+    for role, model, section, prefix, model_key in roles:
+        path = (run.cfg.critic.model.path if role == "critic" else None) or arr.model.path
+        contents = section.checkpoint
+        saved.append(
+            SavedModel(
+                role=role,
+                model=model,
+                prefix=prefix,
+                model_key=f"{model_key}.path",
+                model_path=str(path),
+                save_contents=tuple(contents.save_contents),
+                load_contents=tuple(contents.load_contents or contents.save_contents),
+                use_checkpoint_schedule=section.optim.use_checkpoint_opt_param_scheduler,
+            )
+        )
+    return saved
+
+
+def _warn(run: Run) -> Callable[[str], None]:
+    return lambda message: run.console.print(f"megarl: warning: {message}")
+
+
+def _resume(run: Run) -> bool:
+    """Load the checkpoint ``trainer.resume_mode`` picks, if any, and sync the engine."""
+    from megarl.checkpoint.trainer_ckpt import check_shared_run_dir, load_checkpoint
+    from megarl.trainer.state import TrainerState
+    from megarl.trainer.step import sync_engine
+
+    check_shared_run_dir(run.run_dir)
+    ckpt = choose_checkpoint(run.cfg.trainer, run.run_dir, _warn(run))
+    if ckpt is None:
+        return False
+    run.state = TrainerState.from_dict(load_checkpoint(ckpt, _saved_models(run), _warn(run)))
+    run.sampler.load_state_dict(run.state.sampler)
+    sync_engine(run)  # the engine starts from the initial weights; roll out from the loaded ones
+    run.console.print(f"megarl: resumed from {ckpt} (after step {run.state.step})")
+    return True
+
+
+def _save(run: Run, step: int, tracker) -> None:
+    from megarl.checkpoint.trainer_ckpt import save_checkpoint
+
+    t = run.cfg.trainer
+    run.state.tracking_run_id = tracker.run_id or run.state.tracking_run_id
+    path, seconds = save_checkpoint(
+        run.run_dir,
+        step,
+        _saved_models(run),
+        trainer_state=run.state.to_dict(),
+        config_yaml=to_yaml(run.cfg),
+        keep={"actor": t.max_actor_ckpt_to_keep, "critic": t.max_critic_ckpt_to_keep},
+        export_hf_model=step == run.total_steps,
+    )
+    run.console.print(f"megarl: saved {path} in {seconds:.1f} s")
 
 
 def summary_line(step: int, metrics: dict[str, float]) -> str:

@@ -1,0 +1,125 @@
+"""The helper processes of Megatron's checkpoint writer, kept from outliving their rank.
+
+Megatron-Core 0.16's ``torch_dist`` save (``filesystem_async``) keeps one ``spawn``-context
+``multiprocessing.Manager`` per rank for its results queue (its child re-imports the entry
+module: keep that light) and, during every save, forks one writer process per file bucket. A
+normal exit shuts the Manager down (multiprocessing's exit hook), but a rank killed by SIGKILL
+would leave both kinds orphaned, still holding the checkpoint files open.
+
+:func:`start_writer_processes` therefore creates that Manager itself, before Megatron does, with
+``PR_SET_PDEATHSIG`` = SIGKILL set in the Manager's process, and marks every process forked
+while a save is in progress (:func:`saving`) the same way: when the rank dies, the kernel kills
+them. :func:`stop_writer_processes` shuts the Manager down at the end of the run. Linux only
+(elsewhere the death signal is skipped and only the orderly shutdown remains).
+
+Test hook: ``MEGARL_TEST_SLOW_CHECKPOINT=<step>:<seconds>[:<rank>]`` makes every writer process
+of the save of step ``<step>`` (on ``<rank>`` only, if given) sleep ``<seconds>`` before writing,
+and that rank write its PID to ``<run dir>/test_hooks/saving-rank<r>.pid`` first, so a test can
+kill a rank mid-write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from multiprocessing.managers import SyncManager
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+TEST_HOOK_ENV = "MEGARL_TEST_SLOW_CHECKPOINT"
+TEST_HOOK_DIR = "test_hooks"
+
+_manager = None
+_fork_hook_installed = False
+_saving = False
+_writer_delay_s = 0.0
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (no-op off Linux)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _after_fork_in_child() -> None:
+    if _saving:
+        die_with_parent(os.getppid())
+        if _writer_delay_s > 0:
+            time.sleep(_writer_delay_s)
+
+
+def start_writer_processes() -> None:
+    """Create the writer's results-queue Manager (dying with this rank); idempotent."""
+    global _manager, _fork_hook_installed
+    if not _fork_hook_installed:
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _fork_hook_installed = True
+    if _manager is not None:
+        return
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return  # Megatron made its own already (a save before the trainer's)
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()
+    _manager = manager
+
+
+def stop_writer_processes() -> None:
+    """Shut the Manager down (end of the run); a later save starts a new one."""
+    global _manager
+    if _manager is None:
+        return
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._results_queue = None
+    with contextlib.suppress(Exception):
+        _manager.shutdown()
+    _manager = None
+
+
+def writer_pids() -> list[int]:
+    """PID of this rank's Manager process (for tests and diagnostics)."""
+    process = getattr(_manager, "_process", None)
+    return [process.pid] if process is not None and process.pid else []
+
+
+@contextlib.contextmanager
+def saving(step: int, run_dir: Path, rank: int) -> Iterator[None]:
+    """Around one save: forked writers die with this rank (and the test hook applies)."""
+    global _saving, _writer_delay_s
+    start_writer_processes()
+    _writer_delay_s = _test_delay(step, rank)
+    if _writer_delay_s > 0:
+        hooks = Path(run_dir) / TEST_HOOK_DIR
+        hooks.mkdir(parents=True, exist_ok=True)
+        (hooks / f"saving-rank{rank}.pid").write_text(str(os.getpid()))
+    _saving = True
+    try:
+        yield
+    finally:
+        _saving, _writer_delay_s = False, 0.0
+
+
+def _test_delay(step: int, rank: int) -> float:
+    spec = os.environ.get(TEST_HOOK_ENV, "")
+    if not spec:
+        return 0.0
+    at, seconds, *only = spec.split(":")
+    if int(at) != step or (only and int(only[0]) != rank):
+        return 0.0
+    return float(seconds)
