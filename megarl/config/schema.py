@@ -560,8 +560,7 @@ class TrainerConfig:
     max_consecutive_skipped_steps: int = 10
     """(megarl) Abort after this many steps in a row with a non-finite gradient; 0: never."""
     skip_weight_sync_steps: list[int] = field(default_factory=list)
-    """(megarl) Steps whose weight sync is skipped on purpose (shows what a stale engine does to
-    rollout/logprob_diff_*); empty in real runs."""
+    """(megarl) Steps whose weight sync is skipped on purpose (tests the rollout/logprob_diff_*)."""
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
     """Checkpoints and run directory: metrics.jsonl, STOP file (${...} refers to other keys)."""
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"

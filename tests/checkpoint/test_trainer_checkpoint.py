@@ -347,7 +347,22 @@ def test_resume_errors_are_one_line(tiny, reference, case):
     assert all(n in lines[0] for n in named), lines[0]
 
 
-@pytest.mark.skip(reason="PPO with a critic is trainer part 2 (issue 12)")
-def test_ppo_with_a_critic_resume_diamond():
-    """Once ``Run.critic`` exists: the diamond with algorithm.adv_estimator=gae (critic saved
-    in global_step_<N>/critic and restored by the same code path)."""
+def test_ppo_with_a_critic_resume_diamond(tiny):
+    """The diamond with algorithm.adv_estimator=gae: the critic is saved in
+    global_step_<N>/critic and restored by the same code path as the actor."""
+    gae = ("algorithm.adv_estimator=gae", "trainer.save_freq=4")
+    straight = tiny["root"] / "gae_straight"
+    _run(tiny, straight, *gae)
+    run_dir = tiny["root"] / "gae_stopped"
+    run_dir.mkdir(parents=True)
+    (run_dir / "STOP").write_text("")  # stop (with a checkpoint) after the first step
+    _run(tiny, run_dir, *gae)
+    assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert (run_dir / "global_step_1" / "critic").is_dir()
+    _run(tiny, run_dir, *gae)
+    ref, got = _metrics(straight), _metrics(run_dir)
+    assert "critic/vf_loss" in ref[4]
+    worst = max(_largest_difference(ref[s], got[s]) for s in (1, 2, 3, 4))
+    weights = _weight_difference(straight, run_dir)
+    print(f"diamond (PPO with a critic): metrics {worst:.3g}, weights {weights:.3g}")
+    assert worst <= 1e-6 and weights <= 1e-6
