@@ -13,18 +13,25 @@ the format used on GPU), so it loads at any TP×PP. Beside the shards it holds
 ``megarl_meta.json`` (the HF config, source, dtype, saved layout) and
 ``hf_files/`` (config, tokenizer and generation files), so ``megatron-to-hf`` needs nothing else.
 
-Processes: run the command once. When TP×PP > 1 and the process is not already one rank of a
-torchrun / Slurm world, it starts TP×PP local ranks itself (:mod:`megarl.parallel.spawn`; gloo
-on CPU, NCCL on GPU). Under torchrun / srun the existing world is used (its size must be a
-multiple of TP×PP). Entry points keep their work under ``if __name__ == "__main__":``
-(DESIGN.md: the checkpoint writer's helper process re-imports the main module).
+Processes: run the command once. When the process is not already one rank of a torchrun /
+Slurm world, it checks the inputs and starts TP×PP local ranks itself
+(:mod:`megarl.parallel.spawn`; gloo on CPU, NCCL on GPU), staying light itself. Under torchrun /
+srun the existing world is used (its size must be a multiple of TP×PP). Entry points keep their
+work under ``if __name__ == "__main__":`` (DESIGN.md: the checkpoint writer's helper process
+re-imports the main module).
+
+Output: the ranks write into ``OUT.incomplete`` beside ``--out``; rank 0 renames it to ``--out``
+once it is complete (``--force`` replaces an existing ``--out`` then, so no stale shard stays).
+On a failure, Ctrl-C or SIGTERM the launcher stops every process it started (ranks, checkpoint
+writers, their helpers) and removes ``OUT.incomplete``; a directory of that name left by a
+killed run is removed by the next run.
 
 Verification (``--verify``, ``verify``; :mod:`megarl.models.verify`) runs seeded random token
 sequences through the Megatron model and, in float32 on one rank's CPU, the ``transformers``
 model; it prints ``max |Δlogit|`` and fails (exit 1) above ``atol + rtol · max|logit|``.
 
 Exit status: 0 ok, 1 verification failed, 2 bad arguments or inputs (one ``error: ...`` line),
-3 an unexpected exception (a bug: traceback shown).
+3 an unexpected exception (a bug: traceback shown), 128+N stopped by signal N (130: Ctrl-C).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import struct
 import sys
 import time
@@ -40,7 +48,7 @@ import traceback
 from pathlib import Path
 
 from megarl.commands.convert_inputs import ConvertError, check_inputs
-from megarl.parallel.spawn import WorkerError, free_port, inside_launched_world, run_local_world
+from megarl.parallel.spawn import WorkerError, inside_launched_world, run_local_world
 
 EXIT_OK = 0
 EXIT_MISMATCH = 1
@@ -151,7 +159,11 @@ def _add_conversion_args(
         help=dtype,
     )
     parser.add_argument("--verify", action="store_true", help=verify)
-    parser.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a non-empty --out (its old files go once the new output is complete)",
+    )
     _add_verify_args(parser)
 
 
@@ -190,12 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConvertError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if not inside_launched_world():
-        if args.tp * args.pp > 1:
-            return _run_local_ranks(args, args.tp * args.pp)
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-    return run_rank(args)
+    if inside_launched_world():
+        return run_rank(args)
+    return launch(args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,8 +212,61 @@ def main(argv: list[str] | None = None) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the launcher (a BaseException, like ``KeyboardInterrupt``)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Run the command in TP×PP local ranks; stop them all and remove the incomplete output on
+    a failure, SIGINT or SIGTERM. Returns the exit status."""
+    staging = staging_dir(args)
+    handlers = _raise_on_signals((signal.SIGINT, signal.SIGTERM))
+    try:
+        return _run_local_ranks(args, args.tp * args.pp)
+    except Interrupted as exc:
+        print(f"error: interrupted ({exc}); stopped every rank", file=sys.stderr, flush=True)
+        return 128 + exc.signum
+    finally:
+        if staging is not None and staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+
+def _raise_on_signals(signums: tuple[int, ...]) -> dict[int, object]:
+    """Raise :class:`Interrupted` in the main thread at the first of ``signums``; ignore later
+    ones, so that the clean-up it starts is not cut short. Returns the previous handlers."""
+    fired: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if not fired:
+            fired.append(signum)
+            raise Interrupted(signum)
+
+    return {signum: signal.signal(signum, handler) for signum in signums}
+
+
+def staging_dir(args: argparse.Namespace) -> Path | None:
+    """Where the ranks write before rank 0 renames it to ``--out`` (None: nothing is written)."""
+    if args.command == "verify":
+        return None
+    out = Path(args.out).absolute()
+    return out.with_name(out.name + ".incomplete")
+
+
+def _promote(staging: Path, out: Path) -> None:
+    """Replace ``out`` (empty, or old output under ``--force``) with the complete ``staging``."""
+    if out.is_dir():
+        shutil.rmtree(out)
+    os.replace(staging, out)
+
+
 def rank_main(args: argparse.Namespace) -> int:
-    """Body of each local rank started by :func:`_run_local_ranks` (re-imported by name).
+    """Body of each local rank started by :func:`launch` (re-imported by name).
 
     A failure (bad input, crash: its error is printed already) exits, so that the launcher
     stops the other ranks before this one and none of them buries the one-line error under a
@@ -221,8 +283,8 @@ def _run_local_ranks(args: argparse.Namespace, world: int) -> int:
     try:
         return max(run_local_world(rank_main, world, (args,)))
     except WorkerError as exc:
-        if isinstance(exc.error, SystemExit) and isinstance(exc.error.code, int):
-            return exc.error.code
+        if exc.error_type == "SystemExit" and exc.exit_code is not None:
+            return exc.exit_code
         print(f"error: {exc}", file=sys.stderr, flush=True)  # killed, or died in start-up
         return EXIT_CRASH
 
@@ -232,11 +294,12 @@ def run_rank(args: argparse.Namespace) -> int:
 
     Returns the exit status: a bad input prints one ``error:`` line, a bug its traceback.
     """
+    from megarl.checkpoint.dist_ckpt import CheckpointError
+
     _quiet_third_party()
     try:
         return _run_command(args)
-    # ValueError includes an unsupported architecture and a world that does not fit TP×PP.
-    except (ConvertError, FileNotFoundError, KeyError, ValueError) as exc:
+    except (ConvertError, CheckpointError) as exc:  # the input, found wanting by a rank
         _print_error(exc)
         return EXIT_USAGE  # no teardown: it would break the collectives the peers are in
     except Exception:  # noqa: BLE001 - a bug: show it, with its own exit status
@@ -246,15 +309,29 @@ def run_rank(args: argparse.Namespace) -> int:
 
 def _run_command(args: argparse.Namespace) -> int:
     import torch
+    import torch.distributed as dist
 
     from megarl.parallel.init import destroy_distributed, init_distributed
     from megarl.parallel.layout import ParallelLayout
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % (args.tp * args.pp):
+        raise ConvertError(
+            f"--tp {args.tp} × --pp {args.pp} does not divide the world of {world} ranks"
+        )
     if not torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     init_distributed(ParallelLayout(args.tp, args.pp, args.vpp), seed=args.seed)
+    staging = staging_dir(args)
+    if staging is not None and _rank() == 0 and staging.exists():
+        shutil.rmtree(staging)  # left by a killed run
+    dist.barrier()
     code = _COMMANDS[args.command](args)
+    dist.barrier()
+    if staging is not None and _rank() == 0:
+        _promote(staging, Path(args.out))
+        _log(f"wrote {args.out}")
     destroy_distributed()
     return code
 
@@ -325,7 +402,7 @@ def hf_to_megatron(args: argparse.Namespace) -> int:
     _log(f"building {cfg['architectures'][0]} ({dtype}, TP={args.tp} PP={args.pp}) ...")
     _log(f"loading HF weights from {hf_path} ...")
     _, chunks = _build_chunks(hf_path, cfg, args, dtype)
-    out = Path(args.out)
+    out = staging_dir(args)
     meta = {
         "format": META_FORMAT,
         "hf_config": cfg,
@@ -333,12 +410,12 @@ def hf_to_megatron(args: argparse.Namespace) -> int:
         "dtype": dtype,
         "saved_layout": {"tp": args.tp, "pp": args.pp, "vpp": args.vpp},
     }
-    _log(f"saving Megatron distributed checkpoint to {out} ...")
+    _log(f"saving Megatron distributed checkpoint to {args.out} ...")
     save_model_checkpoint(chunks, out, meta=meta)
     # After the save: Megatron takes files already in the directory for an incomplete checkpoint.
     if _rank() == 0:
         copy_side_files(hf_path, out / HF_FILES_DIR)
-    _log(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+    _log(f"saved in {time.perf_counter() - t0:.1f} s")
     del chunks
     if args.verify:
         return verify_logits(args, ckpt=out, hf_path=hf_path)
@@ -349,7 +426,8 @@ def megatron_to_hf(args: argparse.Namespace) -> int:
     """Load the dist checkpoint at ``--tp/--pp/--vpp`` and write an HF directory."""
     import torch
 
-    from megarl.checkpoint.dist_ckpt import load_model_checkpoint, read_checkpoint_meta
+    from megarl.checkpoint.dist_ckpt import load_model_checkpoint
+    from megarl.checkpoint.meta import read_checkpoint_meta
     from megarl.models.weights import export_hf_weights
 
     t0 = time.perf_counter()
@@ -367,14 +445,14 @@ def megatron_to_hf(args: argparse.Namespace) -> int:
     _log(f"writing HF safetensors ({out_dtype}) to {args.out} ...")
     out = export_hf_weights(
         chunks,
-        args.out,
+        staging_dir(args),
         dims,
         source_dir=side_dir,
         hf_config=out_cfg,
         dtype=getattr(torch, out_dtype),
         progress=_log,
     )
-    _log(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+    _log(f"exported in {time.perf_counter() - t0:.1f} s")
     del chunks
     if args.verify:
         return verify_logits(args, ckpt=ckpt, hf_path=out)
@@ -438,7 +516,8 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
 def verify_logits(args: argparse.Namespace, *, ckpt: Path, hf_path: Path) -> int:
     """Compare the checkpoint's logits (Megatron, at ``--tp/--pp/--vpp``) with the HF model's
     (:mod:`megarl.models.verify`); prints the outcome on rank 0 and returns the exit status."""
-    from megarl.checkpoint.dist_ckpt import load_model_checkpoint, read_checkpoint_meta
+    from megarl.checkpoint.dist_ckpt import load_model_checkpoint
+    from megarl.checkpoint.meta import read_checkpoint_meta
     from megarl.models import verify as v
 
     t0 = time.perf_counter()
