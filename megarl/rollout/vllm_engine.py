@@ -98,6 +98,11 @@ def engine_args_from_config(
         raise ValueError(f"rollout.name={rollout.name!r} is not vllm")
     max_model_len = rollout.max_model_len
     if max_model_len is None:
+        if rollout.prompt_length is None or rollout.response_length is None:
+            raise ValueError(
+                "rollout.prompt_length/response_length are unset: pass a resolved config "
+                "(megarl.config.loader.resolve_config)"
+            )
         max_model_len = rollout.prompt_length + rollout.response_length
     return {
         "tensor_parallel_size": rollout.tensor_model_parallel_size,
