@@ -265,17 +265,19 @@ def _promote(staging: Path, out: Path) -> None:
     os.replace(staging, out)
 
 
+_INPUT_ERRORS = ("ConvertError", "CheckpointError", "CheckpointMismatchError")
+"""Exception types by which a rank says the input is wrong (exit 2), by name: ranks report their
+errors to the launcher as text."""
+
+
 def rank_main(args: argparse.Namespace) -> int:
     """Body of each local rank started by :func:`launch` (re-imported by name).
 
-    A failure (bad input, crash: its error is printed already) exits, so that the launcher
-    stops the other ranks before this one and none of them buries the one-line error under a
-    traceback. A verification mismatch is a result, not a failure.
+    A failure raises: the launcher stops the other ranks before this one and reports it once
+    (one line for bad input, the traceback for a bug). A verification mismatch is a result.
     """
-    code = run_rank(args)
-    if code not in (EXIT_OK, EXIT_MISMATCH):
-        sys.exit(code)
-    return code
+    _quiet_third_party()
+    return _run_command(args)
 
 
 def _run_local_ranks(args: argparse.Namespace, world: int) -> int:
@@ -283,14 +285,17 @@ def _run_local_ranks(args: argparse.Namespace, world: int) -> int:
     try:
         return max(run_local_world(rank_main, world, (args,)))
     except WorkerError as exc:
-        if exc.error_type == "SystemExit" and exc.exit_code is not None:
-            return exc.exit_code
-        print(f"error: {exc}", file=sys.stderr, flush=True)  # killed, or died in start-up
+        if exc.error_type in _INPUT_ERRORS:
+            print(f"error: {exc.detail}", file=sys.stderr, flush=True)
+            return EXIT_USAGE
+        if exc.traceback:
+            print(exc.traceback, file=sys.stderr, end="", flush=True)
+        print(f"error: {exc}", file=sys.stderr, flush=True)  # a bug, killed, died in start-up
         return EXIT_CRASH
 
 
 def run_rank(args: argparse.Namespace) -> int:
-    """One rank's share of the command (collective: every rank of the world calls it).
+    """One rank's share of the command under torchrun / srun (collective: every rank calls it).
 
     Returns the exit status: a bad input prints one ``error:`` line, a bug its traceback.
     """

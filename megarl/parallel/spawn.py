@@ -52,9 +52,10 @@ class WorkerError(RuntimeError):
     """A rank of :func:`run_local_world` raised, or died without a result.
 
     ``str(err)`` is one line: ``rank R: ExceptionType: message`` (or ``rank R exited with code
-    N ...``). ``error_type`` names the rank's exception class ("" when it died); ``exit_code`` is
-    the code of a rank that called ``sys.exit(N)`` with an int (else None); ``traceback`` is the
-    rank's formatted traceback ("" if none).
+    N ...``). ``error_type`` names the rank's exception class ("" when it died) and ``detail``
+    is the first line of its message; ``exit_code`` is the code of a rank that called
+    ``sys.exit(N)`` with an int (else None); ``traceback`` is the rank's formatted traceback ("" if
+    none).
     """
 
     def __init__(
@@ -63,12 +64,14 @@ class WorkerError(RuntimeError):
         message: str,
         *,
         error_type: str = "",
+        detail: str = "",
         exit_code: int | None = None,
         tb: str = "",
     ) -> None:
         super().__init__(message)
         self.rank = rank
         self.error_type = error_type
+        self.detail = detail
         self.exit_code = exit_code
         self.traceback = tb
 
@@ -168,8 +171,10 @@ def _collect(procs: list, pipes: dict[Connection, int]) -> list[Any]:
             _stop([procs[rank]])
             raise WorkerError(
                 rank,
-                f"rank {rank}: {report['line']}",
+                f"rank {rank}: {report['type']}"
+                + (f": {report['detail']}" * bool(report["detail"])),
                 error_type=report["type"],
+                detail=report["detail"],
                 exit_code=report["exit_code"],
                 tb=report["traceback"],
             )
@@ -251,15 +256,14 @@ def _rank_main(fn: Callable[..., Any], args: tuple, env: dict[str, str], conn: C
         result = fn(*args)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the launcher raises it
         text = str(exc).strip()
-        line = type(exc).__name__ + (f": {text.splitlines()[0]}" if text else "")
         code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else None
         sys.stdout.flush()
         sys.stderr.flush()
         _send_report(
             conn,
             "error",
-            line=line,
             type=type(exc).__name__,
+            detail=text.splitlines()[0] if text else "",
             exit_code=code,
             traceback=traceback.format_exc(),
         )
