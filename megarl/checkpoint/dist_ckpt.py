@@ -96,6 +96,7 @@ def load_model_checkpoint(chunks: Sequence[torch.nn.Module], ckpt_dir: str | Pat
     Raises :class:`CheckpointError` naming the directory when it is not a checkpoint or a shard
     cannot be read, :class:`CheckpointMismatchError` naming keys when it holds another model.
     """
+    from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(ckpt_dir)
@@ -103,7 +104,8 @@ def load_model_checkpoint(chunks: Sequence[torch.nn.Module], ckpt_dir: str | Pat
         raise CheckpointError(f"not a Megatron distributed checkpoint (no metadata.json): {path}")
     try:
         state = dist_checkpointing.load(_sharded_state_dict(chunks), str(path))
-    except CheckpointException as exc:  # a BaseException: it escapes `except Exception`
+    # torch's CheckpointException is a BaseException: it escapes `except Exception`
+    except (CheckpointException, CheckpointingException) as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {_first_failure(exc)}") from None
     for i, chunk in enumerate(chunks):
         missing, unexpected = unwrap(chunk).load_state_dict(state[f"model{i}"], strict=False)
