@@ -37,17 +37,16 @@ Exit status: 0 ok, 1 verification failed, 2 bad arguments or inputs (one ``error
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
-import struct
 import sys
 import time
 import traceback
 from pathlib import Path
 
-from megarl.commands.convert_inputs import ConvertError, check_inputs
+from megarl.commands.convert_inputs import ConvertError, check_inputs, safetensors_header
+from megarl.config.dtypes import DTYPE_NAMES, SAFETENSORS_DTYPE_NAMES
 from megarl.parallel.spawn import WorkerError, inside_launched_world, run_local_world
 
 EXIT_OK = 0
@@ -58,17 +57,6 @@ EXIT_CRASH = 3
 HF_FILES_DIR = "hf_files"
 """Sub-directory of a converted checkpoint holding the source's config and tokenizer files."""
 META_FORMAT = "megarl-gpt/1"
-
-_DTYPES = {  # --dtype choices -> torch dtype names
-    alias: name
-    for short, name in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16"))
-    for alias in (short, name)
-}
-_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-_WEIGHT_SUFFIXES = (
-    *(".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf"),
-    *(".safetensors.index.json", ".bin.index.json"),
-)
 
 
 # Third-party noise on every run (CPU without TE/Apex, deprecations inside Megatron's own calls).
@@ -154,7 +142,7 @@ def _add_conversion_args(
     parser.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", *_DTYPES],
+        choices=["auto", *DTYPE_NAMES],
         metavar="{auto,fp32,bf16,fp16}",
         help=dtype,
     )
@@ -403,7 +391,7 @@ def hf_to_megatron(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     hf_path = Path(args.hf_path).resolve()
     cfg = read_hf_config(hf_path)
-    dtype = _DTYPES.get(args.dtype) or safetensors_dtype(hf_path)
+    dtype = DTYPE_NAMES.get(args.dtype) or safetensors_dtype(hf_path)
     _log(f"building {cfg['architectures'][0]} ({dtype}, TP={args.tp} PP={args.pp}) ...")
     _log(f"loading HF weights from {hf_path} ...")
     _, chunks = _build_chunks(hf_path, cfg, args, dtype)
@@ -440,7 +428,7 @@ def megatron_to_hf(args: argparse.Namespace) -> int:
     meta = read_checkpoint_meta(ckpt)
     cfg, side_dir = _ckpt_hf_config(ckpt, meta, args.hf_config)
     stored = meta.get("dtype") or _config_dtype(cfg)
-    out_dtype = _DTYPES.get(args.dtype) or stored
+    out_dtype = DTYPE_NAMES.get(args.dtype) or stored
     _log(f"loading {ckpt} ({stored}, TP={args.tp} PP={args.pp}) ...")
     dims, chunks = _build_chunks(None, cfg, args, stored)
     load_model_checkpoint(chunks, ckpt)
@@ -480,38 +468,32 @@ def _ckpt_hf_config(ckpt: Path, meta: dict, hf_config: str | None) -> tuple[dict
 
 def _config_dtype(cfg: dict) -> str:
     name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
-    return _DTYPES.get(name, "float32")
-
-
-def _safetensors_header(path: Path) -> dict:
-    with path.open("rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(n))
-    header.pop("__metadata__", None)
-    return header
+    return DTYPE_NAMES.get(name, "float32")
 
 
 def safetensors_dtype(hf_path: str | Path) -> str:
     """dtype of the HF tensors (read from a safetensors header; the embedding's if present)."""
     files = sorted(Path(hf_path).glob("*.safetensors"))
     for f in files:
-        header = _safetensors_header(f)
+        header = safetensors_header(f)
         if not header:
             continue
         entry = header.get("model.embed_tokens.weight") or next(iter(header.values()))
-        if entry["dtype"] not in _SAFETENSORS_DTYPES:
+        if entry["dtype"] not in SAFETENSORS_DTYPE_NAMES:
             raise ConvertError(f"{f}: unsupported tensor dtype {entry['dtype']}")
-        return _SAFETENSORS_DTYPES[entry["dtype"]]
+        return SAFETENSORS_DTYPE_NAMES[entry["dtype"]]
     raise ConvertError(f"no tensors in {hf_path}/*.safetensors")
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:
     """Copy the non-weight top-level files of an HF directory (config, tokenizer, generation
     config...) into ``dst``; returns their names."""
+    from megarl.models.weights import is_weight_file
+
     dst.mkdir(parents=True, exist_ok=True)
     copied = []
     for f in sorted(Path(src).iterdir()):
-        if not f.is_file() or f.name.endswith(_WEIGHT_SUFFIXES):
+        if not f.is_file() or is_weight_file(f.name):
             continue
         shutil.copy2(f, dst / f.name)
         copied.append(f.name)

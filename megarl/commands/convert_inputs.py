@@ -94,31 +94,38 @@ def _check_hf_dir(path: str, flag: str, *, need_weights: bool) -> None:
 def _check_safetensors(path: Path, flag: str) -> None:
     """Refuse a ``.safetensors`` file whose header is unreadable or promises more bytes than the
     file holds (truncated, or not a safetensors file at all)."""
+    safetensors_header(path, flag)
+
+
+def safetensors_header(path: Path, flag: str = "") -> dict:
+    """The tensor entries of a ``.safetensors`` header (``__metadata__`` left out), checked
+    against the file's size; :class:`ConvertError` (prefixed by ``flag``) when it is not one."""
+    where = f"{flag}: {path}" if flag else str(path)
     size = path.stat().st_size
     with path.open("rb") as fh:
         prefix = fh.read(8)
         n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
-        if n < 2 or n > size - 8:
-            raise ConvertError(f"{flag}: {path} is not a safetensors file (no valid header)")
-        try:
-            header = json.loads(fh.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise ConvertError(
-                f"{flag}: {path} is not a safetensors file (no valid header)"
-            ) from None
+        header = None
+        if 2 <= n <= size - 8:
+            try:
+                header = json.loads(fh.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                header = None
     if not isinstance(header, dict):
-        raise ConvertError(f"{flag}: {path} is not a safetensors file (no valid header)")
+        raise ConvertError(f"{where} is not a safetensors file (no valid header)")
+    header.pop("__metadata__", None)
     ends = [
-        entry.get("data_offsets", [0, 0])[1]
-        for name, entry in header.items()
-        if name != "__metadata__" and isinstance(entry, dict)
+        entry.get("data_offsets", [0, 0])[-1]
+        for entry in header.values()
+        if isinstance(entry, dict)
     ]
     need = max((e for e in ends if isinstance(e, int)), default=0)
     if need > size - 8 - n:
         raise ConvertError(
-            f"{flag}: {path} is truncated (its header lists {need} bytes of tensors, "
+            f"{where} is truncated (its header lists {need} bytes of tensors, "
             f"the file holds {size - 8 - n})"
         )
+    return header
 
 
 def _check_out(path: str, force: bool) -> None:

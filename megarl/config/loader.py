@@ -20,7 +20,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from megarl.config.errors import ConfigError, close_matches
+from megarl.config.errors import ConfigError, close_matches, did_you_mean
 from megarl.config.keys import resolve_follows
 from megarl.config.schema import MegarlConfig
 from megarl.config.verl_keys import unsupported_reason
@@ -229,9 +229,9 @@ def unknown_key_message(key: str, where: str = "") -> str:
     if leaf in _KEY_HINTS:
         return f"{msg}: {_KEY_HINTS[leaf]}"
     siblings = [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []
-    near = close_matches(leaf, siblings)
-    if near:
-        return f"{msg} (did you mean '{_join(parent, near[0])}'?)"
+    hint = did_you_mean(leaf, siblings, prefix=f"{parent}." if parent else "")
+    if hint:
+        return msg + hint
     same_leaf = [k for k in all_keys() if k.rsplit(".", 1)[-1] == leaf]
     if not same_leaf:
         leaves = {k.rsplit(".", 1)[-1] for k in all_keys()}
@@ -352,8 +352,7 @@ def _convert(tp: Any, value: Any, key: str, errors: list[str]) -> Any:
         choices = get_args(tp)
         if isinstance(value, str) and value in choices:
             return value
-        near = close_matches(str(value), [str(c) for c in choices])
-        hint = f" (did you mean '{near[0]}'?)" if near else ""
+        hint = did_you_mean(str(value), [str(c) for c in choices])
         errors.append(f"{key}: {_show(value)} is not one of {', '.join(map(str, choices))}{hint}")
         return _REPORTED
     if origin is list:
@@ -426,8 +425,7 @@ def _resolve_interpolations(cfg: MegarlConfig, errors: list[str]) -> None:
             try:
                 target = get_key(cfg, expr)
             except KeyError:
-                near = close_matches(expr, all_keys())
-                hint = f" (did you mean '{near[0]}'?)" if near else ""
+                hint = did_you_mean(expr, all_keys())
                 errors.append(f"{key}: '${{{expr}}}' refers to an unknown key{hint}")
                 return match.group(0)
             if dataclasses.is_dataclass(target) or isinstance(target, (dict, list)):
