@@ -32,6 +32,7 @@ demo: venv
 
 lint: venv
 	$(BIN)/ruff check megarl tests tools
+	$(BIN)/ruff format --check megarl tests tools
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -11,7 +11,6 @@ The Transformer Engine spec is used when TE imports (GPU clusters), the local sp
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -240,8 +239,3 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module") and not isinstance(model, GPTModel):
         model = model.module
     return model
-
-
-def chunk_list(models: GPTModel | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
-    """Accept one model or a list of VPP chunks."""
-    return list(models) if isinstance(models, Sequence) else [models]
