@@ -383,7 +383,7 @@ def _build_chunks(hf_path: Path | None, cfg: dict, args: argparse.Namespace, dty
     return built.dims, built.chunks
 
 
-def hf_to_megatron(args: argparse.Namespace) -> int:
+def run_hf_to_megatron(args: argparse.Namespace) -> int:
     """Load the HF directory into a model at ``--tp/--pp/--vpp`` and save a dist checkpoint."""
     from megarl.checkpoint.dist_ckpt import save_model_checkpoint
     from megarl.config.model_dims import read_hf_config
@@ -415,7 +415,7 @@ def hf_to_megatron(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def megatron_to_hf(args: argparse.Namespace) -> int:
+def run_megatron_to_hf(args: argparse.Namespace) -> int:
     """Load the dist checkpoint at ``--tp/--pp/--vpp`` and write an HF directory."""
     import torch
 
@@ -452,7 +452,8 @@ def megatron_to_hf(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def verify(args: argparse.Namespace) -> int:
+def run_verify(args: argparse.Namespace) -> int:
+    """Compare the checkpoint's logits with the HF model's (``megarl convert verify``)."""
     return verify_logits(args, ckpt=Path(args.ckpt), hf_path=Path(args.hf_path))
 
 
@@ -534,7 +535,7 @@ def verify_logits(args: argparse.Namespace, *, ckpt: Path, hf_path: Path) -> int
 
 
 _COMMANDS = {
-    "hf-to-megatron": hf_to_megatron,
-    "megatron-to-hf": megatron_to_hf,
-    "verify": verify,
+    "hf-to-megatron": run_hf_to_megatron,
+    "megatron-to-hf": run_megatron_to_hf,
+    "verify": run_verify,
 }
