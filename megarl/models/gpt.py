@@ -11,6 +11,7 @@ The Transformer Engine spec is used when TE imports (GPU clusters), the local sp
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -239,3 +240,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module") and not isinstance(model, GPTModel):
         model = model.module
     return model
+
+
+def chunks_device(chunks: Sequence[torch.nn.Module]) -> torch.device:
+    """Device of this rank's model chunks (that of the first chunk's parameters)."""
+    return next(unwrap(chunks[0]).parameters()).device
