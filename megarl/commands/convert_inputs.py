@@ -193,17 +193,10 @@ def _read_json(path: Path) -> dict:
 
 
 def _check_layout(dims, tp: int, pp: int, vpp: int | None, where: Path) -> None:
-    """Megatron's rule (:func:`megarl.parallel.layout.layout_problems`), named by flag."""
-    from megarl.parallel.layout import ParallelLayout, layout_problems
+    """Megatron's rule (:func:`megarl.parallel.layout.shape_layout_problems`), named by flag."""
+    from megarl.parallel.layout import ParallelLayout, shape_layout_problems
 
-    problems = layout_problems(
-        ParallelLayout(tp, pp, vpp),
-        num_attention_heads=dims.num_attention_heads,
-        num_query_groups=dims.num_query_groups,
-        num_layers=dims.num_layers,
-        ffn_hidden_size=dims.ffn_hidden_size,
-        head_dim=dims.head_dim,
-    )
+    problems = shape_layout_problems(ParallelLayout(tp, pp, vpp), dims.known())
     if problems:
         text = problems[0].describe(tp=f"--tp {tp}", pp=f"--pp {pp}", vpp=f"--vpp {vpp}")
         raise ConvertError(f"{text} of {where}")

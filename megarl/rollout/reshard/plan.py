@@ -29,7 +29,7 @@ import torch
 
 from megarl.config.model_dims import ModelDims
 from megarl.models import hf_mapping as hm
-from megarl.parallel.layout import ParallelLayout, layout_problems
+from megarl.parallel.layout import ParallelLayout, shape_layout_problems
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -375,14 +375,7 @@ def require_training_layout(dims: ModelDims, layout: ParallelLayout) -> None:
         raise ValueError(f"invalid training layout {layout}")
     if layout.vpp > 1 and pp == 1:
         raise ValueError("virtual pipeline parallelism needs PP > 1")
-    problems = layout_problems(
-        layout,
-        num_attention_heads=dims.num_attention_heads,
-        num_query_groups=dims.num_query_groups,
-        num_layers=dims.num_layers,
-        ffn_hidden_size=dims.ffn_hidden_size,
-        head_dim=dims.head_dim,
-    )
+    problems = shape_layout_problems(layout, dims.known())
     if problems:
         raise ValueError(
             problems[0].describe(tp=f"training TP={tp}", pp=f"PP={pp}", vpp=f"VPP={layout.vpp}")
