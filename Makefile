@@ -37,6 +37,7 @@ demo-convert: venv
 
 lint: venv
 	$(BIN)/ruff check megarl tests tools
+	$(BIN)/ruff format --check megarl tests tools
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

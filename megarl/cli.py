@@ -160,9 +160,9 @@ def _keys(args: argparse.Namespace) -> int:
     import yaml
 
     from megarl.config.keys import field_docs, iter_fields
-    from megarl.config.loader import get_key
+    from megarl.config.loader import get_key, resolve_config
 
-    defaults = MegarlConfig()
+    defaults = resolve_config(MegarlConfig())
     for key, field, owner in iter_fields(MegarlConfig):
         if key.startswith(args.prefix):
             value = get_key(defaults, key)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from megarl.parallel.spawn import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,12 +28,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_torchrun(script: Path, nproc: int, args: list[str], *, timeout: int = 900) -> str:

@@ -148,6 +148,15 @@ def test_keys_lists_defaults_and_docs(capsys):
     assert "per token or sequence" in out
 
 
+def test_keys_show_resolved_defaults_of_following_keys(capsys):
+    code, out, _ = run_cli(capsys, "config", "keys", "critic.")
+    assert code == 0
+    assert "critic.ppo_mini_batch_size = 256\n" in out  # the actor's, not null
+    assert "critic.megatron.sequence_parallel = true\n" in out
+    _, out, _ = run_cli(capsys, "config", "keys", "trainer.default_local_dir")
+    assert "trainer.default_local_dir = checkpoints/verl_examples/gsm8k\n" in out
+
+
 # -- train ----------------------------------------------------------------------------------
 
 

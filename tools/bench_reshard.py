@@ -29,13 +29,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megarl.commands.plan import PRESETS
+from megarl.config.dtypes import torch_dtype
 from megarl.config.model_dims import ModelDims
 from megarl.models import hf_mapping as hm
 from megarl.models.tiny import random_hf_state, tiny_hf_config
 from megarl.parallel.layout import ParallelLayout
 from megarl.rollout.reshard import make_reshard_plan, stream_buckets
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class CopyConsumer:
@@ -91,7 +90,7 @@ def _time(fn, reps: int) -> list[float]:
 
 
 def bench_sync(args) -> dict:
-    dtype = _DTYPES[args.dtype]
+    dtype = torch_dtype(args.dtype)
     hf_cfg = tiny_hf_config(
         "qwen2",
         num_layers=args.layers,
@@ -205,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--bucket-mb", type=float, default=16.0)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--vllm", action="store_true", help="also sync into a real vLLM engine")

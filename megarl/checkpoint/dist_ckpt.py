@@ -14,6 +14,8 @@ hangs.
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,10 +23,45 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from megarl.checkpoint.layout import META_FILE
+from megarl.checkpoint.meta import META_FILE, read_checkpoint_meta
 from megarl.models.gpt import unwrap
 
-__all__ = ["META_FILE", "load_model_checkpoint", "read_checkpoint_meta", "save_model_checkpoint"]
+__all__ = [
+    "META_FILE",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "load_model_checkpoint",
+    "read_checkpoint_meta",
+    "save_model_checkpoint",
+]
+
+
+class CheckpointError(ValueError):
+    """A directory that is not a readable checkpoint; the message names it."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint whose tensors do not fit the model; the message names the keys."""
+
+
+HOLD_SAVE_ENV = "MEGARL_TEST_HOLD_SAVE"
+"""Test hook: when set to a directory, each checkpoint writer process creates a file there and
+then waits (600 s) before writing, so that a test can interrupt a save in progress."""
+
+
+def _hold_writers(marker_dir: Path) -> None:
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync,
+    )
+
+    write = FileSystemWriterAsync.write_preloaded_data
+
+    def held_write(*args, **kwargs):  # runs in the forked writer process
+        (marker_dir / f"writer-{os.getpid()}").touch()
+        time.sleep(600)
+        return write(*args, **kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(held_write)
 
 
 def _sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict:
@@ -42,6 +79,8 @@ def save_model_checkpoint(
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
+    if os.environ.get(HOLD_SAVE_ENV):
+        _hold_writers(Path(os.environ[HOLD_SAVE_ENV]))
     dist_checkpointing.save(_sharded_state_dict(chunks), str(path))
     # Written after the shards: Megatron treats extra files in the directory before a save as
     # the remains of an incomplete checkpoint.
@@ -51,23 +90,38 @@ def save_model_checkpoint(
     return path
 
 
-def read_checkpoint_meta(ckpt_dir: str | Path) -> dict:
-    """The ``meta`` saved with the checkpoint (empty dict when there is none)."""
-    f = Path(ckpt_dir) / META_FILE
-    return json.loads(f.read_text()) if f.exists() else {}
-
-
 def load_model_checkpoint(chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path) -> None:
-    """Load ``ckpt_dir`` (saved at any parallel layout) into this rank's ``chunks``."""
+    """Load ``ckpt_dir`` (saved at any parallel layout) into this rank's ``chunks``.
+
+    Raises :class:`CheckpointError` naming the directory when it is not a checkpoint or a shard
+    cannot be read, :class:`CheckpointMismatchError` naming keys when it holds another model.
+    """
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
     path = Path(ckpt_dir)
     if not (path / "metadata.json").exists():
-        raise FileNotFoundError(f"not a Megatron distributed checkpoint: {path}")
-    state = dist_checkpointing.load(_sharded_state_dict(chunks), str(path))
+        raise CheckpointError(f"not a Megatron distributed checkpoint (no metadata.json): {path}")
+    try:
+        state = dist_checkpointing.load(_sharded_state_dict(chunks), str(path))
+    # torch's CheckpointException is a BaseException: it escapes `except Exception`
+    except (CheckpointException, CheckpointingException) as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {_first_failure(exc)}") from None
     for i, chunk in enumerate(chunks):
         missing, unexpected = unwrap(chunk).load_state_dict(state[f"model{i}"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
-            raise RuntimeError(
+            raise CheckpointMismatchError(
                 f"checkpoint {path} does not match the model: missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]}"
             )
+
+
+def _first_failure(exc: BaseException) -> str:
+    """One line for torch's ``CheckpointException`` (it maps ranks to their exceptions)."""
+    failures = getattr(exc, "failures", None) or {}
+    for failure in failures.values():
+        error = failure[0] if isinstance(failure, tuple) else failure
+        text = str(error).strip()
+        return type(error).__name__ + (f": {text.splitlines()[0]}" if text else "")
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__

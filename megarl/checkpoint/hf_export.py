@@ -16,11 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.checkpoint.layout import META_FORMAT
-
-WEIGHT_SUFFIXES = (
-    *(".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf"),
-    *(".safetensors.index.json", ".bin.index.json"),
-)
+from megarl.models.weights import is_weight_file
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:
@@ -29,7 +25,7 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
     dst.mkdir(parents=True, exist_ok=True)
     copied = []
     for f in sorted(Path(src).iterdir()):
-        if not f.is_file() or f.name.endswith(WEIGHT_SUFFIXES):
+        if not f.is_file() or is_weight_file(f.name):
             continue
         shutil.copy2(f, dst / f.name)
         copied.append(f.name)

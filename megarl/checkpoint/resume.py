@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from megarl.checkpoint.layout import (
-    META_FILE,
     CheckpointError,
     latest_complete,
     read_json,
     resolve_resume_path,
 )
+from megarl.checkpoint.meta import META_FILE
 
 ARCH_KEYS = (
     "architectures",

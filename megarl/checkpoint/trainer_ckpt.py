@@ -31,7 +31,6 @@ from megarl.checkpoint.layout import (
     EXTRA_STATE_FILE,
     HF_EXPORT_DIR,
     HF_FILES_DIR,
-    META_FILE,
     TRAINER_STATE_FILE,
     CheckpointError,
     apply_retention,
@@ -41,6 +40,7 @@ from megarl.checkpoint.layout import (
     tmp_dir,
     write_json,
 )
+from megarl.checkpoint.meta import META_FILE
 from megarl.checkpoint.resume import check_model_fits
 from megarl.checkpoint.schedule import (
     param_groups,

@@ -13,26 +13,33 @@ the format used on GPU), so it loads at any TP×PP. Beside the shards it holds
 ``megarl_meta.json`` (the HF config, source, dtype, saved layout) and
 ``hf_files/`` (config, tokenizer and generation files), so ``megatron-to-hf`` needs nothing else.
 
-Processes: run the command once. When TP×PP > 1 and the process is not already one rank of a
-torchrun / Slurm world, it starts TP×PP local ranks itself (:mod:`megarl.parallel.spawn`; gloo
-on CPU, NCCL on GPU). Under torchrun / srun the existing world is used (its size must be a
-multiple of TP×PP). Entry points keep their work under ``if __name__ == "__main__":``
-(DESIGN.md: the checkpoint writer's helper process re-imports the main module).
+Processes: run the command once. When the process is not already one rank of a torchrun /
+Slurm world, it checks the inputs and starts TP×PP local ranks itself
+(:mod:`megarl.parallel.spawn`; gloo on CPU, NCCL on GPU), staying light itself. Under torchrun /
+srun the existing world is used (its size must be a multiple of TP×PP). Entry points keep their
+work under ``if __name__ == "__main__":`` (DESIGN.md: the checkpoint writer's helper process
+re-imports the main module).
+
+Output: the ranks write into ``OUT.incomplete`` beside ``--out``; rank 0 renames it to ``--out``
+once it is complete (``--force`` replaces an existing ``--out`` then, so no stale shard stays).
+On a failure, Ctrl-C or SIGTERM the launcher stops every process it started (ranks, checkpoint
+writers, their helpers) and removes ``OUT.incomplete``; a directory of that name left by a
+killed run is removed by the next run.
 
 Verification (``--verify``, ``verify``; :mod:`megarl.models.verify`) runs seeded random token
 sequences through the Megatron model and, in float32 on one rank's CPU, the ``transformers``
 model; it prints ``max |Δlogit|`` and fails (exit 1) above ``atol + rtol · max|logit|``.
 
 Exit status: 0 ok, 1 verification failed, 2 bad arguments or inputs (one ``error: ...`` line),
-3 an unexpected exception (a bug: traceback shown).
+3 an unexpected exception (a bug: traceback shown), 128+N stopped by signal N (130: Ctrl-C).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import struct
+import shutil
+import signal
 import sys
 import time
 import traceback
@@ -40,21 +47,14 @@ from pathlib import Path
 
 from megarl.checkpoint.hf_export import checkpoint_meta, copy_side_files
 from megarl.checkpoint.layout import HF_FILES_DIR
-from megarl.commands.convert_inputs import ConvertError, check_inputs
-from megarl.parallel.spawn import WorkerError, free_port, inside_launched_world, run_local_world
+from megarl.commands.convert_inputs import ConvertError, check_inputs, safetensors_header
+from megarl.config.dtypes import DTYPE_NAMES, SAFETENSORS_DTYPE_NAMES
+from megarl.parallel.spawn import WorkerError, inside_launched_world, run_local_world
 
 EXIT_OK = 0
 EXIT_MISMATCH = 1
 EXIT_USAGE = 2
 EXIT_CRASH = 3
-
-
-_DTYPES = {  # --dtype choices -> torch dtype names
-    alias: name
-    for short, name in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16"))
-    for alias in (short, name)
-}
-_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 # Third-party noise on every run (CPU without TE/Apex, deprecations inside Megatron's own calls).
@@ -140,12 +140,16 @@ def _add_conversion_args(
     parser.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", *_DTYPES],
+        choices=["auto", *DTYPE_NAMES],
         metavar="{auto,fp32,bf16,fp16}",
         help=dtype,
     )
     parser.add_argument("--verify", action="store_true", help=verify)
-    parser.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a non-empty --out (its old files go once the new output is complete)",
+    )
     _add_verify_args(parser)
 
 
@@ -184,12 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConvertError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if not inside_launched_world():
-        if args.tp * args.pp > 1:
-            return _run_local_ranks(args, args.tp * args.pp)
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-    return run_rank(args)
+    if inside_launched_world():
+        return run_rank(args)
+    return launch(args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,17 +198,72 @@ def main(argv: list[str] | None = None) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def rank_main(args: argparse.Namespace) -> int:
-    """Body of each local rank started by :func:`_run_local_ranks` (re-imported by name).
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the launcher (a BaseException, like ``KeyboardInterrupt``)."""
 
-    A failure (bad input, crash: its error is printed already) exits, so that the launcher
-    stops the other ranks before this one and none of them buries the one-line error under a
-    traceback. A verification mismatch is a result, not a failure.
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Run the command in TP×PP local ranks; stop them all and remove the incomplete output on
+    a failure, SIGINT or SIGTERM. Returns the exit status."""
+    staging = staging_dir(args)
+    handlers = _raise_on_signals((signal.SIGINT, signal.SIGTERM))
+    try:
+        return _run_local_ranks(args, args.tp * args.pp)
+    except Interrupted as exc:
+        print(f"error: interrupted ({exc}); stopped every rank", file=sys.stderr, flush=True)
+        return 128 + exc.signum
+    finally:
+        if staging is not None and staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+
+def _raise_on_signals(signums: tuple[int, ...]) -> dict[int, object]:
+    """Raise :class:`Interrupted` in the main thread at the first of ``signums``; ignore later
+    ones, so that the clean-up it starts is not cut short. Returns the previous handlers."""
+    fired: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if not fired:
+            fired.append(signum)
+            raise Interrupted(signum)
+
+    return {signum: signal.signal(signum, handler) for signum in signums}
+
+
+def staging_dir(args: argparse.Namespace) -> Path | None:
+    """Where the ranks write before rank 0 renames it to ``--out`` (None: nothing is written)."""
+    if args.command == "verify":
+        return None
+    out = Path(args.out).absolute()
+    return out.with_name(out.name + ".incomplete")
+
+
+def _promote(staging: Path, out: Path) -> None:
+    """Replace ``out`` (empty, or old output under ``--force``) with the complete ``staging``."""
+    if out.is_dir():
+        shutil.rmtree(out)
+    os.replace(staging, out)
+
+
+_INPUT_ERRORS = ("ConvertError", "CheckpointError", "CheckpointMismatchError")
+"""Exception types by which a rank says the input is wrong (exit 2), by name: ranks report their
+errors to the launcher as text."""
+
+
+def rank_main(args: argparse.Namespace) -> int:
+    """Body of each local rank started by :func:`launch` (re-imported by name).
+
+    A failure raises: the launcher stops the other ranks before this one and reports it once
+    (one line for bad input, the traceback for a bug). A verification mismatch is a result.
     """
-    code = run_rank(args)
-    if code not in (EXIT_OK, EXIT_MISMATCH):
-        sys.exit(code)
-    return code
+    _quiet_third_party()
+    return _run_command(args)
 
 
 def _run_local_ranks(args: argparse.Namespace, world: int) -> int:
@@ -215,22 +271,26 @@ def _run_local_ranks(args: argparse.Namespace, world: int) -> int:
     try:
         return max(run_local_world(rank_main, world, (args,)))
     except WorkerError as exc:
-        if isinstance(exc.error, SystemExit) and isinstance(exc.error.code, int):
-            return exc.error.code
-        print(f"error: {exc}", file=sys.stderr, flush=True)  # killed, or died in start-up
+        if exc.error_type in _INPUT_ERRORS:
+            print(f"error: {exc.detail}", file=sys.stderr, flush=True)
+            return EXIT_USAGE
+        if exc.traceback:
+            print(exc.traceback, file=sys.stderr, end="", flush=True)
+        print(f"error: {exc}", file=sys.stderr, flush=True)  # a bug, killed, died in start-up
         return EXIT_CRASH
 
 
 def run_rank(args: argparse.Namespace) -> int:
-    """One rank's share of the command (collective: every rank of the world calls it).
+    """One rank's share of the command under torchrun / srun (collective: every rank calls it).
 
     Returns the exit status: a bad input prints one ``error:`` line, a bug its traceback.
     """
+    from megarl.checkpoint.dist_ckpt import CheckpointError
+
     _quiet_third_party()
     try:
         return _run_command(args)
-    # ValueError includes an unsupported architecture and a world that does not fit TP×PP.
-    except (ConvertError, FileNotFoundError, KeyError, ValueError) as exc:
+    except (ConvertError, CheckpointError) as exc:  # the input, found wanting by a rank
         _print_error(exc)
         return EXIT_USAGE  # no teardown: it would break the collectives the peers are in
     except Exception:  # noqa: BLE001 - a bug: show it, with its own exit status
@@ -240,15 +300,29 @@ def run_rank(args: argparse.Namespace) -> int:
 
 def _run_command(args: argparse.Namespace) -> int:
     import torch
+    import torch.distributed as dist
 
     from megarl.parallel.init import destroy_distributed, init_distributed
     from megarl.parallel.layout import ParallelLayout
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % (args.tp * args.pp):
+        raise ConvertError(
+            f"--tp {args.tp} × --pp {args.pp} does not divide the world of {world} ranks"
+        )
     if not torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     init_distributed(ParallelLayout(args.tp, args.pp, args.vpp), seed=args.seed)
+    staging = staging_dir(args)
+    if staging is not None and _rank() == 0 and staging.exists():
+        shutil.rmtree(staging)  # left by a killed run
+    dist.barrier()
     code = _COMMANDS[args.command](args)
+    dist.barrier()
+    if staging is not None and _rank() == 0:
+        _promote(staging, Path(args.out))
+        _log(f"wrote {args.out}")
     destroy_distributed()
     return code
 
@@ -307,7 +381,7 @@ def _build_chunks(hf_path: Path | None, cfg: dict, args: argparse.Namespace, dty
     return built.dims, built.chunks
 
 
-def hf_to_megatron(args: argparse.Namespace) -> int:
+def run_hf_to_megatron(args: argparse.Namespace) -> int:
     """Load the HF directory into a model at ``--tp/--pp/--vpp`` and save a dist checkpoint."""
     from megarl.checkpoint.dist_ckpt import save_model_checkpoint
     from megarl.config.model_dims import read_hf_config
@@ -315,57 +389,59 @@ def hf_to_megatron(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     hf_path = Path(args.hf_path).resolve()
     cfg = read_hf_config(hf_path)
-    dtype = _DTYPES.get(args.dtype) or safetensors_dtype(hf_path)
+    dtype = DTYPE_NAMES.get(args.dtype) or safetensors_dtype(hf_path)
     _log(f"building {cfg['architectures'][0]} ({dtype}, TP={args.tp} PP={args.pp}) ...")
     _log(f"loading HF weights from {hf_path} ...")
     _, chunks = _build_chunks(hf_path, cfg, args, dtype)
-    out = Path(args.out)
+    out = staging_dir(args)
     layout = {"tp": args.tp, "pp": args.pp, "vpp": args.vpp}
     meta = checkpoint_meta(cfg, source=str(hf_path), dtype=dtype, layout=layout)
-    _log(f"saving Megatron distributed checkpoint to {out} ...")
+    _log(f"saving Megatron distributed checkpoint to {args.out} ...")
     save_model_checkpoint(chunks, out, meta=meta)
     # After the save: Megatron takes files already in the directory for an incomplete checkpoint.
     if _rank() == 0:
         copy_side_files(hf_path, out / HF_FILES_DIR)
-    _log(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+    _log(f"saved in {time.perf_counter() - t0:.1f} s")
     del chunks
     if args.verify:
         return verify_logits(args, ckpt=out, hf_path=hf_path)
     return EXIT_OK
 
 
-def megatron_to_hf(args: argparse.Namespace) -> int:
+def run_megatron_to_hf(args: argparse.Namespace) -> int:
     """Load the dist checkpoint at ``--tp/--pp/--vpp`` and write an HF directory."""
-    from megarl.checkpoint.dist_ckpt import load_model_checkpoint, read_checkpoint_meta
+    from megarl.checkpoint.dist_ckpt import load_model_checkpoint
     from megarl.checkpoint.hf_export import export_hf
+    from megarl.checkpoint.meta import read_checkpoint_meta
 
     t0 = time.perf_counter()
     ckpt = Path(args.ckpt)
     meta = read_checkpoint_meta(ckpt)
     cfg, side_dir = _ckpt_hf_config(ckpt, meta, args.hf_config)
     stored = meta.get("dtype") or _config_dtype(cfg)
-    out_dtype = _DTYPES.get(args.dtype) or stored
+    out_dtype = DTYPE_NAMES.get(args.dtype) or stored
     _log(f"loading {ckpt} ({stored}, TP={args.tp} PP={args.pp}) ...")
     dims, chunks = _build_chunks(None, cfg, args, stored)
     load_model_checkpoint(chunks, ckpt)
     _log(f"writing HF safetensors ({out_dtype}) to {args.out} ...")
     out = export_hf(
         chunks,
-        args.out,
+        staging_dir(args),
         dims,
         hf_config=cfg,
         dtype_name=out_dtype,
         side_dir=side_dir,
         progress=_log,
     )
-    _log(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+    _log(f"exported in {time.perf_counter() - t0:.1f} s")
     del chunks
     if args.verify:
         return verify_logits(args, ckpt=ckpt, hf_path=out)
     return EXIT_OK
 
 
-def verify(args: argparse.Namespace) -> int:
+def run_verify(args: argparse.Namespace) -> int:
+    """Compare the checkpoint's logits with the HF model's (``megarl convert verify``)."""
     return verify_logits(args, ckpt=Path(args.ckpt), hf_path=Path(args.hf_path))
 
 
@@ -381,35 +457,28 @@ def _ckpt_hf_config(ckpt: Path, meta: dict, hf_config: str | None) -> tuple[dict
 
 def _config_dtype(cfg: dict) -> str:
     name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
-    return _DTYPES.get(name, "float32")
-
-
-def _safetensors_header(path: Path) -> dict:
-    with path.open("rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(n))
-    header.pop("__metadata__", None)
-    return header
+    return DTYPE_NAMES.get(name, "float32")
 
 
 def safetensors_dtype(hf_path: str | Path) -> str:
     """dtype of the HF tensors (read from a safetensors header; the embedding's if present)."""
     files = sorted(Path(hf_path).glob("*.safetensors"))
     for f in files:
-        header = _safetensors_header(f)
+        header = safetensors_header(f)
         if not header:
             continue
         entry = header.get("model.embed_tokens.weight") or next(iter(header.values()))
-        if entry["dtype"] not in _SAFETENSORS_DTYPES:
+        if entry["dtype"] not in SAFETENSORS_DTYPE_NAMES:
             raise ConvertError(f"{f}: unsupported tensor dtype {entry['dtype']}")
-        return _SAFETENSORS_DTYPES[entry["dtype"]]
+        return SAFETENSORS_DTYPE_NAMES[entry["dtype"]]
     raise ConvertError(f"no tensors in {hf_path}/*.safetensors")
 
 
 def verify_logits(args: argparse.Namespace, *, ckpt: Path, hf_path: Path) -> int:
     """Compare the checkpoint's logits (Megatron, at ``--tp/--pp/--vpp``) with the HF model's
     (:mod:`megarl.models.verify`); prints the outcome on rank 0 and returns the exit status."""
-    from megarl.checkpoint.dist_ckpt import load_model_checkpoint, read_checkpoint_meta
+    from megarl.checkpoint.dist_ckpt import load_model_checkpoint
+    from megarl.checkpoint.meta import read_checkpoint_meta
     from megarl.models import verify as v
 
     t0 = time.perf_counter()
@@ -439,7 +508,7 @@ def verify_logits(args: argparse.Namespace, *, ckpt: Path, hf_path: Path) -> int
 
 
 _COMMANDS = {
-    "hf-to-megatron": hf_to_megatron,
-    "megatron-to-hf": megatron_to_hf,
-    "verify": verify,
+    "hf-to-megatron": run_hf_to_megatron,
+    "megatron-to-hf": run_megatron_to_hf,
+    "verify": run_verify,
 }

@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import struct
 from pathlib import Path
 
-_META_FILE = "megarl_meta.json"
-"""= ``megarl.checkpoint.dist_ckpt.META_FILE`` (not imported here: it pulls in Megatron)."""
+from megarl.checkpoint.meta import META_FILE
 
 
 class ConvertError(Exception):
@@ -38,7 +38,7 @@ def check_inputs(args: argparse.Namespace) -> None:
             cfg = _read_hf(Path(args.hf_config) / "config.json")
             where = Path(args.hf_config) / "config.json"
         elif "hf_config" in meta:
-            cfg, where = meta["hf_config"], Path(args.ckpt) / _META_FILE
+            cfg, where = meta["hf_config"], Path(args.ckpt) / META_FILE
         else:
             raise ConvertError(
                 f"--ckpt {args.ckpt} has no HF config in megarl_meta.json; pass --hf-config DIR"
@@ -72,7 +72,7 @@ def _checked_dims(cfg: dict, tp: int, where: Path):
     except UnsupportedArchitectureError as exc:
         raise ConvertError(f"{where}: {exc}") from None
     except (KeyError, TypeError, ValueError) as exc:
-        raise ConvertError(f"{where}: cannot read the model dimensions ({exc!r})") from None
+        raise ConvertError(f"{where}: {exc}") from None
 
 
 def _check_hf_dir(path: str, flag: str, *, need_weights: bool) -> None:
@@ -83,8 +83,49 @@ def _check_hf_dir(path: str, flag: str, *, need_weights: bool) -> None:
         raise ConvertError(f"{flag} {path} is not a directory")
     if not (p / "config.json").is_file():
         raise ConvertError(f"{flag} {path} has no config.json (not a Hugging Face model directory)")
-    if need_weights and not any(p.glob("*.safetensors")):
-        raise ConvertError(f"{flag} {path} has no *.safetensors files")
+    if need_weights:
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise ConvertError(f"{flag} {path} has no *.safetensors files")
+        for f in files:
+            _check_safetensors(f, flag)
+
+
+def _check_safetensors(path: Path, flag: str) -> None:
+    """Refuse a ``.safetensors`` file whose header is unreadable or promises more bytes than the
+    file holds (truncated, or not a safetensors file at all)."""
+    safetensors_header(path, flag)
+
+
+def safetensors_header(path: Path, flag: str = "") -> dict:
+    """The tensor entries of a ``.safetensors`` header (``__metadata__`` left out), checked
+    against the file's size; :class:`ConvertError` (prefixed by ``flag``) when it is not one."""
+    where = f"{flag}: {path}" if flag else str(path)
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        prefix = fh.read(8)
+        n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+        header = None
+        if 2 <= n <= size - 8:
+            try:
+                header = json.loads(fh.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                header = None
+    if not isinstance(header, dict):
+        raise ConvertError(f"{where} is not a safetensors file (no valid header)")
+    header.pop("__metadata__", None)
+    ends = [
+        entry.get("data_offsets", [0, 0])[-1]
+        for entry in header.values()
+        if isinstance(entry, dict)
+    ]
+    need = max((e for e in ends if isinstance(e, int)), default=0)
+    if need > size - 8 - n:
+        raise ConvertError(
+            f"{where} is truncated (its header lists {need} bytes of tensors, "
+            f"the file holds {size - 8 - n})"
+        )
+    return header
 
 
 def _check_out(path: str, force: bool) -> None:
@@ -103,7 +144,36 @@ def _check_ckpt(path: str) -> dict:
         raise ConvertError(
             f"--ckpt {path} is not a Megatron distributed checkpoint (no metadata.json)"
         )
-    return _read_json(p / _META_FILE) if (p / _META_FILE).is_file() else {}
+    _check_shards(p)
+    return _read_json(p / META_FILE) if (p / META_FILE).is_file() else {}
+
+
+def _check_shards(ckpt: Path) -> None:
+    """Refuse a checkpoint whose torch-dist index is unreadable or names bytes past the end of a
+    ``.distcp`` shard (a truncated or missing shard)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not (ckpt / ".metadata").is_file():
+        return  # not the torch_dist format: Megatron's loader judges it
+    try:
+        storage = FileSystemReader(str(ckpt)).read_metadata().storage_data
+    # CheckpointException derives from BaseException; any failure here means an unreadable index
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001
+        raise ConvertError(f"--ckpt {ckpt}: cannot read its index .metadata ({exc!r})") from None
+    need: dict[str, int] = {}
+    for info in storage.values():
+        end = info.offset + info.length
+        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    for name, end in sorted(need.items()):
+        shard = ckpt / name
+        if not shard.is_file():
+            raise ConvertError(f"--ckpt {ckpt}: shard {name} is missing")
+        if shard.stat().st_size < end:
+            raise ConvertError(
+                f"--ckpt {ckpt}: shard {name} is truncated ({shard.stat().st_size} bytes, "
+                f"the index needs {end})"
+            )
 
 
 def _read_hf(path: Path) -> dict:
@@ -123,17 +193,10 @@ def _read_json(path: Path) -> dict:
 
 
 def _check_layout(dims, tp: int, pp: int, vpp: int | None, where: Path) -> None:
-    """Megatron's rule (:func:`megarl.parallel.layout.layout_problems`), named by flag."""
-    from megarl.parallel.layout import ParallelLayout, layout_problems
+    """Megatron's rule (:func:`megarl.parallel.layout.shape_layout_problems`), named by flag."""
+    from megarl.parallel.layout import ParallelLayout, shape_layout_problems
 
-    problems = layout_problems(
-        ParallelLayout(tp, pp, vpp),
-        num_attention_heads=dims.num_attention_heads,
-        num_query_groups=dims.num_query_groups,
-        num_layers=dims.num_layers,
-        ffn_hidden_size=dims.ffn_hidden_size,
-        head_dim=dims.head_dim,
-    )
+    problems = shape_layout_problems(ParallelLayout(tp, pp, vpp), dims.known())
     if problems:
         text = problems[0].describe(tp=f"--tp {tp}", pp=f"--pp {pp}", vpp=f"--vpp {vpp}")
         raise ConvertError(f"{text} of {where}")

@@ -28,8 +28,9 @@ Keys megarl adds to verl's vocabulary:
   max_position_embeddings, tie_word_embeddings, num_experts}`` (and ``critic.model.architecture``):
   the model's shape (HF names) for validation without its files.
 
-Keys that, when no file or override sets them, take another key's value are listed in
-``keys.FOLLOWS`` (e.g. critic and ref parallel sizes follow the actor's).
+Keys that default to unset (None) and then take another key's value are listed in
+``keys.FOLLOWS`` (e.g. critic and ref parallel sizes follow the actor's); ``resolve_config``
+fills them, and the loader calls it: ``resolve_config(MegarlConfig())`` is the default config.
 """
 
 from megarl.config.batch import BatchPlan, PassBatches, critic_enabled, ref_used, world_size
@@ -43,7 +44,14 @@ from megarl.config.choices import (
     ROLLOUT_LOG_PROB_MODES,
 )
 from megarl.config.errors import ConfigError
-from megarl.config.loader import from_dict, get_key, load_config, to_dict, to_yaml
+from megarl.config.loader import (
+    from_dict,
+    get_key,
+    load_config,
+    resolve_config,
+    to_dict,
+    to_yaml,
+)
 from megarl.config.model_dims import ModelDims, known_dims, read_hf_config
 from megarl.config.schema import (
     ActorConfig,
@@ -106,6 +114,7 @@ __all__ = [
     "load_config",
     "read_hf_config",
     "ref_used",
+    "resolve_config",
     "to_dict",
     "to_yaml",
     "validate",

@@ -7,12 +7,13 @@ Split from :mod:`megarl.config.schema` so that the schema holds only the datacla
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import inspect
 import textwrap
 from functools import cache
 from itertools import pairwise
-from typing import get_type_hints
+from typing import Any, get_type_hints
 
 FOLLOWS: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.actor.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio"),
@@ -54,8 +55,8 @@ FOLLOWS: tuple[tuple[str, str], ...] = (
     ("critic.forward_max_token_len_per_gpu", "critic.ppo_max_token_len_per_gpu"),
     ("critic.loss_agg_mode", "actor_rollout_ref.actor.loss_agg_mode"),
 )
-"""(key, source): a key that no file or override sets takes its source's value when loading
-(verl expresses these as ${...} interpolations)."""
+"""(key, source): a key left unset (None) takes its source's value, in this order, when the
+config is built (:func:`resolve_follows`; verl expresses these as ${...} interpolations)."""
 
 PARALLEL_KEYS: tuple[str, ...] = (
     "tensor_model_parallel_size",
@@ -66,17 +67,36 @@ PARALLEL_KEYS: tuple[str, ...] = (
 )
 """Megatron layout keys that critic and ref must share with the actor (one parallel state)."""
 
-_SHARED_MEGATRON_KEYS = (*PARALLEL_KEYS, "sequence_parallel", "transformer_impl")
+SHARED_MEGATRON_KEYS = (*PARALLEL_KEYS, "sequence_parallel", "transformer_impl")
+"""``megatron`` keys of critic and ref that follow the actor's."""
 FOLLOWS += tuple(
     (f"{role}.megatron.{key}", f"actor_rollout_ref.actor.megatron.{key}")
     for role in ("critic", "actor_rollout_ref.ref")
-    for key in _SHARED_MEGATRON_KEYS
+    for key in SHARED_MEGATRON_KEYS
 ) + (
     (
         "actor_rollout_ref.ref.megatron.param_offload",
         "actor_rollout_ref.actor.megatron.param_offload",
     ),
 )
+
+
+def resolve_follows(cfg: Any) -> None:
+    """Give every unset (None) key of ``FOLLOWS`` its source's value, in place.
+
+    Part of :func:`megarl.config.loader.resolve_config`, which every built config goes through;
+    idempotent.
+    """
+    for key, source in FOLLOWS:
+        *path, leaf = key.split(".")
+        owner = cfg
+        for part in path:
+            owner = getattr(owner, part)
+        if getattr(owner, leaf) is None:
+            value = cfg
+            for part in source.split("."):
+                value = getattr(value, part)
+            setattr(owner, leaf, copy.deepcopy(value))
 
 
 @cache

@@ -18,7 +18,7 @@ from megarl.config.batch import (
 from megarl.config.keys import PARALLEL_KEYS
 from megarl.config.model_source import ModelShape
 from megarl.config.schema import MegarlConfig, MegatronConfig
-from megarl.parallel.layout import layout_problems
+from megarl.parallel.layout import shape_layout_problems
 
 WORLD = "trainer.nnodes × trainer.n_gpus_per_node"
 _RECOMPUTE_MODULES = {"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe"}
@@ -126,14 +126,7 @@ class LayoutChecks:
             "vpp": f"virtual_pipeline_model_parallel_size={vpp}",
         }
         dims = shape.dims
-        for problem in layout_problems(
-            meg.parallel_layout(),
-            num_attention_heads=dims.get("num_attention_heads"),
-            num_query_groups=dims.get("num_query_groups"),
-            num_layers=dims.get("num_layers"),
-            ffn_hidden_size=dims.get("ffn_hidden_size"),
-            head_dim=dims.get("head_dim"),
-        ):
+        for problem in shape_layout_problems(meg.parallel_layout(), dims):
             self.error(f"{problem.describe(**names)} (model shape from {shape.source})")
 
     def check_training_layout(self, world: int, shape: ModelShape | None) -> None:

@@ -2,8 +2,8 @@
 
 Order of precedence, lowest first: dataclass defaults; the ``_base_`` files of each YAML file
 (recursively, in list order); the YAML file itself; further ``--config`` files in order; the
-command-line overrides in order; then keys nobody set take their source's value (``FOLLOWS``)
-and ``${...}`` references are resolved. Every problem found on the way is collected and raised
+command-line overrides in order; then keys left unset take their source's value (``FOLLOWS``,
+when ``MegarlConfig`` is built) and ``${...}`` references are resolved. Every problem found on the way is collected and raised
 as one ``ConfigError``.
 """
 
@@ -20,8 +20,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from megarl.config.errors import ConfigError, close_matches
-from megarl.config.keys import FOLLOWS
+from megarl.config.errors import ConfigError, close_matches, did_you_mean
+from megarl.config.keys import resolve_follows
 from megarl.config.schema import MegarlConfig
 from megarl.config.verl_keys import unsupported_reason
 
@@ -93,6 +93,19 @@ def from_dict(data: dict) -> MegarlConfig:
     """Build a config from a plain nested dict (as ``to_dict`` returns or a YAML file holds)."""
     errors: list[str] = []
     cfg = _from_raw(copy.deepcopy(data), errors)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def resolve_config(cfg: MegarlConfig) -> MegarlConfig:
+    """Complete a config built in code (``MegarlConfig()``, edited fields) as loading does: unset
+    keys follow their sources, ``${...}`` references are substituted. In place; returns ``cfg``.
+
+    ``resolve_config(MegarlConfig())`` equals ``load_config`` of an empty file.
+    """
+    errors: list[str] = []
+    _resolve(cfg, errors)
     if errors:
         raise ConfigError(errors)
     return cfg
@@ -216,9 +229,9 @@ def unknown_key_message(key: str, where: str = "") -> str:
     if leaf in _KEY_HINTS:
         return f"{msg}: {_KEY_HINTS[leaf]}"
     siblings = [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []
-    near = close_matches(leaf, siblings)
-    if near:
-        return f"{msg} (did you mean '{_join(parent, near[0])}'?)"
+    hint = did_you_mean(leaf, siblings, prefix=f"{parent}." if parent else "")
+    if hint:
+        return msg + hint
     same_leaf = [k for k in all_keys() if k.rsplit(".", 1)[-1] == leaf]
     if not same_leaf:
         leaves = {k.rsplit(".", 1)[-1] for k in all_keys()}
@@ -275,19 +288,25 @@ def set_key(cfg: Any, key: str, value: Any) -> None:
 
 def _from_raw(raw: dict, errors: list[str]) -> MegarlConfig:
     cfg = _build(MegarlConfig, raw, "", errors)
-    for key, source in FOLLOWS:
-        if not _has_path(raw, key.split(".")):
-            set_key(cfg, key, copy.deepcopy(get_key(cfg, source)))
-    _resolve_interpolations(cfg, errors)
+    _resolve(cfg, errors)
     return cfg
 
 
-def _build(cls: type, raw: Any, path: str, errors: list[str]) -> Any:
+def _resolve(cfg: MegarlConfig, errors: list[str]) -> None:
+    """The one place a built config is completed: keys left unset (None) take their sources'
+    values (``FOLLOWS``), then ``${...}`` references are substituted."""
+    resolve_follows(cfg)
+    _resolve_interpolations(cfg, errors)
+
+
+def _build(cls: type, raw: Any, path: str, errors: list[str], default: Any = None) -> Any:
+    """``cls`` from a raw section; keys it does not set keep ``default``'s values (the owning
+    field's default, e.g. the critic's optimizer with its own lr), else ``cls``'s defaults."""
     if raw is None:  # an empty section ("critic:") keeps its defaults
-        return cls()
+        raw = {}
     if not isinstance(raw, dict):
         errors.append(f"{path or 'the top level'}: expected a section (mapping), got {_show(raw)}")
-        return cls()
+        raw = {}
     hints = _hints(cls)
     kwargs = {}
     for name, value in raw.items():
@@ -295,18 +314,26 @@ def _build(cls: type, raw: Any, path: str, errors: list[str]) -> Any:
         if name not in hints:
             errors.append(unknown_key_message(key))
             continue
-        coerced = _coerce(hints[name], value, key, errors)
+        coerced = _coerce(hints[name], value, key, errors, _field_default(cls, str(name)))
         if coerced is not _INVALID:
             kwargs[name] = coerced
-    return cls(**kwargs)
+    return cls(**kwargs) if default is None else dataclasses.replace(default, **kwargs)
 
 
-def _coerce(tp: Any, value: Any, key: str, errors: list[str]) -> Any:
+def _field_default(cls: type, name: str) -> Any:
+    """The default value of field ``name`` of dataclass ``cls`` (None if it has none)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+def _coerce(tp: Any, value: Any, key: str, errors: list[str], default: Any = None) -> Any:
     """``value`` converted to type ``tp``, or ``_INVALID`` after recording an error."""
     if tp is Any:
         return copy.deepcopy(value)
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key, errors)
+        return _build(tp, value, key, errors, default)
     inner, optional = _strip_optional(tp)
     if optional:
         if value is None or (isinstance(value, str) and value.strip().lower() in _NULL_WORDS):
@@ -325,8 +352,7 @@ def _convert(tp: Any, value: Any, key: str, errors: list[str]) -> Any:
         choices = get_args(tp)
         if isinstance(value, str) and value in choices:
             return value
-        near = close_matches(str(value), [str(c) for c in choices])
-        hint = f" (did you mean '{near[0]}'?)" if near else ""
+        hint = did_you_mean(str(value), [str(c) for c in choices])
         errors.append(f"{key}: {_show(value)} is not one of {', '.join(map(str, choices))}{hint}")
         return _REPORTED
     if origin is list:
@@ -399,8 +425,7 @@ def _resolve_interpolations(cfg: MegarlConfig, errors: list[str]) -> None:
             try:
                 target = get_key(cfg, expr)
             except KeyError:
-                near = close_matches(expr, all_keys())
-                hint = f" (did you mean '{near[0]}'?)" if near else ""
+                hint = did_you_mean(expr, all_keys())
                 errors.append(f"{key}: '${{{expr}}}' refers to an unknown key{hint}")
                 return match.group(0)
             if dataclasses.is_dataclass(target) or isinstance(target, (dict, list)):

@@ -28,6 +28,14 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
 )
 
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+}
+"""HF ``model_type`` of each supported architecture (``transformers`` loads by model_type)."""
+
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 """HF keys that hold the routed-expert count of MoE models."""
 
@@ -195,6 +203,12 @@ class ModelDims:
             raise UnsupportedArchitectureError(
                 f"unsupported architecture {', '.join(archs) or arch!s}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        model_type = _get(hf_config, "model_type")
+        if model_type is not None and model_type != _MODEL_TYPES[arch]:
+            raise ValueError(
+                f"model_type={model_type!r} contradicts architectures=[{arch!r}] "
+                f"(expected model_type={_MODEL_TYPES[arch]!r})"
             )
         act = _get(hf_config, "hidden_act", "silu")
         if act != "silu":

@@ -20,6 +20,7 @@ from megarl.config.choices import (
     PolicyLossMode,
     RolloutIsLevel,
 )
+from megarl.config.keys import SHARED_MEGATRON_KEYS
 from megarl.parallel.layout import ParallelLayout
 
 # ---------------------------------------------------------------------------------------------
@@ -211,6 +212,15 @@ class MegatronConfig:
         )
 
 
+def _following_megatron(offload: bool = False) -> MegatronConfig:
+    """A critic's or reference's ``megatron`` section: the keys it shares with the actor's
+    unset (None) until :func:`megarl.config.loader.resolve_config` copies the actor's."""
+    following = {key: None for key in SHARED_MEGATRON_KEYS}
+    if offload:
+        following["param_offload"] = None
+    return MegatronConfig(**following)
+
+
 @dataclass
 class PolicyLossConfig:
     """``actor_rollout_ref.actor.policy_loss.*``."""
@@ -251,9 +261,9 @@ class ActorConfig:
     """Shuffle responses between mini-batches."""
     clip_ratio: float = 0.2
     """PPO clip range epsilon; default for clip_ratio_low/high."""
-    clip_ratio_low: float = 0.2
+    clip_ratio_low: float | None = None
     """Lower clip range (ratio >= 1 - clip_ratio_low); unset: clip_ratio."""
-    clip_ratio_high: float = 0.2
+    clip_ratio_high: float | None = None
     """Upper clip range (ratio <= 1 + clip_ratio_high; DAPO clip-higher); unset: clip_ratio."""
     clip_ratio_c: float = 3.0
     """Dual-clip bound for negative advantages (must be > 1); dppo_*: IS truncation bound."""
@@ -325,15 +335,15 @@ class RolloutConfig:
     """Responses per prompt (the group size of GRPO and its family)."""
     do_sample: bool = True
     """Sample (true) or decode greedily (false)."""
-    prompt_length: int = 512
+    prompt_length: int | None = None
     """Longest prompt vLLM is given; unset: data.max_prompt_length."""
-    response_length: int = 512
+    response_length: int | None = None
     """Most tokens generated per response; unset: data.max_response_length."""
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Responses per old-log-prob forward pass; unset: actor.ppo_micro_batch_size_per_gpu."""
-    log_prob_use_dynamic_bsz: bool = False
+    log_prob_use_dynamic_bsz: bool | None = None
     """Old-log-prob passes packed by token budget; unset: actor.use_dynamic_bsz."""
-    log_prob_max_token_len_per_gpu: int = 16384
+    log_prob_max_token_len_per_gpu: int | None = None
     """Token budget of one old-log-prob micro-batch; unset: actor.ppo_max_token_len_per_gpu."""
     max_num_seqs: int = 256
     """vLLM max_num_seqs (concurrent sequences)."""
@@ -365,11 +375,11 @@ class RefConfig:
 
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Responses per forward pass for ref log-probs; unset: the rollout's."""
-    log_prob_use_dynamic_bsz: bool = False
+    log_prob_use_dynamic_bsz: bool | None = None
     """Ref log-prob passes packed by token budget; unset: the rollout's."""
-    log_prob_max_token_len_per_gpu: int = 16384
+    log_prob_max_token_len_per_gpu: int | None = None
     """Token budget of one ref log-prob micro-batch; unset: the rollout's."""
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    megatron: MegatronConfig = field(default_factory=lambda: _following_megatron(offload=True))
     """Parallel layout of the reference; sizes follow the actor's and must match it."""
 
 
@@ -406,23 +416,23 @@ class CriticConfig:
     """Optimizer of the critic."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """What the critic's checkpoints hold and what a resume loads."""
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    megatron: MegatronConfig = field(default_factory=_following_megatron)
     """Parallel layout; parallel sizes default to the actor's and must match it."""
-    ppo_mini_batch_size: int = 256
+    ppo_mini_batch_size: int | None = None
     """Prompts per critic mini-batch; unset: the actor's."""
     ppo_micro_batch_size_per_gpu: int | None = None
     """Responses per forward/backward pass on one GPU; unset: the actor's."""
-    use_dynamic_bsz: bool = False
+    use_dynamic_bsz: bool | None = None
     """Pack micro-batches by token budget; unset: the actor's."""
     ppo_max_token_len_per_gpu: int = 32768
     """Token budget of one critic update micro-batch with use_dynamic_bsz."""
-    forward_max_token_len_per_gpu: int = 32768
+    forward_max_token_len_per_gpu: int | None = None
     """Token budget of one value-pass micro-batch; unset: ppo_max_token_len_per_gpu."""
-    ppo_epochs: int = 1
+    ppo_epochs: int | None = None
     """Passes over each rollout batch; unset: the actor's."""
     cliprange_value: float = 0.5
     """Value clip range."""
-    loss_agg_mode: LossAggMode = "token-mean"
+    loss_agg_mode: LossAggMode | None = None
     """Aggregation of the value loss; unset: the actor's."""
 
 

@@ -297,6 +297,6 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def chunk_list(models: GPTModel | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
-    """Accept one model or a list of VPP chunks."""
-    return list(models) if isinstance(models, Sequence) else [models]
+def chunks_device(chunks: Sequence[torch.nn.Module]) -> torch.device:
+    """Device of this rank's model chunks (that of the first chunk's parameters)."""
+    return next(unwrap(chunks[0]).parameters()).device

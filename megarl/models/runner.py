@@ -39,7 +39,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megarl.models.gpt import unwrap
+from megarl.models.gpt import chunks_device, unwrap
 from megarl.models.logprobs import (
     vocab_parallel_log_probs_and_entropy,
     vocab_parallel_sum_pi_squared,
@@ -158,10 +158,6 @@ def gather_vocab(local: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return local[..., :vocab_size]
 
 
-def _device_of(chunks: Sequence[torch.nn.Module]) -> torch.device:
-    return next(unwrap(chunks[0]).parameters()).device
-
-
 def _gather_response(
     per_pos: torch.Tensor, prompt_lengths: torch.Tensor, lengths: torch.Tensor, r: int
 ) -> torch.Tensor:
@@ -269,7 +265,7 @@ def _run(
 ) -> _RunOutput:
     if bool((batch.prompt_lengths < 1).any()) or bool((batch.lengths < batch.prompt_lengths).any()):
         raise ValueError("need 1 <= prompt_lengths <= lengths for every sequence")
-    device = _device_of(chunks)
+    device = chunks_device(chunks)
     input_ids, prompt_lengths, lengths = (
         t.to(device) for t in (batch.input_ids, batch.prompt_lengths, batch.lengths)
     )

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megarl.config.dtypes import DTYPE_NAMES, torch_dtype
 from megarl.config.model_dims import ModelDims
 from megarl.models.hf_mapping import hf_param_names, hf_param_shape
 
@@ -261,9 +262,6 @@ def make_tiny_model(
     return out
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def add_tiny_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add :func:`make_tiny_model`'s options (``--family``, ``--out``, ...) to ``parser``."""
     parser.add_argument("--family", choices=sorted(ARCHITECTURES), default="qwen2")
@@ -283,7 +281,7 @@ def add_tiny_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--rope-theta", type=float, default=10000.0)
     parser.add_argument("--rms-norm-eps", type=float, default=1e-6)
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="float32")
     return parser
 
 
@@ -304,5 +302,5 @@ def make_tiny_model_from_args(args: argparse.Namespace) -> Path:
         rope_theta=args.rope_theta,
         rms_norm_eps=args.rms_norm_eps,
         seed=args.seed,
-        dtype=_DTYPES[args.dtype],
+        dtype=torch_dtype(args.dtype),
     )

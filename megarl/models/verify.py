@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megarl.models.gpt import unwrap
+from megarl.models.gpt import chunks_device
 from megarl.models.runner import forward_logits, gather_vocab
 from megarl.parallel.init import device
 
@@ -94,7 +94,7 @@ def megatron_logits(
     logits are gathered over TP and the padding trimmed. Collective; returns None off the last
     pipeline stage.
     """
-    dev = next(unwrap(chunks[0]).parameters()).device
+    dev = chunks_device(chunks)
     kept = forward_logits(chunks, [s.to(dev)[None] for s in sequences])
     if kept is None:
         return None

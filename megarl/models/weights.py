@@ -29,13 +29,17 @@ from megarl.models.gpt import ValueHead, layer_offset, unwrap
 VALUE_HEAD_HF_NAME = "score.weight"
 """HF name of the critic's value head (as ``*ForTokenClassification`` with one label)."""
 
-_WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf")
-"""Files of a source HF directory that hold weights; everything else (tokenizer, generation
-config, chat template, ...) is copied on export."""
+_WEIGHT_FILE_SUFFIXES = (
+    *(".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf"),
+    ".index.json",
+)
+"""Files of an HF directory that hold weights (or index them); everything else (config,
+tokenizer, generation config, chat template, ...) travels beside a converted checkpoint."""
 
 
-def _is_weight_file(name: str) -> bool:
-    return name.endswith(_WEIGHT_FILE_SUFFIXES) or name.endswith(".index.json")
+def is_weight_file(name: str) -> bool:
+    """Whether a file of an HF model directory holds (or indexes) weights."""
+    return name.endswith(_WEIGHT_FILE_SUFFIXES)
 
 
 class HFCheckpointReader:
@@ -198,7 +202,7 @@ def export_hf_weights(
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
         if source_dir is not None:
             for side in Path(source_dir).iterdir():
-                if side.is_file() and side.name != "config.json" and not _is_weight_file(side.name):
+                if side.is_file() and side.name != "config.json" and not is_weight_file(side.name):
                     shutil.copy(side, out / side.name)
     dist.barrier()
     return out

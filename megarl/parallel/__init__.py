@@ -1,1 +1,3 @@
-"""megarl."""
+"""Parallel plumbing: the layout type and its rule (:mod:`.layout`), process-group and Megatron
+``parallel_state`` start-up (:mod:`.init`), CPU emulation of CUDA calls (:mod:`.emulation`) and
+the local world launcher for commands run without torchrun (:mod:`.spawn`)."""

@@ -5,7 +5,9 @@ Data parallelism is not stored: it is what remains of the world after TP × PP �
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -119,3 +121,18 @@ def layout_problems(
         sizes = "{pp} × {vpp} = " + str(pp * vpp) if vpp > 1 else "{pp}"
         out.append(LayoutProblem(f"num_hidden_layers={num_layers} is not divisible by {sizes}"))
     return out
+
+
+_SHAPE_KEYS = (
+    "num_attention_heads",
+    "num_query_groups",
+    "num_layers",
+    "ffn_hidden_size",
+    "head_dim",
+)
+
+
+def shape_layout_problems(layout: ParallelLayout, shape: Mapping[str, Any]) -> list[LayoutProblem]:
+    """:func:`layout_problems` for a model shape given by ``ModelDims`` field names (a partial
+    shape dict, or ``ModelDims.known()``); missing fields are not checked."""
+    return layout_problems(layout, **{key: shape.get(key) for key in _SHAPE_KEYS})

@@ -11,20 +11,32 @@ Each rank is a fresh ``spawn``-context process with torchrun's variables set (``
 rank code initialises ``torch.distributed`` exactly as under torchrun (``env://``). Spawned
 children re-import the function by name: it must live at the top level of an importable module
 (not in ``__main__`` behind the guard, not a lambda), and its arguments and return value must be
-picklable (return CPU tensors or plain values).
+picklable; its return value must be JSON (numbers, strings, lists, dicts: ``tensor.tolist()``).
 
 A rank fails by raising (``sys.exit(n)`` included). The other ranks are then stopped before the
 failing one is: none of them crashes on a vanished peer and buries the failing rank's error
 under its own traceback.
+
+Nothing of the world outlives :func:`run_local_world`, whether it returns, raises or is
+interrupted (``KeyboardInterrupt``, or any exception raised in the launcher by a signal
+handler): each rank leads its own process group, so the processes a rank starts (the
+dist-checkpoint writer and its ``spawn`` manager) are stopped with it, even once orphaned; and a
+rank whose launcher dies is sent SIGTERM (Linux ``PR_SET_PDEATHSIG``).
+
+Reports travel from the ranks as JSON (:func:`_send_report`), never as pickles: the launcher
+executes nothing a rank sends.
 """
 
 from __future__ import annotations
 
+import ctypes
+import json
 import multiprocessing
 import os
-import pickle
+import signal
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
@@ -32,21 +44,35 @@ from typing import Any, NoReturn
 
 __all__ = ["WorkerError", "free_port", "inside_launched_world", "run_local_world"]
 
+STOP_GRACE_S = 10.0
+"""How long a stopped rank's process group has between SIGTERM and SIGKILL."""
+
 
 class WorkerError(RuntimeError):
     """A rank of :func:`run_local_world` raised, or died without a result.
 
     ``str(err)`` is one line: ``rank R: ExceptionType: message`` (or ``rank R exited with code
-    N``). ``error`` is the rank's exception, re-created in the launcher (None when it died or its
-    exception cannot be pickled); ``traceback`` is the rank's formatted traceback ("" if none).
+    N ...``). ``error_type`` names the rank's exception class ("" when it died) and ``detail``
+    is the first line of its message; ``exit_code`` is the code of a rank that called
+    ``sys.exit(N)`` with an int (else None); ``traceback`` is the rank's formatted traceback ("" if
+    none).
     """
 
     def __init__(
-        self, rank: int, message: str, error: BaseException | None = None, tb: str = ""
+        self,
+        rank: int,
+        message: str,
+        *,
+        error_type: str = "",
+        detail: str = "",
+        exit_code: int | None = None,
+        tb: str = "",
     ) -> None:
         super().__init__(message)
         self.rank = rank
-        self.error = error
+        self.error_type = error_type
+        self.detail = detail
+        self.exit_code = exit_code
         self.traceback = tb
 
 
@@ -74,10 +100,11 @@ def run_local_world(
 ) -> list[Any]:
     """Run ``fn(*args)`` in ``world_size`` new local processes forming one world.
 
-    Returns the ranks' return values in rank order, once every rank has exited. Raises
-    :class:`WorkerError` for the first rank that raises (``SystemExit`` included) or dies
-    without a result (e.g. killed); every rank has been stopped by then. ``fn`` joins the world
-    with ``torch.distributed.init_process_group()`` (or
+    Returns the ranks' return values (JSON round-tripped) in rank order, once every rank has
+    exited. Raises :class:`WorkerError` for the first rank that raises (``SystemExit``
+    included) or dies without a result (e.g. killed); every rank and every process a rank
+    started has been stopped by then, as after an exception in the launcher (Ctrl-C). ``fn``
+    joins the world with ``torch.distributed.init_process_group()`` (or
     :func:`megarl.parallel.init.init_distributed`): the environment says where it is.
     """
     if world_size < 1:
@@ -86,28 +113,32 @@ def run_local_world(
     port = master_port or free_port(master_addr)
     procs: list[multiprocessing.process.BaseProcess] = []
     pipes: dict[Connection, int] = {}
-    for rank in range(world_size):
-        env = {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(port),
-        }
-        ours, theirs = ctx.Pipe()
-        p = ctx.Process(target=_rank_main, args=(fn, tuple(args), env, theirs), name=f"rank{rank}")
-        p.start()
-        theirs.close()
-        procs.append(p)
-        pipes[ours] = rank
     try:
+        for rank in range(world_size):
+            env = {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(port),
+            }
+            ours, theirs = ctx.Pipe()
+            p = ctx.Process(
+                target=_rank_main, args=(fn, tuple(args), env, theirs), name=f"rank{rank}"
+            )
+            p.start()
+            theirs.close()
+            procs.append(p)
+            pipes[ours] = rank
         results = _collect(procs, pipes)
         for p in procs:  # let them finish their exit (flushing output, ending helpers)
             p.join()
         return results
     finally:
-        _stop(procs)  # after a failure or an interrupt; nothing left to stop otherwise
+        # After a failure or an interrupt: the ranks and whatever they started. After success:
+        # only helpers a rank left behind (none, normally).
+        _stop(procs)
         for conn in pipes:
             conn.close()
 
@@ -129,16 +160,24 @@ def _collect(procs: list, pipes: dict[Connection, int]) -> list[Any]:
                 continue
             rank = pending.pop(ready)
             try:
-                kind, payload = ready.recv()
-            except EOFError:
+                report = json.loads(ready.recv_bytes())
+            except (EOFError, OSError):
                 _died(procs, rank)
-            if kind == "ok":
-                results[rank] = payload
+            if report["kind"] == "ok":
+                results[rank] = report["result"]
                 continue
             # Stop the healthy ranks first, then the failing one (it waits for that).
             _stop([p for r, p in enumerate(procs) if r != rank])
             _stop([procs[rank]])
-            raise _worker_error(rank, *payload)
+            raise WorkerError(
+                rank,
+                f"rank {rank}: {report['type']}"
+                + (f": {report['detail']}" * bool(report["detail"])),
+                error_type=report["type"],
+                detail=report["detail"],
+                exit_code=report["exit_code"],
+                tb=report["traceback"],
+            )
     return [results[rank] for rank in range(len(procs))]
 
 
@@ -149,45 +188,91 @@ def _died(procs: list, rank: int) -> NoReturn:
     raise WorkerError(rank, f"rank {rank} exited with code {code} without a result")
 
 
-def _worker_error(rank: int, line: str, pickled: bytes | None, tb: str) -> WorkerError:
-    error = None
-    if pickled is not None:
-        try:
-            error = pickle.loads(pickled)
-        except Exception:  # noqa: BLE001 - e.g. a class the launcher cannot import
-            error = None
-    return WorkerError(rank, f"rank {rank}: {line}", error, tb)
-
-
 def _stop(procs: Sequence) -> None:
-    for p in procs:
+    """Stop each rank's whole process group: SIGTERM, then SIGKILL after ``STOP_GRACE_S``.
+
+    A rank leads its group (its pid is the group id), and the group outlives the rank while
+    any process of it lives, so this also ends helpers orphaned by an earlier exit.
+    """
+    groups = [p.pid for p in procs if p.pid is not None]
+    for p in procs:  # a rank stopped before it made its group has only itself to stop
         if p.is_alive():
             p.terminate()
+    for pgid in groups:
+        _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
     for p in procs:
-        p.join()
+        if p.pid is not None:
+            p.join(max(0.0, deadline - time.monotonic()))
+    for pgid in groups:
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)  # no handle to wait on for a group's non-child members
+        _signal_group(pgid, signal.SIGKILL)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        if p.pid is not None:
+            p.join()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):  # the group is gone
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to send this process SIGTERM when its parent (the launcher) dies."""
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):  # no prctl: the launcher's _stop must do
+        return
+    if os.getppid() == 1:  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _send_report(conn: Connection, kind: str, **fields: Any) -> None:
+    conn.send_bytes(json.dumps({"kind": kind, **fields}).encode())
 
 
 def _rank_main(fn: Callable[..., Any], args: tuple, env: dict[str, str], conn: Connection) -> None:
     """Body of each spawned rank: run ``fn`` and report its result or its error."""
+    os.setpgid(0, 0)  # lead a group holding everything this rank starts (see _stop)
+    _die_with_parent()
     os.environ.update(env)
     try:
         result = fn(*args)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the launcher raises it
         text = str(exc).strip()
-        line = type(exc).__name__ + (f": {text.splitlines()[0]}" if text else "")
+        code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else None
         sys.stdout.flush()
         sys.stderr.flush()
-        try:
-            pickled: bytes | None = pickle.dumps(exc)
-        except Exception:  # noqa: BLE001 - unpicklable exception: the line and traceback do
-            pickled = None
-        conn.send(("error", (line, pickled, traceback.format_exc())))
+        _send_report(
+            conn,
+            "error",
+            type=type(exc).__name__,
+            detail=text.splitlines()[0] if text else "",
+            exit_code=code,
+            traceback=traceback.format_exc(),
+        )
         # Wait until the launcher has stopped the peers and terminates this process (or goes
         # away itself: then the pipe closes). No interpreter shutdown: peers may be gone.
         try:
-            conn.recv()
+            conn.recv_bytes()
         except (EOFError, OSError):
             pass
         os._exit(1)
-    conn.send(("ok", result))
+    _send_report(conn, "ok", result=result)
     conn.close()

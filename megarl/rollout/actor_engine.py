@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megarl.models.gpt import chunks_device
 from megarl.models.runner import forward_logits, gather_vocab
 from megarl.rollout.base import CallOrder, RolloutBatch, RolloutSample, request_seed
 
@@ -134,7 +135,7 @@ class ActorEngine:
         responses: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[float]] = [[] for _ in requests]
         done = [False] * len(requests)
-        device = next(self.chunks[0].parameters()).device
+        device = chunks_device(self.chunks)
         for _ in range(max_tokens):
             active = [i for i, d in enumerate(done) if not d]
             if not active:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megarl.config.dtypes import dtype_name
 from megarl.rollout.base import CallOrder, RolloutBatch, RolloutSample, request_seed
 
 if TYPE_CHECKING:
@@ -62,26 +63,10 @@ def read_eos_token_ids(model_path: str | Path) -> list[int]:
     return ids
 
 
-_VLLM_DTYPES = {
-    "bf16": "bfloat16",
-    "fp32": "float32",
-    "fp16": "float16",
-    "bfloat16": "bfloat16",
-    "float32": "float32",
-    "float16": "float16",
-}
-
-
 def vllm_dtype(dtype: str | torch.dtype) -> str:
     """vLLM's spelling of a dtype given in the config's (``bf16``, ``fp32``), vLLM's
     (``bfloat16``, ``float32``, ``float16``) or torch's form."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in _VLLM_DTYPES:
-        raise ValueError(
-            f"unsupported rollout dtype {dtype!r}: use bf16, fp32 or fp16 "
-            "(or bfloat16, float32, float16)"
-        )
-    return _VLLM_DTYPES[name]
+    return dtype_name(dtype)  # vLLM spells dtypes as torch does
 
 
 def engine_args_from_config(
@@ -98,6 +83,11 @@ def engine_args_from_config(
         raise ValueError(f"rollout.name={rollout.name!r} is not vllm")
     max_model_len = rollout.max_model_len
     if max_model_len is None:
+        if rollout.prompt_length is None or rollout.response_length is None:
+            raise ValueError(
+                "rollout.prompt_length/response_length are unset: pass a resolved config "
+                "(megarl.config.loader.resolve_config)"
+            )
         max_model_len = rollout.prompt_length + rollout.response_length
     return {
         "tensor_parallel_size": rollout.tensor_model_parallel_size,

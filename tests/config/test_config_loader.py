@@ -9,8 +9,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megarl.config import ConfigError, MegarlConfig, from_dict, get_key, load_config, to_yaml
+from megarl.config import (
+    ConfigError,
+    MegarlConfig,
+    from_dict,
+    get_key,
+    load_config,
+    resolve_config,
+    to_yaml,
+)
 from megarl.config.keys import FOLLOWS, field_docs, iter_fields
+from megarl.config.loader import all_keys
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -109,6 +118,39 @@ def test_follow_sources_and_targets_are_schema_keys():
         get_key(cfg, source)
 
 
+def test_following_keys_default_to_unset_and_resolve_in_one_place():
+    cfg = MegarlConfig()
+    assert [key for key, _ in FOLLOWS if get_key(cfg, key) is not None] == []
+    resolved = resolve_config(cfg)
+    for key, source in FOLLOWS:
+        assert get_key(resolved, key) == get_key(resolved, source), key
+    assert resolved.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"  # ${...}
+
+
+def test_resolved_defaults_equal_a_config_loaded_from_an_empty_file(tmp_path):
+    loaded = load_config(write(tmp_path / "empty.yaml", ""))
+    built = resolve_config(MegarlConfig())
+    assert [k for k in all_keys() if get_key(built, k) != get_key(loaded, k)] == []
+    assert built == loaded
+
+
+def test_an_unset_follower_takes_the_changed_source_an_explicit_one_stays():
+    cfg = load_config([], ["actor_rollout_ref.actor.clip_ratio=0.3", "critic.ppo_epochs=3"])
+    actor = cfg.actor_rollout_ref.actor
+    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.3, 0.3)
+    assert cfg.critic.ppo_epochs == 3 and actor.ppo_epochs == 1
+    built = MegarlConfig()
+    built.actor_rollout_ref.actor.megatron.tensor_model_parallel_size = 4
+    assert resolve_config(built).critic.megatron.tensor_model_parallel_size == 4
+
+
+def test_a_section_set_in_part_keeps_its_own_defaults_for_the_rest():
+    """The critic's optimizer defaults to lr 1e-5 (not OptimConfig's 1e-6), set or not."""
+    cfg = load_config([], ["critic.optim.weight_decay=0.1"])
+    assert (cfg.critic.optim.lr, cfg.critic.optim.weight_decay) == (1e-5, 0.1)
+    assert load_config([]).critic.optim.lr == 1e-5
+
+
 # -- files and inheritance -------------------------------------------------------------------
 
 
@@ -172,7 +214,7 @@ def test_bad_yaml_and_bad_top_level_name_the_file(tmp_path):
 
 def test_empty_section_keeps_defaults(tmp_path):
     cfg = load_config(write(tmp_path / "e.yaml", "critic:\ntrainer:\n  seed: 5\n"))
-    assert cfg.critic == MegarlConfig().critic and cfg.trainer.seed == 5
+    assert cfg.critic == resolve_config(MegarlConfig()).critic and cfg.trainer.seed == 5
 
 
 # -- overrides and coercion ------------------------------------------------------------------

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def te_model(tmp_path_factory):
-    from tests.conftest import free_port
+    from megarl.parallel.spawn import free_port
 
     pytest.importorskip("transformer_engine.pytorch")
     from megarl.models.build import build_model

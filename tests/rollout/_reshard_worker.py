@@ -27,6 +27,7 @@ import functools
 import gc
 import hashlib
 import json
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -49,10 +50,12 @@ class LiveBytes(TorchDispatchMode):
     seen on it is garbage-collected. Temporaries made inside C++ kernels (e.g. in a collective)
     are not seen.
 
-    Before an op without tensor inputs (a factory: a new buffer) the meter yields the GIL for a
-    moment: a finished gloo collective is dropped by gloo's worker thread, which needs the GIL to
-    release the Python tensor, so the buffer of the previous bucket would otherwise look alive
-    for up to a GIL switch interval after the executor let go of it.
+    Before an op without tensor inputs (a factory: a new buffer) the meter yields the GIL: a
+    finished gloo collective is dropped by gloo's worker thread, which needs the GIL to release
+    the Python tensor, so the buffer of the previous bucket could otherwise still look alive.
+    (The yield can only lower the peak to the true one: a missed release over-counts, so a
+    slow machine can fail the bound, never pass it wrongly.) Releases are signalled, so the end
+    of a sync waits on them (:meth:`wait_released`), not on a clock.
     """
 
     def __init__(self) -> None:
@@ -60,6 +63,14 @@ class LiveBytes(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._storages: dict[int, list[int]] = {}  # data_ptr -> [python refs, nbytes]
+        self._released = threading.Condition()
+
+    def wait_released(self, timeout_s: float) -> int:
+        """Wait until nothing allocated under the meter is alive (releases may come from gloo's
+        thread), at most ``timeout_s``; returns the bytes still alive."""
+        with self._released:
+            self._released.wait_for(lambda: self.live == 0, timeout=timeout_s)
+        return self.live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -69,7 +80,7 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor)
         }
         if not inputs:
-            time.sleep(0.002)
+            time.sleep(0.002)  # yield the GIL to gloo's thread (see the class docstring)
         out = func(*args, **kwargs)
         for t in pytree.tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
@@ -95,8 +106,10 @@ class LiveBytes(TorchDispatchMode):
             return
         entry[0] -= 1
         if entry[0] == 0:
-            self.live -= entry[1]
-            del self._storages[key]
+            with self._released:
+                self.live -= entry[1]
+                del self._storages[key]
+                self._released.notify_all()
 
 
 class CopySink:
@@ -218,12 +231,9 @@ def fake_sync_check(path: str, dims, chunks, seed: int, bucket_bytes: int) -> di
     gc.collect()
     with LiveBytes() as meter:
         stats = sync_weights(chunks, plan, sink)
+        gc.collect()
         # gloo's worker thread may still hold the last broadcast buffer until it gets the GIL
-        deadline = time.perf_counter() + 2.0
-        while meter.live and time.perf_counter() < deadline:
-            time.sleep(0.01)
-            gc.collect()
-        leftover = meter.live
+        leftover = meter.wait_released(timeout_s=10.0)
     ref = reference_hf(path, dims, seed)
     diff = max((sink.dest[k] - v).abs().max().item() for k, v in ref.items() if k in sink.dest)
     return {
@@ -358,8 +368,10 @@ def vllm_suite(models: Path, world: int) -> dict:
                 before_samples=_record(before),
                 after_samples=_record(after),
                 buckets=stats.buckets,
+                planned_buckets=len(plan.buckets),
                 sync_s=stats.seconds,
                 sync_bytes=stats.bytes,
+                planned_bytes=sum(b.nbytes for b in plan.buckets),
             )
             out["cases"][key] = case
         if rollout_tp == 1:  # rollout DP 2 at 2 ranks; the engine holds the actor's weights

@@ -191,6 +191,7 @@ def main() -> None:
         t = time.perf_counter()
         b = engine.generate(big, n=4, temperature=1.0, max_tokens=32, seed=1)
         dt = time.perf_counter() - t
+        tim[f"tp1_{tag}_samples"] = len(b)
         tim[f"tp1_{tag}_tokens"] = sum(len(s.response_token_ids) for s in b)
         tim[f"tp1_{tag}_tok_per_s"] = tim[f"tp1_{tag}_tokens"] / dt
     out["rng_after_tp1"] = draw_global_rngs()

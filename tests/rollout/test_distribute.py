@@ -147,6 +147,6 @@ def _check_layouts(rank: int, port: int) -> None:
 def test_generate_distributed_all_layouts():
     """Each rank gets its own prompts back with their global prompt ids, at every training and
     rollout layout (incl. rollout DP 2 and 4)."""
-    from tests.conftest import free_port
+    from megarl.parallel.spawn import free_port
 
     mp.spawn(_check_layouts, args=(free_port(),), nprocs=WORLD, join=True)

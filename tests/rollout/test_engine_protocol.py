@@ -11,7 +11,8 @@ import inspect
 import pytest
 import torch
 
-from megarl.config.schema import RolloutConfig
+from megarl.config.loader import resolve_config
+from megarl.config.schema import MegarlConfig, RolloutConfig
 from megarl.rollout.base import CallOrder, update_weights
 from megarl.rollout.vllm_engine import VLLMEngine, engine_args_from_config, vllm_dtype
 
@@ -73,11 +74,13 @@ def test_from_config_passes_config_and_overrides():
         def __init__(self, model_path, **kwargs) -> None:  # no vLLM start
             self.args = (model_path, kwargs)
 
-    engine = Recorder.from_config(RolloutConfig(), "m", dtype="fp32", seed=1, num_threads=2)
+    rollout = resolve_config(MegarlConfig()).actor_rollout_ref.rollout  # lengths follow data.*
+    engine = Recorder.from_config(rollout, "m", dtype="fp32", seed=1, num_threads=2)
     path, kwargs = engine.args
     assert path == "m" and kwargs["num_threads"] == 2 and kwargs["dtype"] == "float32"
+    assert kwargs["max_model_len"] == 1024  # data.max_prompt_length + max_response_length
     assert kwargs == {
-        **engine_args_from_config(RolloutConfig(), dtype="fp32", seed=1),
+        **engine_args_from_config(rollout, dtype="fp32", seed=1),
         "num_threads": 2,
     }
 

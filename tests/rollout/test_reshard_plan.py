@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -184,16 +182,13 @@ class _NoTensors(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_72b_plan_is_fast_and_allocates_nothing():
-    """Qwen2.5-72B (80 layers) at TP 8, PP 4 -> vLLM TP 8, bf16."""
+def test_72b_plan_allocates_nothing():
+    """Qwen2.5-72B (80 layers) at TP 8, PP 4 -> vLLM TP 8, bf16 (pure arithmetic: no tensor op,
+    so its cost does not grow with the model; no wall-clock assertion)."""
     dims = qwen72b_dims()
     with _NoTensors() as mode:
-        start = time.perf_counter()
         plan = make_reshard_plan(dims, ParallelLayout(8, 4), 8)
-        elapsed = time.perf_counter() - start
-    print(f"\n72B plan: {elapsed * 1e3:.1f} ms, {len(plan.buckets)} buckets")
     assert mode.ops == []
-    assert elapsed < 2.0
     h, f, d, v, L = 8192, 29568, 128, 152064, 80
     per_layer = (64 + 16) * d * h + (64 + 16) * d + 64 * d * h + 3 * f * h + 2 * h
     assert plan.hf_bytes == 2 * (2 * v * h + L * per_layer + h)  # 72.7B parameters

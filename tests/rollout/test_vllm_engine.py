@@ -275,10 +275,13 @@ def test_engine_leaves_global_rngs_alone(run):
         assert rank["rng_after_tp1"] == pytest.approx(worker.draw_global_rngs(), abs=0)
 
 
-def test_timings_reported(run):
+def test_throughput_batch_generates_what_was_asked_and_timings_are_reported(run):
+    """16 prompts × n=4, at most 32 tokens each; timings are printed, not asserted."""
     t = run["ranks"][0]["timings"]
     print("\nvLLM timings (rank 0):", json.dumps({k: round(v, 2) for k, v in t.items()}))
-    assert t["tp1_steady_tok_per_s"] > 0
+    for tag in ("warm", "steady"):
+        assert t[f"tp1_{tag}_samples"] == 16 * 4
+        assert 16 * 4 <= t[f"tp1_{tag}_tokens"] <= 16 * 4 * 32
 
 
 @pytest.mark.gpu

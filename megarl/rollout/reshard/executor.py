@@ -258,6 +258,10 @@ class _Buffer:
 
 
 def _storage_use_count(tensor: Tensor) -> int | None:
+    # Private on purpose: torch 2.13 has no public count of the tensors sharing a storage. A
+    # weakref to the buffer (public) misses memory shared without a view of it (``.numpy()``,
+    # a tensor ``set_`` on its storage), and reusing such a buffer would overwrite weights the
+    # engine still reads. If the private function goes away, buffers are simply not reused.
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     if use_count is None:  # never reuse when it cannot be checked
         return None

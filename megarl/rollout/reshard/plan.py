@@ -29,7 +29,7 @@ import torch
 
 from megarl.config.model_dims import ModelDims
 from megarl.models import hf_mapping as hm
-from megarl.parallel.layout import ParallelLayout, layout_problems
+from megarl.parallel.layout import ParallelLayout, shape_layout_problems
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -38,10 +38,10 @@ __all__ = [
     "ParamTransfer",
     "ReshardPlan",
     "check_rollout_tp",
-    "check_training_layout",
     "chunk_layer_range",
     "make_reshard_plan",
     "owner_of",
+    "require_training_layout",
     "rollout_shard_shape",
 ]
 
@@ -368,7 +368,7 @@ def check_rollout_tp(dims: ModelDims, rollout_tp: int) -> None:
         )
 
 
-def check_training_layout(dims: ModelDims, layout: ParallelLayout) -> None:
+def require_training_layout(dims: ModelDims, layout: ParallelLayout) -> None:
     """Megatron's rule for this model (:func:`~megarl.parallel.layout.layout_problems`);
     raises ``ValueError`` naming the first problem."""
     tp, pp, vpp = layout.tp, layout.pp, layout.virtual_pipeline_model_parallel_size
@@ -376,14 +376,7 @@ def check_training_layout(dims: ModelDims, layout: ParallelLayout) -> None:
         raise ValueError(f"invalid training layout {layout}")
     if layout.vpp > 1 and pp == 1:
         raise ValueError("virtual pipeline parallelism needs PP > 1")
-    problems = layout_problems(
-        layout,
-        num_attention_heads=dims.num_attention_heads,
-        num_query_groups=dims.num_query_groups,
-        num_layers=dims.num_layers,
-        ffn_hidden_size=dims.ffn_hidden_size,
-        head_dim=dims.head_dim,
-    )
+    problems = shape_layout_problems(layout, dims.known())
     if problems:
         raise ValueError(
             problems[0].describe(tp=f"training TP={tp}", pp=f"PP={pp}", vpp=f"VPP={layout.vpp}")
@@ -402,6 +395,46 @@ def check_training_layout(dims: ModelDims, layout: ParallelLayout) -> None:
 
 def _module_of(mg_name: str) -> str:
     return mg_name.rsplit(".", 1)[0]
+
+
+def _modules_in_order(
+    dims: ModelDims, layout: ParallelLayout
+) -> tuple[list[tuple[tuple[int, int], list[str]]], list[str]]:
+    """Whole modules in Megatron's global order, each with its owner ``(pp_rank, vp_stage)``
+    and its parameter names; and the names not sent (the tied output layer)."""
+    modules: list[tuple[tuple[int, int], list[str]]] = []
+    skipped: list[str] = []
+    tied_copy = dims.tie_word_embeddings and layout.pp > 1
+    for name in hm.megatron_param_names(dims, include_tied_output=tied_copy):
+        if name == hm.OUTPUT_LAYER and dims.tie_word_embeddings:
+            skipped.append(name)
+            continue
+        owner = owner_of(name, dims, layout)
+        if (
+            modules
+            and modules[-1][0] == owner
+            and _module_of(modules[-1][1][-1]) == _module_of(name)
+        ):
+            modules[-1][1].append(name)
+        else:
+            modules.append((owner, [name]))
+    return modules, skipped
+
+
+def _transfer_parts(
+    name: str, dims: ModelDims, layout: ParallelLayout
+) -> tuple[str, str, tuple[int, ...], bool, list[HFSlot]]:
+    """(name, TP partition, full shape, gathered over TP?, HF slots at offset 0) of one
+    Megatron parameter; a gathered vocab parameter reserves room for its padded rows."""
+    kind = hm.tp_partition_kind(name)
+    shape = hm.megatron_param_shape(name, dims)
+    gather = layout.tp > 1 and kind != "replicated"
+    reserved = _numel(shape) if gather and kind == "vocab" else 0
+    slots = [
+        HFSlot(hf_name, hm.hf_param_shape(hf_name, dims), 0, reserved)
+        for hf_name in hm.megatron_param_sources(name, dims)
+    ]
+    return name, kind, shape, gather, slots
 
 
 def make_reshard_plan(
@@ -429,28 +462,11 @@ def make_reshard_plan(
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    check_training_layout(dims, layout)
+    require_training_layout(dims, layout)
     check_rollout_tp(dims, rollout_tp)
     itemsize = dtype.itemsize
 
-    # Whole modules, in global order, each with its owner.
-    modules: list[tuple[tuple[int, int], list[str]]] = []
-    skipped: list[str] = []
-    tied_copy = dims.tie_word_embeddings and layout.pp > 1
-    for name in hm.megatron_param_names(dims, include_tied_output=tied_copy):
-        if name == hm.OUTPUT_LAYER and dims.tie_word_embeddings:
-            skipped.append(name)
-            continue
-        owner = owner_of(name, dims, layout)
-        if (
-            modules
-            and modules[-1][0] == owner
-            and _module_of(modules[-1][1][-1]) == _module_of(name)
-        ):
-            modules[-1][1].append(name)
-        else:
-            modules.append((owner, [name]))
-
+    modules, skipped = _modules_in_order(dims, layout)
     buckets: list[Bucket] = []
     current: list[ParamTransfer] = []
     current_stage = -1
@@ -464,18 +480,8 @@ def make_reshard_plan(
         current, offset = [], 0
 
     for (pp_rank, vp_stage), names in modules:
-        transfers = []
-        module_numel = 0
-        for name in names:
-            kind = hm.tp_partition_kind(name)
-            shape = hm.megatron_param_shape(name, dims)
-            gather = layout.tp > 1 and kind != "replicated"
-            slots = []
-            for hf_name in hm.megatron_param_sources(name, dims):
-                reserved = _numel(shape) if gather and kind == "vocab" else 0
-                slots.append(HFSlot(hf_name, hm.hf_param_shape(hf_name, dims), 0, reserved))
-                module_numel += slots[-1].span
-            transfers.append((name, kind, shape, gather, slots))
+        transfers = [_transfer_parts(name, dims, layout) for name in names]
+        module_numel = sum(slot.span for *_, slots in transfers for slot in slots)
         alone = any(kind == "vocab" for _, kind, *_ in transfers)
         if current and (
             alone
