@@ -7,6 +7,7 @@ up); the table averages the others. "bookkeeping" is the step minus its timed ph
 batch tensors, Python).
 
     .venv/bin/python tools/bench_step.py [--steps 8] [--out outputs] [KEY=VALUE ...]
+    .venv/bin/python tools/bench_step.py algorithm.adv_estimator=gae    # PPO: critic phases
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
+PHASES = (
+    "gen", "gen_baseline", "reward", "old_log_prob", "ref", "values", "adv", "update_critic",
+    "update_actor", "update_weights",
+)  # fmt: skip
+"""Timed phases of the step (``timing_s/<phase>``); those a run does not have are left out."""
 
 
 def main() -> int:
@@ -55,6 +60,8 @@ def main() -> int:
     print(f"{'phase':<16}{'seconds':>10}{'share':>9}")
     timed = 0.0
     for phase in PHASES:
+        if not any(f"timing_s/{phase}" in m for m in rest):
+            continue
         values = [m.get(f"timing_s/{phase}", 0.0) for m in rest]
         mean = statistics.mean(values)
         timed += mean

@@ -21,55 +21,15 @@ from megarl.config.choices import (
     RolloutIsLevel,
 )
 from megarl.config.keys import SHARED_MEGATRON_KEYS
+from megarl.config.schema_data import (
+    CustomRewardFunctionConfig,
+    DataConfig,
+    RewardModelConfig,
+)
 from megarl.parallel.layout import ParallelLayout
 
 # ---------------------------------------------------------------------------------------------
 # data
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class DataConfig:
-    """``data.*``: prompt datasets and the global batch size."""
-
-    train_files: list[str] = field(default_factory=lambda: ["~/data/rlhf/gsm8k/train.parquet"])
-    """Training parquet file(s); a single string is accepted."""
-    val_files: list[str] = field(default_factory=lambda: ["~/data/rlhf/gsm8k/test.parquet"])
-    """Validation parquet file(s); a single string is accepted."""
-    prompt_key: str = "prompt"
-    """Column holding the prompt (a chat message list or a string)."""
-    reward_fn_key: str = "data_source"
-    """Column that selects the rule-based reward function."""
-    max_prompt_length: int = 512
-    """Longest prompt in tokens; longer prompts are filtered or truncated (see truncation)."""
-    max_response_length: int = 512
-    """Longest generated response in tokens."""
-    train_batch_size: int = 1024
-    """Prompts per training step (responses per step = train_batch_size x rollout.n)."""
-    val_batch_size: int | None = None
-    """Prompts per validation batch; null: the whole validation set at once."""
-    train_max_samples: int = -1
-    """Use at most this many training prompts; -1: all."""
-    val_max_samples: int = -1
-    """Use at most this many validation prompts; -1: all."""
-    shuffle: bool = True
-    """Shuffle the training prompts every epoch."""
-    seed: int | None = None
-    """Seed of the prompt shuffling; null: trainer.seed."""
-    filter_overlong_prompts: bool = False
-    """Drop prompts longer than max_prompt_length instead of truncating them."""
-    truncation: Literal["error", "left", "right", "middle"] = "error"
-    """What to do with a prompt longer than max_prompt_length that was not filtered."""
-    dataloader_num_workers: int = 8
-    """Worker processes of the prompt data loader (0: load in the main process)."""
-    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Free-form: extra keyword arguments of tokenizer.apply_chat_template (e.g. enable_thinking)."""
-    use_chat_template: bool = True
-    """(megarl) Render prompts with the chat template; false: tokenise plain-string prompts as is."""
-
-
-# ---------------------------------------------------------------------------------------------
-# actor_rollout_ref
 # ---------------------------------------------------------------------------------------------
 
 
@@ -491,38 +451,6 @@ class AlgorithmConfig:
     """KL coefficient controller."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Old log-probs (decoupled or bypass) and rollout importance weights."""
-
-
-@dataclass
-class RewardModelConfig:
-    """``reward_model.*``: a learned reward model (optional)."""
-
-    enable: bool = False
-    """Score responses with a reward model."""
-    path: str | None = None
-    """HF path of the reward model."""
-    micro_batch_size_per_gpu: int | None = None
-    """Responses per reward-model forward pass on one GPU."""
-    max_length: int | None = None
-    """Longest prompt + response scored; null: no limit."""
-    num_workers: int = 2
-    """Scoring worker processes per rank (rule and custom reward functions)."""
-    compute_score_timeout: float = 30.0
-    """(megarl) Per-sample time limit of a reward function, seconds; over it the sample scores 0."""
-    dump_samples: int = 16
-    """(megarl) First samples per step written to the rollout/validation dumps; -1: all."""
-
-
-@dataclass
-class CustomRewardFunctionConfig:
-    """``custom_reward_function.*``: a user reward function."""
-
-    path: str | None = None
-    """A .py file or a dotted module path; null: built-in rule rewards by data_source."""
-    name: str = "compute_score"
-    """Function name in that file/module."""
-    reward_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Free-form: extra keyword arguments passed to the function."""
 
 
 @dataclass

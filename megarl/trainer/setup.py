@@ -128,33 +128,8 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
             pad_token_id=_pad_id(tokenizer),
         )
         reshard = None
-    critic, values = None, None
-    if critic_enabled(cfg):
-        critic_cfg = cfg.critic
-        critic_layout = critic_cfg.megatron.parallel_layout()
-        if critic_layout != layout:
-            raise ConfigError(
-                f"critic.megatron layout {critic_layout} differs from the actor's {layout}: "
-                "Megatron-Core keeps one parallel state per process"
-            )
-        critic_model = build_model(
-            str(Path(critic_cfg.model.path or model_path).expanduser()),
-            layout,
-            role="critic",
-            dtype=dtype,
-            transformer_impl=meg.transformer_impl,
-            value_head_seed=cfg.trainer.seed,
-        )
-        critic = TrainableModel(critic_model, optimizer_settings(cfg, total, role="critic"))
-        values = value_update(cfg, plan)
-    kl_ctrl = None
-    if cfg.algorithm.use_kl_in_reward:
-        from megarl.algo import get_kl_controller
-
-        ctrl = cfg.algorithm.kl_ctrl
-        kl_ctrl = get_kl_controller(
-            ctrl.type, kl_coef=ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon
-        )
+    critic, values = _build_critic(cfg, layout, model_path, dtype, total, plan)
+    kl_ctrl = _kl_controller(cfg)
     rewards = RewardManager.from_config(cfg, tokenizer, group=None)
     return Run(
         cfg=cfg,
@@ -177,6 +152,41 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         critic=critic,
         values=values,
         kl_ctrl=kl_ctrl,
+    )
+
+
+def _build_critic(cfg: MegarlConfig, layout, model_path: str, dtype, total: int, plan):
+    """The critic's trainable model and update settings, or (None, None) without a critic."""
+    if not critic_enabled(cfg):
+        return None, None
+    critic_cfg = cfg.critic
+    critic_layout = critic_cfg.megatron.parallel_layout()
+    if critic_layout != layout:
+        raise ConfigError(
+            f"critic.megatron layout {critic_layout} differs from the actor's {layout}: "
+            "Megatron-Core keeps one parallel state per process"
+        )
+    critic_model = build_model(
+        str(Path(critic_cfg.model.path or model_path).expanduser()),
+        layout,
+        role="critic",
+        dtype=dtype,
+        transformer_impl=cfg.actor_rollout_ref.actor.megatron.transformer_impl,
+        value_head_seed=cfg.trainer.seed,
+    )
+    critic = TrainableModel(critic_model, optimizer_settings(cfg, total, role="critic"))
+    return critic, value_update(cfg, plan)
+
+
+def _kl_controller(cfg: MegarlConfig):
+    """The KL-in-reward coefficient controller (``algorithm.kl_ctrl``), or None."""
+    if not cfg.algorithm.use_kl_in_reward:
+        return None
+    from megarl.algo import get_kl_controller
+
+    ctrl = cfg.algorithm.kl_ctrl
+    return get_kl_controller(
+        ctrl.type, kl_coef=ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon
     )
 
 
