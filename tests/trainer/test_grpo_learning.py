@@ -4,7 +4,8 @@ Three real runs (2 ranks, actor TP 2, vLLM TP 2, the synthetic task): the main c
 (30 steps, greedy validation before and every 10 steps); the same run with lr 0 for 10 steps
 (validation must not move: greedy validation is deterministic, so σ of r0 is measured as the
 spread of three evaluations of the initial weights); and 3 steps with step 1's weight sync
-skipped on purpose (vLLM then samples from stale weights at step 2).
+skipped on purpose (vLLM then samples from stale weights at step 2), starting from the main
+run's final HF export (so vLLM loading that export is checked too).
 """
 
 from __future__ import annotations
@@ -56,8 +57,13 @@ def runs(tmp_path_factory):
         "trainer.default_local_dir=" + str(out / "runs" / "lr0"),
     )
     assert frozen.returncode == 0, frozen.stderr[-5000:]
+    # Starts from the main run's HF export: vLLM loads it (and Megatron does), and step 1's
+    # log-probs must agree, so the export is a model vLLM reads correctly.
+    export = out / "runs" / "grpo_tiny_cpu" / "global_step_30" / "actor" / "huggingface"
+    assert (export / "config.json").is_file()
     stale = _quickstart(
         out,
+        f"actor_rollout_ref.model.path={export}",
         "trainer.total_training_steps=3",
         "trainer.val_before_train=false",
         "trainer.test_freq=-1",
@@ -96,7 +102,7 @@ def test_every_sync_leaves_vllm_agreeing_with_the_actor(runs):
 
 def test_a_skipped_sync_shows_in_the_metric(runs):
     stale = runs["stale_metrics"]
-    assert stale[1]["rollout/logprob_diff_max"] <= 1e-4
+    assert stale[1]["rollout/logprob_diff_max"] <= 1e-4  # vLLM and Megatron read the export alike
     assert stale[2]["rollout/logprob_diff_max"] > 1e-2  # sampled from step 0's weights
     assert stale[3]["rollout/logprob_diff_max"] <= 1e-4  # step 2's sync caught up
 
