@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from megarl.checkpoint.layout import META_FORMAT
-from megarl.models.weights import is_weight_file
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:
     """Copy the non-weight top-level files of an HF directory (config, tokenizer, generation
     config...) into ``dst``; returns their names."""
+    from megarl.models.weights import is_weight_file  # Megatron: only when used
+
     dst.mkdir(parents=True, exist_ok=True)
     copied = []
     for f in sorted(Path(src).iterdir()):

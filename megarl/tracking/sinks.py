@@ -38,6 +38,7 @@ CONSOLE_KEYS: tuple[tuple[str, str, str], ...] = (
     ("actor/grad_norm", "grad_norm", "{:.3g}"),
     ("response_length/mean", "resp_len", "{:.1f}"),
     ("timing_s/step", "step_s", "{:.1f}"),
+    ("val/score/mean", "val", "{:.3f}"),
 )
 
 

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -25,16 +24,6 @@ if TYPE_CHECKING:
 
 # Megatron, vLLM and transformers are imported inside train(), after the console is redirected:
 # some of them print warnings when imported.
-
-SUMMARY_KEYS = (
-    ("critic/score/mean", "score"),
-    ("actor/pg_loss", "pg_loss"),
-    ("actor/entropy", "entropy"),
-    ("actor/grad_norm", "grad_norm"),
-    ("response_length/mean", "resp_len"),
-    ("rollout/logprob_diff_max", "sync_diff"),
-    ("timing_s/step", "s"),
-)
 
 
 class TrainingError(RuntimeError):
@@ -221,15 +210,6 @@ def _save(run: Run, step: int, tracker) -> None:
         export_hf_model=step == run.total_steps,
     )
     run.console.print(f"megarl: saved {path} in {seconds:.1f} s")
-
-
-def summary_line(step: int, metrics: dict[str, float]) -> str:
-    """``step 3 | score 0.210 | pg_loss -0.012 | ...``: a few keys, in a fixed order."""
-    parts = [f"step {step}"]
-    for key, label in SUMMARY_KEYS:
-        if key in metrics and math.isfinite(metrics[key]):
-            parts.append(f"{label} {metrics[key]:.4g}")
-    return " | ".join(parts)
 
 
 def _announce(run: Run) -> None:

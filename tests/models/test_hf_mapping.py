@@ -87,7 +87,10 @@ def test_unsupported_variants() -> None:
         )
     with pytest.raises(hm.UnsupportedArchitectureError, match="mlp_bias"):
         hm.ModelDims.from_hf_config(tiny_hf_config("llama") | {"mlp_bias": True})
-    mistral = tiny_hf_config("llama") | {"architectures": ["MistralForCausalLM"]}
+    mistral = tiny_hf_config("llama") | {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+    }
     assert hm.ModelDims.from_hf_config(mistral | {"sliding_window": None}).architecture == (
         "MistralForCausalLM"
     )

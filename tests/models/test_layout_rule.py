@@ -78,7 +78,7 @@ def convert_accepts(row: tuple[int, int, int], tp: int, tmp_path: Path) -> bool:
 def plan_accepts(row: tuple[int, int, int], tp: int, tmp_path: Path) -> bool:
     path = tmp_path / f"plan-{'-'.join(map(str, row))}.json"
     path.write_text(json.dumps(hf_config(*row)))
-    code = plan_cli.main(["--model", str(path), "--tp", str(tp), "--rollout-tp", "1"])
+    code = plan_cli.main(["reshard", "--model", str(path), "--tp", str(tp), "--rollout-tp", "1"])
     assert code in (0, 2)
     return code == 0
 
