@@ -30,7 +30,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="outputs")
+    parser.add_argument(
+        "--from", dest="existing", metavar="RUN_DIR", help="report an existing run instead"
+    )
     args, overrides = parser.parse_known_args()
+    if args.existing:
+        return report(Path(args.existing), args.steps)
     run_dir = Path(args.out).resolve() / "runs" / "bench_step"
     done = subprocess.run(
         [
@@ -49,8 +54,14 @@ def main() -> int:
     )
     if done.returncode:
         return done.returncode
+    return report(run_dir, args.steps)
+
+
+def report(run_dir: Path, last: int) -> int:
+    """Print the phase table of the last ``last`` steps of the run in ``run_dir``."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["metrics"] for r in records if r["step"] > 0][-args.steps :]
+    steps = [r["metrics"] for r in records if r["step"] > 0 and "timing_s/step" in r["metrics"]]
+    steps = steps[-last:]
     first, rest = steps[0], steps[1:] or steps
     step_time = statistics.mean(m["timing_s/step"] for m in rest)
     print(
