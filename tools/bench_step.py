@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,6 +38,7 @@ def main() -> int:
     if args.existing:
         return report(Path(args.existing), args.steps)
     run_dir = Path(args.out).resolve() / "runs" / "bench_step"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: no resume from an earlier bench
     done = subprocess.run(
         [
             sys.executable,
@@ -47,6 +49,8 @@ def main() -> int:
             f"trainer.total_training_steps={args.steps}",
             "trainer.val_before_train=false",
             "trainer.test_freq=-1",
+            "trainer.save_freq=-1",
+            "trainer.resume_mode=disable",
             f"trainer.default_local_dir={run_dir}",
             *overrides,
         ],
