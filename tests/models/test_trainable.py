@@ -54,11 +54,9 @@ def test_dp2_micro_batched_gradient_equals_full_batch_gradient(results, optimize
     r = results[f"contract/{optimizer}/{mode}"]
     assert r["updated"]
     assert r["grad_scale"] > 1e-3  # the comparison below is not between two zeros
-    # Plain DDP runs in float64: absolute 1e-6. The distributed optimizer only takes fp32 (or
-    # bf16) parameters, where summation order alone moves a gradient entry by ~1e-6 of the
-    # largest one: 1e-6 relative to that.
-    scale = 1.0 if optimizer == "ddp" else r["grad_scale"]
-    assert r["grad_diff"] <= 1e-6 * scale and r["covers_all"], r
+    # Absolute 1e-6 for both (the worker says why the fp32 distributed-optimizer side uses loss
+    # scale 1 and the float64 DDP side 7).
+    assert r["grad_diff"] <= 1e-6 and r["covers_all"], r
     assert math.isclose(r["norm"], r["ref_norm"], rel_tol=1e-6), r
 
 
