@@ -35,36 +35,21 @@ from megarl.models import hf_mapping as hm
 from megarl.models.tiny import random_hf_state, tiny_hf_config
 from megarl.parallel.layout import ParallelLayout
 from megarl.rollout.reshard import make_reshard_plan, stream_buckets
+from tests.rollout._reshard_worker import CopySink
 
 
-class CopyConsumer:
-    """Copies each tensor into a preallocated destination (what a weight loader does)."""
-
-    def __init__(self, plan) -> None:
-        self.dest = {
-            s.name: torch.empty(s.shape, dtype=plan.dtype) for b in plan.buckets for s in b.slots
-        }
+class NullSink:
+    """Takes each bucket and does nothing with it (the ``none`` consumer)."""
 
     def begin_weight_update(self) -> None:
         pass
 
     def load_weight_chunk(self, named_tensors) -> None:
-        for name, tensor in named_tensors:
-            self.dest[name].copy_(tensor)
+        for _ in named_tensors:
+            pass
 
     def finish_weight_update(self) -> None:
         pass
-
-
-class NullConsumer(CopyConsumer):
-    """Takes the bucket and does nothing with it."""
-
-    def __init__(self, plan) -> None:
-        self.dest = {}
-
-    def load_weight_chunk(self, named_tensors) -> None:
-        for _ in named_tensors:
-            pass
 
 
 def _interleaved(fns: dict, reps: int) -> dict[str, list[float]]:
@@ -128,7 +113,8 @@ def bench_sync(args) -> dict:
         for t, p in zip(targets, params.values(), strict=True):
             t.copy_(p)
 
-    copy_sink, null_sink = CopyConsumer(plan), NullConsumer(plan)
+    # the ``copy`` consumer: the tests' fake engine, copying into preallocated destinations
+    copy_sink, null_sink = CopySink(plan), NullSink()
     total = sum(p.nbytes for p in params.values())
     times = _interleaved(
         {

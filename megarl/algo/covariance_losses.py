@@ -21,12 +21,12 @@ import hashlib
 
 import torch
 
-from megarl.algo.log_ratio import clamp_log_ratio
-from megarl.algo.masked import masked_mean
-from megarl.algo.policy_loss import aggregate_policy_loss, clip_bounds
-from megarl.algo.registry import POLICY_LOSSES
-
-Counts = torch.Tensor | float | None
+from megarl.algo.policy_loss_inputs import (
+    LossAndMetrics,
+    PolicyLossInputs,
+    clip_bounds,
+    policy_loss,
+)
 
 
 def micro_batch_generator(
@@ -41,29 +41,16 @@ def micro_batch_generator(
     return torch.Generator(device=device).manual_seed(int.from_bytes(key, "little") >> 1)
 
 
-def _covariance(
-    advantages: torch.Tensor, log_prob: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
+def _covariance(inputs: PolicyLossInputs) -> torch.Tensor:
     """`[B, T]` (A - mean A)(log_prob - mean log_prob), means over the valid tokens (detached)."""
-    log_prob = log_prob.detach()
-    return (advantages - masked_mean(advantages, mask)) * (log_prob - masked_mean(log_prob, mask))
+    advantages, log_prob = inputs.advantages, inputs.log_prob.detach()
+    return (advantages - inputs.mean(advantages)) * (log_prob - inputs.mean(log_prob))
 
 
-@POLICY_LOSSES.register("kl_cov")
+@policy_loss("kl_cov")
 def compute_policy_loss_kl_cov(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    kl_cov_ratio: float = 0.0002,
-    ppo_kl_coef: float = 0.1,
-    loss_agg_mode: str = "token-mean",
-    rollout_is_weights: torch.Tensor | None = None,
-    global_token_count: Counts = None,
-    global_seq_count: Counts = None,
-    loss_scale_factor: float | None = None,
-    seq_token_counts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    inputs: PolicyLossInputs, kl_cov_ratio: float = 0.0002, ppo_kl_coef: float = 0.1
+) -> LossAndMetrics:
     """KL-Cov: unclipped policy gradient, plus a |log-ratio| penalty on the top-covariance tokens.
 
         r_it = exp(clamp(log_prob - old_log_prob, -20, 20))
@@ -75,50 +62,37 @@ def compute_policy_loss_kl_cov(
     dependence on the micro-batch split.
 
     Args:
-        old_log_prob, log_prob, advantages, response_mask: `[B, T]`.
+        old_log_prob, log_prob, advantages, response_mask and the aggregation inputs: see
+            `PolicyLossInputs`.
         kl_cov_ratio: `policy_loss.kl_cov_ratio`, fraction of tokens penalised (> 0).
         ppo_kl_coef: `policy_loss.ppo_kl_coef`, weight of the |log-ratio| penalty.
-        loss_agg_mode, rollout_is_weights, global_token_count, global_seq_count,
-            loss_scale_factor, seq_token_counts: see `compute_policy_loss_vanilla`.
 
     Returns:
         loss, metrics {"ppo_kl": mean |log-ratio| over the mask (verl reports this one here)}.
     """
     if not kl_cov_ratio > 0:
         raise ValueError(f"policy_loss.kl_cov_ratio must be > 0, got {kl_cov_ratio}")
-    mask = response_mask.bool()
-    log_ratio = clamp_log_ratio(log_prob - old_log_prob)
-    pg_losses = -advantages * torch.exp(log_ratio)
+    mask = inputs.response_mask.bool()
+    log_ratio = inputs.log_ratio()
+    pg_losses = -inputs.advantages * torch.exp(log_ratio)
     valid = torch.nonzero(mask.reshape(-1)).squeeze(-1)
     if valid.numel() > 0:
-        covariance = _covariance(advantages, log_prob, mask).reshape(-1)[valid]
+        covariance = _covariance(inputs).reshape(-1)[valid]
         k = max(1, int(valid.numel() * kl_cov_ratio))
         chosen = valid[torch.topk(covariance, k, largest=True).indices]
         penalised = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
         penalised[chosen] = True
         penalty = ppo_kl_coef * log_ratio.abs()
         pg_losses = torch.where(penalised.view_as(mask), pg_losses + penalty, pg_losses)
-    loss = aggregate_policy_loss(
-        pg_losses,
-        response_mask,
-        loss_agg_mode,
-        rollout_is_weights,
-        global_token_count,
-        global_seq_count,
-        loss_scale_factor,
-        seq_token_counts,
-    )
+    loss = inputs.aggregate(pg_losses)
     with torch.no_grad():
-        metrics = {"ppo_kl": masked_mean(log_ratio.abs(), mask)}
+        metrics = {"ppo_kl": inputs.mean(log_ratio.abs())}
     return loss, metrics
 
 
-@POLICY_LOSSES.register("clip_cov")
+@policy_loss("clip_cov")
 def compute_policy_loss_clip_cov(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    inputs: PolicyLossInputs,
     generator: torch.Generator | None = None,
     clip_ratio: float = 0.2,
     clip_ratio_low: float | None = None,
@@ -126,13 +100,7 @@ def compute_policy_loss_clip_cov(
     clip_cov_ratio: float = 0.0002,
     clip_cov_lb: float = 1.0,
     clip_cov_ub: float = 5.0,
-    loss_agg_mode: str = "token-mean",
-    rollout_is_weights: torch.Tensor | None = None,
-    global_token_count: Counts = None,
-    global_seq_count: Counts = None,
-    loss_scale_factor: float | None = None,
-    seq_token_counts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> LossAndMetrics:
     """Clip-Cov: PPO clip, and no gradient for a random few tokens of high covariance.
 
         r_it   = exp(clamp(log_prob - old_log_prob, -20, 20))
@@ -143,13 +111,12 @@ def compute_policy_loss_clip_cov(
     elsewhere. See the module docstring about the dependence on the micro-batch split.
 
     Args:
-        old_log_prob, log_prob, advantages, response_mask: `[B, T]`.
+        old_log_prob, log_prob, advantages, response_mask and the aggregation inputs: see
+            `PolicyLossInputs`.
         generator: draws the random subset (required; see `micro_batch_generator`). verl uses the
             global torch RNG instead.
         clip_ratio, clip_ratio_low, clip_ratio_high: the PPO clip range.
         clip_cov_ratio, clip_cov_lb, clip_cov_ub: `policy_loss.clip_cov_*`.
-        loss_agg_mode, rollout_is_weights, global_token_count, global_seq_count,
-            loss_scale_factor, seq_token_counts: see `compute_policy_loss_vanilla`.
 
     Returns:
         loss, metrics {"pg_clipfrac": fraction of valid tokens with corr = 0 (verl's name for
@@ -163,13 +130,13 @@ def compute_policy_loss_clip_cov(
     if not clip_cov_ratio > 0:
         raise ValueError(f"policy_loss.clip_cov_ratio must be > 0, got {clip_cov_ratio}")
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
-    mask = response_mask.bool()
-    log_ratio = clamp_log_ratio(log_prob - old_log_prob)
+    mask = inputs.response_mask.bool()
+    log_ratio = inputs.log_ratio()
     ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    unclipped = -inputs.advantages * ratio
+    clipped = -inputs.advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     with torch.no_grad():
-        covariance = _covariance(advantages, log_prob, mask)
+        covariance = _covariance(inputs)
         candidates = (
             mask & ~(clipped > unclipped) & (covariance > clip_cov_lb) & (covariance < clip_cov_ub)
         )
@@ -181,19 +148,10 @@ def compute_policy_loss_clip_cov(
         corr[dropped] = 0.0
         corr = corr.view_as(ratio)
     pg_losses = torch.maximum(unclipped, clipped) * corr
-    loss = aggregate_policy_loss(
-        pg_losses,
-        response_mask,
-        loss_agg_mode,
-        rollout_is_weights,
-        global_token_count,
-        global_seq_count,
-        loss_scale_factor,
-        seq_token_counts,
-    )
+    loss = inputs.aggregate(pg_losses)
     with torch.no_grad():
         metrics = {
-            "pg_clipfrac": masked_mean((corr == 0).to(ratio.dtype), mask),
-            "ppo_kl": masked_mean(-log_ratio, mask),
+            "pg_clipfrac": inputs.mean((corr == 0).to(ratio.dtype)),
+            "ppo_kl": inputs.mean(-log_ratio),
         }
     return loss, metrics

@@ -11,28 +11,27 @@ from __future__ import annotations
 
 import torch
 
-from megarl.algo.log_ratio import clamp_log_ratio
-from megarl.algo.masked import masked_mean, masked_sum
-from megarl.algo.policy_loss import aggregate_policy_loss, clip_bounds
-from megarl.algo.registry import POLICY_LOSSES
+from megarl.algo.masked import masked_sum
+from megarl.algo.policy_loss_inputs import (
+    LossAndMetrics,
+    PolicyLossInputs,
+    clip_bounds,
+    policy_loss,
+)
 
 # GSPO clamps the log of its token-level sequence ratio from above (as verl): exp(10) ~ 2.2e4.
 _GSPO_LOG_RATIO_MAX = 10.0
+# The aggregation inputs of gspo and sapo, which always aggregate with seq-mean-token-mean.
+_SEQ_MEAN_TOKEN_MEAN = ("rollout_is_weights", "global_seq_count", "seq_token_counts")
 
 
-@POLICY_LOSSES.register("gspo")
+@policy_loss("gspo", takes=_SEQ_MEAN_TOKEN_MEAN)
 def compute_policy_loss_gspo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    inputs: PolicyLossInputs,
     clip_ratio: float = 0.2,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    global_seq_count: torch.Tensor | float | None = None,
-    seq_token_counts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> LossAndMetrics:
     """GSPO (Zheng et al. 2025, arXiv:2507.18071): PPO clip on a sequence-level ratio.
 
         s_i     = exp(mean over valid t of (log_prob - old_log_prob))     (length-normalised)
@@ -42,57 +41,39 @@ def compute_policy_loss_gspo(
     paper's GSPO-token form). Aggregated with seq-mean-token-mean (verl forces it).
 
     Args:
-        old_log_prob, log_prob, advantages, response_mask: `[B, T]`.
+        old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
+            global_seq_count, seq_token_counts: see `PolicyLossInputs`.
         clip_ratio, clip_ratio_low, clip_ratio_high: the clip range (GSPO recipes use small
             values, e.g. 3e-4 / 4e-4).
-        rollout_is_weights: optional `[B, T]` weights multiplying the per-token loss.
-        global_seq_count, seq_token_counts: see `agg_loss`.
 
     Returns:
         loss, metrics {"pg_clipfrac" (tokens where the clipped term wins), "pg_clipfrac_lower"
         (always 0, as verl), "ppo_kl"}.
     """
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
-    mask = response_mask.bool()
-    log_ratio = log_prob - old_log_prob
+    mask = inputs.response_mask.bool()
+    log_prob, advantages = inputs.log_prob, inputs.advantages
+    log_ratio = log_prob - inputs.old_log_prob
     lengths = mask.sum(dim=-1).clamp(min=1).to(log_ratio.dtype)
     seq_log_ratio = masked_sum(log_ratio, mask, dim=-1) / lengths  # [B]
     token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
     seq_ratio = torch.exp(torch.clamp(token_log_ratio, max=_GSPO_LOG_RATIO_MAX))
     unclipped = -advantages * seq_ratio
     clipped = -advantages * torch.clamp(seq_ratio, 1.0 - low, 1.0 + high)
-    pg_losses = torch.maximum(unclipped, clipped)
-    loss = aggregate_policy_loss(
-        pg_losses,
-        response_mask,
-        "seq-mean-token-mean",
-        rollout_is_weights,
-        None,
-        global_seq_count,
-        None,
-        seq_token_counts,
-    )
+    loss = inputs.aggregate(torch.maximum(unclipped, clipped), "seq-mean-token-mean")
     with torch.no_grad():
         metrics = {
-            "pg_clipfrac": masked_mean((clipped > unclipped).to(log_ratio.dtype), mask),
+            "pg_clipfrac": inputs.mean((clipped > unclipped).to(log_ratio.dtype)),
             "pg_clipfrac_lower": log_ratio.new_zeros(()),
-            "ppo_kl": masked_mean(-log_ratio, mask),
+            "ppo_kl": inputs.mean(-log_ratio),
         }
     return loss, metrics
 
 
-@POLICY_LOSSES.register("sapo")
+@policy_loss("sapo", takes=_SEQ_MEAN_TOKEN_MEAN)
 def compute_policy_loss_sapo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    tau_pos: float = 1.0,
-    tau_neg: float = 1.05,
-    rollout_is_weights: torch.Tensor | None = None,
-    global_seq_count: torch.Tensor | float | None = None,
-    seq_token_counts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    inputs: PolicyLossInputs, tau_pos: float = 1.0, tau_neg: float = 1.05
+) -> LossAndMetrics:
     """SAPO (arXiv:2511.20347): a soft, temperature-controlled gate instead of the hard clip.
 
         r_it = exp(clamp(log_prob - old_log_prob, -20, 20))
@@ -102,9 +83,9 @@ def compute_policy_loss_sapo(
     and fades smoothly as r leaves 1. Aggregated with seq-mean-token-mean (verl forces it).
 
     Args:
-        old_log_prob, log_prob, advantages, response_mask: `[B, T]`.
+        old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
+            global_seq_count, seq_token_counts: see `PolicyLossInputs`.
         tau_pos, tau_neg: `actor.tau_pos` / `actor.tau_neg` (> 0; the paper: tau_neg > tau_pos).
-        rollout_is_weights, global_seq_count, seq_token_counts: as for `compute_policy_loss_gspo`.
 
     Returns:
         loss, metrics {"pg_clipfrac", "pg_clipfrac_lower" (both 0: nothing is clipped, as verl),
@@ -112,43 +93,28 @@ def compute_policy_loss_sapo(
     """
     if tau_pos <= 0 or tau_neg <= 0:
         raise ValueError(f"SAPO needs tau_pos, tau_neg > 0, got {tau_pos}, {tau_neg}")
-    log_ratio = clamp_log_ratio(log_prob - old_log_prob)
+    log_ratio = inputs.log_ratio()
     ratio = torch.exp(log_ratio)
-    tau = torch.where(advantages > 0, tau_pos, tau_neg).to(ratio.dtype)
+    tau = torch.where(inputs.advantages > 0, tau_pos, tau_neg).to(ratio.dtype)
     gates = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
-    pg_losses = -gates * advantages
-    loss = aggregate_policy_loss(
-        pg_losses,
-        response_mask,
-        "seq-mean-token-mean",
-        rollout_is_weights,
-        None,
-        global_seq_count,
-        None,
-        seq_token_counts,
-    )
+    loss = inputs.aggregate(-gates * inputs.advantages, "seq-mean-token-mean")
     with torch.no_grad():
         zero = log_ratio.new_zeros(())
         metrics = {
             "pg_clipfrac": zero,
             "pg_clipfrac_lower": zero.clone(),
-            "ppo_kl": masked_mean(-log_ratio, response_mask),
+            "ppo_kl": inputs.mean(-log_ratio),
         }
     return loss, metrics
 
 
-@POLICY_LOSSES.register("geo_mean")
+@policy_loss("geo_mean", takes=("rollout_is_weights", "global_seq_count"))
 def compute_policy_loss_geo_mean(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    inputs: PolicyLossInputs,
     clip_ratio: float = 0.2,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    global_seq_count: torch.Tensor | float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> LossAndMetrics:
     """GMPO (arXiv:2507.20673): the geometric mean of token ratios, clipped per token in log space.
 
         d_it  = clamp(log_prob - old_log_prob, -20, 20)
@@ -167,9 +133,9 @@ def compute_policy_loss_geo_mean(
     micro-batching here.
 
     Args:
-        old_log_prob, log_prob, advantages, response_mask: `[B, T]`.
+        old_log_prob, log_prob, advantages, response_mask, rollout_is_weights: see
+            `PolicyLossInputs`.
         clip_ratio, clip_ratio_low, clip_ratio_high: the log-space clip range (GMPO: 0.4 both).
-        rollout_is_weights: optional `[B, T]` token weights.
         global_seq_count: N_seq over the mini-batch (default: this batch's non-empty rows).
 
     Returns:
@@ -177,8 +143,8 @@ def compute_policy_loss_geo_mean(
         lies outside the clip range with A > 0 / A < 0, "ppo_kl"}.
     """
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
-    mask = response_mask.bool()
-    log_ratio = clamp_log_ratio(log_prob - old_log_prob)
+    mask, advantages = inputs.response_mask.bool(), inputs.advantages
+    log_ratio = inputs.log_ratio()
     bounded = torch.clamp(log_ratio, -low, high)
     sign = torch.sign(advantages)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * bounded)
@@ -186,17 +152,18 @@ def compute_policy_loss_geo_mean(
     seq_ratio = torch.exp(masked_sum(pessimistic, mask, dim=-1) / lengths)
     seq_advantage = masked_sum(advantages, mask, dim=-1) / lengths
     seq_losses = -seq_advantage * seq_ratio
-    if rollout_is_weights is not None:
-        log_weights = torch.log(rollout_is_weights + 1e-10)
+    if inputs.rollout_is_weights is not None:
+        log_weights = torch.log(inputs.rollout_is_weights + 1e-10)
         seq_losses = seq_losses * torch.exp(masked_sum(log_weights, mask, dim=-1) / lengths)
+    global_seq_count = inputs.global_seq_count
     if global_seq_count is None:
         global_seq_count = mask.any(dim=-1).sum().clamp(min=1)
     loss = seq_losses.sum() / global_seq_count
     with torch.no_grad():
         outside = (log_ratio != bounded).to(log_ratio.dtype)
         metrics = {
-            "pg_clipfrac": masked_mean(outside * (advantages > 0), mask),
-            "pg_clipfrac_lower": masked_mean(outside * (advantages < 0), mask),
-            "ppo_kl": masked_mean(-log_ratio, mask),
+            "pg_clipfrac": inputs.mean(outside * (advantages > 0)),
+            "pg_clipfrac_lower": inputs.mean(outside * (advantages < 0)),
+            "ppo_kl": inputs.mean(-log_ratio),
         }
     return loss, metrics

@@ -9,30 +9,21 @@ from __future__ import annotations
 
 import torch
 
-from megarl.algo.log_ratio import clamp_log_ratio
-from megarl.algo.masked import masked_mean
-from megarl.algo.policy_loss import aggregate_policy_loss, clip_bounds
-from megarl.algo.registry import POLICY_LOSSES
+from megarl.algo.policy_loss_inputs import (
+    LossAndMetrics,
+    PolicyLossInputs,
+    clip_bounds,
+    policy_loss,
+)
 
-Counts = torch.Tensor | float | None
 
-
-@POLICY_LOSSES.register("cispo")
+@policy_loss("cispo")
 def compute_policy_loss_cispo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
+    inputs: PolicyLossInputs,
     clip_ratio: float = 0.2,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
-    loss_agg_mode: str = "token-mean",
-    rollout_is_weights: torch.Tensor | None = None,
-    global_token_count: Counts = None,
-    global_seq_count: Counts = None,
-    loss_scale_factor: float | None = None,
-    seq_token_counts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> LossAndMetrics:
     """CISPO (MiniMax-M1, arXiv:2506.13585): clip the importance weight, not the update.
 
         r_it = exp(clamp(log_prob - old_log_prob, -20, 20))
@@ -40,75 +31,43 @@ def compute_policy_loss_cispo(
     Every token keeps a gradient (-A * clipped weight); none is dropped by the clip.
 
     Args:
-        old_log_prob, log_prob, advantages, response_mask: `[B, T]`.
+        old_log_prob, log_prob, advantages, response_mask and the aggregation inputs: see
+            `PolicyLossInputs`.
         clip_ratio, clip_ratio_low, clip_ratio_high: bounds of the weight (MiniMax-M1 uses no
             lower bound, i.e. a large clip_ratio_low).
-        loss_agg_mode, rollout_is_weights, global_token_count, global_seq_count,
-            loss_scale_factor, seq_token_counts: see `compute_policy_loss_vanilla`.
 
     Returns:
         loss, metrics {"pg_clipfrac" (tokens whose weight was clipped), "pg_clipfrac_lower"
         (0, as verl), "ppo_kl"}.
     """
     low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
-    log_ratio = clamp_log_ratio(log_prob - old_log_prob)
+    log_ratio = inputs.log_ratio()
     ratio = torch.exp(log_ratio)
     weight = torch.clamp(ratio, 1.0 - low, 1.0 + high).detach()
-    pg_losses = -weight * advantages * log_prob
-    loss = aggregate_policy_loss(
-        pg_losses,
-        response_mask,
-        loss_agg_mode,
-        rollout_is_weights,
-        global_token_count,
-        global_seq_count,
-        loss_scale_factor,
-        seq_token_counts,
-    )
+    loss = inputs.aggregate(-weight * inputs.advantages * inputs.log_prob)
     with torch.no_grad():
         metrics = {
-            "pg_clipfrac": masked_mean((ratio != weight).to(ratio.dtype), response_mask),
+            "pg_clipfrac": inputs.mean((ratio != weight).to(ratio.dtype)),
             "pg_clipfrac_lower": ratio.new_zeros(()),
-            "ppo_kl": masked_mean(-log_ratio, response_mask),
+            "ppo_kl": inputs.mean(-log_ratio),
         }
     return loss, metrics
 
 
-def _dppo(
-    divergence: str,
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    low: float,
-    high: float,
-    clip_ratio_c: float,
-    aggregation: dict,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    log_ratio = clamp_log_ratio(log_prob - old_log_prob)
-    ratio = torch.exp(log_ratio)
-    truncated = torch.clamp(ratio, max=clip_ratio_c).detach()
-    with torch.no_grad():
-        prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
-        if divergence == "tv":
-            keep_up = prob - old_prob <= high
-            keep_down = prob - old_prob >= -low
-        else:
-            binary_kl = old_prob * (old_log_prob - log_prob) + (1.0 - old_prob) * torch.log(
-                (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
-            )
-            keep_up = (binary_kl <= high) | (prob <= old_prob)
-            keep_down = (binary_kl <= low) | (prob >= old_prob)
-        keep = torch.where(advantages > 0, keep_up, keep_down).to(ratio.dtype)
-    pg_losses = -advantages * truncated * log_prob * keep
-    loss = aggregate_policy_loss(pg_losses, response_mask, **aggregation)
-    with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": masked_mean(1.0 - keep, response_mask),
-            "pg_clipfrac_lower": masked_mean((ratio > clip_ratio_c) * keep, response_mask),
-            "ppo_kl": masked_mean(-log_ratio, response_mask),
-        }
-    return loss, metrics
+def _dppo_keep(divergence: str, inputs: PolicyLossInputs, low: float, high: float) -> torch.Tensor:
+    """`[B, T]` 1.0 where a token stays inside DPPO's trust region, else 0.0 (no gradient)."""
+    log_prob, old_log_prob = inputs.log_prob, inputs.old_log_prob
+    prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
+    if divergence == "tv":
+        keep_up = prob - old_prob <= high
+        keep_down = prob - old_prob >= -low
+    else:
+        binary_kl = old_prob * (old_log_prob - log_prob) + (1.0 - old_prob) * torch.log(
+            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
+        )
+        keep_up = (binary_kl <= high) | (prob <= old_prob)
+        keep_down = (binary_kl <= low) | (prob >= old_prob)
+    return torch.where(inputs.advantages > 0, keep_up, keep_down).to(log_prob.dtype)
 
 
 _DPPO_DOC = """DPPO-Binary-{name} (arXiv:2602.04879): a divergence trust region instead of the ratio clip.
@@ -121,14 +80,13 @@ _DPPO_DOC = """DPPO-Binary-{name} (arXiv:2602.04879): a divergence trust region 
     the others get the truncated-IS policy gradient.
 
     Args:
-        old_log_prob, log_prob, advantages, response_mask: `[B, T]`.
+        old_log_prob, log_prob, advantages, response_mask and the aggregation inputs: see
+            `PolicyLossInputs`.
         clip_ratio, clip_ratio_low, clip_ratio_high: the divergence thresholds delta (verl reuses
             the actor's clip keys for them).
         clip_ratio_c: truncation bound of the IS weight (`actor.clip_ratio_c`, so 3.0 with
             verl's and megarl's default config; 20.0 only when the key is absent, as verl; the
             paper recommends a large bound).
-        loss_agg_mode, rollout_is_weights, global_token_count, global_seq_count,
-            loss_scale_factor, seq_token_counts: see `compute_policy_loss_vanilla`.
 
     Returns:
         loss, metrics {{"pg_clipfrac" (dropped tokens), "pg_clipfrac_lower" (kept tokens whose
@@ -136,109 +94,50 @@ _DPPO_DOC = """DPPO-Binary-{name} (arXiv:2602.04879): a divergence trust region 
     """
 
 
-@POLICY_LOSSES.register("dppo_tv")
-def compute_policy_loss_dppo_tv(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_ratio: float = 0.2,
-    clip_ratio_low: float | None = None,
-    clip_ratio_high: float | None = None,
-    clip_ratio_c: float = 20.0,
-    loss_agg_mode: str = "token-mean",
-    rollout_is_weights: torch.Tensor | None = None,
-    global_token_count: Counts = None,
-    global_seq_count: Counts = None,
-    loss_scale_factor: float | None = None,
-    seq_token_counts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
-    aggregation = {
-        "loss_agg_mode": loss_agg_mode,
-        "rollout_is_weights": rollout_is_weights,
-        "global_token_count": global_token_count,
-        "global_seq_count": global_seq_count,
-        "loss_scale_factor": loss_scale_factor,
-        "seq_token_counts": seq_token_counts,
-    }
-    return _dppo(
-        "tv",
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        low,
-        high,
-        clip_ratio_c,
-        aggregation,
-    )
+def _register_dppo(divergence: str, rule: str):
+    """Register `dppo_<divergence>`: the DPPO loss with `_dppo_keep`'s trust region."""
+
+    def dppo(
+        inputs: PolicyLossInputs,
+        clip_ratio: float = 0.2,
+        clip_ratio_low: float | None = None,
+        clip_ratio_high: float | None = None,
+        clip_ratio_c: float = 20.0,
+    ) -> LossAndMetrics:
+        low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+        log_ratio = inputs.log_ratio()
+        ratio = torch.exp(log_ratio)
+        truncated = torch.clamp(ratio, max=clip_ratio_c).detach()
+        with torch.no_grad():
+            keep = _dppo_keep(divergence, inputs, low, high)
+        loss = inputs.aggregate(-inputs.advantages * truncated * inputs.log_prob * keep)
+        with torch.no_grad():
+            metrics = {
+                "pg_clipfrac": inputs.mean(1.0 - keep),
+                "pg_clipfrac_lower": inputs.mean((ratio > clip_ratio_c) * keep),
+                "ppo_kl": inputs.mean(-log_ratio),
+            }
+        return loss, metrics
+
+    dppo.__name__ = dppo.__qualname__ = f"compute_policy_loss_dppo_{divergence}"
+    dppo.__doc__ = _DPPO_DOC.format(name=divergence.upper(), rule=rule)
+    return policy_loss(f"dppo_{divergence}")(dppo)
 
 
-@POLICY_LOSSES.register("dppo_kl")
-def compute_policy_loss_dppo_kl(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_ratio: float = 0.2,
-    clip_ratio_low: float | None = None,
-    clip_ratio_high: float | None = None,
-    clip_ratio_c: float = 20.0,
-    loss_agg_mode: str = "token-mean",
-    rollout_is_weights: torch.Tensor | None = None,
-    global_token_count: Counts = None,
-    global_seq_count: Counts = None,
-    loss_scale_factor: float | None = None,
-    seq_token_counts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    low, high = clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
-    aggregation = {
-        "loss_agg_mode": loss_agg_mode,
-        "rollout_is_weights": rollout_is_weights,
-        "global_token_count": global_token_count,
-        "global_seq_count": global_seq_count,
-        "loss_scale_factor": loss_scale_factor,
-        "seq_token_counts": seq_token_counts,
-    }
-    return _dppo(
-        "kl",
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        low,
-        high,
-        clip_ratio_c,
-        aggregation,
-    )
-
-
-compute_policy_loss_dppo_tv.__doc__ = _DPPO_DOC.format(
-    name="TV",
-    rule="up = p - p_old <= clip_ratio_high,  down = p - p_old >= -clip_ratio_low",
+compute_policy_loss_dppo_tv = _register_dppo(
+    "tv", rule="up = p - p_old <= clip_ratio_high,  down = p - p_old >= -clip_ratio_low"
 )
-compute_policy_loss_dppo_kl.__doc__ = _DPPO_DOC.format(
-    name="KL",
+compute_policy_loss_dppo_kl = _register_dppo(
+    "kl",
     rule="D = p_old log(p_old / p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8))\n"
     "        up = D <= clip_ratio_high or p <= p_old,  down = D <= clip_ratio_low or p >= p_old",
 )
 
 
-@POLICY_LOSSES.register("dro")
+@policy_loss("dro")
 def compute_policy_loss_dro(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    dro_beta: float | None = None,
-    loss_agg_mode: str = "token-mean",
-    rollout_is_weights: torch.Tensor | None = None,
-    global_token_count: Counts = None,
-    global_seq_count: Counts = None,
-    loss_scale_factor: float | None = None,
-    seq_token_counts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    inputs: PolicyLossInputs, dro_beta: float | None = None
+) -> LossAndMetrics:
     """DRO (Direct Reward Optimization): policy gradient with a quadratic proximal penalty.
 
         l_it = -(A_it * log_prob_it - dro_beta / 2 * (log_prob_it - old_log_prob_it)^2)
@@ -246,28 +145,19 @@ def compute_policy_loss_dro(
     applies at every valid token, advantage 0 included. No clamp (verl has none either).
 
     Args:
-        old_log_prob, log_prob, advantages, response_mask: `[B, T]`.
+        old_log_prob, log_prob, advantages, response_mask and the aggregation inputs: see
+            `PolicyLossInputs`.
         dro_beta: `policy_loss.dro_beta`, required and > 0.
-        loss_agg_mode, rollout_is_weights, global_token_count, global_seq_count,
-            loss_scale_factor, seq_token_counts: see `compute_policy_loss_vanilla`.
 
     Returns:
         loss, metrics {"ppo_kl"}.
     """
     if dro_beta is None or not dro_beta > 0:
         raise ValueError(f"policy_loss.dro_beta must be > 0 for loss_mode dro, got {dro_beta}")
-    log_ratio = log_prob - old_log_prob
-    pg_losses = -(advantages * log_prob - 0.5 * dro_beta * log_ratio.square())
-    loss = aggregate_policy_loss(
-        pg_losses,
-        response_mask,
-        loss_agg_mode,
-        rollout_is_weights,
-        global_token_count,
-        global_seq_count,
-        loss_scale_factor,
-        seq_token_counts,
+    log_ratio = inputs.log_prob - inputs.old_log_prob
+    loss = inputs.aggregate(
+        -(inputs.advantages * inputs.log_prob - 0.5 * dro_beta * log_ratio.square())
     )
     with torch.no_grad():
-        metrics = {"ppo_kl": masked_mean(-log_ratio, response_mask)}
+        metrics = {"ppo_kl": inputs.mean(-log_ratio)}
     return loss, metrics

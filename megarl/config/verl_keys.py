@@ -2,9 +2,9 @@
 "unknown".
 
 The table covers every key of verl 0.9.1's composed PPO Megatron trainer config that megarl's
-schema lacks (``tests/config/test_verl_keys.py`` holds that key list). A key is unsupported
-when a pattern matches it or one of its parent sections; patterns are dotted, ``*`` matches
-within one segment. Keys the schema has are never looked up here.
+schema lacks (``tests/config/data/verl_ppo_megatron_trainer_keys.txt`` lists them all). A key is
+unsupported when a pattern matches it or one of its parent sections; patterns are dotted, ``*``
+matches within one segment. Keys the schema has are never looked up here.
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ __all__ = [
     "to_te_names",
     "tp_merge",
     "tp_partition_kind",
+    "tp_shard_shape",
     "tp_split",
 ]
 
@@ -506,6 +507,16 @@ def tp_split(mg_name: str, full: Tensor, tp_size: int, tp_rank: int, dims: Model
     return torch.cat(
         [torch.chunk(gate, tp_size, dim=0)[tp_rank], torch.chunk(up, tp_size, dim=0)[tp_rank]]
     )
+
+
+def tp_shard_shape(mg_name: str, shape: tuple[int, ...], tp_size: int) -> tuple[int, ...]:
+    """Shape of one TP rank's :func:`tp_split` shard of the full ``mg_name`` of ``shape``."""
+    kind = tp_partition_kind(mg_name)
+    if kind == "replicated" or tp_size == 1:
+        return shape
+    if kind == "row":
+        return (shape[0], shape[1] // tp_size)
+    return (shape[0] // tp_size, *shape[1:])  # column, vocab, fc1 (a gate and an up chunk)
 
 
 def tp_merge(mg_name: str, shards: list[Tensor], dims: ModelDims) -> Tensor:

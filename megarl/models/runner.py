@@ -44,6 +44,7 @@ from megarl.models.logprobs import (
     vocab_parallel_log_probs_and_entropy,
     vocab_parallel_sum_pi_squared,
 )
+from megarl.parallel.collectives import all_gather_tensors
 
 Outputs = dict[str, torch.Tensor]
 Metrics = dict[str, torch.Tensor | float]
@@ -107,6 +108,32 @@ def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), 1)[None, None]
 
 
+def interleaved_multiple(chunks: Sequence[torch.nn.Module]) -> int:
+    """What the micro-batch count must be a multiple of: PP under the interleaved (VPP) schedule
+    (more than one chunk per rank), else 1."""
+    return parallel_state.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
+
+
+def micro_batching(n: int, limit: int, multiple: int = 1) -> tuple[int, int]:
+    """``(padded_n, micro_batch_size)``: the fewest sequences ``>= n`` and the largest micro-batch
+    size ``<= limit`` dividing them into a multiple of ``multiple`` micro-batches (Megatron's
+    interleaved schedule needs a multiple of PP, see :func:`interleaved_multiple`)."""
+    padded = -(-n // multiple) * multiple
+    size = max(
+        d
+        for d in range(1, min(padded, max(limit, 1)) + 1)
+        if padded % d == 0 and (padded // d) % multiple == 0
+    )
+    return padded, size
+
+
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with copies of its last row appended up to ``rows`` rows (for
+    :func:`micro_batching`'s padding; the padded rows' results are dropped)."""
+    extra = rows - t.shape[0]
+    return torch.cat([t, t[-1:].expand(extra, *t.shape[1:])]) if extra > 0 else t
+
+
 def forward_logits(
     chunks: Sequence[torch.nn.Module],
     micro_batches: Sequence[torch.Tensor],
@@ -152,9 +179,7 @@ def gather_vocab(local: torch.Tensor, vocab_size: int) -> torch.Tensor:
     local = local.float().contiguous()
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         group = parallel_state.get_tensor_model_parallel_group()
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, local, group=group)
-        local = torch.cat(parts, dim=-1)
+        local = torch.cat(all_gather_tensors(local, group), dim=-1)
     return local[..., :vocab_size]
 
 

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from megarl.config.model_dims import ModelDims, read_hf_config
 from megarl.models import hf_mapping as hm
 from megarl.models.gpt import ValueHead, layer_offset, unwrap
+from megarl.parallel.collectives import all_gather_tensors
 
 VALUE_HEAD_HF_NAME = "score.weight"
 """HF name of the critic's value head (as ``*ForTokenClassification`` with one label)."""
@@ -134,9 +135,7 @@ def gather_tp(global_name: str, shard: torch.Tensor, dims: ModelDims) -> torch.T
     if tp_size == 1 or hm.tp_partition_kind(global_name) == "replicated":
         return shard.detach()
     group = parallel_state.get_tensor_model_parallel_group()
-    shards = [torch.empty_like(shard) for _ in range(tp_size)]
-    dist.all_gather(shards, shard.detach().contiguous(), group=group)
-    return hm.tp_merge(global_name, shards, dims)
+    return hm.tp_merge(global_name, all_gather_tensors(shard.detach(), group), dims)
 
 
 def iter_full_hf_tensors(

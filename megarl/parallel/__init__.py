@@ -1,3 +1,4 @@
 """Parallel plumbing: the layout type and its rule (:mod:`.layout`), process-group and Megatron
-``parallel_state`` start-up (:mod:`.init`), CPU emulation of CUDA calls (:mod:`.emulation`) and
-the local world launcher for commands run without torchrun (:mod:`.spawn`)."""
+``parallel_state`` start-up (:mod:`.init`), CPU emulation of CUDA calls (:mod:`.emulation`), the
+local world launcher for commands run without torchrun (:mod:`.spawn`) and the all-gather the
+DP/TP gathers share (:mod:`.collectives`)."""

@@ -74,6 +74,21 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def start_process_group(launch: LaunchEnv, timeout_minutes: int = 30) -> None:
+    """Create the default process group for ``launch`` unless one exists: NCCL on GPU, gloo on
+    CPU; the rendezvous is ``MASTER_ADDR``/``MASTER_PORT``, set from ``launch`` when unset."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+    dist.init_process_group(
+        backend="nccl" if torch.cuda.is_available() else "gloo",
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=timedelta(minutes=timeout_minutes),
+    )
+
+
 def init_distributed(
     sizes: ParallelLayout | None = None,
     *,
@@ -92,15 +107,7 @@ def init_distributed(
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
     else:
         enable_cpu_emulation()
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", launch.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(launch.master_port))
-        dist.init_process_group(
-            backend="nccl" if on_gpu else "gloo",
-            rank=launch.rank,
-            world_size=launch.world_size,
-            timeout=timedelta(minutes=timeout_minutes),
-        )
+    start_process_group(launch, timeout_minutes)
     from megatron.core import parallel_state, tensor_parallel
 
     if parallel_state.model_parallel_is_initialized():

@@ -28,7 +28,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megarl.models.gpt import chunks_device
-from megarl.models.runner import forward_logits, gather_vocab
+from megarl.models.runner import (
+    forward_logits,
+    gather_vocab,
+    interleaved_multiple,
+    micro_batching,
+    pad_rows,
+)
 from megarl.rollout.base import CallOrder, RolloutBatch, RolloutSample, request_seed
 
 __all__ = ["ActorEngine", "last_position_logits"]
@@ -43,13 +49,9 @@ def last_position_logits(
     """Full-vocabulary logits ``[N, vocab_size]`` at position ``lengths - 1``, on every rank."""
     n = input_ids.shape[0]
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    # The interleaved (VPP) schedule needs at least PP micro-batches: pad rows and split.
-    num_mb = pp if len(chunks) > 1 else 1
-    rows = -(-n // num_mb) * num_mb
-    if rows != n:
-        input_ids = torch.cat([input_ids, input_ids[:1].expand(rows - n, -1)])
-        lengths = torch.cat([lengths, lengths[:1].expand(rows - n)])
-    mb_size = rows // num_mb
+    # As few micro-batches as the schedule allows (PP of them under VPP), the rows padded.
+    rows, mb_size = micro_batching(n, n, interleaved_multiple(chunks))
+    input_ids, lengths = pad_rows(input_ids, rows), pad_rows(lengths, rows)
     seq = int(lengths.max())
     last = lengths.split(mb_size)
 

@@ -20,7 +20,6 @@ __all__ = [
     "DIFF_MEAN",
     "batch_sequences",
     "logprob_diff_metrics",
-    "micro_batching",
     "rollout_logprob_consistency",
 ]
 
@@ -70,19 +69,6 @@ def batch_sequences(
     return input_ids, prompt_lengths, lengths, logprobs, mask
 
 
-def micro_batching(n: int, limit: int, multiple: int = 1) -> tuple[int, int]:
-    """``(padded_n, micro_batch_size)``: the fewest sequences ``>= n`` and the largest micro-batch
-    size ``<= limit`` dividing them into a multiple of ``multiple`` micro-batches (Megatron's
-    interleaved schedule needs a multiple of PP)."""
-    padded = -(-n // multiple) * multiple
-    size = max(
-        d
-        for d in range(1, min(padded, max(limit, 1)) + 1)
-        if padded % d == 0 and (padded // d) % multiple == 0
-    )
-    return padded, size
-
-
 def rollout_logprob_consistency(
     chunks: Sequence[torch.nn.Module],
     batch: RolloutBatch,
@@ -100,22 +86,22 @@ def rollout_logprob_consistency(
     metrics of :func:`logprob_diff_metrics` for this rank's batch (reduce over DP as for any
     other metric).
     """
-    from megatron.core import parallel_state
-
-    from megarl.models.runner import SequenceBatch, compute_log_probs
+    from megarl.models.runner import (
+        SequenceBatch,
+        compute_log_probs,
+        interleaved_multiple,
+        micro_batching,
+        pad_rows,
+    )
 
     if len(batch) == 0 or all(not s.response_token_ids for s in batch):
         return {DIFF_MEAN: 0.0, DIFF_MAX: 0.0}
     input_ids, prompt_lengths, lengths, rollout_lp, mask = batch_sequences(batch, pad_token_id)
     n = len(batch)
-    multiple = parallel_state.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
-    padded, size = micro_batching(n, micro_batch_size, multiple)
-    if padded > n:
-        extra = padded - n
-        input_ids, prompt_lengths, lengths = (
-            torch.cat([t, t[-1:].expand(extra, *t.shape[1:])])
-            for t in (input_ids, prompt_lengths, lengths)
-        )
+    padded, size = micro_batching(n, micro_batch_size, interleaved_multiple(chunks))
+    input_ids, prompt_lengths, lengths = (
+        pad_rows(t, padded) for t in (input_ids, prompt_lengths, lengths)
+    )
     result = compute_log_probs(
         chunks,
         SequenceBatch(input_ids, prompt_lengths, lengths),

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megarl.config.dtypes import dtype_name
+from megarl.parallel.init import read_launch_env, start_process_group
 from megarl.rollout.base import CallOrder, RolloutBatch, RolloutSample, request_seed
 
 if TYPE_CHECKING:
@@ -469,17 +470,17 @@ def _reprocess_tied_lm_head(worker: Any) -> None:
 
 
 def _ensure_process_group() -> bool:
-    """True when running distributed; creates the default group from torchrun's env if needed.
+    """True when running distributed; creates the default group from torchrun's (or Slurm's)
+    variables if needed, as the trainer does (:func:`megarl.parallel.init.start_process_group`).
 
     vLLM's external launcher reads ``RANK``/``LOCAL_RANK`` from the environment; they are filled
     in from the existing group when it was created some other way.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     if not dist.is_initialized():
-        if world == 1:
+        launch = read_launch_env()
+        if launch.world_size == 1:
             return False
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+        start_process_group(launch)
     rank = dist.get_rank()
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))

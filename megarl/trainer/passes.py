@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megarl.data import PromptSample
 from megarl.models.runner import compute_log_probs
+from megarl.parallel.collectives import all_gather_tensors
 from megarl.parallel.init import device
 from megarl.rollout.base import RolloutBatch, RolloutEngine
 from megarl.rollout.distribute import generate_distributed
@@ -141,10 +141,7 @@ def _gather_dp(local: torch.Tensor, dp_size: int) -> torch.Tensor:
     if dp_size == 1:
         return local.cpu()
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    local = local.to(device()).contiguous()
-    parts = [torch.empty_like(local) for _ in range(dp_size)]
-    dist.all_gather(parts, local, group=group)
-    return torch.cat(parts).cpu()
+    return torch.cat(all_gather_tensors(local.to(device()), group)).cpu()
 
 
 def old_log_probs_are_current(run, num_responses: int) -> bool:

@@ -129,3 +129,21 @@ def test_clip_ratio_c_must_exceed_one():
     old, new, adv, mask = one_token(0.0, 0.0, 1.0)
     with pytest.raises(ValueError, match="clip_ratio_c"):
         compute_policy_loss_vanilla(old, new, adv, mask, clip_ratio_c=1.0)
+
+
+def test_losses_publish_the_flat_signature_callers_use():
+    """`@policy_loss` keeps the keyword names (and positional order) the trainer and verl users
+    pass; a loss that forces its aggregation does not declare `loss_agg_mode`."""
+    import inspect
+
+    from megarl.algo import compute_policy_loss_gspo
+
+    assert list(inspect.signature(compute_policy_loss_vanilla).parameters) == [
+        "old_log_prob", "log_prob", "advantages", "response_mask", "clip_ratio",
+        "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode",
+        "rollout_is_weights", "global_token_count", "global_seq_count", "loss_scale_factor",
+        "seq_token_counts",
+    ]  # fmt: skip
+    assert "loss_agg_mode" not in inspect.signature(compute_policy_loss_gspo).parameters
+    with pytest.raises(TypeError, match="clip_ratio_hihg"):
+        compute_policy_loss_vanilla(*one_token(0.0, 0.0, 1.0), clip_ratio_hihg=0.3)

@@ -342,6 +342,7 @@ def test_tp_split_merge_identity(family: str, tied: bool, tp: int) -> None:
             assert all(s.shape == (full.shape[0], full.shape[1] // tp) for s in shards)
         else:
             assert all(s.shape == (full.shape[0] // tp, *full.shape[1:]) for s in shards)
+        assert hm.tp_shard_shape(name, tuple(full.shape), tp) == tuple(shards[0].shape), name
         assert torch.equal(hm.tp_merge(name, shards, dims), full), name
 
 

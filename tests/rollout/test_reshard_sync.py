@@ -180,7 +180,6 @@ def test_consistency_helpers():
         DIFF_MEAN,
         batch_sequences,
         logprob_diff_metrics,
-        micro_batching,
     )
 
     batch = RolloutBatch(
@@ -200,6 +199,8 @@ def test_consistency_helpers():
     assert logprob_diff_metrics(lp[:0], actor[:0], mask[:0]) == {DIFF_MEAN: 0.0, DIFF_MAX: 0.0}
     with pytest.raises(ValueError, match="shapes differ"):
         logprob_diff_metrics(lp, actor[:1], mask)
+    from megarl.models.runner import micro_batching
+
     # micro-batches: largest size <= limit; with VPP a multiple of PP micro-batches (padding)
     assert micro_batching(6, 8) == (6, 6)
     assert micro_batching(6, 4) == (6, 3)

@@ -50,10 +50,11 @@ def _weights_checksums(chunks) -> torch.Tensor:
 def _replicas_identical(chunks) -> bool:
     from megatron.core import parallel_state
 
+    from megarl.parallel.collectives import all_gather_tensors
+
     sums = _weights_checksums(chunks)
     group = parallel_state.get_data_parallel_group()
-    parts = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, sums, group=group)
+    parts = all_gather_tensors(sums, group)
     return all(torch.equal(parts[0], p) for p in parts)
 
 

@@ -58,14 +58,14 @@ def _replicas_identical(chunks) -> bool:
     from megatron.core import parallel_state
 
     from megarl.models.weights import local_global_names
+    from megarl.parallel.collectives import all_gather_tensors
 
     sums = torch.tensor(
         [float(p.detach().double().sum()) for *_, p in local_global_names(chunks)],
         dtype=torch.float64,
     )
     group = parallel_state.get_data_parallel_group()
-    parts = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, sums, group=group)
+    parts = all_gather_tensors(sums, group)
     return all(torch.equal(parts[0], p) for p in parts)
 
 

@@ -318,14 +318,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _shard_shape(kind: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    if tp == 1 or kind == "replicated":
-        return shape
-    if kind == "row":
-        return (shape[0], shape[1] // tp)
-    return (shape[0] // tp, *shape[1:])
-
-
 def rollout_shard_shape(
     hf_name: str, shape: tuple[int, ...], dims: ModelDims, rollout_tp: int
 ) -> tuple[int, ...]:
@@ -503,7 +495,7 @@ def make_reshard_plan(
                     vp_stage=vp_stage,
                     partition=kind,
                     shape=shape,
-                    shard_shape=_shard_shape(kind, shape, layout.tp),
+                    shard_shape=hm.tp_shard_shape(name, shape, layout.tp),
                     needs_gather=gather,
                     slots=tuple(placed),
                     itemsize=itemsize,
