@@ -33,6 +33,7 @@ from typing import Any
 
 __all__ = ["UnsupportedDataSource", "default_compute_score", "scorer_module_for"]
 
+_NUMINA = ("aops_forum", "synthetic_math", "amc_aime", "synthetic_amc", "cn_k12", "olympiads")
 _EXACT = {
     "openai/gsm8k": "gsm8k",
     "lighteval/MATH": "hendrycks_math",
@@ -46,17 +47,7 @@ _EXACT = {
         for name in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique")
     },
     "searchR1_bamboogle": "qa_em",
-    **dict.fromkeys(
-        [
-            "numina_aops_forum",
-            "numina_synthetic_math",
-            "numina_amc_aime",
-            "numina_synthetic_amc",
-            "numina_cn_k12",
-            "numina_olympiads",
-        ],
-        "prime_math",
-    ),
+    **{f"numina_{name}": "prime_math" for name in _NUMINA},
     "hiyouga/geometry3k": "geo3k",
 }
 _NOT_BUILT_IN = {

@@ -17,7 +17,7 @@ exactly ``0.5``), but ``0.25`` and ``\\frac{1}{4}`` are not.
 
 from __future__ import annotations
 
-from megarl.reward.scorers.boxed import closing_brace
+from megarl.reward.scorers.boxed import closing_brace, last_box_start
 
 __all__ = ["compute_score", "is_equiv", "last_boxed_only_string", "strip_string"]
 
@@ -30,11 +30,9 @@ def last_boxed_only_string(text: str) -> str | None:
     """The last ``\\boxed{...}``/``\\fbox{...}`` (or ``\\boxed `` form) of ``text``, or None."""
     if "\\boxed " in text:
         return "\\boxed " + text.split("\\boxed ")[-1].split("$")[0]
-    start = text.rfind("\\boxed")
-    if start < 0:
-        start = text.rfind("\\fbox")
-        if start < 0:
-            return None
+    start = last_box_start(text)
+    if start is None:
+        return None
     end = closing_brace(text, start)
     return None if end is None else text[start : end + 1]
 

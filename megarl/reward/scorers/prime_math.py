@@ -40,7 +40,7 @@ import signal
 import threading
 from collections.abc import Iterator
 
-from megarl.reward.scorers.boxed import closing_brace
+from megarl.reward.scorers.boxed import closing_brace, last_box_start
 from megarl.reward.scorers.hendrycks_math import strip_string
 from megarl.reward.scorers.prime_math_equal import pi_aware_math_equal
 
@@ -69,12 +69,8 @@ _TUPLE_CHARS = "()[]"
 
 def _last_boxed_content(text: str) -> str | None:
     """Stripped content of the last ``\\boxed{...}`` (else ``\\fbox{...}``), or None."""
-    start = text.rfind("\\boxed")
-    if start < 0:
-        start = text.rfind("\\fbox")
-        if start < 0:
-            return None
-    end = closing_brace(text, start)
+    start = last_box_start(text)
+    end = None if start is None else closing_brace(text, start)
     if end is None:
         return None
     return text[text.index("{", start) + 1 : end].strip()
