@@ -40,7 +40,7 @@ class DataConfig:
     truncation: Literal["error", "left", "right", "middle"] = "error"
     """What to do with a prompt longer than max_prompt_length that was not filtered."""
     dataloader_num_workers: int = 8
-    """Worker processes of the prompt data loader (0: load in the main process)."""
+    """Workers loading prompts (megarl: threads reading the parquet files; capped at the CPUs)."""
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Free-form: extra keyword arguments of tokenizer.apply_chat_template (e.g. enable_thinking)."""
     use_chat_template: bool = True

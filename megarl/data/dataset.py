@@ -55,19 +55,33 @@ class PromptSample:
     """``file row N`` the sample came from (for messages)."""
 
 
-def _read_rows(files: Sequence[str], key: str) -> tuple[list[dict[str, Any]], list[str]]:
+def _read_table(name: str, key: str) -> Any:
     import pyarrow.parquet as pq
 
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise DataError(f"{key}: {name!r} does not exist")
+    try:
+        return pq.read_table(path)
+    except Exception as exc:
+        raise DataError(f"{key}: cannot read {name!r} as parquet: {exc}") from exc
+
+
+def _read_rows(
+    files: Sequence[str], key: str, num_workers: int = 0
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Rows of all files in order; ``num_workers`` > 1 decodes several files at once (pyarrow
+    releases the GIL while decoding)."""
+    if num_workers > 1 and len(files) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(num_workers, len(files))) as pool:
+            tables = list(pool.map(lambda name: _read_table(name, key), files))
+    else:
+        tables = [_read_table(name, key) for name in files]
     rows: list[dict[str, Any]] = []
     wheres: list[str] = []
-    for name in files:
-        path = Path(name).expanduser()
-        if not path.is_file():
-            raise DataError(f"{key}: {name!r} does not exist")
-        try:
-            table = pq.read_table(path)
-        except Exception as exc:
-            raise DataError(f"{key}: cannot read {name!r} as parquet: {exc}") from exc
+    for name, table in zip(files, tables, strict=True):
         rows += table.to_pylist()
         wheres += [f"{key}: {name} row {r}" for r in range(table.num_rows)]
     return rows, wheres
@@ -107,11 +121,14 @@ class PromptDataset:
         max_samples: int = -1,
         shuffle: bool = True,
         seed: int | None = 0,
+        num_workers: int = 0,
     ) -> None:
         files = [files] if isinstance(files, str) else list(files)
         if not files:
             raise DataError(f"{files_key} is empty")
-        rows, wheres = _read_rows(files, files_key)
+        self.num_workers = num_workers
+        """Threads that read the parquet files (``data.dataloader_num_workers``, capped)."""
+        rows, wheres = _read_rows(files, files_key, num_workers)
         if 0 < max_samples < len(rows):
             import numpy as np
 
@@ -182,6 +199,7 @@ class PromptDataset:
             max_samples=data.train_max_samples if split == "train" else data.val_max_samples,
             shuffle=data.shuffle,
             seed=data.seed if data.seed is not None else seed,
+            num_workers=cap_num_workers(data.dataloader_num_workers),
         )
 
     def __len__(self) -> int:
@@ -197,8 +215,9 @@ _capped_note_given = False
 def cap_num_workers(requested: int, cpus: int | None = None) -> int:
     """``data.dataloader_num_workers`` capped at the CPUs this process may use (noted once).
 
-    megarl tokenises prompts up front, so the value bounds only helper processes the caller
-    starts for loading; a value above the CPU count would just oversubscribe the machine.
+    megarl reads and tokenises prompts once, up front (verl's loader workers tokenise lazily), so
+    the value sizes the threads that read the parquet files (:meth:`PromptDataset.from_config`);
+    a value above the CPU count would just oversubscribe the machine.
     """
     global _capped_note_given
     if cpus is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -233,3 +234,35 @@ def test_num_workers_cap_is_noted_once(caplog):
         assert dataset.cap_num_workers(16, cpus=2) == 2
         assert dataset.cap_num_workers(1, cpus=2) == 1
     assert sum("dataloader_num_workers" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_dataloader_num_workers_from_the_config_is_capped_and_noted_once(
+    tmp_path, tokenizer, caplog, monkeypatch
+):
+    """data.dataloader_num_workers above the CPUs: both splits load (files read in order by the
+    capped number of threads) and one note names the key, however many datasets are built."""
+    from megarl.data import dataset
+
+    monkeypatch.setattr(dataset, "_capped_note_given", False)
+    cpus = len(os.sched_getaffinity(0))
+    train = [write(tmp_path / f"t{i}.parquet", gsm8k_rows(i + 1)) for i in range(3)]
+    cfg = DataConfig(
+        train_files=train,
+        val_files=[write(tmp_path / "v.parquet", gsm8k_rows(2))],
+        dataloader_num_workers=cpus + 7,
+    )
+    with caplog.at_level(logging.WARNING, logger="megarl.data"):
+        train_ds = PromptDataset.from_config(cfg, tokenizer, "train", seed=1)
+        val_ds = PromptDataset.from_config(cfg, tokenizer, "val", seed=1)
+    assert train_ds.num_workers == val_ds.num_workers == cpus
+    assert [s.ground_truth for s in train_ds] == ["72", "72", "73", "72", "73", "74"]
+    notes = [r.getMessage() for r in caplog.records if "dataloader_num_workers" in r.getMessage()]
+    assert notes == [
+        f"data.dataloader_num_workers={cpus + 7} exceeds the {cpus} CPU(s) available; using {cpus}"
+    ]
+    assert (
+        PromptDataset.from_config(
+            DataConfig(train_files=train, dataloader_num_workers=1), tokenizer, "train", seed=1
+        ).num_workers
+        == 1
+    )

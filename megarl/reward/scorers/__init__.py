@@ -11,14 +11,17 @@ data_source                                                             scorer
 ``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``,             :mod:`.hendrycks_math`
 ``HuggingFaceH4/MATH-500``
 ``math_dapo``, ``math``, ``math_dapo_reasoning``, ``aime*``             :mod:`.math_dapo` (dict)
+``numina_aops_forum``, ``numina_synthetic_math``, ``numina_amc_aime``,  :mod:`.prime_math`
+``numina_synthetic_amc``, ``numina_cn_k12``, ``numina_olympiads``
+``hiyouga/geometry3k``                                                  :mod:`.geo3k` (mathruler)
 ``searchR1_nq``, ``_triviaqa``, ``_popqa``, ``_hotpotqa``,              :mod:`.qa_em`
 ``_2wikimultihopqa``, ``_musique``, ``_bamboogle``
 megarl's synthetic task (``megarl/digit_sum``)                          :mod:`megarl.data.synthetic`
 =====================================================================  ==========================
 
-Not built in (an error names the data_source and points to ``custom_reward_function``): verl's
-``numina_*`` (PRIME math grader), ``codecontests``/``apps``/``codeforces``/``taco`` (code
-execution, optionally through a sandbox service) and ``hiyouga/geometry3k`` (``mathruler``).
+That is every data_source verl 0.9.1 routes except ``codecontests``/``apps``/``codeforces``/
+``taco`` (code execution, optionally through a sandbox service), which are not built in: an
+error names the data_source and points to ``custom_reward_function``.
 Modules are imported on first use, so a scoring worker loads only what its samples need.
 Extra keyword arguments are accepted and ignored by the routed scorers, as in verl.
 """
@@ -30,6 +33,7 @@ from typing import Any
 
 __all__ = ["UnsupportedDataSource", "default_compute_score", "scorer_module_for"]
 
+_NUMINA = ("aops_forum", "synthetic_math", "amc_aime", "synthetic_amc", "cn_k12", "olympiads")
 _EXACT = {
     "openai/gsm8k": "gsm8k",
     "lighteval/MATH": "hendrycks_math",
@@ -43,21 +47,11 @@ _EXACT = {
         for name in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique")
     },
     "searchR1_bamboogle": "qa_em",
+    **{f"numina_{name}": "prime_math" for name in _NUMINA},
+    "hiyouga/geometry3k": "geo3k",
 }
 _NOT_BUILT_IN = {
-    **dict.fromkeys(
-        [
-            "numina_aops_forum",
-            "numina_synthetic_math",
-            "numina_amc_aime",
-            "numina_synthetic_amc",
-            "numina_cn_k12",
-            "numina_olympiads",
-        ],
-        "verl's PRIME math grader",
-    ),
     **dict.fromkeys(["codecontests", "apps", "codeforces", "taco"], "code execution"),
-    "hiyouga/geometry3k": "verl's mathruler-based geometry3k scorer",
 }
 
 
@@ -119,6 +113,14 @@ def _import_scorer(dotted: str) -> ModuleType:
         from megarl.reward.scorers import math_dapo
 
         return math_dapo
+    if dotted == f"{__name__}.prime_math":
+        from megarl.reward.scorers import prime_math
+
+        return prime_math
+    if dotted == f"{__name__}.geo3k":
+        from megarl.reward.scorers import geo3k
+
+        return geo3k
     from megarl.reward.scorers import qa_em
 
     return qa_em

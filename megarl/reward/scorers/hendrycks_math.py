@@ -17,6 +17,8 @@ exactly ``0.5``), but ``0.25`` and ``\\frac{1}{4}`` are not.
 
 from __future__ import annotations
 
+from megarl.reward.scorers.boxed import closing_brace, last_box_start
+
 __all__ = ["compute_score", "is_equiv", "last_boxed_only_string", "strip_string"]
 
 
@@ -28,20 +30,11 @@ def last_boxed_only_string(text: str) -> str | None:
     """The last ``\\boxed{...}``/``\\fbox{...}`` (or ``\\boxed `` form) of ``text``, or None."""
     if "\\boxed " in text:
         return "\\boxed " + text.split("\\boxed ")[-1].split("$")[0]
-    start = text.rfind("\\boxed")
-    if start < 0:
-        start = text.rfind("\\fbox")
-        if start < 0:
-            return None
-    depth = 0
-    for pos in range(start, len(text)):
-        if text[pos] == "{":
-            depth += 1
-        elif text[pos] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start : pos + 1]
-    return None
+    start = last_box_start(text)
+    if start is None:
+        return None
+    end = closing_brace(text, start)
+    return None if end is None else text[start : end + 1]
 
 
 def _unbox(boxed: str) -> str:

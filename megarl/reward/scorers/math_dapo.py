@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from megarl.reward.scorers.boxed import closing_brace
+
 __all__ = ["compute_score", "last_boxed_only_string", "normalize_final_answer"]
 
 INVALID = "[INVALID]"
@@ -79,15 +81,8 @@ def last_boxed_only_string(text: str) -> str | None:
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
-    depth = 0
-    for pos in range(start, len(text)):
-        if text[pos] == "{":
-            depth += 1
-        elif text[pos] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start : pos + 1]
-    return None
+    end = closing_brace(text, start)
+    return None if end is None else text[start : end + 1]
 
 
 def _boxed_verbatim(solution: str, truth: str) -> tuple[bool, str | None]:
