@@ -212,12 +212,6 @@ def test_synthetic_task_scores_partial_credit(response, truth, score, acc):
     assert result["format"] == (1.0 if score > 0 else 0.0)
 
 
-@pytest.mark.parametrize("source", ["codecontests", "apps", "codeforces", "taco"])
-def test_data_sources_megarl_does_not_build_in_say_so(source):
-    with pytest.raises(UnsupportedDataSource, match="custom_reward_function"):
-        default_compute_score(source, "x", "1")
-
-
 def test_unknown_data_source_names_itself():
     with pytest.raises(UnsupportedDataSource, match="'my/task'"):
         default_compute_score("my/task", "x", "1")

@@ -16,14 +16,15 @@ data_source                                                             scorer
 ``hiyouga/geometry3k``                                                  :mod:`.geo3k` (mathruler)
 ``searchR1_nq``, ``_triviaqa``, ``_popqa``, ``_hotpotqa``,              :mod:`.qa_em`
 ``_2wikimultihopqa``, ``_musique``, ``_bamboogle``
+``codecontests``, ``apps``, ``codeforces``, ``taco``                    :mod:`.code` (runs tests)
 megarl's synthetic task (``megarl/digit_sum``)                          :mod:`megarl.data.synthetic`
 =====================================================================  ==========================
 
-That is every data_source verl 0.9.1 routes except ``codecontests``/``apps``/``codeforces``/
-``taco`` (code execution, optionally through a sandbox service), which are not built in: an
-error names the data_source and points to ``custom_reward_function``.
-Modules are imported on first use, so a scoring worker loads only what its samples need.
-Extra keyword arguments are accepted and ignored by the routed scorers, as in verl.
+That is every data_source verl 0.9.1 routes. Code runs locally only: verl's
+``sandbox_fusion_url`` keyword is refused. Modules are imported on first use, so a scoring
+worker loads only what its samples need. Extra keyword arguments go to the code scorer (verl's
+``sandbox_fusion_url``, ``memory_limit_mb``; megarl's ``test_timeout_s``,
+``all_tests_timeout_s``) and are ignored by the others, as in verl.
 """
 
 from __future__ import annotations
@@ -49,9 +50,7 @@ _EXACT = {
     "searchR1_bamboogle": "qa_em",
     **{f"numina_{name}": "prime_math" for name in _NUMINA},
     "hiyouga/geometry3k": "geo3k",
-}
-_NOT_BUILT_IN = {
-    **dict.fromkeys(["codecontests", "apps", "codeforces", "taco"], "code execution"),
+    **dict.fromkeys(["codecontests", "apps", "codeforces", "taco"], "code"),
 }
 
 
@@ -68,11 +67,6 @@ def scorer_module_for(data_source: str) -> str:
     name = _EXACT.get(data_source) or ("math_dapo" if data_source.startswith("aime") else None)
     if name is not None:
         return f"{__name__}.{name}"
-    if data_source in _NOT_BUILT_IN:
-        raise UnsupportedDataSource(
-            f"data_source {data_source!r} needs {_NOT_BUILT_IN[data_source]}, which megarl does "
-            "not build in; set custom_reward_function.path/name to a scorer for it"
-        )
     raise UnsupportedDataSource(
         f"no built-in reward function for data_source {data_source!r}; set "
         "custom_reward_function.path/name (verl's signature compute_score(data_source, "
@@ -89,6 +83,8 @@ def default_compute_score(
 ) -> float | dict[str, Any]:
     """Score one response with the built-in scorer of its ``data_source`` (float or dict)."""
     module = _import_scorer(scorer_module_for(data_source))
+    if module.__name__ == f"{__name__}.code":  # as in verl, only code takes the keywords
+        return module.compute_score(solution_str, ground_truth, **reward_kwargs)
     result = module.compute_score(solution_str, ground_truth)
     if isinstance(result, dict):
         return result
@@ -121,6 +117,10 @@ def _import_scorer(dotted: str) -> ModuleType:
         from megarl.reward.scorers import geo3k
 
         return geo3k
+    if dotted == f"{__name__}.code":
+        from megarl.reward.scorers import code
+
+        return code
     from megarl.reward.scorers import qa_em
 
     return qa_em
