@@ -67,9 +67,7 @@ class RewardModelConfig:
     num_workers: int = 2
     """Scoring worker processes per rank (rule and custom reward functions)."""
     compute_score_timeout: float = 30.0
-    """(megarl) Per-sample time limit of a reward function, seconds; over it the sample scores 0.
-    Code data (codecontests/apps/codeforces/taco) runs up to 10 tests of 10 s each: raise this to
-    ~110 or lower ``reward_kwargs.test_timeout_s`` to keep verl's partial credit for slow programs."""
+    """(megarl) Per-sample scoring time limit, s (over it: score 0); code data may need ~110."""
     dump_samples: int = 16
     """(megarl) First samples per step written to the rollout/validation dumps; -1: all."""
 
