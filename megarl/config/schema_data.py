@@ -86,7 +86,7 @@ class RewardModelConfig:
     megatron: RewardModelMegatronConfig = field(default_factory=RewardModelMegatronConfig)
     """(megarl) Offloading of the reward model."""
     micro_batch_size_per_gpu: int | None = None
-    """Responses per reward-model forward pass on one GPU; null: a DP rank's whole share."""
+    """Responses per reward-model forward pass on one GPU; null: the rollout's log-prob one."""
     max_length: int | None = None
     """Longest re-tokenised prompt + response scored (cut on the right); null: no limit."""
     num_workers: int = 2

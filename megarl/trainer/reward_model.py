@@ -62,7 +62,8 @@ class RewardModel:
             built,
             AutoTokenizer.from_pretrained(path),
             actor_tokenizer,
-            micro_batch_size=rm.micro_batch_size_per_gpu,
+            micro_batch_size=rm.micro_batch_size_per_gpu
+            or cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu,
             max_length=rm.max_length,
             param_offload=rm.megatron.param_offload,
         )

@@ -241,20 +241,21 @@ def test_reward_model_scores_reach_the_rewards(dp2, spec):
     rm_tokenizer = AutoTokenizer.from_pretrained(rm_path)
     actor_tokenizer = AutoTokenizer.from_pretrained(Path(spec["tmp"]) / "model")
     for step in dp2["reward_model"]["steps"]:
-        expected, got = [], []
+        inputs, got = [], []
         for i, plen in enumerate(step["prompt_lengths"].tolist()):
             length = int(step["mask"][i].sum())
             response = step["input_ids"][i, plen : plen + length].tolist()
-            ids = reward_model_input_ids(
+            inputs.append(reward_model_input_ids(
                 step["raw_prompts"][i // 4], response, actor_tokenizer, rm_tokenizer
-            )
-            assert "[INST]" in rm_tokenizer.decode(ids)
-            with torch.no_grad():
-                expected.append(float(hf(torch.tensor([ids])).logits[0, 0]))
+            ))  # fmt: skip
+            assert "[INST]" in rm_tokenizer.decode(inputs[-1])
             got.append(float(step["token_level_rewards"][i, length - 1]))
             assert step["token_level_rewards"][i].count_nonzero() == 1
-        expected_t, got_t = torch.tensor(expected), torch.tensor(got)
-        assert len(set(expected)) > 1
+        padded = rm_tokenizer.pad({"input_ids": inputs}, padding_side="right", return_tensors="pt")
+        with torch.no_grad():
+            expected_t = hf(**padded).logits[:, 0]  # HF: the last non-pad token's score
+        got_t = torch.tensor(got)
+        assert len(set(expected_t.tolist())) > 1
         assert (got_t - expected_t).abs().max() <= 1e-4, (got_t, expected_t)
         m = step["metrics"]
         assert m["critic/score/mean"] == pytest.approx(float(expected_t.mean()), abs=1e-4)
