@@ -89,10 +89,7 @@ def preflight(configs: list[str], overrides: list[str]) -> tuple[str | None, int
     except ConfigError as exc:
         return " ".join(str(exc).split()), 0
     from megarl.checkpoint.resume import resume_problem
-    from megarl.trainer.support import unsupported_by_trainer
 
-    if (reason := unsupported_by_trainer(cfg)) is not None:
-        return reason, nproc
     if (reason := resume_problem(cfg, run_dir_of(cfg))) is not None:
         return reason, nproc
     return _check_data(cfg), nproc

@@ -36,6 +36,13 @@ _MODEL_TYPES = {
 }
 """HF ``model_type`` of each supported architecture (``transformers`` loads by model_type)."""
 
+SEQUENCE_CLASSIFIERS = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+}
+"""Reward-model architectures (a scalar ``score`` head on the backbone) -> the causal LM with
+the same backbone. Their dims are the backbone's; ``architecture`` keeps the classifier's name."""
+
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 """HF keys that hold the routed-expert count of MoE models."""
 
@@ -192,22 +199,24 @@ class ModelDims:
         """Read dimensions from an HF config (a ``config.json`` dict or a ``PretrainedConfig``).
 
         Raises :class:`UnsupportedArchitectureError` for anything other than the Llama / Qwen2 /
-        Qwen3 (and Mistral without sliding window) dense causal LMs, and ``ValueError`` naming
-        a missing or inconsistent key.
+        Qwen3 (and Mistral without sliding window) dense causal LMs and the Llama / Qwen2
+        ``*ForSequenceClassification`` reward models, and ``ValueError`` naming a missing or
+        inconsistent key.
         """
         archs = _get(hf_config, "architectures") or []
         arch = (
             archs[0] if archs else f"<no architectures; model_type={_get(hf_config, 'model_type')}>"
         )
+        name, arch = arch, SEQUENCE_CLASSIFIERS.get(arch, arch)
         if len(archs) != 1 or arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedArchitectureError(
                 f"unsupported architecture {', '.join(archs) or arch!s}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"supported: {', '.join([*SUPPORTED_ARCHITECTURES, *SEQUENCE_CLASSIFIERS])}"
             )
         model_type = _get(hf_config, "model_type")
         if model_type is not None and model_type != _MODEL_TYPES[arch]:
             raise ValueError(
-                f"model_type={model_type!r} contradicts architectures=[{arch!r}] "
+                f"model_type={model_type!r} contradicts architectures=[{name!r}] "
                 f"(expected model_type={_MODEL_TYPES[arch]!r})"
             )
         act = _get(hf_config, "hidden_act", "silu")
@@ -259,7 +268,7 @@ class ModelDims:
             norm_eps=float(_get(hf_config, "rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             max_position_embeddings=known.get("max_position_embeddings", 4096),
-            architecture=arch,
+            architecture=name,
             rope_scaling=tuple(sorted((str(k), v) for k, v in scaling.items())),
             num_experts=known["num_experts"],
         )

@@ -53,17 +53,42 @@ class DataConfig:
 
 
 @dataclass
+class RewardModelPathConfig:
+    """``reward_model.model.*``: which reward model to load."""
+
+    path: str | None = None
+    """HF Llama/Qwen2 *ForSequenceClassification directory (num_labels=1, with its tokenizer)."""
+
+
+@dataclass
+class RewardModelMegatronConfig:
+    """``reward_model.megatron.*`` (megarl; verl <= 0.8's Megatron reward model key): the reward
+    model runs at the actor's TP×PP layout."""
+
+    param_offload: bool = False
+    """Keep the reward model's parameters in host memory between its passes (on GPU)."""
+
+
+@dataclass
 class RewardModelConfig:
-    """``reward_model.*``: a learned reward model (optional)."""
+    """``reward_model.*``: a learned reward model (optional) and the scoring workers.
+
+    With ``enable``, every response is scored by the reward model *instead of* the rule scorers
+    (verl 0.9.1's reward loop: a discriminative reward model replaces the data_source rules);
+    ``custom_reward_function.path`` together with it is refused (verl hands the reward model to
+    that function as a generative-RM server, which megarl does not have).
+    """
 
     enable: bool = False
-    """Score responses with a reward model."""
-    path: str | None = None
-    """HF path of the reward model."""
+    """Score responses with the reward model at reward_model.model.path."""
+    model: RewardModelPathConfig = field(default_factory=RewardModelPathConfig)
+    """The reward model checkpoint."""
+    megatron: RewardModelMegatronConfig = field(default_factory=RewardModelMegatronConfig)
+    """(megarl) Offloading of the reward model."""
     micro_batch_size_per_gpu: int | None = None
-    """Responses per reward-model forward pass on one GPU."""
+    """Responses per reward-model forward pass on one GPU; null: the rollout's log-prob one."""
     max_length: int | None = None
-    """Longest prompt + response scored; null: no limit."""
+    """Longest re-tokenised prompt + response scored (cut on the right); null: no limit."""
     num_workers: int = 2
     """Scoring worker processes per rank (rule and custom reward functions)."""
     compute_score_timeout: float = 30.0

@@ -334,8 +334,14 @@ class _Checks(LayoutChecks):
 
     def check_rewards(self) -> None:
         rm, fn = self.cfg.reward_model, self.cfg.custom_reward_function
-        if rm.enable and not rm.path:
-            self.error("reward_model.enable=true needs reward_model.path")
+        if rm.enable and not rm.model.path:
+            self.error("reward_model.enable=true needs reward_model.model.path")
+        if rm.enable and fn.path is not None:
+            self.error(
+                "reward_model.enable=true with custom_reward_function.path: verl 0.9.1 scores "
+                "with the custom function then and hands it the reward model as a server "
+                "(generative RM), which megarl does not have; set only one"
+            )
         if fn.path is not None and not fn.name:
             self.error(
                 "custom_reward_function.name must name the function in custom_reward_function.path"

@@ -20,6 +20,7 @@ _DATA = "data option not supported yet"
 _REWARD = (
     "reward option not supported yet; megarl reads reward_model.* and custom_reward_function.*"
 )
+_RM_ON_MEGATRON = "the reward model runs on Megatron, colocated at the actor's TP×PP layout"
 _MULTIMODAL = "text-only models"
 _LORA = "no LoRA: megarl trains full weights"
 _FUSED = "fused kernels are chosen by transformer_impl"
@@ -162,6 +163,10 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.actor.policy_loss.*", "option of a policy loss megarl does not offer yet"),
     # -- data, rewards, trainer (other sections' owners may add some of these) -------------------------
     ("data.*", _DATA),
+    ("reward_model.rollout", _RM_ON_MEGATRON),
+    ("reward_model.enable_resource_pool", _RM_ON_MEGATRON),
+    ("reward_model.n_gpus_per_node", _RM_ON_MEGATRON),
+    ("reward_model.nnodes", _RM_ON_MEGATRON),
     ("reward_model.*", _REWARD),
     ("custom_reward_function.*", _REWARD),
     ("trainer.rollout_data_dir", "rollout dumps are not supported yet"),

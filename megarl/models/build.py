@@ -26,10 +26,10 @@ from megarl.models.gpt import (
     build_gpt_chunks,
     build_transformer_config,
 )
-from megarl.models.weights import load_hf_weights
+from megarl.models.weights import VALUE_HEAD_HF_NAME, HFCheckpointReader, load_hf_weights
 from megarl.parallel.layout import ParallelLayout
 
-Role = Literal["actor", "critic"]
+Role = Literal["actor", "critic", "reward"]
 
 
 @dataclass(frozen=True)
@@ -72,9 +72,10 @@ def build_model(
         source: an HF checkpoint directory (config.json + safetensors) or a ``ModelDims``
             (random initialisation; nothing is loaded).
         layout: the parallel layout; must equal the initialised Megatron parallel state.
-        role: ``actor`` (vocabulary output layer) or ``critic`` (scalar value head, initialised
+        role: ``actor`` (vocabulary output layer), ``critic`` (scalar value head, initialised
             from the checkpoint's ``score.weight`` when it has one, else seeded by
-            ``value_head_seed``).
+            ``value_head_seed``) or ``reward`` (a ``*ForSequenceClassification`` reward model:
+            the same scalar head, which must come from the checkpoint's ``score.weight``).
         dtype: parameter dtype (float32 on CPU tests, bfloat16 on GPU).
         load_weights: copy the HF weights in (ignored for a ``ModelDims`` source).
         initialize: run Megatron's random initialisation when nothing is loaded (False: leave
@@ -108,13 +109,26 @@ def build_model(
         dims,
         config,
         transformer_impl=transformer_impl,
-        value_head=role == "critic",
+        value_head=role != "actor",
         value_head_seed=value_head_seed,
     )
     if load_weights:
+        if role == "reward":
+            _check_score_head(hf_path)  # type: ignore[arg-type]
         with torch.no_grad():
             load_hf_weights(chunks, hf_path, dims)  # type: ignore[arg-type]
     return BuiltModel(dims, list(chunks), config, layout, role, hf_path)
+
+
+def _check_score_head(hf_path: Path) -> None:
+    """A reward model's head is learned: a checkpoint without one would score at random."""
+    with HFCheckpointReader(hf_path) as reader:
+        shape = tuple(reader.get(VALUE_HEAD_HF_NAME).shape) if VALUE_HEAD_HF_NAME in reader else ()
+    if len(shape) != 2 or shape[0] != 1:
+        raise ValueError(
+            f"{hf_path}: {VALUE_HEAD_HF_NAME} is {shape or 'missing'}; a reward model must be an "
+            "HF *ForSequenceClassification checkpoint with num_labels=1"
+        )
 
 
 def _check_parallel_state(layout: ParallelLayout) -> None:

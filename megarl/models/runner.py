@@ -11,7 +11,8 @@ every rank returns them.
 
 Entry points: :func:`compute_log_probs` (actor: log-probs and entropy of
 ``softmax(logits / temperature)``, padded vocabulary columns masked out), :func:`compute_values`
-(critic) and :func:`forward_backward` (training with a loss function).
+(critic), :func:`compute_scores` (reward model: one score per sequence, at its last token) and
+:func:`forward_backward` (training with a loss function).
 
 The loss-scaling contract (the one place it is implemented is :func:`forward_backward`):
 Megatron is configured with ``calculate_per_token_loss`` (see
@@ -224,6 +225,16 @@ def compute_values(
     return _run(chunks, batch, "critic", micro_batches).tensors["values"]
 
 
+def compute_scores(
+    chunks: Sequence[torch.nn.Module], batch: SequenceBatch, *, micro_batches: MicroBatches
+) -> torch.Tensor:
+    """Reward-model scores ``[N]``: the scalar head's output at each sequence's last valid token
+    (position ``lengths - 1``; ``prompt_lengths`` only need to be in 1..lengths). HF's
+    ``*ForSequenceClassification`` takes the last token that is not ``pad_token_id``: the same
+    token unless the sequence itself ends in the pad id (forward only)."""
+    return _run(chunks, batch, "reward", micro_batches).tensors["scores"][:, 0]
+
+
 def forward_backward(
     chunks: Sequence[torch.nn.Module],
     batch: SequenceBatch,
@@ -295,7 +306,7 @@ def _run(
         t.to(device) for t in (batch.input_ids, batch.prompt_lengths, batch.lengths)
     )
     extra = {k: v.to(device) for k, v in batch.extra.items()}
-    n, r = len(batch), batch.response_width
+    n, r = len(batch), 1 if role == "reward" else batch.response_width
     rows = _micro_batch_rows(n, micro_batches, device)
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if len(chunks) > 1 and (len(rows) % pp or len({len(x) for x in rows}) > 1):
@@ -351,7 +362,7 @@ def _run(
         micro_batch_size=max(len(x) for x in rows),
         forward_only=not training,
     )
-    names = ["values"] if role == "critic" else ["log_probs", "entropy"]
+    names = {"critic": ["values"], "reward": ["scores"]}.get(role, ["log_probs", "entropy"])
     if sum_pi_squared:
         names.append("sum_pi_squared")
     dtype = torch.promote_types(next(unwrap(chunks[0]).parameters()).dtype, torch.float32)
@@ -366,9 +377,11 @@ def _output_fn(
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
 
     def outputs_of(output_tensor: torch.Tensor, mb: dict) -> Outputs:
-        if role == "critic":
+        if role in ("critic", "reward"):
             values = output_tensor.squeeze(-1)
             values = values.to(torch.promote_types(values.dtype, torch.float32))
+            if role == "reward":
+                return {"scores": values.gather(1, mb["lengths"][:, None] - 1)}
             return {"values": _gather_response(values, mb["prompt_lengths"], mb["lengths"], r)}
         targets = torch.roll(mb["input_ids"], shifts=-1, dims=1)
         logp, ent = vocab_parallel_log_probs_and_entropy(

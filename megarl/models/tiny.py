@@ -28,6 +28,7 @@ __all__ = [
     "build_tokenizer",
     "make_tiny_model",
     "make_tiny_model_from_args",
+    "make_tiny_reward_model",
     "random_hf_state",
     "tiny_hf_config",
 ]
@@ -259,6 +260,42 @@ def make_tiny_model(
     }  # no sampling defaults: vLLM would adopt them (generation_config="auto")
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
     build_tokenizer(vocab_size, seed=seed).save_pretrained(str(out))
+    return out
+
+
+def make_tiny_reward_model(
+    out_dir: str | Path,
+    family: str = "qwen2",
+    *,
+    seed: int = 0,
+    chat_template: str | None = None,
+    **kwargs: Any,
+) -> Path:
+    """A random ``*ForSequenceClassification`` reward model (``num_labels=1``): the tiny causal
+    LM of :func:`make_tiny_model` (same arguments) with its ``lm_head`` replaced by a random
+    bias-free ``score`` head; ``chat_template`` replaces the tokenizer's chat template."""
+    from safetensors.torch import load_file, save_file
+
+    if family not in ("llama", "qwen2"):
+        raise ValueError(f"reward models are llama or qwen2, not {family!r}")
+    out = make_tiny_model(out_dir, family, seed=seed, **kwargs)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["architectures"] = [
+        ARCHITECTURES[family].replace("ForCausalLM", "ForSequenceClassification")
+    ]
+    cfg["id2label"], cfg["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    state = load_file(str(out / "model.safetensors"))
+    state.pop("lm_head.weight", None)
+    gen = torch.Generator().manual_seed(seed + 1)
+    score = WEIGHT_STD * torch.randn(1, cfg["hidden_size"], generator=gen)
+    state["score.weight"] = score.to(state["model.norm.weight"].dtype)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if chat_template is not None:
+        config = json.loads((out / "tokenizer_config.json").read_text())
+        config["chat_template"] = chat_template
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (out / "chat_template.jinja").unlink(missing_ok=True)
     return out
 
 

@@ -6,6 +6,10 @@ work is spread over all ranks, TP and PP ranks included, and no sample is scored
 an all-gather of the outcomes gives every rank the full :class:`RewardResult`. Without an
 initialised ``torch.distributed`` (or with ``group`` of size 1) the one process scores all.
 
+With a learned reward model (``reward_model.enable``) the trainer passes its scores as
+``model_scores`` and they replace the scorers, as verl 0.9.1's reward loop does: a reward model
+and the data_source rules are never added (:mod:`megarl.trainer.reward_model`).
+
 Like verl's naive reward manager, a response is decoded from its valid token ids with
 ``skip_special_tokens=True`` and scored by ``compute_score(data_source=, solution_str=,
 ground_truth=, extra_info=, **reward_kwargs)``; the score goes on the response's last valid
@@ -144,14 +148,35 @@ class RewardManager:
         response_width: int | None = None,
         dump_dir: str | Path | None = None,
         step: int = 0,
+        model_scores: torch.Tensor | None = None,
     ) -> RewardResult:
         """Score the global batch ``samples`` (same list on every rank); see the module doc.
 
         ``response_width`` is T of ``token_level_rewards`` (default: the longest response).
         With ``dump_dir``, rank 0 writes the first ``dump_samples`` samples to
-        ``dump_dir/<step>.jsonl``.
+        ``dump_dir/<step>.jsonl``. ``model_scores`` ``[B]`` (a reward model's, the same on every
+        rank) replace the scorers, as verl 0.9.1's reward loop does with a reward model enabled.
         """
         rank, world = _rank_and_world(self.group)
+        if model_scores is not None:
+            outcomes = [Outcome(i, "ok", float(x)) for i, x in enumerate(model_scores.tolist())]
+        else:
+            outcomes = self._score_on_all_ranks(samples, rank, world)
+        by_index = sorted(outcomes, key=lambda o: o.index)
+        if [o.index for o in by_index] != list(range(len(samples))):
+            raise RuntimeError("reward manager: ranks returned a different set of samples")
+        self._raise_first_error(by_index, samples)
+        result = self._assemble(by_index, samples, response_width)
+        if dump_dir is not None and rank == 0 and self.dump_samples != 0:
+            k = len(samples) if self.dump_samples < 0 else min(self.dump_samples, len(samples))
+            texts = [self.decode(s) for s in samples[:k]]
+            write_dump(Path(dump_dir), step, samples[:k], texts, result)
+        return result
+
+    def _score_on_all_ranks(
+        self, samples: Sequence[RewardInput], rank: int, world: int
+    ) -> list[Outcome]:
+        """Rank ``rank`` scores every ``world``-th sample; every rank gets every outcome."""
         mine = [
             (i, s.data_source, self.decode(s), s.ground_truth, s.extra_info)
             for i, s in enumerate(samples)
@@ -169,16 +194,7 @@ class RewardManager:
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, outcomes, group=self.group)
             outcomes = [o for part in gathered for o in part]
-        by_index = sorted(outcomes, key=lambda o: o.index)
-        if [o.index for o in by_index] != list(range(len(samples))):
-            raise RuntimeError("reward manager: ranks returned a different set of samples")
-        self._raise_first_error(by_index, samples)
-        result = self._assemble(by_index, samples, response_width)
-        if dump_dir is not None and rank == 0 and self.dump_samples != 0:
-            k = len(samples) if self.dump_samples < 0 else min(self.dump_samples, len(samples))
-            texts = [self.decode(s) for s in samples[:k]]
-            write_dump(Path(dump_dir), step, samples[:k], texts, result)
-        return result
+        return outcomes
 
     def _raise_first_error(self, outcomes: list[Outcome], samples: Sequence[RewardInput]) -> None:
         errors = [o for o in outcomes if o.status == "error"]

@@ -110,7 +110,7 @@ def global_pass(
             batch.lengths[rows], max_token_len, num_micro_batches=most
         )
     else:
-        micro = _fitting_micro_batch(len(rows), micro_batches or len(rows))
+        micro = fitting_micro_batch(len(rows), micro_batches or len(rows))
     if role == "critic":
         outputs = {"values": compute_values(chunks, sequences, micro_batches=micro)}
     else:
@@ -119,10 +119,10 @@ def global_pass(
         if out.sum_pi_squared is not None:
             outputs["sum_pi_squared"] = out.sum_pi_squared
     width = batch.response_mask.shape[1]
-    return {k: _gather_dp(_pad_to(v, width), dp_size) for k, v in outputs.items()}
+    return {k: gather_dp(_pad_to(v, width), dp_size) for k, v in outputs.items()}
 
 
-def _fitting_micro_batch(rows: int, size: int) -> int:
+def fitting_micro_batch(rows: int, size: int) -> int:
     """The configured micro-batch size, lowered to a divisor of the rows (forward-only passes
     accept any split)."""
     size = max(1, min(size, rows))
@@ -137,7 +137,8 @@ def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, width - t.shape[1]))
 
 
-def _gather_dp(local: torch.Tensor, dp_size: int) -> torch.Tensor:
+def gather_dp(local: torch.Tensor, dp_size: int) -> torch.Tensor:
+    """Every DP rank's equal-sized ``local`` rows, concatenated in DP-rank order (on the CPU)."""
     if dp_size == 1:
         return local.cpu()
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)

@@ -27,8 +27,8 @@ from megarl.rollout.vllm_engine import read_eos_token_ids
 from megarl.trainer.actor import PolicyUpdate
 from megarl.trainer.console import Console
 from megarl.trainer.critic import ValueUpdate
+from megarl.trainer.reward_model import RewardModel
 from megarl.trainer.state import TrainerState
-from megarl.trainer.support import unsupported_by_trainer
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -62,6 +62,8 @@ class Run:
     """The critic update's settings."""
     kl_ctrl: Any = None
     """The KL-in-reward coefficient controller (``algorithm.use_kl_in_reward``)."""
+    reward_model: RewardModel | None = None
+    """The learned reward model (``reward_model.enable``); its scores replace the rule scorers."""
 
     @property
     def vocab_size(self) -> int:
@@ -71,8 +73,6 @@ class Run:
 def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
     """Initialise the process group and Megatron, then data, engine, models and rewards."""
     arr = cfg.actor_rollout_ref
-    if (reason := unsupported_by_trainer(cfg)) is not None:
-        raise ConfigError(reason)
     layout = arr.actor.megatron.parallel_layout()
     launch = init_distributed(layout, seed=cfg.trainer.seed)
     world = launch.world_size
@@ -130,6 +130,7 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         reshard = None
     critic, values = _build_critic(cfg, layout, model_path, dtype, total, plan)
     kl_ctrl = _kl_controller(cfg)
+    reward_model = RewardModel.from_config(cfg, layout, dtype, tokenizer)
     rewards = RewardManager.from_config(cfg, tokenizer, group=None)
     return Run(
         cfg=cfg,
@@ -152,6 +153,7 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         critic=critic,
         values=values,
         kl_ctrl=kl_ctrl,
+        reward_model=reward_model,
     )
 
 

@@ -1,6 +1,7 @@
 """One training step, top to bottom, and one validation pass.
 
-Step: global prompt batch → generate (rollout engine) → decode + score → old log-probs, ref
+Step: global prompt batch → generate (rollout engine) → decode + score (rule scorers, or the
+reward model: :mod:`megarl.trainer.reward_model`) → old log-probs, ref
 log-probs (at the rollout temperature) → advantages over the global batch → actor update →
 weight sync → metrics. Every rank runs the same code on the same global batch (SPMD).
 """
@@ -257,8 +258,18 @@ def _score(run, prompts, samples, batch: RolloutTensors, step: int, dump) -> Rew
         )
         for s in samples
     ]
+    model_scores = None  # a reward model replaces the rule scorers (verl 0.9.1)
+    if run.reward_model is not None:
+        model_scores = run.reward_model.score(
+            [prompts[s.prompt_index].raw_prompt for s in samples],
+            [s.response_token_ids for s in samples],
+        )
     return run.rewards(
-        inputs, response_width=batch.response_mask.shape[1], dump_dir=dump, step=step
+        inputs,
+        response_width=batch.response_mask.shape[1],
+        dump_dir=dump,
+        step=step,
+        model_scores=model_scores,
     )
 
 

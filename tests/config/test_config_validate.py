@@ -231,7 +231,15 @@ BAD_CONFIGS = [
         GRPO,
         ["reward_model.enable=true"],
         None,
-        ["reward_model.enable=true", "reward_model.path"],
+        ["reward_model.enable=true", "reward_model.model.path"],
+    ),
+    (
+        "reward-model-with-custom-function",
+        GRPO,
+        ["reward_model.enable=true", "reward_model.model.path=/rm",
+         "custom_reward_function.path=my_rewards.score"],
+        None,
+        ["reward_model.enable=true", "custom_reward_function.path", "generative RM"],
     ),
     (
         "unsupported-logger",

@@ -81,3 +81,12 @@ def test_a_complete_architecture_section_is_a_model_dims():
     assert known["architecture"] == "Qwen2ForCausalLM" and known["ffn_hidden_size"] == 256
     # a partial section leaves unknown fields out (KV heads are not assumed equal to heads)
     assert "num_query_groups" not in architecture_dims(ArchitectureConfig(num_attention_heads=8))
+
+
+def test_a_sequence_classifier_has_its_backbones_dims():
+    causal = ModelDims.from_hf_config(QWEN)
+    rm = ModelDims.from_hf_config({**QWEN, "architectures": ["Qwen2ForSequenceClassification"]})
+    assert rm.architecture == "Qwen2ForSequenceClassification" and rm.qkv_bias
+    assert {**vars(rm), "architecture": ""} == {**vars(causal), "architecture": ""}
+    with pytest.raises(ValueError, match="Qwen3ForSequenceClassification"):
+        ModelDims.from_hf_config({**QWEN, "architectures": ["Qwen3ForSequenceClassification"]})

@@ -139,6 +139,24 @@ def _model_checks(spec: dict, layout, results: dict) -> None:
     results[f"{key}/critic"] = {"values": values, "grads": _grads_as_hf(chunks, dims)}
 
 
+def _reward_model_checks(spec: dict, layout, results: dict) -> None:
+    """Reward-model scores of a right-padded batch at this layout (``scores [N]``, every rank)."""
+    from megarl.models.build import build_model
+    from megarl.models.runner import SequenceBatch, compute_scores
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+
+    tp, pp, vpp = layout
+    batch = torch.load(spec["rm_batch"])
+    lengths = batch["lengths"]
+    for name, path in spec["reward_models"].items():
+        init_distributed(ParallelLayout(tp, pp, vpp), seed=1234)
+        chunks = build_model(path, ParallelLayout(tp, pp, vpp), role="reward").chunks
+        sequences = SequenceBatch(batch["input_ids"], lengths.clone(), lengths)
+        scores = compute_scores(chunks, sequences, micro_batches=2)
+        results[f"tp{tp}_pp{pp}_vpp{vpp or 1}/{name}"] = {"scores": scores}
+
+
 def _actor_engine_check(chunks, dims) -> dict:
     """Sample from the actor itself; the runner must score the samples as the engine did."""
     from megarl.models.runner import SequenceBatch, compute_log_probs
@@ -268,6 +286,8 @@ def main() -> None:
     results: dict = {}
     for layout in _layouts(world):
         _model_checks(spec, layout, results)
+        if world == 2:  # reward models at TP=2, PP=2 and PP=2×VPP=2
+            _reward_model_checks(spec, layout, results)
     if world == 2:
         _vocab_parallel_check(results)
         _checkpoint_checks(spec, results)

@@ -21,6 +21,8 @@ MODELS = {
     "llama_tied": {"family": "llama", "tie_word_embeddings": True},
     "llama_untied": {"family": "llama"},
 }
+REWARD_MODELS = {"rm_llama": "llama", "rm_qwen2": "qwen2"}
+"""Tiny random ``*ForSequenceClassification`` reward models (random score heads)."""
 
 
 @pytest.fixture(scope="session")
@@ -49,8 +51,33 @@ def spec(tmp_path_factory) -> dict:
             torch.save(hf(ids).logits, Path(path) / "ref_logits.pt")
         paths[name] = str(path)
     spec = {"models": paths, "batch": str(tmp / "batch.pt"), "tmp": str(tmp)}
+    spec.update(_reward_models(tmp, g))
     (tmp / "spec.json").write_text(json.dumps(spec))
     return spec
+
+
+def _reward_models(tmp: Path, g: torch.Generator) -> dict:
+    """Reward models, a right-padded batch (pad_token_id after each length, never inside) and
+    HF's scores of it (``*ForSequenceClassification``: the last non-pad token's score)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from megarl.models.tiny import SPECIAL_TOKENS, make_tiny_reward_model
+
+    pad = SPECIAL_TOKENS.index("<|pad|>")
+    lengths = torch.tensor([14, 9, 7, 12])
+    ids = torch.randint(len(SPECIAL_TOKENS), 1000, (4, 14), generator=g)
+    mask = torch.arange(14)[None] < lengths[:, None]
+    ids[~mask] = pad
+    torch.save({"input_ids": ids, "lengths": lengths}, tmp / "rm_batch.pt")
+    paths = {}
+    for i, (name, family) in enumerate(REWARD_MODELS.items()):
+        path = make_tiny_reward_model(tmp / name, family, seed=200 + i)
+        hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+        assert hf.config.pad_token_id == pad
+        with torch.no_grad():
+            torch.save(hf(ids, attention_mask=mask.long()).logits[:, 0], path / "ref_scores.pt")
+        paths[name] = str(path)
+    return {"reward_models": paths, "rm_batch": str(tmp / "rm_batch.pt")}
 
 
 def _results(spec: dict, world: int) -> dict:

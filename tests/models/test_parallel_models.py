@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models.conftest import MODELS
+from tests.models.conftest import MODELS, REWARD_MODELS
 
 pytestmark = pytest.mark.multirank
 
@@ -107,3 +107,15 @@ def test_actor_engine_samples_consistently_across_layouts(key, ws1, ws2, ws4):
             assert (finish == "length") == (len(tokens) == 6 and tokens[-1] != 0)
             assert finish == "length" or tokens[-1] == 0
     assert r["tokens"] == base["tokens"]
+
+
+@pytest.mark.parametrize("key", ["tp2_pp1_vpp1", "tp1_pp2_vpp1", "tp1_pp2_vpp2"])
+def test_reward_model_scores_match_hf_sequence_classification(key, ws2, spec):
+    """Llama/Qwen2 ``*ForSequenceClassification`` on Megatron (TP=2, PP=2, PP=2×VPP=2) score a
+    right-padded batch of different lengths as transformers does (fp32)."""
+    for name in REWARD_MODELS:
+        ref = torch.load(Path(spec["reward_models"][name]) / "ref_scores.pt")
+        scores = ws2[f"{key}/{name}"]["scores"]
+        assert scores.shape == ref.shape == (4,)
+        assert ref.abs().min() > 1e-3 and len(set(ref.tolist())) == 4  # distinct, non-zero
+        assert (scores - ref).abs().max() <= 1e-4, (key, name, scores, ref)

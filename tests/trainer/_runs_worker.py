@@ -104,6 +104,8 @@ def _one_run(spec: dict, run_spec: dict) -> dict:
                     "input_ids": batch.input_ids,
                     "mask": batch.response_mask,
                     "greedy_scores": greedy,
+                    "prompt_lengths": batch.prompt_lengths,
+                    "raw_prompts": [p.raw_prompt for p in prompts],
                     "weights_unchanged": torch.equal(before, _weights_checksums(run.actor.chunks)),
                 }
                 record.update({k: batch.fields[k] for k in KEPT if k in batch.fields})

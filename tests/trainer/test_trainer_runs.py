@@ -8,7 +8,9 @@
 - DP replicas hold bit-identical weights after two steps at DP=2;
 - a NaN injected into one rank's loss skips the step on every rank, leaves the weights
   unchanged, is counted, and the run continues;
-- offloading gradient buffers and optimizer state between steps changes nothing.
+- offloading gradient buffers and optimizer state between steps changes nothing;
+- a learned reward model with its own chat template scores every response (its scores reach
+  ``critic/score/*`` and the token-level rewards) as transformers does on the decoded responses.
 """
 
 from __future__ import annotations
@@ -51,6 +53,23 @@ def _estimator_overrides(name: str) -> list[str]:
     return extra
 
 
+RM_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% else %} {{ m['content'] }}{% endif %}{% endfor %}"
+)
+"""The reward model's chat template (the actor's is ChatML)."""
+
+
+def _reward_model_run(tmp: Path) -> dict:
+    """Two GRPO steps scored by a tiny random Llama reward model with its own chat template."""
+    from megarl.models.tiny import make_tiny_reward_model
+
+    make_tiny_reward_model(tmp / "rm", "llama", seed=9, chat_template=RM_TEMPLATE)
+    overrides = ["reward_model.enable=true", f"reward_model.model.path={tmp / 'rm'}",
+                 "reward_model.micro_batch_size_per_gpu=3"]  # fmt: skip
+    return {"name": "reward_model", "overrides": overrides, "steps": 2, "worlds": [2]}
+
+
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory) -> dict:
     from megarl.commands import data
@@ -91,6 +110,7 @@ def spec(tmp_path_factory) -> dict:
                  "greedy_scores": True, "worlds": [2]})  # fmt: skip
     offload = [f"actor_rollout_ref.actor.megatron.{k}_offload=true" for k in ("grad", "optimizer")]
     runs.append({"name": "offload", "overrides": offload, "steps": 2, "worlds": [2]})
+    runs.append(_reward_model_run(tmp))
     spec = {
         "config": "configs/grpo_tiny_cpu.yaml",
         "overrides": [
@@ -207,3 +227,37 @@ def test_bf16_training_starts_from_the_loaded_weights(dp2):
     # lr 0: the step writes the optimizer's main parameters back; they are the loaded weights
     # only if the optimizer was built after the load (bf16 main parameters are clones).
     assert step["metrics"]["actor/skipped_steps"] == 0 and step["weights_unchanged"]
+
+
+def test_reward_model_scores_reach_the_rewards(dp2, spec):
+    """Every response's score is HF's ``LlamaForSequenceClassification`` score of the response
+    decoded and re-rendered with the reward model's template (:mod:`megarl.reward.retokenize`)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from megarl.reward.retokenize import reward_model_input_ids
+
+    rm_path = Path(spec["tmp"]) / "rm"
+    hf = AutoModelForSequenceClassification.from_pretrained(rm_path, dtype=torch.float32)
+    rm_tokenizer = AutoTokenizer.from_pretrained(rm_path)
+    actor_tokenizer = AutoTokenizer.from_pretrained(Path(spec["tmp"]) / "model")
+    for step in dp2["reward_model"]["steps"]:
+        inputs, got = [], []
+        for i, plen in enumerate(step["prompt_lengths"].tolist()):
+            length = int(step["mask"][i].sum())
+            response = step["input_ids"][i, plen : plen + length].tolist()
+            inputs.append(reward_model_input_ids(
+                step["raw_prompts"][i // 4], response, actor_tokenizer, rm_tokenizer
+            ))  # fmt: skip
+            assert "[INST]" in rm_tokenizer.decode(inputs[-1])
+            got.append(float(step["token_level_rewards"][i, length - 1]))
+            assert step["token_level_rewards"][i].count_nonzero() == 1
+        padded = rm_tokenizer.pad({"input_ids": inputs}, padding_side="right", return_tensors="pt")
+        with torch.no_grad():
+            expected_t = hf(**padded).logits[:, 0]  # HF: the last non-pad token's score
+        got_t = torch.tensor(got)
+        assert len(set(expected_t.tolist())) > 1
+        assert (got_t - expected_t).abs().max() <= 1e-4, (got_t, expected_t)
+        m = step["metrics"]
+        assert m["critic/score/mean"] == pytest.approx(float(expected_t.mean()), abs=1e-4)
+        assert m["critic/score/max"] == pytest.approx(float(expected_t.max()), abs=1e-4)
+        assert m["critic/score/min"] == pytest.approx(float(expected_t.min()), abs=1e-4)
