@@ -279,10 +279,12 @@ def _run(
             f"of one size; got sizes {[len(x) for x in rows]}"
         )
     config = unwrap(chunks[0]).config
+    input_ids = _pad_for_sequence_parallel(input_ids, config)
     micro = []
     for idx in rows:
         # Without variable_seq_lengths (VPP) every micro-batch has the batch's longest length.
         seq = int((lengths[idx] if config.variable_seq_lengths else lengths).max().item())
+        seq = _sequence_parallel_length(seq, config)
         mb = {
             "input_ids": input_ids[idx, :seq],
             "prompt_lengths": prompt_lengths[idx],
@@ -322,7 +324,7 @@ def _run(
         data_iterator=iterators if len(chunk_list) > 1 else iterators[0],
         model=chunk_list if len(chunk_list) > 1 else chunk_list[0],
         num_microbatches=len(micro),
-        seq_length=int(lengths.max().item()),
+        seq_length=_sequence_parallel_length(int(lengths.max().item()), config),
         micro_batch_size=max(len(x) for x in rows),
         forward_only=not training,
     )
@@ -331,6 +333,20 @@ def _run(
         names.append("sum_pi_squared")
     dtype = torch.promote_types(next(unwrap(chunks[0]).parameters()).dtype, torch.float32)
     return _broadcast_results(names, collected, metrics, torch.cat(rows), n, r, device, dtype)
+
+
+def _sequence_parallel_length(seq: int, config) -> int:
+    """``seq`` rounded up to a multiple of TP under sequence parallelism, which splits the
+    sequence over the TP ranks (the extra positions are right padding: causally invisible to the
+    real tokens, their outputs dropped)."""
+    tp = config.tensor_model_parallel_size
+    return -(-seq // tp) * tp if config.sequence_parallel and tp > 1 else seq
+
+
+def _pad_for_sequence_parallel(input_ids: torch.Tensor, config) -> torch.Tensor:
+    """``input_ids`` widened with pad columns (token 0) to the sequence-parallel length."""
+    width = _sequence_parallel_length(input_ids.shape[1], config)
+    return torch.nn.functional.pad(input_ids, (0, width - input_ids.shape[1]))
 
 
 def _output_fn(
