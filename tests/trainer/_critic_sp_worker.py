@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.trainer._update_worker import _hf_weights
+from tests.trainer._update_worker import _hf_weights, _rollout
 
 
 def _init_process_group() -> None:
@@ -62,22 +62,6 @@ def _emulate_sp_norm() -> None:
     torch_norm.WrappedTorchNorm.__new__ = new
 
 
-def _batch(spec: dict):
-    from megarl.trainer.batch import rollout_tensors
-
-    data = torch.load(spec["batch"])
-    batch = rollout_tensors(
-        data["prompts"],
-        data["responses"],
-        [[0.0] * len(r) for r in data["responses"]],
-        data["prompt_ids"],
-        [False] * len(data["responses"]),
-        pad_token_id=0,
-    )
-    batch.fields["values"], batch.fields["returns"] = data["values"], data["returns"]
-    return batch
-
-
 def _cpu(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.cpu() for k, v in weights.items()}
 
@@ -98,7 +82,7 @@ def _run_case(spec: dict, case: dict) -> dict:
                             grad_reduce_in_fp32=False, use_distributed_optimizer=False)  # fmt: skip
     critic = TrainableModel(built, sgd)
     before = _cpu(_hf_weights(critic.chunks, built.dims))
-    batch = _batch(spec)
+    batch = _rollout(spec)  # tokens, values and returns of the fixed batch
     values = global_values(critic, batch, spec["micro_batch_size"], None)
     settings = ValueUpdate(
         responses_per_mini_batch=len(batch), micro_batch_size=spec["micro_batch_size"],
