@@ -120,14 +120,18 @@ def forward_logits(
     interleaved (VPP) schedule wants a multiple of PP micro-batches of one shape.
     """
     kept: list[torch.Tensor] = []
+    config = unwrap(chunks[0]).config
 
     def step(data_iterator, model):
         ids = next(data_iterator)
+        width = ids.shape[1]
+        ids = _pad_for_sequence_parallel(ids, config)
         seq = ids.shape[1]
         positions = torch.arange(seq, device=ids.device)[None].expand_as(ids)
         output = model(ids, positions, causal_mask(seq, ids.device))
 
         def loss_func(logits: torch.Tensor):
+            logits = logits[:, :width]  # without the sequence-parallel padding
             kept.append((logits if keep is None else keep(len(kept), logits)).detach())
             return logits.sum() * 0.0, torch.ones((), dtype=torch.int), {}
 
@@ -139,7 +143,7 @@ def forward_logits(
         data_iterator=[iter(micro_batches) for _ in chunks] if interleaved else iter(micro_batches),
         model=list(chunks) if interleaved else chunks[0],
         num_microbatches=len(micro_batches),
-        seq_length=max(mb.shape[1] for mb in micro_batches),
+        seq_length=_sequence_parallel_length(max(mb.shape[1] for mb in micro_batches), config),
         micro_batch_size=micro_batches[0].shape[0],
         forward_only=True,
     )

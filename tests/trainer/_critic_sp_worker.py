@@ -1,9 +1,10 @@
 """Critic values and one critic update at several layouts (one torchrun launch of 2 ranks).
 
-For each case (TP, sequence parallelism, layer spec) the critic is built from the tiny HF
-checkpoint, its values on a fixed batch are computed by the trainer's value pass, and one update
-by ``update_critic`` with SGD at lr 1 follows, so the weight change is the reduced gradient.
-Rank 0 saves values, weights before and after (in HF names) and metrics for pytest:
+For each case (TP, sequence parallelism) the critic is built from the tiny HF checkpoint, its
+values on a fixed batch are computed by the trainer's value pass, and one update by
+``update_critic`` with SGD at lr 1 follows, so the weight change is the reduced gradient; the
+actor's log-probs and last-position logits on the same batch come along. Rank 0 saves values,
+weights before and after (in HF names), log-probs, logits and metrics for pytest:
 ``python -m torch.distributed.run --nproc_per_node 2 _critic_sp_worker.py SPEC.json``.
 
 Devices: on CPU, gloo with megarl's emulation layer. On a GPU machine with fewer GPUs than
@@ -66,6 +67,27 @@ def _cpu(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.cpu() for k, v in weights.items()}
 
 
+def _actor_outputs(spec: dict, layout, batch) -> dict[str, torch.Tensor]:
+    """The actor's response log-probs (the trainer's pass) and last-position logits (the actor
+    rollout engine's), both of which pad the sequence for sequence parallelism."""
+    from megarl.models.build import build_model
+    from megarl.rollout.actor_engine import last_position_logits
+    from megarl.trainer.passes import global_pass
+
+    dtype = getattr(torch, spec["dtype"])
+    built = build_model(
+        spec["model"], layout, dtype=dtype, transformer_impl=spec["transformer_impl"]
+    )
+    vocab = built.dims.vocab_size
+    log_probs = global_pass(built.chunks, batch, "actor", micro_batches=spec["micro_batch_size"],
+                            vocab_size=vocab)["log_probs"]  # fmt: skip
+    device = next(built.chunks[0].parameters()).device
+    logits = last_position_logits(
+        built.chunks, batch.input_ids.to(device), batch.lengths.to(device), vocab
+    )
+    return {"log_probs": log_probs.cpu(), "last_logits": logits.cpu()}
+
+
 def _run_case(spec: dict, case: dict) -> dict:
     from megarl.models.build import build_model
     from megarl.models.trainable import OptimizerSettings, TrainableModel
@@ -90,6 +112,7 @@ def _run_case(spec: dict, case: dict) -> dict:
     )  # fmt: skip
     metrics = update_critic(critic, batch, settings, seed=0, step=1)
     return {
+        **_actor_outputs(spec, layout, batch),
         "values": values.cpu(),
         "before": before,
         "after": _cpu(_hf_weights(critic.chunks, built.dims)),

@@ -1,4 +1,5 @@
-"""The critic under sequence parallelism: values and gradients equal those without it.
+"""The critic under sequence parallelism: values and gradients equal those without it (and the
+actor's log-probs and last-position logits).
 
 With ``sequence_parallel: true`` the hidden states reaching the value head are sharded along the
 sequence; the head gathers them, and its weight gradient must not be reduced twice (or missed)
@@ -6,8 +7,9 @@ over TP. Each case runs the trainer's value pass and one ``update_critic`` with 
 (the weight change is the reduced gradient) on a fixed batch whose longest sequence has an odd
 length (sequence parallelism splits the sequence over TP, so the runner must pad it).
 
-- GPU (marked ``gpu``, skipped without CUDA): Transformer Engine's layer spec at TP=2, SP on vs
-  off, fp32. One GPU is enough: both ranks then share it over gloo (see the worker).
+- GPU (marked ``gpu``, skipped without CUDA): Transformer Engine's layer spec (the local one as
+  on CPU when TE is not installed) at TP=2, SP on vs off, fp32. One GPU is enough: both ranks
+  then share it over gloo (see the worker).
 - CPU: the same harness at TP=1 (DP=2), TP=2, and TP=2 with SP on the local spec, whose torch
   norm the worker marks for the TP gradient all-reduce as TE's norms are (Megatron's wrapper
   refuses SP only for lack of that mark); float64, so any difference is a wrong collective, not
@@ -16,6 +18,7 @@ length (sequence parallelism splits the sequence over TP, so the runner must pad
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -60,8 +63,9 @@ def _run(tmp: Path, cases: list[dict], **spec) -> dict:
 
 def _assert_same_critic(ref: dict, other: dict, *, rtol: float) -> None:
     """Values and every parameter's gradient (before − after at lr 1), relative to their scale."""
-    scale = float(ref["values"].abs().max())
-    assert float((other["values"] - ref["values"]).abs().max()) <= rtol * scale
+    for key in ("values", "log_probs", "last_logits"):
+        scale = float(ref[key].abs().max())
+        assert float((other[key] - ref[key]).abs().max()) <= rtol * scale, key
     assert set(other["after"]) == set(ref["after"])
     for name in ref["after"]:
         g_ref = ref["before"][name] - ref["after"][name]
@@ -75,10 +79,12 @@ def _assert_same_critic(ref: dict, other: dict, *, rtol: float) -> None:
 
 @pytest.mark.gpu
 def test_critic_sequence_parallel_equals_no_sp_on_gpu(tmp_path):
-    pytest.importorskip("transformer_engine.pytorch")
+    te = importlib.util.find_spec("transformer_engine") is not None
     cases = [{"name": "tp2", "tp": 2, "sequence_parallel": False},
              {"name": "tp2_sp", "tp": 2, "sequence_parallel": True}]  # fmt: skip
-    out = _run(tmp_path, cases, dtype="float32", transformer_impl="transformer_engine")
+    # Without Transformer Engine the local spec runs SP on GPU the way the CPU test runs it.
+    out = _run(tmp_path, cases, dtype="float32",
+               transformer_impl="transformer_engine" if te else "local", emulate_sp_norm=not te)  # fmt: skip
     assert out["tp2_sp"]["sequence_parallel"] and not out["tp2"]["sequence_parallel"]
     # fp32: SP changes where partial sums meet (norm weight gradients), not what is summed.
     _assert_same_critic(out["tp2"], out["tp2_sp"], rtol=1e-4)
