@@ -2,7 +2,8 @@
 
 Each run builds the trainer's ``Run`` from a config with overrides and calls ``train_step`` for
 a few steps, recording per step the metrics, the advantages and the responses, and at the end
-whether the DP replicas hold bit-identical weights. Rank 0 saves everything for pytest:
+whether the DP replicas hold bit-identical weights. A run with its own ``config`` is a learning
+run: greedy validation before and after, metrics per step. Rank 0 saves everything for pytest:
 ``python -m torch.distributed.run --nproc_per_node W _runs_worker.py SPEC.json``.
 """
 
