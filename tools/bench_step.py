@@ -8,6 +8,7 @@ batch tensors, Python).
 
     .venv/bin/python tools/bench_step.py [--steps 8] [--out outputs] [KEY=VALUE ...]
     .venv/bin/python tools/bench_step.py algorithm.adv_estimator=gae    # PPO: critic phases
+    .venv/bin/python tools/bench_step.py --config configs/ppo_tiny_cpu.yaml  # the PPO tiny run
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Makes the tiny random Qwen2 checkpoint (``outputs/tiny-qwen2``) and the syntheti
 processes (actor TP 2, vLLM TP 2) under torchrun: per-step summary lines, a progress bar, and at
 the end where the outputs are and the validation reward before and after training.
 
-    python -m megarl.commands.quickstart [--out outputs] [KEY=VALUE ...]
+    python -m megarl.commands.quickstart [--out outputs] [--config CONFIG] [KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default="outputs", help="where model, data and the run go")
     parser.add_argument("--nproc", type=int, default=2, help="processes (the config's world)")
+    parser.add_argument(
+        "--config", default=str(CONFIG), help="the run's config (a 2-rank tiny one)"
+    )
     args, overrides = parser.parse_known_args(argv)
     out = Path(args.out).resolve()
     model, data = out / "tiny-qwen2", out / "tiny-data"
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     command = [
         py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-        "-m", "megarl.train", "--config", str(CONFIG),
+        "-m", "megarl.train", "--config", str(Path(args.config).resolve()),
         f"actor_rollout_ref.model.path={model}",
         f"data.train_files={data / 'train.parquet'}",
         f"data.val_files={data / 'test.parquet'}",

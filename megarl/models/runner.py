@@ -148,14 +148,18 @@ def forward_logits(
     interleaved (VPP) schedule wants a multiple of PP micro-batches of one shape.
     """
     kept: list[torch.Tensor] = []
+    config = unwrap(chunks[0]).config
 
     def step(data_iterator, model):
         ids = next(data_iterator)
+        width = ids.shape[1]
+        ids = _pad_for_sequence_parallel(ids, config)
         seq = ids.shape[1]
         positions = torch.arange(seq, device=ids.device)[None].expand_as(ids)
         output = model(ids, positions, causal_mask(seq, ids.device))
 
         def loss_func(logits: torch.Tensor):
+            logits = logits[:, :width]  # without the sequence-parallel padding
             kept.append((logits if keep is None else keep(len(kept), logits)).detach())
             return logits.sum() * 0.0, torch.ones((), dtype=torch.int), {}
 
@@ -167,7 +171,7 @@ def forward_logits(
         data_iterator=[iter(micro_batches) for _ in chunks] if interleaved else iter(micro_batches),
         model=list(chunks) if interleaved else chunks[0],
         num_microbatches=len(micro_batches),
-        seq_length=max(mb.shape[1] for mb in micro_batches),
+        seq_length=_sequence_parallel_length(max(mb.shape[1] for mb in micro_batches), config),
         micro_batch_size=micro_batches[0].shape[0],
         forward_only=True,
     )
@@ -315,10 +319,12 @@ def _run(
             f"of one size; got sizes {[len(x) for x in rows]}"
         )
     config = unwrap(chunks[0]).config
+    input_ids = _pad_for_sequence_parallel(input_ids, config)
     micro = []
     for idx in rows:
         # Without variable_seq_lengths (VPP) every micro-batch has the batch's longest length.
         seq = int((lengths[idx] if config.variable_seq_lengths else lengths).max().item())
+        seq = _sequence_parallel_length(seq, config)
         mb = {
             "input_ids": input_ids[idx, :seq],
             "prompt_lengths": prompt_lengths[idx],
@@ -358,7 +364,7 @@ def _run(
         data_iterator=iterators if len(chunk_list) > 1 else iterators[0],
         model=chunk_list if len(chunk_list) > 1 else chunk_list[0],
         num_microbatches=len(micro),
-        seq_length=int(lengths.max().item()),
+        seq_length=_sequence_parallel_length(int(lengths.max().item()), config),
         micro_batch_size=max(len(x) for x in rows),
         forward_only=not training,
     )
@@ -367,6 +373,20 @@ def _run(
         names.append("sum_pi_squared")
     dtype = torch.promote_types(next(unwrap(chunks[0]).parameters()).dtype, torch.float32)
     return _broadcast_results(names, collected, metrics, torch.cat(rows), n, r, device, dtype)
+
+
+def _sequence_parallel_length(seq: int, config) -> int:
+    """``seq`` rounded up to a multiple of TP under sequence parallelism, which splits the
+    sequence over the TP ranks (the extra positions are right padding: causally invisible to the
+    real tokens, their outputs dropped)."""
+    tp = config.tensor_model_parallel_size
+    return -(-seq // tp) * tp if config.sequence_parallel and tp > 1 else seq
+
+
+def _pad_for_sequence_parallel(input_ids: torch.Tensor, config) -> torch.Tensor:
+    """``input_ids`` widened with pad columns (token 0) to the sequence-parallel length."""
+    width = _sequence_parallel_length(input_ids.shape[1], config)
+    return torch.nn.functional.pad(input_ids, (0, width - input_ids.shape[1]))
 
 
 def _output_fn(

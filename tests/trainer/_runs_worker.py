@@ -2,7 +2,8 @@
 
 Each run builds the trainer's ``Run`` from a config with overrides and calls ``train_step`` for
 a few steps, recording per step the metrics, the advantages and the responses, and at the end
-whether the DP replicas hold bit-identical weights. Rank 0 saves everything for pytest:
+whether the DP replicas hold bit-identical weights. A run with its own ``config`` is a learning
+run: greedy validation before and after, metrics per step. Rank 0 saves everything for pytest:
 ``python -m torch.distributed.run --nproc_per_node W _runs_worker.py SPEC.json``.
 """
 
@@ -117,6 +118,31 @@ def _one_run(spec: dict, run_spec: dict) -> dict:
     return {"steps": steps, "replicas_identical": identical}
 
 
+def _learning_run(spec: dict, run_spec: dict) -> dict:
+    """A run of ``run_spec["config"]`` with greedy validation before the first and after the last
+    step; per step only the metrics are kept."""
+    from megarl.config import load_config
+    from megarl.trainer.console import Console
+    from megarl.trainer.setup import build_run
+    from megarl.trainer.step import train_step, validate
+
+    run_dir = Path(spec["tmp"]) / f"{run_spec['name']}_ws{dist.get_world_size()}"
+    overrides = [*spec["overrides"], *run_spec["overrides"], f"trainer.default_local_dir={run_dir}"]
+    cfg = load_config([run_spec["config"]], overrides)
+    with Console(run_dir / "logs", rank=dist.get_rank()) as console:
+        run = build_run(cfg, console, run_dir)
+        try:
+            first = validate(run, 0)["val/score/mean"]
+            steps = []
+            for step in range(1, run_spec["steps"] + 1):
+                metrics, _ = train_step(run, step, [run.train_data[i] for i in next(run.sampler)])
+                steps.append({"metrics": metrics})
+            last = validate(run, run_spec["steps"])["val/score/mean"]
+        finally:
+            run.rewards.close()
+    return {"steps": steps, "val_before": first, "val_after": last}
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     from megarl.trainer import actor
@@ -129,7 +155,8 @@ def main() -> None:
     results = {}
     for run_spec in spec["runs"]:
         if world in run_spec["worlds"]:
-            results[run_spec["name"]] = _one_run(spec, run_spec)
+            one = _learning_run if "config" in run_spec else _one_run
+            results[run_spec["name"]] = one(spec, run_spec)
     if dist.get_rank() == 0:
         torch.save(results, Path(spec["tmp"]) / f"runs_ws{world}.pt")
     dist.barrier()

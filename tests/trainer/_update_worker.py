@@ -81,8 +81,9 @@ def _rollout(spec: dict):
         [False] * len(data["responses"]),
         pad_token_id=0,
     )
-    for name in ("advantages", "old_log_probs", "ref_log_probs"):
-        batch.fields[name] = data[name]
+    for name in ("advantages", "old_log_probs", "ref_log_probs", "values", "returns"):
+        if name in data:
+            batch.fields[name] = data[name]
     return batch
 
 
@@ -160,9 +161,7 @@ def _critic_case(spec: dict, layout) -> dict:
             use_distributed_optimizer=False,
         ),
     )  # fmt: skip
-    batch = _rollout(spec)
-    data = torch.load(spec["batch"])
-    batch.fields["values"], batch.fields["returns"] = data["values"], data["returns"]
+    batch = _rollout(spec)  # with the fixed batch's values and returns
     settings = ValueUpdate(
         responses_per_mini_batch=spec["responses_per_mini_batch"],
         micro_batch_size=spec["micro_batch_size"],

@@ -11,12 +11,15 @@
 - offloading gradient buffers and optimizer state between steps changes nothing;
 - a learned reward model with its own chat template scores every response (its scores reach
   ``critic/score/*`` and the token-level rewards) as transformers does on the decoded responses.
+- PPO on the synthetic task (configs/ppo_tiny_cpu.yaml, 30 steps): the critic's explained
+  variance rises to a measured level and greedy validation does not fall.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -44,6 +47,20 @@ OVERRIDES = [
     "trainer.val_before_train=false",
     "trainer.test_freq=-1",
 ]
+
+PPO_LEARNING = [
+    "data.train_batch_size=8",  # x rollout.n 4 = 32 responses a step
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+    "data.val_max_samples=64",
+    "trainer.val_before_train=true",  # loads the validation set
+]
+"""configs/ppo_tiny_cpu.yaml (GAE with a critic, KL in the reward, actor and critic at PP 2) with
+this launch's rollout (the actor as engine), 8 prompts x 4 responses of 8 tokens a step."""
+PPO_STEPS = 30
+EXPLAINED_VAR_FLOOR = -0.5
+"""See test_ppo_learns_on_the_synthetic_task."""
 
 
 def _estimator_overrides(name: str) -> list[str]:
@@ -111,6 +128,8 @@ def spec(tmp_path_factory) -> dict:
     offload = [f"actor_rollout_ref.actor.megatron.{k}_offload=true" for k in ("grad", "optimizer")]
     runs.append({"name": "offload", "overrides": offload, "steps": 2, "worlds": [2]})
     runs.append(_reward_model_run(tmp))
+    runs.append({"name": "ppo_learning", "config": "configs/ppo_tiny_cpu.yaml",
+                 "overrides": PPO_LEARNING, "steps": PPO_STEPS, "worlds": [2]})  # fmt: skip
     spec = {
         "config": "configs/grpo_tiny_cpu.yaml",
         "overrides": [
@@ -261,3 +280,27 @@ def test_reward_model_scores_reach_the_rewards(dp2, spec):
         assert m["critic/score/mean"] == pytest.approx(float(expected_t.mean()), abs=1e-4)
         assert m["critic/score/max"] == pytest.approx(float(expected_t.max()), abs=1e-4)
         assert m["critic/score/min"] == pytest.approx(float(expected_t.min()), abs=1e-4)
+
+
+def test_ppo_learns_on_the_synthetic_task(dp2):
+    """PPO (configs/ppo_tiny_cpu.yaml) for 30 steps: the critic learns and greedy validation does
+    not get worse.
+
+    Measured (trainer.seed 1, 2, 3; this launch's model and data): ``critic/vf_explained_var``
+    starts at -37, -10, -18 (the seeded value head's noise, std ~0.8 against returns of std
+    ~0.2) and its median over the last 10 steps is -0.08, -0.006, -0.08; with the critic's lr
+    at 0 it stays at -10.8. About 0 is all this task allows in 30 steps: once the policy answers
+    with digits (by step ~10) the returns' spread is whether the sum is right, which a random
+    4-layer critic does not learn that fast (a zero-initialised head stayed within +-0.03). The
+    median (single steps whose returns hardly vary read -8 to -78) must exceed -0.5; a critic
+    trained towards the negated returns (broken on purpose) read -1.1.
+    Greedy validation went 0.08 -> 0.55, 0.12 -> 0.55, 0.13 -> 0.57 (0.29 with the critic at lr
+    0); the acceptance bar is r0 - 0.02.
+    """
+    run = dp2["ppo_learning"]
+    explained = [step["metrics"]["critic/vf_explained_var"] for step in run["steps"]]
+    late = statistics.median(explained[-10:])
+    print(f"vf_explained_var first {explained[0]:.3f}, median of the last 10 {late:.3f}; "
+          f"validation {run['val_before']:.4f} -> {run['val_after']:.4f}")  # fmt: skip
+    assert late > EXPLAINED_VAR_FLOOR
+    assert run["val_after"] >= run["val_before"] - 0.02
