@@ -280,15 +280,20 @@ def test_resume_at_tp1_pp2_continues_exactly_under_the_checkpoint_lr(tiny, refer
 
 def test_sigint_exits_without_saving_and_the_last_checkpoint_loads_at_dp2(tiny, reference):
     run_dir = _from_step_2(reference, tiny["root"] / "sigint")
-    # A changed lr: the config wins (default policy), named; step 3 runs with it.
-    proc = _start(tiny, run_dir, "actor_rollout_ref.actor.optim.lr=2e-4", launcher=True)
+    # A changed lr: the config wins (default policy), named; step 3 runs with it. The step-4
+    # save is held (test hook), so however late the SIGINT lands, no step-4 checkpoint completes.
+    held = {"MEGARL_TEST_SLOW_CHECKPOINT": "4:120"}
+    lr = "actor_rollout_ref.actor.optim.lr=2e-4"
+    proc = _start(tiny, run_dir, lr, env=held, launcher=True)
     _wait_for(lambda: _stepped(run_dir, 3), "step 3")
     job = _family(proc)
     proc.send_signal(signal.SIGINT)  # to the launcher alone, during step 4; it passes it on
     code, out = _finish(proc, timeout=TORCHRUN_KILL_GRACE_S + 60)
     assert code != 0
     assert _survivors(job, timeout=30) == []
-    assert sorted(p.name for p in run_dir.glob("global_step_*")) == ["global_step_2"]
+    complete = [p.name for p in run_dir.glob("global_step_*") if p.suffix != ".tmp"]
+    assert complete == ["global_step_2"]
+    assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert "actor_rollout_ref.actor.optim.lr: checkpoint 0.0001, config 0.0002" in out
     assert "using the config's" in out
     got, ref = _metrics(run_dir)[3], _metrics(reference)[3]
