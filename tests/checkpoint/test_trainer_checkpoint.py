@@ -210,6 +210,14 @@ def _announced(run_dir: Path) -> bool:
     return log.exists() and " rank(s), TP " in log.read_text(errors="replace")
 
 
+def _stepped(run_dir: Path, step: int) -> bool:
+    """Whether ``step``'s metrics are in metrics.jsonl (read while the run appends to it)."""
+    try:
+        return step in _metrics(run_dir)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+
+
 @pytest.fixture(scope="module")
 def reference(tiny) -> Path:
     run_dir = tiny["root"] / "reference"
@@ -247,14 +255,6 @@ def test_kill_mid_write_then_resume_equals_the_uninterrupted_run(tiny, reference
     assert all(_prompts(reference, s) == _prompts(run_dir, s) for s in (3, 4))
     # Retention: only the newest complete checkpoint is left.
     assert sorted(p.name for p in run_dir.glob("global_step_*")) == ["global_step_4"]
-
-
-def _stepped(run_dir: Path, step: int) -> bool:
-    """Whether ``step``'s metrics are in metrics.jsonl (read while the run appends to it)."""
-    try:
-        return step in _metrics(run_dir)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return False
 
 
 def test_resume_at_tp1_pp2_continues_exactly_under_the_checkpoint_lr(tiny, reference):
