@@ -1,20 +1,24 @@
 """Trainer checkpoints against real uninterrupted runs (issue 13), on 2 CPU ranks, actor engine.
 
 One 4-step reference run (TP 2, ``save_freq=2``) serves most checks; every other launch starts
-from a copy of its ``global_step_2`` (or, for the ``ppo_epochs=2`` diamond, from a run of its
-own) and must continue exactly as the reference did:
+from a copy of its ``global_step_2`` (or, for the ``ppo_epochs=2`` PPO-with-a-critic diamond,
+from a run of its own) and must continue exactly as the reference did. Launches are the cost
+(each imports Megatron on two ranks), so each one serves several checks — 9 in all:
 
-- kill: rank 1 SIGKILLed while its checkpoint writers are writing step 4 (a test hook makes
-  them sleep); no process of that job survives; the next launch warns about the partial
-  directory, resumes from step 2, matches the reference (metrics, prompts, final weights) and
-  keeps one checkpoint (``max_actor_ckpt_to_keep=1``);
-- layouts: resumed at TP1×PP2 and at DP2 (distributed optimizer), step 3 equals the
-  reference's; the TP1×PP2 run also resumes with a changed lr under the checkpoint policy,
-  and both stop through the STOP file;
-- SIGINT to ``megarl train``: every process gone, no new checkpoint; the next launch loads
-  step 2 with a changed lr under the default (config) policy;
-- SIGTERM to one rank (``ppo_epochs=2``): saved after the step, exit 0, the relaunch finishes
-  the run and equals an uninterrupted ``ppo_epochs=2`` run.
+- kill (2 launches): rank 1 SIGKILLed while its checkpoint writers are writing step 4 (a test
+  hook makes them sleep); no process of that job survives; the next launch warns about the
+  partial directory, resumes from step 2, matches the reference (metrics, prompts, final
+  weights) and keeps one checkpoint (``max_actor_ckpt_to_keep=1``);
+- layout (1): resumed at TP1×PP2 (distributed optimizer) with a changed lr under the
+  checkpoint policy, stopped through the STOP file: step 3 equals the reference's;
+- SIGINT (2): ``megarl train`` resumed with a changed lr runs step 3 with the config's lr
+  (default policy), then SIGINT: every process gone, no new checkpoint; the next launch loads
+  step 2 at DP2 (distributed optimizer) and its step 3 equals the reference's;
+- SIGTERM (3): ``ppo_epochs=2`` PPO with a critic; SIGTERM to one rank: saved after the step,
+  exit 0, the relaunch finishes the run and equals an uninterrupted run (the diamond with
+  ``ppo_epochs`` 2 and a critic).
+
+Small steps (4 prompts × 4 responses, two mini-batches) keep each launch short.
 """
 
 from __future__ import annotations
@@ -54,6 +58,14 @@ COMPARED = (
     "rollout/logprob_diff_max",
 )
 TIMING = ("timing_s/", "perf/")
+# 16 responses a step in two mini-batches (of 2 prompts × 4), two micro-batches each at DP 1.
+SMALL_STEPS = (
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+)
 # Generous bounds on waits (2 loaded cores): a launch imports Megatron on two ranks (~30 s).
 LAUNCH_TIMEOUT_S = 600
 TORCHRUN_KILL_GRACE_S = 30  # torchrun SIGKILLs its workers 30 s after forwarding a signal
@@ -86,6 +98,7 @@ def _args(tiny: dict, run_dir: Path, *extra: str) -> list[str]:
         "reward_model.dump_samples=-1",
         f"trainer.rollout_data_dir={run_dir / 'rollouts'}",
         f"trainer.default_local_dir={run_dir}",
+        *SMALL_STEPS,
         *extra,
     ]  # fmt: skip
 
@@ -194,7 +207,15 @@ def _survivors(processes: list[psutil.Process], timeout: float) -> list[str]:
 
 def _announced(run_dir: Path) -> bool:
     log = run_dir / "logs" / "rank0.log"
-    return log.exists() and "megarl: grpo on" in log.read_text(errors="replace")
+    return log.exists() and " rank(s), TP " in log.read_text(errors="replace")
+
+
+def _stepped(run_dir: Path, step: int) -> bool:
+    """Whether ``step``'s metrics are in metrics.jsonl (read while the run appends to it)."""
+    try:
+        return step in _metrics(run_dir)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -236,50 +257,43 @@ def test_kill_mid_write_then_resume_equals_the_uninterrupted_run(tiny, reference
     assert sorted(p.name for p in run_dir.glob("global_step_*")) == ["global_step_4"]
 
 
-@pytest.mark.parametrize(
-    ("layout", "extra"),
-    [
-        (
-            "tp1_pp2",
-            (
-                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
-                "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
-                "actor_rollout_ref.actor.optim.lr=2e-4",
-                "actor_rollout_ref.actor.optim.use_checkpoint_opt_param_scheduler=true",
-            ),
-        ),
-        ("tp1_dp2", ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",)),
-    ],
-)
-def test_resume_at_another_layout_continues_exactly(tiny, reference, layout, extra):
-    run_dir = _from_step_2(reference, tiny["root"] / layout)
+def test_resume_at_tp1_pp2_continues_exactly_under_the_checkpoint_lr(tiny, reference):
+    run_dir = _from_step_2(reference, tiny["root"] / "tp1_pp2")
     (run_dir / "STOP").write_text("")  # stop (with a checkpoint) after the first step
-    out = _run(tiny, run_dir, *extra)
+    out = _run(
+        tiny,
+        run_dir,
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+        "actor_rollout_ref.actor.optim.lr=2e-4",
+        "actor_rollout_ref.actor.optim.use_checkpoint_opt_param_scheduler=true",
+    )
     assert "stopped after step 3" in out and not (run_dir / "STOP").exists()
     assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     got = _metrics(run_dir)[3]
     worst = _largest_difference(_metrics(reference)[3], got)
-    print(f"{layout}: step 3 differs by {worst:.3g}")
+    print(f"tp1_pp2: step 3 differs by {worst:.3g}")
     assert worst <= 1e-5
-    if "lr=2e-4" in " ".join(extra):
-        assert "actor_rollout_ref.actor.optim.lr: checkpoint 0.0001, config 0.0002" in out
-        assert "using the checkpoint's" in out and got["actor/lr"] == 1e-4
+    assert "actor_rollout_ref.actor.optim.lr: checkpoint 0.0001, config 0.0002" in out
+    assert "using the checkpoint's" in out and got["actor/lr"] == 1e-4
 
 
-def test_sigint_exits_without_saving_and_the_last_checkpoint_loads(tiny, reference):
+def test_sigint_exits_without_saving_and_the_last_checkpoint_loads_at_dp2(tiny, reference):
     run_dir = _from_step_2(reference, tiny["root"] / "sigint")
-    proc = _start(tiny, run_dir, launcher=True)
-    _wait_for(lambda: _announced(run_dir), "the run to start")
+    # A changed lr: the config wins (default policy), named; step 3 runs with it. The step-4
+    # save is held (test hook), so however late the SIGINT lands, no step-4 checkpoint completes.
+    held = {"MEGARL_TEST_SLOW_CHECKPOINT": "4:120"}
+    lr = "actor_rollout_ref.actor.optim.lr=2e-4"
+    proc = _start(tiny, run_dir, lr, env=held, launcher=True)
+    _wait_for(lambda: _stepped(run_dir, 3), "step 3")
     job = _family(proc)
-    proc.send_signal(signal.SIGINT)  # to the launcher alone; it passes it on
+    proc.send_signal(signal.SIGINT)  # to the launcher alone, during step 4; it passes it on
     code, out = _finish(proc, timeout=TORCHRUN_KILL_GRACE_S + 60)
     assert code != 0
     assert _survivors(job, timeout=30) == []
-    assert sorted(p.name for p in run_dir.glob("global_step_*")) == ["global_step_2"]
-
-    # The next launch loads step 2; a changed lr: the config wins (default policy), named.
-    (run_dir / "STOP").write_text("")
-    out = _run(tiny, run_dir, "actor_rollout_ref.actor.optim.lr=2e-4")
+    complete = [p.name for p in run_dir.glob("global_step_*") if p.suffix != ".tmp"]
+    assert complete == ["global_step_2"]
+    assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert "actor_rollout_ref.actor.optim.lr: checkpoint 0.0001, config 0.0002" in out
     assert "using the config's" in out
     got, ref = _metrics(run_dir)[3], _metrics(reference)[3]
@@ -287,13 +301,30 @@ def test_sigint_exits_without_saving_and_the_last_checkpoint_loads(tiny, referen
     for key in ("critic/score/mean", "response_length/mean"):  # rolled out before the update
         assert got[key] == ref[key]
 
+    # The next launch loads step 2, at DP 2 with the distributed optimizer; it continues
+    # exactly (its step-3 line is the later one in metrics.jsonl).
+    (run_dir / "STOP").write_text("")
+    out = _run(tiny, run_dir, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1")
+    assert f"resumed from {run_dir / 'global_step_2'}" in out
+    assert "TP 1 × PP 1 × DP 2" in out and "stopped after step 3" in out
+    got = _metrics(run_dir)[3]
+    worst = _largest_difference(ref, got)
+    print(f"tp1_dp2: step 3 differs by {worst:.3g}")
+    assert worst <= 1e-5 and got["actor/lr"] == 1e-4
 
-def test_sigterm_to_one_rank_saves_and_the_relaunch_finishes_the_run(tiny):
-    ppo2 = ("actor_rollout_ref.actor.ppo_epochs=2", "trainer.save_freq=4")
-    straight = tiny["root"] / "ppo2_straight"
-    _run(tiny, straight, *ppo2)
-    run_dir = tiny["root"] / "ppo2_stopped"
-    proc = _start(tiny, run_dir, *ppo2)
+
+def test_sigterm_to_one_rank_saves_and_the_relaunch_equals_ppo2_with_a_critic(tiny):
+    """The diamond with ``ppo_epochs`` 2 and PPO with a critic (``gae``): the critic is saved
+    in ``global_step_<N>/critic`` and restored by the same code path as the actor."""
+    variant = (
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.actor.ppo_epochs=2",  # the critic's too
+        "trainer.save_freq=4",
+    )
+    straight = tiny["root"] / "ppo2_gae_straight"
+    _run(tiny, straight, *variant)
+    run_dir = tiny["root"] / "ppo2_gae_stopped"
+    proc = _start(tiny, run_dir, *variant)
     _wait_for(lambda: _announced(run_dir), "the run to start")
     rank1 = next(p for p in _family(proc) if p.environ().get("RANK") == "1")
     rank1.send_signal(signal.SIGTERM)
@@ -303,12 +334,14 @@ def test_sigterm_to_one_rank_saves_and_the_relaunch_finishes_the_run(tiny):
         "stopped after step 1 (SIGTERM on rank 1)" in (run_dir / "logs" / "rank1.log").read_text()
     )
     assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert (run_dir / "global_step_1" / "critic").is_dir()
 
-    _run(tiny, run_dir, *ppo2)
+    _run(tiny, run_dir, *variant)
     ref, got = _metrics(straight), _metrics(run_dir)
+    assert "critic/vf_loss" in ref[4]
     worst = max(_largest_difference(ref[s], got[s]) for s in (1, 2, 3, 4))
     weights = _weight_difference(straight, run_dir)
-    print(f"diamond (ppo_epochs 2): metrics {worst:.3g}, weights {weights:.3g}")
+    print(f"diamond (ppo_epochs 2, PPO with a critic): metrics {worst:.3g}, weights {weights:.3g}")
     assert worst <= 1e-6 and weights <= 1e-6
     assert all(_prompts(straight, s) == _prompts(run_dir, s) for s in (1, 2, 3, 4))
 
@@ -345,24 +378,3 @@ def test_resume_errors_are_one_line(tiny, reference, case):
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
     assert all(n in lines[0] for n in named), lines[0]
-
-
-def test_ppo_with_a_critic_resume_diamond(tiny):
-    """The diamond with algorithm.adv_estimator=gae: the critic is saved in
-    global_step_<N>/critic and restored by the same code path as the actor."""
-    gae = ("algorithm.adv_estimator=gae", "trainer.save_freq=4")
-    straight = tiny["root"] / "gae_straight"
-    _run(tiny, straight, *gae)
-    run_dir = tiny["root"] / "gae_stopped"
-    run_dir.mkdir(parents=True)
-    (run_dir / "STOP").write_text("")  # stop (with a checkpoint) after the first step
-    _run(tiny, run_dir, *gae)
-    assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
-    assert (run_dir / "global_step_1" / "critic").is_dir()
-    _run(tiny, run_dir, *gae)
-    ref, got = _metrics(straight), _metrics(run_dir)
-    assert "critic/vf_loss" in ref[4]
-    worst = max(_largest_difference(ref[s], got[s]) for s in (1, 2, 3, 4))
-    weights = _weight_difference(straight, run_dir)
-    print(f"diamond (PPO with a critic): metrics {worst:.3g}, weights {weights:.3g}")
-    assert worst <= 1e-6 and weights <= 1e-6
