@@ -185,3 +185,10 @@ def token_budget_micro_batches(
         bins.append(moved)
         loads.append(sum(int(lengths[r]) for r in moved))
     return [torch.tensor(sorted(b), dtype=torch.long) for b in bins]
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id that right-pads token rows: the tokenizer's pad token, else its EOS, else 0 (padded
+    positions are never attended to nor scored)."""
+    pad = tokenizer.pad_token_id
+    return int(pad if pad is not None else tokenizer.eos_token_id or 0)

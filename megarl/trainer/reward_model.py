@@ -24,7 +24,7 @@ from megatron.core import parallel_state
 from megarl.models.build import BuiltModel, build_model
 from megarl.models.runner import SequenceBatch, compute_scores
 from megarl.reward.retokenize import reward_model_input_ids
-from megarl.trainer.batch import dp_share
+from megarl.trainer.batch import dp_share, pad_token_id
 from megarl.trainer.passes import fitting_micro_batch, gather_dp
 
 
@@ -94,8 +94,7 @@ class RewardModel:
         return gather_dp(local[:, None].float(), dp_size)[:n, 0]
 
     def _batch(self, sequences: list[list[int]]) -> SequenceBatch:
-        pad = self.tokenizer.pad_token_id
-        pad = int(pad if pad is not None else 0)  # never attended to (causal, right padding)
+        pad = pad_token_id(self.tokenizer)
         lengths = torch.tensor([len(s) for s in sequences])
         ids = torch.full((len(sequences), int(lengths.max())), pad, dtype=torch.long)
         for i, s in enumerate(sequences):

@@ -25,6 +25,7 @@ from megarl.rollout.actor_engine import ActorEngine
 from megarl.rollout.base import RolloutEngine
 from megarl.rollout.vllm_engine import read_eos_token_ids
 from megarl.trainer.actor import PolicyUpdate
+from megarl.trainer.batch import pad_token_id
 from megarl.trainer.console import Console
 from megarl.trainer.critic import ValueUpdate
 from megarl.trainer.reward_model import RewardModel
@@ -125,7 +126,7 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
             actor.chunks,
             vocab_size=actor_model.dims.vocab_size,
             eos_token_ids=eos,
-            pad_token_id=_pad_id(tokenizer),
+            pad_token_id=pad_token_id(tokenizer),
         )
         reshard = None
     critic, values = _build_critic(cfg, layout, model_path, dtype, total, plan)
@@ -274,11 +275,6 @@ def _start_vllm(cfg: MegarlConfig, model_path: str):
     return VLLMEngine.from_config(
         cfg.actor_rollout_ref.rollout, model_path, dtype=cfg.trainer.dtype, seed=cfg.trainer.seed
     )
-
-
-def _pad_id(tokenizer: Any) -> int:
-    pad = tokenizer.pad_token_id
-    return int(pad if pad is not None else tokenizer.eos_token_id or 0)
 
 
 def barrier() -> None:

@@ -19,7 +19,7 @@ from megarl.data import PromptSample
 from megarl.reward import RewardInput, RewardResult
 from megarl.rollout.consistency import logprob_diff_metrics
 from megarl.trainer.actor import update_policy
-from megarl.trainer.batch import RolloutTensors
+from megarl.trainer.batch import RolloutTensors, pad_token_id
 from megarl.trainer.critic import global_values, update_critic, value_metrics
 from megarl.trainer.passes import (
     correct_for_rollout,
@@ -65,7 +65,7 @@ def train_step(
             sampling=training_sampling(run),
             seed=cfg.trainer.seed,
             step=step,
-            pad_token_id=_pad_id(run),
+            pad_token_id=pad_token_id(run.tokenizer),
         )
     engine_sleeps = _engine_sleeps(run)
     if engine_sleeps:
@@ -172,7 +172,7 @@ def validate(run: Run, step: int) -> dict[str, float]:
         sampling=sampling,
         seed=cfg.trainer.seed,
         step=-1,  # validation draws are the same at every validation
-        pad_token_id=_pad_id(run),
+        pad_token_id=pad_token_id(run.tokenizer),
     )
     scored = _score(run, prompts, samples, batch, step, dump=cfg.trainer.validation_data_dir)
     sources = [prompts[s.prompt_index].data_source for s in samples]
@@ -225,7 +225,7 @@ def greedy_baselines(run: Run, prompts: Sequence[PromptSample], step: int) -> to
         sampling={**training_sampling(run), "temperature": 0.0, "top_p": 1.0, "top_k": -1},
         seed=run.cfg.trainer.seed,
         step=step,
-        pad_token_id=_pad_id(run),
+        pad_token_id=pad_token_id(run.tokenizer),
     )
     scored = _score(run, prompts, samples, greedy, step, dump=None)
     return scored.scores.repeat_interleave(n)
@@ -271,11 +271,6 @@ def _score(run, prompts, samples, batch: RolloutTensors, step: int, dump) -> Rew
         step=step,
         model_scores=model_scores,
     )
-
-
-def _pad_id(run: Run) -> int:
-    pad = run.tokenizer.pad_token_id
-    return int(pad if pad is not None else (run.tokenizer.eos_token_id or 0))
 
 
 def _stats(name: str, values: torch.Tensor) -> dict[str, float]:
