@@ -13,7 +13,9 @@ children re-import the function by name: it must live at the top level of an imp
 (not in ``__main__`` behind the guard, not a lambda), and its arguments and return value must be
 picklable; its return value must be JSON (numbers, strings, lists, dicts: ``tensor.tolist()``).
 
-A rank fails by raising (``sys.exit(n)`` included). The other ranks are then stopped before the
+A rank ends with ``os._exit`` once it has reported: no interpreter shutdown, so ``fn`` must
+close what it writes before it returns (``with`` blocks; logging's stream handlers flush every
+record). A rank fails by raising (``sys.exit(n)`` included). The other ranks are then stopped before the
 failing one is: none of them crashes on a vanished peer and buries the failing rank's error
 under its own traceback.
 
@@ -40,6 +42,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any, NoReturn
 
 __all__ = ["WorkerError", "free_port", "inside_launched_world", "run_local_world"]
@@ -223,11 +226,26 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
+    """True while a process of group ``pgid`` runs. Zombies do not count: an orphaned helper's
+    is reaped by init whenever init gets to it (here: up to ~1.5 s later), not by us."""
+    proc = Path("/proc")
+    if not proc.is_dir():  # no procfs: the group as the kernel sees it, zombies included
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        state, _ppid, group = stat.rpartition(")")[2].split()[:3]
+        if int(group) == pgid and state != "Z":
+            return True
+    return False
 
 
 def _die_with_parent() -> None:
@@ -274,5 +292,11 @@ def _rank_main(fn: Callable[..., Any], args: tuple, env: dict[str, str], conn: C
         except (EOFError, OSError):
             pass
         os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
     _send_report(conn, "ok", result=result)
     conn.close()
+    # Done: skip the interpreter's shutdown (1-2 s of tearing down torch and Megatron that the
+    # launcher would wait for). ``fn`` closed what it wrote; helpers it left (a checkpoint
+    # writer's manager) are in this rank's process group, which the launcher stops.
+    os._exit(0)

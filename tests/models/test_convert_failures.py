@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -19,9 +20,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+from torch.distributed.checkpoint import FileSystemReader
 
 from megarl.checkpoint.dist_ckpt import HOLD_SAVE_ENV
 from megarl.commands import convert
+from megarl.commands.convert_inputs import shard_extents
 from megarl.models.tiny import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -155,6 +158,22 @@ def _edited_config(src: Path, dst: Path, **changes: object) -> Path:
     return dst
 
 
+class _Touch:
+    """Unpickled, this would create the file ``path`` (a stand-in for any code in a pickle)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def _index_that_runs_code(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    (dst / ".metadata").write_bytes(pickle.dumps(_Touch(dst / "ran")))
+    return dst
+
+
 BAD_INPUTS = {
     # case: (make the input from (qwen2, ckpt, dst), argv flag, words the one line must hold)
     "truncated safetensors": (
@@ -177,6 +196,11 @@ BAD_INPUTS = {
         "--hf-path",
         ("config.json", "model_type='llama'", "Qwen2ForCausalLM"),
     ),
+    "index .metadata naming code": (
+        lambda q, c, d: _index_that_runs_code(c, d),
+        "--ckpt",
+        (".metadata", "cannot read its index", "pathlib"),
+    ),
     "truncated .distcp shard": (
         lambda q, c, d: _truncated(c, d, "__0_1.distcp", 1000),
         "--ckpt",
@@ -196,6 +220,18 @@ def test_bad_input_is_one_line_exit_2_and_leaves_no_output(
     assert convert.main([command, flag, str(bad), "--out", str(out)]) == 2
     one_error_line(capsys.readouterr().err, str(bad), *needles)
     assert not out.exists() and not (tmp_path / "out.incomplete").exists()
+    assert not (bad / "ran").exists()
+
+
+def test_the_launcher_reads_shard_extents_as_torch_does(ckpt: Path):
+    """The launcher's torch-free reading of the index agrees with torch's own reader."""
+    storage = FileSystemReader(str(ckpt)).read_metadata().storage_data
+    want: dict[str, int] = {}
+    for info in storage.values():
+        want[info.relative_path] = max(want.get(info.relative_path, 0), info.offset + info.length)
+    assert shard_extents(ckpt / ".metadata") == want
+    # the shards hold exactly the ranges the index reads
+    assert want == {f.name: f.stat().st_size for f in ckpt.glob("*.distcp")}
 
 
 def test_only_input_errors_exit_2_a_bug_is_a_crash(monkeypatch, capsys):
