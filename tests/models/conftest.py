@@ -1,8 +1,10 @@
-"""The multi-rank model launches, shared by every test module that reads their results.
+"""The multi-rank model launches and the conversions, shared by every test module that reads
+their results.
 
 One torchrun launch per world size runs every model check (``_parallel_worker.py``); the
 fixtures are session-scoped so that ``test_parallel_models.py`` and ``test_layout_rule.py``
-read the same launch instead of paying Megatron's start-up twice.
+read the same launch instead of paying Megatron's start-up twice. Likewise one TP=2 conversion
+serves ``test_convert.py`` and ``test_convert_failures.py``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import run_torchrun
+from tests.models._convert_cli import ok, run_convert
 
 WORKER = Path(__file__).with_name("_parallel_worker.py")
 MODELS = {
@@ -100,3 +103,39 @@ def ws2(spec):
 @pytest.fixture(scope="session")
 def ws4(spec):
     return _results(spec, 4)
+
+
+# -- conversions -------------------------------------------------------------------------------
+
+STALE_FILES = ("__9_9.distcp", ".metadata", "metadata.json", "stale.txt")
+"""What an older checkpoint left in ``--out`` before the ``--force`` conversion of
+:func:`qwen2_tp2`."""
+
+
+@pytest.fixture(scope="session")
+def convert_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("convert")
+
+
+@pytest.fixture(scope="session")
+def qwen2(convert_root: Path) -> Path:
+    """Tiny Qwen2 with vocab 1100: padded to 1280 rows at TP=2 but 1152 at TP=1 (layouts
+    disagree on the padding)."""
+    from megarl.models.tiny import make_tiny_model
+
+    return make_tiny_model(convert_root / "qwen2", "qwen2", vocab_size=1100, seed=1)
+
+
+@pytest.fixture(scope="session")
+def qwen2_tp2(convert_root: Path, qwen2: Path):
+    """(checkpoint, process) of ``hf-to-megatron --tp 2 --verify --force`` into a directory
+    holding an older checkpoint's files (:data:`STALE_FILES`)."""
+    ckpt = convert_root / "qwen2-tp2"
+    ckpt.mkdir()
+    for stale in STALE_FILES:
+        (ckpt / stale).write_text("old")
+    result = run_convert(
+        "hf-to-megatron", "--hf-path", str(qwen2), "--out", str(ckpt), "--tp", "2", "--verify",
+        "--force",
+    )  # fmt: skip
+    return ckpt, ok(result)

@@ -1,18 +1,16 @@
 """HF <-> Megatron conversion CLIs: bit-identical round trips across layouts, logit verification,
 corrupted checkpoints, one-line errors, the tools scripts.
 
-Every conversion runs as its own process (as a user runs it); module-scoped fixtures convert once
-and several tests read the result. TP×PP > 1 runs start their worker processes themselves (gloo).
+Every conversion runs as its own process (as a user runs it); fixtures convert once and several
+tests read the result. TP×PP > 1 runs start their worker processes themselves (gloo).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,28 +21,9 @@ from safetensors.torch import load_file, save_file
 from megarl.commands import convert
 from megarl.models import verify
 from megarl.models.tiny import make_tiny_model
+from tests.models._convert_cli import ok, run_convert
 
-REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-ENV.pop("RANK", None)
-ENV.pop("WORLD_SIZE", None)
 MAX_DIFF = re.compile(r"max \|Δlogit\| = (\S+) .*tolerance (\S+): (OK|MISMATCH)")
-
-
-def run_convert(*args: str, script: str | None = None) -> subprocess.CompletedProcess:
-    """``megarl convert ARGS`` (or ``tools/SCRIPT ARGS``) as a separate process."""
-    if script is None:
-        cmd = [sys.executable, "-m", "megarl.cli", "convert", *args]
-    else:
-        cmd = [sys.executable, str(REPO / "tools" / script), *args]
-    return subprocess.run(
-        cmd, check=False, env=ENV, cwd=REPO, capture_output=True, text=True, timeout=900
-    )
-
-
-def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
-    return result
 
 
 def max_diff(result: subprocess.CompletedProcess) -> tuple[float, str]:
@@ -78,6 +57,8 @@ def one_error_line(stderr: str, *needles: str) -> None:
 
 
 # -- fixtures: tiny models and conversions shared by the tests ------------------------------
+# (qwen2 and its TP=2 checkpoint qwen2_tp2 come from conftest.py: test_convert_failures.py
+# reads them too)
 
 
 @pytest.fixture(scope="module")
@@ -86,23 +67,8 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def qwen2(root: Path) -> Path:
-    # vocab 1100: padded to 1280 rows at TP=2 but 1152 at TP=1 (layouts disagree on the padding)
-    return make_tiny_model(root / "qwen2", "qwen2", vocab_size=1100, seed=1)
-
-
-@pytest.fixture(scope="module")
 def llama_tied(root: Path) -> Path:
     return make_tiny_model(root / "llama", "llama", tie_word_embeddings=True, seed=2)
-
-
-@pytest.fixture(scope="module")
-def qwen2_tp2(root: Path, qwen2: Path) -> tuple[Path, subprocess.CompletedProcess]:
-    ckpt = root / "qwen2-tp2"
-    result = run_convert(
-        "hf-to-megatron", "--hf-path", str(qwen2), "--out", str(ckpt), "--tp", "2", "--verify"
-    )
-    return ckpt, ok(result)
 
 
 @pytest.fixture(scope="module")
@@ -201,11 +167,12 @@ def swap_k_v(src: Path, dst: Path, layer: int) -> Path:
     return dst
 
 
-def test_verify_fails_on_a_corrupted_checkpoint(root: Path, qwen2: Path):
+@pytest.mark.multirank
+def test_verify_fails_when_checkpoint_and_hf_weights_differ(root: Path, qwen2: Path, qwen2_tp2):
+    """The TP=2 checkpoint of qwen2 against a copy of qwen2 with k and v swapped in one layer
+    (what a mapping bug would write)."""
     corrupted_hf = swap_k_v(qwen2, root / "qwen2-kv-swapped", layer=2)
-    ckpt = root / "qwen2-corrupted-ckpt"
-    ok(run_convert("hf-to-megatron", "--hf-path", str(corrupted_hf), "--out", str(ckpt)))
-    result = run_convert("verify", "--ckpt", str(ckpt), "--hf-path", str(qwen2))
+    result = run_convert("verify", "--ckpt", str(qwen2_tp2[0]), "--hf-path", str(corrupted_hf))
     assert result.returncode == 1, result.stdout + result.stderr
     diff, verdict = max_diff(result)
     assert verdict == "MISMATCH" and diff > 1e-2

@@ -23,14 +23,11 @@ import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
 from megarl.checkpoint.dist_ckpt import HOLD_SAVE_ENV
+from megarl.checkpoint.meta import META_FILE
 from megarl.commands import convert
 from megarl.commands.convert_inputs import shard_extents
-from megarl.models.tiny import make_tiny_model
+from tests.models._convert_cli import ENV, REPO
 
-REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-ENV.pop("RANK", None)
-ENV.pop("WORLD_SIZE", None)
 GONE_WITHIN_S = 40
 
 
@@ -97,37 +94,21 @@ def _running(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("convert-failures")
+def ckpt(qwen2_tp2) -> Path:
+    """qwen2's TP=2 checkpoint (conftest.py), written with --force over an older checkpoint's
+    files."""
+    return qwen2_tp2[0]
 
 
-@pytest.fixture(scope="module")
-def qwen2(root: Path) -> Path:
-    return make_tiny_model(root / "qwen2", "qwen2", vocab_size=1100, seed=1)
-
-
-@pytest.fixture(scope="module")
-def ckpt(root: Path, qwen2: Path) -> Path:
-    """A TP=1 checkpoint written with --force over an older checkpoint's files."""
-    out = root / "ckpt"
-    out.mkdir()
-    for stale in ("__9_9.distcp", ".metadata", "metadata.json", "stale.txt"):
-        (out / stale).write_text("old")
-    proc = start_convert("hf-to-megatron", "--hf-path", str(qwen2), "--out", str(out), "--force")
-    try:
-        _, err = proc.communicate(timeout=900)
-    finally:
-        kill_session(proc.pid)
-    assert proc.returncode == 0, err
-    return out
-
-
-def test_force_over_an_older_checkpoint_leaves_only_the_new_files(root: Path, ckpt: Path):
+def test_force_over_an_older_checkpoint_leaves_only_the_new_files(ckpt: Path):
     names = {p.name for p in ckpt.iterdir()}
-    assert "__9_9.distcp" not in names and "stale.txt" not in names
-    assert {"__0_0.distcp", ".metadata", "metadata.json", "megarl_meta.json"} <= names
+    assert not names & {"__9_9.distcp", "stale.txt"}
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "metadata.json", META_FILE} <= names
     assert json.loads((ckpt / "metadata.json").read_text())  # the new one, not "old"
-    assert not (root / "ckpt.incomplete").exists()
+    assert {name for name in names if not name.endswith(".distcp")} == {
+        ".metadata", "metadata.json", "common.pt", META_FILE, convert.HF_FILES_DIR,
+    }  # fmt: skip
+    assert not ckpt.with_name(ckpt.name + ".incomplete").exists()
 
 
 # -- bad inputs: refused by the launcher before any rank starts --------------------------------

@@ -466,4 +466,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from tests._worker_exit import exit_now
+
     main()
+    exit_now()
