@@ -178,7 +178,7 @@ def _from_step_2(reference: Path, run_dir: Path) -> Path:
 
 
 def _wait_for(condition, what: str, timeout: float = LAUNCH_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout  # a timeout, not a timing claim
     while not condition():
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what}")

@@ -86,6 +86,7 @@ def test_usr1_writes_the_stop_file_and_the_job_exits_cleanly(slurm, job_env, tmp
     submitted = slurm.run(*sbatch_cmd(tmp_path, wait=False), env=env, cwd=REPO)
     job = job_id(submitted.stdout)
     log = node_log(tmp_path, job, slurm.node)
+    # a timeout on polling the job log (no handle to wait on), not a timing claim
     deadline = time.monotonic() + 300
     while not (log.exists() and "rank 0 step 3" in log.read_text()):
         assert time.monotonic() < deadline, "the job did not start stepping within 300 s"

@@ -75,6 +75,7 @@ def test_sbatch_ppo_72b_script_trains_the_tiny_ppo_config(slurm, job_env, tmp_pa
 def test_preempted_job_saves_and_a_second_job_resumes(slurm, job_env, tmp_path, tiny_overrides):
     run_dir = tmp_path / "run"
     first = submit(slurm, job_env, tmp_path, ["trainer.total_training_steps=50", *tiny_overrides])
+    # a timeout on polling the run directory (no handle to wait on), not a timing claim
     deadline = time.monotonic() + 600
     while not ((run_dir / "metrics.jsonl").exists() and steps_logged(run_dir)):
         assert time.monotonic() < deadline, "the first job logged no step within 600 s"

@@ -267,7 +267,7 @@ def _gone(pid: int) -> bool:
 
 def _dies(pid: int) -> bool:
     """Whether ``pid`` is gone (or a zombie) within 30 s: a SIGKILL lands asynchronously."""
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 30  # a timeout, not a timing claim
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     return _gone(pid)

@@ -25,7 +25,7 @@ def metrics(step: int) -> dict[str, float]:
 
 def wait_for_failed(run_dir: Path, timeout: float) -> str:
     """The state file's status once FAILED has reached the server, or what it is at timeout."""
-    deadline = time.time() + timeout
+    deadline = time.time() + timeout  # a timeout, not a timing claim
     while True:
         state = RunState.load(run_dir)
         if (state.status == "FAILED" and state.status_sent) or time.time() > deadline:
