@@ -4,23 +4,23 @@ Pure arithmetic over the terms of :mod:`megarl.config.memory` and
 :mod:`megarl.config.activations` (no processes, no tensors); used by ``megarl plan`` and by
 ``megarl config validate`` (which warns when a config does not fit).
 
-Phases follow the trainer's order (``rollout → sleep → log-probs → update → sync``):
+The phases and what is on the device in each come from :mod:`megarl.config.residency`, the
+schedule the trainer applies (a test holds the two together): each phase sums the state its
+residency keeps on the device (each model's parameters, gradient buffers, optimizer state;
+vLLM's whole pool while it generates, only its weights while they are synced, nothing while it
+sleeps) and that phase's transient memory:
 
-- **rollout**: vLLM awake with its whole pool, ``gpu_memory_utilization × G`` (weights,
-  activations, KV cache; vLLM refuses to start unless that much is free), plus the training
-  state that is not offloaded.
-- **log-probs**: vLLM asleep (level 1: weights copied to host RAM, KV cache dropped; nothing
-  left on the GPU, or the whole pool with ``free_cache_engine=false``); the resident training
-  state, plus for the heaviest forward-only pass (old log-probs, reference, values) that model's
-  offloaded parameters and its transient activations.
-- **update**: the model being trained with all of its state on the GPU (parameters, gradients,
-  main parameters, Adam) and its training activations, the others resident.
-- **sync**: vLLM's weights woken up, the actor's parameters, one 1 GiB bucket and the largest
-  TP all-gather (the padded embedding).
+- **setup**: the largest model while it is built (parameters, gradient buffers and main
+  parameters, before it moves to its setup residency; vLLM asleep since its start);
+- **old_log_prob**, **ref**, **values**: the pass's forward activations;
+- **update_critic**, **update_actor**: training activations (saved, recompute, log-prob working
+  set);
+- **sync**: one bucket and the largest TP all-gather (the padded embedding).
 
-A phase FITS when its total is at most ``G − reserve``; the reserve (default 4 GiB) stands for the
+A phase FITS when its total is at most ``G - reserve``; the reserve (default 4 GiB) stands for the
 CUDA context, NCCL buffers and allocator fragmentation, which this plan does not itemise.
-Host RAM per node is the offloaded state plus vLLM's sleeping weights, for every GPU of the node.
+Host RAM per node is the most training state any phase keeps in host memory, plus vLLM's weights
+where it sleeps at level 1 (``trainer.skip_weight_sync_steps``), for every GPU of the node.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from megarl.config.memory import (
     vllm_weight_bytes,
 )
 from megarl.config.model_dims import ModelDims, padded_vocab_size
+from megarl.config.residency import Residency, engine_is_vllm, residency, schedule
 from megarl.config.schema import MegarlConfig, MegatronConfig
 from megarl.parallel.layout import ParallelLayout
 
@@ -145,26 +146,10 @@ class MemoryPlan:
 
 @dataclass
 class _Model:
-    """One training model's state split into what offloading moves."""
+    """One model's state per GPU (where each part is in a phase: the residency schedule)."""
 
     name: str
     state: ModelState
-    offload: tuple[bool, bool, bool] = (False, False, False)
-    """param_offload, grad_offload, optimizer_offload."""
-
-    @property
-    def resident(self) -> int:
-        """Bytes that stay on the GPU while the model is idle."""
-        s, (p, g, o) = self.state, self.offload
-        return (
-            (0 if p else s.params)
-            + (0 if g else s.grads)
-            + (0 if o else s.main_params + s.optimizer_states)
-        )
-
-    @property
-    def offloaded(self) -> int:
-        return self.state.total - self.resident
 
 
 def _impl(cfg: MegarlConfig, meg: MegatronConfig) -> Impl:
@@ -202,13 +187,11 @@ def _models(cfg: MegarlConfig, dims: ModelDims, world: int) -> list[_Model]:
         opt = _assumptions(cfg, meg)
         opt = OptimizerAssumptions(**{**opt.__dict__, "optimizer": optimizer})
         state = model_state(dims, layout, world, role, opt)  # type: ignore[arg-type]
-        out.append(
-            _Model(role, state, (meg.param_offload, meg.grad_offload, meg.optimizer_offload))
-        )
+        out.append(_Model(role, state))
     if ref_used(cfg):
         meg = arr.ref.megatron
         state = model_state(dims, layout, world, "ref", _assumptions(cfg, meg))
-        out.append(_Model("ref", state, (meg.param_offload, True, True)))
+        out.append(_Model("ref", state))
     return out
 
 
@@ -223,33 +206,35 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
     batches = BatchPlan.from_config(cfg, world)
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
     models = {m.name: m for m in _models(cfg, dims, world)}
-    resident = sum(m.resident for m in models.values())
-    rollout, vllm, kv = _rollout_terms(cfg, dims, cluster, resident)
-    asleep = (
-        0
-        if arr.rollout.free_cache_engine
-        else int(arr.rollout.gpu_memory_utilization * cluster.gpu_bytes)
-    )
-    sleep_term = Term(
-        "vLLM asleep", asleep, "0 (sleep level 1) or the pool (free_cache_engine=false)"
-    )
-    phases = [
-        Phase("rollout", rollout),
-        Phase("log-probs", (sleep_term, *_logprob_terms(cfg, dims, batches, models, seq))),
-        Phase("update", (sleep_term, *_update_terms(cfg, dims, batches, models, seq))),
-        Phase("sync", (sleep_term, *_sync_terms(cfg, dims, models, vllm))),
-    ]
-    per_gpu_host = sum(m.offloaded for m in models.values())
+    pool, vllm, kv = _rollout_terms(cfg, dims, cluster)
+    transient = {
+        "setup": _setup_terms(cfg, models),
+        "old_log_prob": _forward_terms(cfg, dims, "actor", batches.old_log_prob, seq),
+        "ref": _forward_terms(cfg, dims, "ref", batches.ref_log_prob, seq),
+        "values": _forward_terms(cfg, dims, "critic", batches.values, seq),
+        "update_critic": _update_terms(cfg, dims, "critic", batches.critic, seq),
+        "update_actor": _update_terms(cfg, dims, "actor", batches.actor, seq),
+        "sync": _sync_terms(cfg, dims),
+    }
+    phases, most_offloaded = [], 0
+    for name, placed in schedule(cfg).items():
+        resident = _resident_terms(placed, models)
+        phases.append(
+            Phase(name, (*resident, *_engine_terms(placed, pool, vllm), *transient.get(name, ())))
+        )
+        most_offloaded = max(most_offloaded, _in_host_memory(placed, models))
+    level1 = bool(cfg.trainer.skip_weight_sync_steps) and arr.rollout.free_cache_engine
     host = (
         Term(
             "offloaded training state",
-            per_gpu_host * cluster.gpus_per_node,
-            "G_node × Σ offloaded (params, grads, main params, Adam) per GPU",
+            most_offloaded * cluster.gpus_per_node,
+            "G_node × the most any phase keeps in host memory (params, main params, Adam; "
+            "offloaded gradient buffers are dropped, not copied)",
         ),
         Term(
             "vLLM weights asleep (level 1)",
-            (vllm if arr.rollout.free_cache_engine else 0) * cluster.gpus_per_node,
-            "G_node × vLLM weights per rank",
+            (vllm if level1 and engine_is_vllm(cfg) else 0) * cluster.gpus_per_node,
+            "G_node × vLLM weights per rank (level 1 only before a skipped sync; else level 2)",
         ),
     )
     impl = _impl(cfg, arr.actor.megatron)
@@ -261,12 +246,73 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
         ),
         f"layer spec: {impl}; sequence length {seq} = max_prompt_length + max_response_length",
         f"gradient buffers in fp32 (grad_reduce_in_fp32), {'distributed' if arr.actor.megatron.use_distributed_optimizer else 'plain'} optimizer over DP {layout.data_parallel_size(world)}",
+        (
+            "residency by phase: megarl/config/residency.py (what the trainer applies); the reward "
+            "model and the checkpoint save's optimizer gather are not modelled"
+        ),
         f"reserve {cluster.reserve_gib:g} GiB per GPU for CUDA context, NCCL and fragmentation",
     )
     return MemoryPlan(cluster, layout, tuple(phases), host, kv, notes)
 
 
-def _rollout_terms(cfg, dims, cluster, resident) -> tuple[tuple[Term, ...], int, dict]:
+_PARTS = (("params", "params", "e·n_pad (e·n without distributed optimizer)"),
+          ("grads", "gradient buffers", "4·n_pad (grad_reduce_in_fp32)"),
+          ("optimizer", "fp32 main params + Adam moments", "4·n/N + 8·n/N (16-bit params)"))  # fmt: skip
+
+
+def _resident_terms(placed: Residency, models: dict[str, _Model]) -> list[Term]:
+    """The state ``placed`` keeps on the device, one term per model and part."""
+    terms = []
+    for role, on in placed.models.items():
+        state = models[role].state
+        sizes = {"params": state.params, "grads": state.grads,
+                 "optimizer": state.main_params + state.optimizer_states}  # fmt: skip
+        for part, label, formula in _PARTS:
+            if getattr(on, part) and sizes[part]:
+                terms.append(Term(f"{role} {label}", sizes[part], formula))
+    return terms
+
+
+def _in_host_memory(placed: Residency, models: dict[str, _Model]) -> int:
+    """Bytes ``placed`` keeps in host memory: offloaded parameters (a host copy) and optimizer
+    state (moved); offloaded gradient buffers are dropped (they are zero between updates)."""
+    total = 0
+    for role, on in placed.models.items():
+        s = models[role].state
+        total += (0 if on.params else s.params) + (
+            0 if on.optimizer else s.main_params + s.optimizer_states
+        )
+    return total
+
+
+def _engine_terms(placed: Residency, pool: int, weights: int) -> list[Term]:
+    engine = placed.engine
+    if engine is None:
+        return []
+    if engine.kv_cache:
+        return [Term("vLLM pool", pool, "gpu_memory_utilization × G (weights, activations, KV)")]
+    if engine.weights:
+        return [Term("vLLM weights (awake)", weights, "vLLM weights per rank")]
+    return [Term("vLLM asleep", 0, "level 2 (or 1 before a skipped sync): nothing on the GPU")]
+
+
+def _setup_terms(cfg, models: dict[str, _Model]) -> tuple[Term, ...]:
+    """The largest model while it is built: all its parameters, gradient buffers and main
+    parameters (Adam's moments come at its first step) beyond what its setup residency keeps."""
+    setup = residency(cfg, "setup").models
+    best = (0, "")
+    for role, m in models.items():
+        s, on = m.state, setup[role]
+        extra = (0 if on.params else s.params) + (0 if on.grads else s.grads)
+        extra += 0 if on.optimizer else s.main_params
+        best = max(best, (extra, role))
+    if not best[1]:
+        return ()
+    return (Term(f"{best[1]} while built", best[0], "params + grads + main params not kept"),)
+
+
+def _rollout_terms(cfg, dims, cluster) -> tuple[int, int, dict]:
+    """(vLLM's pool, its weights per rank, the KV cache it leaves) on one GPU."""
     r = cfg.actor_rollout_ref.rollout
     t, e = r.tensor_model_parallel_size, ITEMSIZE[cfg.trainer.dtype]
     pool = int(r.gpu_memory_utilization * cluster.gpu_bytes)
@@ -289,90 +335,54 @@ def _rollout_terms(cfg, dims, cluster, resident) -> tuple[tuple[Term, ...], int,
         "activation_profile_bytes": profile,
         "cuda_graph_bytes": graphs,
     }
-    terms = (
-        Term("vLLM pool", pool, "gpu_memory_utilization × G (weights + activations + KV cache)"),
-        Term("training state resident", resident, "Σ models: state not offloaded"),
-    )
-    return terms, weights, cache
+    return pool, weights, cache
 
 
-def _logprob_terms(cfg, dims, batches, models, seq) -> tuple[Term, ...]:
-    layout = cfg.actor_rollout_ref.actor.megatron.parallel_layout()
-    resident = sum(m.resident for m in models.values())
-    passes = [("actor", batches.old_log_prob)]
-    if "critic" in models and batches.values is not None:
-        passes.append(("critic", batches.values))
-    if "ref" in models and batches.ref_log_prob is not None:
-        passes.append(("ref", batches.ref_log_prob))
-    best: tuple[int, str, int, int] = (0, "", 0, 0)
-    for name, p in passes:
-        b, s = _tokens(p, seq)
-        act = forward_activations(
-            dims, layout, micro_batch=b, seq_len=s, dtype=cfg.trainer.dtype,
-            impl=_impl(cfg, cfg.actor_rollout_ref.actor.megatron),
-            role="critic" if name == "critic" else "actor",
-        )  # fmt: skip
-        m = models[name]
-        load = m.state.params if m.offload[0] else 0
-        if load + act.peak > best[0]:
-            best = (load + act.peak, f"{p.name} (b={b}, s={s})", load, act.peak)
+def _forward_terms(cfg, dims, role: str, p: PassBatches | None, seq: int) -> tuple[Term, ...]:
+    """A forward-only pass's activations (one layer, the logits, the log-prob working set)."""
+    if p is None:
+        return ()
+    b, s = _tokens(p, seq)
+    act = forward_activations(
+        dims, cfg.actor_rollout_ref.actor.megatron.parallel_layout(), micro_batch=b, seq_len=s,
+        dtype=cfg.trainer.dtype, impl=_impl(cfg, cfg.actor_rollout_ref.actor.megatron),
+        role="critic" if role == "critic" else "actor",
+    )  # fmt: skip
     return (
-        Term("training state resident", resident, "Σ models: state not offloaded"),
-        Term(f"params loaded for {best[1]}", best[2], "e·n if param_offload else 0"),
-        Term(
-            f"forward activations, {best[1]}", best[3], "one layer + logits + log-prob working set"
-        ),
-    )
+        Term(f"forward activations, {p.name} (b={b}, s={s})", act.peak,
+             "one layer + logits + log-prob working set"),
+    )  # fmt: skip
 
 
-def _update_terms(cfg, dims, batches, models, seq) -> tuple[Term, ...]:
+def _update_terms(cfg, dims, role: str, p: PassBatches | None, seq: int) -> tuple[Term, ...]:
+    """A model's training activations (its state is in the phase's residency terms)."""
+    if p is None:
+        return ()
     arr = cfg.actor_rollout_ref
-    layout = arr.actor.megatron.parallel_layout()
-    options = [("actor", batches.actor, arr.actor.megatron)]
-    if "critic" in models and batches.critic is not None:
-        options.append(("critic", batches.critic, cfg.critic.megatron))
-    best: tuple[int, tuple[Term, ...]] = (-1, ())
-    for name, p, meg in options:
-        b, s = _tokens(p, seq)
-        m = models[name]
-        act = training_activations(
-            dims, layout, micro_batch=b, seq_len=s, micro_batches=p.micro_batches_per_rank or 1,
-            dtype=cfg.trainer.dtype, impl=_impl(cfg, meg), role=name,
-            recompute=Recompute(meg.recompute_granularity, meg.recompute_method,
-                                meg.recompute_num_layers),
-        )  # fmt: skip
-        others = sum(o.resident for o in models.values() if o is not m)
-        terms = (
-            Term(f"{name} params", m.state.params, "e·n_pad (e·n without distributed optimizer)"),
-            Term(f"{name} gradient buffers", m.state.grads, "4·n_pad (grad_reduce_in_fp32)"),
-            Term(f"{name} fp32 main params", m.state.main_params, "4·n/N (16-bit params)"),
-            Term(f"{name} Adam moments", m.state.optimizer_states, "8·n/N"),
-            Term(f"{name} saved activations (b={b}, s={s})", act.saved, "in-flight micro-batches × layers × bytes/token"),
-            Term(f"{name} recompute + log-prob working set", act.working, "one recomputed group; e·b·s·V/t + 20·b·1024·V/t"),
-            Term("other models resident", others, "Σ other models: state not offloaded"),
-        )  # fmt: skip
-        total = sum(t.nbytes for t in terms)
-        if total > best[0]:
-            best = (total, terms)
-    return best[1]
+    meg = cfg.critic.megatron if role == "critic" else arr.actor.megatron
+    b, s = _tokens(p, seq)
+    act = training_activations(
+        dims, arr.actor.megatron.parallel_layout(), micro_batch=b, seq_len=s,
+        micro_batches=p.micro_batches_per_rank or 1, dtype=cfg.trainer.dtype,
+        impl=_impl(cfg, meg), role=role,
+        recompute=Recompute(meg.recompute_granularity, meg.recompute_method,
+                            meg.recompute_num_layers),
+    )  # fmt: skip
+    return (
+        Term(f"{role} saved activations (b={b}, s={s})", act.saved,
+             "in-flight micro-batches × layers × bytes/token"),
+        Term(f"{role} recompute + log-prob working set", act.working,
+             "one recomputed group; e·b·s·V/t + 20·b·1024·V/t"),
+    )  # fmt: skip
 
 
-def _sync_terms(cfg, dims, models, vllm) -> tuple[Term, ...]:
+def _sync_terms(cfg, dims) -> tuple[Term, ...]:
     layout = cfg.actor_rollout_ref.actor.megatron.parallel_layout()
     e = ITEMSIZE[cfg.trainer.dtype]
-    actor = models["actor"]
-    rest = actor.resident - (0 if actor.offload[0] else actor.state.params)
     gather = (
         padded_vocab_size(dims.vocab_size, layout.tp) * dims.hidden_size * e if layout.tp > 1 else 0
     )
-    others = sum(m.resident for m in models.values() if m is not actor)
-    return (
-        Term("vLLM weights (awake)", vllm, "vLLM weights per rank"),
-        Term("actor params", actor.state.params, "e·n_pad"),
-        Term("actor state resident (besides params)", rest, "grads/optimizer not offloaded"),
-        Term("sync bucket + TP all-gather", BUCKET_BYTES + gather, "1 GiB + V·h·e (TP > 1)"),
-        Term("other models resident", others, "Σ other models: state not offloaded"),
-    )
+    return (Term("sync bucket + TP all-gather", BUCKET_BYTES + gather, "1 GiB + V·h·e (TP > 1)"),)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,6 +52,39 @@ class BuiltModel:
     role: Role
     hf_path: Path | None = None
     meta: dict = field(default_factory=dict)
+    _host: dict[int, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def residency(self) -> tuple[bool, bool, bool]:
+        """(parameters, gradient buffers, optimizer state) on the device; a built model that no
+        :class:`~megarl.models.trainable.TrainableModel` wraps (the frozen reference) has no
+        gradient buffers or optimizer."""
+        return (self._host is None, False, False)
+
+    @torch.no_grad()
+    def place(self, *, params: bool, grads: bool = False, optimizer: bool = False) -> None:
+        """Parameters on the device (True) or in host memory (False), as Megatron's buffers
+        offload: a (pinned) host copy, the device storage freed (under CPU emulation too, so a
+        pass that runs while they are away fails on CPU as it would on a GPU)."""
+        del grads, optimizer  # none to move
+        if params == (self._host is None):
+            return
+        unique = {id(p): p for chunk in self.chunks for p in chunk.parameters()}
+        if not params:
+            host = {}
+            for key, p in unique.items():
+                copy = p.detach().to("cpu", copy=True)
+                host[key] = copy.pin_memory() if torch.cuda.is_available() else copy
+                p.untyped_storage().resize_(0)
+            self._host = host
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return
+        for key, p in unique.items():
+            copy = self._host[key]
+            p.untyped_storage().resize_(copy.numel() * copy.element_size())
+            p.copy_(copy, non_blocking=True)
+        self._host = None
 
 
 def build_model(

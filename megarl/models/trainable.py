@@ -188,32 +188,43 @@ class TrainableModel:
 
     # -- memory between phases (RL: the rollout engine needs the device in between) --------
 
-    def offload(self, *, params: bool = False, grads: bool = False, optimizer: bool = False):
-        """Free device memory with Megatron's own helpers: parameter buffers (host copy kept),
-        gradient buffers (dropped; they are zero at this point) and optimizer state (moved to
-        host memory). :meth:`reload` brings back what was offloaded."""
-        self._offloaded = (params, grads, optimizer)
-        if params or grads:
-            for chunk in self.chunks:
-                for buffer in chunk.buffers + chunk.expert_parallel_buffers:
-                    buffer.offload_to_cpu(move_params=params, move_grads=grads)
-        if optimizer:
+    @property
+    def residency(self) -> tuple[bool, bool, bool]:
+        """(parameters, gradient buffers, optimizer state) on the device: what :meth:`place`
+        last applied (all True after construction)."""
+        return getattr(self, "_on_device", (True, True, True))
+
+    def place(self, *, params: bool, grads: bool, optimizer: bool) -> None:
+        """Put parameters, gradient buffers and optimizer state (main parameters, moments) on
+        the device (True) or in host memory (False), by Megatron's own RL helpers; only what
+        changes moves, and everything leaving moves before anything arrives (a lower peak).
+
+        Parameters leave as a host copy and their device storage is freed (also under CPU
+        emulation, so a pass that runs while they are away fails loudly on CPU too); gradient
+        buffers are dropped and come back zeroed (call between updates, when they are zero);
+        the optimizer state moves to host memory and back.
+        """
+        p, g, o = self.residency
+        out_p, out_g = p and not params, g and not grads
+        if out_p or out_g:
+            for buffer in self._buffers():
+                buffer.offload_to_cpu(move_params=out_p, move_grads=out_g)
+        if o and not optimizer:
             for leaf in _leaf_optimizers(self.optimizer):
                 leaf.offload_to_cpu()
-        if torch.cuda.is_available():
+        if (out_p or out_g or (o and not optimizer)) and torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-    def reload(self) -> None:
-        """Undo :meth:`offload` (gradient buffers come back zeroed)."""
-        params, grads, optimizer = getattr(self, "_offloaded", (False, False, False))
-        if params or grads:
-            for chunk in self.chunks:
-                for buffer in chunk.buffers + chunk.expert_parallel_buffers:
-                    buffer.reload_from_cpu(move_params=params, move_grads=grads)
-        if optimizer:
+        in_p, in_g = params and not p, grads and not g
+        if in_p or in_g:
+            for buffer in self._buffers():
+                buffer.reload_from_cpu(move_params=in_p, move_grads=in_g)
+        if optimizer and not o:
             for leaf in _leaf_optimizers(self.optimizer):
                 leaf.restore_from_cpu()
-        self._offloaded = (False, False, False)
+        self._on_device = (params, grads, optimizer)
+
+    def _buffers(self) -> list:
+        return [b for chunk in self.chunks for b in chunk.buffers + chunk.expert_parallel_buffers]
 
     def reload_model_params(self) -> None:
         """Refresh the optimizer's main (fp32) parameters after weights were loaded in place."""

@@ -14,7 +14,8 @@ very same code with the real CUDA calls.
 What it does (see DESIGN.md, "Facts measured on the development machines"):
 
 * a :class:`torch.overrides.TorchFunctionMode` that maps ``device="cuda"`` (any form) to CPU in
-  factory and ``.to`` calls, makes ``Tensor.cuda()`` a no-op, and makes the argument-less
+  factory and ``.to`` calls, makes ``Tensor.cuda()`` a no-op, ``Tensor.pin_memory()`` a plain
+  host copy (Megatron's parameter offload keeps one), and makes the argument-less
   ``Tensor.type()`` report ``torch.cuda.*`` names;
 * ``torch.cuda.{get,set}_rng_state``, ``manual_seed(_all)`` and ``torch.cuda.random.*`` routed to
   the CPU generator, and Megatron's private ``_get/_set_cuda_rng_state`` likewise (on CPU the
@@ -57,6 +58,8 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.pin_memory:  # page-locked memory needs CUDA: a plain host copy
+            return args[0].clone()
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return name.replace("torch.", "torch.cuda.", 1) if "cuda" not in name else name

@@ -177,13 +177,8 @@ def recompute_log_probs(run, batch: RolloutTensors) -> torch.Tensor | None:
 
 
 def reference_log_probs(run, batch: RolloutTensors) -> None:
-    """The frozen reference's log-probs (``ref_log_probs``), at the rollout temperature. With
-    ``ref.megatron.param_offload`` it lives in host memory between its passes (``.cuda()`` and
-    ``.cpu()`` are no-ops under CPU emulation)."""
-    offload = run.cfg.actor_rollout_ref.ref.megatron.param_offload
-    if offload:
-        for chunk in run.ref.chunks:
-            chunk.cuda()
+    """The frozen reference's log-probs (``ref_log_probs``), at the rollout temperature (its
+    parameters on the device by the ``ref`` phase's residency)."""
     plan = run.plan.ref_log_prob
     batch.fields["ref_log_probs"], _, _ = global_log_probs(
         run.ref.chunks,
@@ -193,9 +188,6 @@ def reference_log_probs(run, batch: RolloutTensors) -> None:
         micro_batches=plan.micro_batch_size,
         max_token_len=plan.max_token_len_per_gpu,
     )
-    if offload:
-        for chunk in run.ref.chunks:
-            chunk.cpu()
 
 
 def correct_for_rollout(batch: RolloutTensors, correction, shortcut: bool) -> dict[str, float]:

@@ -1,8 +1,11 @@
 """Everything a run holds, built from the config in the order the devices need it.
 
 On GPU vLLM refuses to start unless ``gpu_memory_utilization`` × total memory is free, so the
-rollout engine starts before Megatron allocates the models; on CPU the order is the same (one
-code path). The reference policy is built only when a KL term is on.
+rollout engine starts before Megatron allocates the models, and goes to sleep right after (its
+pool is not needed until the first generate); each model is moved to its ``setup`` residency
+(:mod:`megarl.config.residency`) right after it is built, so the setup peak holds one model's
+full state. On CPU the order is the same (one code path). The reference policy is built only
+when a KL term is on.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from megarl.trainer.actor import PolicyUpdate
 from megarl.trainer.batch import pad_token_id
 from megarl.trainer.console import Console
 from megarl.trainer.critic import ValueUpdate
+from megarl.trainer.residency import applied, settle, settle_engine
 from megarl.trainer.reward_model import RewardModel
 from megarl.trainer.state import TrainerState
 
@@ -65,6 +69,21 @@ class Run:
     """The KL-in-reward coefficient controller (``algorithm.use_kl_in_reward``)."""
     reward_model: RewardModel | None = None
     """The learned reward model (``reward_model.enable``); its scores replace the rule scorers."""
+    engine_residency: Any = None
+    """What of the rollout engine is awake (:class:`megarl.config.residency.EngineResidency`;
+    None when the actor generates)."""
+    current_phase: str | None = None
+    """The residency phase the run is in (:func:`megarl.trainer.residency.enter`)."""
+    phase_peaks: dict = field(default_factory=dict)
+    """CUDA: ``("peak" | "used", phase)`` → the most device memory allocated (PyTorch's peak) or
+    in use (the device's) in each phase so far, in bytes."""
+    sleep_freed: int | None = None
+    """CUDA: device bytes vLLM's last sleep freed."""
+    last_sleep_level: int | None = None
+    """The level vLLM last slept at (None: it never slept)."""
+    residency_log: list = field(default_factory=list)
+    """``(phase, Residency)`` applied at each :func:`megarl.trainer.residency.enter`, as the
+    models and the engine report it (the setup entry first)."""
 
     @property
     def vocab_size(self) -> int:
@@ -99,6 +118,7 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
     dtype = DTYPES[cfg.trainer.dtype]
     engine_from_vllm = arr.rollout.name == "vllm"
     vllm_engine = _start_vllm(cfg, model_path) if engine_from_vllm else None
+    engine_residency = settle_engine(vllm_engine, cfg) if vllm_engine is not None else None
     meg = arr.actor.megatron
     recompute = Recompute(meg.recompute_granularity, meg.recompute_method, meg.recompute_num_layers)
     actor_model = build_model(
@@ -109,12 +129,14 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         recompute=recompute,
     )
     actor = TrainableModel(actor_model, optimizer_settings(cfg, total))
+    settle(actor, cfg, "actor")
     ref = None
     if ref_used(cfg):
         ref = build_model(model_path, layout, dtype=dtype, transformer_impl=meg.transformer_impl)
         for chunk in ref.chunks:
             chunk.eval()
             chunk.requires_grad_(False)
+        settle(ref, cfg, "ref")
     eos = read_eos_token_ids(model_path) or [tokenizer.eos_token_id]
     if vllm_engine is not None:
         engine: RolloutEngine = vllm_engine
@@ -133,7 +155,7 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
     kl_ctrl = _kl_controller(cfg)
     reward_model = RewardModel.from_config(cfg, layout, dtype, tokenizer)
     rewards = RewardManager.from_config(cfg, tokenizer, group=None)
-    return Run(
+    run = Run(
         cfg=cfg,
         run_dir=run_dir,
         console=console,
@@ -155,7 +177,11 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         values=values,
         kl_ctrl=kl_ctrl,
         reward_model=reward_model,
+        engine_residency=engine_residency,
     )
+    run.residency_log.append(("setup", applied(run)))
+    run.current_phase = "setup"
+    return run
 
 
 def _build_critic(cfg: MegarlConfig, layout, model_path: str, dtype, total: int, plan):
@@ -178,6 +204,7 @@ def _build_critic(cfg: MegarlConfig, layout, model_path: str, dtype, total: int,
         value_head_seed=cfg.trainer.seed,
     )
     critic = TrainableModel(critic_model, optimizer_settings(cfg, total, role="critic"))
+    settle(critic, cfg, "critic")
     return critic, value_update(cfg, plan)
 
 

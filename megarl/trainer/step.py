@@ -28,6 +28,7 @@ from megarl.trainer.passes import (
     recompute_log_probs,
     reference_log_probs,
 )
+from megarl.trainer.residency import enter, phase_peak_metrics
 from megarl.trainer.setup import Run
 
 
@@ -57,6 +58,7 @@ def train_step(
     timer, start = Timer(), time.perf_counter()
     metrics: dict[str, float] = {}
 
+    enter(run, "generate", step=step)
     with timer("gen"):
         batch, samples = generate(
             run.engine,
@@ -67,11 +69,12 @@ def train_step(
             step=step,
             pad_token_id=pad_token_id(run.tokenizer),
         )
-    engine_sleeps = _engine_sleeps(run)
-    if engine_sleeps:
-        run.engine.sleep(level=1)  # weights to host memory, KV cache dropped, until the sync
-    run.actor.reload()  # what the previous step offloaded (nothing by default)
+    greedy = None
+    if cfg.algorithm.adv_estimator == "remax":  # while the engine is awake (as verl)
+        with timer("gen_baseline"):
+            greedy = greedy_generation(run, prompts, step)
 
+    enter(run, "reward", step=step)  # the engine asleep from here until the sync
     with timer("reward"):
         scored = _score(run, prompts, samples, batch, step, dump=cfg.trainer.rollout_data_dir)
         batch.fields["token_level_rewards"] = scored.token_level_rewards
@@ -81,13 +84,16 @@ def train_step(
     shortcut = old_log_probs_are_current(run, len(batch))
     sum_pi_squared = None
     if not shortcut:
+        enter(run, "old_log_prob", step=step)
         with timer("old_log_prob"):
             sum_pi_squared = recompute_log_probs(run, batch)
     if run.ref is not None:
+        enter(run, "ref", step=step)
         with timer("ref"):
             reference_log_probs(run, batch)
     metrics.update(correct_for_rollout(batch, cfg.algorithm.rollout_correction, shortcut))
     if run.critic is not None:
+        enter(run, "values", step=step)
         with timer("values"):
             batch.fields["values"] = global_values(
                 run.critic, batch, run.plan.values.micro_batch_size,  # type: ignore[union-attr]
@@ -96,9 +102,11 @@ def train_step(
     if run.kl_ctrl is not None:  # KL in the reward, before the advantages
         metrics.update(penalize_kl(run, batch))
     baselines = None
-    if cfg.algorithm.adv_estimator == "remax":
+    if greedy is not None:
         with timer("gen_baseline"):
-            baselines = batch.fields["reward_baselines"] = greedy_baselines(run, prompts, step)
+            baselines = batch.fields["reward_baselines"] = greedy_baselines(
+                run, prompts, *greedy, step
+            )
 
     with timer("adv"):  # over the global batch: the same at every layout
         advantages, returns = compute_advantage(
@@ -118,11 +126,13 @@ def train_step(
         batch.fields["advantages"], batch.fields["returns"] = advantages, returns
 
     if run.critic is not None:
+        enter(run, "update_critic", step=step)
         with timer("update_critic"):
             metrics.update(update_critic(run.critic, batch, run.values, seed=cfg.trainer.seed,
                                          step=step))  # fmt: skip
         run.critic.advance_lr()
     if step > cfg.trainer.critic_warmup:  # the first critic_warmup steps train only the critic
+        enter(run, "update_actor", step=step)
         with timer("update_actor"):
             metrics.update(
                 update_policy(
@@ -137,17 +147,13 @@ def train_step(
             )
         run.actor.advance_lr()  # verl steps the LR schedule once per trainer step
     elif shortcut:  # no update ran: the recomputed log-probs still have to come from somewhere
+        enter(run, "old_log_prob", step=step)
         recompute_log_probs(run, batch)
-    meg = cfg.actor_rollout_ref.actor.megatron
-    run.actor.offload(grads=meg.grad_offload, optimizer=meg.optimizer_offload)
 
     with timer("update_weights"):
-        if engine_sleeps:
-            run.engine.wake_up(["weights"])
+        enter(run, "sync", step=step)  # vLLM's weights awake, its KV cache at the next generate
         if step not in cfg.trainer.skip_weight_sync_steps:
             sync_engine(run)
-        if engine_sleeps:
-            run.engine.wake_up(["kv_cache"])  # after the sync: a lower peak
 
     metrics.update(step_metrics(run, batch, scored, timer, start))
     return metrics, batch
@@ -159,6 +165,7 @@ def validate(run: Run, step: int) -> dict[str, float]:
     cfg = run.cfg
     val = cfg.actor_rollout_ref.rollout.val_kwargs
     prompts = [run.val_data[i] for i in range(len(run.val_data))]  # type: ignore[arg-type]
+    enter(run, "generate", step=step)
     sampling = {
         "temperature": val.temperature if val.do_sample else 0.0,
         "top_p": val.top_p if val.do_sample else 1.0,
@@ -214,11 +221,10 @@ def penalize_kl(run: Run, batch: RolloutTensors) -> dict[str, float]:
     return {"actor/reward_kl_penalty": float(current_kl), "actor/reward_kl_penalty_coeff": coef}
 
 
-def greedy_baselines(run: Run, prompts: Sequence[PromptSample], step: int) -> torch.Tensor:
-    """ReMax: one greedy response per prompt, scored; each response's baseline is its prompt's
-    greedy score (``reward_baselines [B]``)."""
-    n = run.cfg.actor_rollout_ref.rollout.n
-    greedy, samples = generate(
+def greedy_generation(run: Run, prompts: Sequence[PromptSample], step: int):
+    """ReMax: one greedy response per prompt (generated with the step's batch, while the engine
+    is awake); scored by :func:`greedy_baselines`."""
+    return generate(
         run.engine,
         prompts,
         n=1,
@@ -227,15 +233,21 @@ def greedy_baselines(run: Run, prompts: Sequence[PromptSample], step: int) -> to
         step=step,
         pad_token_id=pad_token_id(run.tokenizer),
     )
+
+
+def greedy_baselines(
+    run: Run, prompts: Sequence[PromptSample], greedy: RolloutTensors, samples, step: int
+) -> torch.Tensor:
+    """ReMax: each response's baseline is its prompt's greedy score (``reward_baselines [B]``)."""
     scored = _score(run, prompts, samples, greedy, step, dump=None)
-    return scored.scores.repeat_interleave(n)
+    return scored.scores.repeat_interleave(run.cfg.actor_rollout_ref.rollout.n)
 
 
-def _engine_sleeps(run: Run) -> bool:
-    """vLLM on GPU with ``free_cache_engine`` sleeps while training runs (on CPU sleeping frees
-    nothing and vLLM only warns, so it is not called)."""
-    roll = run.cfg.actor_rollout_ref.rollout
-    return roll.name == "vllm" and roll.free_cache_engine and torch.cuda.is_available()
+def first_sync(run: Run) -> None:
+    """Before anything generates: the engine slept (level 2) since its start; give it the actor's
+    weights (the initial ones, or a resumed checkpoint's)."""
+    enter(run, "sync")
+    sync_engine(run)
 
 
 def sync_engine(run: Run) -> None:
@@ -309,6 +321,7 @@ def step_metrics(
         metrics.update(value_metrics(batch))
     metrics.update(rollout_consistency(batch, batch.fields["recomputed_log_probs"]))
     metrics.update(timer.metrics())
+    metrics.update(phase_peak_metrics(run))
     metrics["timing_s/step"] = time.perf_counter() - start
     tokens = float(batch.lengths.sum())
     metrics["perf/total_num_tokens"] = tokens

@@ -28,6 +28,11 @@ NO_OFFLOAD_TP1_PP1 = [
 ]  # fmt: skip
 
 
+PPO_PHASES = ("setup", "generate", "reward", "old_log_prob", "ref", "values", "update_critic",
+              "update_actor", "sync", "checkpoint")  # fmt: skip
+"""A PPO run with a critic and a reference (KL in the reward) goes through every phase."""
+
+
 def _dims_72b() -> ModelDims:
     return ModelDims.from_hf_config(PRESETS["qwen2.5-72b"])
 
@@ -90,7 +95,7 @@ def test_qwen72b_config_fits_and_tp1_pp1_without_offload_does_not():
     cfg = load_config(CFG_72B, NO_OFFLOAD_TP1_PP1)
     plan = plan_memory(cfg, dims, cluster)
     assert not plan.fits
-    update = next(p for p in plan.phases if p.name == "update")
+    update = next(p for p in plan.phases if p.name == "update_actor")
     assert update.total > 80 * GIB  # 72.7B parameters at 16 B/param over DP 64 alone: ~1.2 TB/64
     proposals = search_layouts(cfg, dims, cluster)
     assert proposals
@@ -107,20 +112,20 @@ def test_validate_warns_when_a_config_does_not_fit():
     warnings = validate(load_config(CFG_72B, NO_OFFLOAD_TP1_PP1), 64)
     memory = [w for w in warnings if w.startswith("memory:")]
     assert len(memory) == 1 and "does not fit on 80 GiB GPUs" in memory[0], warnings
-    assert "update" in memory[0]
+    assert "update_actor" in memory[0]
     assert not [w for w in validate(load_config(CFG_72B), 64) if w.startswith("memory:")]
 
 
 def test_plan_cli_text_and_json(capsys):
     assert plan_cli.main(["--config", CFG_72B]) == 0
     out = capsys.readouterr().out
-    for phase in ("rollout", "log-probs", "update", "sync"):
+    for phase in PPO_PHASES:
         assert f"phase {phase}:" in out
     assert "verdict: FITS" in out and "host RAM per node" in out and "KV cache" in out
     assert plan_cli.main(["--config", CFG_72B, "--json", *NO_OFFLOAD_TP1_PP1]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["fits"] is False and data["proposals"]
-    assert {p["name"] for p in data["phases"]} == {"rollout", "log-probs", "update", "sync"}
+    assert [p["name"] for p in data["phases"]] == list(PPO_PHASES)
     assert plan_cli.main(["--config", CFG_72B, "--gpu-memory", "40", "--nodes", "16"]) == 0
     assert "16 node(s) × 8 GPU(s) of 40 GiB" in capsys.readouterr().out
 
@@ -159,3 +164,61 @@ def test_bad_input_is_one_line_and_exit_2(argv, names, tmp_path, capsys):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], captured.err
     assert "Traceback" not in captured.err and captured.out == ""
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [[], NO_OFFLOAD_TP1_PP1, ["actor_rollout_ref.rollout.free_cache_engine=false"],
+     ["actor_rollout_ref.rollout.name=actor", "algorithm.use_kl_in_reward=false"]],
+    ids=["offloads", "no_offloads", "vllm_awake", "actor_engine_no_ref"],
+)  # fmt: skip
+def test_the_planner_sums_the_residency_schedule(overrides):
+    """Each phase of the plan holds exactly the state the schedule the trainer applies keeps on
+    the device (tests/trainer/test_trainer_runs.py holds the trainer to the same schedule)."""
+    from megarl.config import critic_enabled, ref_used
+    from megarl.config.residency import schedule
+
+    cfg = load_config(CFG_72B, overrides)
+    dims = _dims_72b()
+    plan = plan_memory(cfg, dims, Cluster(8, 8, 80.0))
+    declared = schedule(cfg)
+    assert [p.name for p in plan.phases] == list(declared)
+    opt = OptimizerAssumptions(impl="transformer_engine", adam="fused")
+    layout = ParallelLayout(
+        cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size,
+        cfg.actor_rollout_ref.actor.megatron.pipeline_model_parallel_size,
+    )
+    for phase in plan.phases:
+        terms = {t.name: t.nbytes for t in phase.terms}
+        for role, on in declared[phase.name].models.items():
+            state = model_state(dims, layout, 64, "ref" if role == "ref" else role, opt)
+            assert terms.get(f"{role} params", 0) == (state.params if on.params else 0)
+            assert terms.get(f"{role} gradient buffers", 0) == (state.grads if on.grads else 0)
+            optimizer = state.main_params + state.optimizer_states if on.optimizer else 0
+            assert terms.get(f"{role} fp32 main params + Adam moments", 0) == optimizer
+        engine = declared[phase.name].engine
+        if engine is None:
+            assert not [n for n in terms if n.startswith("vLLM")]
+        elif engine.kv_cache:
+            assert terms["vLLM pool"] == int(0.5 * 80 * GIB)
+        elif engine.weights:
+            assert terms["vLLM weights (awake)"] == vllm_weight_bytes(dims, 8, 2)
+        else:
+            assert terms["vLLM asleep"] == 0
+    assert ("ref" in declared) == ref_used(cfg) and ("values" in declared) == critic_enabled(cfg)
+
+
+def test_the_72b_setup_phase_holds_one_model_being_built():
+    """vLLM sleeps from right after its start; each model moves to its setup residency right
+    after it is built, so setup holds the largest model's params + grads + main params once."""
+    cfg = load_config(CFG_72B)
+    plan = plan_memory(cfg, _dims_72b(), Cluster(8, 8, 80.0))
+    setup = next(p for p in plan.phases if p.name == "setup")
+    opt = OptimizerAssumptions(impl="transformer_engine", adam="fused")
+    built = {}
+    for role in ("actor", "critic"):  # the reference (params only) is smaller
+        state = model_state(_dims_72b(), ParallelLayout(8, 4), 64, role, opt)
+        built[f"{role} while built"] = state.params + state.grads + state.main_params
+    largest = max(built, key=built.get)
+    assert {t.name: t.nbytes for t in setup.terms} == {"vLLM asleep": 0, largest: built[largest]}
+    assert plan.fits and setup.total < 20 * GIB

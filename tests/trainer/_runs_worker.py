@@ -85,7 +85,7 @@ def _one_run(spec: dict, run_spec: dict) -> dict:
     from megarl.config import load_config
     from megarl.trainer.console import Console
     from megarl.trainer.setup import build_run
-    from megarl.trainer.step import train_step
+    from megarl.trainer.step import first_sync, train_step
 
     run_dir = Path(spec["tmp"]) / f"{run_spec['name']}_ws{dist.get_world_size()}"
     overrides = [*spec["overrides"], *run_spec["overrides"], f"trainer.default_local_dir={run_dir}"]
@@ -94,6 +94,7 @@ def _one_run(spec: dict, run_spec: dict) -> dict:
     with Console(run_dir / "logs", rank=dist.get_rank()) as console:
         run = build_run(cfg, console, run_dir)
         try:
+            first_sync(run)
             for step in range(1, run_spec["steps"] + 1):
                 POISON["step"] = step if step == run_spec.get("poison_step") else None
                 before = _weights_checksums(run.actor.chunks)
@@ -115,7 +116,7 @@ def _one_run(spec: dict, run_spec: dict) -> dict:
         finally:
             POISON["step"] = None
             run.rewards.close()
-    return {"steps": steps, "replicas_identical": identical}
+    return {"steps": steps, "replicas_identical": identical, "residency": run.residency_log}
 
 
 def _learning_run(spec: dict, run_spec: dict) -> dict:
@@ -124,7 +125,7 @@ def _learning_run(spec: dict, run_spec: dict) -> dict:
     from megarl.config import load_config
     from megarl.trainer.console import Console
     from megarl.trainer.setup import build_run
-    from megarl.trainer.step import train_step, validate
+    from megarl.trainer.step import first_sync, train_step, validate
 
     run_dir = Path(spec["tmp"]) / f"{run_spec['name']}_ws{dist.get_world_size()}"
     overrides = [*spec["overrides"], *run_spec["overrides"], f"trainer.default_local_dir={run_dir}"]
@@ -132,6 +133,7 @@ def _learning_run(spec: dict, run_spec: dict) -> dict:
     with Console(run_dir / "logs", rank=dist.get_rank()) as console:
         run = build_run(cfg, console, run_dir)
         try:
+            first_sync(run)
             first = validate(run, 0)["val/score/mean"]
             steps = []
             for step in range(1, run_spec["steps"] + 1):

@@ -98,6 +98,10 @@ def test_lr_zero_leaves_validation_bit_identical(runs):
 def test_every_sync_leaves_vllm_agreeing_with_the_actor(runs):
     diffs = [m["rollout/logprob_diff_max"] for s, m in runs["main_metrics"].items() if s > 0]
     assert len(diffs) == 30 and max(diffs) <= 1e-4, max(diffs)
+    # Every step syncs: vLLM slept at level 2 (weights dropped, no host copy); on CPU too the
+    # engine refuses to generate after level 2 until a sync finished.
+    levels = {m["rollout/sleep_level"] for s, m in runs["main_metrics"].items() if s > 0}
+    assert levels == {2.0}
 
 
 def test_a_skipped_sync_shows_in_the_metric(runs):
@@ -105,6 +109,8 @@ def test_a_skipped_sync_shows_in_the_metric(runs):
     assert stale[1]["rollout/logprob_diff_max"] <= 1e-4  # vLLM and Megatron read the export alike
     assert stale[2]["rollout/logprob_diff_max"] > 1e-2  # sampled from step 0's weights
     assert stale[3]["rollout/logprob_diff_max"] <= 1e-4  # step 2's sync caught up
+    # Step 1 keeps vLLM's weights (level 1: its sync is skipped), the others replace them.
+    assert [stale[s]["rollout/sleep_level"] for s in (1, 2, 3)] == [1.0, 2.0, 2.0]
 
 
 def test_console_holds_only_megarl_lines(runs):

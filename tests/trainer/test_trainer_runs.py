@@ -63,6 +63,13 @@ EXPLAINED_VAR_FLOOR = -0.5
 """See test_ppo_learns_on_the_synthetic_task."""
 
 
+ALL_OFFLOADS = [
+    *(f"{m}.megatron.{k}_offload=true" for m in ("actor_rollout_ref.actor", "critic")
+      for k in ("param", "grad", "optimizer")),
+    "actor_rollout_ref.ref.megatron.param_offload=true",
+]  # fmt: skip
+
+
 def _estimator_overrides(name: str) -> list[str]:
     extra = [f"algorithm.adv_estimator={name}"]
     if name.endswith("optimal_token_baseline"):
@@ -110,8 +117,12 @@ def spec(tmp_path_factory) -> dict:
     runs.append({"name": "gae", "overrides": ["algorithm.adv_estimator=gae"], "steps": 2,
                  "worlds": [1, 2]})  # fmt: skip
     kl = ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=kl"]
-    runs.append({"name": "kl_fixed", "overrides": [*kl, "algorithm.kl_ctrl.kl_coef=0.1"],
-                 "steps": 2, "worlds": [2]})  # fmt: skip
+    # PPO with a critic and a reference (KL in the reward): every model of the residency
+    # schedule; the same with every offload on must give the same numbers.
+    kl_fixed = [*kl, "algorithm.kl_ctrl.kl_coef=0.1", "algorithm.adv_estimator=gae"]
+    runs.append({"name": "kl_fixed", "overrides": kl_fixed, "steps": 2, "worlds": [2]})
+    runs.append({"name": "offload", "overrides": [*kl_fixed, *ALL_OFFLOADS], "steps": 2,
+                 "worlds": [2]})  # fmt: skip
     adaptive = [*kl, "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.2",
                 "algorithm.kl_ctrl.target_kl=0.01", "algorithm.kl_ctrl.horizon=40"]  # fmt: skip
     runs.append({"name": "kl_adaptive", "overrides": adaptive, "steps": 5, "worlds": [2]})
@@ -125,8 +136,6 @@ def spec(tmp_path_factory) -> dict:
     remax = ["algorithm.adv_estimator=remax", f"custom_reward_function.path={scorer}"]
     runs.append({"name": "remax_greedy", "overrides": remax, "steps": 1,
                  "greedy_scores": True, "worlds": [2]})  # fmt: skip
-    offload = [f"actor_rollout_ref.actor.megatron.{k}_offload=true" for k in ("grad", "optimizer")]
-    runs.append({"name": "offload", "overrides": offload, "steps": 2, "worlds": [2]})
     runs.append(_reward_model_run(tmp))
     runs.append({"name": "ppo_learning", "config": "configs/ppo_tiny_cpu.yaml",
                  "overrides": PPO_LEARNING, "steps": PPO_STEPS, "worlds": [2]})  # fmt: skip
@@ -188,11 +197,36 @@ def test_nan_on_one_rank_skips_the_step_everywhere_and_the_run_goes_on(dp2):
 
 
 def test_offloading_between_steps_changes_nothing(dp2):
-    plain, offloaded = dp2["grpo"]["steps"], dp2["offload"]["steps"]
+    plain, offloaded = dp2["kl_fixed"]["steps"], dp2["offload"]["steps"]
     for a, b in zip(plain, offloaded, strict=True):
         assert torch.equal(a["input_ids"], b["input_ids"])
         keys = [k for k in a["metrics"] if not k.startswith(("timing_s/", "perf/throughput"))]
         assert {k: a["metrics"][k] for k in keys} == {k: b["metrics"][k] for k in keys}
+
+
+@pytest.mark.parametrize("name", ["kl_fixed", "offload"])
+def test_the_trainer_applies_the_declared_residency_in_every_phase(spec, dp2, name):
+    """What the models report after each phase change is what config/residency.py declares
+    (the planner sums the same declaration: tests/config/test_memory_plan.py); every phase of a
+    step is visited, in the step's order."""
+    from megarl.config import load_config
+    from megarl.config.residency import phases_of, residency
+
+    overrides = next(r["overrides"] for r in spec["runs"] if r["name"] == name)
+    cfg = load_config([spec["config"]], [*spec["overrides"], *overrides])
+    log = dp2[name]["residency"]
+    for phase, applied in log:
+        assert applied == residency(cfg, phase), (phase, applied)
+    step = ["generate", "reward", "old_log_prob", "ref", "values", "update_critic",
+            "update_actor", "sync"]  # fmt: skip
+    assert [p for p, _ in log] == ["setup", "sync", *step, *step]
+    assert set(phases_of(cfg)) == {"setup", *step, "checkpoint"}
+    on_host = {(p, role) for p, r in log for role, m in r.models.items() if not m.params}
+    if name == "offload":  # each model's parameters leave the device outside its own passes
+        assert {("setup", "actor"), ("setup", "critic"), ("setup", "ref"), ("ref", "actor"),
+                ("update_actor", "critic"), ("update_actor", "ref")} <= on_host  # fmt: skip
+    else:
+        assert on_host == set()
 
 
 def test_gae_with_a_critic_is_layout_independent(dp1, dp2):

@@ -1,0 +1,175 @@
+"""Where every model's state lives in each phase of a step, declared once.
+
+The trainer moves state by this schedule (:mod:`megarl.trainer.residency`) and the memory
+planner (:mod:`megarl.config.memory_plan`) sums the bytes of the same schedule, so ``megarl plan``
+describes the states the trainer actually reaches.
+
+Phases, in the trainer's order:
+
+- ``setup``: after the engine started and every model was built; the engine asleep at level 2
+  from right after its start (its pool is needed by nobody until the first generate, and level 2
+  keeps no host copy: the first wake syncs the actor's weights in), each model at its idle
+  residency. While a model is being built it holds its full state once (the planner adds that).
+- ``generate``: the engine awake (weights and KV cache); training models idle. Validation and
+  ReMax's greedy baseline generate in this phase too.
+- ``reward``: scoring (rule scorers, or the reward model, which keeps its own
+  ``reward_model.megatron.param_offload`` and is not part of this schedule); the engine asleep
+  from here until ``sync``, training models idle.
+- ``old_log_prob``, ``ref``, ``values``: one forward-only pass each; the model computing has its
+  parameters on the device.
+- ``update_critic``, ``update_actor``: the model training has everything on the device.
+- ``sync``: the engine's weights awake (its KV cache still asleep: a lower peak), the actor's
+  parameters on the device; the KV cache wakes at the next ``generate``.
+- ``checkpoint``: saving a step or loading one to resume: the saved models (actor, critic) with
+  parameters and optimizer state on the device (Megatron's optimizer gathers its state over the
+  data-parallel group there), gradient buffers as when idle; the engine as in ``sync``.
+
+A model's parameters, gradient buffers and optimizer state (fp32 main parameters and moments)
+leave the device outside the phases that need them exactly when its ``param_offload``,
+``grad_offload``, ``optimizer_offload`` say so. vLLM sleeps (``rollout.free_cache_engine``)
+outside ``generate`` and ``sync`` at level 2 when the next wake updates its weights (vLLM's
+contract for "update the model": nothing copied to host memory and back only to be
+overwritten), level 1 when the next step keeps them (``trainer.skip_weight_sync_steps``).
+
+Pure (no torch, no processes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megarl.config.batch import critic_enabled, ref_used
+from megarl.config.schema import MegarlConfig
+
+PHASES = (
+    "setup",
+    "generate",
+    "reward",
+    "old_log_prob",
+    "ref",
+    "values",
+    "update_critic",
+    "update_actor",
+    "sync",
+    "checkpoint",
+)
+"""Every phase, in the order a step runs them (``setup`` once, before the first step;
+``checkpoint`` after a step that saves, and when a run resumes)."""
+
+_COMPUTES = {
+    "old_log_prob": "actor",
+    "ref": "ref",
+    "values": "critic",
+    "update_critic": "critic",
+    "update_actor": "actor",
+    "sync": "actor",  # the sync reads the actor's parameters
+}
+_TRAINS = {"update_critic": "critic", "update_actor": "actor"}
+_SAVED = ("actor", "critic")
+
+
+@dataclass(frozen=True)
+class ModelResidency:
+    """What of one model is on the device (True) or in host memory (False)."""
+
+    params: bool
+    grads: bool
+    """Gradient buffers (the reference has none: always False)."""
+    optimizer: bool
+    """Main parameters and optimizer moments (the reference has none: always False)."""
+
+
+@dataclass(frozen=True)
+class EngineResidency:
+    """What of the rollout engine (vLLM) is on the device."""
+
+    weights: bool
+    kv_cache: bool
+
+
+@dataclass(frozen=True)
+class Residency:
+    """One phase: every model present in the run, and the engine (None: the actor generates)."""
+
+    models: dict[str, ModelResidency]
+    engine: EngineResidency | None
+
+
+@dataclass(frozen=True)
+class Offloads:
+    """One model's ``*.megatron.{param,grad,optimizer}_offload``."""
+
+    params: bool
+    grads: bool
+    optimizer: bool
+
+
+def model_offloads(cfg: MegarlConfig) -> dict[str, Offloads]:
+    """The offload switches of every model the run builds (actor; critic, ref when used)."""
+    arr = cfg.actor_rollout_ref
+    out = {"actor": _offloads(arr.actor.megatron)}
+    if critic_enabled(cfg):
+        out["critic"] = _offloads(cfg.critic.megatron)
+    if ref_used(cfg):
+        out["ref"] = Offloads(bool(arr.ref.megatron.param_offload), False, False)
+    return out
+
+
+def _offloads(meg) -> Offloads:
+    return Offloads(bool(meg.param_offload), bool(meg.grad_offload), bool(meg.optimizer_offload))
+
+
+def engine_is_vllm(cfg: MegarlConfig) -> bool:
+    return cfg.actor_rollout_ref.rollout.name == "vllm"
+
+
+def phases_of(cfg: MegarlConfig) -> tuple[str, ...]:
+    """The phases a run of ``cfg`` goes through (no ``ref`` without a reference, no ``values``
+    or ``update_critic`` without a critic)."""
+    roles = model_offloads(cfg)
+    skip = set()
+    if "ref" not in roles:
+        skip.add("ref")
+    if "critic" not in roles:
+        skip |= {"values", "update_critic"}
+    return tuple(p for p in PHASES if p not in skip)
+
+
+def residency(cfg: MegarlConfig, phase: str) -> Residency:
+    """What is on the device in ``phase`` (one of :data:`PHASES`) for a run of ``cfg``."""
+    if phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}; phases: {', '.join(PHASES)}")
+    computes, trains = _COMPUTES.get(phase), _TRAINS.get(phase)
+    if phase == "generate" and not engine_is_vllm(cfg):
+        computes = "actor"  # the actor samples itself
+    models = {}
+    for role, off in model_offloads(cfg).items():
+        trainable = role != "ref"
+        saved = phase == "checkpoint" and role in _SAVED
+        models[role] = ModelResidency(
+            params=saved or role == computes or not off.params,
+            grads=trainable and (role == trains or not off.grads),
+            optimizer=trainable and (saved or role == trains or not off.optimizer),
+        )
+    engine = None
+    if engine_is_vllm(cfg):
+        awake = not cfg.actor_rollout_ref.rollout.free_cache_engine
+        engine = EngineResidency(
+            weights=awake or phase in ("generate", "sync", "checkpoint"),
+            kv_cache=awake or phase == "generate",
+        )
+    return Residency(models, engine)
+
+
+def schedule(cfg: MegarlConfig) -> dict[str, Residency]:
+    """:func:`residency` of every phase of :func:`phases_of`, in order."""
+    return {phase: residency(cfg, phase) for phase in phases_of(cfg)}
+
+
+def sleep_level(cfg: MegarlConfig, next_step: int | None) -> int:
+    """vLLM's sleep level until its next wake: 2 when that wake updates the weights (``next_step``
+    None: the first wake after start, which always syncs), 1 when step ``next_step`` keeps them
+    (``trainer.skip_weight_sync_steps``)."""
+    if next_step is None or next_step not in cfg.trainer.skip_weight_sync_steps:
+        return 2
+    return 1

@@ -1,0 +1,461 @@
+"""One command for the first GPU: what megarl's GPU path does on this machine, in one table.
+
+    .venv/bin/python tools/gpu_check.py                        # a GPU machine, no network needed
+    .venv/bin/python tools/gpu_check.py --device cpu --tiny    # the plumbing at tiny shapes (CI)
+
+Everything it needs it makes locally: random-initialised HF models of real shapes (Qwen2.5-1.5B
+and -7B dimensions with the synthetic task's 32k tokenizer; a tiny one for the plumbing) and the
+synthetic task's data. Sections (each one reports ok / skipped with the reason / failed with the
+error, and the others still run):
+
+- ``stack``: versions (torch, CUDA, Megatron-Core, vLLM, Transformer Engine, apex, flash-attn) and
+  the layer spec ``transformer_impl: auto`` picks here (an import failure is printed);
+- ``logits``: the Megatron model's logits with the local spec and, where it imports, the TE spec,
+  against HF transformers on the same random weights (max |Δ|);
+- ``gpu_tests``: ``pytest -m gpu`` (only the GPU-marked tests: the CPU suite's multi-rank tests
+  would put several ranks on one GPU);
+- ``train`` (one per vLLM model runner on CUDA: V1 and V2): a few GRPO steps through
+  ``megarl.train`` (bf16, TE, vLLM sleep/wake, CUDA graphs): vLLM's log-prob agreement after each
+  sync, the sleep level and the memory a sleep freed, update MFU, sync GB/s against a
+  device-to-device copy of the same bytes, generation tokens/s;
+- ``memory``: each phase's measured peak against ``megarl plan`` for the same config.
+
+Prints the table and writes ``<out>/gpu_check.json``; exits 1 when a section failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SHAPES = {
+    "tiny": {"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256,
+             "vocab_size": 1000},
+    "qwen2.5-1.5b": {"num_layers": 28, "hidden_size": 1536, "num_attention_heads": 12,
+                     "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 8960,
+                     "vocab_size": 32000, "tie_word_embeddings": True},
+    "qwen2.5-7b": {"num_layers": 28, "hidden_size": 3584, "num_attention_heads": 28,
+                   "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 18944,
+                   "vocab_size": 32000},
+}  # fmt: skip
+"""Model shapes (Qwen2.5's, with the synthetic tokenizer's vocabulary)."""
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+"""Dense bf16 peak by device name (SXM parts), for MFU."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--tiny", action="store_true", help="only the tiny model (plumbing)")
+    parser.add_argument("--out", default="outputs/gpu_check", help="models, runs, the JSON")
+    parser.add_argument("--steps", type=int, default=4, help="trainer steps per run")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _logits_worker(Path(args.worker))
+    import torch
+
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
+        print("error: --device cuda but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    shapes = ["tiny"] if args.tiny else ["tiny", "qwen2.5-1.5b", "qwen2.5-7b"]
+    report: dict = {"device": "cuda" if cuda else "cpu", "sections": {}}
+    sections = report["sections"]
+    sections["stack"] = _section(lambda: _stack(cuda))
+    models = {}
+    for name in shapes:
+        models[name] = _section(lambda n=name: _make_model(out / "models" / n, n, cuda))
+    sections["models"] = {"status": "ok", **{k: v for k, v in models.items()}}
+    paths = {n: m["path"] for n, m in models.items() if m["status"] == "ok"}
+    sections["logits"] = _section(lambda: _logits(paths, out, cuda))
+    sections["gpu_tests"] = (
+        _section(lambda: _gpu_tests(out))
+        if cuda
+        else {"status": "skipped", "why": "no CUDA: the gpu-marked tests skip"}
+    )
+    train_model = "tiny" if args.tiny else "qwen2.5-1.5b"
+    runners = ["0", "1"] if cuda else [None]
+    for runner in runners:
+        key = "train" if runner is None else f"train_runner_v{int(runner) + 1}"
+        sections[key] = _section(
+            lambda r=runner, k=key: _train(
+                paths[train_model], train_model, out / k, cuda, r, args.steps
+            )
+        )
+        sections[key.replace("train", "memory")] = _section(
+            lambda k=key: _memory(sections[k], paths[train_model], cuda)
+        )
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    _print_table(report)
+    print(f"gpu_check: {out / 'gpu_check.json'}")
+    failed = [k for k, v in sections.items() if v.get("status") == "failed"]
+    failed += [f"models/{k}" for k, v in models.items() if v.get("status") == "failed"]
+    return 1 if failed else 0
+
+
+def _section(fn) -> dict:
+    start = time.perf_counter()
+    try:
+        result = fn()
+        result.setdefault("status", "ok")
+    except Exception as exc:  # noqa: BLE001 - one section's failure is its row, not the end
+        result = {"status": "failed", "why": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc()}  # fmt: skip
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    return result
+
+
+# -- sections ---------------------------------------------------------------------------------
+
+
+def _stack(cuda: bool) -> dict:
+    import torch
+
+    out: dict = {"python": sys.version.split()[0], "torch": torch.__version__}
+    for dist in ("megatron-core", "vllm", "transformers", "transformer-engine", "apex",
+                 "flash-attn", "mlflow"):  # fmt: skip
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        out.update(cuda=torch.version.cuda, gpu=props.name, gpu_memory_gib=props.total_memory / 2**30,
+                   capability=f"{props.major}.{props.minor}")  # fmt: skip
+    from megarl.models import gpt
+
+    try:
+        out["transformer_impl_auto"] = gpt.resolve_transformer_impl("auto")
+    except Exception as exc:  # noqa: BLE001 - the reason TE does not import, in the table
+        out["transformer_impl_auto"] = f"error: {exc}"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+
+        out["transformer_engine_imports"] = True
+    except Exception as exc:  # noqa: BLE001 - an import error of any kind is the finding
+        out["transformer_engine_imports"] = f"{type(exc).__name__}: {exc}"
+    try:
+        import flash_attn  # noqa: F401
+
+        out["flash_attn_imports"] = True
+    except Exception as exc:  # noqa: BLE001 - an import error of any kind is the finding
+        out["flash_attn_imports"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _make_model(path: Path, name: str, cuda: bool) -> dict:
+    import torch
+
+    from megarl.models.tiny import make_tiny_model
+
+    if not (path / "config.json").exists():
+        make_tiny_model(path, "qwen2", dtype=torch.bfloat16 if cuda else torch.float32,
+                        **SHAPES[name])  # fmt: skip
+    return {"path": str(path)}
+
+
+def _logits(paths: dict[str, str], out: Path, cuda: bool) -> dict:
+    """Per model: Megatron local spec (and TE spec) vs HF transformers, in a 1-rank world."""
+    spec = out / "logits_spec.json"
+    result = out / "logits.json"
+    spec.write_text(json.dumps({"models": paths, "cuda": cuda, "result": str(result)}))
+    _torchrun([str(Path(__file__).resolve()), "--worker", str(spec)], out / "logits.log", {})
+    return json.loads(result.read_text())
+
+
+def _logits_worker(spec_path: Path) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megarl.models.build import build_model
+    from megarl.models.gpt import transformer_engine_available
+    from megarl.models.runner import forward_logits
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+
+    spec = json.loads(spec_path.read_text())
+    init_distributed(ParallelLayout(), seed=0)
+    device = torch.device("cuda" if spec["cuda"] else "cpu")
+    dtype = torch.bfloat16 if spec["cuda"] else torch.float32
+    impls = ["local"] + (["transformer_engine"] if spec["cuda"] and transformer_engine_available()
+                         else [])  # fmt: skip
+    results = {}
+    for name, path in spec["models"].items():
+        config = json.loads((Path(path) / "config.json").read_text())
+        vocab = config["vocab_size"]
+        ids = torch.randint(vocab, (2, 64), generator=torch.Generator().manual_seed(0))
+        logits = {}
+        for impl in impls:
+            model = build_model(path, ParallelLayout(), dtype=dtype, transformer_impl=impl)
+            (out,) = forward_logits(model.chunks, [ids.to(device)])
+            logits[impl] = out[..., :vocab].float().cpu()
+            del model
+            torch.cuda.empty_cache() if spec["cuda"] else None
+        hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype).to(device).eval()
+        with torch.no_grad():
+            logits["hf"] = hf(ids.to(device)).logits[..., :vocab].float().cpu()
+        del hf
+        row = {
+            "dtype": str(dtype).removeprefix("torch."),
+            "logit_scale": float(logits["hf"].abs().max()),
+        }
+        for impl in impls:
+            row[f"{impl}_vs_hf"] = float((logits[impl] - logits["hf"]).abs().max())
+        if "transformer_engine" in logits:
+            row["te_vs_local"] = float((logits["transformer_engine"] - logits["local"]).abs().max())
+        results[name] = row
+    Path(spec["result"]).write_text(json.dumps(results))
+    return 0
+
+
+def _gpu_tests(out: Path) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-ra", "-m", "gpu", "-p", "no:cacheprovider",
+         "tests"], cwd=REPO, capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    (out / "gpu_tests.log").write_text(done.stdout + done.stderr)
+    tail = [line for line in done.stdout.splitlines() if line.strip()][-1:]
+    return {"status": "ok" if done.returncode == 0 else "failed", "summary": tail,
+            "log": str(out / "gpu_tests.log")}  # fmt: skip
+
+
+def _train_overrides(model: str, shape: str, run_dir: Path, data: Path, cuda: bool,
+                     steps: int) -> list[str]:  # fmt: skip
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    arch = "actor_rollout_ref.model.architecture"
+    out = [
+        f"actor_rollout_ref.model.path={model}",
+        f"data.train_files={data / 'train.parquet'}",
+        f"data.val_files={data / 'test.parquet'}",
+        f"trainer.default_local_dir={run_dir}",
+        f"trainer.total_training_steps={steps}",
+        "trainer.n_gpus_per_node=1", "trainer.val_before_train=false", "trainer.test_freq=-1",
+        "trainer.save_freq=-1", "trainer.resume_mode=disable",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.free_cache_engine=true",
+        f"{arch}.num_attention_heads={cfg['num_attention_heads']}",
+        f"{arch}.num_key_value_heads={cfg['num_key_value_heads']}",
+        f"{arch}.num_hidden_layers={cfg['num_hidden_layers']}",
+        f"{arch}.hidden_size={cfg['hidden_size']}",
+        f"{arch}.vocab_size={cfg['vocab_size']}",
+    ]  # fmt: skip
+    if cuda:
+        out += [
+            "trainer.device=cuda", "trainer.dtype=bf16",
+            "actor_rollout_ref.actor.megatron.transformer_impl=auto",
+            "actor_rollout_ref.rollout.enforce_eager=false",  # CUDA graphs
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
+            "actor_rollout_ref.rollout.kv_cache_memory_bytes=null",
+            "actor_rollout_ref.rollout.max_num_seqs=256",
+            "data.max_response_length=256", "data.train_batch_size=32",
+            "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
+        ]  # fmt: skip
+    else:
+        out += ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16"]  # fmt: skip
+    return out
+
+
+def _train(model: str, shape: str, run_dir: Path, cuda: bool, runner: str | None,
+           steps: int) -> dict:  # fmt: skip
+    import torch
+
+    from megarl.config.model_dims import ModelDims
+    from megarl.data.synthetic import write_synthetic_data
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.rollout.reshard.plan import make_reshard_plan
+
+    data = run_dir.parent / "data"
+    if not (data / "train.parquet").exists():
+        write_synthetic_data(data)
+    overrides = _train_overrides(model, shape, run_dir, data, cuda, steps)
+    env = {} if runner is None else {"VLLM_USE_V2_MODEL_RUNNER": runner}
+    config = str(REPO / "configs" / "grpo_tiny_cpu.yaml")
+    _torchrun(["-m", "megarl.train", "--config", config, *overrides], run_dir.parent /
+              f"{run_dir.name}.log", env)  # fmt: skip
+    steps_m = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = [r["metrics"] for r in steps_m if r["step"] > 0]
+    later = metrics[1:] or metrics  # the first step compiles and warms up
+
+    def med(key: str) -> float | None:
+        values = [m[key] for m in later if key in m]
+        return statistics.median(values) if values else None
+
+    hf = json.loads((Path(model) / "config.json").read_text())
+    dims = ModelDims.from_hf_config(hf)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sync_bytes = make_reshard_plan(dims, ParallelLayout(), 1, dtype=dtype).rollout_bytes_per_rank()
+    sync_s = med("timing_s/update_weights")
+    copy_gbps = _copy_gbps(sync_bytes, cuda)
+    responses = max(m.get("response_length/mean", 0.0) for m in later)
+    n_resp = _responses_per_step(overrides)
+    tokens = med("perf/total_num_tokens")
+    update_s = med("timing_s/update_actor")
+    n_params = _param_count(dims)
+    tflops = 6 * n_params * tokens / update_s / 1e12 if tokens and update_s else None
+    peak = _peak_tflops() if cuda else None
+    return {
+        "config": config, "overrides": overrides, "runner": runner, "steps": len(metrics),
+        "logprob_diff_max": max(m["rollout/logprob_diff_max"] for m in metrics),
+        "sleep_levels": sorted({m.get("rollout/sleep_level") for m in metrics} - {None}),
+        "sleep_freed_gib": med("rollout/sleep_freed_gib"),
+        "step_s": med("timing_s/step"), "gen_s": med("timing_s/gen"), "update_actor_s": update_s,
+        "update_tflops": tflops, "update_mfu": tflops / peak if tflops and peak else None,
+        "sync_s": sync_s, "sync_bytes": sync_bytes,
+        "sync_gbps": sync_bytes / sync_s / 1e9 if sync_s else None,
+        "copy_gbps": copy_gbps,
+        "gen_tokens_per_s": responses * n_resp / med("timing_s/gen") if med("timing_s/gen") else None,
+        "phase_peaks_gib": {k.split("/", 2)[2]: max(m.get(k, 0) for m in metrics)
+                            for k in metrics[-1] if k.startswith("memory/peak_gib/")},
+        "phase_used_gib": {k.split("/", 2)[2]: max(m.get(k, 0) for m in metrics)
+                           for k in metrics[-1] if k.startswith("memory/used_gib/")},
+    }  # fmt: skip
+
+
+def _memory(train: dict, model: str, cuda: bool) -> dict:
+    """``megarl plan`` for the run's own config against what each phase measured."""
+    import torch
+
+    from megarl.config import load_config
+    from megarl.config.memory_plan import Cluster, plan_memory
+    from megarl.config.model_dims import ModelDims
+
+    if train.get("status") != "ok":
+        return {"status": "skipped", "why": "its trainer run failed"}
+    cfg = load_config([train["config"]], train["overrides"])
+    dims = ModelDims.from_hf_config(json.loads((Path(model) / "config.json").read_text()))
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 80.0
+    plan = plan_memory(cfg, dims, Cluster(1, 1, gib))
+    phases = {}
+    for phase in plan.phases:
+        phases[phase.name] = {
+            "planned_gib": phase.total / 2**30,
+            "measured_peak_gib": train["phase_peaks_gib"].get(phase.name),
+            "measured_used_gib": train["phase_used_gib"].get(phase.name),
+        }
+    out = {"fits": plan.fits, "phases": phases}
+    if not cuda:
+        out["note"] = "no CUDA: nothing measured (the plan's phases only)"
+    return out
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _torchrun(args: list[str], log: Path, env_extra: dict[str, str]) -> None:
+    env = {
+        **os.environ,
+        **env_extra,
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+           *args]  # fmt: skip
+    with log.open("w") as handle:
+        done = subprocess.run(cmd, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                              check=False, timeout=3600)  # fmt: skip
+    if done.returncode:
+        lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
+        errors = [ln for ln in lines if ln.lstrip().startswith("error:")] or lines[-3:]
+        raise RuntimeError(f"exit {done.returncode}: {errors[0].strip()} (log: {log})")
+
+
+def _copy_gbps(nbytes: int, cuda: bool) -> float:
+    """A device-to-device copy of ``nbytes`` (host memcpy on CPU): the sync's reference."""
+    import torch
+
+    device = "cuda" if cuda else "cpu"
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize() if cuda else None
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize() if cuda else None
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _param_count(dims) -> int:
+    h, f, layers = dims.hidden_size, dims.ffn_hidden_size, dims.num_layers
+    q = dims.num_attention_heads * dims.head_dim
+    kv = 2 * dims.num_query_groups * dims.head_dim
+    per_layer = h * (q + kv) + q * h + 3 * h * f
+    return (
+        layers * per_layer + dims.vocab_size * h
+    )  # the output layer (embedding lookups: no FLOPs)
+
+
+def _responses_per_step(overrides: list[str]) -> int:
+    kv = dict(o.split("=", 1) for o in overrides)
+    return int(kv["data.train_batch_size"]) * int(kv["actor_rollout_ref.rollout.n"])
+
+
+def _peak_tflops() -> float | None:
+    import torch
+
+    name = torch.cuda.get_device_name(0)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _print_table(report: dict) -> None:
+    print(f"gpu_check on {report['device']}")
+    keys = {
+        "stack": ("torch", "cuda", "gpu", "megatron-core", "vllm", "transformer-engine", "apex",
+                  "flash-attn", "transformer_impl_auto", "transformer_engine_imports"),
+        "train": ("steps", "logprob_diff_max", "sleep_levels", "sleep_freed_gib", "step_s",
+                  "update_tflops", "update_mfu", "sync_s", "sync_gbps", "copy_gbps",
+                  "gen_tokens_per_s"),
+        "gpu_tests": ("summary",),
+    }  # fmt: skip
+    for name, section in report["sections"].items():
+        status = section.get("status", "ok")
+        print(f"{name:<18} {status:<8} {section.get('seconds', '')} s  {section.get('why', '')}")
+        if name == "models":
+            for model, row in section.items():
+                if isinstance(row, dict):
+                    print(f"    {model:<16} {row['status']} {row.get('why', row.get('path', ''))}")
+        elif name == "logits" and status == "ok":
+            for model, row in section.items():
+                if isinstance(row, dict):
+                    cells = ", ".join(f"{k} {_fmt(v)}" for k, v in row.items())
+                    print(f"    {model:<16} {cells}")
+        elif name.startswith("memory") and status == "ok":
+            for phase, row in section["phases"].items():
+                print(f"    {phase:<16} planned {row['planned_gib']:.2f} GiB, measured peak "
+                      f"{_fmt(row['measured_peak_gib'])}, used {_fmt(row['measured_used_gib'])}")  # fmt: skip
+        else:
+            for key in keys.get(name.split("_runner")[0], ()):
+                if key in section:
+                    print(f"    {key:<28} {_fmt(section[key])}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
