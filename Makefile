@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast demo demo-convert lint clean
+.PHONY: venv venv-gpu test test-fast demo demo-convert lint clean
 
 venv: $(STAMP)
 
@@ -19,6 +19,28 @@ $(STAMP): pyproject.toml requirements/cpu-lock.txt
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/python -W ignore::UserWarning -c "import megatron.core, vllm, transformers, mlflow, megarl"
 	touch $(STAMP)
+
+# GPU environment (CUDA 13 toolkit with nvcc and cuDNN headers on the machine; README, "GPU
+# install") in its own $(GPU_VENV), pinned by requirements/gpu.txt (each pin's reason is there).
+# Order matters: CUDA torch first; then megarl and vLLM; then Transformer Engine's PyTorch
+# extension, compiled against that torch with --no-build-isolation (an isolated build brings its
+# own torch, and the extension then fails to import: ABI mismatch). The last line fails loudly
+# when TE does not import, with its reason.
+GPU_VENV ?= .venv-gpu
+GPU_BIN := $(GPU_VENV)/bin
+GPU_STAMP := $(GPU_VENV)/.installed
+GPU_PIP := $(GPU_BIN)/pip install --disable-pip-version-check -q -c requirements/gpu.txt
+
+venv-gpu: $(GPU_STAMP)
+
+$(GPU_STAMP): pyproject.toml requirements/gpu.txt
+	test -x $(GPU_BIN)/python || $(PY) -m venv $(GPU_VENV)
+	$(GPU_PIP) 'setuptools>=61' pip torch
+	$(GPU_BIN)/python -c "import sys, torch; sys.exit(None if torch.version.cuda else 'torch ' + torch.__version__ + ' is a CPU build; venv-gpu needs the CUDA wheel from PyPI')"
+	$(GPU_PIP) -e '.[test]' vllm
+	$(GPU_PIP) --no-build-isolation 'transformer-engine[pytorch,core-cu13]'
+	$(GPU_BIN)/python -W ignore::UserWarning -c "from megarl.models.gpt import resolve_transformer_impl as r; r('transformer_engine'); import megatron.core, vllm, mlflow, megarl"
+	touch $(GPU_STAMP)
 
 # The whole suite. pytest exits 5 when it collects no test, which fails this target.
 test: venv

@@ -124,6 +124,20 @@ class CheckpointConfig:
 
 
 @dataclass
+class DDPConfig:
+    """``*.megatron.override_ddp_config.*``: Megatron ``DistributedDataParallelConfig`` fields
+    (verl's section; megarl types the keys it supports and turns the overlaps on by default,
+    as Megatron's own training recipes do)."""
+
+    overlap_grad_reduce: bool = True
+    """Launch each gradient bucket's reduce-scatter / all-reduce from the backward pass."""
+    overlap_param_gather: bool = True
+    """With the distributed optimizer: overlap the parameter all-gather with the next forward."""
+    bucket_size: int | None = None
+    """Parameters per gradient bucket with overlap_grad_reduce; null: max(40M, 1M x DP)."""
+
+
+@dataclass
 class MegatronConfig:
     """``*.megatron.*``: Megatron-Core parallel layout and memory settings of one model."""
 
@@ -159,6 +173,16 @@ class MegatronConfig:
     """(megarl) For selective recompute: submodules recomputed (Megatron's recompute_modules)."""
     override_transformer_config: dict[str, Any] = field(default_factory=dict)
     """Free-form: extra TransformerConfig fields, applied last."""
+    bias_activation_fusion: bool = True
+    """(megarl) Fused bias-SwiGLU where the spec allows it (Transformer Engine only)."""
+    apply_rope_fusion: bool = True
+    """(megarl) Fused RoPE kernel where the spec allows it (Transformer Engine only)."""
+    gradient_accumulation_fusion: bool = True
+    """(megarl) Weight-gradient GEMMs accumulate into fp32 main grads (TE, with apex's kernel)."""
+    deallocate_pipeline_outputs: bool = True
+    """(megarl) Free a stage's output activations once sent on (PP > 1 only)."""
+    override_ddp_config: DDPConfig = field(default_factory=DDPConfig)
+    """Megatron DDP settings: gradient-reduce and parameter-gather overlap, bucket size."""
 
     def parallel_layout(self) -> ParallelLayout:
         """This section's grid sizes as the one layout type."""

@@ -22,6 +22,7 @@ from megatron.core.transformer import TransformerConfig
 
 from megarl.config.model_dims import ModelDims, read_hf_config
 from megarl.models.gpt import (
+    Fusions,
     TransformerImpl,
     build_gpt_chunks,
     build_transformer_config,
@@ -98,6 +99,7 @@ def build_model(
     transformer_impl: TransformerImpl = "auto",
     recompute: Recompute | None = None,
     value_head_seed: int = 0,
+    fusions: Fusions | None = None,
 ) -> BuiltModel:
     """Build this rank's chunks of a Llama/Qwen-family actor or critic.
 
@@ -113,6 +115,7 @@ def build_model(
         load_weights: copy the HF weights in (ignored for a ``ModelDims`` source).
         initialize: run Megatron's random initialisation when nothing is loaded (False: leave
             the parameters uninitialised, for a Megatron checkpoint loaded next).
+        fusions: fused kernels and pipeline memory savings (default: on where the spec allows).
     """
     _check_parallel_state(layout)
     hf_path: Path | None = None
@@ -135,6 +138,7 @@ def build_model(
         recompute_method=recompute.method,
         recompute_num_layers=recompute.num_layers,
         transformer_impl=transformer_impl,
+        fusions=fusions,
     )
     if load_weights or not initialize:
         config.perform_initialization = False  # every parameter is overwritten by a load

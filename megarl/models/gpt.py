@@ -4,14 +4,17 @@ Megatron objects are built directly (STYLE.md, "Don't re-wrap Megatron"): this m
 translates the HF architecture (:class:`megarl.models.hf_mapping.ModelDims`) into a
 ``TransformerConfig`` and a layer spec, and builds one model chunk per virtual pipeline stage.
 
-The Transformer Engine spec is used when TE imports (GPU clusters), the local spec otherwise
-(CPU); ``transformer_impl`` forces either.
+``transformer_impl: auto`` builds Transformer Engine's spec on CUDA (and fails loudly, saying
+why, when TE does not import there) and the local spec on CPU; ``local`` or ``transformer_engine``
+forces either. Fusions (:class:`Fusions`) are on wherever the spec allows them.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -30,32 +33,119 @@ from megarl.config.model_dims import ModelDims, UnsupportedArchitectureError
 TransformerImpl = Literal["auto", "local", "transformer_engine"]
 
 
+TE_INSTALL_HINT = "GPU install: `make venv-gpu` (README, 'GPU install')"
+
+
 @functools.cache
-def transformer_engine_available() -> bool:
-    """True when Transformer Engine's PyTorch extension imports (it needs CUDA)."""
-    if not torch.cuda.is_available():
-        return False
+def transformer_engine_import_error() -> str | None:
+    """None when Transformer Engine's PyTorch extension imports, else why not, in one line."""
+    return _import_error(_import_transformer_engine)
+
+
+def _import_transformer_engine() -> None:
+    import transformer_engine.pytorch  # noqa: F401
+
+
+def _import_error(do_import: Callable[[], object]) -> str | None:
     try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
-        return False
-    return True
+        do_import()
+    except Exception as exc:  # noqa: BLE001 - every failure is reported, with its reason
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    return None
 
 
-def resolve_transformer_impl(impl: TransformerImpl) -> Literal["local", "transformer_engine"]:
-    """``auto`` → TE when importable, else local. Asking for TE without it is an error."""
-    if impl == "auto":
-        return "transformer_engine" if transformer_engine_available() else "local"
-    if impl == "transformer_engine" and not transformer_engine_available():
-        raise RuntimeError(
-            "transformer_impl=transformer_engine but Transformer Engine does not import "
-            "(it needs CUDA and the transformer-engine[pytorch] package)"
-        )
-    if impl not in ("local", "transformer_engine"):
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine imports and CUDA is available (TE needs both)."""
+    return torch.cuda.is_available() and transformer_engine_import_error() is None
+
+
+@functools.cache
+def apex_fused_wgrad_available() -> bool:
+    """True when apex's ``fused_weight_gradient_mlp_cuda`` imports: Megatron's own linears (the
+    output layer) need it for ``gradient_accumulation_fusion`` (TE's linears bring their own)."""
+    return _import_error(lambda: importlib.import_module("fused_weight_gradient_mlp_cuda")) is None
+
+
+def resolve_transformer_impl(
+    impl: TransformerImpl,
+    *,
+    cuda: bool | None = None,
+    te_import_error: str | None | Callable[[], str | None] = transformer_engine_import_error,
+) -> Literal["local", "transformer_engine"]:
+    """The layer spec to build: ``local`` or ``transformer_engine``.
+
+    ``auto`` is the local spec without CUDA and Transformer Engine's with it. Transformer Engine
+    asked for (``transformer_engine``) or expected (``auto`` on CUDA) but not importable is an
+    error that says why in one line, never a silent fallback to the slow local spec.
+
+    ``cuda`` (default: ``torch.cuda.is_available()``) and ``te_import_error`` (the import's
+    failure reason, or None when it imports; a callable is asked only when TE is needed) are
+    parameters so that the decision can be checked without a GPU.
+    """
+    if impl not in ("auto", "local", "transformer_engine"):
         raise ValueError(
-            f"transformer_impl must be auto, local or transformer_engine, not {impl!r}"
+            f"megatron.transformer_impl must be auto, local or transformer_engine, not {impl!r}"
         )
-    return impl
+    if impl == "local":
+        return "local"
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if impl == "auto" and not cuda:
+        return "local"
+    error = te_import_error() if callable(te_import_error) else te_import_error
+    if error is None and not cuda:
+        error = "CUDA is not available (Transformer Engine runs on NVIDIA GPUs only)"
+    if error is not None:
+        expected = "asks for" if impl == "transformer_engine" else "on CUDA expects"
+        raise RuntimeError(
+            f"megatron.transformer_impl={impl} {expected} Transformer Engine, which does not "
+            f"import: {error}. {TE_INSTALL_HINT}; megatron.transformer_impl=local runs the slow "
+            "local spec instead"
+        )
+    return "transformer_engine"
+
+
+@dataclass(frozen=True)
+class Fusions:
+    """Megatron fusions and pipeline memory savings, each applied where the spec allows it.
+
+    Every field is the ``TransformerConfig`` field of the same name; True means "on wherever
+    it can run" (:func:`fusion_flags` decides), False forces it off.
+    """
+
+    bias_activation_fusion: bool = True
+    """Fused bias-SwiGLU: Transformer Engine spec only (the local spec keeps plain ops)."""
+    apply_rope_fusion: bool = True
+    """Transformer Engine's fused RoPE kernel: TE spec only."""
+    gradient_accumulation_fusion: bool = True
+    """Weight-gradient GEMMs accumulate straight into the fp32 main gradient: TE spec, and only
+    when apex's ``fused_weight_gradient_mlp_cuda`` imports (Megatron's output layer needs it)."""
+    deallocate_pipeline_outputs: bool = True
+    """Free a stage's output activations once sent to the next stage: PP > 1 only."""
+
+
+def fusion_flags(
+    fusions: Fusions,
+    impl: Literal["local", "transformer_engine"],
+    *,
+    pipeline_model_parallel_size: int,
+    apex_wgrad: bool | None = None,
+) -> dict[str, bool]:
+    """The ``TransformerConfig`` values of :class:`Fusions` for this spec and layout.
+
+    ``apex_wgrad`` (default: :func:`apex_fused_wgrad_available`) is a parameter so that the
+    decision can be checked without apex.
+    """
+    te = impl == "transformer_engine"
+    if apex_wgrad is None:
+        apex_wgrad = te and apex_fused_wgrad_available()
+    return {
+        "bias_activation_fusion": fusions.bias_activation_fusion and te,
+        "apply_rope_fusion": fusions.apply_rope_fusion and te,
+        "gradient_accumulation_fusion": fusions.gradient_accumulation_fusion and te and apex_wgrad,
+        "deallocate_pipeline_outputs": (
+            fusions.deallocate_pipeline_outputs and pipeline_model_parallel_size > 1
+        ),
+    }
 
 
 def build_transformer_config(
@@ -71,8 +161,12 @@ def build_transformer_config(
     recompute_method: str | None = None,
     recompute_num_layers: int | None = None,
     transformer_impl: TransformerImpl = "auto",
+    fusions: Fusions | None = None,
 ) -> TransformerConfig:
     """TransformerConfig for a Llama/Qwen-family model on the current parallel grid.
+
+    ``fusions`` (default: all on where the spec allows, :func:`fusion_flags`) picks the fused
+    kernels and pipeline memory savings.
 
     Dropout is taken from the architecture (0.0 for these families; Megatron defaults to 0.1).
     ``calculate_per_token_loss`` is on: the loss-scaling contract built on it is stated once, in
@@ -115,13 +209,15 @@ def build_transformer_config(
         batch_p2p_comm=not vpp,
         moe_token_dispatcher_type="alltoall",  # dense models; the allgather default rejects variable lengths
         calculate_per_token_loss=True,
-        # Fusions need apex/TE kernels; the local CPU path uses the plain implementations.
-        bias_activation_fusion=False,
+        # The local (CPU) spec keeps the plain implementations: the fused kernels need TE or
+        # apex (fusion_flags). Masked-softmax and persistent-layer-norm fusions are apex kernels
+        # of the local spec; TE's attention and norms replace them.
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
         bias_dropout_fusion=impl == "transformer_engine",
-        gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        **fusion_flags(
+            fusions or Fusions(), impl, pipeline_model_parallel_size=pipeline_model_parallel_size
+        ),
         recompute_granularity=recompute_granularity,
         recompute_method=recompute_method,
         recompute_num_layers=recompute_num_layers,

@@ -61,6 +61,17 @@ class OptimizerSettings:
     """Shard optimizer state (and gradient reduction) over data-parallel ranks."""
     grad_reduce_in_fp32: bool = True
     """Reduce and accumulate gradients in fp32 even for bf16 parameters."""
+    overlap_grad_reduce: bool = True
+    """Launch each gradient bucket's reduce-scatter (all-reduce without the distributed
+    optimizer) asynchronously from the backward pass of the last micro-batch, as soon as the
+    bucket is complete; the step waits for them (Megatron's ``finish_grad_sync``)."""
+    overlap_param_gather: bool = True
+    """With the distributed optimizer: defer the parameter all-gather after a step to the next
+    forward pass, bucket by bucket. Weights read outside a forward are made current first
+    (:meth:`TrainableModel.finish_param_sync`). No effect without the distributed optimizer."""
+    ddp_bucket_size: int | None = None
+    """Parameters per gradient bucket with ``overlap_grad_reduce`` (None: Megatron's default,
+    max(40M, 1M x DP))."""
 
 
 @dataclass(frozen=True)
@@ -85,10 +96,16 @@ class TrainableModel:
         config = model.config
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=settings.grad_reduce_in_fp32,
-            overlap_grad_reduce=False,
+            overlap_grad_reduce=settings.overlap_grad_reduce,
+            overlap_param_gather=(
+                settings.overlap_param_gather and settings.use_distributed_optimizer
+            ),
             use_distributed_optimizer=settings.use_distributed_optimizer,
+            bucket_size=settings.ddp_bucket_size,
             check_for_nan_in_grad=False,  # step() checks the reduced norm on every rank
         )
+        self.ddp_config = ddp_config
+        self._param_gather_pending = False
         self.chunks: list[DistributedDataParallel] = [
             DistributedDataParallel(
                 config=config,
@@ -174,8 +191,28 @@ class TrainableModel:
                 ]
                 torch._foreach_mul_(grads, coeff)
         self.optimizer.step_with_ready_grads()
+        # With overlap_param_gather each rank has updated only the shard it owns; the others'
+        # arrive at the next forward's pre-hooks, or at finish_param_sync.
+        self._param_gather_pending = self.ddp_config.overlap_param_gather
         self.zero_grad()
         return StepResult(updated=True, grad_norm=norm)
+
+    def finish_param_sync(self) -> None:
+        """Make every parameter current on every rank (collective over DP).
+
+        With ``overlap_param_gather`` the distributed optimizer's all-gather after a step is
+        deferred to the next forward pass (Megatron's forward pre-hooks); anything that reads
+        or moves weights outside a forward (the weight sync to the rollout engine, checkpoints,
+        offloading) must call this first. :meth:`place`, the checkpoint state dicts and
+        :meth:`reload_model_params` do; a no-op when nothing is pending.
+        """
+        if not self._param_gather_pending:
+            return
+        for chunk in self.chunks:
+            # Waits for an all-gather in flight, else gathers now (Megatron's own path before
+            # it evaluates or saves with overlap_param_gather: disable_forward_pre_hook).
+            chunk.start_param_sync(force_sync=True)
+        self._param_gather_pending = False
 
     def advance_lr(self, increment: int = 1) -> None:
         """Advance the LR schedule (once per trainer step, as verl does)."""
@@ -204,6 +241,7 @@ class TrainableModel:
         buffers are dropped and come back zeroed (call between updates, when they are zero);
         the optimizer state moves to host memory and back.
         """
+        self.finish_param_sync()  # moved or read next: the weights must be current
         p, g, o = self.residency
         out_p, out_g = p and not params, g and not grads
         if out_p or out_g:
@@ -228,12 +266,15 @@ class TrainableModel:
 
     def reload_model_params(self) -> None:
         """Refresh the optimizer's main (fp32) parameters after weights were loaded in place."""
+        self.finish_param_sync()
         self.optimizer.reload_model_params()
 
     # -- checkpoints ------------------------------------------------------------------------
 
     def model_sharded_state_dict(self) -> dict:
-        """Megatron sharded state dict of the model chunks (``model0``, ``model1``, ...)."""
+        """Megatron sharded state dict of the model chunks (``model0``, ``model1``, ...), of
+        current weights (a deferred parameter all-gather is finished first)."""
+        self.finish_param_sync()
         return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(self.chunks)}
 
     def sharded_state_dict(self, *, is_loading: bool = False) -> dict:
@@ -255,6 +296,7 @@ class TrainableModel:
 
     def load_sharded_state_dict(self, state: dict) -> None:
         """Load what :meth:`sharded_state_dict` saved (after ``dist_checkpointing.load``)."""
+        self.finish_param_sync()  # no deferred all-gather may land on the loaded weights
         for i, chunk in enumerate(self.chunks):
             unwrap(chunk).load_state_dict(state["model"][f"model{i}"], strict=False)
         with _per_param_step_set_aside(self.optimizer):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megarl.config import BatchPlan, ConfigError, MegarlConfig, critic_enabled, ref_used
 from megarl.data import GlobalBatchSampler, PromptDataset, total_training_steps
 from megarl.models.build import BuiltModel, Recompute, build_model
+from megarl.models.gpt import Fusions
 from megarl.models.trainable import OptimizerSettings, TrainableModel
 from megarl.parallel.init import init_distributed
 from megarl.reward import RewardManager
@@ -127,12 +128,14 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         dtype=dtype,
         transformer_impl=meg.transformer_impl,
         recompute=recompute,
+        fusions=fusions(meg),
     )
     actor = TrainableModel(actor_model, optimizer_settings(cfg, total))
     settle(actor, cfg, "actor")
     ref = None
     if ref_used(cfg):
-        ref = build_model(model_path, layout, dtype=dtype, transformer_impl=meg.transformer_impl)
+        ref = build_model(model_path, layout, dtype=dtype, transformer_impl=meg.transformer_impl,
+                          fusions=fusions(meg))  # fmt: skip
         for chunk in ref.chunks:
             chunk.eval()
             chunk.requires_grad_(False)
@@ -202,6 +205,7 @@ def _build_critic(cfg: MegarlConfig, layout, model_path: str, dtype, total: int,
         dtype=dtype,
         transformer_impl=cfg.actor_rollout_ref.actor.megatron.transformer_impl,
         value_head_seed=cfg.trainer.seed,
+        fusions=fusions(critic_cfg.megatron),
     )
     critic = TrainableModel(critic_model, optimizer_settings(cfg, total, role="critic"))
     settle(critic, cfg, "critic")
@@ -229,6 +233,7 @@ def optimizer_settings(
     ``lr_warmup_steps_ratio`` × total steps.
     """
     optim = cfg.critic.optim if role == "critic" else cfg.actor_rollout_ref.actor.optim
+    meg = cfg.critic.megatron if role == "critic" else cfg.actor_rollout_ref.actor.megatron
     warmup = optim.lr_warmup_steps
     if warmup < 0:
         warmup = math.floor(optim.lr_warmup_steps_ratio * total_steps)
@@ -242,9 +247,20 @@ def optimizer_settings(
         lr_warmup_steps=warmup,
         lr_decay_steps=total_steps,
         lr_decay_style=optim.lr_decay_style,
-        use_distributed_optimizer=(
-            cfg.critic.megatron if role == "critic" else cfg.actor_rollout_ref.actor.megatron
-        ).use_distributed_optimizer,
+        use_distributed_optimizer=meg.use_distributed_optimizer,
+        overlap_grad_reduce=meg.override_ddp_config.overlap_grad_reduce,
+        overlap_param_gather=meg.override_ddp_config.overlap_param_gather,
+        ddp_bucket_size=meg.override_ddp_config.bucket_size,
+    )
+
+
+def fusions(meg) -> Fusions:
+    """A ``megatron`` section's fusion switches (each on where the layer spec allows it)."""
+    return Fusions(
+        bias_activation_fusion=meg.bias_activation_fusion,
+        apply_rope_fusion=meg.apply_rope_fusion,
+        gradient_accumulation_fusion=meg.gradient_accumulation_fusion,
+        deallocate_pipeline_outputs=meg.deallocate_pipeline_outputs,
     )
 
 

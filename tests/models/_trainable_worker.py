@@ -59,10 +59,44 @@ def _shard(batch: dict, rank: int, world: int) -> dict:
     return {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()}
 
 
-def _params(chunks) -> dict[str, torch.Tensor]:
+def _params(model) -> dict[str, torch.Tensor]:
+    """Every parameter of chunk 0 (of a TrainableModel: made current first, as every reader of
+    weights outside a forward must with ``overlap_param_gather``)."""
     from megarl.models.gpt import unwrap
 
-    return {n: p.detach().double().clone() for n, p in unwrap(chunks[0]).named_parameters()}
+    if hasattr(model, "finish_param_sync"):
+        model.finish_param_sync()
+        model = model.chunks
+    return {n: p.detach().double().clone() for n, p in unwrap(model[0]).named_parameters()}
+
+
+OVERLAP_KEYS = ("overlap_grad_reduce", "overlap_param_gather", "use_distributed_optimizer")
+
+
+def _overlap_record(trainable) -> dict:
+    """Wrap the DDP bucket groups to record how Megatron ran the overlaps: whether each gradient
+    reduce was already in flight (launched from the backward pass) when the step's
+    ``finish_grad_sync`` came, and whether the parameter all-gather was still deferred after the
+    optimizer step."""
+    record: dict = {"reduce_in_flight": [], "gather_deferred": []}
+    groups = [g for c in trainable.chunks for g in c.bucket_groups]
+    for group in groups:
+        finish = group.finish_grad_sync
+
+        def finish_grad_sync(*args, group=group, finish=finish, **kwargs):
+            record["reduce_in_flight"].append(group.grad_reduce_handle is not None)
+            return finish(*args, **kwargs)
+
+        group.finish_grad_sync = finish_grad_sync
+    step = trainable.step
+
+    def recorded_step():
+        result = step()
+        record["gather_deferred"].append(all(not g.param_gather_dispatched for g in groups))
+        return result
+
+    trainable.step = recorded_step
+    return record
 
 
 def _train_once(
@@ -103,6 +137,16 @@ def _train_once(
     if hook is not None:
         hook()
     return trainable.step(), metrics
+
+
+def _replicas_identical(params: dict[str, torch.Tensor]) -> bool:
+    """Both DP ranks hold bit-identical parameters."""
+    flat = torch.cat([p.reshape(-1) for p in params.values()])
+    other = flat.clone()
+    dist.broadcast(other, src=0)
+    same = torch.tensor([float(torch.equal(flat, other))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
 
 
 def _owned_grad_diff(trainable, ref_grads: dict[str, torch.Tensor]) -> tuple[float, bool]:
@@ -176,7 +220,7 @@ def _contract_checks(spec: dict, results: dict) -> None:
             if dist_opt:
                 diff = owned["diff"]
             else:
-                after = _params(trainable.chunks)
+                after = _params(trainable)
                 diff = max(
                     float(((before[n] - after[n]) - ref_grads[n]).abs().max()) for n in ref_grads
                 )
@@ -200,11 +244,15 @@ def _nan_and_bf16_checks(spec: dict, results: dict) -> None:
     for dist_opt in (False, True):
         built = build_model(spec["model"], layout)
         before = _params(built.chunks)
+        # The product's defaults: both overlaps on (bucket size 1: a bucket per parameter, so
+        # that reduce-scatters launch one by one from the backward pass).
         trainable = TrainableModel(
-            built, OptimizerSettings(lr=1e-2, use_distributed_optimizer=dist_opt)
+            built,
+            OptimizerSettings(lr=1e-2, use_distributed_optimizer=dist_opt, ddp_bucket_size=1),
         )
+        overlap = _overlap_record(trainable)
         step, _ = _train_once(trainable, batch, "token-mean", built.dims.vocab_size, poison=True)
-        after = _params(trainable.chunks)
+        after = _params(trainable)
         results[f"nan/{'distopt' if dist_opt else 'ddp'}"] = {
             "updated": step.updated,
             "norm": step.grad_norm,
@@ -212,7 +260,18 @@ def _nan_and_bf16_checks(spec: dict, results: dict) -> None:
         }
         # The run goes on: the next (finite) step updates the weights.
         step, _ = _train_once(trainable, batch, "token-mean", built.dims.vocab_size)
+        pending = trainable._param_gather_pending
+        replicas = _replicas_identical(_params(trainable))
         results[f"nan/{'distopt' if dist_opt else 'ddp'}"]["next_updated"] = step.updated
+        ddp = trainable.chunks[0].ddp_config
+        results[f"overlap/{'distopt' if dist_opt else 'ddp'}"] = {
+            "ddp_config": {k: getattr(ddp, k) for k in OVERLAP_KEYS},
+            "forward_pre_hooks": trainable.chunks[0].use_forward_hook,
+            "buckets": len(trainable.chunks[0].bucket_groups),
+            **overlap,
+            "pending_after_step": pending,
+            "replicas_identical_after_sync": replicas,
+        }
 
     # bf16: the optimizer's fp32 main parameters must be the loaded weights (lr 0: exactly them).
     for dist_opt in (False, True):
@@ -227,7 +286,7 @@ def _nan_and_bf16_checks(spec: dict, results: dict) -> None:
                 ),
             )
             step, _ = _train_once(trainable, batch, "token-mean", built.dims.vocab_size)
-            after = _params(trainable.chunks)
+            after = _params(trainable)
             results[f"bf16/{'distopt' if dist_opt else 'ddp'}/lr{lr}"] = {
                 "updated": step.updated,
                 "max_change": max(float((after[n] - loaded[n]).abs().max()) for n in loaded),
@@ -261,12 +320,11 @@ def _checkpoint_round_trip(spec: dict, results: dict) -> None:
         state = dist_checkpointing.load(second.sharded_state_dict(is_loading=True), str(ckpt))
         second.load_sharded_state_dict(state)
         same_weights = all(
-            torch.equal(a, b)
-            for a, b in zip(_params(first.chunks).values(), _params(second.chunks).values())
+            torch.equal(a, b) for a, b in zip(_params(first).values(), _params(second).values())
         )
         _train_once(first, batch, "token-mean", vocab)
         _train_once(second, batch, "token-mean", vocab)
-        a, b = _params(first.chunks), _params(second.chunks)
+        a, b = _params(first), _params(second)
         results[f"ckpt/{'distopt' if dist_opt else 'ddp'}"] = {
             "weights_loaded": same_weights,
             "after_next_step": max(float((a[n] - b[n]).abs().max()) for n in a),

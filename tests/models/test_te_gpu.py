@@ -79,3 +79,16 @@ def test_te_export_round_trip(te_model, tmp_path):
         assert set(exported) == set(src.names())
         for name in src.names():
             assert torch.equal(exported[name], src.get(name).to(torch.bfloat16)), name
+
+
+def test_te_spec_turns_the_fusions_on(te_model):
+    """On the TE path the fusions the spec allows are on in the built TransformerConfig:
+    bias-SwiGLU and RoPE always, gradient-accumulation fusion exactly when apex's fused
+    weight-gradient kernel imports (Megatron's output layer needs it)."""
+    from megarl.models.gpt import apex_fused_wgrad_available, unwrap
+
+    _, _, chunks = te_model
+    config = unwrap(chunks[0]).config
+    assert config.transformer_impl == "transformer_engine"
+    assert config.bias_activation_fusion and config.apply_rope_fusion
+    assert config.gradient_accumulation_fusion == apex_fused_wgrad_available()

@@ -85,3 +85,26 @@ def test_sharded_state_dict_round_trips_model_and_optimizer(results, optimizer):
     r = results[f"ckpt/{optimizer}"]
     assert r["weights_loaded"]
     assert r["after_next_step"] == 0.0
+
+
+@pytest.mark.parametrize("optimizer", ["ddp", "distopt"])
+def test_overlaps_reach_megatron_and_run(results, optimizer):
+    """The default settings turn both overlaps on in Megatron's DDP config; the second step's
+    reduce-scatters (all-reduces without the distributed optimizer) were already in flight,
+    launched from the backward pass, when the step waited for them; with the distributed
+    optimizer the parameter all-gather is left to the next forward after a step, and the
+    weights read afterwards (``finish_param_sync`` first) are identical on both DP ranks."""
+    r = results[f"overlap/{optimizer}"]
+    distopt = optimizer == "distopt"
+    assert r["ddp_config"] == {
+        "overlap_grad_reduce": True,
+        "overlap_param_gather": distopt,  # Megatron's param-gather overlap needs the dist. opt.
+        "use_distributed_optimizer": distopt,
+    }, r
+    assert r["forward_pre_hooks"] is distopt and r["buckets"] > 1, r
+    groups = r["buckets"]
+    assert r["reduce_in_flight"][-groups:] == [True] * groups, r  # step 2: from backward
+    assert not any(r["reduce_in_flight"][:groups]), r  # step 1: Megatron learns the buckets
+    if distopt:
+        assert r["gather_deferred"] == [True, True] and r["pending_after_step"], r
+    assert r["replicas_identical_after_sync"], r

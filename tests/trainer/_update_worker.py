@@ -87,6 +87,19 @@ def _rollout(spec: dict):
     return batch
 
 
+BUCKET = 20_000
+"""Parameters per DDP gradient bucket: several buckets (the tiny model has some 0.5M parameters), so
+that with the overlaps on (the default) reduce-scatters launch bucket by bucket from the
+backward pass and the deferred parameter all-gathers chain from bucket to bucket."""
+
+
+def _enter_weight_read(model) -> None:
+    """What the trainer does before it reads weights outside a forward (the weight sync to the
+    engine, a checkpoint): enter a residency phase, i.e. ``place`` with nothing to move, which
+    first finishes the parameter all-gather the distributed optimizer deferred."""
+    model.place(**dict(zip(("params", "grads", "optimizer"), model.residency, strict=True)))
+
+
 def _run_case(spec: dict, layout, case: dict, optimizer: str) -> dict:
     from megarl.models.build import build_model
     from megarl.models.trainable import OptimizerSettings, TrainableModel
@@ -107,6 +120,7 @@ def _run_case(spec: dict, layout, case: dict, optimizer: str) -> dict:
             clip_grad=0.0,
             grad_reduce_in_fp32=False,
             use_distributed_optimizer=False,
+            ddp_bucket_size=BUCKET,
         )
     else:
         settings = OptimizerSettings(
@@ -116,6 +130,7 @@ def _run_case(spec: dict, layout, case: dict, optimizer: str) -> dict:
             clip_grad=1.0,
             grad_reduce_in_fp32=not exact,
             use_distributed_optimizer=dist_opt,
+            ddp_bucket_size=BUCKET,
         )
     actor = TrainableModel(built, settings)
     update = PolicyUpdate(
@@ -134,6 +149,7 @@ def _run_case(spec: dict, layout, case: dict, optimizer: str) -> dict:
     metrics = update_policy(
         actor, _rollout(spec), update, vocab_size=built.dims.vocab_size, seed=0, step=1
     )
+    _enter_weight_read(actor)
     return {
         "dtype": str(dtype),
         "weights": _hf_weights(actor.chunks, built.dims),
@@ -158,7 +174,7 @@ def _critic_case(spec: dict, layout) -> dict:
         built,
         OptimizerSettings(
             lr=1.0, optimizer="sgd", weight_decay=0.0, clip_grad=0.0, grad_reduce_in_fp32=False,
-            use_distributed_optimizer=False,
+            use_distributed_optimizer=False, ddp_bucket_size=BUCKET,
         ),
     )  # fmt: skip
     batch = _rollout(spec)  # with the fixed batch's values and returns
@@ -168,6 +184,7 @@ def _critic_case(spec: dict, layout) -> dict:
         cliprange_value=spec["cliprange_value"],
     )
     metrics = update_critic(critic, batch, settings, seed=0, step=1)
+    _enter_weight_read(critic)
     return {"weights": _hf_weights(critic.chunks, built.dims), "metrics": metrics}
 
 
