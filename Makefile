@@ -39,7 +39,7 @@ $(GPU_STAMP): pyproject.toml requirements/gpu.txt
 	$(GPU_BIN)/python -c "import sys, torch; sys.exit(None if torch.version.cuda else 'torch ' + torch.__version__ + ' is a CPU build; venv-gpu needs the CUDA wheel from PyPI')"
 	$(GPU_PIP) -e '.[test]' vllm
 	$(GPU_PIP) --no-build-isolation 'transformer-engine[pytorch,core-cu13]'
-	$(GPU_BIN)/python -W ignore::UserWarning -c "from megarl.models.gpt import resolve_transformer_impl as r; r('transformer_engine'); import megatron.core, vllm, mlflow, megarl"
+	$(GPU_BIN)/python -W ignore::UserWarning -c "from megarl.models.gpt import resolve_transformer_impl as r; r('transformer_engine', cuda=True); import megatron.core, vllm, mlflow, megarl"
 	touch $(GPU_STAMP)
 
 # The whole suite. pytest exits 5 when it collects no test, which fails this target.
