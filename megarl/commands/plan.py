@@ -4,8 +4,9 @@
                 [--nodes N --gpus-per-node G] [--reserve 4] [--model DIR | --preset NAME] [--json]
     megarl plan reshard ...        the Megatron → vLLM weight-sync plan (``plan_reshard``)
 
-Per phase of a step (rollout, log-probs, update, sync) a table of the per-GPU terms with their
-formulas, FITS / DOES NOT FIT against the GPU memory minus a reserve, host RAM per node, the
+Per phase of a step (setup, generate, reward, old_log_prob, ref, values, update_critic,
+update_actor, sync, checkpoint: the residency schedule the trainer applies,
+:mod:`megarl.config.residency`) a table of the per-GPU terms with their formulas, FITS / DOES NOT FIT against the GPU memory minus a reserve, host RAM per node, the
 vLLM KV cache; when a phase does not fit, the cheapest layouts and switches that do, as
 overrides. Pure arithmetic (:mod:`megarl.config.memory_plan`): no process, no tensor.
 """

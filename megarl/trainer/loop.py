@@ -180,7 +180,7 @@ def _warn(run: Run) -> Callable[[str], None]:
 
 
 def _resume(run: Run) -> bool:
-    """Load the checkpoint ``trainer.resume_mode`` picks, if any, and sync the engine."""
+    """Load the checkpoint ``trainer.resume_mode`` picks, if any (the engine syncs next)."""
     from megarl.checkpoint.trainer_ckpt import check_shared_run_dir, load_checkpoint
     from megarl.trainer.residency import enter
     from megarl.trainer.state import TrainerState
@@ -194,65 +194,6 @@ def _resume(run: Run) -> bool:
     run.sampler.load_state_dict(run.state.sampler)
     run.console.print(f"megarl: resumed from {ckpt} (after step {run.state.step})")
     return True
-
-
-def _saved_models(run: Run) -> list:
-    """The run's trained models as the checkpoint code sees them (a critic once part 2 has it)."""
-    from megarl.checkpoint.trainer_ckpt import SavedModel
-
-    arr = run.cfg.actor_rollout_ref
-    roles = [("actor", run.actor, arr.actor, "actor_rollout_ref.actor", "actor_rollout_ref.model")]
-    critic = getattr(run, "critic", None)  # a TrainableModel once PPO with a critic exists
-    if critic is not None:
-        roles.append(("critic", critic, run.cfg.critic, "critic", "critic.model"))
-    saved = []
-    for role, model, section, prefix, model_key in roles:
-        path = (run.cfg.critic.model.path if role == "critic" else None) or arr.model.path
-        contents = section.checkpoint
-        saved.append(
-            SavedModel(
-                role=role,
-                model=model,
-                prefix=prefix,
-                model_key=f"{model_key}.path",
-                model_path=str(path),
-                save_contents=tuple(contents.save_contents),
-                load_contents=tuple(contents.load_contents or contents.save_contents),
-                use_checkpoint_schedule=section.optim.use_checkpoint_opt_param_scheduler,
-            )
-        )
-    return saved
-
-
-def _warn(run: Run) -> Callable[[str], None]:
-    return lambda message: run.console.print(f"megarl: warning: {message}")
-
-
-def _resume(run: Run) -> bool:
-    """Load the checkpoint ``trainer.resume_mode`` picks, if any, and sync the engine."""
-    from megarl.checkpoint.trainer_ckpt import check_shared_run_dir, load_checkpoint
-    from megarl.trainer.residency import enter
-    from megarl.trainer.state import TrainerState
-
-    check_shared_run_dir(run.run_dir)
-    ckpt = choose_checkpoint(run.cfg.trainer, run.run_dir, _warn(run))
-    if ckpt is None:
-        return False
-    enter(run, "checkpoint")
-    run.state = TrainerState.from_dict(load_checkpoint(ckpt, _saved_models(run), _warn(run)))
-    run.sampler.load_state_dict(run.state.sampler)
-    run.console.print(f"megarl: resumed from {ckpt} (after step {run.state.step})")
-    return True
-
-
-def _first_sync(run: Run) -> None:
-    """The engine slept (level 2) since its start: give it the actor's weights (the initial
-    ones, or the resumed checkpoint's) before anything generates."""
-    from megarl.trainer.residency import enter
-    from megarl.trainer.step import sync_engine
-
-    enter(run, "sync")
-    sync_engine(run)
 
 
 def _save(run: Run, step: int, tracker) -> None:

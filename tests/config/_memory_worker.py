@@ -192,11 +192,23 @@ def _gpu_peak(spec: dict, results: list) -> None:
     forward_backward(trainable.chunks, batch, loss_fn, micro_batches=b, vocab_size=dims.vocab_size)
     trainable.step()
     torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    # The residency moves (megarl/config/residency.py): everything to host memory and back.
+    weights = [p.detach().float().clone() for p in trainable.chunks[0].parameters()]
+    before = torch.cuda.memory_allocated()
+    trainable.place(params=False, grads=False, optimizer=False)
+    freed = before - torch.cuda.memory_allocated()
+    trainable.place(params=True, grads=True, optimizer=True)
+    restored = torch.cuda.memory_allocated() - (before - freed)
+    after = [p.detach().float() for p in trainable.chunks[0].parameters()]
     results.append(
         {
             "gpu": True,
-            "peak": torch.cuda.max_memory_allocated() - base,
+            "peak": peak,
             "impl": "transformer_engine" if transformer_engine_available() else "local",
+            "offload_freed": freed,
+            "reload_allocated": restored,
+            "weights_restored": all(torch.equal(a, b) for a, b in zip(weights, after, strict=True)),
         }
     )
 
