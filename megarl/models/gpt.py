@@ -12,7 +12,6 @@ forces either. Fusions (:class:`Fusions`) are on wherever the spec allows them.
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -63,7 +62,11 @@ def transformer_engine_available() -> bool:
 def apex_fused_wgrad_available() -> bool:
     """True when apex's ``fused_weight_gradient_mlp_cuda`` imports: Megatron's own linears (the
     output layer) need it for ``gradient_accumulation_fusion`` (TE's linears bring their own)."""
-    return _import_error(lambda: importlib.import_module("fused_weight_gradient_mlp_cuda")) is None
+
+    def do_import() -> None:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+
+    return _import_error(do_import) is None
 
 
 def resolve_transformer_impl(
