@@ -166,6 +166,11 @@ def _fake_trainer(monkeypatch, with_main: bool = True) -> list:
     if with_main:
         module.main = lambda cfg: calls.append(cfg) or 0
     monkeypatch.setitem(sys.modules, "megarl.trainer", module)
+    # Also the package attribute: once an earlier test imported megarl.trainer, `from megarl
+    # import trainer` finds the real one there and not in sys.modules.
+    import megarl
+
+    monkeypatch.setattr(megarl, "trainer", module, raising=False)
     return calls
 
 
