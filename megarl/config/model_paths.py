@@ -72,13 +72,19 @@ def resolve_model_path(path: str, key: str) -> str:
 
 
 def resolve_model_paths(cfg: Any) -> list[str]:
-    """Replace every set key of :data:`MODEL_PATH_KEYS` in ``cfg`` by its local directory.
+    """Replace every set key of :data:`MODEL_PATH_KEYS` in ``cfg`` by its local directory
+    (keys of a disabled critic or reward model are left alone).
 
     Returns one error line per key that names no local directory (those keys are left as they
     were). Remote URLs are skipped. Idempotent: a resolved directory resolves to itself.
     """
+    from megarl.config.batch import critic_enabled
+
+    unused = {"critic": not critic_enabled(cfg), "reward_model": not cfg.reward_model.enable}
     errors = []
     for key in MODEL_PATH_KEYS:
+        if unused.get(key.split(".")[0]):
+            continue  # a path of a disabled model is never read
         *parents, name = key.split(".")
         owner = cfg
         for part in parents:

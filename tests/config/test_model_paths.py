@@ -62,3 +62,12 @@ def test_shipped_gpu_configs_fail_pre_flight_in_one_line_without_the_model():
         validate(cfg, world_size=8, check_paths=True)
     lines = [line for line in str(info.value).splitlines() if KEY in line]
     assert len(lines) == 1 and "'Qwen/Qwen2.5-7B-Instruct' is a hub id not in" in lines[0]
+
+
+def test_paths_of_disabled_models_are_not_resolved():
+    from megarl.config.model_paths import resolve_model_paths
+
+    cfg = load_config(GRPO, ["reward_model.model.path=Org/Absent", "critic.model.path=Org/Gone"])
+    cfg.actor_rollout_ref.model.path = None
+    assert resolve_model_paths(cfg) == []  # GRPO: no critic; reward_model.enable is false
+    assert cfg.reward_model.model.path == "Org/Absent"
