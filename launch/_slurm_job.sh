@@ -19,6 +19,11 @@
 #   MEGARL_CONTAINER_MOUNTS its --container-mounts (default: the submit directory)
 #   MASTER_PORT             rendezvous port (default: 29500 + job id mod 1000)
 #   NCCL_*, CUDA_*          passed through; defaults below
+#   GLOO_SOCKET_IFNAME      gloo's interface; unset, each rank of a multi-node job sets it to
+#                           the interface routing to MASTER_ADDR (megarl.parallel.network):
+#                           vLLM and Megatron build gloo groups over the whole world
+#   MEGARL_DIST_TIMEOUT_MINUTES  collective timeout (default 180: a 72B checkpoint save can
+#                           outlast PyTorch's 30 minutes; megarl.parallel.init)
 #
 # Launcher: one srun task per node running torchrun with c10d rendezvous, not one srun task
 # per GPU. The trainer is a torchrun program (`python -m megarl.train` reads RANK, LOCAL_RANK,

@@ -13,6 +13,7 @@ from megarl.config.batch import ACTOR, ARR, ROLL, critic_enabled
 from megarl.config.choices import GROUP_ESTIMATORS, LOGGERS, SEQUENCE_AGGREGATED_LOSSES
 from megarl.config.errors import ConfigError
 from megarl.config.layout_checks import LayoutChecks, fmt_value
+from megarl.config.model_paths import resolve_model_paths
 from megarl.config.model_source import ModelShape, is_remote, resolve_model_shape
 from megarl.config.schema import MegarlConfig
 
@@ -29,7 +30,9 @@ def validate(
     """Check ``cfg`` at ``world_size`` (default nnodes x n_gpus_per_node); return warnings.
 
     With ``check_paths`` (``megarl train``), missing local model and data files are errors;
-    otherwise (validating a cluster config on a laptop) they are warnings. With
+    otherwise (validating a cluster config on a laptop) they are warnings. With ``check_paths``
+    every model path key is also replaced in ``cfg`` by the local directory it names (a hub id by
+    its snapshot in the HF cache; :mod:`megarl.config.model_paths`). With
     ``check_memory`` a valid GPU config that does not fit on 80 GiB GPUs gets a warning
     (:func:`megarl.config.memory_plan.memory_warnings`).
     Raises ``ConfigError`` listing every problem found.
@@ -398,6 +401,13 @@ class _Checks(LayoutChecks):
         if not c.actor_rollout_ref.model.path:
             self.error(f"{ARR}.model.path is required (a local HF model directory or a hub id)")
             return None
+        if self.check_paths:
+            # Hub ids become their cached snapshot here, in the launcher and in every rank,
+            # so vLLM, build_model and the tokenizer read one directory (megarl.config.model_paths).
+            path_errors = resolve_model_paths(c)
+            if path_errors:
+                self.errors += path_errors
+                return None
         shape, errors, warnings = resolve_model_shape(
             c.actor_rollout_ref.model, f"{ARR}.model", self.check_paths
         )

@@ -5,6 +5,14 @@ One process per device. The rank/world come from torchrun's variables (``RANK``,
 Slurm's (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, first host of
 ``SLURM_JOB_NODELIST``). NCCL on GPU, gloo on CPU; on CPU the emulation layer
 (:mod:`megarl.parallel.emulation`) is switched on before Megatron is touched.
+
+Collective timeout: :func:`process_group_timeout_minutes`, default
+:data:`DEFAULT_TIMEOUT_MINUTES` (3 h), set with ``MEGARL_DIST_TIMEOUT_MINUTES``. It bounds how
+long a rank waits in a collective for its peers, and a distributed-checkpoint save at 72B (tens
+of GB per rank, written to shared storage while the other ranks wait in the save's closing
+collectives) can take longer than PyTorch's 30 minutes: the NCCL watchdog would then kill a
+healthy job mid-save. The price of a longer timeout is that a real hang is reported later.
+It applies to the default group and, through ``distributed_timeout_minutes``, to Megatron's.
 """
 
 from __future__ import annotations
@@ -19,6 +27,22 @@ import torch.distributed as dist
 
 from megarl.parallel.emulation import enable_cpu_emulation
 from megarl.parallel.layout import ParallelLayout
+from megarl.parallel.network import set_gloo_socket_ifname
+
+DEFAULT_TIMEOUT_MINUTES = 180
+"""Default collective timeout: long enough for a multi-hour checkpoint save (see above)."""
+
+TIMEOUT_ENV = "MEGARL_DIST_TIMEOUT_MINUTES"
+
+
+def process_group_timeout_minutes() -> int:
+    """``$MEGARL_DIST_TIMEOUT_MINUTES`` (a positive integer), else the default."""
+    value = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not value:
+        return DEFAULT_TIMEOUT_MINUTES
+    if not value.isdigit() or int(value) <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={value!r} must be a positive number of minutes")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -74,13 +98,17 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def start_process_group(launch: LaunchEnv, timeout_minutes: int = 30) -> None:
+def start_process_group(launch: LaunchEnv, timeout_minutes: int | None = None) -> None:
     """Create the default process group for ``launch`` unless one exists: NCCL on GPU, gloo on
-    CPU; the rendezvous is ``MASTER_ADDR``/``MASTER_PORT``, set from ``launch`` when unset."""
+    CPU; the rendezvous is ``MASTER_ADDR``/``MASTER_PORT``, set from ``launch`` when unset.
+    ``timeout_minutes`` None: :func:`process_group_timeout_minutes`."""
     if dist.is_initialized():
         return
+    if timeout_minutes is None:
+        timeout_minutes = process_group_timeout_minutes()
     os.environ.setdefault("MASTER_ADDR", launch.master_addr)
     os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+    set_gloo_socket_ifname(os.environ["MASTER_ADDR"])  # multi-node only; see its module
     dist.init_process_group(
         backend="nccl" if torch.cuda.is_available() else "gloo",
         rank=launch.rank,
@@ -93,13 +121,17 @@ def init_distributed(
     sizes: ParallelLayout | None = None,
     *,
     seed: int = 1234,
-    timeout_minutes: int = 30,
+    timeout_minutes: int | None = None,
 ) -> LaunchEnv:
     """Start the default process group and Megatron's parallel state (idempotent for the PG).
+
+    ``timeout_minutes`` None: :func:`process_group_timeout_minutes` (for both).
 
     Raises ``ValueError`` naming the sizes when the world is not divisible by TP×PP×CP.
     """
     sizes = sizes or ParallelLayout()
+    if timeout_minutes is None:
+        timeout_minutes = process_group_timeout_minutes()
     launch = read_launch_env()
     sizes.data_parallel_size(launch.world_size)  # raises naming the sizes
     on_gpu = torch.cuda.is_available()

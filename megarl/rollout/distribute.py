@@ -9,6 +9,12 @@ split it contiguously over rollout replicas, generate, all-gather the results (o
 replica) and slice out each rank's own prompts, which keep their global prompt ids. Object
 collectives pickle the data; fine for token-id lists of a rollout step.
 
+The object collectives run over gloo, never NCCL: with no ``group`` given and a default group
+that is not gloo (NCCL on GPU), :func:`object_group` builds one gloo group over the whole world
+on first use (every rank reaches it at the same call, so ``new_group`` order agrees) and reuses
+it. Over NCCL, ``all_gather_object`` would copy every pickled batch to the GPU and back, block
+the device stream, and take GPU memory that colocated vLLM/training may not have left.
+
 No Megatron import: the caller passes its training DP rank and size.
 """
 
@@ -21,7 +27,23 @@ import torch.distributed as dist
 
 from megarl.rollout.base import RolloutBatch, RolloutEngine, RolloutSample
 
-__all__ = ["even_split", "gather_global_prompts", "generate_distributed"]
+__all__ = ["even_split", "gather_global_prompts", "generate_distributed", "object_group"]
+
+_GLOO_WORLD: dict[int, dist.ProcessGroup] = {}
+"""The gloo group over the world, per default group (keyed by its id)."""
+
+
+def object_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+    """The group object collectives use: ``group`` when given; else the default group when it is
+    gloo; else a gloo group over the whole world, created once (a collective call on first use)."""
+    if group is not None or dist.get_backend() == "gloo":
+        return group
+    default = dist.distributed_c10d._get_default_group()
+    key = id(default)
+    if key not in _GLOO_WORLD:
+        _GLOO_WORLD.clear()  # a new default group: the old gloo group went with the old one
+        _GLOO_WORLD[key] = dist.new_group(backend="gloo")
+    return _GLOO_WORLD[key]
 
 
 def even_split(num_items: int, num_parts: int, part: int) -> range:
@@ -43,9 +65,10 @@ def gather_global_prompts(
 ) -> tuple[list[list[int]], int]:
     """All DP shards joined in DP-rank order, and the offset of this rank's shard in it.
 
-    Collective over ``group`` (every rank of it calls). Ranks reporting the same ``dp_rank`` must
+    Collective over ``group`` (every rank of it calls; None: :func:`object_group`). Ranks reporting the same ``dp_rank`` must
     hold identical prompts; every DP rank in ``[0, dp_size)`` must be present.
     """
+    group = object_group(group)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (dp_rank, prompts), group=group)
     shards: dict[int, list[list[int]]] = {}
@@ -76,7 +99,7 @@ def generate_distributed(
             DP replicas).
         prompts: this rank's training-DP shard (identical on its TP/PP peers).
         dp_rank, dp_size: this rank's training DP coordinates (e.g. Megatron's DP group).
-        group: a gloo group spanning all ranks (default: the default group).
+        group: a gloo group spanning all ranks (default: :func:`object_group`).
         **sampling: ``n``, ``temperature``, ``max_tokens``, ``seed``, ``step``, ... as for
             ``RolloutEngine.generate`` (not ``prompt_ids``: they are the global positions).
 
@@ -88,6 +111,7 @@ def generate_distributed(
     """
     if "prompt_ids" in sampling:
         raise TypeError("generate_distributed assigns prompt_ids itself (global positions)")
+    group = object_group(group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n = sampling["n"]
     everything, offset = gather_global_prompts(

@@ -12,6 +12,20 @@ with ``new_group`` (so every rank must construct the engine, in the same order r
 ``new_group`` calls). When none exists, this module creates it (``env://``) before vLLM can: vLLM
 would otherwise size it as TP_v ranks, which is wrong when rollout DP > 1.
 
+Model runner: vLLM 0.32 picks Model Runner V2 whenever ``VLLM_USE_V2_MODEL_RUNNER`` is unset,
+Triton has an active driver (any CUDA host) and the config has no V2-unsupported feature
+(``VllmConfig.use_v2_model_runner``). megarl's weight updates reach into the runner
+(``model_runner.get_model()``, layerwise reload, the tied ``lm_head`` re-pack) and have only been
+exercised on the V1 runner, so the engine pins V1 (``VLLM_USE_V2_MODEL_RUNNER=0``) unless the
+variable is already set: ``VLLM_USE_V2_MODEL_RUNNER=1`` in the job's environment tries V2.
+
+EOS: the engine starts with ``skip_tokenizer_init`` and ``generation_config="vllm"``, so vLLM
+knows no EOS of its own; :func:`resolve_eos_token_ids` finds the ids (checkpoint, then tokenizer)
+and the engine refuses to start without one, rather than run every response to ``max_tokens``.
+
+Log-probs come back as vLLM's ``FlatLogprobs`` (``flat_logprobs=True``), a few flat lists per
+response instead of a dict and a ``Logprob`` per token; :func:`sampled_logprobs` reads both forms.
+
 vLLM is imported lazily, only here.
 """
 
@@ -38,12 +52,21 @@ from megarl.rollout.base import CallOrder, RolloutBatch, RolloutSample, request_
 if TYPE_CHECKING:
     from megarl.config.schema import RolloutConfig
 
-__all__ = ["VLLMEngine", "engine_args_from_config", "read_eos_token_ids", "vllm_dtype"]
+__all__ = [
+    "VLLMEngine",
+    "engine_args_from_config",
+    "read_eos_token_ids",
+    "resolve_eos_token_ids",
+    "vllm_dtype",
+]
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
 """KV cache per rank on CPU when none is given (256 MiB: ~130k tokens of the tiny test models)."""
 
 SLEEP_TAGS = ("weights", "kv_cache")
+
+MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+"""vLLM's switch between model runners; megarl sets it to 0 (V1) when unset."""
 
 
 def read_eos_token_ids(model_path: str | Path) -> list[int]:
@@ -61,6 +84,54 @@ def read_eos_token_ids(model_path: str | Path) -> list[int]:
         for i in [value] if isinstance(value, int) else value or []:
             if i not in ids:
                 ids.append(int(i))
+    return ids
+
+
+def tokenizer_eos_token_id(tokenizer_path: str | Path) -> int | None:
+    """The EOS id of the HF tokenizer saved at ``tokenizer_path``; None when there is none.
+
+    Only a saved tokenizer counts: transformers 5 builds an empty tokenizer with a default EOS
+    (``<|endoftext|>`` -> 0 for Qwen2) from a bare ``config.json``, so the directory must hold
+    tokenizer files and the EOS token must be in the vocabulary.
+    """
+    directory = Path(tokenizer_path)
+    if not any((directory / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError):
+        return None
+    eos = tokenizer.eos_token
+    if eos is None or eos not in tokenizer.get_vocab():
+        return None
+    return int(tokenizer.convert_tokens_to_ids(eos))
+
+
+def resolve_eos_token_ids(
+    model_path: str | Path,
+    tokenizer_path: str | Path | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+) -> list[int]:
+    """The ids that end a response: ``eos_token_ids`` when given, else the checkpoint's
+    (:func:`read_eos_token_ids`), else the tokenizer's ``eos_token_id`` (as the trainer does for
+    the actor engine).
+
+    Raises ``ValueError`` when there is none: the engine starts with ``skip_tokenizer_init`` and
+    ``generation_config="vllm"``, so vLLM would know no EOS and every response would silently
+    run to ``max_tokens``.
+    """
+    ids = list(eos_token_ids) if eos_token_ids else read_eos_token_ids(model_path)
+    if not ids:
+        eos = tokenizer_eos_token_id(tokenizer_path or model_path)
+        ids = [eos] if eos is not None else []
+    if not ids:
+        raise ValueError(
+            f"no EOS token id for {model_path}: neither generation_config.json/config.json "
+            f"(eos_token_id) nor the tokenizer at {tokenizer_path or model_path} names one; "
+            "responses would never stop before max_tokens"
+        )
     return ids
 
 
@@ -135,6 +206,9 @@ class VLLMEngine:
         max_num_seqs: concurrent sequences per engine step (None: vLLM's default).
         num_threads: torch intra-op threads on CPU (None: leave as is; torchrun sets 1).
         engine_kwargs: any further ``vllm.LLM`` keyword arguments (they win over the above).
+        tokenizer_path: where the EOS fallback finds a tokenizer (None: ``model_path``).
+        eos_token_ids: ids that end a response (None: :func:`resolve_eos_token_ids`); the
+            engine refuses to start without any.
     """
 
     def __init__(
@@ -155,12 +229,14 @@ class VLLMEngine:
         max_num_seqs: int | None = None,
         num_threads: int | None = None,
         engine_kwargs: dict[str, Any] | None = None,
+        tokenizer_path: str | Path | None = None,
+        eos_token_ids: Sequence[int] | None = None,
     ) -> None:
         on_gpu = torch.cuda.is_available()
         self.model_path = str(model_path)
         self.tensor_parallel_size = tensor_parallel_size
         self.max_model_len = max_model_len
-        self.eos_token_ids = read_eos_token_ids(model_path)
+        self.eos_token_ids = resolve_eos_token_ids(model_path, tokenizer_path, eos_token_ids)
         self._sleep_enabled = free_cache_engine and on_gpu
         self._sleeping: set[str] = set()
         self._order = CallOrder()
@@ -274,6 +350,9 @@ class VLLMEngine:
                 stop_token_ids=stops,
                 seed=request_seed(seed, step, ids[p], s),
                 logprobs=0,  # just the sampled token's
+                # Log-probs as a few flat lists per response rather than one dict and one
+                # Logprob object per token (same numbers; far less Python garbage).
+                flat_logprobs=True,
                 detokenize=False,
             )
             for p, s in keys
@@ -382,6 +461,7 @@ class VLLMEngine:
 def _start_llm(model_path: str, kwargs: dict[str, Any]) -> Any:
     """``vllm.LLM(model_path, **kwargs)`` in this process, leaving the trainer's state alone."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+    os.environ.setdefault(MODEL_RUNNER_ENV, "0")  # V1 runner unless asked (module docstring)
     _quiet_expected_vllm_warnings()
     # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process;
     # training code sharing the process keeps the real one.
@@ -397,6 +477,22 @@ def _start_llm(model_path: str, kwargs: dict[str, Any]) -> Any:
     return llm
 
 
+def sampled_logprobs(tokens: Sequence[int], logprobs: Any) -> list[float]:
+    """The log-prob of each sampled token from vLLM's per-response log-probs (``logprobs=0``).
+
+    ``logprobs`` is a ``FlatLogprobs`` (``flat_logprobs=True``: vLLM's sampler puts the sampled
+    token first in each position's range) or the legacy list of ``{token_id: Logprob}``.
+    """
+    if len(logprobs) != len(tokens):
+        raise RuntimeError(f"{len(logprobs)} log-prob positions for {len(tokens)} tokens")
+    if not hasattr(logprobs, "start_indices"):  # list[dict[int, Logprob]]
+        return [step[t].logprob for t, step in zip(tokens, logprobs, strict=True)]
+    starts = logprobs.start_indices
+    if [logprobs.token_ids[i] for i in starts] != list(tokens):
+        raise RuntimeError("vLLM's flat log-probs do not start with the sampled tokens")
+    return [logprobs.logprobs[i] for i in starts]
+
+
 def _sample_from_output(
     out: Any, prompt: list[int], prompt_index: int, sample_index: int, prompt_id: int
 ) -> RolloutSample:
@@ -407,7 +503,7 @@ def _sample_from_output(
         raise RuntimeError(
             f"prompt {prompt_index} sample {sample_index}: finish_reason {completion.finish_reason}"
         )
-    logprobs = [step_lp[t].logprob for t, step_lp in zip(tokens, completion.logprobs, strict=True)]
+    logprobs = sampled_logprobs(tokens, completion.logprobs)
     return RolloutSample(
         prompt_index=prompt_index,
         sample_index=sample_index,

@@ -81,3 +81,30 @@ def test_emulation_maps_cuda_to_cpu_and_restores():
     assert torch.ones(2).type() == "torch.FloatTensor"
     with pytest.raises((AssertionError, RuntimeError)):
         torch.zeros(1, device="cuda")
+
+
+def test_process_group_timeout_is_a_knob_long_enough_for_saves(monkeypatch):
+    from megarl.parallel.init import DEFAULT_TIMEOUT_MINUTES, process_group_timeout_minutes
+
+    monkeypatch.delenv("MEGARL_DIST_TIMEOUT_MINUTES", raising=False)
+    assert process_group_timeout_minutes() == DEFAULT_TIMEOUT_MINUTES >= 120
+    monkeypatch.setenv("MEGARL_DIST_TIMEOUT_MINUTES", "600")
+    assert process_group_timeout_minutes() == 600
+    monkeypatch.setenv("MEGARL_DIST_TIMEOUT_MINUTES", "0")
+    with pytest.raises(ValueError, match="MEGARL_DIST_TIMEOUT_MINUTES='0'"):
+        process_group_timeout_minutes()
+
+
+def test_gloo_interface_is_the_one_routing_to_the_master():
+    from megarl.parallel.network import route_interface, set_gloo_socket_ifname
+
+    assert route_interface("127.0.0.1") == "lo"
+    single_node = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    assert set_gloo_socket_ifname("127.0.0.1", single_node) is None
+    assert "GLOO_SOCKET_IFNAME" not in single_node
+    multi_node = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
+    assert set_gloo_socket_ifname("127.0.0.1", multi_node) == "lo"
+    assert multi_node["GLOO_SOCKET_IFNAME"] == "lo"
+    chosen = {**multi_node, "GLOO_SOCKET_IFNAME": "ib0"}  # the user's value wins
+    assert set_gloo_socket_ifname("127.0.0.1", chosen) == "ib0"
+    assert route_interface("no-such-host.invalid") is None

@@ -150,3 +150,26 @@ def test_generate_distributed_all_layouts():
     from megarl.parallel.spawn import free_port
 
     mp.spawn(_check_layouts, args=(free_port(),), nprocs=WORLD, join=True)
+
+
+def test_object_collectives_use_gloo_when_the_default_group_is_not(tmp_path, monkeypatch):
+    """A one-rank gloo world standing in for NCCL: the object group is a cached gloo group."""
+    from megarl.rollout import distribute
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        assert distribute.object_group() is None  # the default group is gloo already
+        monkeypatch.setattr(distribute.dist, "get_backend", lambda group=None: "nccl")
+        group = distribute.object_group()
+        assert group is not None
+        assert dist.distributed_c10d.get_backend(group) == "gloo"
+        assert distribute.object_group() is group  # created once
+        given = object()
+        assert distribute.object_group(given) is given
+        everything, offset = distribute.gather_global_prompts([[1, 2]], dp_rank=0, dp_size=1)
+        assert (everything, offset) == ([[1, 2]], 0)
+    finally:
+        distribute._GLOO_WORLD.clear()
+        dist.destroy_process_group()
