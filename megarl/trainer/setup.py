@@ -316,7 +316,11 @@ def _start_vllm(cfg: MegarlConfig, model_path: str):
     from megarl.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine.from_config(
-        cfg.actor_rollout_ref.rollout, model_path, dtype=cfg.trainer.dtype, seed=cfg.trainer.seed
+        cfg.actor_rollout_ref.rollout,
+        model_path,
+        dtype=cfg.trainer.dtype,
+        seed=cfg.trainer.seed,
+        tokenizer_path=cfg.actor_rollout_ref.model.tokenizer_path,  # the EOS fallback's
     )
 
 
