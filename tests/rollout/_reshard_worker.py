@@ -8,10 +8,12 @@ Suites:
   copies into preallocated tensors, under :class:`LiveBytes`; records whether the plan's
   ownership agrees with Megatron's ``layer_offset``, the largest difference from the reference HF
   state (HF checkpoint + the same seeded noise, converted with ``hf_mapping``), and the peak of
-  live bytes allocated during the sync against the plan's bound.
+  live bytes allocated during the sync against the plan's bound; then the same sliced for vLLM
+  TP 2 (:func:`sliced_sync_check`: unreceived elements NaN, vLLM's narrowing, bytes received).
 - ``vllm``: one real vLLM engine per (model, rollout TP); per Megatron layout: perturb the actor,
-  generate (engine still holds the previous weights), sync, generate the same prompts/seeds
-  again, and compare both rollouts' log-probs with the actor's runner.
+  generate (engine still holds the previous weights), sync (unreceived elements NaN, bytes
+  metered), generate the same prompts/seeds again, and compare both rollouts' log-probs with
+  the actor's runner.
 - ``gpu``: bf16 with sleep/wake and vLLM parameter addresses (only meaningful with CUDA).
 
 The engine-protocol conformance probe (``_engine_conformance.py``) runs on an ``ActorEngine`` in

@@ -8,11 +8,15 @@ Multi-rank (``_reshard_worker.py``, one torchrun launch per suite):
 
 - ``layouts`` (2 ranks, no vLLM): Megatron (TP, PP, VPP) ∈ {(1,1) DP 2, (2,1), (1,2), (1,2,2)}
   on Qwen2, (1,2) on a tied single-KV-head Qwen3, (2,1) on Qwen3: ownership equals Megatron's
-  ``layer_offset``, the synced tensors equal the reference exactly, peak memory within bound.
+  ``layer_offset``, the synced tensors equal the reference exactly, peak memory within bound;
+  the same sliced for vLLM TP 2 (at PP 2 each rank receives only its slices of the other stage,
+  point to point; unreceived elements are NaN), bytes received = plan = wire meter.
 - ``vllm`` at 2 ranks: vLLM TP 1 ← Megatron (2,1), (1,2), (1,1); vLLM TP 2 ← (2,1), (1,2),
   (1,2,2), (1,1); vLLM TP 2 on the single-KV-head model (KV replication) ← (1,2). At 4 ranks:
-  vLLM TP 2 ← (2,2), (2,1). Per case: perturb the actor, generate, sync, generate the same
-  prompts and seeds again; vLLM's log-probs vs the actor's runner at T = 0.7.
+  vLLM TP 2 ← (2,2), (2,1). Per case: perturb the actor, generate, sync (elements a rank did
+  not receive set to NaN), generate the same prompts and seeds again; vLLM's log-probs vs the
+  actor's runner at T = 0.7; bytes received per rank = plan = wire meter, ~1/vLLM TP of the
+  other stages at PP 2 (point to point at 2 ranks, one broadcast per PP group at 4 ranks).
 
 The engine-protocol conformance test runs in these launches too: on an ``ActorEngine`` in
 ``layouts`` and on the vLLM TP 1 engine in ``vllm`` (one check function for both engines).

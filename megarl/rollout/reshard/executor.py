@@ -16,9 +16,10 @@ and the same plan. Per bucket:
 5. the buffer is released (or kept for the next bucket) before the next bucket is filled.
 
 Why slices, and why this way. Broadcasting whole buckets over the PP groups made every rank
-receive the other stages' full model: for a 72B model at TP 8, PP 4 on 8-GPU nodes, ~105 GiB per
-GPU and ~840 GiB into each node per sync, where one vLLM TP-8 rank loads 1/8 of it (``megarl plan
-reshard`` prints both). The alternatives considered:
+receive the other stages' full model: for Qwen2.5-72B at TP 8, PP 4 on 8-GPU nodes (one stage
+per node), 110 GB per GPU and 880 GB into each node per sync, where one vLLM TP-8 rank loads
+1/8 of it: sliced, 13.8 GB per GPU and 110 GB per node (``megarl plan reshard`` prints both).
+The alternatives considered:
 
 - *Hand vLLM shard-shaped tensors*: its ``load_weights`` takes full HF tensors and narrows them
   itself, and on CPU it repacks linear weights, so writing into its parameters directly would
