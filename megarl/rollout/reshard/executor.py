@@ -28,9 +28,9 @@ The alternatives considered:
 - *Slices into a full-shaped local buffer* (chosen): the wire carries only what the rank's vLLM
   loader reads; local memory stays one bucket (as before) plus one message buffer; the engine
   contract (HF-named, full-shaped tensors through ``load_weights``) is unchanged. The price is
-  that the plan must mirror vLLM's narrowing rule (:func:`~megarl.rollout.reshard.plan.rollout_slice`:
-  q/k/v with KV heads replicated when vLLM TP exceeds them, gate/up, o/down by columns, padded
-  vocabulary rows, norms whole). The multi-rank tests fill every element a rank did not receive
+  that the plan must mirror vLLM's narrowing rule
+  (:func:`~megarl.rollout.reshard.vllm_layout.rollout_slice`: q/k/v with KV heads replicated
+  when vLLM TP exceeds them, gate/up, o/down by columns, padded vocabulary rows, norms whole). The multi-rank tests fill every element a rank did not receive
   with NaN before vLLM loads it, so a rule that drifted from vLLM's would poison the log-probs
   rather than pass silently.
 

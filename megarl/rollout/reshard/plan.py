@@ -13,21 +13,22 @@ loss counted as a layer): with ``P`` pipeline stages and ``V`` virtual chunks pe
 A plan is a list of :class:`Bucket` s. A bucket is one flat buffer of at most ``bucket_bytes``
 holding the Hugging Face tensors of whole Megatron *modules* (``linear_qkv`` weight and bias
 travel together, because vLLM holds back a module's tensors until all of them have arrived), all
-owned by one pipeline stage (so one broadcast over the PP group moves it). A module larger than
-``bucket_bytes`` forms a bucket of its own: the bound is then that module's size. The embedding
-and the output layer always travel alone: vLLM pads its vocabulary to a multiple of 64 rows and,
-when that leaves rows the checkpoint does not fill, holds the tensor until the update is
-finished, which keeps its whole bucket alive that long.
+owned by one pipeline stage (whose ranks send it to the others of their PP group). A module
+larger than ``bucket_bytes`` forms a bucket of its own: the bound is then that module's size.
+The embedding and the output layer always travel alone: vLLM pads its vocabulary to a multiple
+of 64 rows and, when that leaves rows the checkpoint does not fill, holds the tensor until the
+update is finished, which keeps its whole bucket alive that long.
 
 With PP > 1 a bucket crosses stages as *slices*: each rank receives only the rows / columns of
-each HF tensor that its own vLLM TP rank loads (:func:`rollout_slice`, vLLM's own narrowing
-rule), not the whole bucket. Per bucket and vLLM TP rank the plan lists those pieces
-(:class:`SlicePiece`); their concatenation is the message that rank receives. Norms are
-replicated (every rank gets them whole); KV heads are replicated when the vLLM TP size exceeds
-them (ranks sharing a head get the same rows). :meth:`ReshardPlan.received` gives the bytes one
-rank receives per sync: its slices from the other stages plus, on its own stage, the training-TP
-all-gather (which still moves full parameters inside a stage). The executor's module docstring
-says why slices travel this way.
+each HF tensor that its own vLLM TP rank loads (:func:`rollout_slice` in
+:mod:`~megarl.rollout.reshard.vllm_layout`, vLLM's own narrowing rule), not the whole bucket.
+Per bucket and vLLM TP rank the plan lists those pieces (:class:`SlicePiece`); their
+concatenation is the message that rank receives. Norms are replicated (every rank gets them
+whole); KV heads are replicated when the vLLM TP size exceeds them (ranks sharing a head get
+the same rows). :meth:`ReshardPlan.received` gives the bytes one rank receives per sync: its
+slices from the other stages plus, on its own stage, the training-TP all-gather (which still
+moves full parameters inside a stage). The executor's module docstring says why slices travel
+this way.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 from megarl.config.model_dims import ModelDims
 from megarl.models import hf_mapping as hm
 from megarl.parallel.layout import ParallelLayout, shape_layout_problems
+from megarl.rollout.reshard.vllm_layout import rollout_shard_shape, rollout_slice
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -62,11 +64,6 @@ __all__ = [
 DEFAULT_BUCKET_BYTES = 1 << 30
 """1 GiB: about half a layer of a 72B model in bf16 (its ``linear_fc1``, 0.9 GiB, still fits;
 ``megarl plan`` prints the numbers of a given model)."""
-
-
-VLLM_VOCAB_PADDING = 64
-"""vLLM pads vocab-parallel embeddings to a multiple of this many rows, then splits them
-(``DEFAULT_VOCAB_PADDING_SIZE``)."""
 
 
 @dataclass(frozen=True)
@@ -463,76 +460,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
-
-
-def rollout_shard_shape(
-    hf_name: str, shape: tuple[int, ...], dims: ModelDims, rollout_tp: int
-) -> tuple[int, ...]:
-    """Shape vLLM keeps on one TP rank for the HF tensor ``hf_name`` (for sizing only).
-
-    Column-parallel q/gate/up split dim 0; k/v split by KV heads, one head per rank when
-    ``rollout_tp`` exceeds them (replication); o/down split dim 1; embeddings are padded to a
-    multiple of 64 rows and split evenly; norms are replicated.
-    """
-    t = rollout_tp
-    leaf = hf_name.split(".")[-2] if "." in hf_name else hf_name
-    if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
-        # vLLM pads the vocabulary at every TP size, 1 included (VocabParallelEmbedding)
-        padded = -(-shape[0] // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
-        return (padded // t, *shape[1:])
-    if t == 1:
-        return shape
-    if leaf in ("k_proj", "v_proj"):
-        heads = max(dims.num_query_groups // t, 1)
-        return (heads * dims.head_dim, *shape[1:])
-    if leaf in ("q_proj", "gate_proj", "up_proj"):
-        return (shape[0] // t, *shape[1:])
-    if leaf in ("o_proj", "down_proj"):
-        return (shape[0], shape[1] // t)
-    return shape
-
-
-_VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
-
-
-def rollout_slice(
-    hf_name: str,
-    shape: tuple[int, ...],
-    dims: ModelDims,
-    rollout_tp: int,
-    rollout_rank: int,
-) -> tuple[int, int, int] | None:
-    """``(dim, start, stop)``: the part of the full HF tensor ``hf_name`` that vLLM's weight
-    loader on TP rank ``rollout_rank`` of ``rollout_tp`` narrows out and copies (None: the
-    whole tensor, which vLLM keeps replicated).
-
-    vLLM 0.32's rules: ``q``/``gate``/``up`` (weights and biases) take dim-0 chunk ``r``; ``k``/
-    ``v`` take KV-head chunk ``r // replicas`` (``replicas = TP // KV heads`` when TP exceeds the
-    KV heads, so ranks sharing a head read the same rows); ``o``/``down`` take dim-1 chunk
-    ``r``; the embedding and ``lm_head`` take rows ``[r·p, (r+1)·p)`` of the vocabulary padded
-    to 64 (``p`` = padded / TP), clipped to the real rows (possibly empty); norms are whole.
-    """
-    t, r = rollout_tp, rollout_rank
-    if not 0 <= r < t:
-        raise ValueError(f"rollout rank {r} outside 0..{t - 1}")
-    if hf_name in _VOCAB_TENSORS:
-        per = -(-shape[0] // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING // t
-        return 0, min(r * per, shape[0]), min((r + 1) * per, shape[0])
-    if t == 1:
-        return None
-    leaf = hf_name.split(".")[-2] if "." in hf_name else hf_name
-    if leaf in ("k_proj", "v_proj"):
-        groups = dims.num_query_groups
-        rows = max(groups // t, 1) * dims.head_dim
-        shard = r // max(t // groups, 1)
-        return 0, shard * rows, (shard + 1) * rows
-    if leaf in ("q_proj", "gate_proj", "up_proj"):
-        rows = shape[0] // t
-        return 0, r * rows, (r + 1) * rows
-    if leaf in ("o_proj", "down_proj"):
-        cols = shape[1] // t
-        return 1, r * cols, (r + 1) * cols
-    return None
 
 
 def _slot_pieces(slot: HFSlot, dims: ModelDims, rollout_tp: int, rank: int) -> list[SlicePiece]:
