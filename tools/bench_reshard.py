@@ -12,6 +12,7 @@
    re-packing included).
 2. Plan time: :func:`make_reshard_plan` for a Qwen2.5-72B-shaped model (80 layers, hidden 8192,
    ffn 29568, 64/8 heads, vocab 152064) at TP=8, PP=4 → vLLM TP=8; no tensors are allocated.
+   Also the bytes one rank receives from the other stages per sync (its vLLM TP slices).
 """
 
 from __future__ import annotations
@@ -182,6 +183,9 @@ def bench_plan(reps: int) -> dict:
         "plan_72b_buckets": len(plan.buckets),
         "plan_72b_GiB": plan.hf_bytes / (1 << 30),
         "plan_72b_peak_GiB": plan.peak_bytes / (1 << 30),
+        # stage 1 of 4 (one 8-GPU node): what a rank receives from the other stages
+        "plan_72b_received_GiB_per_rank": plan.received(1, 0).pipeline / (1 << 30),
+        "plan_72b_unsliced_GiB_per_rank": plan.full_bytes_from_other_stages(1) / (1 << 30),
     }
 
 
@@ -225,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         f"plan, Qwen2.5-72B TP=8 PP=4 -> vLLM TP=8: {results['plan_72b_ms_best']:.1f} ms best, "
         f"{results['plan_72b_ms_median']:.1f} ms median; {results['plan_72b_buckets']} buckets, "
         f"{results['plan_72b_GiB']:.1f} GiB, peak extra <= {results['plan_72b_peak_GiB']:.2f} GiB"
+    )
+    print(
+        f"  a PP1 rank receives {results['plan_72b_received_GiB_per_rank']:.1f} GiB from other "
+        f"stages per sync (whole buckets: {results['plan_72b_unsliced_GiB_per_rank']:.1f} GiB)"
     )
     return 0
 

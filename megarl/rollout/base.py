@@ -148,9 +148,11 @@ class WeightSink(Protocol):
         ...
 
     def load_weight_chunk(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Consume Hugging Face-named full (unsharded) tensors; the engine slices them for its
-        own TP layout. The tensors are only valid during this call. Raises ``RuntimeError``
-        outside an open update."""
+        """Consume Hugging Face-named full-shaped (unsharded) tensors; the engine slices them for
+        its own TP layout. From :func:`~megarl.rollout.reshard.sync_weights` with PP > 1 only
+        the part this rank's TP shard loads is defined (vLLM's narrowing,
+        :func:`~megarl.rollout.reshard.plan.rollout_slice`); the rest is undefined. The tensors
+        are only valid during this call. Raises ``RuntimeError`` outside an open update."""
         ...
 
     def finish_weight_update(self) -> None:

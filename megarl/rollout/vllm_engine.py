@@ -396,7 +396,8 @@ class VLLMEngine:
         self._llm.collective_rpc(_begin_layerwise_reload)
 
     def load_weight_chunk(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Feed HF-named full tensors (vLLM slices them for this rank's TP shard).
+        """Feed HF-named full-shaped tensors (vLLM slices them for this rank's TP shard; only
+        that slice needs to be defined, see ``WeightSink.load_weight_chunk``).
 
         ``named_tensors`` is consumed once and may be a lazy generator; vLLM buffers each tensor
         only until every weight of its module (e.g. q, k, v of one ``qkv_proj``) has arrived,

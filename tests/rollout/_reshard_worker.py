@@ -8,10 +8,12 @@ Suites:
   copies into preallocated tensors, under :class:`LiveBytes`; records whether the plan's
   ownership agrees with Megatron's ``layer_offset``, the largest difference from the reference HF
   state (HF checkpoint + the same seeded noise, converted with ``hf_mapping``), and the peak of
-  live bytes allocated during the sync against the plan's bound.
+  live bytes allocated during the sync against the plan's bound; then the same sliced for vLLM
+  TP 2 (:func:`sliced_sync_check`: unreceived elements NaN, vLLM's narrowing, bytes received).
 - ``vllm``: one real vLLM engine per (model, rollout TP); per Megatron layout: perturb the actor,
-  generate (engine still holds the previous weights), sync, generate the same prompts/seeds
-  again, and compare both rollouts' log-probs with the actor's runner.
+  generate (engine still holds the previous weights), sync (unreceived elements NaN, bytes
+  metered), generate the same prompts/seeds again, and compare both rollouts' log-probs with
+  the actor's runner.
 - ``gpu``: bf16 with sleep/wake and vLLM parameter addresses (only meaningful with CUDA).
 
 The engine-protocol conformance probe (``_engine_conformance.py``) runs on an ``ActorEngine`` in
@@ -27,10 +29,12 @@ import functools
 import gc
 import hashlib
 import json
+import sys
 import threading
 import time
 import weakref
 from pathlib import Path
+from typing import Self
 
 import torch
 from torch.utils import _pytree as pytree
@@ -110,6 +114,84 @@ class LiveBytes(TorchDispatchMode):
                 self.live -= entry[1]
                 del self._storages[key]
                 self._released.notify_all()
+
+
+class WireMeter:
+    """Counts the bytes the resharding executor receives, at ``torch.distributed``'s entry
+    points, independently of the executor's own ``SyncStats``: a broadcast where this rank is
+    not the source and a ``recv`` count their tensor (``pipeline``), an all-gather its output
+    minus this rank's input (``tp``). Only calls made from the executor module count (vLLM
+    shares the process and has collectives of its own)."""
+
+    MODULE = "megarl.rollout.reshard.executor"
+
+    def __init__(self) -> None:
+        self.pipeline = 0
+        self.tp = 0
+        self._saved: dict = {}
+
+    def _ours(self) -> bool:
+        return sys._getframe(2).f_globals.get("__name__") == self.MODULE
+
+    def __enter__(self) -> Self:
+        import torch.distributed as dist
+
+        broadcast, recv, gather = dist.broadcast, dist.recv, dist.all_gather_into_tensor
+        self._saved = {"broadcast": broadcast, "recv": recv, "all_gather_into_tensor": gather}
+
+        def metered_broadcast(tensor, src, *args, **kwargs):
+            if self._ours() and dist.get_rank() != src:
+                self.pipeline += tensor.nbytes
+            return broadcast(tensor, src, *args, **kwargs)
+
+        def metered_recv(tensor, *args, **kwargs):
+            if self._ours():
+                self.pipeline += tensor.nbytes
+            return recv(tensor, *args, **kwargs)
+
+        def metered_gather(output, input, *args, **kwargs):
+            if self._ours():
+                self.tp += output.nbytes - input.nbytes
+            return gather(output, input, *args, **kwargs)
+
+        dist.broadcast = metered_broadcast
+        dist.recv = metered_recv
+        dist.all_gather_into_tensor = metered_gather
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+
+
+def vllm_narrow(name: str, full: torch.Tensor, dims, tp: int, rank: int) -> torch.Tensor:
+    """What vLLM 0.32's weight loader on TP rank ``rank`` of ``tp`` copies out of the full HF
+    tensor ``full``, written from vLLM's loaders (``QKVParallelLinear``,
+    ``MergedColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding``), not from
+    the plan's ``rollout_slice``."""
+    leaf = name.split(".")[-2]
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        org = full.shape[0]
+        per = ((org + 63) // 64 * 64) // tp  # pad_vocab_size, then vocab_range_from_global
+        start, end = min(rank * per, org), min((rank + 1) * per, org)
+        return full.narrow(0, start, end - start)
+    if leaf == "q_proj":
+        size = dims.num_attention_heads // tp * dims.head_dim
+        return full.narrow(0, rank * size, size)
+    if leaf in ("k_proj", "v_proj"):
+        total = dims.num_query_groups
+        replicas = tp // total if tp >= total else 1
+        size = max(1, total // tp) * dims.head_dim
+        return full.narrow(0, rank // replicas * size, size)
+    if leaf in ("gate_proj", "up_proj"):
+        size = full.shape[0] // tp
+        return full.narrow(0, rank * size, size)
+    if leaf in ("o_proj", "down_proj"):
+        size = full.shape[1] // tp
+        return full.narrow(1, rank * size, size)
+    return full
 
 
 class CopySink:
@@ -252,6 +334,69 @@ def fake_sync_check(path: str, dims, chunks, seed: int, bucket_bytes: int) -> di
     }
 
 
+def _traffic(plan, stats, wire: WireMeter) -> dict:
+    """Bytes received on this rank: the plan's, the executor's count, the wire meter's."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megarl.rollout.reshard.executor import rollout_rank_of
+
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    v = rollout_rank_of(dist.get_rank(), plan.rollout_tp)
+    planned = plan.received(pp_rank, v)
+    other = sum(s.numel for b in plan.buckets if b.pp_rank != pp_rank for s in b.slots)
+    return {
+        "pp_rank": pp_rank,
+        "rollout_rank": v,
+        "rollout_tp": plan.rollout_tp,
+        "planned": {"pipeline": planned.pipeline, "tp": planned.tp_gather},
+        "stats": {"pipeline": stats.pipeline_received_bytes, "tp": stats.tp_received_bytes},
+        "wire": {"pipeline": wire.pipeline, "tp": wire.tp},
+        "unsliced": plan.full_bytes_from_other_stages(pp_rank),
+        "other_stages_hf_bytes": other * plan.itemsize if plan.layout.pp > 1 else 0,
+        "model_hf_bytes": plan.hf_bytes,
+        "slice_bytes": plan.rollout_slice_bytes(v),
+    }
+
+
+def sliced_sync_check(path: str, dims, chunks, seed: int, bucket_bytes: int, rollout_tp: int):
+    """Sync for vLLM TP ``rollout_tp`` into a CopySink, elements not received set to NaN: what
+    vLLM's loader of this rank would copy (``vllm_narrow``) equals the reference, with no NaN;
+    nothing else from other stages was received; bytes received: plan = executor = wire."""
+    import torch.distributed as dist
+
+    from megarl.rollout.reshard import plan_for_chunks, sync_weights
+    from megarl.rollout.reshard.executor import rollout_rank_of
+
+    plan = plan_for_chunks(chunks, dims, rollout_tp=rollout_tp, bucket_bytes=bucket_bytes)
+    v = rollout_rank_of(dist.get_rank(), rollout_tp)
+    sink = CopySink(plan)
+    gc.collect()
+    with LiveBytes() as meter, WireMeter() as wire:
+        stats = sync_weights(chunks, plan, sink, fill_unsent=float("nan"))
+        gc.collect()
+        leftover = meter.wait_released(timeout_s=10.0)
+    ref = reference_hf(path, dims, seed)
+    diff = 0.0
+    for k, want in ref.items():
+        got = vllm_narrow(k, sink.dest[k], dims, rollout_tp, v)
+        err = (got - vllm_narrow(k, want, dims, rollout_tp, v)).abs()
+        diff = max(diff, torch.nan_to_num(err, nan=float("inf")).max().item() if err.numel() else 0)
+    traffic = _traffic(plan, stats, wire)
+    other = [s for b in plan.buckets if b.pp_rank != traffic["pp_rank"] for s in b.slots]
+    return {
+        "narrowed_max_diff": diff,
+        "received_elements": sum(int((~sink.dest[s.name].isnan()).sum()) for s in other),
+        "planned_elements": sum(
+            b.message_numel(v) for b in plan.buckets if b.pp_rank != traffic["pp_rank"]
+        ),
+        "peak": meter.peak,
+        "bound": plan.peak_bytes,
+        "leftover": leftover,
+        **traffic,
+    }
+
+
 # --------------------------------------------------------------------------------------------
 # Suites
 # --------------------------------------------------------------------------------------------
@@ -303,6 +448,7 @@ def layouts_suite(models: Path) -> dict:
         out[key] = {
             "small": fake_sync_check(path, dims, chunks, seed, 64 << 10),
             "large": fake_sync_check(path, dims, chunks, seed, 512 << 10),
+            "sliced": sliced_sync_check(path, dims, chunks, seed, 64 << 10, rollout_tp=2),
         }
         if key in ACTOR_CONFORMANCE_CASES:
             out[key]["conformance"] = actor_conformance(path, dims, chunks, seed)
@@ -359,7 +505,9 @@ def vllm_suite(models: Path, world: int) -> dict:
                 chunks, before, vocab_size=dims.vocab_size, temperature=T
             )
             plan = plan_for_chunks(chunks, dims, rollout_tp, bucket_bytes=256 << 10)
-            stats = sync_weights(chunks, plan, engine)
+            # what this rank did not receive is NaN: vLLM must never read it
+            with WireMeter() as wire:
+                stats = sync_weights(chunks, plan, engine, fill_unsent=float("nan"))
             after = engine.generate(PROMPTS, **SAMPLING)
             case["after"] = rollout_logprob_consistency(
                 chunks, after, vocab_size=dims.vocab_size, temperature=T
@@ -372,6 +520,7 @@ def vllm_suite(models: Path, world: int) -> dict:
                 sync_s=stats.seconds,
                 sync_bytes=stats.bytes,
                 planned_bytes=sum(b.nbytes for b in plan.buckets),
+                traffic=_traffic(plan, stats, wire),
             )
             out["cases"][key] = case
         if rollout_tp == 1:  # rollout DP 2 at 2 ranks; the engine holds the actor's weights

@@ -153,6 +153,147 @@ def test_bytes_per_stage_and_rollout_sizing():
     assert "replicates KV heads" in kv1.summary()
 
 
+# --------------------------------------------------------------------------------------------
+# Slices: what each vLLM TP rank receives from other stages
+# --------------------------------------------------------------------------------------------
+
+
+def _expected_slice_numel(name: str, shape: tuple[int, ...], dims, t: int, r: int) -> int:
+    """Elements of HF tensor ``name`` that vLLM TP rank ``r`` of ``t`` loads, by hand from the
+    model's shapes (independent of ``rollout_slice``): norms whole, k/v one KV-head share (a
+    whole head when t > KV heads), vocab rows of the 64-padded split, everything else 1/t."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    leaf = name.split(".")[-2]
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        per = -(-shape[0] // 64) * 64 // t
+        rows = max(0, min((r + 1) * per, shape[0]) - min(r * per, shape[0]))
+        return rows * shape[1]
+    if leaf.endswith("norm"):
+        return numel
+    if leaf in ("k_proj", "v_proj"):
+        return numel * max(dims.num_query_groups // t, 1) // dims.num_query_groups
+    return numel // t
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("layout", [(1, 2, None), (2, 2, None), (2, 2, 2), (1, 4, None)])
+@pytest.mark.parametrize("rollout_tp", [1, 2, 4])
+def test_received_bytes_are_the_rollout_slices_of_other_stages(model, layout, rollout_tp):
+    """Per (stage, vLLM TP rank): bytes received from other stages = that rank's slice of
+    every HF tensor they own (counted by hand), about 1/rollout_TP of them (norms whole, KV
+    heads replicated); the TP all-gather part = the other shards of the stage's split params."""
+    kw = {**MODELS[model], "num_key_value_heads": 1 if model == "qwen3" else 2}
+    plan = _plan(kw, layout, rollout_tp=rollout_tp)
+    dims, t, tp = plan.dims, rollout_tp, layout[0]
+    for stage in range(layout[1]):
+        other = [s for b in plan.buckets if b.pp_rank != stage for s in b.slots]
+        other_bytes = sum(s.numel for s in other) * plan.itemsize
+        gathered = sum(
+            p.nbytes for b in plan.buckets if b.pp_rank == stage for p in b.params if p.needs_gather
+        )
+        for r in range(t):
+            want = sum(_expected_slice_numel(s.name, s.shape, dims, t, r) for s in other)
+            got = plan.received(stage, r)
+            assert got.pipeline == want * plan.itemsize, (stage, r)
+            assert got.tp_gather == gathered * (tp - 1) // tp
+            assert got.total == got.pipeline + got.tp_gather
+            # ~1/t: within the norms and the uneven vocab split (+ KV heads replicated past
+            # their count: k/v are large next to q in these tiny models)
+            slack = 1.1 if t <= dims.num_query_groups else 1.25
+            assert other_bytes / t * 0.9 <= got.pipeline <= other_bytes / t * slack + 1
+        assert plan.full_bytes_from_other_stages(stage) >= other_bytes
+    for r in range(t):
+        total = sum(
+            _expected_slice_numel(s.name, s.shape, dims, t, r)
+            for b in plan.buckets
+            for s in b.slots
+        )
+        assert plan.rollout_slice_bytes(r) == total * plan.itemsize
+
+
+def test_slices_by_hand():
+    """vLLM's narrowing on named cases: vocab padded to 64 then split (a shard of padding
+    only gets nothing), KV heads replicated past their count, row-parallel by columns."""
+    from megarl.rollout.reshard.plan import rollout_slice
+
+    d = tiny_dims(num_key_value_heads=2, vocab_size=65)  # vLLM pads 65 -> 128 rows
+    emb, v = "model.embed_tokens.weight", (65, 128)
+    assert [rollout_slice(emb, v, d, 4, r) for r in range(4)] == [
+        (0, 0, 32),
+        (0, 32, 64),
+        (0, 64, 65),
+        (0, 65, 65),
+    ]
+    assert rollout_slice(emb, v, d, 1, 0) == (0, 0, 65)
+    k = "model.layers.0.self_attn.k_proj.weight"
+    assert [rollout_slice(k, (64, 128), d, 4, r) for r in range(4)] == [
+        (0, 0, 32),
+        (0, 0, 32),
+        (0, 32, 64),
+        (0, 32, 64),
+    ]
+    assert rollout_slice(k, (64, 128), d, 2, 1) == (0, 32, 64)
+    assert rollout_slice("model.layers.0.self_attn.v_proj.bias", (64,), d, 4, 3) == (0, 32, 64)
+    assert rollout_slice("model.layers.0.self_attn.q_proj.bias", (128,), d, 4, 3) == (0, 96, 128)
+    assert rollout_slice("model.layers.0.mlp.down_proj.weight", (128, 256), d, 2, 1) == (
+        1,
+        128,
+        256,
+    )
+    assert rollout_slice("model.layers.0.mlp.up_proj.weight", (256, 128), d, 2, 1) == (0, 128, 256)
+    assert rollout_slice("model.layers.0.self_attn.q_norm.weight", (32,), d, 4, 2) is None
+    assert rollout_slice("model.norm.weight", (128,), d, 2, 0) is None
+    assert rollout_slice("model.layers.0.mlp.up_proj.weight", (256, 128), d, 1, 0) is None
+    with pytest.raises(ValueError, match="outside"):
+        rollout_slice(k, (64, 128), d, 2, 2)
+    # the plan: the embedding bucket of the last vLLM rank is empty; others are one run
+    plan = make_reshard_plan(d, ParallelLayout(1, 2), 4, bucket_bytes=64 << 10)
+    (emb_bucket,) = [b for b in plan.buckets if b.slots[0].name == emb]
+    assert emb_bucket.message_numel(3) == 0 and emb_bucket.message_range(3) is None
+    assert emb_bucket.message_range(2) == (64 * 128, 65 * 128)
+
+
+def test_message_buffers_and_peak():
+    """A message that is one run of the bucket travels in place (no pack buffer: vLLM TP 1,
+    vocabulary shards); others are packed, and the plan's peak counts that buffer."""
+    one = _plan(MODELS["qwen2"], (1, 2, None), rollout_tp=1)
+    assert all(b.pack_numel == 0 for b in one.buckets)
+    assert all(b.message_range(0) is not None for b in one.buckets)
+    no_pp = _plan(MODELS["qwen2"], (2, 1, None), rollout_tp=2)
+    assert all(b.pack_numel == 0 for b in no_pp.buckets)
+    assert no_pp.received(0, 1).pipeline == 0
+    two = _plan(MODELS["qwen2"], (2, 2, None), rollout_tp=2)
+    packed = 0
+    for b in two.buckets:
+        runs = [b.message_range(v) for v in range(2)]
+        if any(p.partition == "vocab" for p in b.params):
+            assert None not in runs  # a vocabulary shard is a run of rows
+        if None in runs:
+            packed += 1
+            assert b.pack_numel == max(b.message_numel(v) for v in range(2)) < b.numel
+        else:
+            assert b.pack_numel == 0
+        assert b.peak_bytes == b.nbytes + max(b.scratch_bytes, b.pack_numel * b.itemsize)
+    assert packed > len(two.buckets) // 2
+    assert two.peak_bytes == max(b.peak_bytes for b in two.buckets)
+
+
+def test_72b_received_per_rank_and_node():
+    """Qwen2.5-72B, TP 8 × PP 4 on 8-GPU nodes (one stage per node), vLLM TP 8: a rank receives
+    about 1/8 of the other stages (~13 GiB) instead of all of them (~100 GiB)."""
+    plan = make_reshard_plan(qwen72b_dims(), ParallelLayout(8, 4), 8)
+    gib = 1 << 30
+    for stage in range(4):
+        full = plan.full_bytes_from_other_stages(stage)
+        per_rank = [plan.received(stage, r).pipeline for r in range(8)]
+        assert max(per_rank) < full / 8 * 1.002 and min(per_rank) > full / 8 * 0.99
+        node = sum(per_rank)
+        assert 95 * gib < node < 110 * gib and 750 * gib < 8 * full < 850 * gib
+    assert abs(plan.rollout_slice_bytes(0) / plan.hf_bytes - 1 / 8) < 0.001
+
+
 @pytest.mark.parametrize(
     "dims_kw,layout,rollout_tp,match",
     [
@@ -209,6 +350,8 @@ def test_plan_cli(capsys):
     out = capsys.readouterr().out
     assert "training TP=8 PP=4 VPP=1 -> vLLM TP=8" in out
     assert "buckets: " in out and "MiB per stage: PP0" in out and "TP all-gather" in out
+    assert "received per rank and sync, MiB:" in out
+    assert "  PP1: 13151.0 from other stages (unsliced 105211.1) + 29295.3 in the TP" in out
     assert plan_cli.main(["reshard", "--config", "configs/ppo_qwen2_5_72b.yaml", "--buckets"]) == 0
     out = capsys.readouterr().out
     assert "preset qwen2.5-72b" in out and "bucket    0  PP0" in out

@@ -8,11 +8,15 @@ Multi-rank (``_reshard_worker.py``, one torchrun launch per suite):
 
 - ``layouts`` (2 ranks, no vLLM): Megatron (TP, PP, VPP) ∈ {(1,1) DP 2, (2,1), (1,2), (1,2,2)}
   on Qwen2, (1,2) on a tied single-KV-head Qwen3, (2,1) on Qwen3: ownership equals Megatron's
-  ``layer_offset``, the synced tensors equal the reference exactly, peak memory within bound.
+  ``layer_offset``, the synced tensors equal the reference exactly, peak memory within bound;
+  the same sliced for vLLM TP 2 (at PP 2 each rank receives only its slices of the other stage,
+  point to point; unreceived elements are NaN), bytes received = plan = wire meter.
 - ``vllm`` at 2 ranks: vLLM TP 1 ← Megatron (2,1), (1,2), (1,1); vLLM TP 2 ← (2,1), (1,2),
   (1,2,2), (1,1); vLLM TP 2 on the single-KV-head model (KV replication) ← (1,2). At 4 ranks:
-  vLLM TP 2 ← (2,2), (2,1). Per case: perturb the actor, generate, sync, generate the same
-  prompts and seeds again; vLLM's log-probs vs the actor's runner at T = 0.7.
+  vLLM TP 2 ← (2,2), (2,1). Per case: perturb the actor, generate, sync (elements a rank did
+  not receive set to NaN), generate the same prompts and seeds again; vLLM's log-probs vs the
+  actor's runner at T = 0.7; bytes received per rank = plan = wire meter, ~1/vLLM TP of the
+  other stages at PP 2 (point to point at 2 ranks, one broadcast per PP group at 4 ranks).
 
 The engine-protocol conformance test runs in these launches too: on an ``ActorEngine`` in
 ``layouts`` and on the vLLM TP 1 engine in ``vllm`` (one check function for both engines).
@@ -35,10 +39,10 @@ from megarl.models import hf_mapping as hm
 from megarl.models.tiny import random_hf_state, tiny_hf_config
 from megarl.parallel.layout import ParallelLayout
 from megarl.rollout.reshard import make_reshard_plan, stream_buckets
-from megarl.rollout.reshard.executor import write_hf_from_shards
+from megarl.rollout.reshard.executor import slot_view, write_hf_from_shards
 from tests.conftest import run_torchrun
 from tests.rollout._engine_conformance import assert_conforms
-from tests.rollout._reshard_worker import CopySink, LiveBytes
+from tests.rollout._reshard_worker import CopySink, LiveBytes, vllm_narrow
 
 WORKER = Path(__file__).with_name("_reshard_worker.py")
 LOGPROB_TOL = 1e-4
@@ -73,6 +77,40 @@ def test_strided_rewrite_matches_hf_mapping(family, kv, tp):
         write_hf_from_shards(name, torch.stack(shards), dims, got)
         for k in want:
             assert torch.equal(got[k], want[k]), (name, k)
+
+
+@pytest.mark.parametrize(
+    "kv,vocab,rollout_tp", [(2, 1000, 2), (2, 1000, 4), (1, 65, 2), (2, 65, 4), (4, 1000, 4)]
+)
+def test_messages_carry_exactly_what_vllm_loads(kv, vocab, rollout_tp):
+    """Per bucket and vLLM TP rank: pack the rank's pieces, unpack them into a NaN buffer; the
+    parts vLLM's loaders copy (``vllm_narrow``, written from vLLM's code) are all there, and
+    nothing else is (KV heads replicated at TP 4 over 2 or 1 heads; a padding-only vocab shard
+    at vocab 65, TP 4)."""
+    from megarl.rollout.reshard.executor import pack_pieces, piece_view, unpack_pieces
+
+    dims = tiny_dims("qwen2", num_key_value_heads=kv, vocab_size=vocab)
+    plan = make_reshard_plan(
+        dims, ParallelLayout(1, 2), rollout_tp, bucket_bytes=64 << 10, dtype=torch.float32
+    )
+    gen = torch.Generator().manual_seed(0)
+    for bucket in plan.buckets:
+        flat = torch.randn(bucket.numel, generator=gen)
+        for v in range(rollout_tp):
+            message = torch.empty(bucket.message_numel(v))
+            pack_pieces(flat, bucket.slices[v], message)
+            got = torch.full_like(flat, float("nan"))
+            unpack_pieces(message, bucket.slices[v], got)
+            assert int((~got.isnan()).sum()) == message.numel()
+            run = bucket.message_range(v)
+            if run is not None:  # travels in place: the run is exactly the pieces
+                assert torch.equal(flat[run[0] : run[1]], message)
+            for slot in bucket.slots:
+                want = vllm_narrow(slot.name, slot_view(flat, slot), dims, rollout_tp, v)
+                loaded = vllm_narrow(slot.name, slot_view(got, slot), dims, rollout_tp, v)
+                assert torch.equal(loaded, want), (slot.name, v)
+            for piece in bucket.slices[v]:
+                assert piece_view(got, piece).numel() == piece.numel > 0
 
 
 def _single_rank(bucket_bytes: int, family="qwen2", **kw):
@@ -281,14 +319,38 @@ def _fake_checks(result: dict, where: str) -> None:
     assert result["peak"] < result["model_bytes"] / 3, where
 
 
+def _traffic_checks(t: dict, where: str) -> None:
+    """Bytes received: plan = executor's count = wire meter; with PP > 1 the rank's slices of
+    the other stages, ~1/rollout TP of them (norms whole, KV heads replicated, uneven vocab)."""
+    assert t["stats"] == t["planned"] == t["wire"], where
+    if t["unsliced"]:
+        share = t["planned"]["pipeline"] / t["other_stages_hf_bytes"]
+        assert abs(share * t["rollout_tp"] - 1) < 0.1, (where, share)
+        assert abs(t["slice_bytes"] * t["rollout_tp"] / t["model_hf_bytes"] - 1) < 0.1, where
+    else:
+        assert t["planned"]["pipeline"] == 0, where
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", LAYOUT_CASES)
 def test_layouts_fake_engine(layouts_run, case):
     """Plan ownership = Megatron's layer offsets; synced tensors = the reference HF state bit
-    for bit; peak extra bytes within the plan's bound on every rank (two bucket sizes)."""
+    for bit; peak extra bytes within the plan's bound on every rank (two bucket sizes). Sliced
+    for vLLM TP 2 (rank r is vLLM rank r: at PP 2 the two stages' ranks need different slices,
+    sent point to point), with what a rank does not receive set to NaN: the parts vLLM's loader
+    of that rank copies equal the reference, nothing else crossed stages, and the bytes received
+    are the plan's (executor count and wire meter)."""
     for rank in layouts_run:
         for size in ("small", "large"):
             _fake_checks(rank[case][size], f"rank {rank['rank']} {case} {size}")
+        c = rank[case]["sliced"]
+        where = f"rank {rank['rank']} {case} sliced"
+        assert c["narrowed_max_diff"] == 0.0, where
+        assert c["received_elements"] == c["planned_elements"], where
+        assert c["leftover"] == 0 and c["peak"] <= c["bound"], (where, c["peak"], c["bound"])
+        _traffic_checks(c, where)
+        if "_pp2_" in case:
+            assert 0 < c["planned"]["pipeline"] < 0.6 * c["unsliced"], where
 
 
 @pytest.fixture(scope="module")
@@ -324,11 +386,14 @@ def test_vllm_logprobs_match_actor_after_sync(vllm_runs, models, world, case):
     """After the sync vLLM's log-probs of its own samples (T=0.7) equal the actor's runner within
     1e-4 on every rank; before it they differ; the same prompts and seeds generated before and
     after the sync give other log-probs (the prefix cache was reset: stale prompt KV would break
-    the match)."""
+    the match). The sync set every element a rank did not receive to NaN, and with PP > 1 a
+    rank received only its vLLM TP rank's slices of the other stages: ~1/rollout TP of them,
+    bytes as planned (executor count and wire meter)."""
     for rank in _vllm(vllm_runs, models, world):
         c = rank["cases"][case]
         where = f"rank {rank['rank']} {case}"
         _fake_checks(c["fake"], where)
+        _traffic_checks(c["traffic"], where)
         assert c["after"]["rollout/logprob_diff_max"] <= LOGPROB_TOL, (where, c["after"])
         assert c["before"]["rollout/logprob_diff_mean"] > 1e-2, (where, c["before"])
         before, after = c["before_samples"], c["after_samples"]
@@ -345,15 +410,24 @@ def test_vllm_logprobs_match_actor_after_sync(vllm_runs, models, world, case):
 @pytest.mark.parametrize("world", [2, 4])
 def test_vllm_syncs_move_the_planned_buckets_and_timings_are_reported(vllm_runs, models, world):
     """Every sync into vLLM moved exactly the plan's buckets and bytes; timings are printed."""
-    rank0 = _vllm(vllm_runs, models, world)[0]
+    ranks = _vllm(vllm_runs, models, world)
+    rank0 = ranks[0]
     syncs = {k: round(c["sync_s"], 3) for k, c in rank0["cases"].items()}
     starts = {k: round(v, 1) for k, v in rank0["timings"].items()}
     print(f"\nws{world}: total {rank0['total_s']:.0f} s, engine starts {starts}, syncs {syncs}")
-    for key, case in rank0["cases"].items():
-        assert (case["buckets"], case["sync_bytes"]) == (
-            case["planned_buckets"],
-            case["planned_bytes"],
-        ), key
+    for rank in ranks:
+        for key, case in rank["cases"].items():
+            assert (case["buckets"], case["sync_bytes"]) == (
+                case["planned_buckets"],
+                case["planned_bytes"],
+            ), key
+            t = case["traffic"]
+            print(
+                f"rank {rank['rank']} {key}: PP{t['pp_rank']} vLLM rank {t['rollout_rank']}: "
+                f"received {t['wire']['pipeline']} B from other stages (planned "
+                f"{t['planned']['pipeline']}, unsliced {t['unsliced']}) + {t['wire']['tp']} B "
+                "in the TP all-gather"
+            )
 
 
 _VLLM_PARAM = {

@@ -2,6 +2,7 @@
 
     plan = plan_for_chunks(chunks, dims, rollout_tp=2)      # or make_reshard_plan(...)
     stats = sync_weights(chunks, plan, engine)              # collective, every rank
+    plan.received(pp_rank, rollout_rank)                    # bytes a rank receives per sync
 
 :mod:`~megarl.rollout.reshard.plan` knows nothing of processes; it is what ``megarl plan``
 prints. :mod:`~megarl.rollout.reshard.executor` moves the bytes (Megatron is imported only when
@@ -21,9 +22,12 @@ from megarl.rollout.reshard.plan import (
     Bucket,
     HFSlot,
     ParamTransfer,
+    RankTraffic,
     ReshardPlan,
+    SlicePiece,
     make_reshard_plan,
     owner_of,
+    rollout_slice,
 )
 
 __all__ = [
@@ -31,12 +35,15 @@ __all__ = [
     "Bucket",
     "HFSlot",
     "ParamTransfer",
+    "RankTraffic",
     "ReshardPlan",
+    "SlicePiece",
     "SyncStats",
     "WeightSink",
     "make_reshard_plan",
     "owner_of",
     "plan_for_chunks",
+    "rollout_slice",
     "stream_buckets",
     "sync_weights",
     "write_hf_from_shards",

@@ -8,22 +8,55 @@ and the same plan. Per bucket:
 2. the ranks of the owning pipeline stage fill it: each parameter's TP shards are all-gathered
    (skipped at training TP 1) and rearranged into the Hugging Face layout with strided copies
    straight into the buffer (vocab-parallel shards are gathered in place);
-3. with PP > 1 the owner stage broadcasts the buffer over each PP group (DP replicas and TP
-   ranks each use their own PP group, so every rank ends up with it);
-4. every rank hands the bucket's HF-named views to its engine (``load_weight_chunk``), which
-   slices what its vLLM TP rank needs (KV heads replicated by vLLM when TP_v > KV heads);
+3. with PP > 1 each rank of the other stages receives, from the owner rank of its PP group,
+   only the slices its own vLLM TP rank loads (``bucket.slices[rollout_rank]``), and writes
+   them at their places in its (full-shaped) buffer;
+4. every rank hands the bucket's HF-named views to its engine (``load_weight_chunk``), whose
+   weight loaders narrow out exactly the received rows / columns;
 5. the buffer is released (or kept for the next bucket) before the next bucket is filled.
 
-Extra memory on a rank is therefore one bucket plus, on owner ranks, one parameter's all-gather
-buffer (``plan.peak_bytes``), whatever the model size. vLLM holds back a module's tensors until
-the whole module has arrived, so the plan keeps modules whole inside a bucket; it may hold the
-embedding / output layer until the update finishes (padded vocabulary rows), which is why those
-travel alone and why a buffer still referenced by anyone is never reused.
+Why slices, and why this way. Broadcasting whole buckets over the PP groups made every rank
+receive the other stages' full model: for Qwen2.5-72B at TP 8, PP 4 on 8-GPU nodes (one stage
+per node), 110 GB per GPU and 880 GB into each node per sync, where one vLLM TP-8 rank loads
+1/8 of it: sliced, 13.8 GB per GPU and 110 GB per node (``megarl plan reshard`` prints both).
+The alternatives considered:
 
-Not done (yet): the shard-only fast path (training TP == vLLM TP, PP 1: hand each rank only its
-own shard, no gather). vLLM's ``load_weights`` takes full HF tensors, so that path needs a
-direct write into vLLM's (on CPU repacked) parameters; the all-gather it would save is small
-next to vLLM's own load on the sizes measured here.
+- *Hand vLLM shard-shaped tensors*: its ``load_weights`` takes full HF tensors and narrows them
+  itself, and on CPU it repacks linear weights, so writing into its parameters directly would
+  tie megarl to vLLM internals that differ per device and version.
+- *vLLM's weight-transfer engines* (NCCL, M×N): GPU-only, cannot be exercised on CPU here.
+- *Slices into a full-shaped local buffer* (chosen): the wire carries only what the rank's vLLM
+  loader reads; local memory stays one bucket (as before) plus one message buffer; the engine
+  contract (HF-named, full-shaped tensors through ``load_weights``) is unchanged. The price is
+  that the plan must mirror vLLM's narrowing rule
+  (:func:`~megarl.rollout.reshard.vllm_layout.rollout_slice`: q/k/v with KV heads replicated
+  when vLLM TP exceeds them, gate/up, o/down by columns, padded vocabulary rows, norms whole). The multi-rank tests fill every element a rank did not receive
+  with NaN before vLLM loads it, so a rule that drifted from vLLM's would poison the log-probs
+  rather than pass silently.
+
+Transport: Megatron numbers ranks TP-first, so the ranks of one PP group (same TP and DP rank,
+one per stage) usually share a vLLM TP rank (rank % vLLM TP): whenever TP × DP × CP, the ranks
+of one stage, is a multiple of the vLLM TP size (e.g. 72B TP 8, PP 4 → vLLM TP 8). Then the
+owner broadcasts that one message over the PP group. Otherwise (e.g. PP 2 on 2 ranks, vLLM TP 2)
+the owner sends each receiver its own message point-to-point, one packing per distinct vLLM TP
+rank. A message that is one contiguous run of the bucket (all of it at vLLM TP 1, or one
+vocabulary shard) travels in place; others are packed into a buffer of ``bucket.pack_numel``.
+
+Extra memory on a rank is therefore one bucket plus, while it is filled, one parameter's
+all-gather buffer on owner ranks or, while it travels, one message buffer (``plan.peak_bytes``),
+whatever the model size. vLLM holds back a module's tensors until the whole module has arrived,
+so the plan keeps modules whole inside a bucket; it may hold the embedding / output layer until
+the update finishes (padded vocabulary rows), which is why those travel alone and why a buffer
+still referenced by anyone is never reused.
+
+Bytes received are counted at the collectives from the buffers passed to them
+(:class:`SyncStats`): ``pipeline_received_bytes`` equals ``plan.received(...).pipeline`` and
+``tp_received_bytes`` the all-gathers' other shards.
+
+Not done (yet): the training-TP all-gather inside the owner stage still assembles full
+parameters on every TP rank (inside a node on GPU clusters; ``RankTraffic.tp_gather``); an
+all-to-all of rollout slices could replace it. The shard-only fast path (training TP == vLLM
+TP, PP 1, no gather) needs a direct write into vLLM's parameters (see above).
 
 Why the layout change is written here as strided copies rather than by calling
 :func:`megarl.models.hf_mapping.megatron_param_to_hf` on a merged tensor: merging and splitting
@@ -48,19 +81,25 @@ from megarl.parallel.layout import ParallelLayout
 from megarl.rollout.base import WeightSink
 from megarl.rollout.reshard.plan import (
     DEFAULT_BUCKET_BYTES,
+    Bucket,
     HFSlot,
     ParamTransfer,
     ReshardPlan,
+    SlicePiece,
     make_reshard_plan,
 )
 
 __all__ = [
     "SyncStats",
     "WeightSink",
+    "pack_pieces",
+    "piece_view",
     "plan_for_chunks",
+    "rollout_rank_of",
     "slot_view",
     "stream_buckets",
     "sync_weights",
+    "unpack_pieces",
     "write_hf_from_shards",
 ]
 
@@ -71,10 +110,15 @@ class SyncStats:
 
     buckets: int
     bytes: int
-    """Bytes of bucket buffers handed to the engine (every rank: the whole model)."""
+    """Bytes of bucket buffers handed to the engine (every rank: the whole model, full-shaped;
+    on a rank of another stage only its vLLM TP rank's slices in them were received)."""
     gathered_bytes: int
     """Full bytes of the parameters this rank all-gathered over TP (owner stages only)."""
     seconds: float
+    pipeline_received_bytes: int = 0
+    """Bytes this rank received from other pipeline stages (its slices)."""
+    tp_received_bytes: int = 0
+    """Bytes this rank received in TP all-gathers (the other ranks' shards)."""
 
     @property
     def bytes_per_s(self) -> float:
@@ -84,6 +128,36 @@ class SyncStats:
 def slot_view(flat: Tensor, slot: HFSlot) -> Tensor:
     """The HF tensor ``slot`` inside a bucket buffer (a view)."""
     return flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+
+def piece_view(flat: Tensor, piece: SlicePiece) -> Tensor:
+    """The rows / columns of ``piece`` inside a bucket buffer (a view, strided for columns)."""
+    view = slot_view(flat, piece.slot)
+    if piece.dim is None:
+        return view
+    return view.narrow(piece.dim, piece.start, piece.stop - piece.start)
+
+
+def pack_pieces(flat: Tensor, pieces: Sequence[SlicePiece], out: Tensor) -> None:
+    """Copy ``pieces`` of the bucket ``flat`` one after another into the message ``out``."""
+    at = 0
+    for piece in pieces:
+        out[at : at + piece.numel].view(piece.shape).copy_(piece_view(flat, piece))
+        at += piece.numel
+
+
+def unpack_pieces(message: Tensor, pieces: Sequence[SlicePiece], flat: Tensor) -> None:
+    """Inverse of :func:`pack_pieces`: write the message's pieces at their places in ``flat``."""
+    at = 0
+    for piece in pieces:
+        piece_view(flat, piece).copy_(message[at : at + piece.numel].view(piece.shape))
+        at += piece.numel
+
+
+def rollout_rank_of(global_rank: int, rollout_tp: int) -> int:
+    """vLLM TP rank of a process: with ``external_launcher`` each block of ``rollout_tp``
+    consecutive ranks is one vLLM TP group (:class:`~megarl.rollout.vllm_engine.VLLMEngine`)."""
+    return global_rank % rollout_tp
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,8 +219,9 @@ def _fill_param(
     dims: ModelDims,
     tp: int,
     tp_group: dist.ProcessGroup | None,
-) -> None:
-    """Gather (if split over TP) and write one parameter's HF tensors into the bucket."""
+) -> int:
+    """Gather (if split over TP) and write one parameter's HF tensors into the bucket; returns
+    the bytes received in the all-gather."""
     shard = shard.detach()
     if tuple(shard.shape) != transfer.shard_shape:
         raise ValueError(
@@ -157,17 +232,20 @@ def _fill_param(
         (slot,) = transfer.slots
         region = flat[slot.offset : slot.offset + slot.span].view(transfer.shape)
         dist.all_gather_into_tensor(region, shard.contiguous(), group=tp_group)
-        return
+        return region.nbytes - shard.nbytes
+    received = 0
     if transfer.needs_gather:
         rows = (tp * transfer.shard_shape[0], *transfer.shard_shape[1:])
         gathered = torch.empty(rows, dtype=shard.dtype, device=shard.device)
         dist.all_gather_into_tensor(gathered, shard.contiguous(), group=tp_group)
+        received = gathered.nbytes - shard.nbytes
         stacked = gathered.view(tp, *transfer.shard_shape)
     else:
         stacked = shard.unsqueeze(0)
     write_hf_from_shards(
         transfer.name, stacked, dims, {s.name: slot_view(flat, s) for s in transfer.slots}
     )
+    return received
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,6 +263,8 @@ def stream_buckets(
     tp_group: dist.ProcessGroup | None = None,
     pp_group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
+    rollout_rank: int | None = None,
+    fill_unsent: float | None = None,
 ) -> SyncStats:
     """Run the plan with explicit process groups (no Megatron needed).
 
@@ -192,10 +272,16 @@ def stream_buckets(
         params: this rank's TP shards of its stage's parameters, by global Megatron name.
         plan: the same plan on every rank.
         sink: the engine, or anything with its weight-update session
-            (:class:`~megarl.rollout.base.WeightSink`).
+            (:class:`~megarl.rollout.base.WeightSink`). An engine that reports
+            ``tensor_parallel_size`` / ``tp_rank`` must match the plan and ``rollout_rank``.
         pp_rank: this rank's pipeline stage (its rank in ``pp_group``).
         tp_group / pp_group: the TP and PP groups of this rank (unused at size 1).
         device: where bucket buffers live (default: the parameters' device).
+        rollout_rank: this rank's vLLM TP rank (default: :func:`rollout_rank_of` its global
+            rank); the PP group's other members are placed by the same rule.
+        fill_unsent: with PP > 1, set every bucket element this rank does not receive from
+            another stage to this value first (tests: NaN, to prove the engine never reads
+            them); None leaves them undefined.
     """
     tp, pp = plan.layout.tp, plan.layout.pp
     if device is None:
@@ -203,29 +289,36 @@ def stream_buckets(
     for name, p in params.items():
         if p.dtype != plan.dtype:
             raise TypeError(f"{name} is {p.dtype}, the plan was made for {plan.dtype}")
+    if rollout_rank is None:
+        distributed = dist.is_available() and dist.is_initialized()
+        rollout_rank = rollout_rank_of(dist.get_rank(), plan.rollout_tp) if distributed else 0
+    _check_sink(sink, plan, rollout_rank)
+    route = _PipelineRoute(pp_group, pp_rank, plan.rollout_tp, rollout_rank) if pp > 1 else None
     start = time.perf_counter()
-    moved = gathered = 0
+    moved = gathered = tp_received = pp_received = 0
     spare: _Buffer | None = None
     sink.begin_weight_update()
     for bucket in plan.buckets:
-        scratch = bucket.scratch_bytes if bucket.pp_rank == pp_rank else 0
+        owner = bucket.pp_rank == pp_rank
+        transient = max(bucket.scratch_bytes if owner else 0, bucket.pack_numel * plan.itemsize)
         if (
             spare is not None
             and spare.tensor.numel() >= bucket.numel
-            and spare.tensor.nbytes + scratch <= plan.peak_bytes  # keep within the plan's bound
+            and spare.tensor.nbytes + transient <= plan.peak_bytes  # keep within the plan's bound
         ):
             buffer, spare = spare, None
         else:
             spare = None  # release a too-small spare before allocating
             buffer = _Buffer(torch.empty(bucket.numel, dtype=plan.dtype, device=device))
         flat = buffer.tensor[: bucket.numel]
-        if bucket.pp_rank == pp_rank:
+        if owner:
             for transfer in bucket.params:
-                _fill_param(flat, transfer, params[transfer.name], plan.dims, tp, tp_group)
+                tp_received += _fill_param(
+                    flat, transfer, params[transfer.name], plan.dims, tp, tp_group
+                )
             gathered += bucket.gathered_bytes
-        if pp > 1:
-            src = dist.get_global_rank(pp_group, bucket.pp_rank)
-            dist.broadcast(flat, src=src, group=pp_group)
+        if route is not None:
+            pp_received += route.move(bucket, flat, fill_unsent)
         sink.load_weight_chunk([(s.name, slot_view(flat, s)) for s in bucket.slots])
         moved += bucket.nbytes
         del flat
@@ -234,7 +327,101 @@ def stream_buckets(
         del buffer
     del spare
     sink.finish_weight_update()
-    return SyncStats(len(plan.buckets), moved, gathered, time.perf_counter() - start)
+    return SyncStats(
+        len(plan.buckets),
+        moved,
+        gathered,
+        time.perf_counter() - start,
+        pipeline_received_bytes=pp_received,
+        tp_received_bytes=tp_received,
+    )
+
+
+def _check_sink(sink: WeightSink, plan: ReshardPlan, rollout_rank: int) -> None:
+    """A plan for another vLLM TP size would send ranks the wrong slices: refuse it."""
+    size = getattr(sink, "tensor_parallel_size", None)
+    if size is not None and size != plan.rollout_tp:
+        raise ValueError(
+            f"the engine runs TP={size}, the plan was made for rollout TP={plan.rollout_tp}"
+        )
+    rank = getattr(sink, "tp_rank", None)
+    if rank is not None and rank != rollout_rank:
+        raise ValueError(f"the engine is TP rank {rank}, the executor assumed {rollout_rank}")
+
+
+class _PipelineRoute:
+    """How a bucket reaches the other ranks of this rank's PP group: one broadcast when they
+    all load the same vLLM TP rank's slices, else one message per receiver from the owner."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        stage: int,
+        rollout_tp: int,
+        rollout_rank: int,
+    ) -> None:
+        size = dist.get_world_size(group)
+        self.group = group
+        self.stage = stage
+        self.members = [dist.get_global_rank(group, i) for i in range(size)]
+        self.rollout = [rollout_rank_of(g, rollout_tp) for g in self.members]
+        if self.rollout[stage] != rollout_rank:
+            raise ValueError(
+                f"rollout rank {rollout_rank} given, {self.rollout[stage]} by the rank rule"
+            )
+        self.uniform = len(set(self.rollout)) == 1
+
+    def move(self, bucket: Bucket, flat: Tensor, fill: float | None) -> int:
+        """Deliver ``bucket`` from its owner stage; returns the bytes this rank received."""
+        src = self.members[bucket.pp_rank]
+        if bucket.pp_rank == self.stage:  # the owner: send
+            receivers = [k for k in range(len(self.members)) if k != self.stage]
+            if self.uniform:
+                message = _message(bucket, self.rollout[self.stage], flat, pack=True)
+                if message is not None:
+                    dist.broadcast(message, src=src, group=self.group)
+                return 0
+            for v in sorted({self.rollout[k] for k in receivers}):
+                message = _message(bucket, v, flat, pack=True)
+                if message is None:
+                    continue
+                works = [
+                    dist.isend(message, dst=self.members[k], group=self.group)
+                    for k in receivers
+                    if self.rollout[k] == v
+                ]
+                for work in works:
+                    work.wait()
+                del message, works  # one message buffer at a time (the plan's bound)
+            return 0
+        if fill is not None:
+            flat.fill_(fill)
+        v = self.rollout[self.stage]
+        message = _message(bucket, v, flat, pack=False)
+        if message is None:
+            return 0
+        if self.uniform:
+            dist.broadcast(message, src=src, group=self.group)
+        else:
+            dist.recv(message, src=src, group=self.group)
+        if bucket.message_range(v) is None:
+            unpack_pieces(message, bucket.slices[v], flat)
+        return message.nbytes
+
+
+def _message(bucket: Bucket, v: int, flat: Tensor, *, pack: bool) -> Tensor | None:
+    """The message for vLLM TP rank ``v``: a view of ``flat`` when its pieces are one run of
+    it, else a new buffer (filled from ``flat`` when ``pack``); None when it is empty."""
+    numel = bucket.message_numel(v)
+    if numel == 0:
+        return None
+    run = bucket.message_range(v)
+    if run is not None:
+        return flat[run[0] : run[1]]
+    message = torch.empty(numel, dtype=flat.dtype, device=flat.device)
+    if pack:
+        pack_pieces(flat, bucket.slices[v], message)
+    return message
 
 
 class _Buffer:
@@ -329,13 +516,18 @@ def local_params_for_plan(
 
 
 def sync_weights(
-    chunks: Sequence[torch.nn.Module], plan: ReshardPlan, sink: WeightSink
+    chunks: Sequence[torch.nn.Module],
+    plan: ReshardPlan,
+    sink: WeightSink,
+    *,
+    fill_unsent: float | None = None,
 ) -> SyncStats:
     """Push the actor's weights into the rollout engine (collective: every rank calls it).
 
     ``chunks`` are this rank's model chunks (plain or DDP-wrapped); ``plan`` must match the
-    current Megatron layout (see :func:`plan_for_chunks`). Afterwards the engine holds exactly
-    the actor's weights and has dropped its prefix cache.
+    current Megatron layout (see :func:`plan_for_chunks`) and the engine's TP size. Afterwards
+    the engine holds exactly the actor's weights and has dropped its prefix cache.
+    ``fill_unsent``: see :func:`stream_buckets`.
     """
     from megatron.core import parallel_state
 
@@ -353,5 +545,6 @@ def sync_weights(
         pp_rank=pp_rank,
         tp_group=parallel_state.get_tensor_model_parallel_group() if tp > 1 else None,
         pp_group=parallel_state.get_pipeline_model_parallel_group() if pp > 1 else None,
+        fill_unsent=fill_unsent,
     )
     return stats

@@ -13,15 +13,27 @@ loss counted as a layer): with ``P`` pipeline stages and ``V`` virtual chunks pe
 A plan is a list of :class:`Bucket` s. A bucket is one flat buffer of at most ``bucket_bytes``
 holding the Hugging Face tensors of whole Megatron *modules* (``linear_qkv`` weight and bias
 travel together, because vLLM holds back a module's tensors until all of them have arrived), all
-owned by one pipeline stage (so one broadcast over the PP group moves it). A module larger than
-``bucket_bytes`` forms a bucket of its own: the bound is then that module's size. The embedding
-and the output layer always travel alone: vLLM pads its vocabulary to a multiple of 64 rows and,
-when that leaves rows the checkpoint does not fill, holds the tensor until the update is
-finished, which keeps its whole bucket alive that long.
+owned by one pipeline stage (whose ranks send it to the others of their PP group). A module
+larger than ``bucket_bytes`` forms a bucket of its own: the bound is then that module's size.
+The embedding and the output layer always travel alone: vLLM pads its vocabulary to a multiple
+of 64 rows and, when that leaves rows the checkpoint does not fill, holds the tensor until the
+update is finished, which keeps its whole bucket alive that long.
+
+With PP > 1 a bucket crosses stages as *slices*: each rank receives only the rows / columns of
+each HF tensor that its own vLLM TP rank loads (:func:`rollout_slice` in
+:mod:`~megarl.rollout.reshard.vllm_layout`, vLLM's own narrowing rule), not the whole bucket.
+Per bucket and vLLM TP rank the plan lists those pieces (:class:`SlicePiece`); their
+concatenation is the message that rank receives. Norms are replicated (every rank gets them
+whole); KV heads are replicated when the vLLM TP size exceeds them (ranks sharing a head get
+the same rows). :meth:`ReshardPlan.received` gives the bytes one rank receives per sync: its
+slices from the other stages plus, on its own stage, the training-TP all-gather (which still
+moves full parameters inside a stage). The executor's module docstring says why slices travel
+this way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -30,29 +42,28 @@ import torch
 from megarl.config.model_dims import ModelDims
 from megarl.models import hf_mapping as hm
 from megarl.parallel.layout import ParallelLayout, shape_layout_problems
+from megarl.rollout.reshard.vllm_layout import rollout_shard_shape, rollout_slice
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "Bucket",
     "HFSlot",
     "ParamTransfer",
+    "RankTraffic",
     "ReshardPlan",
+    "SlicePiece",
     "check_rollout_tp",
     "chunk_layer_range",
     "make_reshard_plan",
     "owner_of",
     "require_training_layout",
     "rollout_shard_shape",
+    "rollout_slice",
 ]
 
 DEFAULT_BUCKET_BYTES = 1 << 30
 """1 GiB: about half a layer of a 72B model in bf16 (its ``linear_fc1``, 0.9 GiB, still fits;
 ``megarl plan`` prints the numbers of a given model)."""
-
-
-VLLM_VOCAB_PADDING = 64
-"""vLLM pads vocab-parallel embeddings to a multiple of this many rows, then splits them
-(``DEFAULT_VOCAB_PADDING_SIZE``)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,40 @@ class HFSlot:
     def span(self) -> int:
         """Elements of the bucket this slot occupies."""
         return max(self.reserved, self.numel)
+
+
+@dataclass(frozen=True)
+class SlicePiece:
+    """The part of one HF tensor that one vLLM TP rank loads: indices ``[start, stop)`` along
+    ``dim`` of the slot's tensor (``dim`` None: the whole tensor)."""
+
+    slot: HFSlot
+    dim: int | None
+    start: int = 0
+    stop: int = 0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            return self.slot.shape
+        shape = list(self.slot.shape)
+        shape[self.dim] = self.stop - self.start
+        return tuple(shape)
+
+    @property
+    def numel(self) -> int:
+        return _numel(self.shape)
+
+    def flat_range(self) -> tuple[int, int] | None:
+        """Elements ``[first, end)`` of the bucket it occupies when they are contiguous (the
+        whole tensor, or a dim-0 range); None for a column range of a matrix."""
+        row = _numel(self.slot.shape[1:])
+        if self.dim is None:
+            return self.slot.offset, self.slot.offset + self.slot.numel
+        if self.dim == 0 or self.slot.shape[0] == 1:
+            lead = row if self.dim == 0 else 1
+            return self.slot.offset + self.start * lead, self.slot.offset + self.stop * lead
+        return None
 
 
 @dataclass(frozen=True)
@@ -140,10 +185,33 @@ class Bucket:
     numel: int
     """Elements of the flat buffer."""
     itemsize: int
+    slices: tuple[tuple[SlicePiece, ...], ...] = ()
+    """Per vLLM TP rank: the non-empty pieces of this bucket's HF tensors that rank loads, in
+    slot order. Their concatenation is the message a rank of another stage receives."""
+    pack_numel: int = 0
+    """Elements of the separate message buffer a pipeline transfer of this bucket needs (the
+    largest message that is not one contiguous range of the bucket; 0 at PP 1)."""
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.itemsize
+
+    def message_numel(self, rollout_rank: int) -> int:
+        """Elements another stage sends to a rank of vLLM TP rank ``rollout_rank``."""
+        return sum(p.numel for p in self.slices[rollout_rank])
+
+    def message_range(self, rollout_rank: int) -> tuple[int, int] | None:
+        """The bucket elements ``[first, end)`` that are this rank's message when its pieces
+        are one contiguous run (then it travels in place, no packing); else None."""
+        ranges = [p.flat_range() for p in self.slices[rollout_rank]]
+        if not ranges or any(r is None for r in ranges):
+            return None
+        first, end = ranges[0]
+        for lo, hi in ranges[1:]:
+            if lo != end:
+                return None
+            end = hi
+        return first, end
 
     @property
     def scratch_bytes(self) -> int:
@@ -152,8 +220,10 @@ class Bucket:
 
     @property
     def peak_bytes(self) -> int:
-        """Upper bound of extra memory on a rank while this bucket is in flight."""
-        return self.nbytes + self.scratch_bytes
+        """Upper bound of extra memory on a rank while this bucket is in flight: the bucket,
+        plus the all-gather scratch while it is filled or the message buffer while it travels
+        (never both at once)."""
+        return self.nbytes + max(self.scratch_bytes, self.pack_numel * self.itemsize)
 
     @property
     def gathered_bytes(self) -> int:
@@ -163,6 +233,21 @@ class Bucket:
     @property
     def slots(self) -> list[HFSlot]:
         return [s for p in self.params for s in p.slots]
+
+
+@dataclass(frozen=True)
+class RankTraffic:
+    """Bytes one rank receives in one sync."""
+
+    pipeline: int
+    """Its vLLM TP rank's slices of the other pipeline stages' buckets."""
+    tp_gather: int
+    """The other training-TP ranks' shards of its own stage's split parameters (the all-gather
+    is not sliced: owner ranks assemble full parameters)."""
+
+    @property
+    def total(self) -> int:
+        return self.pipeline + self.tp_gather
 
 
 @dataclass(frozen=True)
@@ -191,7 +276,8 @@ class ReshardPlan:
     @property
     def total_bytes(self) -> int:
         """Bytes of all bucket buffers (the HF tensors plus the vocab padding rows that are
-        gathered in place): what every rank receives."""
+        gathered in place): what every rank hands its engine, full-shaped (on a rank of another
+        stage only its slices in them were received)."""
         return sum(b.nbytes for b in self.buckets)
 
     @property
@@ -217,6 +303,38 @@ class ReshardPlan:
             out[b.pp_rank] += b.nbytes
         return out
 
+    def received(self, pp_rank: int, rollout_rank: int) -> RankTraffic:
+        """Bytes a rank of stage ``pp_rank`` and vLLM TP rank ``rollout_rank`` receives per
+        sync (what :class:`~megarl.rollout.reshard.executor.SyncStats` counts on that rank)."""
+        if not 0 <= rollout_rank < self.rollout_tp:
+            raise ValueError(f"rollout rank {rollout_rank} outside 0..{self.rollout_tp - 1}")
+        pipeline = 0
+        if self.layout.pp > 1:
+            pipeline = sum(
+                b.message_numel(rollout_rank) for b in self.buckets if b.pp_rank != pp_rank
+            )
+        tp = self.layout.tp
+        gather = sum(
+            p.nbytes // tp * (tp - 1)
+            for b in self.buckets
+            if b.pp_rank == pp_rank
+            for p in b.params
+            if p.needs_gather
+        )
+        return RankTraffic(pipeline * self.itemsize, gather)
+
+    def full_bytes_from_other_stages(self, pp_rank: int) -> int:
+        """Bytes of the other stages' whole buckets: what a rank of ``pp_rank`` would receive
+        if buckets crossed stages unsliced (0 at PP 1)."""
+        if self.layout.pp == 1:
+            return 0
+        return sum(b.nbytes for b in self.buckets if b.pp_rank != pp_rank)
+
+    def rollout_slice_bytes(self, rollout_rank: int) -> int:
+        """Bytes of the HF data vLLM TP rank ``rollout_rank`` loads (its slices of every
+        tensor, replicated ones whole; vLLM's padding rows not counted)."""
+        return sum(b.message_numel(rollout_rank) for b in self.buckets) * self.itemsize
+
     def rollout_bytes_per_rank(self) -> int:
         """Bytes one vLLM TP rank keeps after slicing (KV heads replicated when TP_v > nkv)."""
         return (
@@ -236,7 +354,6 @@ class ReshardPlan:
         replicated = "  (vLLM replicates KV heads)" if self.rollout_tp > d.num_query_groups else ""
         stages = ", ".join(f"PP{i} {b / mib:.1f}" for i, b in enumerate(self.bytes_per_stage()))
         gathered = self.gathered_bytes / mib if lay.tp > 1 else 0.0
-        broadcast = self.total_bytes / mib if lay.pp > 1 else 0.0
         lines = [
             (
                 f"model: {d.architecture}, {d.num_layers} layers, hidden {d.hidden_size}, "
@@ -260,16 +377,43 @@ class ReshardPlan:
             ),
             f"MiB per stage: {stages}",
             f"TP all-gather: {gathered:.1f} MiB of full parameters (training TP={lay.tp})",
-            f"PP broadcast: {broadcast:.1f} MiB (training PP={lay.pp})",
+            *self._received_lines(),
             (
                 f"peak extra memory per rank: <= {self.peak_bytes / mib:.1f} MiB "
-                "(one bucket + one all-gather buffer)"
+                "(one bucket + one all-gather or message buffer)"
             ),
             f"vLLM keeps per rank: {self.rollout_bytes_per_rank() / mib:.1f} MiB",
         ]
         if self.skipped:
             lines.append(f"skipped: {', '.join(self.skipped)} (tied to the embedding)")
         return "\n".join(lines)
+
+    def _received_lines(self) -> list[str]:
+        """Bytes received per rank, by stage (a range over the vLLM TP ranks)."""
+        mib = 1 << 20
+        t = self.rollout_tp
+
+        def span(values: list[int]) -> str:
+            lo, hi = min(values) / mib, max(values) / mib
+            return f"{lo:.1f}" if f"{lo:.1f}" == f"{hi:.1f}" else f"{lo:.1f}..{hi:.1f}"
+
+        slices = [self.rollout_slice_bytes(v) for v in range(t)]
+        lines = [
+            (
+                f"one vLLM TP rank's slices: {span(slices)} MiB of {self.hf_bytes / mib:.1f} "
+                f"(1/{t} = {self.hf_bytes / t / mib:.1f}; norms whole"
+                + (", KV heads replicated)" if t > self.dims.num_query_groups else ")")
+            ),
+            "received per rank and sync, MiB:",
+        ]
+        for stage in range(self.layout.pp):
+            got = [self.received(stage, v) for v in range(t)]
+            full = self.full_bytes_from_other_stages(stage) / mib
+            lines.append(
+                f"  PP{stage}: {span([g.pipeline for g in got])} from other stages (unsliced "
+                f"{full:.1f}) + {span([g.tp_gather for g in got])} in the TP all-gather"
+            )
+        return lines
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,31 +462,16 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def rollout_shard_shape(
-    hf_name: str, shape: tuple[int, ...], dims: ModelDims, rollout_tp: int
-) -> tuple[int, ...]:
-    """Shape vLLM keeps on one TP rank for the HF tensor ``hf_name`` (for sizing only).
-
-    Column-parallel q/gate/up split dim 0; k/v split by KV heads, one head per rank when
-    ``rollout_tp`` exceeds them (replication); o/down split dim 1; embeddings are padded to a
-    multiple of 64 rows and split evenly; norms are replicated.
-    """
-    t = rollout_tp
-    leaf = hf_name.split(".")[-2] if "." in hf_name else hf_name
-    if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
-        # vLLM pads the vocabulary at every TP size, 1 included (VocabParallelEmbedding)
-        padded = -(-shape[0] // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
-        return (padded // t, *shape[1:])
-    if t == 1:
-        return shape
-    if leaf in ("k_proj", "v_proj"):
-        heads = max(dims.num_query_groups // t, 1)
-        return (heads * dims.head_dim, *shape[1:])
-    if leaf in ("q_proj", "gate_proj", "up_proj"):
-        return (shape[0] // t, *shape[1:])
-    if leaf in ("o_proj", "down_proj"):
-        return (shape[0], shape[1] // t)
-    return shape
+def _slot_pieces(slot: HFSlot, dims: ModelDims, rollout_tp: int, rank: int) -> list[SlicePiece]:
+    region = rollout_slice(slot.name, slot.shape, dims, rollout_tp, rank)
+    if region is None:
+        return [SlicePiece(slot, None)]
+    dim, start, stop = region
+    if stop <= start:
+        return []  # a vocabulary shard made only of vLLM's padding rows
+    if start == 0 and stop == slot.shape[dim]:
+        return [SlicePiece(slot, None)]
+    return [SlicePiece(slot, dim, start, stop)]
 
 
 def check_rollout_tp(dims: ModelDims, rollout_tp: int) -> None:
@@ -443,8 +572,8 @@ def make_reshard_plan(
         dims: model dimensions; ``dims.padded_vocab_size`` must be the training one (padded for
             the training TP, as :meth:`ModelDims.from_hf_config` does with ``tp_size``).
         layout: training TP / PP / VPP.
-        rollout_tp: vLLM tensor-parallel size (only checked and used for sizing: every rank
-            receives full HF tensors and vLLM slices its own part).
+        rollout_tp: vLLM tensor-parallel size: sets the slices each rank receives from other
+            stages (:func:`rollout_slice`) and the sizes reported.
         bucket_bytes: upper bound of one bucket's flat buffer. A single module larger than
             this forms its own bucket (the bound is then that module's size).
         dtype: element type of the parameters (bytes per element).
@@ -468,7 +597,20 @@ def make_reshard_plan(
     def close() -> None:
         nonlocal current, offset
         if current:
-            buckets.append(Bucket(len(buckets), current_stage, tuple(current), offset, itemsize))
+            slots = [s for p in current for s in p.slots]
+            slices = tuple(
+                tuple(piece for s in slots for piece in _slot_pieces(s, dims, rollout_tp, v))
+                for v in range(rollout_tp)
+            )
+            bucket = Bucket(len(buckets), current_stage, tuple(current), offset, itemsize, slices)
+            if layout.pp > 1:  # a message that is not one run of the bucket is packed
+                pack = [
+                    bucket.message_numel(v)
+                    for v in range(rollout_tp)
+                    if bucket.message_range(v) is None
+                ]
+                bucket = dataclasses.replace(bucket, pack_numel=max(pack, default=0))
+            buckets.append(bucket)
         current, offset = [], 0
 
     for (pp_rank, vp_stage), names in modules:

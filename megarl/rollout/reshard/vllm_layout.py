@@ -1,0 +1,88 @@
+"""vLLM's tensor-parallel layout: what one vLLM TP rank keeps and loads of each HF tensor.
+
+Pure rules read from vLLM 0.32's weight loaders (``QKVParallelLinear``,
+``MergedColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding``): the
+resharding plan sends each rank exactly the part :func:`rollout_slice` names, so these rules
+must follow vLLM's. The multi-rank sync tests fill everything else with NaN before vLLM loads
+it, so a rule that drifted from vLLM's shows as NaN log-probs.
+"""
+
+from __future__ import annotations
+
+from megarl.config.model_dims import ModelDims
+
+__all__ = ["VLLM_VOCAB_PADDING", "rollout_shard_shape", "rollout_slice"]
+
+VLLM_VOCAB_PADDING = 64
+"""vLLM pads vocab-parallel embeddings to a multiple of this many rows, then splits them
+(``DEFAULT_VOCAB_PADDING_SIZE``)."""
+
+
+def rollout_shard_shape(
+    hf_name: str, shape: tuple[int, ...], dims: ModelDims, rollout_tp: int
+) -> tuple[int, ...]:
+    """Shape vLLM keeps on one TP rank for the HF tensor ``hf_name`` (for sizing only).
+
+    Column-parallel q/gate/up split dim 0; k/v split by KV heads, one head per rank when
+    ``rollout_tp`` exceeds them (replication); o/down split dim 1; embeddings are padded to a
+    multiple of 64 rows and split evenly; norms are replicated.
+    """
+    t = rollout_tp
+    leaf = hf_name.split(".")[-2] if "." in hf_name else hf_name
+    if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+        # vLLM pads the vocabulary at every TP size, 1 included (VocabParallelEmbedding)
+        padded = -(-shape[0] // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+        return (padded // t, *shape[1:])
+    if t == 1:
+        return shape
+    if leaf in ("k_proj", "v_proj"):
+        heads = max(dims.num_query_groups // t, 1)
+        return (heads * dims.head_dim, *shape[1:])
+    if leaf in ("q_proj", "gate_proj", "up_proj"):
+        return (shape[0] // t, *shape[1:])
+    if leaf in ("o_proj", "down_proj"):
+        return (shape[0], shape[1] // t)
+    return shape
+
+
+_VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def rollout_slice(
+    hf_name: str,
+    shape: tuple[int, ...],
+    dims: ModelDims,
+    rollout_tp: int,
+    rollout_rank: int,
+) -> tuple[int, int, int] | None:
+    """``(dim, start, stop)``: the part of the full HF tensor ``hf_name`` that vLLM's weight
+    loader on TP rank ``rollout_rank`` of ``rollout_tp`` narrows out and copies (None: the
+    whole tensor, which vLLM keeps replicated).
+
+    vLLM 0.32's rules: ``q``/``gate``/``up`` (weights and biases) take dim-0 chunk ``r``; ``k``/
+    ``v`` take KV-head chunk ``r // replicas`` (``replicas = TP // KV heads`` when TP exceeds the
+    KV heads, so ranks sharing a head read the same rows); ``o``/``down`` take dim-1 chunk
+    ``r``; the embedding and ``lm_head`` take rows ``[r·p, (r+1)·p)`` of the vocabulary padded
+    to 64 (``p`` = padded / TP), clipped to the real rows (possibly empty); norms are whole.
+    """
+    t, r = rollout_tp, rollout_rank
+    if not 0 <= r < t:
+        raise ValueError(f"rollout rank {r} outside 0..{t - 1}")
+    if hf_name in _VOCAB_TENSORS:
+        per = -(-shape[0] // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING // t
+        return 0, min(r * per, shape[0]), min((r + 1) * per, shape[0])
+    if t == 1:
+        return None
+    leaf = hf_name.split(".")[-2] if "." in hf_name else hf_name
+    if leaf in ("k_proj", "v_proj"):
+        groups = dims.num_query_groups
+        rows = max(groups // t, 1) * dims.head_dim
+        shard = r // max(t // groups, 1)
+        return 0, shard * rows, (shard + 1) * rows
+    if leaf in ("q_proj", "gate_proj", "up_proj"):
+        rows = shape[0] // t
+        return 0, r * rows, (r + 1) * rows
+    if leaf in ("o_proj", "down_proj"):
+        cols = shape[1] // t
+        return 1, r * cols, (r + 1) * cols
+    return None
