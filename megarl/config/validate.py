@@ -98,8 +98,6 @@ class _Checks(LayoutChecks):
                  "selective recompute covers core_attn only")
                 for k, m in megatrons
             ],
-            ("critic.megatron.recompute_granularity",
-             c.critic.megatron.recompute_granularity is not None, "the critic never recomputes"),
             *[
                 (f"{k}.lr_warmup_init", o.lr_warmup_init != 0, "warm-up starts from lr 0")
                 for k, o in optims

@@ -187,7 +187,14 @@ BAD_CONFIGS = [
         GRPO,
         [f"{MEG}.context_parallel_size=2", f"{MEG}.tensor_model_parallel_size=1"],
         None,
-        [f"{MEG}.context_parallel_size=2", "Transformer Engine"],
+        [f"{MEG}.context_parallel_size=2", "not supported"],
+    ),
+    (
+        "context-parallel-refused-on-gpu-too",
+        GRPO_7B,
+        [f"{MEG}.context_parallel_size=2", f"{MEG}.tensor_model_parallel_size=2"],
+        None,
+        [f"{MEG}.context_parallel_size=2", "not supported", "use 1"],
     ),
     (
         "expert-parallel-on-dense-model",
@@ -551,7 +558,6 @@ NOT_APPLIED = [
     (f"{MEG}.override_transformer_config", f"{MEG}.override_transformer_config={{attention_dropout: 0.1}}"),
     ("critic.megatron.override_transformer_config", "critic.megatron.override_transformer_config={hidden_dropout: 0.1}"),
     (f"{MEG}.recompute_modules", f"{MEG}.recompute_modules=[mlp]"),
-    ("critic.megatron.recompute_granularity", "critic.megatron.recompute_granularity=selective"),
     ("actor_rollout_ref.actor.optim.lr_warmup_init", "actor_rollout_ref.actor.optim.lr_warmup_init=1e-7"),
     ("critic.optim.lr_warmup_init", "critic.optim.lr_warmup_init=1e-7"),
     ("trainer.log_val_generations", "trainer.log_val_generations=4"),
