@@ -226,6 +226,9 @@ def optimizer_settings(
     )
 
 
+_DR_GRPO = "seq-mean-token-sum-norm"
+
+
 def policy_update(cfg: MegarlConfig, plan: BatchPlan) -> PolicyUpdate:
     """The actor update's settings from ``actor_rollout_ref.actor`` and the batch plan."""
     actor = cfg.actor_rollout_ref.actor
@@ -247,7 +250,7 @@ def policy_update(cfg: MegarlConfig, plan: BatchPlan) -> PolicyUpdate:
         # must not change with the DP layout, the mini-batch or the step).
         loss_scale_factor=(
             actor.loss_scale_factor
-            if actor.loss_scale_factor is not None
+            if actor.loss_scale_factor is not None or actor.loss_agg_mode != _DR_GRPO
             else float(
                 cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length
             )
