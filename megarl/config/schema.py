@@ -281,6 +281,8 @@ class RolloutConfig:
 
     name: Literal["vllm", "actor"] = "vllm"
     """Rollout engine: vllm, or (megarl) actor: sample from the Megatron actor itself (tests)."""
+    mode: Literal["sync"] = "sync"
+    """sync (verl's name for colocated generation between training phases); no async mode."""
     tensor_model_parallel_size: int = 2
     """vLLM tensor-parallel size (independent of training TP); rollout DP = world / this."""
     gpu_memory_utilization: float = 0.5

@@ -124,7 +124,6 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     # -- rollout -------------------------------------------------------------------------------------
     ("actor_rollout_ref.hybrid_engine", "megarl always colocates rollout and training"),
     ("actor_rollout_ref.nccl_timeout", "process-group timeout is not configurable yet"),
-    ("actor_rollout_ref.rollout.mode", "vLLM runs in-process on every rank (external_launcher)"),
     ("actor_rollout_ref.rollout.logprobs_mode", "vLLM always reports processed (temperature-scaled) log-probs"),
     ("actor_rollout_ref.rollout.calculate_log_probs", "vLLM's log-probs are always kept"),
     ("actor_rollout_ref.rollout.dtype", "the dtype is trainer.dtype"),
