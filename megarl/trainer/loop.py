@@ -110,6 +110,7 @@ def _loop(
         metrics, _ = train_step(run, step, prompts)
         run.state.step = step
         run.state.sampler = run.sampler.state_dict()
+        run.state.save_kl_coef(run.kl_ctrl)
         skipped = metrics.get("actor/skipped_steps", 0.0)
         run.state.consecutive_skips = run.state.consecutive_skips + 1 if skipped else 0
         metrics["actor/consecutive_skipped_steps"] = float(run.state.consecutive_skips)
@@ -190,6 +191,7 @@ def _resume(run: Run) -> bool:
         return False
     run.state = TrainerState.from_dict(load_checkpoint(ckpt, _saved_models(run), _warn(run)))
     run.sampler.load_state_dict(run.state.sampler)
+    run.state.restore_kl_coef(run.kl_ctrl)
     sync_engine(run)  # the engine starts from the initial weights; roll out from the loaded ones
     run.console.print(f"megarl: resumed from {ckpt} (after step {run.state.step})")
     return True
