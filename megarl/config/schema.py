@@ -494,7 +494,7 @@ class TrainerConfig:
     val_before_train: bool = True
     """Validate once before the first step."""
     critic_warmup: int = 0
-    """Steps that train only the critic."""
+    """The actor trains from step critic_warmup on (verl's count: critic_warmup - 1 critic-only steps)."""
     balance_batch: bool = True
     """Give every DP rank a similar token count within each mini-batch (membership unchanged)."""
     max_consecutive_skipped_steps: int = 10

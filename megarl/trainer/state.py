@@ -37,3 +37,10 @@ class TrainerState:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainerState:
         return cls(**data)
+
+
+def actor_trains(step: int, critic_warmup: int) -> bool:
+    """Whether trainer step ``step`` (counted from 1) updates the actor: verl's
+    ``critic_warmup <= global_steps``, so the critic trains alone for steps 1..critic_warmup-1
+    (critic_warmup 0 and 1 both mean no warm-up, as in verl)."""
+    return step >= critic_warmup

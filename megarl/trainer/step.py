@@ -29,6 +29,7 @@ from megarl.trainer.passes import (
     reference_log_probs,
 )
 from megarl.trainer.setup import Run
+from megarl.trainer.state import actor_trains
 
 
 class Timer:
@@ -122,7 +123,7 @@ def train_step(
             metrics.update(update_critic(run.critic, batch, run.values, seed=cfg.trainer.seed,
                                          step=step))  # fmt: skip
         run.critic.advance_lr()
-    if step > cfg.trainer.critic_warmup:  # the first critic_warmup steps train only the critic
+    if actor_trains(step, cfg.trainer.critic_warmup):
         with timer("update_actor"):
             metrics.update(
                 update_policy(

@@ -23,3 +23,12 @@ def test_no_controller_no_coefficient():
     state.save_kl_coef(None)
     assert state.kl_coef is None
     state.restore_kl_coef(None)
+
+
+def test_critic_warmup_counts_like_verl():
+    """verl updates the actor when critic_warmup <= global_steps (steps from 1)."""
+    from megarl.trainer.state import actor_trains
+
+    assert [actor_trains(s, 0) for s in (1, 2)] == [True, True]
+    assert [actor_trains(s, 1) for s in (1, 2)] == [True, True]
+    assert [actor_trains(s, 3) for s in (1, 2, 3, 4)] == [False, False, True, True]
