@@ -168,8 +168,6 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     ("reward_model.nnodes", _RM_ON_MEGATRON),
     ("reward_model.*", _REWARD),
     ("custom_reward_function.*", _REWARD),
-    ("trainer.rollout_data_dir", "rollout dumps are not supported yet"),
-    ("trainer.validation_data_dir", "validation dumps are not supported yet"),
     ("trainer.val_only", "validation-only runs are not supported yet"),
     ("trainer.esi_redundant_time", "no elastic-server-instance expiry handling"),
     ("trainer.checkpoint_callback_class", "no checkpoint callbacks"),

@@ -119,3 +119,14 @@ def test_rollout_mode_sync_is_accepted_and_async_refused(tmp_path):
 def test_a_typo_is_still_unknown():
     for key in ("actor_rollout_ref.actor.clip_ratoi", "trainer.balance_bach"):
         assert any("unknown key" in p for p in _problems(_nested((key,)))), key
+
+
+def test_the_dump_directories_are_supported(tmp_path):
+    """The trainer writes rollout and validation dumps there: not in the unsupported list."""
+    from megarl.config.verl_keys import unsupported_reason
+
+    (tmp_path / "empty.yaml").write_text("")
+    for key in ("trainer.rollout_data_dir", "trainer.validation_data_dir"):
+        assert unsupported_reason(key) is None, key
+        cfg = load_config(tmp_path / "empty.yaml", [f"{key}={tmp_path}"])
+        assert getattr(cfg.trainer, key.split(".")[1]) == str(tmp_path)
