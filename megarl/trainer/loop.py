@@ -144,7 +144,7 @@ def _loop(
     return last_val, False
 
 
-# -- checkpoints (issue 13): resume before the loop, save after a step ---------------------
+# -- checkpoints: resume before the loop, save after a step ---------------------
 
 
 def _saved_models(run: Run) -> list:
