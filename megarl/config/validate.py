@@ -107,6 +107,23 @@ class _Checks(LayoutChecks):
             ("data.val_batch_size", c.data.val_batch_size is not None,
              "validation runs the whole set in one batch"),
         ]  # fmt: skip
+        if arr.actor.megatron.virtual_pipeline_model_parallel_size is not None:
+            # The interleaved schedule needs equal micro-batches; refused here, not after rollout.
+            dynamic = [
+                (f"{ACTOR}.use_dynamic_bsz", arr.actor.use_dynamic_bsz),
+                (f"{ROLL}.log_prob_use_dynamic_bsz", arr.rollout.log_prob_use_dynamic_bsz),
+                (
+                    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+                    arr.ref.log_prob_use_dynamic_bsz,
+                ),
+                ("critic.use_dynamic_bsz", c.critic.use_dynamic_bsz),
+            ]
+            for key, on in dynamic:
+                if on:
+                    self.error(
+                        f"{key}=true needs equal micro-batches, which the interleaved schedule "
+                        f"({ACTOR}.megatron.virtual_pipeline_model_parallel_size) cannot take"
+                    )
         for key, set_, why in refused:
             if set_:
                 self.error(f"{key} is not supported yet ({why}): leave it at its default")

@@ -190,6 +190,14 @@ BAD_CONFIGS = [
         [f"{MEG}.context_parallel_size=2", "not supported"],
     ),
     (
+        "dynamic-bsz-with-vpp-refused-before-rollout",
+        PPO,
+        [f"{MEG}.virtual_pipeline_model_parallel_size=2",
+         "actor_rollout_ref.actor.use_dynamic_bsz=true"],
+        None,
+        ["actor_rollout_ref.actor.use_dynamic_bsz=true", "interleaved"],
+    ),
+    (
         "context-parallel-refused-on-gpu-too",
         GRPO_7B,
         [f"{MEG}.context_parallel_size=2", f"{MEG}.tensor_model_parallel_size=2"],
