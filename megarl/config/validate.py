@@ -393,6 +393,13 @@ class _Checks(LayoutChecks):
                     "loss: the ratio already is pi_theta / pi_rollout, so the weights would count "
                     "the correction twice and are not applied"
                 )
+            elif rc.bypass_mode:
+                mode = self.cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+                self.error(
+                    f"{key}.rollout_is={rc.rollout_is} with bypass_mode=true and "
+                    f"{ACTOR}.policy_loss.loss_mode={mode} is not supported: bypass mode computes "
+                    "no IS weights (only the PPO-clip loss carries the correction in its ratio)"
+                )
 
     def check_rewards(self) -> None:
         rm, fn = self.cfg.reward_model, self.cfg.custom_reward_function

@@ -198,6 +198,15 @@ BAD_CONFIGS = [
         ["actor_rollout_ref.actor.use_dynamic_bsz=true", "interleaved"],
     ),
     (
+        "bypass-with-rollout-is-and-another-loss-refused",
+        GRPO,
+        ["algorithm.rollout_correction.bypass_mode=true",
+         "algorithm.rollout_correction.rollout_is=token",
+         "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"],
+        None,
+        ["algorithm.rollout_correction.rollout_is=token", "loss_mode=gspo", "no IS weights"],
+    ),
+    (
         "context-parallel-refused-on-gpu-too",
         GRPO_7B,
         [f"{MEG}.context_parallel_size=2", f"{MEG}.tensor_model_parallel_size=2"],
