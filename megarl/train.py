@@ -1,7 +1,7 @@
 """Training entry point: ``torchrun --nproc_per_node N -m megarl.train --config X.yaml [k=v ...]``.
 
 Also reached as ``megarl train``. Kept light to import: dist-checkpointing's writer starts a
-``spawn``-context helper process that re-imports the launching module (DESIGN.md), so nothing
+``spawn``-context helper process that re-imports the launching module, so nothing
 heavy happens at import time and all work sits under ``if __name__ == "__main__":``.
 """
 

@@ -11,7 +11,7 @@ and the discount skips masked steps. megarl reproduces every valid position of t
 float64 arithmetic; results differ from the float64 loop by the final rounding to the input dtype
 (tests: relative 1e-5 elementwise, measured ~6e-8 for float32).
 
-Masked positions hold advantage 0 before whitening, as in the seeds (003, §2.5), and returns =
+Masked positions hold advantage 0 before whitening (the textbook GAE recursion), and returns =
 values there. verl agrees on trailing padding and carries the next valid advantage through interior
 and leading masked steps instead; those positions never reach a loss (every aggregation masks).
 Whitening, as verl's `masked_whiten`, takes the masked mean and unbiased variance over valid tokens

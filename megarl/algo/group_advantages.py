@@ -9,8 +9,8 @@ mask.
 Deliberate difference from verl: a group of one response gets advantage 0 in every estimator (there
 is no baseline to compare with). verl gives such a response `score / (1 + eps)` in grpo, its raw
 score in rloo/opo (alpha * score in gpg; a whitened score in reinforce_plus_plus_baseline), and
-raises in grpo_passk. Standard deviations are unbiased (n - 1), as verl's `torch.std`; the seed's
-pseudo-code (000, §2.1) writes the population std.
+raises in grpo_passk. Standard deviations are unbiased (n - 1), as verl's `torch.std` (GRPO pseudo-code
+often writes the population std).
 """
 
 from __future__ import annotations

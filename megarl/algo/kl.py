@@ -7,8 +7,8 @@ KL divergence", http://joschu.net/blog/kl-approx.html), with d = log_prob - ref_
     abs:              |d|
     mse / k2:         0.5 * d^2
     low_var_kl / k3:  r - log r - 1 with r = pi_ref / pi = exp(-d); the log-ratio is clamped to
-                      +-20 and the result to [-10, 10] (as verl). Seed 003 §6.2 writes the ratio
-                      the other way round (pi / pi_ref); megarl follows verl and the blog post.
+                      +-20 and the result to [-10, 10] (as verl). Some write-ups put the ratio
+                      the other way round (pi / pi_ref); megarl follows verl's implementation.
     full:             sum_v p(v) (log p(v) - log p_ref(v)) over the whole vocabulary: the inputs
                       are `[B, T, V]` log-softmax tensors (verl raises NotImplementedError here).
                       With a vocab-parallel (TP) layout the caller must all-reduce the sum.

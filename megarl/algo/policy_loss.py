@@ -37,7 +37,7 @@ def compute_policy_loss_vanilla(
         ratio = exp(clamp(log_prob - old_log_prob, -20, 20))
         l1 = -A * ratio,  l2 = -A * clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
         l  = max(l1, l2);  where A < 0: l = min(l, -A * clip_ratio_c)
-    Worked example (seed 003, §3.5): log-probs -1.5 (new) vs -2.0 (old), A = 0.5, eps = 0.2:
+    Worked example: log-probs -1.5 (new) vs -2.0 (old), A = 0.5, eps = 0.2:
     ratio = 1.65, l1 = -0.825, l2 = -0.6, loss = -0.6.
 
     Args:

@@ -1,7 +1,7 @@
 """Which log-probs anchor the PPO ratio, and importance weights for rollout/trainer mismatch.
 
 The rollout engine (vLLM, often bf16) and the trainer (Megatron) compute slightly different
-log-probs for the same tokens. Seed 003 (§3.6.7) describes three ways to handle it:
+log-probs for the same tokens. There are three ways to handle it (as in verl):
 
 - "decoupled" (default): the trainer recomputes old log-probs once per batch; the PPO ratio is
   pi_theta / pi_old. Optionally multiply the per-token loss by truncated importance weights

@@ -1,9 +1,9 @@
 """Policy losses with sequence-level structure: GSPO, SAPO and GMPO (`geo_mean`).
 
-Shapes `[B, T]`; each returns `(loss, metrics)` like `policy_loss.py`. As in verl 0.9.1, gspo and
-sapo always aggregate with seq-mean-token-mean and geo_mean with a mean over sequences, whatever
-`actor.loss_agg_mode` says (they take no `loss_agg_mode`; config validation warns when it is set to
-something else). GSPO and GMPO average log-ratios over each whole sequence, so under context
+Shapes `[B, T]`; each returns `(loss, metrics)` like `policy_loss.py`. As in verl 0.9.1, gspo
+aggregates with `actor.loss_agg_mode` like the token-level losses, while sapo always aggregates
+with seq-mean-token-mean and geo_mean with a mean over sequences, whatever `actor.loss_agg_mode`
+says (they take no `loss_agg_mode`; config validation warns when it is set to something else). GSPO and GMPO average log-ratios over each whole sequence, so under context
 parallelism every rank must hold whole sequences.
 """
 
@@ -21,11 +21,11 @@ from megarl.algo.policy_loss_inputs import (
 
 # GSPO clamps the log of its token-level sequence ratio from above (as verl): exp(10) ~ 2.2e4.
 _GSPO_LOG_RATIO_MAX = 10.0
-# The aggregation inputs of gspo and sapo, which always aggregate with seq-mean-token-mean.
+# The aggregation inputs of sapo, which always aggregates with seq-mean-token-mean.
 _SEQ_MEAN_TOKEN_MEAN = ("rollout_is_weights", "global_seq_count", "seq_token_counts")
 
 
-@policy_loss("gspo", takes=_SEQ_MEAN_TOKEN_MEAN)
+@policy_loss("gspo")
 def compute_policy_loss_gspo(
     inputs: PolicyLossInputs,
     clip_ratio: float = 0.2,
@@ -38,11 +38,12 @@ def compute_policy_loss_gspo(
         s_it    = exp(min(sg[log s_i] + log_prob_it - sg[log_prob_it], 10))   (= s_i in value)
         l_it    = max(-A_it s_it, -A_it clip(s_it, 1 - clip_ratio_low, 1 + clip_ratio_high))
     Every token of sequence i carries the value s_i and the gradient s_i * d log_prob_it (the
-    paper's GSPO-token form). Aggregated with seq-mean-token-mean (verl forces it).
+    paper's GSPO-token form). Aggregated with `loss_agg_mode` (verl 0.9.1 passes it through; the
+    GSPO paper's own choice is seq-mean-token-mean).
 
     Args:
-        old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
-            global_seq_count, seq_token_counts: see `PolicyLossInputs`.
+        old_log_prob, log_prob, advantages, response_mask and the aggregation inputs: see
+            `PolicyLossInputs`.
         clip_ratio, clip_ratio_low, clip_ratio_high: the clip range (GSPO recipes use small
             values, e.g. 3e-4 / 4e-4).
 
@@ -60,7 +61,7 @@ def compute_policy_loss_gspo(
     seq_ratio = torch.exp(torch.clamp(token_log_ratio, max=_GSPO_LOG_RATIO_MAX))
     unclipped = -advantages * seq_ratio
     clipped = -advantages * torch.clamp(seq_ratio, 1.0 - low, 1.0 + high)
-    loss = inputs.aggregate(torch.maximum(unclipped, clipped), "seq-mean-token-mean")
+    loss = inputs.aggregate(torch.maximum(unclipped, clipped))
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": inputs.mean((clipped > unclipped).to(log_ratio.dtype)),

@@ -5,7 +5,7 @@ checkpoint saved at one TP×PP(×VPP) loads at any other. Chunks are stored as `
 ShardedTensors carry global layer indices, so the nesting does not tie the checkpoint to a VPP
 size).
 
-CPU note (DESIGN.md): the default ``torch_dist`` save strategy starts a ``spawn``-context
+CPU note: the default ``torch_dist`` save strategy starts a ``spawn``-context
 ``multiprocessing.Manager`` whose child re-imports the launching script; every entry point must
 keep its work under ``if __name__ == "__main__":`` (and ``psutil`` must be installed) or the save
 hangs.

@@ -1,7 +1,7 @@
 """One stop protocol for preemption, time limits and operators.
 
 - The first SIGTERM or SIGUSR1 on any rank, or a ``STOP`` file in the run directory (the Slurm
-  USR1 trap writes it, issue 14), asks the run to stop: the request is all-reduced once per
+  USR1 trap in launch/*.slurm writes it), asks the run to stop: the request is all-reduced once per
   step (:meth:`StopRequest.agreed`), so every rank finishes the step, saves a checkpoint and
   exits 0 together. The honoured ``STOP`` file is removed once the checkpoint is complete, so a
   requeued job trains on.

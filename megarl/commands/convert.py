@@ -17,8 +17,8 @@ Processes: run the command once. When the process is not already one rank of a t
 Slurm world, it checks the inputs and starts TP×PP local ranks itself
 (:mod:`megarl.parallel.spawn`; gloo on CPU, NCCL on GPU), staying light itself. Under torchrun /
 srun the existing world is used (its size must be a multiple of TP×PP). Entry points keep their
-work under ``if __name__ == "__main__":`` (DESIGN.md: the checkpoint writer's helper process
-re-imports the main module).
+work under ``if __name__ == "__main__":`` (the checkpoint writer's ``spawn``-context helper
+process re-imports the main module).
 
 Output: the ranks write into ``OUT.incomplete`` beside ``--out``; rank 0 renames it to ``--out``
 once it is complete (``--force`` replaces an existing ``--out`` then, so no stale shard stays).

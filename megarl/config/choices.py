@@ -61,7 +61,7 @@ PolicyLossMode = Literal[
     "vanilla", "gpg", "gspo", "sapo", "cispo", "geo_mean", "dppo_tv", "dppo_kl", "kl_cov",
     "clip_cov", "dro",
 ]  # fmt: skip
-SEQUENCE_AGGREGATED_LOSSES: tuple[str, ...] = ("gspo", "sapo", "geo_mean")
+SEQUENCE_AGGREGATED_LOSSES: tuple[str, ...] = ("sapo", "geo_mean")
 """Policy losses that aggregate per sequence whatever ``loss_agg_mode`` says (as verl)."""
 POLICY_LOSS_MODES: tuple[str, ...] = get_args(PolicyLossMode)
 LOGGERS: tuple[str, ...] = ("console", "mlflow")

@@ -86,11 +86,13 @@ class LayoutChecks:
                 f"{prefix}.transformer_impl=transformer_engine needs CUDA but trainer.device=cpu; "
                 "use local or auto"
             )
-        if meg.context_parallel_size > 1 and (device == "cpu" or meg.transformer_impl == "local"):
+        if meg.context_parallel_size > 1:
+            # The runner does not split sequences over CP ranks: the trainer would treat them as
+            # data-parallel ranks holding different sequences while TE's CP attention exchanges
+            # their keys/values, i.e. silently wrong attention.
             self.error(
-                f"{prefix}.context_parallel_size={meg.context_parallel_size} needs Transformer "
-                f"Engine attention (Megatron's local spec has no context parallelism), but "
-                f"trainer.device={device}, {prefix}.transformer_impl={meg.transformer_impl}"
+                f"{prefix}.context_parallel_size={meg.context_parallel_size} is not supported "
+                "yet (sequences are not split across context-parallel ranks); use 1"
             )
         return ok
 

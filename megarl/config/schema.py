@@ -305,6 +305,8 @@ class RolloutConfig:
 
     name: Literal["vllm", "actor"] = "vllm"
     """Rollout engine: vllm, or (megarl) actor: sample from the Megatron actor itself (tests)."""
+    mode: Literal["sync"] = "sync"
+    """sync (verl's name for colocated generation between training phases); no async mode."""
     tensor_model_parallel_size: int = 2
     """vLLM tensor-parallel size (independent of training TP); rollout DP = world / this."""
     gpu_memory_utilization: float = 0.5
@@ -516,7 +518,7 @@ class TrainerConfig:
     val_before_train: bool = True
     """Validate once before the first step."""
     critic_warmup: int = 0
-    """Steps that train only the critic."""
+    """The actor trains from step critic_warmup on (verl's count: critic_warmup - 1 critic-only steps)."""
     balance_batch: bool = True
     """Give every DP rank a similar token count within each mini-batch (membership unchanged)."""
     max_consecutive_skipped_steps: int = 10

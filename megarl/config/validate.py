@@ -67,7 +67,69 @@ class _Checks(LayoutChecks):
         self.check_policy_loss()
         self.check_rewards()
         self.check_trainer()
+        self.check_not_applied()
         self.check_files()
+
+    # -- keys megarl reads but does not apply yet: refused rather than silently ignored --------
+    def check_not_applied(self) -> None:
+        c = self.cfg
+        arr = c.actor_rollout_ref
+        models = [("actor_rollout_ref.model", arr.model), ("critic.model", c.critic.model)]
+        megatrons = [
+            (f"{ACTOR}.megatron", arr.actor.megatron),
+            ("actor_rollout_ref.ref.megatron", arr.ref.megatron),
+            ("critic.megatron", c.critic.megatron),
+        ]
+        optims = [(f"{ACTOR}.optim", arr.actor.optim), ("critic.optim", c.critic.optim)]
+        refused: list[tuple[str, bool, str]] = [
+            *[
+                (f"{k}.override_config", bool(m.override_config),
+                 "the model is built from config.json as is")
+                for k, m in models
+            ],
+            *[
+                (f"{k}.trust_remote_code", m.trust_remote_code, "only built-in architectures load")
+                for k, m in models
+            ],
+            *[
+                (f"{k}.override_transformer_config", bool(m.override_transformer_config),
+                 "TransformerConfig is built from the HF config and the megatron.* keys")
+                for k, m in megatrons
+            ],
+            *[
+                (f"{k}.recompute_modules", list(m.recompute_modules) != ["core_attn"],
+                 "selective recompute covers core_attn only")
+                for k, m in megatrons
+            ],
+            *[
+                (f"{k}.lr_warmup_init", o.lr_warmup_init != 0, "warm-up starts from lr 0")
+                for k, o in optims
+            ],
+            ("trainer.log_val_generations", c.trainer.log_val_generations > 0,
+             "validation generations are not logged"),
+            ("data.val_batch_size", c.data.val_batch_size is not None,
+             "validation runs the whole set in one batch"),
+        ]  # fmt: skip
+        if arr.actor.megatron.virtual_pipeline_model_parallel_size is not None:
+            # The interleaved schedule needs equal micro-batches; refused here, not after rollout.
+            dynamic = [
+                (f"{ACTOR}.use_dynamic_bsz", arr.actor.use_dynamic_bsz),
+                (f"{ROLL}.log_prob_use_dynamic_bsz", arr.rollout.log_prob_use_dynamic_bsz),
+                (
+                    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+                    arr.ref.log_prob_use_dynamic_bsz,
+                ),
+                ("critic.use_dynamic_bsz", c.critic.use_dynamic_bsz),
+            ]
+            for key, on in dynamic:
+                if on:
+                    self.error(
+                        f"{key}=true needs equal micro-batches, which the interleaved schedule "
+                        f"({ACTOR}.megatron.virtual_pipeline_model_parallel_size) cannot take"
+                    )
+        for key, set_, why in refused:
+            if set_:
+                self.error(f"{key} is not supported yet ({why}): leave it at its default")
 
     # -- plain ranges ---------------------------------------------------------------------
 
@@ -333,6 +395,13 @@ class _Checks(LayoutChecks):
                     f"{key}.rollout_is={rc.rollout_is} with bypass_mode=true and the PPO-clip "
                     "loss: the ratio already is pi_theta / pi_rollout, so the weights would count "
                     "the correction twice and are not applied"
+                )
+            elif rc.bypass_mode:
+                mode = self.cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+                self.error(
+                    f"{key}.rollout_is={rc.rollout_is} with bypass_mode=true and "
+                    f"{ACTOR}.policy_loss.loss_mode={mode} is not supported: bypass mode computes "
+                    "no IS weights (only the PPO-clip loss carries the correction in its ratio)"
                 )
 
     def check_rewards(self) -> None:

@@ -124,7 +124,6 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     # -- rollout -------------------------------------------------------------------------------------
     ("actor_rollout_ref.hybrid_engine", "megarl always colocates rollout and training"),
     ("actor_rollout_ref.nccl_timeout", "process-group timeout is not configurable yet"),
-    ("actor_rollout_ref.rollout.mode", "vLLM runs in-process on every rank (external_launcher)"),
     ("actor_rollout_ref.rollout.logprobs_mode", "vLLM always reports processed (temperature-scaled) log-probs"),
     ("actor_rollout_ref.rollout.calculate_log_probs", "vLLM's log-probs are always kept"),
     ("actor_rollout_ref.rollout.dtype", "the dtype is trainer.dtype"),
@@ -169,8 +168,6 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     ("reward_model.nnodes", _RM_ON_MEGATRON),
     ("reward_model.*", _REWARD),
     ("custom_reward_function.*", _REWARD),
-    ("trainer.rollout_data_dir", "rollout dumps are not supported yet"),
-    ("trainer.validation_data_dir", "validation dumps are not supported yet"),
     ("trainer.val_only", "validation-only runs are not supported yet"),
     ("trainer.esi_redundant_time", "no elastic-server-instance expiry handling"),
     ("trainer.checkpoint_callback_class", "no checkpoint callbacks"),

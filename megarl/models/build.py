@@ -7,7 +7,7 @@ one place. Megatron's parallel state must already be initialised for ``layout``
 
 Weights are loaded here, before any optimizer exists: Megatron's bf16 optimizer clones fp32 main
 parameters when it is built, so weights copied in afterwards would be reverted by its first step
-(DESIGN.md, "Traps"). :class:`megarl.models.trainable.TrainableModel` is built on the result.
+(fp32 main parameters are views, so only bf16 shows this). :class:`megarl.models.trainable.TrainableModel` is built on the result.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ flow of megarl's own code. It is switched on by :func:`megarl.parallel.init.init
 when CUDA is absent (or explicitly via :func:`enable_cpu_emulation`), so the GPU path runs the
 very same code with the real CUDA calls.
 
-What it does (see DESIGN.md, "Facts measured on the development machines"):
+What it does (each item was needed to run Megatron-Core 0.16.1 on CPU with gloo):
 
 * a :class:`torch.overrides.TorchFunctionMode` that maps ``device="cuda"`` (any form) to CPU in
   factory and ``.to`` calls, makes ``Tensor.cuda()`` a no-op, ``Tensor.pin_memory()`` a plain

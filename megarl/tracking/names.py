@@ -2,7 +2,7 @@
 
 MLflow accepts metric and param names made of ``[/\\w.\\- :]`` (at most 250 characters) that do
 not change under ``posixpath.normpath`` (no ``a//b``, ``./a``, ``a/..``, leading or trailing
-``/``), and param values of at most 6000 characters (DESIGN.md, "Traps").
+``/``), and param values of at most 6000 characters (MLflow 3.x limits).
 
 Sanitising must be injective: two different megarl names must never become the same MLflow name,
 or one metric would silently overwrite another ("a@b" and "a_b" must stay distinct). Every other

@@ -18,6 +18,7 @@ micro-batch values instead, which weights small micro-batches more.)
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megarl.algo import agg_loss, compute_policy_loss, count_tokens_and_seqs, kl_penalty
+from megarl.algo import (
+    agg_loss,
+    compute_policy_loss,
+    count_tokens_and_seqs,
+    kl_penalty,
+    micro_batch_generator,
+)
 from megarl.models.runner import forward_backward
 from megarl.models.trainable import TrainableModel
 from megarl.parallel.init import device
@@ -106,12 +113,22 @@ def update_policy(
                 outputs["log_probs"], mine, len(batch), batch.response_mask.shape[1]
             )
 
+    # Clip-Cov draws a random token subset: one generator per micro-batch, seeded by (seed, step,
+    # index), the index unique over this step's micro-batches and DP ranks (TP/PP peers share it).
+    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    micro_count = itertools.count()
+
+    def generator() -> torch.Generator:
+        index = next(micro_count) * dp_size + dp_rank
+        return micro_batch_generator(seed, step, index, device=device())
+
     metrics = run_update(
         actor,
         batch,
         settings,
         names,
-        lambda tokens, seqs: _loss_fn(settings, tokens, seqs, old_log_probs),
+        lambda tokens, seqs: _loss_fn(settings, tokens, seqs, old_log_probs, generator),
         seed=seed,
         step=step,
         purpose="actor",
@@ -200,9 +217,13 @@ def _micro_batches(
     )
 
 
-def _loss_fn(settings: PolicyUpdate, tokens: float, seqs: float, old_name: str):
+def _loss_fn(settings: PolicyUpdate, tokens: float, seqs: float, old_name: str, generator=None):
     """The micro-batch loss: its share of the mini-batch loss, and metric shares that add up to
     the mini-batch's values over micro-batches and DP ranks."""
+    if settings.loss_agg_mode == "seq-mean-token-sum-norm" and settings.loss_scale_factor is None:
+        # agg_loss would fall back to this micro-batch's padded width, which changes with the
+        # layout and the step; the trainer passes the response length (setup.policy_update).
+        raise ValueError("seq-mean-token-sum-norm needs a constant loss_scale_factor")
     counts = {
         "loss_agg_mode": settings.loss_agg_mode,
         "global_token_count": max(tokens, 1.0),
@@ -215,6 +236,11 @@ def _loss_fn(settings: PolicyUpdate, tokens: float, seqs: float, old_name: str):
         width = log_prob.shape[1]
         mask = mb["response_mask"][:, :width]
         old = log_prob.detach() if old_name == "current" else mb[old_name][:, :width]
+        own = {}
+        if settings.loss_mode == "clip_cov":
+            if generator is None:
+                raise ValueError("clip_cov needs a generator for its random token subset")
+            own["generator"] = generator()
         pg_loss, pg_metrics = compute_policy_loss(
             settings.loss_mode,
             old_log_prob=old,
@@ -226,6 +252,7 @@ def _loss_fn(settings: PolicyUpdate, tokens: float, seqs: float, old_name: str):
             ),
             **counts,
             **settings.policy_loss_kwargs,
+            **own,
         )
         loss = pg_loss
         weight = mask.sum() / counts["global_token_count"]

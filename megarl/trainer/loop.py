@@ -111,6 +111,7 @@ def _loop(
         metrics, _ = train_step(run, step, prompts)
         run.state.step = step
         run.state.sampler = run.sampler.state_dict()
+        run.state.save_kl_coef(run.kl_ctrl)
         skipped = metrics.get("actor/skipped_steps", 0.0)
         run.state.consecutive_skips = run.state.consecutive_skips + 1 if skipped else 0
         metrics["actor/consecutive_skipped_steps"] = float(run.state.consecutive_skips)
@@ -144,7 +145,7 @@ def _loop(
     return last_val, False
 
 
-# -- checkpoints (issue 13): resume before the loop, save after a step ---------------------
+# -- checkpoints: resume before the loop, save after a step ---------------------
 
 
 def _saved_models(run: Run) -> list:
@@ -192,6 +193,7 @@ def _resume(run: Run) -> bool:
     enter(run, "checkpoint")
     run.state = TrainerState.from_dict(load_checkpoint(ckpt, _saved_models(run), _warn(run)))
     run.sampler.load_state_dict(run.state.sampler)
+    run.state.restore_kl_coef(run.kl_ctrl)
     run.console.print(f"megarl: resumed from {ckpt} (after step {run.state.step})")
     return True
 

@@ -206,6 +206,11 @@ def _build_critic(cfg: MegarlConfig, layout, model_path: str, dtype, total: int,
         transformer_impl=cfg.actor_rollout_ref.actor.megatron.transformer_impl,
         value_head_seed=cfg.trainer.seed,
         fusions=fusions(critic_cfg.megatron),
+        recompute=Recompute(
+            critic_cfg.megatron.recompute_granularity,
+            critic_cfg.megatron.recompute_method,
+            critic_cfg.megatron.recompute_num_layers,
+        ),
     )
     critic = TrainableModel(critic_model, optimizer_settings(cfg, total, role="critic"))
     settle(critic, cfg, "critic")
@@ -264,6 +269,9 @@ def fusions(meg) -> Fusions:
     )
 
 
+_DR_GRPO = "seq-mean-token-sum-norm"
+
+
 def policy_update(cfg: MegarlConfig, plan: BatchPlan) -> PolicyUpdate:
     """The actor update's settings from ``actor_rollout_ref.actor`` and the batch plan."""
     actor = cfg.actor_rollout_ref.actor
@@ -279,7 +287,17 @@ def policy_update(cfg: MegarlConfig, plan: BatchPlan) -> PolicyUpdate:
         shuffle=actor.shuffle,
         loss_mode=loss.loss_mode,
         loss_agg_mode=actor.loss_agg_mode,
-        loss_scale_factor=actor.loss_scale_factor,
+        # verl pads responses to the rollout's response length, so its seq-mean-token-sum-norm
+        # divisor (the padded width) is that constant; megarl's batches are padded only to the
+        # longest response present, so the constant is passed explicitly (Dr.GRPO's normaliser
+        # must not change with the DP layout, the mini-batch or the step).
+        loss_scale_factor=(
+            actor.loss_scale_factor
+            if actor.loss_scale_factor is not None or actor.loss_agg_mode != _DR_GRPO
+            else float(
+                cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length
+            )
+        ),
         entropy_coeff=actor.entropy_coeff,
         use_kl_loss=actor.use_kl_loss,
         kl_loss_coef=actor.kl_loss_coef,
@@ -291,6 +309,12 @@ def policy_update(cfg: MegarlConfig, plan: BatchPlan) -> PolicyUpdate:
             "clip_ratio_low": actor.clip_ratio_low,
             "clip_ratio_high": actor.clip_ratio_high,
             "clip_ratio_c": actor.clip_ratio_c,
+            # SAPO's soft-gate temperatures live on the actor (verl: actor.tau_pos / tau_neg).
+            **(
+                {"tau_pos": actor.tau_pos, "tau_neg": actor.tau_neg}
+                if loss.loss_mode == "sapo"
+                else {}
+            ),
             **extra,
         },
     )

@@ -30,6 +30,7 @@ from megarl.trainer.passes import (
 )
 from megarl.trainer.residency import enter, phase_peak_metrics
 from megarl.trainer.setup import Run
+from megarl.trainer.state import actor_trains
 
 
 class Timer:
@@ -131,7 +132,7 @@ def train_step(
             metrics.update(update_critic(run.critic, batch, run.values, seed=cfg.trainer.seed,
                                          step=step))  # fmt: skip
         run.critic.advance_lr()
-    if step > cfg.trainer.critic_warmup:  # the first critic_warmup steps train only the critic
+    if actor_trains(step, cfg.trainer.critic_warmup):
         enter(run, "update_actor", step=step)
         with timer("update_actor"):
             metrics.update(

@@ -136,7 +136,7 @@ def test_losses_publish_the_flat_signature_callers_use():
     pass; a loss that forces its aggregation does not declare `loss_agg_mode`."""
     import inspect
 
-    from megarl.algo import compute_policy_loss_gspo
+    from megarl.algo import compute_policy_loss_gspo, compute_policy_loss_sapo
 
     assert list(inspect.signature(compute_policy_loss_vanilla).parameters) == [
         "old_log_prob", "log_prob", "advantages", "response_mask", "clip_ratio",
@@ -144,6 +144,7 @@ def test_losses_publish_the_flat_signature_callers_use():
         "rollout_is_weights", "global_token_count", "global_seq_count", "loss_scale_factor",
         "seq_token_counts",
     ]  # fmt: skip
-    assert "loss_agg_mode" not in inspect.signature(compute_policy_loss_gspo).parameters
+    assert "loss_agg_mode" not in inspect.signature(compute_policy_loss_sapo).parameters
+    assert "loss_agg_mode" in inspect.signature(compute_policy_loss_gspo).parameters
     with pytest.raises(TypeError, match="clip_ratio_hihg"):
         compute_policy_loss_vanilla(*one_token(0.0, 0.0, 1.0), clip_ratio_hihg=0.3)

@@ -44,8 +44,9 @@ def test_gspo_sequence_ratio_value_and_token_gradient():
     old, new, adv, mask = policy_batch(0)
     low, high = 0.1, 0.15
     loss, metrics = compute_policy_loss_gspo(
-        old, new, adv, mask, clip_ratio_low=low, clip_ratio_high=high
-    )
+        old, new, adv, mask, clip_ratio_low=low, clip_ratio_high=high,
+        loss_agg_mode="seq-mean-token-mean",
+    )  # fmt: skip
     o, n, a = old.tolist(), new.tolist(), adv.tolist()
     rows = _rows(mask)
     seq_ratio = [math.exp(sum(n[i][t] - o[i][t] for t in r) / len(r)) if r else 1 for i, r in
@@ -67,14 +68,31 @@ def test_gspo_sequence_ratio_value_and_token_gradient():
     assert metrics["pg_clipfrac"].item() == pytest.approx(clipped_tokens / mask.sum().item())
 
 
-def test_gspo_ignores_loss_agg_mode_like_verl():
+def test_gspo_honours_loss_agg_mode_like_verl():
+    """verl 0.9.1's compute_policy_loss_gspo aggregates with the configured loss_agg_mode."""
     old, new, adv, mask = policy_batch(1)
-    forced, _ = compute_policy_loss_gspo(old, new, adv, mask)
-    via_registry, _ = compute_policy_loss(
-        "gspo", old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask,
-        loss_agg_mode="token-mean",
-    )  # fmt: skip
-    assert forced.item() == via_registry.item()
+    results = {}
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        results[mode], _ = compute_policy_loss(
+            "gspo", old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask,
+            loss_agg_mode=mode,
+        )  # fmt: skip
+    # every token of a sequence carries the same loss value: token-mean weights by length
+    per_token = torch.maximum(
+        -adv
+        * torch.exp(
+            ((new - old) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        ),
+        -adv
+        * torch.exp(
+            ((new - old) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        ).clamp(0.8, 1.2),
+    )
+    want = (per_token * mask).sum() / mask.sum()
+    torch.testing.assert_close(
+        results["token-mean"].detach(), want.detach().to(results["token-mean"].dtype)
+    )
+    assert results["token-mean"].item() != results["seq-mean-token-mean"].item()
 
 
 def test_sapo_soft_gate():

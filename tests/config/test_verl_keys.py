@@ -102,10 +102,31 @@ def test_unsupported_keys_in_a_file_name_the_key_and_the_reason(raw, needle):
 def test_unsupported_keys_on_the_command_line(tmp_path):
     (tmp_path / "empty.yaml").write_text("")
     with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "empty.yaml", ["actor_rollout_ref.rollout.seed=3"])
+    assert str(info.value).startswith("unsupported: actor_rollout_ref.rollout.seed in override")
+
+
+def test_rollout_mode_sync_is_accepted_and_async_refused(tmp_path):
+    """verl's scripts pass rollout.mode=sync, which is what megarl does; async is refused."""
+    (tmp_path / "empty.yaml").write_text("")
+    cfg = load_config(tmp_path / "empty.yaml", ["actor_rollout_ref.rollout.mode=sync"])
+    assert cfg.actor_rollout_ref.rollout.mode == "sync"
+    with pytest.raises(ConfigError) as info:
         load_config(tmp_path / "empty.yaml", ["actor_rollout_ref.rollout.mode=async"])
-    assert str(info.value).startswith("unsupported: actor_rollout_ref.rollout.mode in override")
+    assert "actor_rollout_ref.rollout.mode" in str(info.value).splitlines()[0]
 
 
 def test_a_typo_is_still_unknown():
     for key in ("actor_rollout_ref.actor.clip_ratoi", "trainer.balance_bach"):
         assert any("unknown key" in p for p in _problems(_nested((key,)))), key
+
+
+def test_the_dump_directories_are_supported(tmp_path):
+    """The trainer writes rollout and validation dumps there: not in the unsupported list."""
+    from megarl.config.verl_keys import unsupported_reason
+
+    (tmp_path / "empty.yaml").write_text("")
+    for key in ("trainer.rollout_data_dir", "trainer.validation_data_dir"):
+        assert unsupported_reason(key) is None, key
+        cfg = load_config(tmp_path / "empty.yaml", [f"{key}={tmp_path}"])
+        assert getattr(cfg.trainer, key.split(".")[1]) == str(tmp_path)

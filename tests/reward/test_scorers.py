@@ -166,6 +166,10 @@ def test_hendrycks_math_matches_verl(source, response, truth, expected):
     assert default_compute_score(source, response, truth) == expected
 
 
+def test_hendrycks_math_scores_a_missing_response_zero_like_verl():
+    assert default_compute_score("lighteval/MATH", None, "2") == 0.0
+
+
 @pytest.mark.parametrize("source", ["math_dapo", "math", "math_dapo_reasoning", "aime2024"])
 @pytest.mark.parametrize(("response", "truth", "score", "acc", "pred"), MATH_DAPO)
 def test_math_dapo_matches_verl(source, response, truth, score, acc, pred):

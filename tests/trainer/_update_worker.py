@@ -138,6 +138,7 @@ def _run_case(spec: dict, layout, case: dict, optimizer: str) -> dict:
         micro_batch_size=None if case["dynamic"] else spec["micro_batch_size"],
         max_token_len=spec["max_token_len"] if case["dynamic"] else None,
         loss_agg_mode=case["loss_agg_mode"],
+        loss_scale_factor=case.get("loss_scale_factor"),
         entropy_coeff=spec["entropy_coeff"],
         use_kl_loss=True,
         kl_loss_coef=spec["kl_loss_coef"],
@@ -337,7 +338,7 @@ def main() -> None:
             # SGD always without the distributed optimizer; at (1,1,1) also AdamW in fp32, the
             # like-for-like reference of the distributed optimizer (fp32/bf16 only).
             extra = ("adamw_fp32",) if layout == (1, 1, None, False) else ()
-            for optimizer in ("sgd", "adamw", *extra):
+            for optimizer in case.get("optimizers", ("sgd", "adamw", *extra)):
                 name = f"{key}/{case['name']}/{optimizer}"
                 results[name] = _run_case(spec, layout, case, optimizer)
         results[f"{key}/critic"] = _critic_case(spec, layout)

@@ -46,6 +46,16 @@ SPEC = {
             "loss_agg_mode": "seq-mean-token-mean",
             "dynamic": True,
         },
+        # Dr.GRPO: the normaliser is the constant response length the trainer passes (setup's
+        # policy_update), never a micro-batch's padded width (which differs per micro-batch, DP
+        # share and step). SGD only: the gradient is what the normaliser changes.
+        {
+            "name": "seq-mean-token-sum-norm",
+            "loss_agg_mode": "seq-mean-token-sum-norm",
+            "loss_scale_factor": 16.0,
+            "dynamic": False,
+            "optimizers": ["sgd"],
+        },
     ],
 }
 ADAM_EPS = 1e-5
@@ -165,6 +175,7 @@ def reference_update(spec: dict, data: dict, case: dict, optimizer: str):
             lr=1e-3, betas=(0.9, 0.999), eps=ADAM_EPS,
         )  # fmt: skip
     mode, width = case["loss_agg_mode"], data["mask"].shape[1]
+    scale = {"loss_scale_factor": case.get("loss_scale_factor")}
     sums = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "grad_norm": 0.0}
     minis = torch.arange(len(data["responses"])).split(spec["responses_per_mini_batch"])
     for rows in minis:
@@ -180,13 +191,12 @@ def reference_update(spec: dict, data: dict, case: dict, optimizer: str):
         pg, pg_metrics = compute_policy_loss(
             "vanilla", old_log_prob=old, log_prob=logp,
             advantages=data["advantages"][rows].double(), response_mask=mask, loss_agg_mode=mode,
-            **spec["clip"],
+            **spec["clip"], **scale,
         )  # fmt: skip
         ref = data["ref_log_probs"][rows].double()
-        kl = agg_loss(kl_penalty(logp, ref, "low_var_kl"), mask, mode)
-        loss = (
-            pg - spec["entropy_coeff"] * agg_loss(entropy, mask, mode) + spec["kl_loss_coef"] * kl
-        )
+        kl = agg_loss(kl_penalty(logp, ref, "low_var_kl"), mask, mode, **scale)
+        ent = agg_loss(entropy, mask, mode, **scale)
+        loss = pg - spec["entropy_coeff"] * ent + spec["kl_loss_coef"] * kl
         opt.zero_grad()
         loss.backward()
         norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in named.values()))
@@ -207,7 +217,7 @@ def references(setup):
     return {
         (case["name"], opt): reference_update(spec, data, case, opt)
         for case in SPEC["cases"]
-        for opt in ("sgd", "adamw")
+        for opt in case.get("optimizers", ("sgd", "adamw"))
     }
 
 
@@ -241,7 +251,7 @@ def test_update_equals_single_process_reference(setup, references, world):
     rows, failures = [], []
     for layout in LAYOUT_KEYS[world]:
         for case in SPEC["cases"]:
-            for opt in ("sgd", "adamw"):
+            for opt in case.get("optimizers", ("sgd", "adamw")):
                 got = results.get(f"{layout}/{case['name']}/{opt}")
                 if got is None:
                     assert "vpp2" in layout and case["dynamic"], f"missing {layout}/{case['name']}"

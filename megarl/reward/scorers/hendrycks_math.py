@@ -141,7 +141,12 @@ def is_equiv(answer: str | None, truth: str | None) -> bool:
 
 
 def compute_score(solution_str: str, ground_truth: str) -> float:
-    """1.0 when the last boxed answer equals ``ground_truth`` after normalisation, else 0.0."""
+    """1.0 when the last boxed answer equals ``ground_truth`` after normalisation, else 0.0.
+
+    A missing response (None, as verl's reward loop can pass) scores 0.0, as in verl, where any
+    exception inside the scorer yields 0.0."""
+    if not isinstance(solution_str, str):
+        return 0.0
     boxed = last_boxed_only_string(solution_str)
     if boxed is None:
         return 0.0

@@ -1,0 +1,125 @@
+"""The actor's loss through the trainer's own call path (config → `policy_update` → `_loss_fn`):
+each loss mode's settings reach the loss, and the inputs a loss needs are supplied."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megarl.algo import compute_policy_loss, micro_batch_generator
+from megarl.config import BatchPlan, load_config
+from megarl.trainer.actor import _loss_fn
+from megarl.trainer.setup import policy_update
+
+GRPO = Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny_cpu.yaml"
+ACTOR = "actor_rollout_ref.actor"
+
+
+def _settings(*overrides: str):
+    cfg = load_config(GRPO, list(overrides))
+    return policy_update(cfg, BatchPlan.from_config(cfg)), cfg
+
+
+def _micro_batch(width: int = 6):
+    g = torch.Generator().manual_seed(0)
+    log_prob = torch.randn(4, width, generator=g) * 0.3 - 1.0
+    mb = {
+        "old_log_probs": log_prob + 0.2 * torch.randn(4, width, generator=g),
+        "advantages": torch.randn(4, width, generator=g),
+        "response_mask": torch.ones(4, width),
+    }
+    mb["ref_log_probs"] = mb["old_log_probs"].clone()
+    mb["response_mask"][0, 3:] = 0
+    outputs = {"log_probs": log_prob.requires_grad_(), "entropy": torch.rand(4, width, generator=g)}
+    return outputs, mb
+
+
+def test_sapo_taus_reach_the_loss():
+    outputs, mb = _micro_batch()
+    losses = []
+    for taus in (("1.0", "1.05"), ("0.3", "2.0")):
+        settings, _ = _settings(
+            f"{ACTOR}.policy_loss.loss_mode=sapo",
+            f"{ACTOR}.tau_pos={taus[0]}",
+            f"{ACTOR}.tau_neg={taus[1]}",
+        )
+        _, metrics = _loss_fn(settings, 23.0, 4.0, "old_log_probs")(outputs, mb)
+        loss = metrics["pg_loss"]
+        want, _ = compute_policy_loss(
+            "sapo",
+            old_log_prob=mb["old_log_probs"],
+            log_prob=outputs["log_probs"],
+            advantages=mb["advantages"],
+            response_mask=mb["response_mask"],
+            tau_pos=float(taus[0]),
+            tau_neg=float(taus[1]),
+            global_token_count=23.0,
+            global_seq_count=4.0,
+        )
+        torch.testing.assert_close(loss, want.detach())
+        losses.append(loss)
+    assert not torch.allclose(losses[0], losses[1])
+
+
+def test_clip_cov_runs_with_the_trainers_generator():
+    outputs, mb = _micro_batch()
+    settings, _ = _settings(
+        f"{ACTOR}.policy_loss.loss_mode=clip_cov", f"{ACTOR}.policy_loss.clip_cov_ratio=0.2"
+    )
+    loss, metrics = _loss_fn(
+        settings, 23.0, 4.0, "old_log_probs", lambda: micro_batch_generator(1, 2, 0)
+    )(outputs, mb)
+    loss.backward()
+    assert torch.isfinite(loss) and outputs["log_probs"].grad is not None
+    assert "pg_loss" in metrics
+
+
+def test_dr_grpo_normaliser_is_the_response_length_not_the_batch_width():
+    """seq-mean-token-sum-norm without loss_scale_factor divides by the (constant) response
+    length as verl does, never by this micro-batch's padded width."""
+    settings, cfg = _settings(f"{ACTOR}.loss_agg_mode=seq-mean-token-sum-norm")
+    length = cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length
+    assert settings.loss_scale_factor == float(length)
+    assert length != 6
+    outputs, mb = _micro_batch(width=6)
+    _, metrics = _loss_fn(settings, 23.0, 4.0, "old_log_probs")(outputs, mb)
+    want, _ = compute_policy_loss(
+        "vanilla",
+        old_log_prob=mb["old_log_probs"],
+        log_prob=outputs["log_probs"],
+        advantages=mb["advantages"],
+        response_mask=mb["response_mask"],
+        loss_agg_mode="seq-mean-token-sum-norm",
+        global_token_count=23.0,
+        global_seq_count=4.0,
+        loss_scale_factor=float(length),
+    )
+    torch.testing.assert_close(metrics["pg_loss"], want.detach())
+
+
+def test_critic_is_built_with_its_recompute_settings(monkeypatch):
+    """critic.megatron.recompute_* reach the critic's build (they were accepted and dropped)."""
+    from megarl.trainer import setup
+
+    seen = {}
+
+    def fake_build(path, layout, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop")
+
+    cfg = load_config(
+        GRPO.with_name("ppo_tiny_cpu.yaml"),
+        [
+            "critic.megatron.recompute_granularity=full",
+            "critic.megatron.recompute_method=uniform",
+            "critic.megatron.recompute_num_layers=1",
+        ],
+    )
+    monkeypatch.setattr(setup, "build_model", fake_build)
+    layout = cfg.critic.megatron.parallel_layout()
+    try:
+        setup._build_critic(cfg, layout, "unused", torch.float32, 1, None)
+    except RuntimeError:
+        pass
+    assert seen["recompute"] == setup.Recompute("full", "uniform", 1)
