@@ -5,9 +5,11 @@ it first checks what would otherwise fail on every rank — the config with its 
 size, the data files (read and tokenised: a missing file, an overlong prompt with
 ``truncation=error``), what the trainer runs, the checkpoint a resume would load (missing, or
 of another architecture) — and answers a problem in one line with exit 2,
-then starts ``torchrun --standalone`` with ``trainer.n_gpus_per_node`` processes (torchrun itself
-prints a traceback whenever a worker fails, which is why the checks come first). SIGINT, SIGTERM
-and SIGUSR1 are passed on to torchrun (the trainer's stop protocol).
+then starts ``torchrun --standalone`` with ``trainer.n_gpus_per_node`` processes through
+:mod:`megarl.commands.launch`: SIGINT, SIGTERM and SIGUSR1 become the trainer's stop request
+(a checkpoint of the step in flight, exit 0; a second signal stops at once), torchrun's own
+output goes to the run's log directory, and a failure inside the ranks is one line.
+``MEGARL_TRAIN_MODULE`` replaces the module torchrun runs (``megarl.train``).
 
     megarl train -c X.yaml [-c Y.yaml] [KEY=VALUE ...] [--verbose]
 """
@@ -15,15 +17,11 @@ and SIGUSR1 are passed on to torchrun (the trainer's stop protocol).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 EXIT_INPUT_ERROR = 2
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 def main(argv: list[str]) -> int:
@@ -42,38 +40,20 @@ def main(argv: list[str]) -> int:
 
     if os.environ.get("WORLD_SIZE"):
         return train.run(args.config, overrides)
-    problem, nproc = preflight(args.config, overrides)
+    problem, nproc, run_dir = preflight(args.config, overrides)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return EXIT_INPUT_ERROR
+    from megarl.commands.launch import run_torchrun, torchrun_command
+
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc_per_node", str(nproc), "-m", "megarl.train",
-        *(f"--config={c}" for c in args.config), *overrides,
-    ]  # fmt: skip
-    return run_forwarding_signals(command, env)
+    module = os.environ.get("MEGARL_TRAIN_MODULE") or "megarl.train"
+    configs = [f"--config={c}" for c in args.config]
+    return run_torchrun(torchrun_command(nproc, module, [*configs, *overrides]), env, run_dir)
 
 
-def run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
-    """Run torchrun and hand it SIGINT/SIGTERM/SIGUSR1 (``subprocess.run`` would SIGKILL it on
-    Ctrl-C and orphan its workers); torchrun passes them on to the ranks (stop protocol)."""
-    child = subprocess.Popen(command, env=env)
-
-    def forward(signum: int, _frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            child.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
-    try:
-        return child.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def preflight(configs: list[str], overrides: list[str]) -> tuple[str | None, int]:
-    """(the first problem as one line or None, processes to launch)."""
+def preflight(configs: list[str], overrides: list[str]) -> tuple[str | None, int, Path]:
+    """(the first problem as one line or None, processes to launch, the run directory)."""
     from megarl.config import ConfigError, load_config, validate
 
     try:
@@ -83,16 +63,17 @@ def preflight(configs: list[str], overrides: list[str]) -> tuple[str | None, int
                 f"trainer.nnodes={cfg.trainer.nnodes}: a multi-node run is launched by Slurm "
                 "(launch/*.slurm) or torchrun on every node, not by megarl train"
             )
-            return reason, 0
+            return reason, 0, Path()
         nproc = cfg.trainer.n_gpus_per_node
         validate(cfg, nproc, check_paths=True)
     except ConfigError as exc:
-        return " ".join(str(exc).split()), 0
+        return " ".join(str(exc).split()), 0, Path()
     from megarl.checkpoint.resume import resume_problem
 
-    if (reason := resume_problem(cfg, run_dir_of(cfg))) is not None:
-        return reason, nproc
-    return _check_data(cfg), nproc
+    run_dir = run_dir_of(cfg)
+    if (reason := resume_problem(cfg, run_dir)) is not None:
+        return reason, nproc, run_dir
+    return _check_data(cfg), nproc, run_dir
 
 
 def run_dir_of(cfg) -> Path:
