@@ -126,9 +126,14 @@ def _tree(proc: subprocess.Popen) -> list[psutil.Process]:
     return [root, *root.children(recursive=True)]
 
 
-def _announced(run_dir: Path) -> bool:
+def _announcements(run_dir: Path) -> int:
+    """How many launches in ``run_dir`` have started training (rank0.log is appended to)."""
     log = run_dir / "logs" / "rank0.log"
-    return log.exists() and " rank(s), TP " in log.read_text(errors="replace")
+    return log.read_text(errors="replace").count(" rank(s), TP ") if log.exists() else 0
+
+
+def _announced(run_dir: Path, before: int = 0) -> bool:
+    return _announcements(run_dir) > before
 
 
 def _scoring_workers(tree: list[psutil.Process]) -> list[psutil.Process]:
@@ -141,8 +146,9 @@ def _stop(tiny: dict, run_dir: Path, sig: signal.Signals, step: int, during_scor
     (hold.parent / "hold.scoring").unlink(missing_ok=True)
     if during_scoring:
         hold.touch()
+    before = _announcements(run_dir)
     proc = _start(tiny, run_dir)
-    _wait_for(lambda: _announced(run_dir), "the run to start")
+    _wait_for(lambda: _announced(run_dir, before), "the run to start")
     if during_scoring:
         _wait_for((hold.parent / "hold.scoring").exists, "scoring")
     tree = _tree(proc)
