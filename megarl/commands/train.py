@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
 
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     module = os.environ.get("MEGARL_TRAIN_MODULE") or "megarl.train"
-    configs = [f"--config={c}" for c in args.config]
+    configs = [a for c in args.config for a in ("--config", c)]
     return run_torchrun(torchrun_command(nproc, module, [*configs, *overrides]), env, run_dir)
 
 
@@ -71,6 +71,9 @@ def preflight(configs: list[str], overrides: list[str]) -> tuple[str | None, int
     from megarl.checkpoint.resume import resume_problem
 
     run_dir = run_dir_of(cfg)
+    for check in (_check_numbers, _check_run_dir, _check_model_files):
+        if (reason := check(cfg)) is not None:
+            return reason, nproc, run_dir
     if (reason := resume_problem(cfg, run_dir)) is not None:
         return reason, nproc, run_dir
     return _check_data(cfg), nproc, run_dir
@@ -82,24 +85,130 @@ def run_dir_of(cfg) -> Path:
 
 
 def _check_data(cfg) -> str | None:
-    """Read and tokenise the prompt files as every rank will (one line on a problem)."""
-    from pathlib import Path
-
+    """Read and tokenise the prompt files as every rank will, then check that they make a
+    global batch and that the reward function loads and scores their data sources."""
     from transformers import AutoTokenizer
 
     from megarl.data import PromptDataset
 
     model = cfg.actor_rollout_ref.model
-    tokenizer = AutoTokenizer.from_pretrained(
-        str(Path(model.tokenizer_path or model.path).expanduser())
-    )
-    splits = ["train"] + (["val"] if cfg.data.val_files else [])
+    where = Path(model.tokenizer_path or model.path).expanduser()
+    key = "tokenizer_path" if model.tokenizer_path else "path"
     try:
-        for split in splits:
-            PromptDataset.from_config(cfg.data, tokenizer, split, cfg.trainer.seed)
-    except (ValueError, OSError) as exc:
-        return " ".join(str(exc).split())
+        tokenizer = AutoTokenizer.from_pretrained(str(where))
+    except Exception as exc:  # noqa: BLE001 -- HF raises many kinds; one line names the key
+        return f"actor_rollout_ref.model.{key}={where}: no usable tokenizer ({_line(exc)})"
+    splits = ["train"] + (["val"] if cfg.data.val_files else [])
+    sources: set[str] = set()
+    for split in splits:
+        try:
+            dataset = PromptDataset.from_config(cfg.data, tokenizer, split, cfg.trainer.seed)
+        except (ValueError, OSError) as exc:
+            return _line(exc)
+        except Exception as exc:  # noqa: BLE001 -- e.g. the chat template on a malformed message
+            return f"data.{split}_files: {type(exc).__name__}: {_line(exc)}"
+        sources.update(dataset[i].data_source for i in range(len(dataset)))
+        if split == "train" and len(dataset) < cfg.data.train_batch_size:
+            return (
+                f"data.train_files: {len(dataset)} prompt(s) after filtering, fewer than one "
+                f"global batch (data.train_batch_size={cfg.data.train_batch_size})"
+            )
+    return _check_reward(cfg, sources)
+
+
+def _check_reward(cfg, sources: set[str]) -> str | None:
+    """The reward function loads, takes verl's keywords, and routes every ``data_source``."""
+    import inspect
+
+    from megarl.reward.loader import RewardFunctionError, ScorerSpec, load_scorer
+    from megarl.reward.scorers import UnsupportedDataSource, scorer_module_for
+
+    spec = ScorerSpec.from_config(cfg.custom_reward_function)
+    if spec.path is None:
+        if cfg.reward_model.enable:
+            return None
+        for source in sorted(sources):
+            try:
+                scorer_module_for(source)
+            except UnsupportedDataSource as exc:
+                return f"data: {_line(exc)}"
+        return None
+    try:
+        fn = load_scorer(spec)
+    except RewardFunctionError as exc:  # names the key and file already
+        return _line(exc)
+    except Exception as exc:  # noqa: BLE001 -- the user's file: syntax, import, anything
+        return f"custom_reward_function.path={spec.path}: cannot load it ({type(exc).__name__}: {_line(exc)})"
+    try:
+        signature = inspect.signature(fn)
+        signature.bind(
+            data_source="", solution_str="", ground_truth=None, extra_info=None,
+            **spec.reward_kwargs,
+        )  # fmt: skip
+    except (TypeError, ValueError) as exc:
+        return (
+            f"custom_reward_function.name={spec.name}: {spec.name}{signature} in {spec.path} "
+            "cannot be called as fn(data_source=, solution_str=, ground_truth=, extra_info=, "
+            f"**custom_reward_function.reward_kwargs) ({_line(exc)})"
+        )
     return None
+
+
+def _check_numbers(cfg) -> str | None:
+    """Every float in the config is finite (``optim.lr=nan`` names its key)."""
+    import dataclasses
+    import math
+
+    def walk(node, key: str) -> str | None:
+        if dataclasses.is_dataclass(node):
+            items = [(f.name, getattr(node, f.name)) for f in dataclasses.fields(node)]
+        elif isinstance(node, dict):
+            items = list(node.items())
+        else:
+            bad = isinstance(node, float) and not math.isfinite(node)
+            return f"{key}={node}: not a finite number" if bad else None
+        for name, value in items:
+            if (found := walk(value, f"{key}.{name}" if key else str(name))) is not None:
+                return found
+        return None
+
+    return walk(cfg, "")
+
+
+def _check_run_dir(cfg) -> str | None:
+    """The run directory can be created and written."""
+    run_dir = run_dir_of(cfg)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"trainer.default_local_dir={run_dir}: cannot be created ({exc.strerror})"
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        return f"trainer.default_local_dir={run_dir}: not writable"
+    return None
+
+
+def _check_model_files(cfg) -> str | None:
+    """Every local model's safetensors files have a readable header (a corrupt or truncated
+    download is named here, not as "header too large" on every rank)."""
+    from safetensors import safe_open
+
+    paths = [("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path)]
+    critic = getattr(getattr(cfg, "critic", None), "model", None)
+    if getattr(critic, "path", None):
+        paths.append(("critic.model.path", critic.path))
+    for key, path in paths:
+        folder = Path(str(path)).expanduser()
+        for file in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
+            try:
+                with safe_open(str(file), "pt") as f:
+                    f.keys()
+            except Exception as exc:  # noqa: BLE001 -- safetensors raises its own error types
+                return f"{key}={path}: {file.name} is unreadable ({_line(exc)})"
+    return None
+
+
+def _line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 if __name__ == "__main__":
