@@ -185,7 +185,7 @@ def test_stops_save_the_step_in_flight_and_the_relaunch_equals_the_uninterrupted
 
 def test_kill_9_of_the_launcher_leaves_nothing_running(tiny):
     run_dir = tiny["root"] / "launcher_killed"
-    proc = _start(tiny, run_dir)
+    proc = _start(tiny, run_dir, "trainer.total_training_steps=500")  # far past the 40 s
     _wait_for(lambda: _announced(run_dir), "the run to start")
     tree = _tree(proc)
     assert len(tree) >= 7  # launcher, torchrun, 2 ranks, 4 scoring workers
