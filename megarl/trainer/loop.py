@@ -65,7 +65,8 @@ def train(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
                 tracker.log_metrics(run.state.step, metrics)
             last_val, stopped = _loop(run, tracker, last_val, stop)
             tracker.finish("KILLED" if stopped else "FINISHED")
-            _farewell(run, first_val, last_val)
+            if not stopped:  # a stop has said its one line ("stopped after step N ...")
+                _farewell(run, first_val, last_val)
             return 0
         except BaseException as exc:
             if tracker is not None:

@@ -159,6 +159,7 @@ def _stop(tiny: dict, run_dir: Path, sig: signal.Signals, step: int, during_scor
     assert code == 0, out[-4000:]
     assert f"megarl: {sig.name} received" in out and "Traceback" not in out, out
     assert f"stopped after step {step}" in out and "error" not in out, out
+    assert "megarl: finished" not in out, out
     assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == str(step)
     assert not (run_dir / "STOP").exists()
     assert _survivors(tree, timeout=10) == []
