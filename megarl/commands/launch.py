@@ -51,6 +51,7 @@ _FAILURE = re.compile(
     r"\s*exitcode\s*: (?P<code>-?\d+) \(pid: (?P<pid>\d+)\)(?:\s*\((?P<signal>SIG\w+)\))?"
 )
 _SHOWN = ("megarl:", "warning:")
+_EXCEPTION = re.compile(r"^(?!.*ChildFailedError)[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b")
 
 
 def die_with_torchrun() -> None:
@@ -120,6 +121,10 @@ def run_torchrun(command: list[str], env: dict[str, str], run_dir: Path, **popen
         stop_file.unlink(missing_ok=True)  # honoured, or the run ended first: not for the next
     if code == 0:
         return 0
+    if len(requested) > 1:
+        where = f"logs: {log_path.parent}"
+        print(f"megarl: stopped at once without saving ({requested[1]}; {where})", file=sys.stderr)
+        return 128 + signal.Signals[f"{requested[1]}"].value
     summary, code = _failure_summary(log_path, errors, code)
     print(summary, file=sys.stderr)
     return code
@@ -148,8 +153,10 @@ def _failure_summary(log_path: Path, errors: list[str], code: int) -> tuple[str,
         return (first if "details:" in first else f"{first} ({where})"), status
     if code < 0:
         return f"error: torchrun ended by {_signal_name(-code)} ({where})", 1
-    tail = [ln for ln in text.splitlines() if ln.strip()][-1:] or ["no output"]
-    return f"error: the ranks failed ({tail[0].strip()}; {where})", status
+    # No error: line (a rank died before its console was up): the last exception line.
+    raised = [ln.strip() for ln in text.splitlines() if _EXCEPTION.match(ln)]
+    last = raised[-1] if raised else "no exception in the log"
+    return f"error: the ranks failed ({last}; {where})", status
 
 
 def _signal_name(number: int) -> str:
