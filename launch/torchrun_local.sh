@@ -8,8 +8,10 @@
 #   MEGARL_PYTHON  interpreter with megarl installed (default: python)
 #   MEGARL_TRAIN_MODULE  module torchrun runs (default: megarl.train)
 #
-# torchrun replaces this shell (exec), so Ctrl-C and SIGTERM reach it directly and it forwards
-# them to the ranks (the stop protocol); a stop file (<run dir>/STOP) works here too.
+# `megarl train` replaces this shell (exec): its pre-flight checks the run before anything is
+# launched, then it runs torchrun; Ctrl-C, SIGTERM and SIGUSR1 become the trainer's stop
+# request (a checkpoint of the step in flight, exit 0), a failure inside the ranks is one line,
+# and killing it takes the ranks down (issue 23). A stop file (<run dir>/STOP) works here too.
 set -euo pipefail
 
 CONFIG=${1:?usage: launch/torchrun_local.sh CONFIG.yaml [key=value ...]}
@@ -20,5 +22,5 @@ if ((GPUS == 0)); then
 fi
 NPROC=${MEGARL_NPROC:-$GPUS}
 
-exec "${MEGARL_PYTHON:-python}" -m torch.distributed.run --standalone --nproc-per-node="$NPROC" \
-    -m "${MEGARL_TRAIN_MODULE:-megarl.train}" --config "$CONFIG" "$@" trainer.nnodes=1 "trainer.n_gpus_per_node=$NPROC"
+exec "${MEGARL_PYTHON:-python}" -m megarl.cli train \
+    --config "$CONFIG" "$@" trainer.nnodes=1 "trainer.n_gpus_per_node=$NPROC"

@@ -101,6 +101,36 @@ def resume_problem(cfg: Any, run_dir: Path) -> str | None:
         if ckpt is not None:
             arr = cfg.actor_rollout_ref
             check_model_fits(ckpt, "actor", "actor_rollout_ref.model.path", arr.model.path)
+            check_checkpoint_files(ckpt)
     except CheckpointError as exc:
         return str(exc)
     return None
+
+
+def check_checkpoint_files(ckpt: Path) -> None:
+    """The files a resume reads are there and whole: the JSON files parse, and every
+    ``.distcp`` shard is long enough for each tensor the metadata places in it (a truncated
+    copy is named here, not as a flattened torch traceback on every rank). Raises
+    ``CheckpointError`` naming the file."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    read_json(ckpt / "trainer_state.json")
+    for role in sorted(p for p in ckpt.iterdir() if (p / META_FILE).is_file()):
+        read_json(role / META_FILE)
+        try:
+            metadata = FileSystemReader(str(role)).read_metadata()
+        except Exception as exc:  # noqa: BLE001 -- torch raises several kinds here
+            raise CheckpointError(f"cannot read {role / '.metadata'}: {exc}") from None
+        needed: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            end = info.offset + info.length
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+        for name, end in sorted(needed.items()):
+            shard = role / name
+            size = shard.stat().st_size if shard.is_file() else -1
+            if size < 0:
+                raise CheckpointError(f"checkpoint shard {shard} is missing")
+            if size < end:
+                raise CheckpointError(
+                    f"checkpoint shard {shard} is truncated ({size} bytes, the metadata needs {end})"
+                )

@@ -2,7 +2,8 @@
 
 Makes the tiny random Qwen2 checkpoint (``outputs/tiny-qwen2``) and the synthetic task's data
 (``outputs/tiny-data``) when they are missing, then trains ``configs/grpo_tiny_cpu.yaml`` with 2
-processes (actor TP 2, vLLM TP 2) under torchrun: per-step summary lines, a progress bar, and at
+processes (actor TP 2, vLLM TP 2) through ``megarl train`` (its pre-flight, stop protocol and
+one-line failures): per-step summary lines, a progress bar, and at
 the end where the outputs are and the validation reward before and after training.
 
     python -m megarl.commands.quickstart [--out outputs] [--config CONFIG] [KEY=VALUE ...]
@@ -45,18 +46,20 @@ def main(argv: list[str] | None = None) -> int:
 
         write_synthetic_data(data)
         print(f"megarl: wrote the synthetic task's data to {data}", flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    command = [
-        py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-        "-m", "megarl.train", "--config", str(Path(args.config).resolve()),
+    # Through ``megarl train``: its pre-flight checks, the stop protocol (Ctrl-C saves the
+    # step in flight), and a failure inside the ranks as one line (issue 23).
+    from megarl.commands import train
+
+    os.chdir(REPO)  # as before: the ranks run from the repository (relative overrides too)
+    return train.main([
+        "--config", str(Path(args.config).resolve()),
         f"actor_rollout_ref.model.path={model}",
         f"data.train_files={data / 'train.parquet'}",
         f"data.val_files={data / 'test.parquet'}",
         f"trainer.default_local_dir={out / 'runs' / 'grpo_tiny_cpu'}",
+        f"trainer.n_gpus_per_node={args.nproc}",
         *overrides,
-    ]  # fmt: skip
-    result = subprocess.run(command, env=env, cwd=REPO, check=False)
-    return result.returncode
+    ])  # fmt: skip
 
 
 if __name__ == "__main__":

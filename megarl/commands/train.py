@@ -5,9 +5,11 @@ it first checks what would otherwise fail on every rank — the config with its 
 size, the data files (read and tokenised: a missing file, an overlong prompt with
 ``truncation=error``), what the trainer runs, the checkpoint a resume would load (missing, or
 of another architecture) — and answers a problem in one line with exit 2,
-then starts ``torchrun --standalone`` with ``trainer.n_gpus_per_node`` processes (torchrun itself
-prints a traceback whenever a worker fails, which is why the checks come first). SIGINT, SIGTERM
-and SIGUSR1 are passed on to torchrun (the trainer's stop protocol).
+then starts ``torchrun --standalone`` with ``trainer.n_gpus_per_node`` processes through
+:mod:`megarl.commands.launch`: SIGINT, SIGTERM and SIGUSR1 become the trainer's stop request
+(a checkpoint of the step in flight, exit 0; a second signal stops at once), torchrun's own
+output goes to the run's log directory, and a failure inside the ranks is one line.
+``MEGARL_TRAIN_MODULE`` replaces the module torchrun runs (``megarl.train``).
 
     megarl train -c X.yaml [-c Y.yaml] [KEY=VALUE ...] [--verbose]
 """
@@ -15,15 +17,11 @@ and SIGUSR1 are passed on to torchrun (the trainer's stop protocol).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 EXIT_INPUT_ERROR = 2
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 def main(argv: list[str]) -> int:
@@ -42,38 +40,20 @@ def main(argv: list[str]) -> int:
 
     if os.environ.get("WORLD_SIZE"):
         return train.run(args.config, overrides)
-    problem, nproc = preflight(args.config, overrides)
+    problem, nproc, run_dir = preflight(args.config, overrides)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return EXIT_INPUT_ERROR
+    from megarl.commands.launch import run_torchrun, torchrun_command
+
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc_per_node", str(nproc), "-m", "megarl.train",
-        *(f"--config={c}" for c in args.config), *overrides,
-    ]  # fmt: skip
-    return run_forwarding_signals(command, env)
+    module = os.environ.get("MEGARL_TRAIN_MODULE") or "megarl.train"
+    configs = [a for c in args.config for a in ("--config", c)]
+    return run_torchrun(torchrun_command(nproc, module, [*configs, *overrides]), env, run_dir)
 
 
-def run_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
-    """Run torchrun and hand it SIGINT/SIGTERM/SIGUSR1 (``subprocess.run`` would SIGKILL it on
-    Ctrl-C and orphan its workers); torchrun passes them on to the ranks (stop protocol)."""
-    child = subprocess.Popen(command, env=env)
-
-    def forward(signum: int, _frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            child.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
-    try:
-        return child.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def preflight(configs: list[str], overrides: list[str]) -> tuple[str | None, int]:
-    """(the first problem as one line or None, processes to launch)."""
+def preflight(configs: list[str], overrides: list[str]) -> tuple[str | None, int, Path]:
+    """(the first problem as one line or None, processes to launch, the run directory)."""
     from megarl.config import ConfigError, load_config, validate
 
     try:
@@ -83,16 +63,20 @@ def preflight(configs: list[str], overrides: list[str]) -> tuple[str | None, int
                 f"trainer.nnodes={cfg.trainer.nnodes}: a multi-node run is launched by Slurm "
                 "(launch/*.slurm) or torchrun on every node, not by megarl train"
             )
-            return reason, 0
+            return reason, 0, Path()
         nproc = cfg.trainer.n_gpus_per_node
         validate(cfg, nproc, check_paths=True)
     except ConfigError as exc:
-        return " ".join(str(exc).split()), 0
+        return " ".join(str(exc).split()), 0, Path()
     from megarl.checkpoint.resume import resume_problem
 
-    if (reason := resume_problem(cfg, run_dir_of(cfg))) is not None:
-        return reason, nproc
-    return _check_data(cfg), nproc
+    run_dir = run_dir_of(cfg)
+    for check in (_check_numbers, _check_run_dir, _check_model_files):
+        if (reason := check(cfg)) is not None:
+            return reason, nproc, run_dir
+    if (reason := resume_problem(cfg, run_dir)) is not None:
+        return reason, nproc, run_dir
+    return _check_data(cfg), nproc, run_dir
 
 
 def run_dir_of(cfg) -> Path:
@@ -101,24 +85,130 @@ def run_dir_of(cfg) -> Path:
 
 
 def _check_data(cfg) -> str | None:
-    """Read and tokenise the prompt files as every rank will (one line on a problem)."""
-    from pathlib import Path
-
+    """Read and tokenise the prompt files as every rank will, then check that they make a
+    global batch and that the reward function loads and scores their data sources."""
     from transformers import AutoTokenizer
 
     from megarl.data import PromptDataset
 
     model = cfg.actor_rollout_ref.model
-    tokenizer = AutoTokenizer.from_pretrained(
-        str(Path(model.tokenizer_path or model.path).expanduser())
-    )
-    splits = ["train"] + (["val"] if cfg.data.val_files else [])
+    where = Path(model.tokenizer_path or model.path).expanduser()
+    key = "tokenizer_path" if model.tokenizer_path else "path"
     try:
-        for split in splits:
-            PromptDataset.from_config(cfg.data, tokenizer, split, cfg.trainer.seed)
-    except (ValueError, OSError) as exc:
-        return " ".join(str(exc).split())
+        tokenizer = AutoTokenizer.from_pretrained(str(where))
+    except Exception as exc:  # noqa: BLE001 -- HF raises many kinds; one line names the key
+        return f"actor_rollout_ref.model.{key}={where}: no usable tokenizer ({_line(exc)})"
+    splits = ["train"] + (["val"] if cfg.data.val_files else [])
+    sources: set[str] = set()
+    for split in splits:
+        try:
+            dataset = PromptDataset.from_config(cfg.data, tokenizer, split, cfg.trainer.seed)
+        except (ValueError, OSError) as exc:
+            return _line(exc)
+        except Exception as exc:  # noqa: BLE001 -- e.g. the chat template on a malformed message
+            return f"data.{split}_files: {type(exc).__name__}: {_line(exc)}"
+        sources.update(dataset[i].data_source for i in range(len(dataset)))
+        if split == "train" and len(dataset) < cfg.data.train_batch_size:
+            return (
+                f"data.train_files: {len(dataset)} prompt(s) after filtering, fewer than one "
+                f"global batch (data.train_batch_size={cfg.data.train_batch_size})"
+            )
+    return _check_reward(cfg, sources)
+
+
+def _check_reward(cfg, sources: set[str]) -> str | None:
+    """The reward function loads, takes verl's keywords, and routes every ``data_source``."""
+    import inspect
+
+    from megarl.reward.loader import RewardFunctionError, ScorerSpec, load_scorer
+    from megarl.reward.scorers import UnsupportedDataSource, scorer_module_for
+
+    spec = ScorerSpec.from_config(cfg.custom_reward_function)
+    if spec.path is None:
+        if cfg.reward_model.enable:
+            return None
+        for source in sorted(sources):
+            try:
+                scorer_module_for(source)
+            except UnsupportedDataSource as exc:
+                return f"data: {_line(exc)}"
+        return None
+    try:
+        fn = load_scorer(spec)
+    except RewardFunctionError as exc:  # names the key and file already
+        return _line(exc)
+    except Exception as exc:  # noqa: BLE001 -- the user's file: syntax, import, anything
+        return f"custom_reward_function.path={spec.path}: cannot load it ({type(exc).__name__}: {_line(exc)})"
+    try:
+        signature = inspect.signature(fn)
+        signature.bind(
+            data_source="", solution_str="", ground_truth=None, extra_info=None,
+            **spec.reward_kwargs,
+        )  # fmt: skip
+    except (TypeError, ValueError) as exc:
+        return (
+            f"custom_reward_function.name={spec.name}: {spec.name}{signature} in {spec.path} "
+            "cannot be called as fn(data_source=, solution_str=, ground_truth=, extra_info=, "
+            f"**custom_reward_function.reward_kwargs) ({_line(exc)})"
+        )
     return None
+
+
+def _check_numbers(cfg) -> str | None:
+    """Every float in the config is finite (``optim.lr=nan`` names its key)."""
+    import dataclasses
+    import math
+
+    def walk(node, key: str) -> str | None:
+        if dataclasses.is_dataclass(node):
+            items = [(f.name, getattr(node, f.name)) for f in dataclasses.fields(node)]
+        elif isinstance(node, dict):
+            items = list(node.items())
+        else:
+            bad = isinstance(node, float) and not math.isfinite(node)
+            return f"{key}={node}: not a finite number" if bad else None
+        for name, value in items:
+            if (found := walk(value, f"{key}.{name}" if key else str(name))) is not None:
+                return found
+        return None
+
+    return walk(cfg, "")
+
+
+def _check_run_dir(cfg) -> str | None:
+    """The run directory can be created and written."""
+    run_dir = run_dir_of(cfg)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"trainer.default_local_dir={run_dir}: cannot be created ({exc.strerror})"
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        return f"trainer.default_local_dir={run_dir}: not writable"
+    return None
+
+
+def _check_model_files(cfg) -> str | None:
+    """Every local model's safetensors files have a readable header (a corrupt or truncated
+    download is named here, not as "header too large" on every rank)."""
+    from safetensors import safe_open
+
+    paths = [("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path)]
+    critic = getattr(getattr(cfg, "critic", None), "model", None)
+    if getattr(critic, "path", None):
+        paths.append(("critic.model.path", critic.path))
+    for key, path in paths:
+        folder = Path(str(path)).expanduser()
+        for file in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
+            try:
+                with safe_open(str(file), "pt") as f:
+                    f.keys()
+            except Exception as exc:  # noqa: BLE001 -- safetensors raises its own error types
+                return f"{key}={path}: {file.name} is unreadable ({_line(exc)})"
+    return None
+
+
+def _line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 if __name__ == "__main__":

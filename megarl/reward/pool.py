@@ -14,11 +14,20 @@ GPU memory or threads, and, unlike multiprocessing's spawn and forkserver childr
 does not re-import the trainer's ``__main__`` module. Parent and worker talk over a socket
 pair with ``multiprocessing.connection`` framing; a worker whose parent dies reads EOF and
 exits. A scorer may start processes of its own (verl's Math-Verify wrapper does).
+
+Stops and preemption (issue 23): torchrun starts each rank in a session of its own and, when it
+is signalled, ``killpg``s that session, which would take the rank's scoring workers with it in
+the middle of the step the rank is finishing before its checkpoint. Each worker therefore runs
+in a session of its own, and the kernel kills it when its rank dies (``PR_SET_PDEATHSIG``), so
+it can neither outlive the rank nor be lost before it. A worker found dead while idle is
+replaced before it is given a sample, and a sample whose worker was killed by a signal is
+scored once more on a fresh worker.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -54,7 +63,8 @@ class Outcome:
 
 _BOOT = (
     "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
-    "from megarl.reward.worker import serve_fd; serve_fd(int(sys.argv[2]), sys.argv[3])"
+    "from megarl.reward.worker import serve_fd, die_with_parent; "
+    "die_with_parent(int(sys.argv[4])); serve_fd(int(sys.argv[2]), sys.argv[3])"
 )
 
 
@@ -65,10 +75,14 @@ class _Worker:
         parent, child = socket.socketpair()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, json.dumps(sys.path), str(child.fileno()), spec_json],
+                [
+                    sys.executable, "-c", _BOOT, json.dumps(sys.path), str(child.fileno()),
+                    spec_json, str(os.getpid()),
+                ],
                 pass_fds=(child.fileno(),),
                 stdin=subprocess.DEVNULL,
-            )
+                start_new_session=True,  # out of reach of torchrun's killpg of the rank
+            )  # fmt: skip
         finally:
             child.close()
         self.conn = Connection(parent.detach())
@@ -129,9 +143,13 @@ class ScoringPool:
             raise RuntimeError("the scoring pool is closed")
         pending: deque[Task] = deque(tasks)
         done: dict[int, Outcome] = {}
+        retried: set[int] = set()
         while pending or any(w.task is not None for w in self._workers):
             now = time.monotonic()
-            for w in self._workers:
+            for slot, w in enumerate(list(self._workers)):
+                if w.ready and w.task is None and w.proc.poll() is not None:
+                    w.stop(kill=True)  # died while idle (a signal meant for the rank): replace
+                    self._workers[slot] = w = self._start_worker()
                 if w.ready and w.task is None and pending:
                     w.task, w.deadline = pending.popleft(), now + self.timeout_s
                     w.conn.send(w.task)
@@ -140,7 +158,9 @@ class ScoringPool:
             readable = set(wait([w.conn for w in watched], timeout=wait_s))
             for slot, w in enumerate(list(self._workers)):
                 if not w.ready:
-                    self._check_start(w, w.conn in readable)
+                    if self._check_start(w, w.conn in readable):  # killed by a signal
+                        w.stop(kill=True)
+                        self._workers[slot] = self._start_worker()
                     continue
                 if w.task is None:
                     continue
@@ -152,7 +172,12 @@ class ScoringPool:
                     )
                 else:
                     continue
-                done[outcome.index] = outcome
+                killed = outcome.status == "error" and (w.proc.poll() or 0) < 0
+                if killed and outcome.index not in retried:
+                    retried.add(outcome.index)  # killed by a signal, not by its sample: again
+                    pending.appendleft(w.task)
+                else:
+                    done[outcome.index] = outcome
                 if outcome.status == "ok" or outcome.status == "error" and w.proc.poll() is None:
                     w.task = None
                 else:  # timed out or died: kill, reap and replace
@@ -165,21 +190,24 @@ class ScoringPool:
         w.deadline = time.monotonic() + START_TIMEOUT_S
         return w
 
-    def _check_start(self, w: _Worker, readable: bool) -> None:
-        """A starting worker reports ready (its scorer loaded) before the clock runs for it."""
+    def _check_start(self, w: _Worker, readable: bool) -> bool:
+        """A starting worker reports ready (its scorer loaded) before the clock runs for it;
+        True when a signal killed it on the way (replace it), raises when it failed."""
         if readable:
             try:
                 reply = w.conn.recv()
             except (EOFError, OSError):
-                reply = ("failed", f"it exited with code {w.proc.wait()}")
+                if (code := w.proc.wait()) < 0:
+                    return True
+                reply = ("failed", f"it exited with code {code}")
             if reply[0] == "ready":
                 w.ready = True
-                return
+                return False
             problem = reply[1]
         elif time.monotonic() >= w.deadline:
             problem = f"it was not ready after {START_TIMEOUT_S:g} s"
         else:
-            return
+            return False
         self.close()
         raise RuntimeError(f"a scoring worker for {self.spec.label} failed to start: {problem}")
 

@@ -23,9 +23,10 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from megarl.checkpoint.processes import die_with_parent
 from megarl.reward.loader import ScorerSpec, load_scorer
 
-__all__ = ["normalise_result", "serve", "serve_fd"]
+__all__ = ["die_with_parent", "normalise_result", "serve", "serve_fd"]
 
 
 class BadResult(TypeError):

@@ -193,7 +193,8 @@ class MlflowSink:
             self._down_since = time.monotonic()
             self._notify(
                 f"MLflow at {self._state.tracking_uri} does not answer ({_one_line(exc)}); "
-                f"metrics stay in {self.run_dir} and are sent when it is back"
+                f"metrics stay in {self.run_dir} and are sent when it is back, or later with "
+                f"`megarl tracking sync {self.run_dir}`"
             )
         self._sleep(backoff)
 

@@ -181,6 +181,11 @@ def make_sinks(
 def make_tracker(cfg: Any, *, rank: int, world_size: int, **kwargs: Any) -> Tracker:
     """``make_sinks`` with every setting taken from a resolved ``MegarlConfig``."""
     t = cfg.trainer
+    if "notify" not in kwargs and "console_write" in kwargs:
+        # Tracking notices (a server that does not answer) on the trainer's console, not only
+        # in rank 0's log file where its stderr goes (issue 23).
+        write = kwargs["console_write"]
+        kwargs["notify"] = lambda message: write(f"megarl tracking: {message}")
     return make_sinks(
         t.logger,
         run_dir_of(cfg),

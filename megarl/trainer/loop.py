@@ -65,7 +65,8 @@ def train(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
                 tracker.log_metrics(run.state.step, metrics)
             last_val, stopped = _loop(run, tracker, last_val, stop)
             tracker.finish("KILLED" if stopped else "FINISHED")
-            _farewell(run, first_val, last_val)
+            if not stopped:  # a stop has said its one line ("stopped after step N ...")
+                _farewell(run, first_val, last_val)
             return 0
         except BaseException as exc:
             if tracker is not None:
@@ -73,13 +74,18 @@ def train(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
             if isinstance(exc, KeyboardInterrupt):
                 raise
             console.error(f"error: {_one_line(exc)} (details: {console.log_path})")
-            if verbose or not isinstance(
-                exc, TrainingError | ValueError | FileNotFoundError | CheckpointError
-            ):
+            # An input error (a bad file, value or checkpoint) exits 2, as the launcher's
+            # pre-flight does; the launcher reads that from torchrun's report (issue 23).
+            from megarl.reward.manager import RewardError  # the user's scorer failed
+
+            input_error = isinstance(
+                exc, ValueError | FileNotFoundError | CheckpointError | RewardError
+            )
+            if verbose or not (input_error or isinstance(exc, TrainingError)):
                 import traceback
 
                 traceback.print_exc()  # into the log file unless verbose
-            return 1
+            return 2 if input_error else 1
         finally:
             stop.restore()
             stop_writer_processes()

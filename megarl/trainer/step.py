@@ -8,6 +8,7 @@ weight sync → metrics. Every rank runs the same code on the same global batch 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -277,13 +278,40 @@ def _score(run, prompts, samples, batch: RolloutTensors, step: int, dump) -> Rew
             [prompts[s.prompt_index].raw_prompt for s in samples],
             [s.response_token_ids for s in samples],
         )
-    return run.rewards(
+    scored = run.rewards(
         inputs,
         response_width=batch.response_mask.shape[1],
         dump_dir=dump,
         step=step,
         model_scores=model_scores,
     )
+    _check_timeouts(run, scored, step)
+    return scored
+
+
+TIMEOUT_WARNING_SHARE = 0.5
+"""A step whose share of timed-out scorings exceeds this warns on the console (issue 23)."""
+ALLOW_ALL_TIMEOUTS_ENV = "MEGARL_ALLOW_ALL_REWARD_TIMEOUTS"
+
+
+def _check_timeouts(run, scored: RewardResult, step: int) -> None:
+    """Timeouts score 0: say so on the console when they are many, and stop the run when
+    every sample timed out (training on all-zero rewards), unless ``$MEGARL_ALLOW_ALL_REWARD_
+    TIMEOUTS=1``. Every rank sees the same outcomes, so every rank decides alike."""
+    n, timed_out = scored.timed_out.numel(), int(scored.timed_out.sum())
+    if n == 0 or timed_out <= TIMEOUT_WARNING_SHARE * n:
+        return
+    limit = run.cfg.reward_model.compute_score_timeout
+    what = f"step {step}: {timed_out} of {n} samples' scoring timed out ("
+    what += f"reward_model.compute_score_timeout={limit:g} s) and scored 0"
+    if timed_out == n and os.environ.get(ALLOW_ALL_TIMEOUTS_ENV, "0") in ("", "0"):
+        from megarl.reward.manager import RewardError
+
+        raise RewardError(
+            f"{what}: stopping rather than training on nothing (raise the limit, fix the "
+            f"scorer, or set {ALLOW_ALL_TIMEOUTS_ENV}=1 to train on)"
+        )
+    run.console.print(f"megarl: warning: {what}")
 
 
 def _stats(name: str, values: torch.Tensor) -> dict[str, float]:

@@ -12,7 +12,7 @@ from a run of its own) and must continue exactly as the reference did. Launches 
 - layout (1): resumed at TP1×PP2 (distributed optimizer) with a changed lr under the
   checkpoint policy, stopped through the STOP file: step 3 equals the reference's;
 - SIGINT (2): ``megarl train`` resumed with a changed lr runs step 3 with the config's lr
-  (default policy), then SIGINT: every process gone, no new checkpoint; the next launch loads
+  (default policy), then SIGINT twice (the second: stop now, unsaved): every process gone, no new checkpoint; the next launch loads
   step 2 at DP2 (distributed optimizer) and its step 3 equals the reference's;
 - SIGTERM (3): ``ppo_epochs=2`` PPO with a critic; SIGTERM to one rank: saved after the step,
   exit 0, the relaunch finishes the run and equals an uninterrupted run (the diamond with
@@ -287,7 +287,11 @@ def test_sigint_exits_without_saving_and_the_last_checkpoint_loads_at_dp2(tiny, 
     proc = _start(tiny, run_dir, lr, env=held, launcher=True)
     _wait_for(lambda: _stepped(run_dir, 3), "step 3")
     job = _family(proc)
-    proc.send_signal(signal.SIGINT)  # to the launcher alone, during step 4; it passes it on
+    # To the launcher alone, during step 4: the first SIGINT asks for a stop with a checkpoint
+    # (issue 23), the second one means now, unsaved: the launcher passes it on to torchrun.
+    proc.send_signal(signal.SIGINT)
+    _wait_for(lambda: "SIGINT received" in proc.out_path.read_text(), "the launcher's answer")
+    proc.send_signal(signal.SIGINT)
     code, out = _finish(proc, timeout=TORCHRUN_KILL_GRACE_S + 60)
     assert code != 0
     assert _survivors(job, timeout=30) == []

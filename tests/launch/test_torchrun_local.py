@@ -20,17 +20,45 @@ ENV = {
 }
 
 
-def test_torchrun_local_passes_config_and_overrides_to_2_ranks():
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> list[str]:
+    from megarl.commands import data
+    from megarl.models.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(root / "model", family="qwen2")
+    assert data.main(["synth", "--out", str(root / "data"), "--train-size", "64"]) == 0
+    return [
+        f"actor_rollout_ref.model.path={root / 'model'}",
+        f"data.train_files={root / 'data' / 'train.parquet'}",
+        f"data.val_files={root / 'data' / 'test.parquet'}",
+        f"trainer.default_local_dir={root / 'run'}",
+    ]
+
+
+def test_torchrun_local_passes_config_and_overrides_to_2_ranks(tiny):
+    """Through ``megarl train`` (its pre-flight passes: real tiny files) to torchrun's ranks."""
     env = {**ENV, "MEGARL_TRAIN_MODULE": "tests.launch._gloo_payload"}
     done = subprocess.run(
-        ["launch/torchrun_local.sh", "configs/grpo_tiny_cpu.yaml", "trainer.seed=7"],
+        ["launch/torchrun_local.sh", "configs/grpo_tiny_cpu.yaml", *tiny, "trainer.seed=7"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    args = "--config configs/grpo_tiny_cpu.yaml trainer.seed=7 trainer.nnodes=1 "
+    args = f"--config configs/grpo_tiny_cpu.yaml {' '.join(tiny)} trainer.seed=7 trainer.nnodes=1 "
     args += "trainer.n_gpus_per_node=2"
     for rank in (0, 1):
         assert f"rank {rank} of 2: sum 3, args {args}" in done.stdout
+
+
+def test_torchrun_local_checks_before_launching():
+    """The pre-flight of ``megarl train``: one line, exit 2, nothing launched (issue 23)."""
+    done = subprocess.run(
+        ["launch/torchrun_local.sh", "configs/grpo_tiny_cpu.yaml", "data.train_files=/no/t.parquet"],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
+    assert "/no/t.parquet" in lines[0] and "Traceback" not in done.stderr
 
 
 def test_run_dir_command_resolves_the_config(tmp_path):

@@ -1,0 +1,166 @@
+"""Run torchrun on this machine for ``megarl train`` and the quickstart: the outside of the stop
+protocol, and one line for a failure inside the ranks (issue 23).
+
+- **Stops.** torchrun runs in a session of its own, so a terminal's Ctrl-C reaches this launcher
+  only. The first SIGTERM, SIGUSR1 or SIGINT writes ``<run dir>/STOP``: every rank finishes the
+  step in flight, saves a checkpoint and exits 0 (:mod:`megarl.checkpoint.stop`); torchrun itself
+  is never signalled, so it neither kills the ranks 30 s later nor prints a traceback. A second
+  signal means stop now without saving: torchrun gets SIGINT and passes it on. torchrun does
+  not handle SIGUSR1 (it would die of it); it never sees one from here.
+- **Nothing left running.** torchrun is started with a parent-death signal (SIGKILL when this
+  launcher dies, ``kill -9`` included), each rank sets the same against torchrun
+  (:func:`die_with_torchrun`), and scoring workers and checkpoint writers against their rank:
+  the kernel takes the whole tree down.
+- **One line.** torchrun's own output (its log lines and ``ChildFailedError`` report) and
+  whatever the ranks write to stderr go to ``<run dir>/logs/torchrun.log``; the console keeps
+  megarl's own lines (``megarl: ...``, ``warning: ...``; rank 0's progress goes to stdout
+  directly). When the ranks fail, the first ``error:`` line is printed once with where the logs
+  are, and the exit status is 2 when a rank exited 2 (an input error) and 1 otherwise; a rank
+  killed by a signal is named (rank, host, signal) instead of the survivors' broken-connection
+  errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from megarl.tracking.paths import STOP_FILE
+
+EXIT_INPUT_ERROR = 2
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+LOG_NAME = "torchrun.log"
+
+# Started as ``python -c _EXEC_DYING_WITH_PARENT <launcher pid> <argv...>``: set the parent-death
+# signal, then become torchrun (the setting survives exec; no preexec_fn in a threaded parent).
+_EXEC_DYING_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)\n"
+    "    if os.getppid() != int(sys.argv[1]):\n"
+    "        os._exit(1)\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
+)
+_FAILURE = re.compile(
+    r"host\s*: (?P<host>\S+)\s*\n\s*rank\s*: (?P<rank>\d+).*\n"
+    r"\s*exitcode\s*: (?P<code>-?\d+) \(pid: (?P<pid>\d+)\)(?:\s*\((?P<signal>SIG\w+)\))?"
+)
+_SHOWN = ("megarl:", "warning:")
+_EXCEPTION = re.compile(r"^(?!.*ChildFailedError)[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b")
+
+
+def die_with_torchrun() -> None:
+    """In a rank started by torchrun: the kernel SIGKILLs this rank when torchrun dies."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        from megarl.checkpoint.processes import die_with_parent
+
+        die_with_parent(os.getppid())
+
+
+def torchrun_command(nproc: int, module: str, args: list[str]) -> list[str]:
+    """``python -m torch.distributed.run --standalone`` running ``module`` with ``args``."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc_per_node", str(nproc), "-m", module, *args,
+    ]  # fmt: skip
+
+
+def run_torchrun(command: list[str], env: dict[str, str], run_dir: Path, **popen) -> int:
+    """Run ``command`` (torchrun) as described in the module docstring; its exit status."""
+    run_dir = Path(run_dir)
+    log_path = run_dir / "logs" / LOG_NAME
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    stop_file = run_dir / STOP_FILE
+    verbose = env.get("MEGARL_VERBOSE", "0") not in ("", "0")
+    child = subprocess.Popen(
+        [sys.executable, "-c", _EXEC_DYING_WITH_PARENT, str(os.getpid()), *command[1:]],
+        env=env,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        **popen,
+    )
+    requested: list[str] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        name = signal.Signals(signum).name
+        if not requested:
+            stop_file.touch()
+            note = "the run stops after the step in flight with a checkpoint (again: now, unsaved)"
+            os.write(2, f"megarl: {name} received: {note}\n".encode())
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signal.SIGINT)
+        requested.append(name)
+
+    previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+    errors: list[str] = []
+    try:
+        with open(log_path, "a", encoding="utf-8", errors="replace") as log:
+            assert child.stderr is not None
+            for raw in child.stderr:
+                line = raw.decode(errors="replace")
+                log.write(line)
+                log.flush()
+                if verbose:
+                    sys.stderr.write(line)
+                elif line.startswith("error:"):
+                    errors.append(line.strip())
+                elif line.startswith(_SHOWN) and not line.startswith("megarl: failed after"):
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if requested:
+        stop_file.unlink(missing_ok=True)  # honoured, or the run ended first: not for the next
+    if code == 0:
+        return 0
+    if len(requested) > 1:
+        where = f"logs: {log_path.parent}"
+        print(f"megarl: stopped at once without saving ({requested[1]}; {where})", file=sys.stderr)
+        return 128 + signal.Signals[f"{requested[1]}"].value
+    summary, code = _failure_summary(log_path, errors, code)
+    print(summary, file=sys.stderr)
+    return code
+
+
+def _failure_summary(log_path: Path, errors: list[str], code: int) -> tuple[str, int]:
+    """(the one line to print, the exit status) for a failed torchrun."""
+    text = log_path.read_text(errors="replace")
+    failures = list(_FAILURE.finditer(text))
+    where = f"logs: {log_path.parent}"
+    # A rank the OS or an operator killed (not torchrun's own SIGTERM to the survivors): name it,
+    # rather than the survivors' "Connection closed by peer".
+    killed = [
+        f for f in failures if int(f["code"]) < 0 and f["signal"] not in ("SIGTERM", "SIGINT")
+    ]
+    if killed:
+        f = killed[0]
+        line = (
+            f"error: rank {f['rank']} (pid {f['pid']}) on {f['host']} died of "
+            f"{f['signal'] or _signal_name(-int(f['code']))}; the run ended ({where})"
+        )
+        return line, 1
+    status = EXIT_INPUT_ERROR if any(int(f["code"]) == EXIT_INPUT_ERROR for f in failures) else 1
+    if errors:
+        first = errors[0]
+        return (first if "details:" in first else f"{first} ({where})"), status
+    if code < 0:
+        return f"error: torchrun ended by {_signal_name(-code)} ({where})", 1
+    # No error: line (a rank died before its console was up): the last exception line.
+    raised = [ln.strip() for ln in text.splitlines() if _EXCEPTION.match(ln)]
+    last = raised[-1] if raised else "no exception in the log"
+    return f"error: the ranks failed ({last}; {where})", status
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -1,0 +1,231 @@
+"""Faults and stops against the real trainer through ``megarl train`` (issue 23), 2 CPU ranks.
+
+Launches are the cost (each imports Megatron on two ranks), so they are few and each serves
+several checks:
+
+- the stop diamond (5 launches): an uninterrupted 4-step reference; then one run stopped by
+  SIGUSR1 before scoring (step 1), resumed and stopped by SIGTERM while its scorer is scoring
+  (step 2), resumed and stopped by SIGTERM before scoring (step 3), and resumed to the end.
+  Each stop: exit 0, a checkpoint of the step in flight, the launcher's acknowledgement and the
+  trainer's stop line, no traceback, no process of the launch alive (scoring workers included).
+  The resumed run equals the reference (metrics of every step, prompts, final weights);
+- ``kill -9`` of the launcher (1 launch): nothing of the launch runs 40 s later;
+- ``kill -9`` of rank 1 (1 launch): exit 1, one line naming rank 1 and SIGKILL;
+- an error inside the ranks (1 launch: the scorer raises): exit 2, the first rank's ``error:``
+  line once with where the logs are, no traceback; torchrun's report in ``logs/torchrun.log``.
+
+Scoring is driven by a custom reward file: while ``<root>/hold`` exists each sample touches
+``<root>/hold.scoring`` and takes 0.3 s, so a test can signal in the middle of scoring.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.checkpoint.test_trainer_checkpoint import (
+    _largest_difference,
+    _metrics,
+    _prompts,
+    _survivors,
+    _wait_for,
+    _weight_difference,
+)
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.slow, pytest.mark.multirank]
+
+SCORER = """
+import os, time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, hold=None, **kw):
+    if "raise" in solution_str or (hold and os.path.exists(hold + ".raise")):
+        raise ValueError("cannot score " + repr(solution_str[:20]))
+    if hold and os.path.exists(hold):
+        open(hold + ".scoring", "w").close()
+        time.sleep(0.3)
+    return float(len(solution_str) % 3 == 0)
+"""
+LAUNCH_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    from megarl.commands import data
+    from megarl.models.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("faults")
+    make_tiny_model(root / "model", family="qwen2")
+    assert data.main(["synth", "--out", str(root / "data"), "--train-size", "64"]) == 0
+    (root / "scorer.py").write_text(SCORER)
+    return {"root": root, "model": root / "model", "data": root / "data"}
+
+
+def _args(tiny: dict, run_dir: Path, *extra: str) -> list[str]:
+    root = tiny["root"]
+    return [
+        "-c", "configs/grpo_tiny_cpu.yaml",
+        f"actor_rollout_ref.model.path={tiny['model']}",
+        f"data.train_files={tiny['data'] / 'train.parquet'}",
+        f"data.val_files={tiny['data'] / 'test.parquet'}",
+        "actor_rollout_ref.rollout.name=actor",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        f"custom_reward_function.path={root / 'scorer.py'}",
+        "custom_reward_function.name=compute_score",
+        f"+custom_reward_function.reward_kwargs.hold={root / 'hold'}",
+        "trainer.total_training_steps=4",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=4",
+        "reward_model.dump_samples=-1",
+        f"trainer.rollout_data_dir={run_dir / 'rollouts'}",
+        f"trainer.default_local_dir={run_dir}",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        *extra,
+    ]  # fmt: skip
+
+
+def _start(tiny: dict, run_dir: Path, *extra: str) -> subprocess.Popen:
+    """``megarl train`` in its own session (as a shell's job), console output to a file."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env.pop("WORLD_SIZE", None)
+    out = open(f"{run_dir}.{time.monotonic_ns()}.out", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megarl.cli", "train", *_args(tiny, run_dir, *extra)],
+        cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    proc.out_path = Path(out.name)  # type: ignore[attr-defined]
+    return proc
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, str]:
+    try:
+        code = proc.wait(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"launch timed out:\n{proc.out_path.read_text()[-6000:]}")
+    return code, proc.out_path.read_text(errors="replace")
+
+
+def _tree(proc: subprocess.Popen) -> list[psutil.Process]:
+    root = psutil.Process(proc.pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _announcements(run_dir: Path) -> int:
+    """How many launches in ``run_dir`` have started training (rank0.log is appended to)."""
+    log = run_dir / "logs" / "rank0.log"
+    return log.read_text(errors="replace").count(" rank(s), TP ") if log.exists() else 0
+
+
+def _announced(run_dir: Path, before: int = 0) -> bool:
+    return _announcements(run_dir) > before
+
+
+def _scoring_workers(tree: list[psutil.Process]) -> list[psutil.Process]:
+    return [p for p in tree if "megarl.reward.worker" in " ".join(p.cmdline())]
+
+
+def _stop(tiny: dict, run_dir: Path, sig: signal.Signals, step: int, during_scoring: bool) -> str:
+    """Launch, send ``sig`` to the launcher at the chosen moment of ``step``, check the stop."""
+    hold = tiny["root"] / "hold"
+    (hold.parent / "hold.scoring").unlink(missing_ok=True)
+    if during_scoring:
+        hold.touch()
+    before = _announcements(run_dir)
+    proc = _start(tiny, run_dir)
+    _wait_for(lambda: _announced(run_dir, before), "the run to start")
+    if during_scoring:
+        _wait_for((hold.parent / "hold.scoring").exists, "scoring")
+    tree = _tree(proc)
+    assert len(_scoring_workers(tree)) == 4  # 2 per rank, in sessions of their own
+    proc.send_signal(sig)
+    hold.unlink(missing_ok=True)
+    code, out = _finish(proc)
+    assert code == 0, out[-4000:]
+    assert f"megarl: {sig.name} received" in out and "Traceback" not in out, out
+    assert f"stopped after step {step}" in out and "error" not in out, out
+    assert "megarl: finished" not in out, out
+    assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == str(step)
+    assert not (run_dir / "STOP").exists()
+    assert _survivors(tree, timeout=10) == []
+    return out
+
+
+def test_stops_save_the_step_in_flight_and_the_relaunch_equals_the_uninterrupted_run(tiny):
+    straight = tiny["root"] / "straight"
+    code, out = _finish(_start(tiny, straight))
+    assert code == 0, out[-4000:]
+    run_dir = tiny["root"] / "stopped"
+    _stop(tiny, run_dir, signal.SIGUSR1, step=1, during_scoring=False)
+    _stop(tiny, run_dir, signal.SIGTERM, step=2, during_scoring=True)
+    _stop(tiny, run_dir, signal.SIGTERM, step=3, during_scoring=False)
+    code, out = _finish(_start(tiny, run_dir))
+    assert code == 0 and f"resumed from {run_dir / 'global_step_3'}" in out, out[-4000:]
+    ref, got = _metrics(straight), _metrics(run_dir)
+    worst = max(_largest_difference(ref[s], got[s]) for s in (1, 2, 3, 4))
+    weights = _weight_difference(straight, run_dir)
+    print(f"stop diamond: metrics {worst:.3g}, weights {weights:.3g}")
+    assert worst == 0.0 and weights == 0.0
+    assert all(_prompts(straight, s) == _prompts(run_dir, s) for s in (1, 2, 3, 4))
+
+
+def test_kill_9_of_the_launcher_leaves_nothing_running(tiny):
+    run_dir = tiny["root"] / "launcher_killed"
+    proc = _start(tiny, run_dir, "trainer.total_training_steps=500")  # far past the 40 s
+    _wait_for(lambda: _announced(run_dir), "the run to start")
+    tree = _tree(proc)
+    assert len(tree) >= 7  # launcher, torchrun, 2 ranks, 4 scoring workers
+    proc.kill()
+    proc.wait()
+    assert _survivors(tree, timeout=40) == []
+
+
+def test_kill_9_of_one_rank_names_it(tiny):
+    run_dir = tiny["root"] / "rank_killed"
+    proc = _start(tiny, run_dir)
+    _wait_for(lambda: _announced(run_dir), "the run to start")
+    tree = _tree(proc)
+    rank1 = next(
+        p for p in tree if p.environ().get("RANK") == "1" and "megarl.train" in p.cmdline()
+    )
+    rank1.kill()
+    code, out = _finish(proc)
+    lines = [ln for ln in out.splitlines() if ln.startswith("error")]
+    assert code == 1 and len(lines) == 1, out[-4000:]
+    assert f"rank 1 (pid {rank1.pid})" in lines[0] and "SIGKILL" in lines[0], lines
+    assert "Traceback" not in out
+    assert _survivors(tree, timeout=40) == []
+
+
+def test_an_error_inside_the_ranks_is_one_line_and_exit_2(tiny):
+    run_dir = tiny["root"] / "scorer_raises"
+    raising = tiny["root"] / "hold.raise"
+    raising.touch()
+    try:
+        proc = _start(tiny, run_dir)
+        _wait_for(lambda: _announced(run_dir), "the run to start")
+        tree = _tree(proc)
+        code, out = _finish(proc)
+    finally:
+        raising.unlink()
+    errors = [ln for ln in out.splitlines() if ln.startswith("error")]
+    assert code == 2 and len(errors) == 1 and out.count("error") == 1, out[-4000:]
+    assert "cannot score" in errors[0] and str(run_dir / "logs") in errors[0], errors
+    assert "Traceback" not in out and "ChildFailedError" not in out
+    assert "ChildFailedError" in (run_dir / "logs" / "torchrun.log").read_text()
+    assert _survivors(tree, timeout=40) == []
