@@ -25,10 +25,10 @@
 #   MEGARL_DIST_TIMEOUT_MINUTES  collective timeout (default 180: a 72B checkpoint save can
 #                           outlast PyTorch's 30 minutes; megarl.parallel.init)
 #
-# Launcher: one srun task per node running torchrun with c10d rendezvous, not one srun task
-# per GPU. The trainer is a torchrun program (`python -m megarl.train` reads RANK, LOCAL_RANK,
-# WORLD_SIZE from torchrun), so a Slurm job and a laptop run go through the same entry and the
-# same environment; torchrun forwards SIGTERM to its workers (the stop protocol) and kills the
+# Launcher: one srun task per node running `megarl train` as one node of the job (it starts
+# torchrun with c10d rendezvous), not one srun task per GPU. The trainer is a torchrun program
+# (`python -m megarl.train` reads RANK, LOCAL_RANK, WORLD_SIZE from torchrun), so a Slurm job and
+# a laptop run go through the same entry, environment and failure report; torchrun kills the
 # node's other workers when one of them dies, and srun --kill-on-bad-exit=1 then ends the other
 # nodes: a dead rank ends the job instead of hanging it until the NCCL timeout.
 #
@@ -38,6 +38,10 @@
 # the end of the current step, saves a checkpoint, exits 0, and this script exits 0. A
 # requeued (--requeue, or MEGARL_REQUEUE=1) or chained job then resumes from that checkpoint.
 # A --time shorter than the lead time sends USR1 at once: the job stops after its first step.
+# scancel without --signal, a time limit reached and a preemption instead send SIGTERM to every
+# process of the job at once and SIGKILL KillWait seconds later (torchrun's own limit: 30 s).
+# Each rank takes its SIGTERM, and the one torchrun forwards, as one stop request: the step in
+# flight is saved only when it and the save fit in that window. Size the USR1 lead instead.
 
 set -euo pipefail
 
@@ -59,10 +63,17 @@ fi
 # The node and process counts come from the allocation and win over the config file's.
 OVERRIDES=("$@" "trainer.nnodes=$NNODES" "trainer.n_gpus_per_node=$GPUS_PER_NODE")
 
-# megarl resolves the run directory (trainer.default_local_dir after overrides), so the stop
-# file lands where the trainer looks, whatever the config and overrides say.
-RUN_DIR=$(srun --nodes=1 --ntasks=1 "${CONTAINER[@]}" "$PYTHON" -m megarl.commands.tracking \
-    run-dir --config "$CONFIG" "${OVERRIDES[@]}")
+# megarl checks the run once before any node starts (config, files, data, reward function, the
+# checkpoint a resume would load: one line and exit 2 on a problem) and resolves the run
+# directory (trainer.default_local_dir after overrides), so the stop file lands where the
+# trainer looks, whatever the config and overrides say.
+RC=0
+RUN_DIR=$(srun --nodes=1 --ntasks=1 "${CONTAINER[@]}" "$PYTHON" -m megarl.cli train --check \
+    --config "$CONFIG" "${OVERRIDES[@]}") || RC=$?
+if ((RC != 0)); then
+    echo "megarl: job $SLURM_JOB_ID: the pre-flight check failed (status $RC); nothing launched"
+    exit "$RC"
+fi
 STOP_FILE=$RUN_DIR/STOP
 LOG_DIR=${MEGARL_LOG_DIR:-$RUN_DIR/logs}/job-${SLURM_JOB_ID}-${SLURM_RESTART_COUNT:-0}
 mkdir -p "$LOG_DIR"
@@ -99,12 +110,12 @@ request_stop() {
 trap 'request_stop USR1' USR1
 trap 'request_stop TERM' TERM
 
+# One `megarl train` per node: torchrun in the job's rendezvous, torchrun's own output in
+# $LOG_DIR/<node>.log, megarl's lines (and a failure inside the ranks, as one line) here.
 srun --kill-on-bad-exit=1 --nodes="$NNODES" --ntasks-per-node=1 --cpu-bind=none \
-    --output="$LOG_DIR/%N.log" "${CONTAINER[@]}" \
-    "$PYTHON" -m torch.distributed.run \
-    --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE" \
-    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
-    -m "${MEGARL_TRAIN_MODULE:-megarl.train}" --config "$CONFIG" "${OVERRIDES[@]}" &
+    "${CONTAINER[@]}" "$PYTHON" -m megarl.cli train \
+    --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" --log-dir="$LOG_DIR" \
+    --config "$CONFIG" "${OVERRIDES[@]}" &
 SRUN_PID=$!
 while true; do
     RC=0

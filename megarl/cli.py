@@ -41,6 +41,12 @@ def _data(argv: list[str]) -> int:
     return data.main(argv)
 
 
+def _train(argv: list[str]) -> int:
+    from megarl.commands import train
+
+    return train.main(argv)
+
+
 def _tracking(argv: list[str]) -> int:
     from megarl.commands import tracking
 
@@ -50,6 +56,7 @@ def _tracking(argv: list[str]) -> int:
 # Subcommands with parsers of their own: argv after the name goes to their ``main(argv)``. Each
 # is imported only when called (convert and plan pull in torch and Megatron).
 FORWARDED: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "train": (_train, "check a config and run the trainer (megarl train -c FILE --help)"),
     "convert": (_convert, "convert checkpoints between HF and Megatron formats"),
     "plan": (_plan, "show how weights move between training and rollout"),
     "data": (_data, "make synthetic prompt data (megarl data synth)"),
@@ -84,11 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Megatron-Core RL post-training (PPO, GRPO and family) with verl's config keys.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    train = commands.add_parser("train", help="check a config and run the trainer")
-    _add_config_args(train, required=True)
-    train.add_argument("--verbose", action="store_true", help="show third-party output too")
-    train.set_defaults(handler=_train)
 
     config = commands.add_parser("config", help="show, validate or list configuration keys")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -147,13 +149,6 @@ def _validate(args: argparse.Namespace) -> int:
     _print_warnings(warnings)
     print(f"ok: {' + '.join(args.config)} is valid. {_summary(cfg, args.world_size)}")
     return 0
-
-
-def _train(args: argparse.Namespace) -> int:
-    from megarl.commands import train
-
-    argv = [f"--config={c}" for c in args.config] + list(args.overrides)
-    return train.main(argv + (["--verbose"] if args.verbose else []))
 
 
 def _keys(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ def run(config_paths: Sequence[str], overrides: Sequence[str]) -> int:
     """Load, validate (files and world size included) and train; returns the exit status."""
     from megarl.commands.launch import die_with_torchrun
 
-    die_with_torchrun()  # a rank never outlives its torchrun (kill -9 of the launcher, issue 23)
+    die_with_torchrun()  # a rank never outlives its torchrun (kill -9 of the launcher)
     try:
         cfg = load_config(list(config_paths), list(overrides))
         world_size = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else None

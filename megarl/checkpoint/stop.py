@@ -5,9 +5,12 @@
   step (:meth:`StopRequest.agreed`), so every rank finishes the step, saves a checkpoint and
   exits 0 together. The honoured ``STOP`` file is removed once the checkpoint is complete, so a
   requeued job trains on.
-- SIGINT, or a second SIGTERM/SIGUSR1, means exit now without saving: ``KeyboardInterrupt`` is
-  raised in the main thread (an interrupted save leaves only a ``.tmp`` directory, which is
-  never resumed).
+- SIGINT means exit now without saving: ``KeyboardInterrupt`` is raised in the main thread (an
+  interrupted save leaves only a ``.tmp`` directory, which is never resumed). A repeated SIGTERM
+  or SIGUSR1 is the same request again, not an escalation: under Slurm, ``scancel``, a time limit
+  or a preemption signals every process of the job step, so each rank gets SIGTERM from
+  slurmstepd and once more from torchrun, which forwards its own, within milliseconds. The
+  launchers turn an operator's second signal into SIGINT (:mod:`megarl.commands.launch`).
 
 torchrun forwards SIGTERM to its workers and SIGKILLs them 30 s later: a stop needs the rest of
 the current step plus one save (measured on the tiny CPU run: well under a second for the save);
@@ -60,7 +63,7 @@ class StopRequest:
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.reason is not None:
-            raise KeyboardInterrupt(f"second stop signal ({name}): exiting without saving")
+            return  # the same request again (see the module docstring)
         self.reason = f"{name} on rank {self.rank}"
         # os.write, not print: a handler may interrupt a print in progress.
         message = f"megarl: {name} received: stopping after this step with a checkpoint\n"

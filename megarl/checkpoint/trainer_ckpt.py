@@ -8,7 +8,7 @@ verl's ``<role>.checkpoint.save_contents`` / ``load_contents`` choose the parts:
 (step, sampler position, KL coefficient, MLflow run id) is always saved and loaded. Every
 function here is collective: call it on every rank.
 
-Host memory of an optimizer save (issue #22, not changed, on purpose): ``fully_reshardable``
+Host memory of an optimizer save (not changed, on purpose): ``fully_reshardable``
 makes each rank all-gather its DP group's fp32 main parameters and both Adam moments (about
 12 bytes per parameter of the rank's TP×PP shard: ~27 GB at 72B on TP 8 × PP 4) before the
 writes are spread over the DP ranks. Megatron-Core 0.16.1 has a variant

@@ -1,5 +1,6 @@
-"""Run torchrun on this machine for ``megarl train`` and the quickstart: the outside of the stop
-protocol, and one line for a failure inside the ranks (issue 23).
+"""Run torchrun on this machine for ``megarl train``, the quickstart and each node of a Slurm job
+(``launch/_slurm_job.sh``): the outside of the stop protocol, and one line for a failure inside
+the ranks.
 
 - **Stops.** torchrun runs in a session of its own, so a terminal's Ctrl-C reaches this launcher
   only. The first SIGTERM, SIGUSR1 or SIGINT writes ``<run dir>/STOP``: every rank finishes the
@@ -26,6 +27,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -62,18 +64,43 @@ def die_with_torchrun() -> None:
         die_with_parent(os.getppid())
 
 
-def torchrun_command(nproc: int, module: str, args: list[str]) -> list[str]:
-    """``python -m torch.distributed.run --standalone`` running ``module`` with ``args``."""
+def torchrun_command(
+    nproc: int,
+    module: str,
+    args: list[str],
+    *,
+    rendezvous: tuple[int, str, str] | None = None,
+) -> list[str]:
+    """``python -m torch.distributed.run`` running ``module`` with ``args``: ``--standalone``,
+    or one node of ``rendezvous`` = (nodes, c10d endpoint ``HOST:PORT``, rendezvous id)."""
+    where = ["--standalone"]
+    if rendezvous is not None:
+        nnodes, endpoint, rdzv_id = rendezvous
+        where = [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                 f"--rdzv-id={rdzv_id}"]  # fmt: skip
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        sys.executable, "-m", "torch.distributed.run", *where,
         "--nproc_per_node", str(nproc), "-m", module, *args,
     ]  # fmt: skip
 
 
-def run_torchrun(command: list[str], env: dict[str, str], run_dir: Path, **popen) -> int:
-    """Run ``command`` (torchrun) as described in the module docstring; its exit status."""
+def node_name() -> str:
+    """This node's name: Slurm's (``%N`` in its file patterns), else the short host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+
+
+def run_torchrun(
+    command: list[str],
+    env: dict[str, str],
+    run_dir: Path,
+    *,
+    log_path: Path | None = None,
+    **popen,
+) -> int:
+    """Run ``command`` (torchrun) as described in the module docstring; its exit status.
+    torchrun's output goes to ``log_path`` (default ``<run dir>/logs/torchrun.log``)."""
     run_dir = Path(run_dir)
-    log_path = run_dir / "logs" / LOG_NAME
+    log_path = Path(log_path) if log_path is not None else run_dir / "logs" / LOG_NAME
     log_path.parent.mkdir(parents=True, exist_ok=True)
     stop_file = run_dir / STOP_FILE
     verbose = env.get("MEGARL_VERBOSE", "0") not in ("", "0")

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         write_synthetic_data(data)
         print(f"megarl: wrote the synthetic task's data to {data}", flush=True)
     # Through ``megarl train``: its pre-flight checks, the stop protocol (Ctrl-C saves the
-    # step in flight), and a failure inside the ranks as one line (issue 23).
+    # step in flight), and a failure inside the ranks as one line.
     from megarl.commands import train
 
     os.chdir(REPO)  # as before: the ranks run from the repository (relative overrides too)

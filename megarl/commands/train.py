@@ -12,6 +12,12 @@ output goes to the run's log directory, and a failure inside the ranks is one li
 ``MEGARL_TRAIN_MODULE`` replaces the module torchrun runs (``megarl.train``).
 
     megarl train -c X.yaml [-c Y.yaml] [KEY=VALUE ...] [--verbose]
+
+The Slurm job script (``launch/_slurm_job.sh``) runs the same two halves: ``--check`` once
+(the pre-flight for ``trainer.nnodes`` x ``trainer.n_gpus_per_node`` processes; prints the run
+directory) and then, on every node, ``--rdzv-endpoint HOST:PORT --rdzv-id ID --log-dir DIR``:
+torchrun joins the job's c10d rendezvous, its output goes to ``DIR/<node>.log``, and a failure
+is the same one line as here.
 """
 
 from __future__ import annotations
@@ -30,6 +36,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--verbose", action="store_true", help="show third-party output (vLLM, Megatron) too"
     )
+    parser.add_argument(
+        "--check", action="store_true", help="pre-flight only: print the run directory"
+    )
+    node = parser.add_argument_group("one node of a multi-node launch (launch/_slurm_job.sh)")
+    node.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the c10d rendezvous")
+    node.add_argument("--rdzv-id", metavar="ID", help="the rendezvous id (the Slurm job id)")
+    node.add_argument("--log-dir", metavar="DIR", help="torchrun's log: DIR/<node>.log")
     args, overrides = parser.parse_known_args(argv)
     bad = [a for a in overrides if a.startswith("-")]
     if bad:
@@ -40,32 +53,56 @@ def main(argv: list[str]) -> int:
 
     if os.environ.get("WORLD_SIZE"):
         return train.run(args.config, overrides)
-    problem, nproc, run_dir = preflight(args.config, overrides)
+    multinode = args.check or args.rdzv_endpoint is not None
+    if args.rdzv_endpoint is not None and not (args.rdzv_id and args.log_dir):
+        parser.error("--rdzv-endpoint needs --rdzv-id and --log-dir")
+    # Every node of a job checks its own files (a node without the data fails here, not in NCCL).
+    problem, nproc, run_dir = preflight(args.config, overrides, multinode=multinode)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return EXIT_INPUT_ERROR
-    from megarl.commands.launch import run_torchrun, torchrun_command
+    if args.check:
+        print(run_dir)
+        return 0
+    from megarl.commands import launch
 
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     module = os.environ.get("MEGARL_TRAIN_MODULE") or "megarl.train"
     configs = [a for c in args.config for a in ("--config", c)]
-    return run_torchrun(torchrun_command(nproc, module, [*configs, *overrides]), env, run_dir)
+    if args.rdzv_endpoint is None:
+        command = launch.torchrun_command(nproc, module, [*configs, *overrides])
+        return launch.run_torchrun(command, env, run_dir)
+    command = launch.torchrun_command(
+        nproc, module, [*configs, *overrides],
+        rendezvous=(_nnodes(args.config, overrides), args.rdzv_endpoint, args.rdzv_id),
+    )  # fmt: skip
+    log_path = Path(args.log_dir) / f"{launch.node_name()}.log"
+    return launch.run_torchrun(command, env, run_dir, log_path=log_path)
 
 
-def preflight(configs: list[str], overrides: list[str]) -> tuple[str | None, int, Path]:
-    """(the first problem as one line or None, processes to launch, the run directory)."""
+def _nnodes(configs: list[str], overrides: list[str]) -> int:
+    from megarl.config import load_config
+
+    return load_config(configs, overrides).trainer.nnodes
+
+
+def preflight(
+    configs: list[str], overrides: list[str], *, multinode: bool = False
+) -> tuple[str | None, int, Path]:
+    """(the first problem as one line or None, processes to launch per node, the run
+    directory). ``multinode``: the Slurm job script's launch, ``trainer.nnodes`` nodes."""
     from megarl.config import ConfigError, load_config, validate
 
     try:
         cfg = load_config(configs, overrides)
-        if cfg.trainer.nnodes > 1:
+        if cfg.trainer.nnodes > 1 and not multinode:
             reason = (
                 f"trainer.nnodes={cfg.trainer.nnodes}: a multi-node run is launched by Slurm "
                 "(launch/*.slurm) or torchrun on every node, not by megarl train"
             )
             return reason, 0, Path()
         nproc = cfg.trainer.n_gpus_per_node
-        validate(cfg, nproc, check_paths=True)
+        validate(cfg, nproc * cfg.trainer.nnodes, check_paths=True)
     except ConfigError as exc:
         return " ".join(str(exc).split()), 0, Path()
     from megarl.checkpoint.resume import resume_problem

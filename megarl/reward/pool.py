@@ -15,7 +15,7 @@ does not re-import the trainer's ``__main__`` module. Parent and worker talk ove
 pair with ``multiprocessing.connection`` framing; a worker whose parent dies reads EOF and
 exits. A scorer may start processes of its own (verl's Math-Verify wrapper does).
 
-Stops and preemption (issue 23): torchrun starts each rank in a session of its own and, when it
+Stops and preemption: torchrun starts each rank in a session of its own and, when it
 is signalled, ``killpg``s that session, which would take the rank's scoring workers with it in
 the middle of the step the rank is finishing before its checkpoint. Each worker therefore runs
 in a session of its own, and the kernel kills it when its rank dies (``PR_SET_PDEATHSIG``), so

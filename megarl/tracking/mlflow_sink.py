@@ -111,7 +111,7 @@ class MlflowSink:
                 self._status_sent.clear()
                 self._save_locked()
         self._finish.set()
-        self._status_sent.wait(self.options.fail_timeout_s)
+        self._status_sent.wait(0.0 if self._down_since is not None else self.options.fail_timeout_s)
 
     def finish(self, status: Status) -> None:
         """End the run with ``status`` unless a rank failed (FAILED wins); bounded wait."""
@@ -121,7 +121,10 @@ class MlflowSink:
                 self._state.status = status
                 self._save_locked()
         self._finish.set()
-        if not self._done.wait(self.options.finish_timeout_s):
+        # A server already announced as down (with the sync remedy) does not hold up the exit:
+        # everything is in the run directory.
+        down = self._down_since is not None
+        if not self._done.wait(0.0 if down else self.options.finish_timeout_s) and not down:
             self._notify(
                 f"MLflow at {self._state.tracking_uri} did not take everything within "
                 f"{self.options.finish_timeout_s:.0f} s; the rest is in {self.run_dir}: "

@@ -183,7 +183,7 @@ def make_tracker(cfg: Any, *, rank: int, world_size: int, **kwargs: Any) -> Trac
     t = cfg.trainer
     if "notify" not in kwargs and "console_write" in kwargs:
         # Tracking notices (a server that does not answer) on the trainer's console, not only
-        # in rank 0's log file where its stderr goes (issue 23).
+        # in rank 0's log file where its stderr goes.
         write = kwargs["console_write"]
         kwargs["notify"] = lambda message: write(f"megarl tracking: {message}")
     return make_sinks(

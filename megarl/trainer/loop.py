@@ -75,7 +75,7 @@ def train(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
                 raise
             console.error(f"error: {_one_line(exc)} (details: {console.log_path})")
             # An input error (a bad file, value or checkpoint) exits 2, as the launcher's
-            # pre-flight does; the launcher reads that from torchrun's report (issue 23).
+            # pre-flight does; the launcher reads that from torchrun's report.
             from megarl.reward.manager import RewardError  # the user's scorer failed
 
             input_error = isinstance(

@@ -290,7 +290,7 @@ def _score(run, prompts, samples, batch: RolloutTensors, step: int, dump) -> Rew
 
 
 TIMEOUT_WARNING_SHARE = 0.5
-"""A step whose share of timed-out scorings exceeds this warns on the console (issue 23)."""
+"""A step whose share of timed-out scorings exceeds this warns on the console."""
 ALLOW_ALL_TIMEOUTS_ENV = "MEGARL_ALLOW_ALL_REWARD_TIMEOUTS"
 
 

@@ -151,9 +151,11 @@ def _prompts(run_dir: Path, step: int) -> list[str]:
     return [json.loads(line)["input"] for line in lines]
 
 
-def _largest_difference(a: dict[str, float], b: dict[str, float]) -> float:
+def _largest_difference(
+    a: dict[str, float], b: dict[str, float], required: tuple[str, ...] = COMPARED
+) -> float:
     keys = [k for k in a if not k.startswith(TIMING)]
-    assert set(COMPARED) <= set(keys) and set(keys) == {k for k in b if not k.startswith(TIMING)}
+    assert set(required) <= set(keys) and set(keys) == {k for k in b if not k.startswith(TIMING)}
     return max(abs(a[k] - b[k]) for k in keys)
 
 
@@ -164,8 +166,8 @@ def _weights(run_dir: Path, step: int = 4) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(hf.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-def _weight_difference(a: Path, b: Path) -> float:
-    wa, wb = _weights(a), _weights(b)
+def _weight_difference(a: Path, b: Path, step: int = 4) -> float:
+    wa, wb = _weights(a, step), _weights(b, step)
     assert wa.keys() == wb.keys()
     return max(float((wa[k] - wb[k]).abs().max()) for k in wa)
 

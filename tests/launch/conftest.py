@@ -24,6 +24,11 @@ def slurm(tmp_path_factory) -> Iterator[slurm_cluster.SlurmCluster]:
 @pytest.fixture
 def job_env(slurm) -> dict[str, str]:
     """Environment for ``sbatch`` of megarl's scripts on this CPU-only node (2 processes)."""
+    return job_environment(slurm)
+
+
+def job_environment(slurm) -> dict[str, str]:
+    """See :func:`job_env` (for fixtures of a wider scope)."""
     return {
         **slurm.env,
         "MEGARL_PYTHON": sys.executable,
@@ -32,3 +37,19 @@ def job_env(slurm) -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_overrides(tmp_path_factory) -> list[str]:
+    """Overrides pointing the tiny configs at a tiny model and synthetic data made here."""
+    from megarl.commands import data
+    from megarl.models.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(root / "tiny-qwen2", family="qwen2")
+    assert data.main(["synth", "--out", str(root / "tiny-data"), "--train-size", "256"]) == 0
+    return [
+        f"actor_rollout_ref.model.path={root}/tiny-qwen2",
+        f"data.train_files={root}/tiny-data/train.parquet",
+        f"data.val_files={root}/tiny-data/test.parquet",
+    ]

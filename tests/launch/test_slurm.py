@@ -22,11 +22,12 @@ SCRIPT = "launch/ppo_72b.slurm"
 CONFIG = "configs/ppo_tiny_cpu.yaml"
 
 
-def sbatch_cmd(tmp_path: Path, *, wait: bool, script: str = SCRIPT) -> list[str]:
+def sbatch_cmd(tmp_path: Path, tiny: list[str], *, wait: bool, script: str = SCRIPT) -> list[str]:
+    """``tiny``: overrides naming a tiny model and data (the job's pre-flight reads them)."""
     return [
         "sbatch", *(["--wait"] if wait else []), "--nodes=1", "--time=60",
         f"--output={tmp_path}/batch-%j.out", script, CONFIG,
-        f"trainer.default_local_dir={tmp_path}/run",
+        f"trainer.default_local_dir={tmp_path}/run", *tiny,
     ]  # fmt: skip
 
 
@@ -60,12 +61,14 @@ def node_log(tmp_path: Path, job: str, node: str) -> Path:
     ("script", "exit_code", "job_status"),
     [(SCRIPT, 0, 0), (SCRIPT, 3, 1), ("launch/grpo_7b.slurm", 0, 0)],
 )
-def test_sbatch_runs_torchrun_over_gloo(slurm, job_env, tmp_path, script, exit_code, job_status):
+def test_sbatch_runs_torchrun_over_gloo(
+    slurm, job_env, tmp_path, tiny_overrides, script, exit_code, job_status
+):
     env = {**job_env, "MEGARL_TRAIN_MODULE": "tests.launch._gloo_payload",
            "PAYLOAD_EXIT": str(exit_code)}  # fmt: skip
     # sbatch --wait (what users and CI run) returns the job's status; one case shows it.
     wait = script == SCRIPT and exit_code == 0
-    cmd = sbatch_cmd(tmp_path, wait=wait, script=script)
+    cmd = sbatch_cmd(tmp_path, tiny_overrides, wait=wait, script=script)
     done = slurm.run(*cmd, env=env, timeout=600, cwd=REPO)
     job = job_id(done.stdout.splitlines()[0])
     status = done.returncode if wait else wait_for_job(slurm, job)
@@ -73,19 +76,36 @@ def test_sbatch_runs_torchrun_over_gloo(slurm, job_env, tmp_path, script, exit_c
     assert status == job_status, batch_out
     # The --time of 60 min exceeds the script's USR1 lead time (20 min): no stop was asked for.
     assert "USR1" not in batch_out and not (tmp_path / "run" / "STOP").exists()
-    log = node_log(tmp_path, job, slurm.node).read_text()
-    args = f"--config {CONFIG} trainer.default_local_dir={tmp_path}/run trainer.nnodes=1 "
-    args += "trainer.n_gpus_per_node=2"
-    for rank in (0, 1):
-        assert f"rank {rank} of 2: sum 3, args {args}" in log, log
+    args = f"--config {CONFIG} trainer.default_local_dir={tmp_path}/run "
+    args += " ".join(tiny_overrides) + " trainer.nnodes=1 trainer.n_gpus_per_node=2"
+    for rank in (0, 1):  # the ranks' stdout is the job's output; torchrun's is the node log
+        assert f"rank {rank} of 2: sum 3, args {args}" in batch_out, batch_out
     assert f"trainer exited with status {job_status}" in batch_out
+    if exit_code:  # one line naming the failure, torchrun's report only in the node log
+        assert "Traceback" not in batch_out and "ChildFailedError" not in batch_out, batch_out
+        assert "ChildFailedError" in node_log(tmp_path, job, slurm.node).read_text()
+        assert "error: the ranks failed (" in batch_out, batch_out
 
 
-def test_usr1_writes_the_stop_file_and_the_job_exits_cleanly(slurm, job_env, tmp_path):
+def test_a_mistake_is_one_line_and_exit_2_before_anything_runs(slurm, job_env, tmp_path):
+    """The job's pre-flight (``megarl train --check``): no node launched, one line names it."""
+    tiny = ["data.train_files=/no/such/train.parquet"]
+    done = slurm.run(*sbatch_cmd(tmp_path, tiny, wait=True), env=job_env, timeout=300, cwd=REPO)
+    job = job_id(done.stdout.splitlines()[0])
+    batch_out = (tmp_path / f"batch-{job}.out").read_text()
+    assert done.returncode == 2, batch_out
+    errors = [line for line in batch_out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "/no/such/train.parquet" in errors[0], batch_out
+    assert "Traceback" not in batch_out and "trainer exited" not in batch_out, batch_out
+
+
+def test_usr1_writes_the_stop_file_and_the_job_exits_cleanly(
+    slurm, job_env, tmp_path, tiny_overrides
+):
     env = {**job_env, "MEGARL_TRAIN_MODULE": "tests.launch._loop_payload"}
-    submitted = slurm.run(*sbatch_cmd(tmp_path, wait=False), env=env, cwd=REPO)
+    submitted = slurm.run(*sbatch_cmd(tmp_path, tiny_overrides, wait=False), env=env, cwd=REPO)
     job = job_id(submitted.stdout)
-    log = node_log(tmp_path, job, slurm.node)
+    log = tmp_path / f"batch-{job}.out"  # the ranks' stdout
     # a timeout on polling the job log (no handle to wait on), not a timing claim
     deadline = time.monotonic() + 300
     while not (log.exists() and "rank 0 step 3" in log.read_text()):
@@ -95,8 +115,7 @@ def test_usr1_writes_the_stop_file_and_the_job_exits_cleanly(slurm, job_env, tmp
     assert cancel.returncode == 0, cancel.stderr
     assert wait_for_job(slurm, job) == 0, (tmp_path / f"batch-{job}.out").read_text()
     assert (tmp_path / "run" / "STOP").exists()
-    text = log.read_text()
-    assert "rank 0 stopping after step" in text and "rank 1 stopping after step" in text
-    batch_out = (tmp_path / f"batch-{job}.out").read_text()
+    batch_out = log.read_text()
+    assert "rank 0 stopping after step" in batch_out and "rank 1 stopping after step" in batch_out
     assert "USR1 received: the trainer stops after this step" in batch_out
     assert "trainer exited with status 0" in batch_out

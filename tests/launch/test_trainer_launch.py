@@ -1,8 +1,9 @@
-"""The real trainer through the launch scripts: Slurm (train, preempt, resume) and MLflow.
+"""The real trainer through the launch scripts: Slurm (train; preempt by the script's USR1 trap
+in the middle of scoring, resume, equal to the uninterrupted run) and MLflow. What these tests
+rely on is also tested with stand-ins in test_slurm.py, test_torchrun_local.py, tests/tracking/.
 
-Skipped, with the reason, while ``megarl/train.py`` has no top-level ``main`` (the trainer issue
-builds it). Everything else these tests rely on is tested with stand-ins in test_slurm.py,
-test_torchrun_local.py and tests/tracking/.
+Scoring uses tests/trainer/test_faults.py's reward file: while ``<root>/hold`` exists each sample
+touches ``<root>/hold.scoring`` and takes 0.3 s, so the preemption lands inside step 1.
 """
 
 from __future__ import annotations
@@ -11,34 +12,24 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.checkpoint.test_trainer_checkpoint import (
+    _largest_difference,
+    _metrics,
+    _prompts,
+    _wait_for,
+    _weight_difference,
+)
 from tests.conftest import REPO
-from tests.launch.test_slurm import job_id, node_log, wait_for_job
+from tests.launch.test_slurm import job_id, wait_for_job
+from tests.trainer.test_faults import SCORER
 
 pytestmark = [
     pytest.mark.slow,
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_overrides(tmp_path_factory) -> list[str]:
-    """Overrides pointing the tiny configs at a tiny model and synthetic data made here."""
-    root = tmp_path_factory.mktemp("tiny")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    for cmd in (
-        ["tools/make_tiny_model.py", "--family", "qwen2", "--out", f"{root}/tiny-qwen2"],
-        ["tools/make_synthetic_data.py", "--out", f"{root}/tiny-data"],
-    ):
-        subprocess.run([sys.executable, *cmd], cwd=REPO, env=env, check=True, capture_output=True)
-    return [
-        f"actor_rollout_ref.model.path={root}/tiny-qwen2",
-        f"data.train_files={root}/tiny-data/train.parquet",
-        f"data.val_files={root}/tiny-data/test.parquet",
-    ]
 
 
 def steps_logged(run_dir: Path) -> list[int]:
@@ -46,51 +37,66 @@ def steps_logged(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in lines]
 
 
-def submit(slurm, job_env, tmp_path, overrides) -> str:
+STEPS = 3
+
+
+def submit(slurm, job_env, root: Path, run_dir: Path, tiny: list[str]) -> str:
+    """``sbatch`` the 72B script on the tiny PPO config for STEPS steps; the job id."""
+    (root / "scorer.py").write_text(SCORER)
     cmd = [
-        "sbatch", "--nodes=1", "--time=60", f"--output={tmp_path}/batch-%j.out",
-        "launch/ppo_72b.slurm", "configs/ppo_tiny_cpu.yaml",
-        f"trainer.default_local_dir={tmp_path}/run", *overrides,
+        "sbatch", "--nodes=1", "--time=60", f"--output={root}/batch-%j.out",
+        "launch/ppo_72b.slurm", "configs/ppo_tiny_cpu.yaml", *tiny,
+        f"trainer.default_local_dir={run_dir}", f"trainer.rollout_data_dir={run_dir}/rollouts",
+        f"trainer.total_training_steps={STEPS}", f"trainer.save_freq={STEPS}",
+        f"custom_reward_function.path={root / 'scorer.py'}",
+        f"+custom_reward_function.reward_kwargs.hold={root / 'hold'}",
     ]  # fmt: skip
     done = slurm.run(*cmd, env=job_env, cwd=REPO)
     assert done.returncode == 0, done.stderr
     return job_id(done.stdout)
 
 
-def test_sbatch_ppo_72b_script_trains_the_tiny_ppo_config(slurm, job_env, tmp_path, tiny_overrides):
-    cmd = [
-        "sbatch", "--wait", "--nodes=1", "--time=60", f"--output={tmp_path}/batch-%j.out",
-        "launch/ppo_72b.slurm", "configs/ppo_tiny_cpu.yaml",
-        f"trainer.default_local_dir={tmp_path}/run", "trainer.total_training_steps=2",
-        *tiny_overrides,
-    ]  # fmt: skip
-    done = slurm.run(*cmd, env=job_env, cwd=REPO, timeout=900)
-    job = job_id(done.stdout.splitlines()[0])
-    assert done.returncode == 0, (tmp_path / f"batch-{job}.out").read_text()[-5000:]
-    assert steps_logged(tmp_path / "run") == [1, 2]
-    log = node_log(tmp_path, job, slurm.node).read_text()
-    assert "step 1 " in log and "step 2 " in log
+@pytest.fixture(scope="module")
+def straight(slurm, tmp_path_factory, tiny_overrides) -> Path:
+    """An uninterrupted job's run directory (``job_env`` is function-scoped: its value here)."""
+    from tests.launch.conftest import job_environment
+
+    root = tmp_path_factory.mktemp("straight")
+    job = submit(slurm, job_environment(slurm), root, root / "run", tiny_overrides)
+    assert wait_for_job(slurm, job, 900) == 0, (root / f"batch-{job}.out").read_text()[-5000:]
+    return root / "run"
 
 
-def test_preempted_job_saves_and_a_second_job_resumes(slurm, job_env, tmp_path, tiny_overrides):
-    run_dir = tmp_path / "run"
-    first = submit(slurm, job_env, tmp_path, ["trainer.total_training_steps=50", *tiny_overrides])
-    # a timeout on polling the run directory (no handle to wait on), not a timing claim
-    deadline = time.monotonic() + 600
-    while not ((run_dir / "metrics.jsonl").exists() and steps_logged(run_dir)):
-        assert time.monotonic() < deadline, "the first job logged no step within 600 s"
-        time.sleep(1)
+def test_sbatch_ppo_72b_script_trains_the_tiny_ppo_config(straight):
+    assert steps_logged(straight) == list(range(1, STEPS + 1))
+    out = next(straight.parent.glob("batch-*.out")).read_text()
+    assert "step 1 " in out and f"step {STEPS} " in out and "Traceback" not in out, out[-5000:]
+
+
+def test_a_preempted_job_saves_the_step_in_flight_and_the_next_job_equals_the_straight_run(
+    slurm, job_env, tmp_path, tiny_overrides, straight
+):
+    run_dir, hold = tmp_path / "run", tmp_path / "hold"
+    hold.touch()
+    first = submit(slurm, job_env, tmp_path, run_dir, tiny_overrides)
+    out = tmp_path / f"batch-{first}.out"
+    _wait_for((tmp_path / "hold.scoring").exists, "step 1's scoring")
     assert slurm.run("scancel", "--signal=USR1", "--batch", first).returncode == 0
-    assert wait_for_job(slurm, first, 600) == 0, (tmp_path / f"batch-{first}.out").read_text()
-    saved = int((run_dir / "latest_checkpointed_iteration.txt").read_text())
-    assert steps_logged(run_dir)[-1] == saved < 50
+    _wait_for(lambda: "USR1 received" in out.read_text(), "the script's USR1 trap")
+    hold.unlink()
+    assert wait_for_job(slurm, first, 600) == 0, out.read_text()[-5000:]
+    assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert steps_logged(run_dir) == [1] and "Traceback" not in out.read_text()
 
-    second = submit(slurm, job_env, tmp_path, [f"trainer.total_training_steps={saved + 1}",
-                                                *tiny_overrides])  # fmt: skip
-    assert wait_for_job(slurm, second, 600) == 0, (tmp_path / f"batch-{second}.out").read_text()
-    assert steps_logged(run_dir)[-1] == saved + 1
-    log = node_log(tmp_path, second, slurm.node).read_text()
-    assert f"step {saved + 1} " in log and f"step {saved} " not in log
+    second = submit(slurm, job_env, tmp_path, run_dir, tiny_overrides)
+    out = tmp_path / f"batch-{second}.out"
+    assert wait_for_job(slurm, second, 600) == 0, out.read_text()[-5000:]
+    assert f"resumed from {run_dir / 'global_step_1'}" in out.read_text(), out.read_text()[-5000:]
+    ref, got = _metrics(straight), _metrics(run_dir)
+    ppo = ("actor/pg_loss", "critic/vf_loss", "critic/score/mean")
+    assert max(_largest_difference(ref[s], got[s], ppo) for s in range(1, STEPS + 1)) == 0.0
+    assert _weight_difference(straight, run_dir, step=STEPS) == 0.0
+    assert all(_prompts(straight, s) == _prompts(run_dir, s) for s in range(1, STEPS + 1))
 
 
 def test_two_process_training_is_one_mlflow_run(tmp_path, tiny_overrides):
