@@ -69,3 +69,20 @@ def run_torchrun(script: Path, nproc: int, args: list[str], *, timeout: int = 90
     if proc.returncode != 0:
         pytest.fail(f"torchrun {script.name} (nproc={nproc}) failed:\n{out[-4000:]}\n{err[-8000:]}")
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_overrides(tmp_path_factory) -> list[str]:
+    """Overrides pointing the tiny configs at a tiny Qwen2 model and synthetic data made once per
+    session (for tests that launch or pre-flight a run without caring which model it is)."""
+    from megarl.commands import data
+    from megarl.models.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(root / "tiny-qwen2", family="qwen2")
+    assert data.main(["synth", "--out", str(root / "tiny-data"), "--train-size", "256"]) == 0
+    return [
+        f"actor_rollout_ref.model.path={root}/tiny-qwen2",
+        f"data.train_files={root}/tiny-data/train.parquet",
+        f"data.val_files={root}/tiny-data/test.parquet",
+    ]

@@ -38,18 +38,3 @@ def job_environment(slurm) -> dict[str, str]:
         "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
     }
 
-
-@pytest.fixture(scope="session")
-def tiny_overrides(tmp_path_factory) -> list[str]:
-    """Overrides pointing the tiny configs at a tiny model and synthetic data made here."""
-    from megarl.commands import data
-    from megarl.models.tiny import make_tiny_model
-
-    root = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(root / "tiny-qwen2", family="qwen2")
-    assert data.main(["synth", "--out", str(root / "tiny-data"), "--train-size", "256"]) == 0
-    return [
-        f"actor_rollout_ref.model.path={root}/tiny-qwen2",
-        f"data.train_files={root}/tiny-data/train.parquet",
-        f"data.val_files={root}/tiny-data/test.parquet",
-    ]

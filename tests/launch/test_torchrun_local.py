@@ -20,20 +20,9 @@ ENV = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> list[str]:
-    from megarl.commands import data
-    from megarl.models.tiny import make_tiny_model
-
-    root = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(root / "model", family="qwen2")
-    assert data.main(["synth", "--out", str(root / "data"), "--train-size", "64"]) == 0
-    return [
-        f"actor_rollout_ref.model.path={root / 'model'}",
-        f"data.train_files={root / 'data' / 'train.parquet'}",
-        f"data.val_files={root / 'data' / 'test.parquet'}",
-        f"trainer.default_local_dir={root / 'run'}",
-    ]
+@pytest.fixture
+def tiny(tiny_overrides, tmp_path) -> list[str]:
+    return [*tiny_overrides, f"trainer.default_local_dir={tmp_path / 'run'}"]
 
 
 def test_torchrun_local_passes_config_and_overrides_to_2_ranks(tiny):

@@ -12,19 +12,9 @@ from tests.conftest import REPO
 CONFIG = "configs/grpo_tiny_cpu.yaml"
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> list[str]:
-    from megarl.commands import data
-    from megarl.models.tiny import make_tiny_model
-
-    root = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(root / "model", family="qwen2")
-    assert data.main(["synth", "--out", str(root / "data"), "--train-size", "64"]) == 0
-    return [
-        f"actor_rollout_ref.model.path={root / 'model'}",
-        f"data.train_files={root / 'data' / 'train.parquet'}",
-        f"data.val_files={root / 'data' / 'test.parquet'}",
-    ]
+@pytest.fixture
+def tiny(tiny_overrides) -> list[str]:
+    return tiny_overrides
 
 
 @pytest.mark.parametrize(
