@@ -19,9 +19,10 @@ EXIT_CONFIG_ERROR = 2
 
 def run(config_paths: Sequence[str], overrides: Sequence[str]) -> int:
     """Load, validate (files and world size included) and train; returns the exit status."""
-    from megarl.commands.launch import die_with_torchrun
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # started by torchrun: never outlive it
+        from megarl.checkpoint.processes import die_with_parent
 
-    die_with_torchrun()  # a rank never outlives its torchrun (kill -9 of the launcher)
+        die_with_parent(os.getppid())  # the kernel's SIGKILL when torchrun dies (kill -9 too)
     try:
         cfg = load_config(list(config_paths), list(overrides))
         world_size = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else None

@@ -10,7 +10,7 @@ the ranks.
   not handle SIGUSR1 (it would die of it); it never sees one from here.
 - **Nothing left running.** torchrun is started with a parent-death signal (SIGKILL when this
   launcher dies, ``kill -9`` included), each rank sets the same against torchrun
-  (:func:`die_with_torchrun`), and scoring workers and checkpoint writers against their rank:
+  (:func:`megarl.train.run`), and scoring workers and checkpoint writers against their rank:
   the kernel takes the whole tree down.
 - **One line.** torchrun's own output (its log lines and ``ChildFailedError`` report) and
   whatever the ranks write to stderr go to ``<run dir>/logs/torchrun.log``; the console keeps
@@ -54,14 +54,6 @@ _FAILURE = re.compile(
 )
 _SHOWN = ("megarl:", "warning:")
 _EXCEPTION = re.compile(r"^(?!.*ChildFailedError)[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b")
-
-
-def die_with_torchrun() -> None:
-    """In a rank started by torchrun: the kernel SIGKILLs this rank when torchrun dies."""
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        from megarl.checkpoint.processes import die_with_parent
-
-        die_with_parent(os.getppid())
 
 
 def torchrun_command(

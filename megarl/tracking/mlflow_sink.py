@@ -69,6 +69,7 @@ class MlflowSink:
         self._finish = threading.Event()
         self._done = threading.Event()
         self._status_sent = threading.Event()
+        self._failed_after_finish = threading.Event()  # a failed attempt once the run ended
         self._down_since: float | None = None
         self._opened = False
         self._save()
@@ -111,7 +112,19 @@ class MlflowSink:
                 self._status_sent.clear()
                 self._save_locked()
         self._finish.set()
-        self._status_sent.wait(0.0 if self._down_since is not None else self.options.fail_timeout_s)
+        self._wait_while_answering(self._status_sent, self.options.fail_timeout_s)
+
+    def _wait_while_answering(self, event: threading.Event, timeout_s: float) -> bool:
+        """Wait for ``event`` up to ``timeout_s``, but not for a server that does not answer:
+        False as soon as an attempt made after the run ended has failed (the server was down,
+        or went down; either way the console has been told once), True otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while not event.wait(0.1):
+            if self._failed_after_finish.is_set() and self._down_since is not None:
+                return False
+            if time.monotonic() >= deadline:
+                break
+        return True
 
     def finish(self, status: Status) -> None:
         """End the run with ``status`` unless a rank failed (FAILED wins); bounded wait."""
@@ -121,10 +134,9 @@ class MlflowSink:
                 self._state.status = status
                 self._save_locked()
         self._finish.set()
-        # A server already announced as down (with the sync remedy) does not hold up the exit:
-        # everything is in the run directory.
-        down = self._down_since is not None
-        if not self._done.wait(0.0 if down else self.options.finish_timeout_s) and not down:
+        if not self._wait_while_answering(self._done, self.options.finish_timeout_s):
+            return  # announced as down, with the sync remedy: everything is in the run directory
+        if not self._done.is_set():
             self._notify(
                 f"MLflow at {self._state.tracking_uri} did not take everything within "
                 f"{self.options.finish_timeout_s:.0f} s; the rest is in {self.run_dir}: "
@@ -192,6 +204,8 @@ class MlflowSink:
                     self._mark_status_sent()
 
     def _wait_for_server(self, exc: BaseException, backoff: float) -> None:
+        if self._finish.is_set():
+            self._failed_after_finish.set()
         if self._down_since is None:
             self._down_since = time.monotonic()
             self._notify(

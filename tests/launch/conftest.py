@@ -37,4 +37,3 @@ def job_environment(slurm) -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
     }
-
