@@ -26,7 +26,10 @@ What it does (each item was needed to run Megatron-Core 0.16.1 on CPU with gloo)
 * streams and events (the MoE ``alltoall`` token dispatcher makes a side stream for its
   device-to-host copies, shared-expert overlap another): the CPU runs everything in order, so
   ``torch.cuda.Stream()`` and ``current_stream()`` are one :class:`_CpuStream` whose waits and
-  events are no-ops, ``torch.cuda.stream(s)`` a null context and ``Event`` a no-op event.
+  events are no-ops, ``torch.cuda.stream(s)`` a null context and ``Event`` a no-op event;
+* the alltoall dispatcher's split sizes: Megatron turns them into numpy arrays only when they
+  are on the GPU (``maybe_move_tensor_to_cpu``), and ``all_to_all_single`` refuses the CPU
+  tensors left otherwise: on the CPU they become numpy arrays as they would on the GPU.
 """
 
 from __future__ import annotations
@@ -194,6 +197,7 @@ def enable_cpu_emulation() -> None:
     _patch(cuda.nvtx, "range_pop", _fresh(_noop))
     _patch(cuda.nvtx, "range", _fresh(lambda *a, **k: contextlib.nullcontext()))
     _patch_megatron_rng()
+    _patch_megatron_moe()
     _ACTIVE_MODE = _CudaToCpuMode()
     _ACTIVE_MODE.__enter__()
 
@@ -203,6 +207,19 @@ def _patch_megatron_rng() -> None:
 
     _patch(mrandom, "_get_cuda_rng_state", _megatron_get_rng_state)
     _patch(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
+
+
+def _cpu_tensor_as_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """``moe_utils.maybe_move_tensor_to_cpu`` for tensors already on the CPU."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _patch_megatron_moe() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    _patch(token_dispatcher, "maybe_move_tensor_to_cpu", _cpu_tensor_as_host)
 
 
 def disable_cpu_emulation() -> None:
