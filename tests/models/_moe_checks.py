@@ -6,6 +6,7 @@ source), and a dist checkpoint saved at one expert layout and loaded at another.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -65,6 +66,7 @@ def _logit_diff(chunks, dims, ids: torch.Tensor, lengths: torch.Tensor, ref: tor
 def run_moe_checks(spec: dict, world: int, results: dict) -> None:
     from megarl.models.weights import export_hf_weights
 
+    start = time.perf_counter()
     batch = torch.load(spec["moe_batch"])
     ids, lengths = batch["input_ids"], batch["lengths"]
     tmp = Path(spec["tmp"])
@@ -81,6 +83,7 @@ def run_moe_checks(spec: dict, world: int, results: dict) -> None:
             results[f"{key}/{name}"] = r
     if world == 2:
         _checkpoint_across_expert_layouts(spec, results)
+    results["moe/seconds"] = time.perf_counter() - start  # this launch's added time
 
 
 def _checkpoint_across_expert_layouts(spec: dict, results: dict) -> None:

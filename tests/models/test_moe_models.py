@@ -70,3 +70,14 @@ def test_moe_export_is_bit_identical_to_the_source(world, request, spec):
 
 def test_moe_checkpoint_moves_between_expert_layouts(ws2):
     assert ws2["moe/ckpt_ep2_to_tp2"]["weights_identical"]
+
+
+def test_report_moe_numbers(ws1, ws2, ws4, capsys):
+    """Not a check: prints each case's |Δlogit| and the time the MoE cases add to each launch
+    (``pytest -s``)."""
+    with capsys.disabled():
+        for world, results in ((1, ws1), (2, ws2), (4, ws4)):
+            for key in _cases(world):
+                diffs = {n: f"{results[f'{key}/{n}']['logit_diff']:.1e}" for n in MOE_MODELS}
+                print(f"\nws{world} {key}: {diffs}", end="")
+            print(f"\nws{world}: MoE cases took {results['moe/seconds']:.1f} s")
