@@ -22,8 +22,9 @@ class ConvertError(Exception):
 def check_inputs(args: argparse.Namespace) -> None:
     """Raise :class:`ConvertError` naming the path, architecture or size that is wrong."""
     for name in ("tp", "pp", "ep", "etp"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ConvertError(f"--{name} must be >= 1, got {getattr(args, name)}")
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ConvertError(f"--{name} must be >= 1, got {value}")
     if args.vpp is not None and (args.vpp < 1 or (args.vpp > 1 and args.pp < 2)):
         raise ConvertError(f"--vpp {args.vpp} needs --pp >= 2 (and --vpp >= 1)")
     if args.num_sequences < 1 or args.seq_len < 2:
@@ -229,15 +230,16 @@ def _read_json(path: Path) -> dict:
 
 
 def conversion_layout(args: argparse.Namespace):
-    """The :class:`~megarl.parallel.layout.ParallelLayout` of ``--tp --pp --vpp --ep --etp``."""
+    """The :class:`~megarl.parallel.layout.ParallelLayout` of ``--tp --pp --vpp --ep --etp``
+    (``--ep``/``--etp`` absent: 1 and TP)."""
     from megarl.parallel.layout import ParallelLayout
 
     return ParallelLayout(
         args.tp,
         args.pp,
         args.vpp,
-        expert_model_parallel_size=args.ep,
-        expert_tensor_parallel_size=args.etp,
+        expert_model_parallel_size=getattr(args, "ep", 1),
+        expert_tensor_parallel_size=getattr(args, "etp", None),
     )
 
 
@@ -252,7 +254,9 @@ def _check_layout(dims, args: argparse.Namespace, where: Path) -> None:
             tp=f"--tp {args.tp}",
             pp=f"--pp {args.pp}",
             vpp=f"--vpp {args.vpp}",
-            ep=f"--ep {args.ep}",
-            etp=f"--etp {layout.etp}" if args.etp is not None else f"--etp (= --tp {args.tp})",
+            ep=f"--ep {layout.ep}",
+            etp=f"--etp {layout.etp}"
+            if layout.expert_tensor_parallel_size is not None
+            else f"--etp (= --tp {args.tp})",
         )
         raise ConvertError(f"{text} of {where}")
