@@ -588,3 +588,18 @@ def test_keys_not_applied_are_refused(key, override):
         validate(load_config(PPO, [override]))
     lines = [line for line in str(err.value).splitlines() if key in line]
     assert lines and "not supported" in lines[0], str(err.value)
+
+
+def test_verl_moe_knobs_pass_the_override_refusal():
+    """``override_transformer_config.moe_*`` (verl's MoE knobs) reach the model builder
+    (:class:`megarl.models.gpt.MoeSettings`); every other override is still refused."""
+    ok = f"{MEG}.override_transformer_config={{moe_aux_loss_coeff: 0.01, moe_z_loss_coeff: 0.001}}"
+    cfg = load_config(PPO, [ok])
+    assert cfg.actor_rollout_ref.actor.megatron.override_transformer_config == {
+        "moe_aux_loss_coeff": 0.01,
+        "moe_z_loss_coeff": 0.001,
+    }
+    try:
+        validate(cfg)
+    except ConfigError as exc:
+        assert "override_transformer_config" not in str(exc), str(exc)
