@@ -28,9 +28,10 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
 )
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
 """Mixture-of-experts families: every layer's MLP is a top-k routed set of SwiGLU experts."""
 
 _MODEL_TYPES = {
@@ -40,6 +41,7 @@ _MODEL_TYPES = {
     "MistralForCausalLM": "mistral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 """HF ``model_type`` of each supported architecture (``transformers`` loads by model_type)."""
 
@@ -189,7 +191,10 @@ class ModelDims:
     """Experts each token is routed to (HF ``num_experts_per_tok``); 0 for dense models."""
     moe_renormalize_topk: bool = False
     """Whether the top-k softmax probabilities are renormalised to sum to 1 (Mixtral always,
-    Qwen3-MoE with ``norm_topk_prob``); otherwise they are the full softmax's values."""
+    Qwen2/Qwen3-MoE with ``norm_topk_prob``); otherwise they are the full softmax's values."""
+    moe_shared_expert_ffn_hidden_size: int = 0
+    """Qwen2-MoE's shared expert width (``shared_expert_intermediate_size``; its output is
+    scaled by sigmoid(``shared_expert_gate``)); 0: no shared expert."""
 
     @property
     def is_moe(self) -> bool:
@@ -265,6 +270,8 @@ class ModelDims:
         moe = _moe_fields(hf_config, arch, known)
         if arch == "Qwen2ForCausalLM":
             qkv_bias = True
+        elif arch == "Qwen2MoeForCausalLM":
+            qkv_bias = bool(_get(hf_config, "qkv_bias", True))
         else:
             qkv_bias = bool(_get(hf_config, "attention_bias", False))
 
@@ -301,7 +308,7 @@ class ModelDims:
 
 def _moe_fields(hf_config: Mapping[str, Any] | Any, arch: str, known: dict) -> dict[str, Any]:
     """The MoE fields of :class:`ModelDims` (none for a dense architecture); refuses what the
-    mapping cannot build: a dense layer among MoE layers, shared experts, a non-softmax router."""
+    mapping cannot build: a dense layer among MoE layers, router input jitter."""
     if arch not in MOE_ARCHITECTURES:
         if known["num_experts"]:
             raise UnsupportedArchitectureError(f"{arch} with {known['num_experts']} experts")
@@ -311,7 +318,8 @@ def _moe_fields(hf_config: Mapping[str, Any] | Any, arch: str, known: dict) -> d
         raise ValueError(
             f"the {arch} config needs num_experts / num_local_experts and num_experts_per_tok"
         )
-    if arch == "Qwen3MoeForCausalLM":
+    shared = 0
+    if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         step, dense = _get(hf_config, "decoder_sparse_step", 1), _get(hf_config, "mlp_only_layers")
         if step != 1 or dense:
             raise UnsupportedArchitectureError(
@@ -322,6 +330,10 @@ def _moe_fields(hf_config: Mapping[str, Any] | Any, arch: str, known: dict) -> d
         if width is None:
             raise ValueError("the HF config has no moe_intermediate_size")
         renormalize = bool(_get(hf_config, "norm_topk_prob", False))
+        if arch == "Qwen2MoeForCausalLM":
+            shared = int(_get(hf_config, "shared_expert_intermediate_size") or 0)
+            if not shared:
+                raise ValueError("the HF config has no shared_expert_intermediate_size")
     else:
         width, renormalize = known["ffn_hidden_size"], True
     jitter = _get(hf_config, "router_jitter_noise", 0.0)
@@ -334,4 +346,5 @@ def _moe_fields(hf_config: Mapping[str, Any] | Any, arch: str, known: dict) -> d
         "moe_ffn_hidden_size": int(width),
         "moe_router_topk": int(topk),
         "moe_renormalize_topk": renormalize,
+        "moe_shared_expert_ffn_hidden_size": shared,
     }

@@ -295,6 +295,8 @@ _HF_ROUTER_FIELDS = (
     "moe_router_score_function",
     "moe_router_dtype",
     "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
 )
 
 
@@ -331,6 +333,8 @@ def moe_config_fields(
         "moe_router_dtype": "fp32",
         "moe_grouped_gemm": transformer_engine,
         "moe_token_dispatcher_type": "alltoall",
+        "moe_shared_expert_intermediate_size": dims.moe_shared_expert_ffn_hidden_size or None,
+        "moe_shared_expert_gate": bool(dims.moe_shared_expert_ffn_hidden_size),
         **moe.checked(),
     }
 

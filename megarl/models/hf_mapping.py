@@ -507,6 +507,8 @@ def _kind(suffix: str) -> PartitionKind:
         return _LAYER_MAP[suffix][1]
     if suffix == mm.ROUTER:
         return "replicated"
+    if suffix in mm.SHARED:
+        return mm.SHARED[suffix][1]  # type: ignore[return-value]
     expert = mm.expert_of(suffix)
     if expert is not None:
         return "fc1" if expert[1] == "linear_fc1" else "row"

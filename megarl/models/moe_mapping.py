@@ -32,6 +32,14 @@ from megarl.config.model_dims import ModelDims
 PartitionKind = Literal["fc1", "row", "replicated"]
 
 ROUTER = "mlp.router.weight"
+SHARED = {  # Qwen2-MoE's shared expert (TP-split like a dense MLP) and its sigmoid gate
+    "mlp.shared_experts.linear_fc1.weight": (
+        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+        "fc1",
+    ),
+    "mlp.shared_experts.linear_fc2.weight": (("mlp.shared_expert.down_proj.weight",), "row"),
+    "mlp.shared_experts.gate_weight": (("mlp.shared_expert_gate.weight",), "replicated"),
+}
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 _TE_EXPERT_RE = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight(\d+)$")
 _LAYER_PREFIX = re.compile(r"^(decoder\.layers\.\d+\.)(.+)$")
@@ -39,6 +47,12 @@ _LAYER_PREFIX = re.compile(r"^(decoder\.layers\.\d+\.)(.+)$")
 # family -> (router, gate, up, down) HF suffixes; "{e}" is the global expert index.
 _HF_NAMES = {
     "Qwen3MoeForCausalLM": (
+        "mlp.gate.weight",
+        "mlp.experts.{e}.gate_proj.weight",
+        "mlp.experts.{e}.up_proj.weight",
+        "mlp.experts.{e}.down_proj.weight",
+    ),
+    "Qwen2MoeForCausalLM": (
         "mlp.gate.weight",
         "mlp.experts.{e}.gate_proj.weight",
         "mlp.experts.{e}.up_proj.weight",
@@ -59,7 +73,7 @@ def _hf_names(dims: ModelDims) -> tuple[str, str, str, str]:
 
 def is_moe_suffix(suffix: str) -> bool:
     """Whether a per-layer Megatron suffix (``mlp.…``) belongs to the MoE MLP."""
-    return suffix == ROUTER or _EXPERT_RE.match(suffix) is not None
+    return suffix == ROUTER or suffix in SHARED or _EXPERT_RE.match(suffix) is not None
 
 
 def expert_of(suffix: str) -> tuple[int, str] | None:
@@ -77,6 +91,8 @@ def is_expert_param(mg_name: str) -> bool:
 def moe_layer_suffixes(dims: ModelDims) -> list[str]:
     """Megatron suffixes of one MoE layer's MLP, global expert order."""
     names = [ROUTER]
+    if dims.moe_shared_expert_ffn_hidden_size:
+        names += list(SHARED)
     for e in range(dims.num_experts):
         names += [
             f"mlp.experts.local_experts.{e}.linear_fc1.weight",
@@ -93,6 +109,8 @@ def moe_sources(suffix: str, dims: ModelDims) -> tuple[tuple[str, ...], Partitio
     router, gate, up, down = _hf_names(dims)
     if suffix == ROUTER:
         return (router,), "replicated"
+    if suffix in SHARED and dims.moe_shared_expert_ffn_hidden_size:
+        return SHARED[suffix]  # type: ignore[return-value]
     found = expert_of(suffix)
     if found is None or found[0] >= dims.num_experts:
         raise KeyError(f"unknown Megatron MoE parameter {suffix!r}")
@@ -103,9 +121,16 @@ def moe_sources(suffix: str, dims: ModelDims) -> tuple[tuple[str, ...], Partitio
 
 
 def moe_megatron_shape(suffix: str, dims: ModelDims) -> tuple[int, ...]:
-    h, f = dims.hidden_size, dims.moe_ffn_hidden_size
+    h, f, fs = dims.hidden_size, dims.moe_ffn_hidden_size, dims.moe_shared_expert_ffn_hidden_size
     if suffix == ROUTER:
         return (dims.num_experts, h)
+    shared = {
+        "mlp.shared_experts.linear_fc1.weight": (2 * fs, h),
+        "mlp.shared_experts.linear_fc2.weight": (h, fs),
+        "mlp.shared_experts.gate_weight": (1, h),
+    }
+    if suffix in shared:
+        return shared[suffix]
     _, which = expert_of(suffix) or (None, None)
     if which == "linear_fc1":
         return (2 * f, h)
@@ -120,6 +145,15 @@ def moe_hf_shape(hf_suffix: str, dims: ModelDims) -> tuple[int, ...] | None:
     router, gate, up, down = _hf_names(dims)
     if hf_suffix == router:
         return (dims.num_experts, h)
+    fs = dims.moe_shared_expert_ffn_hidden_size
+    shared = {
+        "mlp.shared_expert.gate_proj.weight": (fs, h),
+        "mlp.shared_expert.up_proj.weight": (fs, h),
+        "mlp.shared_expert.down_proj.weight": (h, fs),
+        "mlp.shared_expert_gate.weight": (1, h),
+    }
+    if fs and hf_suffix in shared:
+        return shared[hf_suffix]
     for pattern, shape in ((gate, (f, h)), (up, (f, h)), (down, (h, f))):
         regex = re.escape(pattern).replace(r"\{e\}", r"(\d+)")
         m = re.fullmatch(regex, hf_suffix)

@@ -40,6 +40,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 
 MOE_DEFAULTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
@@ -130,6 +131,21 @@ def tiny_hf_config(
             num_experts=num_experts,
             num_experts_per_tok=num_experts_per_tok,
             moe_intermediate_size=moe_intermediate_size,
+            norm_topk_prob=norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            output_router_logits=False,
+            router_aux_loss_coef=0.001,
+        )
+    elif family == "qwen2_moe":  # qkv biases, a shared expert with a sigmoid gate
+        cfg.update(
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=num_layers,
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+            shared_expert_intermediate_size=2 * moe_intermediate_size,
             norm_topk_prob=norm_topk_prob,
             decoder_sparse_step=1,
             mlp_only_layers=[],

@@ -86,7 +86,8 @@ def _reward_models(tmp: Path, g: torch.Generator) -> dict:
 
 MOE_MODELS = {
     "qwen3_moe": {"family": "qwen3_moe"},  # norm_topk_prob: renormalised top-k (as 30B-A3B)
-    "qwen3_moe_unnormalised": {"family": "qwen3_moe", "norm_topk_prob": False, "num_layers": 2},
+    # the full softmax's top-k (HF's default for Qwen2-MoE), a gated shared expert, qkv biases
+    "qwen2_moe": {"family": "qwen2_moe", "norm_topk_prob": False, "num_layers": 2},
     "mixtral": {"family": "mixtral"},
 }
 """Tiny random MoE models: 8 experts, top-2, hidden 128, head_dim 32."""

@@ -75,11 +75,11 @@ def test_unsupported_moe_variants_are_named():
         ModelDims.from_hf_config(tiny_hf_config("mixtral") | {"sliding_window": 4096})
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_hf_megatron_round_trip_is_bit_identical(family):
     dims = _dims(family)
     hf = random_hf_state(dims, seed=5)
-    router = "mlp.gate.weight" if family == "qwen3_moe" else "block_sparse_moe.gate.weight"
+    router = "block_sparse_moe.gate.weight" if family == "mixtral" else "mlp.gate.weight"
     assert hf[f"model.layers.0.{router}"].shape == (8, 128)
     mg = hm.hf_to_megatron(hf, dims)
     assert list(mg) == hm.megatron_param_names(dims)
@@ -87,11 +87,16 @@ def test_hf_megatron_round_trip_is_bit_identical(family):
     fc1 = mg["decoder.layers.3.mlp.experts.local_experts.7.linear_fc1.weight"]
     assert fc1.shape == (128, 128)  # [gate_7; up_7], 64 rows each
     gate = (
-        "mlp.experts.7.gate_proj.weight"
-        if family == "qwen3_moe"
-        else ("block_sparse_moe.experts.7.w1.weight")
+        "block_sparse_moe.experts.7.w1.weight"
+        if family == "mixtral"
+        else "mlp.experts.7.gate_proj.weight"
     )
     assert torch.equal(fc1[:64], hf[f"model.layers.3.{gate}"])
+    shared = "decoder.layers.0.mlp.shared_experts.gate_weight"
+    assert (shared in mg) == (family == "qwen2_moe")
+    if family == "qwen2_moe":  # the shared expert is TP-split like a dense MLP, its gate is not
+        assert hm.tp_partition_kind(shared) == "replicated" and dims.qkv_bias
+        assert mg["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"].shape == (256, 128)
     back = hm.megatron_to_hf(mg, dims)
     assert sorted(back) == sorted(hf)
     assert all(torch.equal(back[k], v) for k, v in hf.items())
