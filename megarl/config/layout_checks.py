@@ -71,6 +71,9 @@ class LayoutChecks:
             ok &= self.positive(f"{prefix}.{key}", getattr(meg, key))
         ok &= self.positive(f"{prefix}.context_parallel_size", meg.context_parallel_size)
         ok &= self.positive(f"{prefix}.expert_model_parallel_size", meg.expert_model_parallel_size)
+        ok &= self.positive(
+            f"{prefix}.expert_tensor_parallel_size", meg.expert_tensor_parallel_size, True
+        )
         vpp = meg.virtual_pipeline_model_parallel_size
         if vpp is not None and (vpp < 2 or meg.pipeline_model_parallel_size < 2):
             self.error(
@@ -147,10 +150,10 @@ class LayoutChecks:
                 f"{tp * pp * cp}"
             )
         etp = meg.parallel_layout().etp
-        if ep > 1 and world % (etp * pp * ep):
+        if (ep > 1 or meg.expert_tensor_parallel_size is not None) and world % (etp * pp * ep):
             self.error(
-                f"world size {world} ({WORLD}) is not divisible by expert tensor-parallel size "
-                f"(ETP={etp}) × {MEG}.pipeline_model_parallel_size × expert_model_parallel_size = "
+                f"world size {world} ({WORLD}) is not divisible by {MEG}.expert_tensor_parallel_size "
+                f"(null: TP) × pipeline_model_parallel_size × expert_model_parallel_size = "
                 f"{etp} × {pp} × {ep} = {etp * pp * ep}"
             )
         if shape is None:

@@ -222,6 +222,22 @@ BAD_CONFIGS = [
         [f"{MEG}.expert_model_parallel_size=2", "dense"],
     ),
     (
+        "experts-not-divisible-by-expert-parallel",
+        GRPO,
+        [f"{MEG}.expert_model_parallel_size=3", f"{MEG}.tensor_model_parallel_size=1",
+         "trainer.n_gpus_per_node=6", f"{ARCH}.num_experts=8"],
+        None,
+        [f"{MEG}.expert_model_parallel_size=3", "does not divide the model's 8 experts"],
+    ),
+    (
+        "world-not-divisible-by-the-expert-grid",
+        GRPO,
+        [f"{MEG}.expert_model_parallel_size=2", f"{MEG}.expert_tensor_parallel_size=2",
+         f"{ARCH}.num_experts=8"],
+        None,
+        [f"{MEG}.expert_tensor_parallel_size", "2 × 1 × 2 = 4"],
+    ),
+    (
         "full-recompute-without-method",
         GRPO,
         [f"{MEG}.recompute_granularity=full"],
