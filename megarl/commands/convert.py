@@ -1,6 +1,6 @@
 """Convert checkpoints between Hugging Face and Megatron formats, and check that logits agree.
 
-    megarl convert hf-to-megatron --hf-path HF_DIR --out CKPT [--tp N --pp N --vpp N]
+    megarl convert hf-to-megatron --hf-path HF_DIR --out CKPT [--tp N --pp N --vpp N --ep N --etp N]
                                   [--dtype auto|fp32|bf16|fp16] [--verify]
     megarl convert megatron-to-hf --ckpt CKPT --out HF_DIR [--tp N --pp N --vpp N]
                                   [--dtype auto|fp32|bf16|fp16] [--hf-config DIR] [--verify]
@@ -47,7 +47,12 @@ from pathlib import Path
 
 from megarl.checkpoint.hf_export import checkpoint_meta, copy_side_files
 from megarl.checkpoint.layout import HF_FILES_DIR
-from megarl.commands.convert_inputs import ConvertError, check_inputs, safetensors_header
+from megarl.commands.convert_inputs import (
+    ConvertError,
+    check_inputs,
+    conversion_layout,
+    safetensors_header,
+)
 from megarl.config.dtypes import DTYPE_NAMES, SAFETENSORS_DTYPE_NAMES
 from megarl.parallel.spawn import WorkerError, inside_launched_world, run_local_world
 
@@ -163,6 +168,16 @@ def _add_layout_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vpp", type=int, default=None, metavar="N", help="virtual pipeline stages per rank"
     )
+    parser.add_argument(
+        "--ep", type=int, default=1, metavar="N", help="expert-parallel size (MoE; default 1)"
+    )
+    parser.add_argument(
+        "--etp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tensor-parallel size inside each expert (MoE; default --tp)",
+    )
 
 
 def _add_verify_args(parser: argparse.ArgumentParser) -> None:
@@ -212,7 +227,7 @@ def launch(args: argparse.Namespace) -> int:
     staging = staging_dir(args)
     handlers = _raise_on_signals((signal.SIGINT, signal.SIGTERM))
     try:
-        return _run_local_ranks(args, args.tp * args.pp)
+        return _run_local_ranks(args, conversion_layout(args).world_size())
     except Interrupted as exc:
         print(f"error: interrupted ({exc}); stopped every rank", file=sys.stderr, flush=True)
         return 128 + exc.signum
@@ -303,17 +318,18 @@ def _run_command(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from megarl.parallel.init import destroy_distributed, init_distributed
-    from megarl.parallel.layout import ParallelLayout
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world % (args.tp * args.pp):
+    layout = conversion_layout(args)
+    if world % (args.tp * args.pp) or world % (layout.etp * layout.ep * layout.pp):
         raise ConvertError(
-            f"--tp {args.tp} × --pp {args.pp} does not divide the world of {world} ranks"
+            f"--tp {args.tp} × --pp {args.pp} (and ETP {layout.etp} × --ep {args.ep} × --pp) "
+            f"does not divide the world of {world} ranks"
         )
     if not torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    init_distributed(ParallelLayout(args.tp, args.pp, args.vpp), seed=args.seed)
+    init_distributed(layout, seed=args.seed)
     staging = staging_dir(args)
     if staging is not None and _rank() == 0 and staging.exists():
         shutil.rmtree(staging)  # left by a killed run
@@ -373,9 +389,8 @@ def _build_chunks(hf_path: Path | None, cfg: dict, args: argparse.Namespace, dty
 
     from megarl.config.model_dims import ModelDims
     from megarl.models.build import build_model
-    from megarl.parallel.layout import ParallelLayout
 
-    layout = ParallelLayout(args.tp, args.pp, args.vpp)
+    layout = conversion_layout(args)
     source = hf_path if hf_path is not None else ModelDims.from_hf_config(cfg, tp_size=args.tp)
     built = build_model(source, layout, dtype=getattr(torch, dtype_name), initialize=False)
     return built.dims, built.chunks
@@ -394,7 +409,7 @@ def run_hf_to_megatron(args: argparse.Namespace) -> int:
     _log(f"loading HF weights from {hf_path} ...")
     _, chunks = _build_chunks(hf_path, cfg, args, dtype)
     out = staging_dir(args)
-    layout = {"tp": args.tp, "pp": args.pp, "vpp": args.vpp}
+    layout = {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "ep": args.ep, "etp": args.etp}
     meta = checkpoint_meta(cfg, source=str(hf_path), dtype=dtype, layout=layout)
     _log(f"saving Megatron distributed checkpoint to {args.out} ...")
     save_model_checkpoint(chunks, out, meta=meta)

@@ -21,9 +21,10 @@ class ConvertError(Exception):
 
 def check_inputs(args: argparse.Namespace) -> None:
     """Raise :class:`ConvertError` naming the path, architecture or size that is wrong."""
-    for name in ("tp", "pp"):
-        if getattr(args, name) < 1:
-            raise ConvertError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    for name in ("tp", "pp", "ep", "etp"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ConvertError(f"--{name} must be >= 1, got {value}")
     if args.vpp is not None and (args.vpp < 1 or (args.vpp > 1 and args.pp < 2)):
         raise ConvertError(f"--vpp {args.vpp} needs --pp >= 2 (and --vpp >= 1)")
     if args.num_sequences < 1 or args.seq_len < 2:
@@ -63,7 +64,7 @@ def check_inputs(args: argparse.Namespace) -> None:
                 f"--hf-path {args.hf_path} is a different model from --ckpt {args.ckpt} "
                 f"(checkpoint vs HF: {diff})"
             )
-    _check_layout(dims, args.tp, args.pp, args.vpp, where)
+    _check_layout(dims, args, where)
 
 
 def _checked_dims(cfg: dict, tp: int, where: Path):
@@ -228,11 +229,34 @@ def _read_json(path: Path) -> dict:
         raise ConvertError(f"cannot read {path}: {exc}") from None
 
 
-def _check_layout(dims, tp: int, pp: int, vpp: int | None, where: Path) -> None:
-    """Megatron's rule (:func:`megarl.parallel.layout.shape_layout_problems`), named by flag."""
-    from megarl.parallel.layout import ParallelLayout, shape_layout_problems
+def conversion_layout(args: argparse.Namespace):
+    """The :class:`~megarl.parallel.layout.ParallelLayout` of ``--tp --pp --vpp --ep --etp``
+    (``--ep``/``--etp`` absent: 1 and TP)."""
+    from megarl.parallel.layout import ParallelLayout
 
-    problems = shape_layout_problems(ParallelLayout(tp, pp, vpp), dims.known())
+    return ParallelLayout(
+        args.tp,
+        args.pp,
+        args.vpp,
+        expert_model_parallel_size=getattr(args, "ep", 1),
+        expert_tensor_parallel_size=getattr(args, "etp", None),
+    )
+
+
+def _check_layout(dims, args: argparse.Namespace, where: Path) -> None:
+    """Megatron's rule (:func:`megarl.parallel.layout.shape_layout_problems`), named by flag."""
+    from megarl.parallel.layout import shape_layout_problems
+
+    layout = conversion_layout(args)
+    problems = shape_layout_problems(layout, dims.known())
     if problems:
-        text = problems[0].describe(tp=f"--tp {tp}", pp=f"--pp {pp}", vpp=f"--vpp {vpp}")
+        text = problems[0].describe(
+            tp=f"--tp {args.tp}",
+            pp=f"--pp {args.pp}",
+            vpp=f"--vpp {args.vpp}",
+            ep=f"--ep {layout.ep}",
+            etp=f"--etp {layout.etp}"
+            if layout.expert_tensor_parallel_size is not None
+            else f"--etp (= --tp {args.tp})",
+        )
         raise ConvertError(f"{text} of {where}")

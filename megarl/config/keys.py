@@ -64,6 +64,7 @@ PARALLEL_KEYS: tuple[str, ...] = (
     "virtual_pipeline_model_parallel_size",
     "context_parallel_size",
     "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
 )
 """Megatron layout keys that critic and ref must share with the actor (one parallel state)."""
 

@@ -71,6 +71,9 @@ class LayoutChecks:
             ok &= self.positive(f"{prefix}.{key}", getattr(meg, key))
         ok &= self.positive(f"{prefix}.context_parallel_size", meg.context_parallel_size)
         ok &= self.positive(f"{prefix}.expert_model_parallel_size", meg.expert_model_parallel_size)
+        ok &= self.positive(
+            f"{prefix}.expert_tensor_parallel_size", meg.expert_tensor_parallel_size, True
+        )
         vpp = meg.virtual_pipeline_model_parallel_size
         if vpp is not None and (vpp < 2 or meg.pipeline_model_parallel_size < 2):
             self.error(
@@ -126,6 +129,8 @@ class LayoutChecks:
             "tp": f"{prefix}.tensor_model_parallel_size={meg.tensor_model_parallel_size}",
             "pp": f"{prefix}.pipeline_model_parallel_size={meg.pipeline_model_parallel_size}",
             "vpp": f"virtual_pipeline_model_parallel_size={vpp}",
+            "ep": f"{prefix}.expert_model_parallel_size={meg.expert_model_parallel_size}",
+            "etp": f"{prefix}.expert_tensor_parallel_size={meg.parallel_layout().etp}",
         }
         dims = shape.dims
         for problem in shape_layout_problems(meg.parallel_layout(), dims):
@@ -144,25 +149,17 @@ class LayoutChecks:
                 f"× pipeline_model_parallel_size × context_parallel_size = {tp} × {pp} × {cp} = "
                 f"{tp * pp * cp}"
             )
-        if ep > 1 and world % (tp * pp * ep):
+        etp = meg.parallel_layout().etp
+        if (ep > 1 or meg.expert_tensor_parallel_size is not None) and world % (etp * pp * ep):
             self.error(
-                f"world size {world} ({WORLD}) is not divisible by {MEG}.tensor_model_parallel_size "
-                f"× pipeline_model_parallel_size × expert_model_parallel_size = {tp * pp * ep}"
+                f"world size {world} ({WORLD}) is not divisible by {MEG}.expert_tensor_parallel_size "
+                f"(null: TP) × pipeline_model_parallel_size × expert_model_parallel_size = "
+                f"{etp} × {pp} × {ep} = {etp * pp * ep}"
             )
         if shape is None:
             return
-        self.check_model_rule(MEG, meg, shape)
-        src, experts = shape.source, shape.get("num_experts")
-        if ep > 1 and experts is not None:
-            if experts == 0:
-                self.error(
-                    f"{MEG}.expert_model_parallel_size={ep} but the model is dense (from {src})"
-                )
-            elif experts % ep:
-                self.error(
-                    f"{MEG}.expert_model_parallel_size={ep} does not divide the model's "
-                    f"{experts} experts (from {src})"
-                )
+        self.check_model_rule(MEG, meg, shape)  # EP/ETP against the experts too
+        src = shape.source
         limit = shape.get("max_position_embeddings")
         seq = self.cfg.data.max_prompt_length + self.cfg.data.max_response_length
         if limit and seq > limit:

@@ -26,13 +26,22 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
 )
+
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
+"""Mixture-of-experts families: every layer's MLP is a top-k routed set of SwiGLU experts."""
 
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 """HF ``model_type`` of each supported architecture (``transformers`` loads by model_type)."""
 
@@ -138,7 +147,8 @@ def known_dims(hf_config: Mapping[str, Any] | Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ModelDims:
-    """Shape facts of a dense decoder-only model, shared by the HF and Megatron layouts."""
+    """Shape facts of a decoder-only model (dense or MoE), shared by the HF and Megatron
+    layouts."""
 
     hidden_size: int
     """H: model width."""
@@ -173,7 +183,23 @@ class ModelDims:
     rope_scaling: tuple[tuple[str, Any], ...] = ()
     """HF ``rope_scaling`` / non-default ``rope_parameters`` items (empty: plain RoPE)."""
     num_experts: int = 0
-    """Routed experts (always 0: the mapping converts dense models only)."""
+    """Routed experts (0: a dense model)."""
+    moe_ffn_hidden_size: int = 0
+    """Each expert's intermediate width (Qwen3-MoE ``moe_intermediate_size``, Mixtral
+    ``intermediate_size``); 0 for dense models."""
+    moe_router_topk: int = 0
+    """Experts each token is routed to (HF ``num_experts_per_tok``); 0 for dense models."""
+    moe_renormalize_topk: bool = False
+    """Whether the top-k softmax probabilities are renormalised to sum to 1 (Mixtral always,
+    Qwen2/Qwen3-MoE with ``norm_topk_prob``); otherwise they are the full softmax's values."""
+    moe_shared_expert_ffn_hidden_size: int = 0
+    """Qwen2-MoE's shared expert width (``shared_expert_intermediate_size``; its output is
+    scaled by sigmoid(``shared_expert_gate``)); 0: no shared expert."""
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MLPs are routed experts."""
+        return self.num_experts > 0
 
     @property
     def heads_per_group(self) -> int:
@@ -199,7 +225,8 @@ class ModelDims:
         """Read dimensions from an HF config (a ``config.json`` dict or a ``PretrainedConfig``).
 
         Raises :class:`UnsupportedArchitectureError` for anything other than the Llama / Qwen2 /
-        Qwen3 (and Mistral without sliding window) dense causal LMs and the Llama / Qwen2
+        Qwen3 (and Mistral without sliding window) dense causal LMs, the Qwen3-MoE and Mixtral
+        (without sliding window) mixture-of-experts causal LMs, and the Llama / Qwen2
         ``*ForSequenceClassification`` reward models, and ``ValueError`` naming a missing or
         inconsistent key.
         """
@@ -225,7 +252,9 @@ class ModelDims:
         if _get(hf_config, "mlp_bias", False):
             raise UnsupportedArchitectureError(f"{arch} with mlp_bias=True")
         sliding = _get(hf_config, "sliding_window")
-        uses_sliding = _get(hf_config, "use_sliding_window", arch == "MistralForCausalLM")
+        uses_sliding = _get(
+            hf_config, "use_sliding_window", arch in ("MistralForCausalLM", "MixtralForCausalLM")
+        )
         if uses_sliding and sliding is not None:
             raise UnsupportedArchitectureError(f"{arch} with sliding_window={sliding}")
 
@@ -238,8 +267,11 @@ class ModelDims:
             raise ValueError(
                 f"num_attention_heads={heads} not divisible by num_key_value_heads={groups}"
             )
+        moe = _moe_fields(hf_config, arch, known)
         if arch == "Qwen2ForCausalLM":
             qkv_bias = True
+        elif arch == "Qwen2MoeForCausalLM":
+            qkv_bias = bool(_get(hf_config, "qkv_bias", True))
         else:
             qkv_bias = bool(_get(hf_config, "attention_bias", False))
 
@@ -263,12 +295,56 @@ class ModelDims:
                 known["vocab_size"], tp_size, make_vocab_size_divisible_by
             ),
             qkv_bias=qkv_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             tie_word_embeddings=known.get("tie_word_embeddings", False),
             norm_eps=float(_get(hf_config, "rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             max_position_embeddings=known.get("max_position_embeddings", 4096),
             architecture=name,
             rope_scaling=tuple(sorted((str(k), v) for k, v in scaling.items())),
-            num_experts=known["num_experts"],
+            **moe,
         )
+
+
+def _moe_fields(hf_config: Mapping[str, Any] | Any, arch: str, known: dict) -> dict[str, Any]:
+    """The MoE fields of :class:`ModelDims` (none for a dense architecture); refuses what the
+    mapping cannot build: a dense layer among MoE layers, router input jitter."""
+    if arch not in MOE_ARCHITECTURES:
+        if known["num_experts"]:
+            raise UnsupportedArchitectureError(f"{arch} with {known['num_experts']} experts")
+        return {"num_experts": 0}
+    experts, topk = known["num_experts"], _get(hf_config, "num_experts_per_tok")
+    if not experts or not topk:
+        raise ValueError(
+            f"the {arch} config needs num_experts / num_local_experts and num_experts_per_tok"
+        )
+    shared = 0
+    if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+        step, dense = _get(hf_config, "decoder_sparse_step", 1), _get(hf_config, "mlp_only_layers")
+        if step != 1 or dense:
+            raise UnsupportedArchitectureError(
+                f"{arch} with decoder_sparse_step={step}, mlp_only_layers={dense} (every layer "
+                "must be MoE)"
+            )
+        width = _get(hf_config, "moe_intermediate_size")
+        if width is None:
+            raise ValueError("the HF config has no moe_intermediate_size")
+        renormalize = bool(_get(hf_config, "norm_topk_prob", False))
+        if arch == "Qwen2MoeForCausalLM":
+            shared = int(_get(hf_config, "shared_expert_intermediate_size") or 0)
+            if not shared:
+                raise ValueError("the HF config has no shared_expert_intermediate_size")
+    else:
+        width, renormalize = known["ffn_hidden_size"], True
+    jitter = _get(hf_config, "router_jitter_noise", 0.0)
+    if jitter:  # HF scales the experts' input too; Megatron's moe_input_jitter_eps the router's
+        raise UnsupportedArchitectureError(f"{arch} with router_jitter_noise={jitter}")
+    if topk > experts:
+        raise ValueError(f"num_experts_per_tok={topk} exceeds the {experts} experts")
+    return {
+        "num_experts": int(experts),
+        "moe_ffn_hidden_size": int(width),
+        "moe_router_topk": int(topk),
+        "moe_renormalize_topk": renormalize,
+        "moe_shared_expert_ffn_hidden_size": shared,
+    }

@@ -150,7 +150,9 @@ class MegatronConfig:
     context_parallel_size: int = 1
     """Context-parallel size (sequence split across ranks)."""
     expert_model_parallel_size: int = 1
-    """Expert-parallel size (MoE models only)."""
+    """Expert-parallel size (MoE models only; must divide the experts)."""
+    expert_tensor_parallel_size: int | None = None
+    """Tensor parallelism inside each expert (MoE only); null: the TP size, Megatron's default."""
     sequence_parallel: bool = True
     """Sequence parallelism in the TP region (no effect at TP=1)."""
     use_distributed_optimizer: bool = True
@@ -193,6 +195,7 @@ class MegatronConfig:
             context_parallel_size=self.context_parallel_size,
             expert_model_parallel_size=self.expert_model_parallel_size,
             sequence_parallel=self.sequence_parallel,
+            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
         )
 
 

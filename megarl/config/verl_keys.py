@@ -84,7 +84,6 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     *_each(ROLES, "optim.use_layer_wise_distributed_optimizer", "the distributed optimizer shards over DP"),
     *_each(ROLES, "optim.muon_*", "no Muon optimizer (adam or sgd)"),
     *_each(ROLES, "optim.override_optimizer_config", "Megatron's OptimizerConfig is built from optim.*"),
-    *_each(ROLES, "megatron.expert_tensor_parallel_size", "dense models only"),
     *_each(ROLES, "megatron.router_replay", "dense models only"),
     *_each(ROLES, "megatron.use_dist_checkpointing", "weights load from the HF directory"),
     *_each(ROLES, "megatron.dist_checkpointing_*", "weights load from the HF directory (see megarl convert)"),

@@ -23,12 +23,13 @@ from megatron.core.transformer import TransformerConfig
 from megarl.config.model_dims import ModelDims, read_hf_config
 from megarl.models.gpt import (
     Fusions,
+    MoeSettings,
     TransformerImpl,
     build_gpt_chunks,
     build_transformer_config,
 )
 from megarl.models.weights import VALUE_HEAD_HF_NAME, HFCheckpointReader, load_hf_weights
-from megarl.parallel.layout import ParallelLayout
+from megarl.parallel.layout import ParallelLayout, shape_layout_problems
 
 Role = Literal["actor", "critic", "reward"]
 
@@ -100,8 +101,10 @@ def build_model(
     recompute: Recompute | None = None,
     value_head_seed: int = 0,
     fusions: Fusions | None = None,
+    moe: MoeSettings | None = None,
 ) -> BuiltModel:
-    """Build this rank's chunks of a Llama/Qwen-family actor or critic.
+    """Build this rank's chunks of a Llama/Qwen-family (dense, or Qwen3-MoE / Mixtral) actor or
+    critic.
 
     Args:
         source: an HF checkpoint directory (config.json + safetensors) or a ``ModelDims``
@@ -116,6 +119,7 @@ def build_model(
         initialize: run Megatron's random initialisation when nothing is loaded (False: leave
             the parameters uninitialised, for a Megatron checkpoint loaded next).
         fusions: fused kernels and pipeline memory savings (default: on where the spec allows).
+        moe: verl's ``moe_*`` knobs for a MoE model (dispatcher, aux loss, capacity).
     """
     _check_parallel_state(layout)
     hf_path: Path | None = None
@@ -125,6 +129,10 @@ def build_model(
     else:
         hf_path = Path(source)
         dims = ModelDims.from_hf_config(read_hf_config(hf_path), tp_size=layout.tp)
+    problems = shape_layout_problems(layout, dims.known())
+    if problems:
+        sizes = {"tp": f"TP={layout.tp}", "pp": f"PP={layout.pp}", "vpp": f"VPP={layout.vpp}"}
+        raise ValueError(f"{dims.architecture}: {problems[0].describe(**sizes)}")
     recompute = recompute or Recompute()
     config = build_transformer_config(
         dims,
@@ -139,6 +147,9 @@ def build_model(
         recompute_num_layers=recompute.num_layers,
         transformer_impl=transformer_impl,
         fusions=fusions,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        moe=moe,
     )
     if load_weights or not initialize:
         config.perform_initialization = False  # every parameter is overwritten by a load
@@ -176,10 +187,12 @@ def _check_parallel_state(layout: ParallelLayout) -> None:
         parallel_state.get_pipeline_model_parallel_world_size(),
         parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
         parallel_state.get_context_parallel_world_size(),
+        parallel_state.get_expert_model_parallel_world_size(),
+        parallel_state.get_expert_tensor_parallel_world_size(),
     )
-    want = (layout.tp, layout.pp, layout.vpp, layout.cp)
+    want = (layout.tp, layout.pp, layout.vpp, layout.cp, layout.ep, layout.etp)
     if have != want:
         raise ValueError(
-            f"layout TP×PP×VPP×CP = {'×'.join(map(str, want))} differs from the initialised "
-            f"Megatron parallel state {'×'.join(map(str, have))}"
+            f"layout TP×PP×VPP×CP×EP×ETP = {'×'.join(map(str, want))} differs from the "
+            f"initialised Megatron parallel state {'×'.join(map(str, have))}"
         )

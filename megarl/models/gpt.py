@@ -11,10 +11,11 @@ forces either. Fusions (:class:`Fusions`) are on wherever the spec allows them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -165,11 +166,17 @@ def build_transformer_config(
     recompute_num_layers: int | None = None,
     transformer_impl: TransformerImpl = "auto",
     fusions: Fusions | None = None,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+    moe: MoeSettings | None = None,
 ) -> TransformerConfig:
     """TransformerConfig for a Llama/Qwen-family model on the current parallel grid.
 
     ``fusions`` (default: all on where the spec allows, :func:`fusion_flags`) picks the fused
     kernels and pipeline memory savings.
+
+    A MoE model (``dims.num_experts`` > 0) gets its router from the HF config
+    (:func:`moe_config_fields`) and ``moe``'s settings (verl's ``moe_*`` knobs).
 
     Dropout is taken from the architecture (0.0 for these families; Megatron defaults to 0.1).
     ``calculate_per_token_loss`` is on: the loss-scaling contract built on it is stated once, in
@@ -178,6 +185,16 @@ def build_transformer_config(
     on_gpu = torch.cuda.is_available()
     impl = resolve_transformer_impl(transformer_impl)
     vpp = (virtual_pipeline_model_parallel_size or 1) > 1
+    moe_fields = moe_config_fields(
+        dims,
+        moe or MoeSettings(),
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size or tensor_model_parallel_size,
+        transformer_engine=impl == "transformer_engine",
+    )
+    # The allgather dispatcher refuses variable_seq_lengths: every micro-batch of a batch then
+    # has the batch's longest length (the runner pads them, as for VPP).
+    fixed_lengths = vpp or moe_fields.get("moe_token_dispatcher_type") == "allgather"
     return TransformerConfig(
         num_layers=dims.num_layers,
         hidden_size=dims.hidden_size,
@@ -208,9 +225,8 @@ def build_transformer_config(
         # Interleaved (VPP) pipelines exchange shapes with batched p2p ops, which mismatch when
         # a stage's previous and next ranks are the same process (PP=2): there, micro-batches
         # are padded to one length and the unbatched, parity-ordered p2p path is used.
-        variable_seq_lengths=not vpp,
+        variable_seq_lengths=not fixed_lengths,
         batch_p2p_comm=not vpp,
-        moe_token_dispatcher_type="alltoall",  # dense models; the allgather default rejects variable lengths
         calculate_per_token_loss=True,
         # The local (CPU) spec keeps the plain implementations: the fused kernels need TE or
         # apex (fusion_flags). Masked-softmax and persistent-layer-norm fusions are apex kernels
@@ -225,14 +241,130 @@ def build_transformer_config(
         recompute_method=recompute_method,
         recompute_num_layers=recompute_num_layers,
         transformer_impl="transformer_engine" if impl == "transformer_engine" else "local",
+        **moe_fields,
     )
 
 
+MOE_DISPATCHERS = ("alltoall", "allgather")
+"""Token dispatchers that run on CPU (gloo) and GPU; ``flex`` needs DeepEP/HybridEP kernels."""
+
+
+@dataclass(frozen=True)
+class MoeSettings:
+    """verl's MoE knobs (``override_transformer_config.moe_*``): ``TransformerConfig`` fields
+    passed through as given, after the router settings the HF config fixes.
+
+    Refused here, in one line: names that are not ``TransformerConfig`` ``moe_*`` fields,
+    the router fields the HF config decides (top-k, pre-softmax, score function, router dtype),
+    and dispatchers other than :data:`MOE_DISPATCHERS`.
+    """
+
+    overrides: tuple[tuple[str, Any], ...] = ()
+    """(field, value) pairs, e.g. ``(("moe_aux_loss_coeff", 0.001),)``."""
+
+    @classmethod
+    def from_dict(cls, overrides: dict[str, Any]) -> MoeSettings:
+        return cls(tuple(sorted(overrides.items())))
+
+    def checked(self) -> dict[str, Any]:
+        """The overrides as a dict, after the checks above (``ValueError`` naming the key)."""
+        known = {f.name for f in dataclasses.fields(TransformerConfig)}
+        out = dict(self.overrides)
+        for key, value in out.items():
+            if not key.startswith("moe_") or key not in known:
+                raise ValueError(
+                    f"override_transformer_config.{key}: not a TransformerConfig moe_* field"
+                )
+            if key in _HF_ROUTER_FIELDS:
+                raise ValueError(
+                    f"override_transformer_config.{key}={value!r}: the router follows the HF "
+                    "config (top-k, normalisation, softmax, fp32)"
+                )
+        dispatcher = out.get("moe_token_dispatcher_type", "alltoall")
+        if dispatcher not in MOE_DISPATCHERS:
+            raise ValueError(
+                f"override_transformer_config.moe_token_dispatcher_type={dispatcher!r}: use one "
+                f"of {', '.join(MOE_DISPATCHERS)}"
+            )
+        return out
+
+
+_HF_ROUTER_FIELDS = (
+    "moe_router_topk",
+    "moe_router_pre_softmax",
+    "moe_router_score_function",
+    "moe_router_dtype",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
+)
+
+
+def moe_config_fields(
+    dims: ModelDims,
+    moe: MoeSettings,
+    *,
+    expert_model_parallel_size: int,
+    expert_tensor_parallel_size: int,
+    transformer_engine: bool,
+) -> dict[str, Any]:
+    """The ``TransformerConfig`` MoE fields of ``dims`` (only the parallel sizes for a dense model).
+
+    Router semantics as in transformers: logits in fp32, softmax, top-k. Renormalised top-k
+    probabilities (Mixtral; Qwen3-MoE with ``norm_topk_prob``) are Megatron's
+    ``moe_router_pre_softmax=False`` (softmax over the top-k logits, the same numbers); the full
+    softmax's top-k values (Qwen3-MoE without it) are ``pre_softmax=True``. Token dropping is off
+    (dropless) unless a capacity factor is set; the aux loss is Megatron's default (coefficient
+    0) unless set. The Transformer Engine spec uses grouped GEMM (``TEGroupedMLP``).
+    """
+    sizes = {
+        "expert_model_parallel_size": expert_model_parallel_size,
+        "expert_tensor_parallel_size": expert_tensor_parallel_size,
+    }
+    if not dims.is_moe:
+        return {**sizes, "moe_token_dispatcher_type": "alltoall"}
+    return {
+        **sizes,
+        "num_moe_experts": dims.num_experts,
+        "moe_ffn_hidden_size": dims.moe_ffn_hidden_size,
+        "moe_router_topk": dims.moe_router_topk,
+        "moe_router_pre_softmax": not dims.moe_renormalize_topk,
+        "moe_router_score_function": "softmax",
+        "moe_router_dtype": "fp32",
+        "moe_grouped_gemm": transformer_engine,
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_shared_expert_intermediate_size": dims.moe_shared_expert_ffn_hidden_size or None,
+        "moe_shared_expert_gate": bool(dims.moe_shared_expert_ffn_hidden_size),
+        **moe.checked(),
+    }
+
+
 def layer_spec(dims: ModelDims, transformer_impl: TransformerImpl = "auto"):
-    """Megatron layer spec: Transformer Engine's when available/asked for, else the local one."""
+    """Megatron layer spec: Transformer Engine's when available/asked for, else the local one.
+
+    MoE layers: ``TEGroupedMLP`` (grouped GEMM) on the TE spec, ``SequentialMLP`` (one local
+    ``MLP`` per expert) on the local spec.
+    """
+    experts = dims.num_experts or None
     if resolve_transformer_impl(transformer_impl) == "transformer_engine":
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=dims.qk_norm)
-    return get_gpt_layer_local_spec(qk_layernorm=dims.qk_norm, normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=experts is not None, qk_layernorm=dims.qk_norm
+        )
+    if experts is not None:
+        _define_te_general_gemm()
+    return get_gpt_layer_local_spec(
+        num_experts=experts, qk_layernorm=dims.qk_norm, normalization="RMSNorm"
+    )
+
+
+def _define_te_general_gemm() -> None:
+    """Megatron-Core 0.16.1's ``moe_utils`` imports ``te_general_gemm`` only with Transformer
+    Engine yet tests ``te_general_gemm is not None`` in the router's fp32 GEMM (a NameError
+    without TE): without TE it is None, which selects the plain ``torch.mm`` path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 _LLAMA3_ROPE_DEFAULTS = {

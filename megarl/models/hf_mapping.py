@@ -1,4 +1,5 @@
-"""Hugging Face <-> Megatron-Core weight layout for the Llama / Qwen2 / Qwen3 dense family.
+"""Hugging Face <-> Megatron-Core weight layout for the Llama / Qwen2 / Qwen3 family (dense, and
+the Qwen3-MoE / Mixtral MoE MLP through :mod:`megarl.models.moe_mapping`).
 
 Pure tensor functions: no ``torch.distributed``, no Megatron imports. Everything here works on
 *full* (unsharded) Megatron tensors keyed by Megatron names with *global* layer indices
@@ -34,6 +35,7 @@ from megarl.config.model_dims import (
     UnsupportedArchitectureError,
     padded_vocab_size,
 )
+from megarl.models import moe_mapping as mm
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -147,20 +149,29 @@ def is_te_extra_state(mg_name: str) -> bool:
     return mg_name.endswith("._extra_state")
 
 
-def to_te_name(mg_name: str) -> str:
-    """Local-spec Megatron name -> Transformer Engine spec name."""
+def to_te_name(mg_name: str, *, moe: bool = False) -> str:
+    """Local-spec Megatron name -> Transformer Engine spec name (``moe``: a MoE model, whose
+    ``pre_mlp_layernorm`` stays a module of its own and whose experts are grouped)."""
     m = _LAYER_RE.match(mg_name)
-    if m and m.group(3)[1:] in _TE_RENAMES:
-        return f"{m.group(1)}{m.group(2)}.{_TE_RENAMES[m.group(3)[1:]]}"
-    return mg_name
+    if m is None:
+        return mg_name
+    suffix = m.group(3)[1:]
+    if moe and suffix.startswith("pre_mlp_layernorm."):
+        return mg_name
+    if suffix in _TE_RENAMES:
+        return f"{m.group(1)}{m.group(2)}.{_TE_RENAMES[suffix]}"
+    return f"{m.group(1)}{m.group(2)}.{mm.to_te_expert_suffix(suffix)}"
 
 
 def from_te_name(mg_name: str) -> str:
     """Transformer Engine spec name -> local-spec Megatron name (identity for local names)."""
     m = _LAYER_RE.match(mg_name)
-    if m and m.group(3)[1:] in _TE_RENAMES_INV:
-        return f"{m.group(1)}{m.group(2)}.{_TE_RENAMES_INV[m.group(3)[1:]]}"
-    return mg_name
+    if m is None:
+        return mg_name
+    suffix = m.group(3)[1:]
+    if suffix in _TE_RENAMES_INV:
+        return f"{m.group(1)}{m.group(2)}.{_TE_RENAMES_INV[suffix]}"
+    return f"{m.group(1)}{m.group(2)}.{mm.from_te_expert_suffix(suffix)}"
 
 
 def to_te_names(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -179,7 +190,7 @@ def _split_name(mg_name: str) -> tuple[int | None, str]:
     m = _LAYER_RE.match(name)
     if m:
         suffix = m.group(3)[1:]
-        if suffix not in _LAYER_MAP:
+        if suffix not in _LAYER_MAP and not mm.is_moe_suffix(suffix):
             raise KeyError(f"unknown Megatron parameter {mg_name!r}")
         return int(m.group(2)), suffix
     if name not in (EMBEDDING, OUTPUT_LAYER, FINAL_NORM):
@@ -187,20 +198,37 @@ def _split_name(mg_name: str) -> tuple[int | None, str]:
     return None, name
 
 
+def _layer_entry(suffix: str, dims: ModelDims) -> tuple[tuple[str, ...], PartitionKind]:
+    """(HF per-layer suffixes, TP partition kind) of a per-layer Megatron suffix."""
+    if suffix in _LAYER_MAP:
+        return _LAYER_MAP[suffix]
+    return mm.moe_sources(suffix, dims)
+
+
+def _layer_suffixes(dims: ModelDims) -> list[str]:
+    """Megatron suffixes of one layer, in Megatron's order (MoE: router and experts as MLP)."""
+    out: list[str] = []
+    for suffix in _LAYER_MAP:
+        if suffix == "self_attention.linear_qkv.bias" and not dims.qkv_bias:
+            continue
+        if suffix in _QK_NORMS and not dims.qk_norm:
+            continue
+        if dims.is_moe and suffix.startswith("mlp."):
+            continue
+        out.append(suffix)
+    return out + (mm.moe_layer_suffixes(dims) if dims.is_moe else [])
+
+
 def megatron_param_names(dims: ModelDims, *, include_tied_output: bool = False) -> list[str]:
-    """All full Megatron (local-spec) parameter names with global layer indices.
+    """All full Megatron (local-spec) parameter names with global layer (and expert) indices.
 
     With tied embeddings ``output_layer.weight`` is only listed if ``include_tied_output`` (the
     last PP stage holds a copy of the embedding under that name when PP > 1).
     """
     names = [EMBEDDING]
+    suffixes = _layer_suffixes(dims)
     for i in range(dims.num_layers):
-        for suffix in _LAYER_MAP:
-            if suffix == "self_attention.linear_qkv.bias" and not dims.qkv_bias:
-                continue
-            if suffix in _QK_NORMS and not dims.qk_norm:
-                continue
-            names.append(f"decoder.layers.{i}.{suffix}")
+        names += [f"decoder.layers.{i}.{suffix}" for suffix in suffixes]
     names.append(FINAL_NORM)
     if not dims.tie_word_embeddings or include_tied_output:
         names.append(OUTPUT_LAYER)
@@ -240,6 +268,9 @@ def hf_param_shape(hf_name: str, dims: ModelDims) -> tuple[int, ...]:
         "mlp.up_proj.weight": (f, h),
         "mlp.down_proj.weight": (h, f),
     }
+    moe_shape = mm.moe_hf_shape(m.group(1), dims) if m is not None and dims.is_moe else None
+    if moe_shape is not None:
+        return moe_shape
     if m is None or m.group(1) not in shapes:
         raise KeyError(f"unknown HF parameter {hf_name!r}")
     return shapes[m.group(1)]
@@ -257,7 +288,7 @@ def megatron_param_sources(mg_name: str, dims: ModelDims) -> list[str]:
         if suffix == FINAL_NORM:
             return ["model.norm.weight"]
         return ["model.embed_tokens.weight" if dims.tie_word_embeddings else "lm_head.weight"]
-    return [f"model.layers.{layer}.{s}" for s in _LAYER_MAP[suffix][0]]
+    return [f"model.layers.{layer}.{s}" for s in _layer_entry(suffix, dims)[0]]
 
 
 def megatron_param_shape(mg_name: str, dims: ModelDims) -> tuple[int, ...]:
@@ -278,6 +309,8 @@ def megatron_param_shape(mg_name: str, dims: ModelDims) -> tuple[int, ...]:
         "mlp.linear_fc1.weight": (2 * f, h),
         "mlp.linear_fc2.weight": (h, f),
     }
+    if suffix not in shapes:
+        return mm.moe_megatron_shape(suffix, dims)
     return shapes[suffix]
 
 
@@ -363,7 +396,7 @@ def hf_to_megatron_param(
         raise ValueError(f"{names[0]}: {srcs[0].shape[0]} rows != vocab_size {dims.vocab_size}")
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         out = qkv_separate_to_megatron(*srcs, dims)
-    elif suffix == "mlp.linear_fc1.weight":
+    elif _kind(suffix) == "fc1":
         out = gate_up_to_fc1(*srcs)
     elif suffix in (EMBEDDING, OUTPUT_LAYER):
         out = _pad_vocab(srcs[0], dims)
@@ -389,7 +422,7 @@ def megatron_param_to_hf(mg_name: str, full: Tensor, dims: ModelDims) -> dict[st
     names = megatron_param_sources(mg_name, dims)
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         parts: tuple[Tensor, ...] = qkv_megatron_to_separate(full, dims)
-    elif suffix == "mlp.linear_fc1.weight":
+    elif _kind(suffix) == "fc1":
         parts = fc1_to_gate_up(full)
     elif suffix in (EMBEDDING, OUTPUT_LAYER):
         if full.shape[0] < dims.vocab_size:
@@ -465,7 +498,21 @@ def tp_partition_kind(mg_name: str) -> PartitionKind:
         return "vocab"
     if suffix == FINAL_NORM:
         return "replicated"
-    return _LAYER_MAP[suffix][1]
+    return _kind(suffix)
+
+
+def _kind(suffix: str) -> PartitionKind:
+    """Partition kind of a layer suffix (or a top-level name: replicated), read off the name."""
+    if suffix in _LAYER_MAP:
+        return _LAYER_MAP[suffix][1]
+    if suffix == mm.ROUTER:
+        return "replicated"
+    if suffix in mm.SHARED:
+        return mm.SHARED[suffix][1]  # type: ignore[return-value]
+    expert = mm.expert_of(suffix)
+    if expert is not None:
+        return "fc1" if expert[1] == "linear_fc1" else "row"
+    return "replicated"
 
 
 def _check_divisible(mg_name: str, what: str, n: int, tp_size: int) -> None:

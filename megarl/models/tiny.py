@@ -1,4 +1,5 @@
-"""Tiny, fully random Hugging Face checkpoints (Llama / Qwen2 / Qwen3) for CPU tests.
+"""Tiny, fully random Hugging Face checkpoints (Llama / Qwen2 / Qwen3, and the Qwen3-MoE and
+Mixtral mixture-of-experts families) for CPU tests.
 
 Every tensor is drawn from one seeded generator (biases and norm weights too: HF's default init
 leaves them at 0 / 1, which hides mapping bugs), and the tokenizer is a byte-level BPE trained
@@ -37,7 +38,14 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "llama": "LlamaForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
+
+MOE_DEFAULTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+"""Experts of the tiny MoE families: 8 experts, top-2, each 64 wide (vLLM's CPU attention
+needs head_dim ≥ 32, which the attention defaults give)."""
 
 # Fixed ids 0..3: eos/bos, pad, chat markers.
 EOS_TOKEN = "<|endoftext|>"
@@ -73,8 +81,17 @@ def tiny_hf_config(
     rope_theta: float = 10000.0,
     rms_norm_eps: float = 1e-6,
     dtype: torch.dtype = torch.float32,
+    num_experts: int = MOE_DEFAULTS["num_experts"],
+    num_experts_per_tok: int = MOE_DEFAULTS["num_experts_per_tok"],
+    moe_intermediate_size: int = MOE_DEFAULTS["moe_intermediate_size"],
+    norm_topk_prob: bool = True,
 ) -> dict[str, Any]:
-    """The ``config.json`` contents of a tiny model (token ids match :func:`build_tokenizer`)."""
+    """The ``config.json`` contents of a tiny model (token ids match :func:`build_tokenizer`).
+
+    The expert arguments apply to the MoE families only (Mixtral's ``intermediate_size`` is its
+    experts' width, ``moe_intermediate_size``; Mixtral always renormalises top-k
+    probabilities, Qwen3-MoE as ``norm_topk_prob`` says).
+    """
     if family not in ARCHITECTURES:
         raise ValueError(f"unknown family {family!r}; choose from {sorted(ARCHITECTURES)}")
     cfg: dict[str, Any] = {
@@ -105,6 +122,46 @@ def tiny_hf_config(
         cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     elif family == "qwen2":
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
+    elif family == "qwen3_moe":
+        cfg.update(
+            attention_bias=False,
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=num_layers,
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+            norm_topk_prob=norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            output_router_logits=False,
+            router_aux_loss_coef=0.001,
+        )
+    elif family == "qwen2_moe":  # qkv biases, a shared expert with a sigmoid gate
+        cfg.update(
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=num_layers,
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+            shared_expert_intermediate_size=2 * moe_intermediate_size,
+            norm_topk_prob=norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            output_router_logits=False,
+            router_aux_loss_coef=0.001,
+        )
+    elif family == "mixtral":
+        cfg.update(
+            intermediate_size=moe_intermediate_size,
+            sliding_window=None,
+            num_local_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            output_router_logits=False,
+            router_aux_loss_coef=0.001,
+            router_jitter_noise=0.0,
+        )
     else:  # qwen3: per-head q/k RMSNorm, no qkv bias
         cfg.update(
             attention_bias=False,
@@ -225,11 +282,13 @@ def make_tiny_model(
     rms_norm_eps: float = 1e-6,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    **experts: Any,
 ) -> Path:
     """Write a random HF checkpoint (config, safetensors, generation config, tokenizer).
 
     The directory loads offline with ``AutoModelForCausalLM`` / ``AutoTokenizer``; the same
-    arguments always give bit-identical files.
+    arguments always give bit-identical files. ``experts``: :func:`tiny_hf_config`'s expert
+    arguments (MoE families).
     """
     from safetensors.torch import save_file
 
@@ -249,6 +308,7 @@ def make_tiny_model(
         rope_theta=rope_theta,
         rms_norm_eps=rms_norm_eps,
         dtype=dtype,
+        **experts,
     )
     state = random_hf_state(ModelDims.from_hf_config(cfg), seed=seed, dtype=dtype)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -5,6 +5,10 @@ Loading: every rank reads only the HF tensors its own parameters need (lazily, t
 keeps its TP shard. Exporting: each parameter is all-gathered over its TP group, converted to
 HF names on TP rank 0, and every pipeline stage writes its own safetensors file (no rank ever
 holds the whole model); global rank 0 writes the index, config and tokenizer files.
+
+MoE experts: a rank holds its expert-parallel rank's experts, split over *expert* TP (ETP);
+their global names carry the global expert index (:func:`local_global_names`), loading keeps the
+ETP shard, and each expert-parallel rank of a stage writes its own experts' file.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from safetensors.torch import save_file
 
 from megarl.config.model_dims import ModelDims, read_hf_config
 from megarl.models import hf_mapping as hm
+from megarl.models import moe_mapping as mm
 from megarl.models.gpt import ValueHead, layer_offset, unwrap
 from megarl.parallel.collectives import all_gather_tensors
 
@@ -92,12 +97,37 @@ class HFCheckpointReader:
 def local_global_names(
     chunks: Sequence[torch.nn.Module],
 ) -> Iterator[tuple[int, str, str, torch.nn.Parameter]]:
-    """(chunk index, local name, global Megatron name, parameter) for this rank's parameters."""
+    """(chunk index, local name, global Megatron name, parameter) for this rank's parameters.
+
+    Global names carry global layer indices and, for MoE experts, global expert indices.
+    """
     for i, chunk in enumerate(chunks):
         model = unwrap(chunk)
         offset = layer_offset(model.config, model.vp_stage)
+        experts = model.config.num_moe_experts or 0
+        ep_rank, local_experts = 0, 0
+        if experts:
+            ep_rank = parallel_state.get_expert_model_parallel_rank()
+            local_experts = experts // parallel_state.get_expert_model_parallel_world_size()
         for name, param in model.named_parameters():
-            yield i, name, hm.megatron_name_to_global(hm.from_te_name(name), offset), param
+            global_name = hm.megatron_name_to_global(hm.from_te_name(name), offset)
+            if experts:
+                global_name = mm.expert_name_to_global(global_name, ep_rank, local_experts)
+            yield i, name, global_name, param
+
+
+def tp_group_of(global_name: str) -> tuple[int, int]:
+    """(size, rank) of the tensor-parallel group splitting ``global_name``: expert TP for
+    expert weights, TP for everything else."""
+    if mm.is_expert_param(global_name):
+        return (
+            parallel_state.get_expert_tensor_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_rank(),
+        )
+    return (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_rank(),
+    )
 
 
 @torch.no_grad()
@@ -109,8 +139,6 @@ def load_hf_weights(
     The critic's value head is loaded from ``score.weight`` when the checkpoint has one and
     keeps its seeded initialisation otherwise. Missing HF tensors raise ``KeyError`` naming them.
     """
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     with HFCheckpointReader(hf_path) as reader:
         for i, _local, global_name, param in local_global_names(chunks):
             if global_name == hm.OUTPUT_LAYER and isinstance(
@@ -120,6 +148,7 @@ def load_hf_weights(
                     param.copy_(reader.get(VALUE_HEAD_HF_NAME).reshape(param.shape))
                 continue
             full = hm.hf_to_megatron_param(global_name, reader.get, dims)
+            tp_size, tp_rank = tp_group_of(global_name)
             shard = hm.tp_split(global_name, full, tp_size, tp_rank, dims)
             if shard.shape != param.shape:
                 raise ValueError(
@@ -130,28 +159,53 @@ def load_hf_weights(
 
 
 def gather_tp(global_name: str, shard: torch.Tensor, dims: ModelDims) -> torch.Tensor:
-    """The full Megatron parameter from every TP rank's shard (collective over the TP group)."""
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    """The full Megatron parameter from every TP rank's shard (collective over the TP group;
+    over expert TP for expert weights)."""
+    expert = mm.is_expert_param(global_name)
+    tp_size, _ = tp_group_of(global_name)
     if tp_size == 1 or hm.tp_partition_kind(global_name) == "replicated":
         return shard.detach()
-    group = parallel_state.get_tensor_model_parallel_group()
+    if expert:
+        group = parallel_state.get_expert_tensor_parallel_group()
+    else:
+        group = parallel_state.get_tensor_model_parallel_group()
     return hm.tp_merge(global_name, all_gather_tensors(shard.detach(), group), dims)
 
 
 def iter_full_hf_tensors(
-    chunks: Sequence[torch.nn.Module], dims: ModelDims
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named full tensors of this rank's pipeline stage (TP-gathered; collective over TP).
+    chunks: Sequence[torch.nn.Module], dims: ModelDims, *, with_expert_flag: bool = False
+) -> Iterator[tuple]:
+    """HF-named full tensors of this rank's pipeline stage (TP-gathered; collective over TP,
+    and over expert TP for experts).
 
-    Every TP rank of the stage yields the same tensors. The tied output-layer copy on the last
-    stage is skipped (the embedding carries it); a critic's value head comes as ``score.weight``.
+    Every TP rank of the stage yields the same tensors; MoE experts are this rank's
+    expert-parallel share. The tied output-layer copy on the last stage is skipped (the
+    embedding carries it); a critic's value head comes as ``score.weight``. With
+    ``with_expert_flag`` each item is ``(name, tensor, is_expert)``.
     """
     for i, _local, global_name, param in local_global_names(chunks):
+        expert = mm.is_expert_param(global_name)
         if global_name == hm.OUTPUT_LAYER and isinstance(unwrap(chunks[i]).output_layer, ValueHead):
-            yield VALUE_HEAD_HF_NAME, param.detach()
-            continue
-        full = gather_tp(global_name, param, dims)
-        yield from hm.megatron_param_to_hf(global_name, full, dims).items()
+            items = [(VALUE_HEAD_HF_NAME, param.detach())]
+        else:
+            full = gather_tp(global_name, param, dims)
+            items = list(hm.megatron_param_to_hf(global_name, full, dims).items())
+        for name, tensor in items:
+            yield (name, tensor, expert) if with_expert_flag else (name, tensor)
+
+
+def _writes(expert: bool) -> bool:
+    """Whether this rank writes a tensor of its stage: TP rank 0 of data-parallel rank 0, and
+    for experts expert-TP rank 0 of expert-data-parallel rank 0 (one per expert-parallel rank)."""
+    if expert:
+        return (
+            parallel_state.get_expert_tensor_parallel_rank() == 0
+            and parallel_state.get_expert_data_parallel_rank() == 0
+        )
+    return (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+    )
 
 
 def export_hf_weights(
@@ -166,26 +220,25 @@ def export_hf_weights(
 ) -> Path:
     """Write the model as an HF directory loadable by ``transformers`` (collective, all ranks).
 
-    One safetensors file per pipeline stage, written by that stage's first TP/DP rank, plus
-    ``model.safetensors.index.json``; ``config.json`` (``hf_config`` or the source's) and the
-    tokenizer files of ``source_dir`` are copied by global rank 0.
+    One safetensors file per pipeline stage (and, for MoE, per expert-parallel rank), written
+    by the ranks :func:`_writes` picks, plus ``model.safetensors.index.json``; ``config.json``
+    (``hf_config`` or the source's) and the tokenizer files of ``source_dir`` are copied by
+    global rank 0.
     """
     out = Path(out_dir)
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    writer = (
-        parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_data_parallel_rank() == 0
-    )
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in iter_full_hf_tensors(chunks, dims):
-        if writer:
+    for name, tensor, expert in iter_full_hf_tensors(chunks, dims, with_expert_flag=True):
+        if _writes(expert):
             t = tensor.to(dtype) if dtype is not None else tensor
             tensors[name] = t.detach().to("cpu").contiguous().clone()
-    file_name = f"model-{pp_rank + 1:05d}-of-{pp_size:05d}.safetensors"
+    writer = bool(tensors)
+    writers: list[bool | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(writers, writer)
+    index = sum(1 for w in writers[: dist.get_rank()] if w)
+    file_name = f"model-{index + 1:05d}-of-{sum(map(bool, writers)):05d}.safetensors"
     if writer:
         save_file(tensors, str(out / file_name), metadata={"format": "pt"})
         if progress:

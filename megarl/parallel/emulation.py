@@ -22,7 +22,14 @@ What it does (each item was needed to run Megatron-Core 0.16.1 on CPU with gloo)
   "cuda" and CPU random streams are one stream: code that needs independent streams must use
   explicit generators);
 * ``torch.cuda.current_device`` returns ``"cpu"``; ``synchronize``, ``empty_cache``,
-  ``set_device`` and ``nvtx`` ranges become no-ops.
+  ``set_device`` and ``nvtx`` ranges become no-ops;
+* streams and events (the MoE ``alltoall`` token dispatcher makes a side stream for its
+  device-to-host copies, shared-expert overlap another): the CPU runs everything in order, so
+  ``torch.cuda.Stream()`` and ``current_stream()`` are one :class:`_CpuStream` whose waits and
+  events are no-ops, ``torch.cuda.stream(s)`` a null context and ``Event`` a no-op event;
+* the alltoall dispatcher's split sizes: Megatron turns them into numpy arrays only when they
+  are on the GPU (``maybe_move_tensor_to_cpu``), and ``all_to_all_single`` refuses the CPU
+  tensors left otherwise: on the CPU they become numpy arrays as they would on the GPU.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -91,6 +98,53 @@ def _noop(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+class _CpuEvent:
+    """A CUDA event on the in-order CPU: always complete."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """The one CPU "stream": every stream is this one (so no tensor is ever on a side stream)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        global _CPU_STREAM
+        if _CPU_STREAM is None:
+            _CPU_STREAM = super().__new__(cls)
+        return _CPU_STREAM
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+_CPU_STREAM: _CpuStream | None = None
+
+
 def _fresh(fn: Callable) -> Callable:
     """A distinct function object with ``fn``'s behaviour."""
 
@@ -134,10 +188,16 @@ def enable_cpu_emulation() -> None:
         _patch(owner, "set_rng_state", _fresh(_cpu_set_rng_state))
         _patch(owner, "manual_seed", _fresh(_cpu_manual_seed))
         _patch(owner, "manual_seed_all", _fresh(_cpu_manual_seed))
+    _patch(cuda, "Stream", _CpuStream)
+    _patch(cuda, "Event", _CpuEvent)
+    _patch(cuda, "current_stream", _fresh(lambda device=None: _CpuStream()))
+    _patch(cuda, "default_stream", _fresh(lambda device=None: _CpuStream()))
+    _patch(cuda, "stream", _fresh(lambda stream=None: contextlib.nullcontext()))
     _patch(cuda.nvtx, "range_push", _fresh(_noop))
     _patch(cuda.nvtx, "range_pop", _fresh(_noop))
     _patch(cuda.nvtx, "range", _fresh(lambda *a, **k: contextlib.nullcontext()))
     _patch_megatron_rng()
+    _patch_megatron_moe()
     _ACTIVE_MODE = _CudaToCpuMode()
     _ACTIVE_MODE.__enter__()
 
@@ -147,6 +207,19 @@ def _patch_megatron_rng() -> None:
 
     _patch(mrandom, "_get_cuda_rng_state", _megatron_get_rng_state)
     _patch(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
+
+
+def _cpu_tensor_as_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """``moe_utils.maybe_move_tensor_to_cpu`` for tensors already on the CPU."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _patch_megatron_moe() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    _patch(token_dispatcher, "maybe_move_tensor_to_cpu", _cpu_tensor_as_host)
 
 
 def disable_cpu_emulation() -> None:

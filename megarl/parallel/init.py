@@ -127,7 +127,8 @@ def init_distributed(
 
     ``timeout_minutes`` None: :func:`process_group_timeout_minutes` (for both).
 
-    Raises ``ValueError`` naming the sizes when the world is not divisible by TP×PP×CP.
+    Raises ``ValueError`` naming the sizes when the world is not divisible by TP×PP×CP or by
+    the expert grid ETP×EP×PP.
     """
     sizes = sizes or ParallelLayout()
     if timeout_minutes is None:
@@ -150,6 +151,7 @@ def init_distributed(
         virtual_pipeline_model_parallel_size=sizes.virtual_pipeline_model_parallel_size,
         context_parallel_size=sizes.context_parallel_size,
         expert_model_parallel_size=sizes.expert_model_parallel_size,
+        expert_tensor_parallel_size=sizes.etp,
         distributed_timeout_minutes=timeout_minutes,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megarl.config import BatchPlan, ConfigError, MegarlConfig, critic_enabled, ref_used
 from megarl.data import GlobalBatchSampler, PromptDataset, total_training_steps
 from megarl.models.build import BuiltModel, Recompute, build_model
-from megarl.models.gpt import Fusions
+from megarl.models.gpt import Fusions, MoeSettings
 from megarl.models.trainable import OptimizerSettings, TrainableModel
 from megarl.parallel.init import init_distributed
 from megarl.reward import RewardManager
@@ -122,6 +122,7 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
     engine_residency = settle_engine(vllm_engine, cfg) if vllm_engine is not None else None
     meg = arr.actor.megatron
     recompute = Recompute(meg.recompute_granularity, meg.recompute_method, meg.recompute_num_layers)
+    moe = MoeSettings.from_dict(meg.override_transformer_config)  # verl's moe_* knobs
     actor_model = build_model(
         model_path,
         layout,
@@ -129,13 +130,14 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         transformer_impl=meg.transformer_impl,
         recompute=recompute,
         fusions=fusions(meg),
+        moe=moe,
     )
     actor = TrainableModel(actor_model, optimizer_settings(cfg, total))
     settle(actor, cfg, "actor")
     ref = None
     if ref_used(cfg):
         ref = build_model(model_path, layout, dtype=dtype, transformer_impl=meg.transformer_impl,
-                          fusions=fusions(meg))  # fmt: skip
+                          fusions=fusions(meg), moe=moe)  # fmt: skip
         for chunk in ref.chunks:
             chunk.eval()
             chunk.requires_grad_(False)
@@ -206,6 +208,7 @@ def _build_critic(cfg: MegarlConfig, layout, model_path: str, dtype, total: int,
         transformer_impl=cfg.actor_rollout_ref.actor.megatron.transformer_impl,
         value_head_seed=cfg.trainer.seed,
         fusions=fusions(critic_cfg.megatron),
+        moe=MoeSettings.from_dict(critic_cfg.megatron.override_transformer_config),
         recompute=Recompute(
             critic_cfg.megatron.recompute_granularity,
             critic_cfg.megatron.recompute_method,

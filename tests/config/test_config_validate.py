@@ -222,6 +222,22 @@ BAD_CONFIGS = [
         [f"{MEG}.expert_model_parallel_size=2", "dense"],
     ),
     (
+        "experts-not-divisible-by-expert-parallel",
+        GRPO,
+        [f"{MEG}.expert_model_parallel_size=3", f"{MEG}.tensor_model_parallel_size=1",
+         "trainer.n_gpus_per_node=6", f"{ARCH}.num_experts=8"],
+        None,
+        [f"{MEG}.expert_model_parallel_size=3", "does not divide the model's 8 experts"],
+    ),
+    (
+        "world-not-divisible-by-the-expert-grid",
+        GRPO,
+        [f"{MEG}.expert_model_parallel_size=2", f"{MEG}.expert_tensor_parallel_size=2",
+         f"{ARCH}.num_experts=8"],
+        None,
+        [f"{MEG}.expert_tensor_parallel_size", "2 × 1 × 2 = 4"],
+    ),
+    (
         "full-recompute-without-method",
         GRPO,
         [f"{MEG}.recompute_granularity=full"],
@@ -588,3 +604,18 @@ def test_keys_not_applied_are_refused(key, override):
         validate(load_config(PPO, [override]))
     lines = [line for line in str(err.value).splitlines() if key in line]
     assert lines and "not supported" in lines[0], str(err.value)
+
+
+def test_verl_moe_knobs_pass_the_override_refusal():
+    """``override_transformer_config.moe_*`` (verl's MoE knobs) reach the model builder
+    (:class:`megarl.models.gpt.MoeSettings`); every other override is still refused."""
+    ok = f"{MEG}.override_transformer_config={{moe_aux_loss_coeff: 0.01, moe_z_loss_coeff: 0.001}}"
+    cfg = load_config(PPO, [ok])
+    assert cfg.actor_rollout_ref.actor.megatron.override_transformer_config == {
+        "moe_aux_loss_coeff": 0.01,
+        "moe_z_loss_coeff": 0.001,
+    }
+    try:
+        validate(cfg)
+    except ConfigError as exc:
+        assert "override_transformer_config" not in str(exc), str(exc)

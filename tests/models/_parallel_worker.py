@@ -291,6 +291,10 @@ def main() -> None:
     if world == 2:
         _vocab_parallel_check(results)
         _checkpoint_checks(spec, results)
+    if spec.get("moe_models"):  # Qwen3-MoE / Mixtral at EP/ETP layouts (test_moe_models.py)
+        from tests.models._moe_checks import run_moe_checks
+
+        run_moe_checks(spec, world, results)
     if world in (2, 4):  # Megatron's verdict on the layout rule's rows (test_layout_rule.py)
         from tests.models._layout_rule_checks import run_layout_rule_checks
 

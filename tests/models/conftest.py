@@ -55,6 +55,7 @@ def spec(tmp_path_factory) -> dict:
         paths[name] = str(path)
     spec = {"models": paths, "batch": str(tmp / "batch.pt"), "tmp": str(tmp)}
     spec.update(_reward_models(tmp, g))
+    spec.update(_moe_models(tmp, g))
     (tmp / "spec.json").write_text(json.dumps(spec))
     return spec
 
@@ -81,6 +82,33 @@ def _reward_models(tmp: Path, g: torch.Generator) -> dict:
             torch.save(hf(ids, attention_mask=mask.long()).logits[:, 0], path / "ref_scores.pt")
         paths[name] = str(path)
     return {"reward_models": paths, "rm_batch": str(tmp / "rm_batch.pt")}
+
+
+MOE_MODELS = {
+    "qwen3_moe": {"family": "qwen3_moe"},  # norm_topk_prob: renormalised top-k (as 30B-A3B)
+    # the full softmax's top-k (HF's default for Qwen2-MoE), a gated shared expert, qkv biases
+    "qwen2_moe": {"family": "qwen2_moe", "norm_topk_prob": False, "num_layers": 2},
+    "mixtral": {"family": "mixtral"},
+}
+"""Tiny random MoE models: 8 experts, top-2, hidden 128, head_dim 32."""
+
+
+def _moe_models(tmp: Path, g: torch.Generator) -> dict:
+    """MoE models and HF's logits of a batch of different lengths (right-padded)."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.models.tiny import make_tiny_model
+
+    ids = torch.randint(0, 1000, (4, 14), generator=g)
+    torch.save({"input_ids": ids, "lengths": torch.tensor([14, 9, 7, 12])}, tmp / "moe_batch.pt")
+    paths = {}
+    for i, (name, kw) in enumerate(MOE_MODELS.items()):
+        path = make_tiny_model(tmp / name, seed=300 + i, **kw)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            torch.save(hf(ids).logits, path / "ref_logits.pt")
+        paths[name] = str(path)
+    return {"moe_models": paths, "moe_batch": str(tmp / "moe_batch.pt")}
 
 
 def _results(spec: dict, world: int) -> dict:

@@ -119,7 +119,7 @@ def test_round_trip_across_layouts_qwen2_tp2_to_pp2(qwen2: Path, qwen2_tp2, qwen
     ckpt, _ = qwen2_tp2
     out, _ = qwen2_pp2_export
     meta = json.loads((ckpt / "megarl_meta.json").read_text())
-    assert meta["saved_layout"] == {"tp": 2, "pp": 1, "vpp": None}
+    assert meta["saved_layout"] == {"tp": 2, "pp": 1, "vpp": None, "ep": 1, "etp": None}
     assert meta["dtype"] == "float32" and meta["hf_config"]["vocab_size"] == 1100
     assert (ckpt / convert.HF_FILES_DIR / "tokenizer.json").is_file()
     assert len(list(out.glob("model-*-of-00002.safetensors"))) == 2

@@ -71,7 +71,8 @@ def test_rope_parameters_only() -> None:
 
 
 @pytest.mark.parametrize(
-    "arch", ["GPT2LMHeadModel", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "Gemma2ForCausalLM"]
+    "arch",
+    ["GPT2LMHeadModel", "Qwen3NextForCausalLM", "DeepseekV3ForCausalLM", "Gemma2ForCausalLM"],
 )
 def test_unsupported_architecture_named(arch: str) -> None:
     cfg = tiny_hf_config("llama") | {"architectures": [arch]}

@@ -1,0 +1,83 @@
+"""Qwen3-MoE and Mixtral on Megatron (local spec, CPU): logits equal transformers' at
+TP×PP×EP(×ETP) layouts with the alltoall and allgather dispatchers, HF export from every layout
+is the source checkpoint bit for bit, and a dist checkpoint moves between expert layouts.
+
+The multi-rank work runs inside the shared launch of each world size (``conftest.py``,
+``_moe_checks.py``); these tests read its results.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tests.models._moe_checks import MOE_LAYOUTS, layout_key
+from tests.models.conftest import MOE_MODELS
+
+pytestmark = pytest.mark.multirank
+
+
+def _tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as handle:
+            out.update({k: handle.get_tensor(k) for k in handle.keys()})  # noqa: SIM118
+    return out
+
+
+def _cases(world: int) -> list[str]:
+    return [layout_key(*layout) for layout in MOE_LAYOUTS[world]]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_moe_logits_match_transformers(world, request):
+    results = request.getfixturevalue(f"ws{world}")
+    for key in _cases(world):
+        for name in MOE_MODELS:
+            diff = results[f"{key}/{name}"]["logit_diff"]
+            assert diff <= 1e-4, (key, name, diff)
+
+
+def test_moe_layouts_cover_ep_tp_pp_and_both_dispatchers():
+    layouts = [layout for world in MOE_LAYOUTS.values() for layout in world]
+    assert len(layouts) >= 6
+    for position in range(3):  # tp, pp, ep each at 1 and 2
+        assert {layout[position] for layout in layouts} == {1, 2}
+    assert {layout[4] for layout in layouts} == {"alltoall", "allgather"}
+    assert any(layout[2] > 1 and layout[0] > 1 for layout in layouts)  # EP beside TP (ETP 1)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_moe_export_is_bit_identical_to_the_source(world, request, spec):
+    results = request.getfixturevalue(f"ws{world}")
+    checked = 0
+    for key in _cases(world):
+        for name in MOE_MODELS:
+            export = results[f"{key}/{name}"].get("export")
+            if export is None:
+                continue
+            want = _tensors(Path(spec["moe_models"][name]))
+            got = _tensors(Path(export))
+            assert sorted(got) == sorted(want), (key, name)
+            for tensor_name, tensor in want.items():
+                assert torch.equal(got[tensor_name], tensor), (key, name, tensor_name)
+            checked += 1
+    assert checked >= len(MOE_MODELS)
+
+
+def test_moe_checkpoint_moves_between_expert_layouts(ws2):
+    assert ws2["moe/ckpt_ep2_to_tp2"]["weights_identical"]
+
+
+def test_report_moe_numbers(ws1, ws2, ws4, capsys):
+    """Not a check: prints each case's |Δlogit| and the time the MoE cases add to each launch
+    (``pytest -s``)."""
+    with capsys.disabled():
+        for world, results in ((1, ws1), (2, ws2), (4, ws4)):
+            for key in _cases(world):
+                diffs = {n: f"{results[f'{key}/{n}']['logit_diff']:.1e}" for n in MOE_MODELS}
+                print(f"\nws{world} {key}: {diffs}", end="")
+            print(f"\nws{world}: MoE cases took {results['moe/seconds']:.1f} s")
