@@ -484,6 +484,7 @@ class _Checks(LayoutChecks):
         )
         self.errors += errors
         self.warnings += warnings
+        self.check_not_moe(shape, f"{ARR}.model.path")
         critic = c.critic.model
         if critic_enabled(c) and critic.path and critic.path != c.actor_rollout_ref.model.path:
             critic_shape, errors, warnings = resolve_model_shape(
@@ -491,11 +492,24 @@ class _Checks(LayoutChecks):
             )
             self.errors += errors
             self.warnings += warnings
+            self.check_not_moe(critic_shape, "critic.model.path")
             if critic_shape:
                 meg = self.cfg.critic.megatron
                 if meg.tensor_model_parallel_size > 0 and meg.pipeline_model_parallel_size > 0:
                     self.check_model_rule("critic.megatron", meg, critic_shape)
         return shape
+
+    def check_not_moe(self, shape: ModelShape | None, key: str) -> None:
+        """MoE models build, convert and match transformers' logits, but the trainer has no
+        expert-parallel update, MoE resharding into vLLM or routing replay yet: refused by
+        ``megarl train``, a warning for ``megarl config validate``."""
+        experts = shape.get("num_experts") if shape else None
+        if experts:
+            self.problem(
+                f"{key} ({shape.source}) is a Mixture-of-Experts model with {experts} experts: "
+                "megarl converts it and runs it in Megatron (megarl convert), but does not "
+                "train it yet (expert-parallel updates, resharding into vLLM, routing replay)"
+            )
 
     def check_files(self) -> None:
         data = self.cfg.data

@@ -152,3 +152,23 @@ def test_impossible_expert_layouts_are_refused_naming_the_sizes():
     assert layout.world_size() == 8 and layout.data_parallel_size(8) == 2
     with pytest.raises(ValueError, match=r"expert_model_parallel_size × .* = 1×4×2"):
         layout.data_parallel_size(4)
+
+
+def test_training_a_moe_model_is_refused_until_the_trainer_has_experts(tmp_path):
+    """``megarl train`` (paths checked) refuses in one line; ``config validate`` warns."""
+    from megarl.commands import data
+    from megarl.config import ConfigError, load_config, validate
+    from megarl.models.tiny import make_tiny_model
+
+    make_tiny_model(tmp_path / "moe", family="qwen3_moe")
+    assert data.main(["synth", "--out", str(tmp_path / "data"), "--train-size", "64"]) == 0
+    cfg = load_config(
+        ["configs/grpo_tiny_cpu.yaml"],
+        [f"actor_rollout_ref.model.path={tmp_path / 'moe'}",
+         f"data.train_files={tmp_path / 'data' / 'train.parquet'}",
+         f"data.val_files={tmp_path / 'data' / 'test.parquet'}"],
+    )  # fmt: skip
+    warnings = validate(cfg, 2)
+    assert any("Mixture-of-Experts model with 8 experts" in w for w in warnings), warnings
+    with pytest.raises(ConfigError, match="actor_rollout_ref.model.path .*does not train it yet"):
+        validate(cfg, 2, check_paths=True)
