@@ -482,6 +482,7 @@ class _Checks(LayoutChecks):
         )
         self.errors += errors
         self.warnings += warnings
+        self.check_gradient_checkpointing()
         critic = c.critic.model
         if critic_enabled(c) and critic.path and critic.path != c.actor_rollout_ref.model.path:
             critic_shape, errors, warnings = resolve_model_shape(
@@ -494,6 +495,20 @@ class _Checks(LayoutChecks):
                 if meg.tensor_model_parallel_size > 0 and meg.pipeline_model_parallel_size > 0:
                     self.check_model_rule("critic.megatron", meg, critic_shape)
         return shape
+
+    def check_gradient_checkpointing(self) -> None:
+        """model.enable_gradient_checkpointing: accepted and inert, as on verl 0.9.1's Megatron
+        engine; a warning when it is true and nothing else asks for recompute."""
+        c = self.cfg
+        roles = [(f"{ARR}.model", c.actor_rollout_ref.model, ACTOR, c.actor_rollout_ref.actor)]
+        if critic_enabled(c):
+            roles.append(("critic.model", c.critic.model, "critic", c.critic))
+        for prefix, model, name, role in roles:
+            if model.enable_gradient_checkpointing and role.megatron.recompute_granularity is None:
+                self.warn(
+                    f"{prefix}.enable_gradient_checkpointing=true recomputes nothing on the "
+                    f"Megatron backend (as in verl 0.9.1); set {name}.megatron.recompute_granularity"
+                )
 
     def check_files(self) -> None:
         data = self.cfg.data

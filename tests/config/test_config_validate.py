@@ -588,3 +588,19 @@ def test_keys_not_applied_are_refused(key, override):
         validate(load_config(PPO, [override]))
     lines = [line for line in str(err.value).splitlines() if key in line]
     assert lines and "not supported" in lines[0], str(err.value)
+
+
+def test_verls_rollout_mode_and_gradient_checkpointing_keys_validate():
+    """verl's Megatron example scripts set rollout.mode (async in verl 0.9.1, sync before) and
+    model.enable_gradient_checkpointing=True; verl 0.9.1's Megatron workers read no recompute
+    setting from the latter, so it changes nothing here either, and says so."""
+    keys = [f"{ROLL}.mode=sync", "actor_rollout_ref.model.enable_gradient_checkpointing=True"]
+    warnings = validate(load_config(GRPO, keys), 2)
+    assert any("enable_gradient_checkpointing=true recomputes nothing" in w for w in warnings)
+    recompute = [f"{MEG}.recompute_granularity=selective"]
+    assert not any("recomputes" in w for w in validate(load_config(GRPO, keys + recompute), 2))
+    critic = ["critic.model.enable_gradient_checkpointing=true", f"{ROLL}.mode=async"]
+    warnings = validate(load_config(PPO, critic), 2)
+    assert any(w.startswith("critic.model.enable_gradient_checkpointing") for w in warnings)
+    with pytest.raises(ConfigError, match=rf"^{ROLL}.mode: 'spmd' is not one of async, sync$"):
+        load_config(GRPO, [f"{ROLL}.mode=spmd"])
