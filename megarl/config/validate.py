@@ -80,7 +80,6 @@ class _Checks(LayoutChecks):
             ("actor_rollout_ref.ref.megatron", arr.ref.megatron),
             ("critic.megatron", c.critic.megatron),
         ]
-        optims = [(f"{ACTOR}.optim", arr.actor.optim), ("critic.optim", c.critic.optim)]
         refused: list[tuple[str, bool, str]] = [
             *[
                 (f"{k}.override_config", bool(m.override_config),
@@ -100,10 +99,6 @@ class _Checks(LayoutChecks):
                 (f"{k}.recompute_modules", list(m.recompute_modules) != ["core_attn"],
                  "selective recompute covers core_attn only")
                 for k, m in megatrons
-            ],
-            *[
-                (f"{k}.lr_warmup_init", o.lr_warmup_init != 0, "warm-up starts from lr 0")
-                for k, o in optims
             ],
             ("trainer.log_val_generations", c.trainer.log_val_generations > 0,
              "validation generations are not logged"),

@@ -250,6 +250,7 @@ def optimizer_settings(
         betas=(optim.betas[0], optim.betas[1]),
         clip_grad=optim.clip_grad,
         lr_warmup_steps=warmup,
+        lr_warmup_init=optim.lr_warmup_init,
         lr_decay_steps=total_steps,
         lr_decay_style=optim.lr_decay_style,
         use_distributed_optimizer=meg.use_distributed_optimizer,

@@ -575,8 +575,6 @@ NOT_APPLIED = [
     (f"{MEG}.override_transformer_config", f"{MEG}.override_transformer_config={{attention_dropout: 0.1}}"),
     ("critic.megatron.override_transformer_config", "critic.megatron.override_transformer_config={hidden_dropout: 0.1}"),
     (f"{MEG}.recompute_modules", f"{MEG}.recompute_modules=[mlp]"),
-    ("actor_rollout_ref.actor.optim.lr_warmup_init", "actor_rollout_ref.actor.optim.lr_warmup_init=1e-7"),
-    ("critic.optim.lr_warmup_init", "critic.optim.lr_warmup_init=1e-7"),
     ("trainer.log_val_generations", "trainer.log_val_generations=4"),
     ("data.val_batch_size", "data.val_batch_size=8"),
 ]  # fmt: skip

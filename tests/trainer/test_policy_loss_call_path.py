@@ -123,3 +123,15 @@ def test_critic_is_built_with_its_recompute_settings(monkeypatch):
     except RuntimeError:
         pass
     assert seen["recompute"] == setup.Recompute("full", "uniform", 1)
+
+
+def test_lr_warmup_init_reaches_the_optimizer_settings():
+    """optim.lr_warmup_init (actor and critic) is where the warm-up starts, as in verl's Megatron
+    scheduler (tests/models/test_trainable.py checks the schedule itself)."""
+    from megarl.trainer.setup import optimizer_settings
+
+    cfg = load_config(GRPO.with_name("ppo_tiny_cpu.yaml"), [
+        f"{ACTOR}.optim.lr_warmup_init=1e-7", "critic.optim.lr_warmup_init=2e-7",
+    ])  # fmt: skip
+    assert optimizer_settings(cfg, 10).lr_warmup_init == 1e-7
+    assert optimizer_settings(cfg, 10, "critic").lr_warmup_init == 2e-7
