@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megarl.config.algo_inputs import unsupplied_inputs
 from megarl.config.batch import ACTOR, ARR, ROLL, critic_enabled
 from megarl.config.choices import GROUP_ESTIMATORS, LOGGERS, SEQUENCE_AGGREGATED_LOSSES
 from megarl.config.errors import ConfigError
@@ -353,12 +354,9 @@ class _Checks(LayoutChecks):
                 f"{ACTOR}.loss_agg_mode={a.loss_agg_mode} is ignored by {key}.loss_mode={mode}, "
                 "which aggregates per sequence (as verl)"
             )
-        est = self.cfg.algorithm.adv_estimator
-        if est.endswith("optimal_token_baseline") and not a.calculate_sum_pi_squared:
-            self.error(
-                f"algorithm.adv_estimator={est} needs sum_v pi(v)^2 per token: set "
-                f"{ACTOR}.calculate_sum_pi_squared=true"
-            )
+        # Each estimator and loss declares its inputs; the trainer's set is known (algo_inputs).
+        for line in unsupplied_inputs(self.cfg):
+            self.error(line)
 
     def check_rollout_correction(self) -> None:
         rc, key = self.cfg.algorithm.rollout_correction, "algorithm.rollout_correction"

@@ -111,20 +111,24 @@ def train_step(
             )
 
     with timer("adv"):  # over the global batch: the same at every layout
-        advantages, returns = compute_advantage(
-            cfg.algorithm.adv_estimator,
-            token_level_rewards=batch.fields["token_level_rewards"],
-            response_mask=batch.response_mask,
-            index=batch.prompt_ids,
-            gamma=cfg.algorithm.gamma,
-            lam=cfg.algorithm.lam,
-            norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
-            reward_components=scored.fields,
-            old_log_prob=batch.fields.get("old_log_probs"),
-            sum_pi_squared=sum_pi_squared,
-            values=batch.fields.get("values"),
-            reward_baselines=baselines,
-        )
+        # The names megarl.config.algo_inputs lists (validation checked the estimator's needs).
+        supplied = {
+            "token_level_rewards": batch.fields["token_level_rewards"],
+            "response_mask": batch.response_mask,
+            "index": batch.prompt_ids,
+            "gamma": cfg.algorithm.gamma,
+            "lam": cfg.algorithm.lam,
+            "norm_adv_by_std_in_grpo": cfg.algorithm.norm_adv_by_std_in_grpo,
+            "rollout_is_weights": batch.fields.get("rollout_is_weights"),
+        }
+        when = {
+            "old_log_prob": batch.fields.get("old_log_probs"),
+            "sum_pi_squared": sum_pi_squared,
+            "values": batch.fields.get("values"),
+            "reward_baselines": baselines,
+        }
+        supplied.update({k: v for k, v in when.items() if v is not None})
+        advantages, returns = compute_advantage(cfg.algorithm.adv_estimator, **supplied)
         batch.fields["advantages"], batch.fields["returns"] = advantages, returns
 
     if run.critic is not None:
