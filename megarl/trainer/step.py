@@ -84,8 +84,11 @@ def train_step(
     # Old log-probs: recomputed by the actor (decoupled), or, with one mini-batch and one epoch
     # and nothing needing them earlier, taken from the update's own forward (verl's shortcut).
     shortcut = old_log_probs_are_current(run, len(batch))
+    # Bypass mode takes the rollout's log-probs as the old ones, and verl 0.9.1 runs no
+    # old-log-prob pass then; megarl runs it only for sum_v pi^2 (calculate_sum_pi_squared).
+    bypass = cfg.algorithm.rollout_correction.bypass_mode
     sum_pi_squared = None
-    if not shortcut:
+    if not shortcut and (not bypass or cfg.actor_rollout_ref.actor.calculate_sum_pi_squared):
         enter(run, "old_log_prob", step=step)
         with timer("old_log_prob"):
             sum_pi_squared = recompute_log_probs(run, batch)
@@ -352,7 +355,8 @@ def step_metrics(
     metrics.update(batch_metrics(batch, scored, run.cfg.data.max_response_length))
     if "values" in batch.fields:
         metrics.update(value_metrics(batch))
-    metrics.update(rollout_consistency(batch, batch.fields["recomputed_log_probs"]))
+    if "recomputed_log_probs" in batch.fields:  # bypass mode computes no actor log-probs
+        metrics.update(rollout_consistency(batch, batch.fields["recomputed_log_probs"]))
     metrics.update(timer.metrics())
     metrics.update(phase_peak_metrics(run))
     metrics["timing_s/step"] = time.perf_counter() - start
