@@ -2,7 +2,8 @@
 
 Shapes: B responses, T response tokens; masks are binary `[B, T]`. Nothing here uses
 torch.distributed or config objects: the trainer passes plain keyword arguments named as in the
-config (`clip_ratio_low`, `norm_adv_by_std_in_grpo`, ...).
+config (`clip_ratio_low`, `norm_adv_by_std_in_grpo`, ...); each estimator and loss declares
+which it takes (`megarl.algo.registry`).
 """
 
 from typing import Any
@@ -47,7 +48,6 @@ from megarl.algo.registry import (
     ADV_ESTIMATORS,
     KL_ESTIMATORS,
     POLICY_LOSSES,
-    call_with_supported_kwargs,
     get_adv_estimator,
     get_kl_estimator,
     get_policy_loss,
@@ -77,23 +77,19 @@ from megarl.algo.weighted_logprob_losses import (
 )
 
 
-def compute_advantage(adv_estimator: str, **inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the estimator named `adv_estimator` with the inputs it declares, ignoring the rest.
-
-    Pass everything the batch has (`token_level_rewards`, `response_mask`, `values`, `index`,
-    `reward_baselines`, `old_log_prob`, `sum_pi_squared`, `reward_components`, `gamma`, `lam`,
-    `norm_adv_by_std_in_grpo`, `epsilon`, ...); a name no estimator takes raises ValueError.
-    Returns (advantages, returns), both `[B, T]`.
-    """
-    return call_with_supported_kwargs(get_adv_estimator(adv_estimator), **inputs)
+def compute_advantage(adv_estimator: str, **supplied: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the estimator named `adv_estimator` with the inputs it declared, taken from
+    `supplied` (`ADV_ESTIMATORS.inputs(name)`; others are not passed); ValueError naming a
+    declared input that is missing. Returns (advantages, returns), both `[B, T]`."""
+    return ADV_ESTIMATORS.call(adv_estimator, supplied)
 
 
 def compute_policy_loss(
-    policy_loss: str, **inputs: Any
+    policy_loss: str, **supplied: Any
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Run the policy loss named `policy_loss` with the inputs it declares, ignoring the rest
-    (a name no policy loss takes raises ValueError). Returns (loss, metrics)."""
-    return call_with_supported_kwargs(get_policy_loss(policy_loss), **inputs)
+    """Run the policy loss named `policy_loss` with the inputs it declared, taken from
+    `supplied` (ValueError naming a declared input that is missing). Returns (loss, metrics)."""
+    return POLICY_LOSSES.call(policy_loss, supplied)
 
 
 __all__ = [
@@ -110,7 +106,6 @@ __all__ = [
     "GroupStats",
     "agg_loss",
     "apply_kl_penalty",
-    "call_with_supported_kwargs",
     "clamp_log_ratio",
     "compute_advantage",
     "compute_entropy_loss",

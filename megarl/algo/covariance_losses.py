@@ -47,7 +47,7 @@ def _covariance(inputs: PolicyLossInputs) -> torch.Tensor:
     return (advantages - inputs.mean(advantages)) * (log_prob - inputs.mean(log_prob))
 
 
-@policy_loss("kl_cov")
+@policy_loss("kl_cov", settings=("kl_cov_ratio", "ppo_kl_coef"))
 def compute_policy_loss_kl_cov(
     inputs: PolicyLossInputs, kl_cov_ratio: float = 0.0002, ppo_kl_coef: float = 0.1
 ) -> LossAndMetrics:
@@ -90,7 +90,18 @@ def compute_policy_loss_kl_cov(
     return loss, metrics
 
 
-@policy_loss("clip_cov")
+@policy_loss(
+    "clip_cov",
+    settings=(
+        "generator",
+        "clip_ratio",
+        "clip_ratio_low",
+        "clip_ratio_high",
+        "clip_cov_ratio",
+        "clip_cov_lb",
+        "clip_cov_ub",
+    ),
+)
 def compute_policy_loss_clip_cov(
     inputs: PolicyLossInputs,
     generator: torch.Generator | None = None,

@@ -64,7 +64,9 @@ _MAX_DIRECT_BLOCKS = 256
 _CHUNK_ELEMENTS = 1 << 18
 
 
-@ADV_ESTIMATORS.register("gae")
+@ADV_ESTIMATORS.register(
+    "gae", inputs=("token_level_rewards", "values", "response_mask", "gamma", "lam")
+)
 @torch.no_grad()
 def compute_gae_advantage_return(
     token_level_rewards: torch.Tensor,

@@ -91,7 +91,9 @@ def _broadcast(
     return advantages, advantages
 
 
-@ADV_ESTIMATORS.register("grpo")
+@ADV_ESTIMATORS.register(
+    "grpo", inputs=("token_level_rewards", "response_mask", "index", "norm_adv_by_std_in_grpo")
+)
 @torch.no_grad()
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -108,7 +110,7 @@ def compute_grpo_outcome_advantage(
     return _broadcast(scalars, stats, response_mask, token_level_rewards.dtype)
 
 
-@ADV_ESTIMATORS.register("rloo")
+@ADV_ESTIMATORS.register("rloo", inputs=("token_level_rewards", "response_mask", "index"))
 @torch.no_grad()
 def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -121,7 +123,9 @@ def compute_rloo_outcome_advantage(
     return _broadcast(stats.scores - baseline, stats, response_mask, token_level_rewards.dtype)
 
 
-@ADV_ESTIMATORS.register("reinforce_plus_plus_baseline")
+@ADV_ESTIMATORS.register(
+    "reinforce_plus_plus_baseline", inputs=("token_level_rewards", "response_mask", "index")
+)
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -139,7 +143,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     return advantages, advantages
 
 
-@ADV_ESTIMATORS.register("opo")
+@ADV_ESTIMATORS.register("opo", inputs=("token_level_rewards", "response_mask", "index"))
 @torch.no_grad()
 def compute_opo_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -156,7 +160,7 @@ def compute_opo_outcome_advantage(
     return _broadcast(stats.scores - baseline, stats, response_mask, token_level_rewards.dtype)
 
 
-@ADV_ESTIMATORS.register("gpg")
+@ADV_ESTIMATORS.register("gpg", inputs=("token_level_rewards", "response_mask", "index"))
 @torch.no_grad()
 def compute_gpg_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -172,7 +176,10 @@ def compute_gpg_outcome_advantage(
     return _broadcast(scalars, stats, response_mask, token_level_rewards.dtype)
 
 
-@ADV_ESTIMATORS.register("grpo_passk")
+@ADV_ESTIMATORS.register(
+    "grpo_passk",
+    inputs=("token_level_rewards", "response_mask", "index", "norm_adv_by_std_in_grpo"),
+)
 @torch.no_grad()
 def compute_grpo_passk_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -201,7 +208,13 @@ def compute_grpo_passk_outcome_advantage(
     return _broadcast(scalars, stats, response_mask, token_level_rewards.dtype)
 
 
-@ADV_ESTIMATORS.register("gdpo")
+@ADV_ESTIMATORS.register(
+    # megarl has no algorithm.gdpo_reward_keys yet, so the trainer supplies no reward components:
+    # gdpo normalises the summed reward (verl 0.9.1's trainer requires the keys and refuses gdpo
+    # without them); called directly, the function takes components as below.
+    "gdpo",
+    inputs=("token_level_rewards", "response_mask", "index", "norm_adv_by_std_in_grpo"),
+)
 @torch.no_grad()
 def compute_gdpo_outcome_advantage(
     token_level_rewards: torch.Tensor,

@@ -98,7 +98,19 @@ def _token_baseline_advantage(
     return advantages.to(dtype), returns.to(dtype)
 
 
-@ADV_ESTIMATORS.register("optimal_token_baseline")
+# What the trainer passes (as verl's compute_advantage does for these two): the rollout IS
+# weights are None unless algorithm.rollout_correction.rollout_is is set.
+_OTB_INPUTS = (
+    "token_level_rewards",
+    "response_mask",
+    "index",
+    "old_log_prob",
+    "sum_pi_squared",
+    "rollout_is_weights",
+)
+
+
+@ADV_ESTIMATORS.register("optimal_token_baseline", inputs=_OTB_INPUTS)
 @torch.no_grad()
 def compute_optimal_token_baseline_advantage(
     token_level_rewards: torch.Tensor,
@@ -138,7 +150,7 @@ def compute_optimal_token_baseline_advantage(
     )
 
 
-@ADV_ESTIMATORS.register("tir_optimal_token_baseline")
+@ADV_ESTIMATORS.register("tir_optimal_token_baseline", inputs=_OTB_INPUTS)
 @torch.no_grad()
 def compute_tir_optimal_token_baseline_advantage(
     token_level_rewards: torch.Tensor,

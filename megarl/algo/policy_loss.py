@@ -24,7 +24,9 @@ from megarl.algo.policy_loss_inputs import (
 )
 
 
-@policy_loss("vanilla")
+@policy_loss(
+    "vanilla", settings=("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+)
 def compute_policy_loss_vanilla(
     inputs: PolicyLossInputs,
     clip_ratio: float = 0.2,

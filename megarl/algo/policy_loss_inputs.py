@@ -1,22 +1,18 @@
 """What every policy loss takes, declared once: the `[B, T]` tensors and the aggregation inputs.
 
 A policy loss is written as a function of `PolicyLossInputs` and its own settings (clip ratios,
-tau, ...) and registered with `@policy_loss(name)`. The decorator publishes the flat signature
-the trainer and verl users call, by keyword or (the tensors) by position:
+tau, ...) and registered with `@policy_loss(name, settings=(...))`, naming those settings; a
+loss that forces its aggregation (sapo, geo_mean) names in `takes` only the aggregation inputs
+it uses. The registered `PolicyLoss` is called flat, by keyword or (the tensors) by position:
 
-    old_log_prob, log_prob, advantages, response_mask, <the loss's own settings>,
-    loss_agg_mode, rollout_is_weights, global_token_count, global_seq_count, loss_scale_factor,
-    seq_token_counts
+    old_log_prob, log_prob, advantages, response_mask, <aggregation inputs>, <settings>
 
-`call_with_supported_kwargs` reads those names to pick each loss's inputs, so a loss that forces
-its aggregation (gspo, sapo, geo_mean) lists in `takes` only the aggregation inputs it uses.
+and its declared inputs (`PolicyLoss.inputs`) are what `POLICY_LOSSES.call` takes from the
+trainer's supplied set and what config validation checks that set against.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -82,8 +78,7 @@ class PolicyLossInputs:
         )
 
 
-_FIELDS = {field.name: field for field in dataclasses.fields(PolicyLossInputs)}
-_TENSORS = ("old_log_prob", "log_prob", "advantages", "response_mask")
+TENSORS = ("old_log_prob", "log_prob", "advantages", "response_mask")
 AGGREGATION = (
     "loss_agg_mode",
     "rollout_is_weights",
@@ -94,42 +89,55 @@ AGGREGATION = (
 )
 
 
-def _parameter(name: str) -> inspect.Parameter:
-    field = _FIELDS[name]
-    default = inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default
-    return inspect.Parameter(
-        name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=field.type
-    )
+class PolicyLoss:
+    """A registered policy loss: `body(PolicyLossInputs, **settings)` with its declared inputs."""
+
+    def __init__(
+        self,
+        body: Callable[..., LossAndMetrics],
+        settings: tuple[str, ...],
+        takes: tuple[str, ...],
+    ) -> None:
+        self.body = body
+        self.settings = settings
+        self.takes = takes
+        self.inputs = (*TENSORS, *takes, *settings)
+        """Every keyword input, in the order of the flat call."""
+        self.__name__ = self.__qualname__ = body.__name__
+        self.__doc__ = body.__doc__
+        self.__module__ = body.__module__
+
+    def __call__(
+        self,
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        **named: object,
+    ) -> LossAndMetrics:
+        """`(loss, metrics)`; an input this loss did not declare is a TypeError naming it."""
+        unknown = sorted(set(named) - set(self.takes) - set(self.settings))
+        if unknown:
+            raise TypeError(f"{self.__name__} takes no {', '.join(unknown)}")
+        shared = {key: named.pop(key) for key in self.takes if key in named}
+        inputs = PolicyLossInputs(old_log_prob, log_prob, advantages, response_mask, **shared)
+        return self.body(inputs, **named)  # type: ignore[arg-type]
 
 
 def policy_loss(
-    *names: str, takes: tuple[str, ...] = AGGREGATION
-) -> Callable[[Callable[..., LossAndMetrics]], Callable[..., LossAndMetrics]]:
-    """Register `body(inputs, **settings)` in `POLICY_LOSSES` under `names`, called flat.
-
-    The registered function takes the four tensors, then `body`'s own settings (its parameters
-    after `inputs`, in order), then the aggregation inputs named in `takes`; it packs the shared
-    ones into a `PolicyLossInputs` (unnamed ones at their defaults) and returns `body`'s result.
-    """
+    *names: str, settings: tuple[str, ...] = (), takes: tuple[str, ...] = AGGREGATION
+) -> Callable[[Callable[..., LossAndMetrics]], PolicyLoss]:
+    """Register `body(inputs, **settings)` in `POLICY_LOSSES` under `names` as a `PolicyLoss`
+    taking the four tensors, the aggregation inputs in `takes` and the `settings` named (the
+    parameters of `body` after `inputs`; their defaults are `body`'s)."""
     unknown = set(takes) - set(AGGREGATION)
     if unknown:
         raise ValueError(f"not aggregation inputs: {sorted(unknown)}")
 
-    def decorator(body: Callable[..., LossAndMetrics]) -> Callable[..., LossAndMetrics]:
-        settings = list(inspect.signature(body).parameters.values())[1:]
-        signature = inspect.Signature(
-            [*map(_parameter, _TENSORS), *settings, *map(_parameter, takes)],
-            return_annotation="LossAndMetrics",
-        )
-
-        @functools.wraps(body)
-        def loss(*args: object, **kwargs: object) -> LossAndMetrics:
-            arguments = signature.bind(*args, **kwargs).arguments
-            shared = {name: arguments.pop(name) for name in _FIELDS if name in arguments}
-            return body(PolicyLossInputs(**shared), **arguments)  # type: ignore[arg-type]
-
-        loss.__signature__ = signature  # type: ignore[attr-defined]
-        return POLICY_LOSSES.register(*names)(loss)
+    def decorator(body: Callable[..., LossAndMetrics]) -> PolicyLoss:
+        loss = PolicyLoss(body, tuple(settings), tuple(takes))
+        POLICY_LOSSES.register(*names, inputs=loss.inputs)(loss)
+        return loss
 
     return decorator
 

@@ -3,12 +3,18 @@
 `algorithm.adv_estimator` → `get_adv_estimator`, `actor.policy_loss` → `get_policy_loss`,
 `algorithm.kl_penalty` / `actor.kl_loss_type` → `get_kl_estimator`. An unknown name raises a
 ValueError that lists every valid name.
+
+Advantage estimators and policy losses declare, when they are registered, the inputs they take
+(``inputs=(...)``); `Registry.call` passes exactly those from what the caller supplies and
+refuses a call that lacks one. The trainer's supplied set is known before a run
+(`megarl.config.algo_inputs`), so config validation refuses an estimator or a loss whose inputs
+it does not supply, instead of a run finding out (or, when a function's default stands in for
+a missing input, never finding out).
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -17,21 +23,26 @@ F = TypeVar("F", bound=Callable[..., Any])
 class Registry:
     """A small name → callable table with a decorator for registering."""
 
-    def __init__(self, kind: str, config_key: str) -> None:
+    def __init__(self, kind: str, config_key: str, declares_inputs: bool = True) -> None:
         self.kind = kind
         self.config_key = config_key
+        self.declares_inputs = declares_inputs
         self._table: dict[str, Callable[..., Any]] = {}
-        self._parameters: frozenset[str] | None = None  # cache of `parameters()`
+        self._inputs: dict[str, tuple[str, ...]] = {}
 
-    def register(self, *names: str) -> Callable[[F], F]:
-        """Decorator registering a function under one or more names."""
+    def register(self, *names: str, inputs: tuple[str, ...] | None = None) -> Callable[[F], F]:
+        """Decorator registering a function under one or more names, with the keyword inputs
+        it takes (required where the registry `declares_inputs`)."""
+        if self.declares_inputs and inputs is None:
+            raise ValueError(f"a {self.kind} declares its inputs: register(..., inputs=(...))")
 
         def decorator(fn: F) -> F:
             for name in names:
                 if name in self._table and self._table[name] is not fn:
                     raise ValueError(f"{self.kind} {name!r} is already registered")
                 self._table[name] = fn
-            self._parameters = None
+                if inputs is not None:
+                    self._inputs[name] = tuple(inputs)
             return fn
 
         return decorator
@@ -53,22 +64,29 @@ class Registry:
     def __contains__(self, name: object) -> bool:
         return name in self._table
 
-    def holds(self, fn: Callable[..., Any]) -> bool:
-        """Whether `fn` is registered here (under any name)."""
-        return any(registered is fn for registered in self._table.values())
+    def inputs(self, name: str) -> tuple[str, ...]:
+        """The keyword inputs the function registered as `name` declared."""
+        self.get(name)  # an unknown name lists the valid ones
+        return self._inputs[name]
 
-    def parameters(self) -> frozenset[str]:
-        """The union of the keyword parameters of every registered function."""
-        if self._parameters is None:
-            self._parameters = frozenset(
-                name for fn in self._table.values() for name in _keyword_parameters(fn)
+    def call(self, name: str, supplied: Mapping[str, Any]) -> Any:
+        """Call `name`'s function with the inputs it declared, taken from `supplied` (the
+        others are not its inputs); ValueError naming any declared input `supplied` lacks."""
+        fn, needs = self.get(name), self.inputs(name)
+        missing = [key for key in needs if key not in supplied]
+        if missing:
+            raise ValueError(
+                f"{self.kind} {name!r} ({self.config_key}) needs {', '.join(missing)}, "
+                "which the caller did not supply"
             )
-        return self._parameters
+        return fn(**{key: supplied[key] for key in needs})
 
 
 ADV_ESTIMATORS = Registry("advantage estimator", "algorithm.adv_estimator")
 POLICY_LOSSES = Registry("policy loss", "actor_rollout_ref.actor.policy_loss")
-KL_ESTIMATORS = Registry("KL estimator", "algorithm.kl_penalty / actor.kl_loss_type")
+KL_ESTIMATORS = Registry(
+    "KL estimator", "algorithm.kl_penalty / actor.kl_loss_type", declares_inputs=False
+)
 
 
 def get_adv_estimator(name: str) -> Callable[..., Any]:
@@ -84,36 +102,3 @@ def get_policy_loss(name: str) -> Callable[..., Any]:
 def get_kl_estimator(name: str) -> Callable[..., Any]:
     """KL estimator by name (kl/k1, abs, mse/k2, low_var_kl/k3, full; "+" = k2 gradient)."""
     return KL_ESTIMATORS.get(name)
-
-
-def _keyword_parameters(fn: Callable[..., Any]) -> list[str]:
-    return [
-        name
-        for name, p in inspect.signature(fn).parameters.items()
-        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    ]
-
-
-def call_with_supported_kwargs(fn: Callable[..., Any], **kwargs: Any) -> Any:
-    """Call `fn` with the keyword arguments it declares, dropping the others.
-
-    Lets the trainer pass one set of inputs (values, index, gamma, ...) to whichever estimator or
-    loss the config names: a name that some function of the same registry declares and `fn` does
-    not is dropped. A name that no function of `fn`'s registries declares (for a function in no
-    registry: that `fn` does not declare) is a mistake, e.g. a misspelt input, and raises
-    ValueError naming it. A required parameter that is missing still raises TypeError.
-    """
-    params = inspect.signature(fn).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return fn(**kwargs)
-    known = set(_keyword_parameters(fn))
-    for registry in (ADV_ESTIMATORS, POLICY_LOSSES, KL_ESTIMATORS):
-        if registry.holds(fn):
-            known |= registry.parameters()
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
-        raise ValueError(
-            f"{getattr(fn, '__name__', fn)!s} got unknown input(s) {', '.join(unknown)}: no "
-            "registered function of its kind takes them"
-        )
-    return fn(**{k: v for k, v in kwargs.items() if k in params})

@@ -25,7 +25,7 @@ _GSPO_LOG_RATIO_MAX = 10.0
 _SEQ_MEAN_TOKEN_MEAN = ("rollout_is_weights", "global_seq_count", "seq_token_counts")
 
 
-@policy_loss("gspo")
+@policy_loss("gspo", settings=("clip_ratio", "clip_ratio_low", "clip_ratio_high"))
 def compute_policy_loss_gspo(
     inputs: PolicyLossInputs,
     clip_ratio: float = 0.2,
@@ -71,7 +71,7 @@ def compute_policy_loss_gspo(
     return loss, metrics
 
 
-@policy_loss("sapo", takes=_SEQ_MEAN_TOKEN_MEAN)
+@policy_loss("sapo", settings=("tau_pos", "tau_neg"), takes=_SEQ_MEAN_TOKEN_MEAN)
 def compute_policy_loss_sapo(
     inputs: PolicyLossInputs, tau_pos: float = 1.0, tau_neg: float = 1.05
 ) -> LossAndMetrics:
@@ -109,7 +109,11 @@ def compute_policy_loss_sapo(
     return loss, metrics
 
 
-@policy_loss("geo_mean", takes=("rollout_is_weights", "global_seq_count"))
+@policy_loss(
+    "geo_mean",
+    settings=("clip_ratio", "clip_ratio_low", "clip_ratio_high"),
+    takes=("rollout_is_weights", "global_seq_count"),
+)
 def compute_policy_loss_geo_mean(
     inputs: PolicyLossInputs,
     clip_ratio: float = 0.2,

@@ -22,7 +22,9 @@ def _check_unit_interval(**params: float) -> None:
             raise ValueError(f"{name} must lie in [0, 1], got {value}")
 
 
-@ADV_ESTIMATORS.register("reinforce_plus_plus")
+@ADV_ESTIMATORS.register(
+    "reinforce_plus_plus", inputs=("token_level_rewards", "response_mask", "gamma")
+)
 @torch.no_grad()
 def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: torch.Tensor,
@@ -58,7 +60,9 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return advantages.to(dtype), returns.to(dtype)
 
 
-@ADV_ESTIMATORS.register("remax")
+@ADV_ESTIMATORS.register(
+    "remax", inputs=("token_level_rewards", "reward_baselines", "response_mask")
+)
 @torch.no_grad()
 def compute_remax_outcome_advantage(
     token_level_rewards: torch.Tensor,

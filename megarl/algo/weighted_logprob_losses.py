@@ -16,8 +16,10 @@ from megarl.algo.policy_loss_inputs import (
     policy_loss,
 )
 
+_DPPO_SETTINGS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
 
-@policy_loss("cispo")
+
+@policy_loss("cispo", settings=("clip_ratio", "clip_ratio_low", "clip_ratio_high"))
 def compute_policy_loss_cispo(
     inputs: PolicyLossInputs,
     clip_ratio: float = 0.2,
@@ -121,7 +123,7 @@ def _register_dppo(divergence: str, rule: str):
 
     dppo.__name__ = dppo.__qualname__ = f"compute_policy_loss_dppo_{divergence}"
     dppo.__doc__ = _DPPO_DOC.format(name=divergence.upper(), rule=rule)
-    return policy_loss(f"dppo_{divergence}")(dppo)
+    return policy_loss(f"dppo_{divergence}", settings=_DPPO_SETTINGS)(dppo)
 
 
 compute_policy_loss_dppo_tv = _register_dppo(
@@ -134,7 +136,7 @@ compute_policy_loss_dppo_kl = _register_dppo(
 )
 
 
-@policy_loss("dro")
+@policy_loss("dro", settings=("dro_beta",))
 def compute_policy_loss_dro(
     inputs: PolicyLossInputs, dro_beta: float | None = None
 ) -> LossAndMetrics:

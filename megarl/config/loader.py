@@ -55,8 +55,6 @@ _KEY_HINTS = {
     "is_threshold": "use 'algorithm.rollout_correction.rollout_is_threshold'",
     "seed": "the global seed is trainer.seed",
     "dtype": "the training and rollout dtype is trainer.dtype (bf16 or fp32)",
-    "enable_gradient_checkpointing": "activation recompute is "
-    "'<actor or critic>.megatron.recompute_granularity' (full or selective)",
     "gradient_checkpointing": "activation recompute is "
     "'<actor or critic>.megatron.recompute_granularity' (full or selective)",
     "hybrid_engine": "megarl always colocates rollout and training",

@@ -79,6 +79,11 @@ class ModelConfig:
     """Tokenizer location; null: path."""
     trust_remote_code: bool = False
     """Allow custom modelling code from the model repository."""
+    # verl 0.9.1 applies this key on its FSDP engine only; its Megatron engine reads recompute
+    # from megatron.recompute_* (verl #1064). megarl does the same; validation warns when it is
+    # true and megatron.recompute_granularity is unset.
+    enable_gradient_checkpointing: bool | None = None
+    """No effect, as in verl 0.9.1's Megatron workers: recompute is megatron.recompute_granularity."""
     override_config: dict[str, Any] = field(default_factory=dict)
     """Free-form: HF config fields to override (e.g. attention_dropout)."""
     architecture: ArchitectureConfig = field(default_factory=ArchitectureConfig)
@@ -308,8 +313,11 @@ class RolloutConfig:
 
     name: Literal["vllm", "actor"] = "vllm"
     """Rollout engine: vllm, or (megarl) actor: sample from the Megatron actor itself (tests)."""
-    mode: Literal["sync"] = "sync"
-    """sync (verl's name for colocated generation between training phases); no async mode."""
+    # verl 0.9.1 accepts only async (its agent-loop rollout servers; sync raises "removed").
+    # Deliberate difference: megarl also takes sync, which older verl scripts pass, and both mean
+    # in-process vLLM generating each step's batch between training phases (on-policy, colocated).
+    mode: Literal["async", "sync"] = "async"
+    """async (verl 0.9.1's only mode) or sync (its older name): colocated, on-policy, per step."""
     tensor_model_parallel_size: int = 2
     """vLLM tensor-parallel size (independent of training TP); rollout DP = world / this."""
     gpu_memory_utilization: float = 0.5

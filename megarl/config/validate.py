@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megarl.config.algo_inputs import unsupplied_inputs
 from megarl.config.batch import ACTOR, ARR, ROLL, critic_enabled
 from megarl.config.choices import GROUP_ESTIMATORS, LOGGERS, SEQUENCE_AGGREGATED_LOSSES
 from megarl.config.errors import ConfigError
@@ -80,7 +81,6 @@ class _Checks(LayoutChecks):
             ("actor_rollout_ref.ref.megatron", arr.ref.megatron),
             ("critic.megatron", c.critic.megatron),
         ]
-        optims = [(f"{ACTOR}.optim", arr.actor.optim), ("critic.optim", c.critic.optim)]
         refused: list[tuple[str, bool, str]] = [
             *[
                 (f"{k}.override_config", bool(m.override_config),
@@ -102,10 +102,6 @@ class _Checks(LayoutChecks):
                 (f"{k}.recompute_modules", list(m.recompute_modules) != ["core_attn"],
                  "selective recompute covers core_attn only")
                 for k, m in megatrons
-            ],
-            *[
-                (f"{k}.lr_warmup_init", o.lr_warmup_init != 0, "warm-up starts from lr 0")
-                for k, o in optims
             ],
             ("trainer.log_val_generations", c.trainer.log_val_generations > 0,
              "validation generations are not logged"),
@@ -360,12 +356,9 @@ class _Checks(LayoutChecks):
                 f"{ACTOR}.loss_agg_mode={a.loss_agg_mode} is ignored by {key}.loss_mode={mode}, "
                 "which aggregates per sequence (as verl)"
             )
-        est = self.cfg.algorithm.adv_estimator
-        if est.endswith("optimal_token_baseline") and not a.calculate_sum_pi_squared:
-            self.error(
-                f"algorithm.adv_estimator={est} needs sum_v pi(v)^2 per token: set "
-                f"{ACTOR}.calculate_sum_pi_squared=true"
-            )
+        # Each estimator and loss declares its inputs; the trainer's set is known (algo_inputs).
+        for line in unsupplied_inputs(self.cfg):
+            self.error(line)
 
     def check_rollout_correction(self) -> None:
         rc, key = self.cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
@@ -485,6 +478,7 @@ class _Checks(LayoutChecks):
         self.errors += errors
         self.warnings += warnings
         self.check_not_moe(shape, f"{ARR}.model.path")
+        self.check_gradient_checkpointing()
         critic = c.critic.model
         if critic_enabled(c) and critic.path and critic.path != c.actor_rollout_ref.model.path:
             critic_shape, errors, warnings = resolve_model_shape(
@@ -510,6 +504,20 @@ class _Checks(LayoutChecks):
                 "megarl converts it and runs it in Megatron (megarl convert), but does not "
                 "train it yet (expert-parallel updates, resharding into vLLM, routing replay)"
             )
+
+    def check_gradient_checkpointing(self) -> None:
+        """model.enable_gradient_checkpointing: accepted and inert, as on verl 0.9.1's Megatron
+        engine; a warning when it is true and nothing else asks for recompute."""
+        c = self.cfg
+        roles = [(f"{ARR}.model", c.actor_rollout_ref.model, ACTOR, c.actor_rollout_ref.actor)]
+        if critic_enabled(c):
+            roles.append(("critic.model", c.critic.model, "critic", c.critic))
+        for prefix, model, name, role in roles:
+            if model.enable_gradient_checkpointing and role.megatron.recompute_granularity is None:
+                self.warn(
+                    f"{prefix}.enable_gradient_checkpointing=true recomputes nothing on the "
+                    f"Megatron backend (as in verl 0.9.1); set {name}.megatron.recompute_granularity"
+                )
 
     def check_files(self) -> None:
         data = self.cfg.data

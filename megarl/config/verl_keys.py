@@ -109,7 +109,6 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     *_each(_MODELS, "hf_config_path", "config.json is read from the model path"),
     *_each(_MODELS, "custom_chat_template", "the tokenizer's chat template is used"),
     *_each(_MODELS, "use_shm", "models load from the filesystem"),
-    *_each(_MODELS, "enable_gradient_checkpointing", "use megatron.recompute_granularity"),
     *_each(_MODELS, "enable_activation_offload", "no activation offloading"),
     *_each(_MODELS, "use_remove_padding", "sequences are right-padded"),
     *_each(_MODELS, "use_fused_kernels", _FUSED),

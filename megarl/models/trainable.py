@@ -53,6 +53,8 @@ class OptimizerSettings:
     """Global gradient-norm clip; 0 turns clipping off (the norm is still computed)."""
     lr_warmup_steps: int = 0
     """Linear warm-up, in scheduler steps (trainer steps)."""
+    lr_warmup_init: float = 0.0
+    """Learning rate the warm-up starts from (optim.lr_warmup_init)."""
     lr_decay_steps: int = 1
     """Scheduler steps over which the LR decays (the run's total trainer steps)."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
@@ -138,7 +140,7 @@ class TrainableModel:
         )
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
-            init_lr=0.0 if settings.lr_warmup_steps > 0 else settings.lr,
+            init_lr=settings.lr_warmup_init if settings.lr_warmup_steps > 0 else settings.lr,
             max_lr=settings.lr,
             min_lr=settings.min_lr,
             lr_warmup_steps=settings.lr_warmup_steps,

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megarl.algo import (
+    POLICY_LOSSES,
     agg_loss,
     compute_policy_loss,
     count_tokens_and_seqs,
@@ -230,6 +231,8 @@ def _loss_fn(settings: PolicyUpdate, tokens: float, seqs: float, old_name: str, 
         "global_seq_count": max(seqs, 1.0),
         "loss_scale_factor": settings.loss_scale_factor,
     }
+    # The names megarl.config.algo_inputs lists; validation checked the loss's declared needs.
+    uncut = {"seq_token_counts": None}  # no sequence is split across context-parallel ranks
 
     def loss_fn(outputs, mb):
         log_prob = outputs["log_probs"]
@@ -237,9 +240,9 @@ def _loss_fn(settings: PolicyUpdate, tokens: float, seqs: float, old_name: str, 
         mask = mb["response_mask"][:, :width]
         old = log_prob.detach() if old_name == "current" else mb[old_name][:, :width]
         own = {}
-        if settings.loss_mode == "clip_cov":
+        if "generator" in POLICY_LOSSES.inputs(settings.loss_mode):  # clip_cov's token subset
             if generator is None:
-                raise ValueError("clip_cov needs a generator for its random token subset")
+                raise ValueError(f"{settings.loss_mode} needs a generator")
             own["generator"] = generator()
         pg_loss, pg_metrics = compute_policy_loss(
             settings.loss_mode,
@@ -251,6 +254,7 @@ def _loss_fn(settings: PolicyUpdate, tokens: float, seqs: float, old_name: str, 
                 mb["rollout_is_weights"][:, :width] if "rollout_is_weights" in mb else None
             ),
             **counts,
+            **uncut,
             **settings.policy_loss_kwargs,
             **own,
         )

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import BatchPlan, ConfigError, MegarlConfig, critic_enabled, ref_used
+from megarl.config.algo_inputs import policy_loss_settings
 from megarl.data import GlobalBatchSampler, PromptDataset, total_training_steps
 from megarl.models.build import BuiltModel, Recompute, build_model
 from megarl.models.gpt import Fusions, MoeSettings
@@ -253,6 +254,7 @@ def optimizer_settings(
         betas=(optim.betas[0], optim.betas[1]),
         clip_grad=optim.clip_grad,
         lr_warmup_steps=warmup,
+        lr_warmup_init=optim.lr_warmup_init,
         lr_decay_steps=total_steps,
         lr_decay_style=optim.lr_decay_style,
         use_distributed_optimizer=meg.use_distributed_optimizer,
@@ -279,9 +281,6 @@ def policy_update(cfg: MegarlConfig, plan: BatchPlan) -> PolicyUpdate:
     """The actor update's settings from ``actor_rollout_ref.actor`` and the batch plan."""
     actor = cfg.actor_rollout_ref.actor
     loss = actor.policy_loss
-    extra = {
-        k: getattr(loss, k) for k in vars(loss) if k != "loss_mode" and getattr(loss, k) is not None
-    }
     return PolicyUpdate(
         responses_per_mini_batch=plan.actor.responses_per_batch,
         micro_batch_size=plan.actor.micro_batch_size,
@@ -307,19 +306,7 @@ def policy_update(cfg: MegarlConfig, plan: BatchPlan) -> PolicyUpdate:
         kl_loss_type=actor.kl_loss_type,
         temperature=cfg.actor_rollout_ref.rollout.temperature,
         balance=cfg.trainer.balance_batch,
-        policy_loss_kwargs={
-            "clip_ratio": actor.clip_ratio,
-            "clip_ratio_low": actor.clip_ratio_low,
-            "clip_ratio_high": actor.clip_ratio_high,
-            "clip_ratio_c": actor.clip_ratio_c,
-            # SAPO's soft-gate temperatures live on the actor (verl: actor.tau_pos / tau_neg).
-            **(
-                {"tau_pos": actor.tau_pos, "tau_neg": actor.tau_neg}
-                if loss.loss_mode == "sapo"
-                else {}
-            ),
-            **extra,
-        },
+        policy_loss_kwargs=policy_loss_settings(cfg),
     )
 
 

@@ -84,8 +84,11 @@ def train_step(
     # Old log-probs: recomputed by the actor (decoupled), or, with one mini-batch and one epoch
     # and nothing needing them earlier, taken from the update's own forward (verl's shortcut).
     shortcut = old_log_probs_are_current(run, len(batch))
+    # Bypass mode takes the rollout's log-probs as the old ones, and verl 0.9.1 runs no
+    # old-log-prob pass then; megarl runs it only for sum_v pi^2 (calculate_sum_pi_squared).
+    bypass = cfg.algorithm.rollout_correction.bypass_mode
     sum_pi_squared = None
-    if not shortcut:
+    if not shortcut and (not bypass or cfg.actor_rollout_ref.actor.calculate_sum_pi_squared):
         enter(run, "old_log_prob", step=step)
         with timer("old_log_prob"):
             sum_pi_squared = recompute_log_probs(run, batch)
@@ -111,20 +114,24 @@ def train_step(
             )
 
     with timer("adv"):  # over the global batch: the same at every layout
-        advantages, returns = compute_advantage(
-            cfg.algorithm.adv_estimator,
-            token_level_rewards=batch.fields["token_level_rewards"],
-            response_mask=batch.response_mask,
-            index=batch.prompt_ids,
-            gamma=cfg.algorithm.gamma,
-            lam=cfg.algorithm.lam,
-            norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
-            reward_components=scored.fields,
-            old_log_prob=batch.fields.get("old_log_probs"),
-            sum_pi_squared=sum_pi_squared,
-            values=batch.fields.get("values"),
-            reward_baselines=baselines,
-        )
+        # The names megarl.config.algo_inputs lists (validation checked the estimator's needs).
+        supplied = {
+            "token_level_rewards": batch.fields["token_level_rewards"],
+            "response_mask": batch.response_mask,
+            "index": batch.prompt_ids,
+            "gamma": cfg.algorithm.gamma,
+            "lam": cfg.algorithm.lam,
+            "norm_adv_by_std_in_grpo": cfg.algorithm.norm_adv_by_std_in_grpo,
+            "rollout_is_weights": batch.fields.get("rollout_is_weights"),
+        }
+        when = {
+            "old_log_prob": batch.fields.get("old_log_probs"),
+            "sum_pi_squared": sum_pi_squared,
+            "values": batch.fields.get("values"),
+            "reward_baselines": baselines,
+        }
+        supplied.update({k: v for k, v in when.items() if v is not None})
+        advantages, returns = compute_advantage(cfg.algorithm.adv_estimator, **supplied)
         batch.fields["advantages"], batch.fields["returns"] = advantages, returns
 
     if run.critic is not None:
@@ -348,7 +355,8 @@ def step_metrics(
     metrics.update(batch_metrics(batch, scored, run.cfg.data.max_response_length))
     if "values" in batch.fields:
         metrics.update(value_metrics(batch))
-    metrics.update(rollout_consistency(batch, batch.fields["recomputed_log_probs"]))
+    if "recomputed_log_probs" in batch.fields:  # bypass mode computes no actor log-probs
+        metrics.update(rollout_consistency(batch, batch.fields["recomputed_log_probs"]))
     metrics.update(timer.metrics())
     metrics.update(phase_peak_metrics(run))
     metrics["timing_s/step"] = time.perf_counter() - start

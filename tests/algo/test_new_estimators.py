@@ -73,7 +73,10 @@ def test_gdpo_single_reward_fallback_is_whitened_grpo():
     g = torch.Generator().manual_seed(1)
     rewards = torch.zeros(8, 5)
     rewards[:, 0] = torch.randn(8, generator=g)
-    adv, _ = compute_advantage("gdpo", token_level_rewards=rewards, response_mask=MASK, index=INDEX)
+    adv, _ = compute_advantage(
+        "gdpo", token_level_rewards=rewards, response_mask=MASK, index=INDEX,
+        norm_adv_by_std_in_grpo=True,
+    )  # fmt: skip
     grpo, _ = compute_grpo_outcome_advantage(rewards, MASK, INDEX)
     mask = MASK.bool().clone()
     mask[5] = False

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from megarl.algo import (
-    compute_policy_loss,
     compute_policy_loss_geo_mean,
     compute_policy_loss_gspo,
     compute_policy_loss_sapo,
+    get_policy_loss,
 )
 from tests.algo._reference import policy_batch
 
@@ -73,8 +73,8 @@ def test_gspo_honours_loss_agg_mode_like_verl():
     old, new, adv, mask = policy_batch(1)
     results = {}
     for mode in ("token-mean", "seq-mean-token-mean"):
-        results[mode], _ = compute_policy_loss(
-            "gspo", old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask,
+        results[mode], _ = get_policy_loss("gspo")(
+            old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask,
             loss_agg_mode=mode,
         )  # fmt: skip
     # every token of a sequence carries the same loss value: token-mean weights by length

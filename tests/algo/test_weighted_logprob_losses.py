@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from megarl.algo import (
-    compute_policy_loss,
     compute_policy_loss_cispo,
     compute_policy_loss_dppo_kl,
     compute_policy_loss_dppo_tv,
     compute_policy_loss_dro,
+    get_policy_loss,
 )
 from tests.algo._reference import policy_batch
 
@@ -127,16 +127,18 @@ def test_rollout_is_weights_and_aggregation_as_for_vanilla(name):
     (every loss here is linear in A except DRO's penalty, which is checked with A = 0)."""
     old, new, adv, mask = policy_batch(5)
     weights = torch.rand(5, 6, generator=torch.Generator().manual_seed(1)) + 0.5
-    extra = {"dro_beta": 0.5, "clip_ratio_c": 3.0, "clip_ratio": 0.2}
+    loss = get_policy_loss(name)
+    settings = {"dro_beta": 0.5, "clip_ratio_c": 3.0, "clip_ratio": 0.2}
+    extra = {k: v for k, v in settings.items() if k in loss.settings}
     common = {"loss_agg_mode": "seq-mean-token-sum", "global_seq_count": 8.0}
     if name == "dro":
         adv = torch.zeros_like(adv)
-    weighted, _ = compute_policy_loss(
-        name, old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask,
+    weighted, _ = loss(
+        old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask,
         rollout_is_weights=weights, **extra, **common,
     )  # fmt: skip
-    per_token, _ = compute_policy_loss(
-        name, old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask,
+    per_token, _ = loss(
+        old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask,
         loss_agg_mode="token-sum", **extra,
     )  # fmt: skip
     assert torch.isfinite(weighted) and per_token.item() != 0.0
@@ -147,8 +149,8 @@ def test_rollout_is_weights_and_aggregation_as_for_vanilla(name):
             if mask[i, t]:
                 one = torch.zeros(5, 6)
                 one[i, t] = 1.0
-                value, _ = compute_policy_loss(
-                    name, old_log_prob=old, log_prob=new, advantages=adv, response_mask=one,
+                value, _ = loss(
+                    old_log_prob=old, log_prob=new, advantages=adv, response_mask=one,
                     loss_agg_mode="token-sum", **extra,
                 )  # fmt: skip
                 total += value.item() * weights[i, t].item()

@@ -14,9 +14,10 @@ from a run of its own) and must continue exactly as the reference did. Launches 
 - SIGINT (2): ``megarl train`` resumed with a changed lr runs step 3 with the config's lr
   (default policy), then SIGINT twice (the second: stop now, unsaved): every process gone, no new checkpoint; the next launch loads
   step 2 at DP2 (distributed optimizer) and its step 3 equals the reference's;
-- SIGTERM (3): ``ppo_epochs=2`` PPO with a critic; SIGTERM to one rank: saved after the step,
-  exit 0, the relaunch finishes the run and equals an uninterrupted run (the diamond with
-  ``ppo_epochs`` 2 and a critic).
+- SIGTERM (3): ``ppo_epochs=2`` PPO with a critic and adaptive KL in the reward; SIGTERM to
+  one rank: saved after the step, exit 0, the relaunch finishes the run and equals an
+  uninterrupted run, the KL coefficient included (the diamond with ``ppo_epochs`` 2, a critic
+  and ``kl_ctrl.type=adaptive``).
 
 Small steps (4 prompts × 4 responses, two mini-batches) keep each launch short.
 """
@@ -321,11 +322,18 @@ def test_sigint_exits_without_saving_and_the_last_checkpoint_loads_at_dp2(tiny, 
 
 def test_sigterm_to_one_rank_saves_and_the_relaunch_equals_ppo2_with_a_critic(tiny):
     """The diamond with ``ppo_epochs`` 2 and PPO with a critic (``gae``): the critic is saved
-    in ``global_step_<N>/critic`` and restored by the same code path as the actor."""
+    in ``global_step_<N>/critic`` and restored by the same code path as the actor. KL in the
+    reward with the adaptive controller: its coefficient moves every step, so the relaunch
+    continues from the saved coefficient (trainer_state.json), not from kl_ctrl.kl_coef."""
     variant = (
         "algorithm.adv_estimator=gae",
         "actor_rollout_ref.actor.ppo_epochs=2",  # the critic's too
         "trainer.save_freq=4",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.kl_coef=0.2",
+        "algorithm.kl_ctrl.target_kl=0.01",
+        "algorithm.kl_ctrl.horizon=40",
     )
     straight = tiny["root"] / "ppo2_gae_straight"
     _run(tiny, straight, *variant)
@@ -345,6 +353,9 @@ def test_sigterm_to_one_rank_saves_and_the_relaunch_equals_ppo2_with_a_critic(ti
     _run(tiny, run_dir, *variant)
     ref, got = _metrics(straight), _metrics(run_dir)
     assert "critic/vf_loss" in ref[4]
+    coef = "actor/reward_kl_penalty_coeff"
+    assert ref[2][coef] != 0.2  # adapted after step 1, before the stop
+    assert [got[s][coef] for s in (1, 2, 3, 4)] == [ref[s][coef] for s in (1, 2, 3, 4)]
     worst = max(_largest_difference(ref[s], got[s]) for s in (1, 2, 3, 4))
     weights = _weight_difference(straight, run_dir)
     print(f"diamond (ppo_epochs 2, PPO with a critic): metrics {worst:.3g}, weights {weights:.3g}")

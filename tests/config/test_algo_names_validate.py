@@ -77,3 +77,44 @@ def test_an_unknown_loss_mode_lists_the_valid_ones():
     with pytest.raises(ConfigError) as info:
         load_config(GRPO, [f"{ACTOR}.policy_loss.loss_mode=grpo_clip"])
     assert "dppo_kl" in str(info.value)
+
+
+# What each built-in estimator and loss needs from the config besides its name.
+_NEEDS = {
+    "optimal_token_baseline": [f"{ACTOR}.calculate_sum_pi_squared=true"],
+    "tir_optimal_token_baseline": [f"{ACTOR}.calculate_sum_pi_squared=true"],
+    "dro": [f"{ACTOR}.policy_loss.dro_beta=0.1"],
+}
+
+
+def test_every_built_in_estimator_and_loss_validates():
+    """The trainer supplies every input each registered estimator and policy loss declares
+    (megarl.config.algo_inputs), so each validates with its own keys."""
+    from megarl.algo import ADV_ESTIMATORS, POLICY_LOSSES
+    from megarl.config.algo_inputs import unsupplied_inputs
+
+    for name in ADV_ESTIMATORS.names():
+        cfg = load_config(GRPO, [f"algorithm.adv_estimator={name}", *_NEEDS.get(name, [])])
+        assert unsupplied_inputs(cfg) == [], name
+        validate(cfg, 2)
+    for name in POLICY_LOSSES.names():
+        cfg = load_config(GRPO, [f"{ACTOR}.policy_loss.loss_mode={name}", *_NEEDS.get(name, [])])
+        assert unsupplied_inputs(cfg) == [], name
+        validate(cfg, 2)
+
+
+def test_a_declared_input_the_trainer_does_not_supply_is_refused(monkeypatch):
+    """An estimator or loss declaring an input outside the trainer's set is refused in one line
+    at validation, not found mid-run (nor papered over by a default)."""
+    from megarl.algo import ADV_ESTIMATORS, POLICY_LOSSES
+
+    monkeypatch.setitem(ADV_ESTIMATORS._inputs, "rloo", (*ADV_ESTIMATORS.inputs("rloo"), "tau"))
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(GRPO, ["algorithm.adv_estimator=rloo"]), 2)
+    (line,) = [p for p in info.value.problems if "tau" in p]
+    assert line == "algorithm.adv_estimator=rloo needs tau, which the trainer does not supply"
+    monkeypatch.setitem(POLICY_LOSSES._inputs, "gpg", (*POLICY_LOSSES.inputs("gpg"), "beta"))
+    with pytest.raises(ConfigError, match=rf"^{ACTOR}\.policy_loss\.loss_mode=gpg needs beta, wh"):
+        validate(load_config(GRPO, [f"{ACTOR}.policy_loss.loss_mode=gpg"]), 2)
+    with pytest.raises(ConfigError, match="sum_pi_squared only with .*calculate_sum_pi_squared"):
+        validate(load_config(GRPO, ["algorithm.adv_estimator=optimal_token_baseline"]), 2)

@@ -591,8 +591,6 @@ NOT_APPLIED = [
     (f"{MEG}.override_transformer_config", f"{MEG}.override_transformer_config={{attention_dropout: 0.1}}"),
     ("critic.megatron.override_transformer_config", "critic.megatron.override_transformer_config={hidden_dropout: 0.1}"),
     (f"{MEG}.recompute_modules", f"{MEG}.recompute_modules=[mlp]"),
-    ("actor_rollout_ref.actor.optim.lr_warmup_init", "actor_rollout_ref.actor.optim.lr_warmup_init=1e-7"),
-    ("critic.optim.lr_warmup_init", "critic.optim.lr_warmup_init=1e-7"),
     ("trainer.log_val_generations", "trainer.log_val_generations=4"),
     ("data.val_batch_size", "data.val_batch_size=8"),
 ]  # fmt: skip
@@ -619,3 +617,19 @@ def test_verl_moe_knobs_pass_the_override_refusal():
         validate(cfg)
     except ConfigError as exc:
         assert "override_transformer_config" not in str(exc), str(exc)
+
+
+def test_verls_rollout_mode_and_gradient_checkpointing_keys_validate():
+    """verl's Megatron example scripts set rollout.mode (async in verl 0.9.1, sync before) and
+    model.enable_gradient_checkpointing=True; verl 0.9.1's Megatron workers read no recompute
+    setting from the latter, so it changes nothing here either, and says so."""
+    keys = [f"{ROLL}.mode=sync", "actor_rollout_ref.model.enable_gradient_checkpointing=True"]
+    warnings = validate(load_config(GRPO, keys), 2)
+    assert any("enable_gradient_checkpointing=true recomputes nothing" in w for w in warnings)
+    recompute = [f"{MEG}.recompute_granularity=selective"]
+    assert not any("recomputes" in w for w in validate(load_config(GRPO, keys + recompute), 2))
+    critic = ["critic.model.enable_gradient_checkpointing=true", f"{ROLL}.mode=async"]
+    warnings = validate(load_config(PPO, critic), 2)
+    assert any(w.startswith("critic.model.enable_gradient_checkpointing") for w in warnings)
+    with pytest.raises(ConfigError, match=rf"^{ROLL}.mode: 'spmd' is not one of async, sync$"):
+        load_config(GRPO, [f"{ROLL}.mode=spmd"])

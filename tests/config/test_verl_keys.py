@@ -106,16 +106,6 @@ def test_unsupported_keys_on_the_command_line(tmp_path):
     assert str(info.value).startswith("unsupported: actor_rollout_ref.rollout.seed in override")
 
 
-def test_rollout_mode_sync_is_accepted_and_async_refused(tmp_path):
-    """verl's scripts pass rollout.mode=sync, which is what megarl does; async is refused."""
-    (tmp_path / "empty.yaml").write_text("")
-    cfg = load_config(tmp_path / "empty.yaml", ["actor_rollout_ref.rollout.mode=sync"])
-    assert cfg.actor_rollout_ref.rollout.mode == "sync"
-    with pytest.raises(ConfigError) as info:
-        load_config(tmp_path / "empty.yaml", ["actor_rollout_ref.rollout.mode=async"])
-    assert "actor_rollout_ref.rollout.mode" in str(info.value).splitlines()[0]
-
-
 def test_a_typo_is_still_unknown():
     for key in ("actor_rollout_ref.actor.clip_ratoi", "trainer.balance_bach"):
         assert any("unknown key" in p for p in _problems(_nested((key,)))), key

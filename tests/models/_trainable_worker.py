@@ -294,6 +294,25 @@ def _nan_and_bf16_checks(spec: dict, results: dict) -> None:
             }
 
 
+def _warmup_from_lr_warmup_init(spec: dict, results: dict) -> None:
+    """The learning rate before and after each of two steps of a 4-step warm-up from 1e-4 to
+    1e-3 (optim.lr_warmup_init honoured, as Megatron's scheduler takes it in verl)."""
+    from megarl.models.build import build_model
+    from megarl.models.trainable import OptimizerSettings, TrainableModel
+    from megarl.parallel.layout import ParallelLayout
+
+    batch = torch.load(spec["batch"])
+    built = build_model(spec["model"], ParallelLayout())
+    settings = OptimizerSettings(lr=1e-3, lr_warmup_steps=4, lr_warmup_init=1e-4, lr_decay_steps=8)
+    trainable = TrainableModel(built, settings)
+    lrs = [trainable.lr]
+    for _ in range(2):
+        _train_once(trainable, batch, "token-mean", built.dims.vocab_size)
+        trainable.advance_lr()  # once per trainer step
+        lrs.append(trainable.lr)
+    results["warmup_lrs"] = lrs
+
+
 def _checkpoint_round_trip(spec: dict, results: dict) -> None:
     """Save model+optimizer after one Adam step; a fresh model (other weights) loads it; the next
     step on both must give bit-identical weights (moments and weights restored)."""
@@ -339,6 +358,7 @@ def main() -> None:
     results: dict = {}
     _contract_checks(spec, results)
     _nan_and_bf16_checks(spec, results)
+    _warmup_from_lr_warmup_init(spec, results)
     _checkpoint_round_trip(spec, results)
     if dist.get_rank() == 0:
         torch.save(results, Path(spec["tmp"]) / "results_trainable.pt")

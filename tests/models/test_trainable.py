@@ -108,3 +108,9 @@ def test_overlaps_reach_megatron_and_run(results, optimizer):
     if distopt:
         assert r["gather_deferred"] == [True, True] and r["pending_after_step"], r
     assert r["replicas_identical_after_sync"], r
+
+
+def test_warm_up_starts_from_lr_warmup_init(results):
+    """Linear warm-up over 4 steps from optim.lr_warmup_init 1e-4 to lr 1e-3 (Megatron's
+    scheduler: init + (lr - init) * step / warmup); it started from 0 whatever the key said."""
+    assert results["warmup_lrs"] == pytest.approx([1e-4, 3.25e-4, 5.5e-4], rel=1e-9)

@@ -105,6 +105,7 @@ def _one_run(spec: dict, run_spec: dict) -> dict:
                     "metrics": metrics,
                     "input_ids": batch.input_ids,
                     "mask": batch.response_mask,
+                    "rollout_log_probs": batch.rollout_log_probs,
                     "greedy_scores": greedy,
                     "prompt_lengths": batch.prompt_lengths,
                     "raw_prompts": [p.raw_prompt for p in prompts],

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.algo import compute_policy_loss, micro_batch_generator
+from megarl.algo import get_policy_loss, micro_batch_generator
 from megarl.config import BatchPlan, load_config
 from megarl.trainer.actor import _loss_fn
 from megarl.trainer.setup import policy_update
@@ -46,15 +46,13 @@ def test_sapo_taus_reach_the_loss():
         )
         _, metrics = _loss_fn(settings, 23.0, 4.0, "old_log_probs")(outputs, mb)
         loss = metrics["pg_loss"]
-        want, _ = compute_policy_loss(
-            "sapo",
+        want, _ = get_policy_loss("sapo")(
             old_log_prob=mb["old_log_probs"],
             log_prob=outputs["log_probs"],
             advantages=mb["advantages"],
             response_mask=mb["response_mask"],
             tau_pos=float(taus[0]),
             tau_neg=float(taus[1]),
-            global_token_count=23.0,
             global_seq_count=4.0,
         )
         torch.testing.assert_close(loss, want.detach())
@@ -84,8 +82,7 @@ def test_dr_grpo_normaliser_is_the_response_length_not_the_batch_width():
     assert length != 6
     outputs, mb = _micro_batch(width=6)
     _, metrics = _loss_fn(settings, 23.0, 4.0, "old_log_probs")(outputs, mb)
-    want, _ = compute_policy_loss(
-        "vanilla",
+    want, _ = get_policy_loss("vanilla")(
         old_log_prob=mb["old_log_probs"],
         log_prob=outputs["log_probs"],
         advantages=mb["advantages"],
@@ -123,3 +120,15 @@ def test_critic_is_built_with_its_recompute_settings(monkeypatch):
     except RuntimeError:
         pass
     assert seen["recompute"] == setup.Recompute("full", "uniform", 1)
+
+
+def test_lr_warmup_init_reaches_the_optimizer_settings():
+    """optim.lr_warmup_init (actor and critic) is where the warm-up starts, as in verl's Megatron
+    scheduler (tests/models/test_trainable.py checks the schedule itself)."""
+    from megarl.trainer.setup import optimizer_settings
+
+    cfg = load_config(GRPO.with_name("ppo_tiny_cpu.yaml"), [
+        f"{ACTOR}.optim.lr_warmup_init=1e-7", "critic.optim.lr_warmup_init=2e-7",
+    ])  # fmt: skip
+    assert optimizer_settings(cfg, 10).lr_warmup_init == 1e-7
+    assert optimizer_settings(cfg, 10, "critic").lr_warmup_init == 2e-7
