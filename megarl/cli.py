@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(show, required=False)
     show.set_defaults(handler=_show)
     check = config_commands.add_parser("validate", help="check a config before launching it")
-    _add_config_args(check, required=True)
+    _add_config_args(check, required=False)  # no file: verl's defaults plus the overrides
     check.add_argument(
         "--world-size",
         type=int,

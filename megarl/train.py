@@ -43,9 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m megarl.train",
         description="Run PPO/GRPO training (one process per device, under torchrun or srun).",
-        usage="%(prog)s -c FILE [-c FILE ...] [KEY=VALUE ...]",
+        usage="%(prog)s [-c FILE ...] [KEY=VALUE ...]",
     )
-    parser.add_argument("-c", "--config", action="append", required=True, metavar="FILE")
+    # No file: verl's defaults (ppo_megatron_trainer.yaml) plus the overrides, as a verl script.
+    parser.add_argument("-c", "--config", action="append", default=[], metavar="FILE")
     args, overrides = parser.parse_known_args(argv)
     bad = [a for a in overrides if a.startswith("-")]
     if bad:

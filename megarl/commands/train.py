@@ -11,7 +11,7 @@ then starts ``torchrun --standalone`` with ``trainer.n_gpus_per_node`` processes
 output goes to the run's log directory, and a failure inside the ranks is one line.
 ``MEGARL_TRAIN_MODULE`` replaces the module torchrun runs (``megarl.train``).
 
-    megarl train -c X.yaml [-c Y.yaml] [KEY=VALUE ...] [--verbose]
+    megarl train [-c X.yaml [-c Y.yaml]] [KEY=VALUE ...] [--verbose]
 
 The Slurm job script (``launch/_slurm_job.sh``) runs the same two halves: ``--check`` once
 (the pre-flight for ``trainer.nnodes`` x ``trainer.n_gpus_per_node`` processes; prints the run
@@ -32,7 +32,8 @@ EXIT_INPUT_ERROR = 2
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megarl train", description=__doc__.split("\n")[0])
-    parser.add_argument("-c", "--config", action="append", required=True, metavar="FILE")
+    # No file: verl's defaults (ppo_megatron_trainer.yaml) plus the overrides, as a verl script.
+    parser.add_argument("-c", "--config", action="append", default=[], metavar="FILE")
     parser.add_argument(
         "--verbose", action="store_true", help="show third-party output (vLLM, Megatron) too"
     )

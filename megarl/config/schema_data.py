@@ -43,6 +43,9 @@ class DataConfig:
     """Workers loading prompts (megarl: threads reading the parquet files; capped at the CPUs)."""
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Free-form: extra keyword arguments of tokenizer.apply_chat_template (e.g. enable_thinking)."""
+    return_raw_chat: Any = True
+    """verl's key, inert as in verl 0.9.1 (its dataset reads it and nothing uses it: the raw chat
+    always travels with each prompt, here too); any value (verl's sync examples pass it empty)."""
     use_chat_template: bool = True
     """(megarl) Render prompts with the chat template; false: tokenise plain-string prompts as is."""
 
