@@ -498,11 +498,11 @@ class TrainerConfig:
     total_training_steps: int | None = None
     """Stop after this many steps; null: total_epochs x steps per epoch."""
     project_name: str = "verl_examples"
-    """MLflow experiment."""
+    """MLflow experiment; wandb project."""
     experiment_name: str = "gsm8k"
-    """MLflow run name."""
+    """MLflow and wandb run name."""
     logger: list[str] = field(default_factory=lambda: ["console"])
-    """Metric sinks: console, mlflow."""
+    """Metric sinks: console, mlflow, wandb, tensorboard (the last two: optional extras)."""
     tracking_uri: str | None = None
     """(megarl) MLflow URI; null: $MLFLOW_TRACKING_URI, else SQLite in the run dir (1 node only)."""
     log_val_generations: int = 0
