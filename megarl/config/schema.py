@@ -183,6 +183,10 @@ class MegatronConfig:
     """(megarl) Free a stage's output activations once sent on (PP > 1 only)."""
     override_ddp_config: DDPConfig = field(default_factory=DDPConfig)
     """Megatron DDP settings: gradient-reduce and parameter-gather overlap, bucket size."""
+    use_dist_checkpointing: bool = False
+    """Initial weights from dist_checkpointing_path, not model.path (config, tokenizer: still)."""
+    dist_checkpointing_path: str | None = None
+    """A Megatron distributed checkpoint (`megarl convert hf-to-megatron`), saved at any TP×PP."""
 
     def parallel_layout(self) -> ParallelLayout:
         """This section's grid sizes as the one layout type."""

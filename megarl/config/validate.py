@@ -16,6 +16,7 @@ from megarl.config.choices import (
     SEQUENCE_AGGREGATED_LOSSES,
     missing_logger_extras,
 )
+from megarl.config.dist_ckpt_checks import check_dist_checkpoints
 from megarl.config.errors import ConfigError
 from megarl.config.layout_checks import LayoutChecks, fmt_value
 from megarl.config.model_paths import resolve_model_paths
@@ -72,6 +73,7 @@ class _Checks(LayoutChecks):
         self.check_policy_loss()
         self.check_rewards()
         self.check_trainer()
+        check_dist_checkpoints(self.cfg, error=self.error, problem=self.problem)
         self.check_not_applied()
         self.check_files()
 

@@ -100,6 +100,7 @@ def build_model(
     recompute: Recompute | None = None,
     value_head_seed: int = 0,
     fusions: Fusions | None = None,
+    weights_from: str | Path | None = None,
 ) -> BuiltModel:
     """Build this rank's chunks of a Llama/Qwen-family actor or critic.
 
@@ -116,6 +117,10 @@ def build_model(
         initialize: run Megatron's random initialisation when nothing is loaded (False: leave
             the parameters uninitialised, for a Megatron checkpoint loaded next).
         fusions: fused kernels and pipeline memory savings (default: on where the spec allows).
+        weights_from: a Megatron distributed checkpoint (saved at any layout) loaded instead of
+            the HF weights (``*.megatron.use_dist_checkpointing``); the config still comes from
+            ``source``. A critic's value head is not taken from it (an actor's checkpoint has
+            none): it starts as it would without one.
     """
     _check_parallel_state(layout)
     hf_path: Path | None = None
@@ -124,7 +129,10 @@ def build_model(
         load_weights = False
     else:
         hf_path = Path(source)
-        dims = ModelDims.from_hf_config(read_hf_config(hf_path), tp_size=layout.tp)
+        hf_config = read_hf_config(hf_path)
+        dims = ModelDims.from_hf_config(hf_config, tp_size=layout.tp)
+        if weights_from is not None:
+            _check_checkpoint_model(weights_from, hf_config)
     recompute = recompute or Recompute()
     config = build_transformer_config(
         dims,
@@ -140,7 +148,9 @@ def build_model(
         transformer_impl=transformer_impl,
         fusions=fusions,
     )
-    if load_weights or not initialize:
+    if weights_from is not None:
+        load_weights = False
+    if load_weights or not initialize or weights_from is not None:
         config.perform_initialization = False  # every parameter is overwritten by a load
     chunks = build_gpt_chunks(
         dims,
@@ -154,7 +164,23 @@ def build_model(
             _check_score_head(hf_path)  # type: ignore[arg-type]
         with torch.no_grad():
             load_hf_weights(chunks, hf_path, dims)  # type: ignore[arg-type]
+    if weights_from is not None:
+        from megarl.checkpoint.dist_ckpt import load_model_checkpoint
+
+        load_model_checkpoint(
+            chunks, weights_from, skip=() if role == "actor" else ("output_layer",)
+        )
     return BuiltModel(dims, list(chunks), config, layout, role, hf_path)
+
+
+def _check_checkpoint_model(ckpt: str | Path, hf_config: dict) -> None:
+    """Refuse a checkpoint whose ``megarl_meta.json`` names another model than ``hf_config``."""
+    from megarl.checkpoint.dist_ckpt import CheckpointMismatchError
+    from megarl.config.dist_ckpt_checks import checkpoint_mismatch
+
+    mismatch = checkpoint_mismatch(ckpt, hf_config)
+    if mismatch:
+        raise CheckpointMismatchError(f"{ckpt} {mismatch}")
 
 
 def _check_score_head(hf_path: Path) -> None:

@@ -278,6 +278,37 @@ def _checkpoint_checks(spec: dict, results: dict) -> None:
         }
 
 
+def _dist_checkpoint_init_checks(spec: dict, results: dict) -> None:
+    """Initial weights from ``megarl convert``'s TP=2 checkpoint (``use_dist_checkpointing``),
+    loaded at other layouts, equal those loaded from HF; a checkpoint of another shape is
+    refused naming its path."""
+    from megarl.checkpoint.dist_ckpt import CheckpointError
+    from megarl.models.build import build_model
+    from megarl.models.weights import local_global_names
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+
+    hf, ckpt = spec["dist_ckpt"]["hf"], spec["dist_ckpt"]["ckpt"]
+    cases = [((2, 1, None), "actor"), ((1, 2, None), "critic"), ((1, 2, 2), "actor")]
+    for (tp, pp, vpp), role in cases:
+        layout = ParallelLayout(tp, pp, vpp)
+        init_distributed(layout, seed=1234)
+        kw = {"role": role, "value_head_seed": 7}
+        direct = build_model(hf, layout, **kw).chunks
+        loaded = build_model(hf, layout, weights_from=ckpt, **kw).chunks
+        diff = max(
+            (a[3] - b[3]).abs().max().item()
+            for a, b in zip(local_global_names(direct), local_global_names(loaded), strict=True)
+        )
+        results[f"dist_ckpt_init/tp{tp}_pp{pp}_vpp{vpp}/{role}"] = _max_all(diff)
+    try:
+        build_model(spec["models"]["llama_untied"], layout, weights_from=ckpt)
+        refused = ""
+    except CheckpointError as exc:
+        refused = str(exc)
+    results["dist_ckpt_init/other_shape"] = refused
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     from megarl.parallel.init import read_launch_env
@@ -291,6 +322,7 @@ def main() -> None:
     if world == 2:
         _vocab_parallel_check(results)
         _checkpoint_checks(spec, results)
+        _dist_checkpoint_init_checks(spec, results)
     if world in (2, 4):  # Megatron's verdict on the layout rule's rows (test_layout_rule.py)
         from tests.models._layout_rule_checks import run_layout_rule_checks
 
