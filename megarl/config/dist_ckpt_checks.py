@@ -13,6 +13,9 @@ have their own switch (the reference does not follow the actor's). Where megarl 
   Its ``megarl_meta.json`` names the model it holds: another architecture or shape than
   ``model.path``'s is refused here, in one line naming the path and the mismatch. A checkpoint
   without that file (written by other tools) is checked only by the load itself.
+- vLLM still starts from ``model.path``'s safetensors (megarl's engine loads real weights before
+  the first sync; verl's default ``rollout.load_format=dummy`` does not), so the safetensors
+  must be there and are read once, by the rollout engine only.
 - verl's switch also makes the run save its own checkpoints as Megatron shards; megarl's
   checkpoints always are, so the switch changes nothing else: the run's own checkpoints and
   their resume (which replaces these initial weights) are as without it.

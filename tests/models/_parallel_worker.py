@@ -281,7 +281,8 @@ def _checkpoint_checks(spec: dict, results: dict) -> None:
 def _dist_checkpoint_init_checks(spec: dict, results: dict) -> None:
     """Initial weights from ``megarl convert``'s TP=2 checkpoint (``use_dist_checkpointing``),
     loaded at other layouts, equal those loaded from HF; a checkpoint of another shape is
-    refused naming its path."""
+    refused naming its path. The model is built from the checkpoint's ``hf_files/`` (config and
+    tokenizer, no safetensors), so every weight must come from the checkpoint."""
     from megarl.checkpoint.dist_ckpt import CheckpointError
     from megarl.models.build import build_model
     from megarl.models.weights import local_global_names
@@ -295,7 +296,9 @@ def _dist_checkpoint_init_checks(spec: dict, results: dict) -> None:
         init_distributed(layout, seed=1234)
         kw = {"role": role, "value_head_seed": 7}
         direct = build_model(hf, layout, **kw).chunks
-        loaded = build_model(hf, layout, weights_from=ckpt, **kw).chunks
+        config_only = Path(ckpt) / "hf_files"
+        assert not list(config_only.glob("*.safetensors"))
+        loaded = build_model(config_only, layout, weights_from=ckpt, **kw).chunks
         diff = max(
             (a[3] - b[3]).abs().max().item()
             for a, b in zip(local_global_names(direct), local_global_names(loaded), strict=True)
