@@ -64,8 +64,13 @@ def _hold_writers(marker_dir: Path) -> None:
     FileSystemWriterAsync.write_preloaded_data = staticmethod(held_write)
 
 
-def _sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict:
-    return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+def _sharded_state_dict(chunks: Sequence[torch.nn.Module], skip: tuple[str, ...] = ()) -> dict:
+    return {
+        f"model{i}": {
+            k: v for k, v in unwrap(c).sharded_state_dict().items() if not k.startswith(skip)
+        }
+        for i, c in enumerate(chunks)
+    }
 
 
 def save_model_checkpoint(
@@ -90,8 +95,14 @@ def save_model_checkpoint(
     return path
 
 
-def load_model_checkpoint(chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path) -> None:
+def load_model_checkpoint(
+    chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path, *, skip: tuple[str, ...] = ()
+) -> None:
     """Load ``ckpt_dir`` (saved at any parallel layout) into this rank's ``chunks``.
+
+    ``skip``: prefixes of state-dict keys left as they are (the critic's value head, when its
+    initial weights come from an actor's checkpoint); tensors of the checkpoint that the model
+    does not ask for are ignored, as Megatron ignores them.
 
     Raises :class:`CheckpointError` naming the directory when it is not a checkpoint or a shard
     cannot be read, :class:`CheckpointMismatchError` naming keys when it holds another model.
@@ -103,13 +114,13 @@ def load_model_checkpoint(chunks: Sequence[torch.nn.Module], ckpt_dir: str | Pat
     if not (path / "metadata.json").exists():
         raise CheckpointError(f"not a Megatron distributed checkpoint (no metadata.json): {path}")
     try:
-        state = dist_checkpointing.load(_sharded_state_dict(chunks), str(path))
+        state = dist_checkpointing.load(_sharded_state_dict(chunks, skip), str(path))
     # torch's CheckpointException is a BaseException: it escapes `except Exception`
     except (CheckpointException, CheckpointingException) as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {_first_failure(exc)}") from None
     for i, chunk in enumerate(chunks):
         missing, unexpected = unwrap(chunk).load_state_dict(state[f"model{i}"], strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
+        missing = [k for k in missing if not k.endswith("_extra_state") and not k.startswith(skip)]
         if missing or unexpected:
             raise CheckpointMismatchError(
                 f"checkpoint {path} does not match the model: missing {missing[:5]}, "

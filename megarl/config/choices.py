@@ -7,6 +7,9 @@ validating a config stays import-light and independent of the algorithm registri
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from collections.abc import Sequence
 from typing import Literal, get_args
 
 AdvEstimator = Literal[
@@ -64,4 +67,28 @@ PolicyLossMode = Literal[
 SEQUENCE_AGGREGATED_LOSSES: tuple[str, ...] = ("sapo", "geo_mean")
 """Policy losses that aggregate per sequence whatever ``loss_agg_mode`` says (as verl)."""
 POLICY_LOSS_MODES: tuple[str, ...] = get_args(PolicyLossMode)
-LOGGERS: tuple[str, ...] = ("console", "mlflow")
+LOGGERS: tuple[str, ...] = ("console", "mlflow", "wandb", "tensorboard")
+LOGGER_EXTRAS: dict[str, tuple[str, str]] = {
+    "wandb": ("wandb", "wandb"),
+    "tensorboard": ("tensorboard", "tensorboard"),
+}
+"""Loggers that need an optional extra: logger -> (module it imports, ``megarl[extra]``)."""
+
+
+def missing_logger_extras(loggers: Sequence[str]) -> list[str]:
+    """One line per chosen logger whose optional extra is not installed (without importing it)."""
+    lines = []
+    for name in loggers:
+        if name not in LOGGER_EXTRAS:
+            continue
+        module, extra = LOGGER_EXTRAS[name]
+        if module in sys.modules:  # already imported, or blocked (None)
+            present = sys.modules[module] is not None
+        else:
+            present = importlib.util.find_spec(module) is not None
+        if not present:
+            lines.append(
+                f"trainer.logger has {name} but the {module} package is not installed: "
+                f"pip install 'megarl[{extra}]'"
+            )
+    return lines

@@ -190,6 +190,10 @@ class MegatronConfig:
     """(megarl) Free a stage's output activations once sent on (PP > 1 only)."""
     override_ddp_config: DDPConfig = field(default_factory=DDPConfig)
     """Megatron DDP settings: gradient-reduce and parameter-gather overlap, bucket size."""
+    use_dist_checkpointing: bool = False
+    """Initial weights from dist_checkpointing_path, not model.path (config, tokenizer: still)."""
+    dist_checkpointing_path: str | None = None
+    """A Megatron distributed checkpoint (`megarl convert hf-to-megatron`), saved at any TP×PP."""
 
     def parallel_layout(self) -> ParallelLayout:
         """This section's grid sizes as the one layout type."""
@@ -509,11 +513,11 @@ class TrainerConfig:
     total_training_steps: int | None = None
     """Stop after this many steps; null: total_epochs x steps per epoch."""
     project_name: str = "verl_examples"
-    """MLflow experiment."""
+    """MLflow experiment; wandb project."""
     experiment_name: str = "gsm8k"
-    """MLflow run name."""
+    """MLflow and wandb run name."""
     logger: list[str] = field(default_factory=lambda: ["console"])
-    """Metric sinks: console, mlflow."""
+    """Metric sinks: console, mlflow, wandb, tensorboard (the last two: optional extras)."""
     tracking_uri: str | None = None
     """(megarl) MLflow URI; null: $MLFLOW_TRACKING_URI, else SQLite in the run dir (1 node only)."""
     log_val_generations: int = 0

@@ -11,7 +11,13 @@ from pathlib import Path
 
 from megarl.config.algo_inputs import unsupplied_inputs
 from megarl.config.batch import ACTOR, ARR, ROLL, critic_enabled
-from megarl.config.choices import GROUP_ESTIMATORS, LOGGERS, SEQUENCE_AGGREGATED_LOSSES
+from megarl.config.choices import (
+    GROUP_ESTIMATORS,
+    LOGGERS,
+    SEQUENCE_AGGREGATED_LOSSES,
+    missing_logger_extras,
+)
+from megarl.config.dist_ckpt_checks import check_dist_checkpoints
 from megarl.config.errors import ConfigError
 from megarl.config.layout_checks import LayoutChecks, fmt_value
 from megarl.config.model_paths import resolve_model_paths
@@ -68,6 +74,7 @@ class _Checks(LayoutChecks):
         self.check_policy_loss()
         self.check_rewards()
         self.check_trainer()
+        check_dist_checkpoints(self.cfg, error=self.error, problem=self.problem)
         self.check_not_applied()
         self.check_files()
 
@@ -439,10 +446,9 @@ class _Checks(LayoutChecks):
             self.check_checkpoint_contents(role, ckpt)
         unknown = [name for name in t.logger if name not in LOGGERS]
         if unknown:
-            self.error(
-                f"trainer.logger has {unknown}; megarl logs to {' and '.join(LOGGERS)} "
-                "(MLflow replaces wandb/tensorboard)"
-            )
+            self.error(f"trainer.logger has {unknown}; megarl logs to {', '.join(LOGGERS)}")
+        for line in missing_logger_extras(t.logger):
+            self.error(line)
         if t.device == "cpu" and t.dtype == "bf16":
             self.warn("trainer.dtype=bf16 on trainer.device=cpu is slow; CPU configs use fp32")
 

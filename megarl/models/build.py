@@ -102,6 +102,7 @@ def build_model(
     value_head_seed: int = 0,
     fusions: Fusions | None = None,
     moe: MoeSettings | None = None,
+    weights_from: str | Path | None = None,
 ) -> BuiltModel:
     """Build this rank's chunks of a Llama/Qwen-family (dense, or Qwen3-MoE / Mixtral) actor or
     critic.
@@ -120,6 +121,10 @@ def build_model(
             the parameters uninitialised, for a Megatron checkpoint loaded next).
         fusions: fused kernels and pipeline memory savings (default: on where the spec allows).
         moe: verl's ``moe_*`` knobs for a MoE model (dispatcher, aux loss, capacity).
+        weights_from: a Megatron distributed checkpoint (saved at any layout) loaded instead of
+            the HF weights (``*.megatron.use_dist_checkpointing``); the config still comes from
+            ``source``. A critic's value head is not taken from it (an actor's checkpoint has
+            none): it starts as it would without one.
     """
     _check_parallel_state(layout)
     hf_path: Path | None = None
@@ -128,7 +133,10 @@ def build_model(
         load_weights = False
     else:
         hf_path = Path(source)
-        dims = ModelDims.from_hf_config(read_hf_config(hf_path), tp_size=layout.tp)
+        hf_config = read_hf_config(hf_path)
+        dims = ModelDims.from_hf_config(hf_config, tp_size=layout.tp)
+        if weights_from is not None:
+            _check_checkpoint_model(weights_from, hf_config)
     problems = shape_layout_problems(layout, dims.known())
     if problems:
         sizes = {"tp": f"TP={layout.tp}", "pp": f"PP={layout.pp}", "vpp": f"VPP={layout.vpp}"}
@@ -151,7 +159,9 @@ def build_model(
         expert_tensor_parallel_size=layout.etp,
         moe=moe,
     )
-    if load_weights or not initialize:
+    if weights_from is not None:
+        load_weights = False
+    if load_weights or not initialize or weights_from is not None:
         config.perform_initialization = False  # every parameter is overwritten by a load
     chunks = build_gpt_chunks(
         dims,
@@ -165,7 +175,23 @@ def build_model(
             _check_score_head(hf_path)  # type: ignore[arg-type]
         with torch.no_grad():
             load_hf_weights(chunks, hf_path, dims)  # type: ignore[arg-type]
+    if weights_from is not None:
+        from megarl.checkpoint.dist_ckpt import load_model_checkpoint
+
+        load_model_checkpoint(
+            chunks, weights_from, skip=() if role == "actor" else ("output_layer",)
+        )
     return BuiltModel(dims, list(chunks), config, layout, role, hf_path)
+
+
+def _check_checkpoint_model(ckpt: str | Path, hf_config: dict) -> None:
+    """Refuse a checkpoint whose ``megarl_meta.json`` names another model than ``hf_config``."""
+    from megarl.checkpoint.dist_ckpt import CheckpointMismatchError
+    from megarl.config.dist_ckpt_checks import checkpoint_mismatch
+
+    mismatch = checkpoint_mismatch(ckpt, hf_config)
+    if mismatch:
+        raise CheckpointMismatchError(f"{ckpt} {mismatch}")
 
 
 def _check_score_head(hf_path: Path) -> None:

@@ -8,6 +8,9 @@
         mlflow_run.json    MLflow state: URI, run id, what has reached the server, final status
         mlflow.db          the default local MLflow store (single-node runs without a URI)
         mlartifacts/       that store's artifacts
+        wandb/             wandb's run files (trainer.logger has wandb); offline runs to sync
+        wandb_run.json     the wandb run id, so that a resumed launch continues that run
+        tensorboard/       TensorBoard event files (trainer.logger has tensorboard)
         failed/rank-<r>    written by a rank that failed; the logging rank records FAILED
         STOP               written by the Slurm USR1 trap: the trainer stops after this step
 
@@ -28,6 +31,9 @@ MLFLOW_STATE_FILE = "mlflow_run.json"
 LOCAL_STORE_FILE = "mlflow.db"
 LOCAL_ARTIFACTS_DIR = "mlartifacts"
 FAILED_DIR = "failed"
+WANDB_DIR = "wandb"
+WANDB_STATE_FILE = "wandb_run.json"
+TENSORBOARD_DIR = "tensorboard"
 STOP_FILE = "STOP"
 
 

@@ -22,6 +22,9 @@ from megarl.tracking.paths import (
     FAILED_DIR,
     METRICS_FILE,
     MLFLOW_STATE_FILE,
+    TENSORBOARD_DIR,
+    WANDB_DIR,
+    WANDB_STATE_FILE,
     TrackingError,
     resolve_tracking_uri,
     run_dir_of,
@@ -29,7 +32,7 @@ from megarl.tracking.paths import (
 from megarl.tracking.sinks import ConsoleSink, JsonlSink, MetricsSink, Status, warn
 
 LOGGING_RANK = 0
-LOGGERS = ("console", "mlflow")
+LOGGERS = ("console", "mlflow", "wandb", "tensorboard")
 
 
 class Tracker:
@@ -141,7 +144,8 @@ def make_sinks(
 ) -> Tracker:
     """Build the tracker of one rank. Call it on every rank right after process-group init.
 
-    ``loggers`` is ``trainer.logger`` (console, mlflow); ``metrics.jsonl`` is always written.
+    ``loggers`` is ``trainer.logger`` (console, mlflow, wandb, tensorboard; the last two in
+    ``extra_sinks.py``); ``metrics.jsonl`` is always written.
     ``resume_run_id``: the MLflow run id in the checkpoint this launch resumes from;
     ``resumed`` (default: ``resume_run_id is not None``): this launch continues the run in
     ``run_dir`` (the id then falls back to the one in ``mlflow_run.json``). A fresh launch into
@@ -175,6 +179,22 @@ def make_sinks(
         state.status, state.status_sent, state.failure = None, False, None
         mlflow = MlflowSink(run_dir, state, world_size=world_size, options=options, notify=notify)
         sinks.append(mlflow)
+    if "wandb" in loggers:
+        from megarl.tracking.extra_sinks import WandbSink
+
+        sinks.append(
+            WandbSink(
+                run_dir,
+                project_name=project_name,
+                experiment_name=experiment_name,
+                resumed=resumed,
+                notify=notify,
+            )
+        )
+    if "tensorboard" in loggers:
+        from megarl.tracking.extra_sinks import TensorboardSink
+
+        sinks.append(TensorboardSink(run_dir, notify=notify))
     return Tracker(sinks, rank=rank, run_dir=run_dir, mlflow=mlflow)
 
 
@@ -200,7 +220,15 @@ def make_tracker(cfg: Any, *, rank: int, world_size: int, **kwargs: Any) -> Trac
 
 
 def _archive_previous_run(run_dir: Path) -> None:
-    leftovers = [run_dir / n for n in (METRICS_FILE, MLFLOW_STATE_FILE, CONFIG_DIR)]
+    names = (
+        METRICS_FILE,
+        MLFLOW_STATE_FILE,
+        CONFIG_DIR,
+        WANDB_STATE_FILE,
+        WANDB_DIR,
+        TENSORBOARD_DIR,
+    )
+    leftovers = [run_dir / n for n in names]
     leftovers = [p for p in leftovers if p.exists()]
     if not leftovers:
         return

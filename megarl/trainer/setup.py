@@ -132,13 +132,15 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         recompute=recompute,
         fusions=fusions(meg),
         moe=moe,
+        weights_from=initial_checkpoint(meg),
     )
     actor = TrainableModel(actor_model, optimizer_settings(cfg, total))
     settle(actor, cfg, "actor")
     ref = None
     if ref_used(cfg):
         ref = build_model(model_path, layout, dtype=dtype, transformer_impl=meg.transformer_impl,
-                          fusions=fusions(meg), moe=moe)  # fmt: skip
+                          fusions=fusions(meg), moe=moe,
+                          weights_from=initial_checkpoint(arr.ref.megatron))  # fmt: skip
         for chunk in ref.chunks:
             chunk.eval()
             chunk.requires_grad_(False)
@@ -215,10 +217,19 @@ def _build_critic(cfg: MegarlConfig, layout, model_path: str, dtype, total: int,
             critic_cfg.megatron.recompute_method,
             critic_cfg.megatron.recompute_num_layers,
         ),
+        weights_from=initial_checkpoint(critic_cfg.megatron),
     )
     critic = TrainableModel(critic_model, optimizer_settings(cfg, total, role="critic"))
     settle(critic, cfg, "critic")
     return critic, value_update(cfg, plan)
+
+
+def initial_checkpoint(megatron) -> Path | None:
+    """The Megatron distributed checkpoint a model's initial weights come from
+    (``use_dist_checkpointing``; :mod:`megarl.config.dist_ckpt_checks`), or None: from HF."""
+    if not megatron.use_dist_checkpointing:
+        return None
+    return Path(megatron.dist_checkpointing_path).expanduser()
 
 
 def _kl_controller(cfg: MegarlConfig):

@@ -284,9 +284,9 @@ BAD_CONFIGS = [
     (
         "unsupported-logger",
         GRPO,
-        ["trainer.logger=[console,wandb]"],
+        ["trainer.logger=[console,swanlab]"],
         None,
-        ["trainer.logger", "wandb", "mlflow"],
+        ["trainer.logger", "swanlab", "mlflow, wandb, tensorboard"],
     ),
     (
         "save-freq-zero",

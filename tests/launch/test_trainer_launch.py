@@ -99,8 +99,15 @@ def test_a_preempted_job_saves_the_step_in_flight_and_the_next_job_equals_the_st
     assert all(_prompts(straight, s) == _prompts(run_dir, s) for s in range(1, STEPS + 1))
 
 
-def test_two_process_training_is_one_mlflow_run(tmp_path, tiny_overrides):
+def test_two_process_training_is_one_mlflow_run(tmp_path, tiny_overrides, monkeypatch):
+    """... and the wandb (offline: no key, no network) and TensorBoard sinks log the same."""
     from mlflow.tracking import MlflowClient
+
+    from tests.tracking.readers import tensorboard_scalars, wandb_history
+
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "TENSORBOARD_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
 
     from tests.tracking.mlflow_server import MlflowServer
 
@@ -111,7 +118,8 @@ def test_two_process_training_is_one_mlflow_run(tmp_path, tiny_overrides):
         done = subprocess.run(
             ["launch/torchrun_local.sh", "configs/grpo_tiny_cpu.yaml",
              f"trainer.default_local_dir={tmp_path}/run", "trainer.total_training_steps=2",
-             "trainer.logger=[console,mlflow]", f"trainer.tracking_uri={server.uri}",
+             "trainer.logger=[console,mlflow,wandb,tensorboard]",
+             f"trainer.tracking_uri={server.uri}",
              "trainer.project_name=trainer-test", *tiny_overrides],
             cwd=REPO, capture_output=True, text=True, timeout=900, check=False,
             env={**os.environ, "MEGARL_PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
@@ -131,9 +139,18 @@ def test_two_process_training_is_one_mlflow_run(tmp_path, tiny_overrides):
         assert "actor/pg_loss" in logged and logged["actor/pg_loss"] == [1, 2]
         from megarl.tracking import sanitize_name
 
+        in_mlflow = set()
         for key, steps in logged.items():  # every metric at every step the trainer logged it
             history = client.get_metric_history(run.info.run_id, sanitize_name(key))
             assert sorted(m.step for m in history) == sorted(steps), key
+            in_mlflow |= {(key, m.step) for m in history}
+        assert set(tensorboard_scalars(tmp_path / "run" / "tensorboard")) == in_mlflow
+        (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+        assert set(wandb_history(run_file)) == in_mlflow
+        # wandb's own lines go to rank 0's log file; the terminal has megarl's notice only
+        assert "wandb:" in (tmp_path / "run" / "logs" / "rank0.log").read_text()
+        assert "wandb:" not in done.stdout + done.stderr
+        assert "megarl tracking: wandb run" in done.stdout
         artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "config")}
         assert "config/config.yaml" in artifacts
     finally:

@@ -278,6 +278,40 @@ def _checkpoint_checks(spec: dict, results: dict) -> None:
         }
 
 
+def _dist_checkpoint_init_checks(spec: dict, results: dict) -> None:
+    """Initial weights from ``megarl convert``'s TP=2 checkpoint (``use_dist_checkpointing``),
+    loaded at other layouts, equal those loaded from HF; a checkpoint of another shape is
+    refused naming its path. The model is built from the checkpoint's ``hf_files/`` (config and
+    tokenizer, no safetensors), so every weight must come from the checkpoint."""
+    from megarl.checkpoint.dist_ckpt import CheckpointError
+    from megarl.models.build import build_model
+    from megarl.models.weights import local_global_names
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+
+    hf, ckpt = spec["dist_ckpt"]["hf"], spec["dist_ckpt"]["ckpt"]
+    cases = [((2, 1, None), "actor"), ((1, 2, None), "critic"), ((1, 2, 2), "actor")]
+    for (tp, pp, vpp), role in cases:
+        layout = ParallelLayout(tp, pp, vpp)
+        init_distributed(layout, seed=1234)
+        kw = {"role": role, "value_head_seed": 7}
+        direct = build_model(hf, layout, **kw).chunks
+        config_only = Path(ckpt) / "hf_files"
+        assert not list(config_only.glob("*.safetensors"))
+        loaded = build_model(config_only, layout, weights_from=ckpt, **kw).chunks
+        diff = max(
+            (a[3] - b[3]).abs().max().item()
+            for a, b in zip(local_global_names(direct), local_global_names(loaded), strict=True)
+        )
+        results[f"dist_ckpt_init/tp{tp}_pp{pp}_vpp{vpp}/{role}"] = _max_all(diff)
+    try:
+        build_model(spec["models"]["llama_untied"], layout, weights_from=ckpt)
+        refused = ""
+    except CheckpointError as exc:
+        refused = str(exc)
+    results["dist_ckpt_init/other_shape"] = refused
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     from megarl.parallel.init import read_launch_env
@@ -291,6 +325,7 @@ def main() -> None:
     if world == 2:
         _vocab_parallel_check(results)
         _checkpoint_checks(spec, results)
+        _dist_checkpoint_init_checks(spec, results)
     if spec.get("moe_models"):  # Qwen3-MoE / Mixtral at EP/ETP layouts (test_moe_models.py)
         from tests.models._moe_checks import run_moe_checks
 

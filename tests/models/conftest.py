@@ -124,7 +124,11 @@ def ws1(spec):
 
 
 @pytest.fixture(scope="session")
-def ws2(spec):
+def ws2(spec, qwen2, qwen2_tp2):
+    """The world-2 launch; it also loads ``megarl convert``'s TP=2 checkpoint as initial weights
+    (``use_dist_checkpointing``, test_dist_ckpt_init.py)."""
+    spec["dist_ckpt"] = {"hf": str(qwen2), "ckpt": str(qwen2_tp2[0])}
+    (Path(spec["tmp"]) / "spec.json").write_text(json.dumps(spec))
     return _results(spec, 2)
 
 
