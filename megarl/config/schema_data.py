@@ -44,8 +44,7 @@ class DataConfig:
     apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Free-form: extra keyword arguments of tokenizer.apply_chat_template (e.g. enable_thinking)."""
     return_raw_chat: Any = True
-    """verl's key, inert as in verl 0.9.1 (its dataset reads it and nothing uses it: the raw chat
-    always travels with each prompt, here too); any value (verl's sync examples pass it empty)."""
+    """verl's key; inert as in verl 0.9.1, whose dataset reads it and never uses it (any value)."""
     use_chat_template: bool = True
     """(megarl) Render prompts with the chat template; false: tokenise plain-string prompts as is."""
 

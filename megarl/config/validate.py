@@ -327,7 +327,16 @@ class _Checks(LayoutChecks):
             )
 
     def check_sequence_parallel(self) -> None:
-        """Megatron's local layer spec (CPU) refuses sequence parallelism: say so in one line."""
+        """Megatron's local layer spec (CPU) refuses sequence parallelism: say so in one line.
+        Launching (paths checked) on ``trainer.device=cuda`` (verl's default) needs a GPU here."""
+        if self.check_paths and self.cfg.trainer.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                self.error(
+                    "trainer.device=cuda (verl's default) but this machine has no CUDA device: "
+                    "set trainer.device=cpu (and megatron.sequence_parallel=false) to run on CPU"
+                )
         meg = self.cfg.actor_rollout_ref.actor.megatron
         local = meg.transformer_impl == "local" or (
             meg.transformer_impl == "auto" and self.cfg.trainer.device == "cpu"

@@ -21,6 +21,8 @@ EXAMPLES = Path(__file__).parent / "verl_examples"
 SCRIPTS = sorted(p.stem for p in EXAMPLES.glob("*.txt"))
 # Two CPU ranks instead of 8 or 16 GPUs, a tiny batch and short responses; nothing else changes.
 TWO_RANKS = {
+    "trainer.device": "cpu",  # verl's default is cuda: refused by megarl train without a GPU
+    "actor_rollout_ref.actor.megatron.sequence_parallel": "false",  # the CPU layer spec's limit
     "trainer.n_gpus_per_node": "2",
     "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size": "1",
     "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size": "1",
@@ -85,3 +87,17 @@ def test_a_verl_example_trains_two_steps_on_two_ranks(script, files, tmp_path):
     assert steps == [1, 2], records
     if script.startswith("ppo"):
         assert all("critic/vf_loss" in r["metrics"] for r in records if r["step"] in steps)
+
+
+def test_verls_default_device_without_a_gpu_is_refused_before_launch(files):
+    """verl's default trainer.device=cuda validates for a cluster (``config validate``), but
+    ``megarl train`` on a machine without CUDA refuses it in its pre-flight instead of crashing
+    in every rank (the CPU layer spec refuses verl's default sequence parallelism)."""
+    import torch
+
+    from megarl.commands.train import preflight
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    problem, _, _ = preflight([], overrides("grpo_qwen2-7b_math_megatron", files))
+    assert problem and problem.startswith("trainer.device=cuda (verl's default)"), problem
