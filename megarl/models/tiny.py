@@ -122,9 +122,8 @@ def tiny_hf_config(
         cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     elif family == "qwen2":
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
-    elif family == "qwen3_moe":
+    elif family in ("qwen3_moe", "qwen2_moe"):  # qwen2_moe: qkv biases, a gated shared expert
         cfg.update(
-            attention_bias=False,
             use_sliding_window=False,
             sliding_window=None,
             max_window_layers=num_layers,
@@ -137,21 +136,10 @@ def tiny_hf_config(
             output_router_logits=False,
             router_aux_loss_coef=0.001,
         )
-    elif family == "qwen2_moe":  # qkv biases, a shared expert with a sigmoid gate
-        cfg.update(
-            use_sliding_window=False,
-            sliding_window=None,
-            max_window_layers=num_layers,
-            num_experts=num_experts,
-            num_experts_per_tok=num_experts_per_tok,
-            moe_intermediate_size=moe_intermediate_size,
-            shared_expert_intermediate_size=2 * moe_intermediate_size,
-            norm_topk_prob=norm_topk_prob,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            output_router_logits=False,
-            router_aux_loss_coef=0.001,
-        )
+        if family == "qwen3_moe":
+            cfg.update(attention_bias=False)
+        else:
+            cfg.update(shared_expert_intermediate_size=2 * moe_intermediate_size)
     elif family == "mixtral":
         cfg.update(
             intermediate_size=moe_intermediate_size,
