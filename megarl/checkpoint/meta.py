@@ -1,18 +1,6 @@
-"""The ``megarl_meta.json`` file beside a checkpoint's shards: its name and reader.
+"""``megarl_meta.json`` beside a checkpoint's shards (defined in :mod:`megarl.config.checkpoint_meta`,
+the lowest layer, so that config checks read it too)."""
 
-Torch- and Megatron-free, so that input checks read it without importing either.
-"""
+from megarl.config.checkpoint_meta import META_FILE, read_checkpoint_meta
 
-from __future__ import annotations
-
-import json
-from pathlib import Path
-
-META_FILE = "megarl_meta.json"
-"""File, beside the shards, holding what megarl saved with them (HF config, dtype, layout)."""
-
-
-def read_checkpoint_meta(ckpt_dir: str | Path) -> dict:
-    """The ``meta`` saved with the checkpoint (empty dict when there is none)."""
-    f = Path(ckpt_dir) / META_FILE
-    return json.loads(f.read_text()) if f.exists() else {}
+__all__ = ["META_FILE", "read_checkpoint_meta"]

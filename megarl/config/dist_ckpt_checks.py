@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from megarl.checkpoint.meta import read_checkpoint_meta
+from megarl.config.checkpoint_meta import read_checkpoint_meta
 from megarl.config.model_dims import ModelDims, read_hf_config
 
 SHAPE_FIELDS = (

@@ -102,7 +102,7 @@ def build_model(
     value_head_seed: int = 0,
     fusions: Fusions | None = None,
     moe: MoeSettings | None = None,
-    weights_from: str | Path | None = None,
+    hf_weights: bool = True,
 ) -> BuiltModel:
     """Build this rank's chunks of a Llama/Qwen-family (dense, or Qwen3-MoE / Mixtral) actor or
     critic.
@@ -121,10 +121,9 @@ def build_model(
             the parameters uninitialised, for a Megatron checkpoint loaded next).
         fusions: fused kernels and pipeline memory savings (default: on where the spec allows).
         moe: verl's ``moe_*`` knobs for a MoE model (dispatcher, aux loss, capacity).
-        weights_from: a Megatron distributed checkpoint (saved at any layout) loaded instead of
-            the HF weights (``*.megatron.use_dist_checkpointing``); the config still comes from
-            ``source``. A critic's value head is not taken from it (an actor's checkpoint has
-            none): it starts as it would without one.
+        hf_weights: False: read only the config from ``source``; the weights are loaded next
+            from a Megatron distributed checkpoint (``*.megatron.use_dist_checkpointing``:
+            :func:`megarl.trainer.setup.build_role_model`), so nothing is loaded or initialised.
     """
     _check_parallel_state(layout)
     hf_path: Path | None = None
@@ -135,8 +134,6 @@ def build_model(
         hf_path = Path(source)
         hf_config = read_hf_config(hf_path)
         dims = ModelDims.from_hf_config(hf_config, tp_size=layout.tp)
-        if weights_from is not None:
-            _check_checkpoint_model(weights_from, hf_config)
     problems = shape_layout_problems(layout, dims.known())
     if problems:
         sizes = {"tp": f"TP={layout.tp}", "pp": f"PP={layout.pp}", "vpp": f"VPP={layout.vpp}"}
@@ -159,9 +156,8 @@ def build_model(
         expert_tensor_parallel_size=layout.etp,
         moe=moe,
     )
-    if weights_from is not None:
-        load_weights = False
-    if load_weights or not initialize or weights_from is not None:
+    load_weights = load_weights and hf_weights
+    if load_weights or not initialize or not hf_weights:
         config.perform_initialization = False  # every parameter is overwritten by a load
     chunks = build_gpt_chunks(
         dims,
@@ -175,23 +171,7 @@ def build_model(
             _check_score_head(hf_path)  # type: ignore[arg-type]
         with torch.no_grad():
             load_hf_weights(chunks, hf_path, dims)  # type: ignore[arg-type]
-    if weights_from is not None:
-        from megarl.checkpoint.dist_ckpt import load_model_checkpoint
-
-        load_model_checkpoint(
-            chunks, weights_from, skip=() if role == "actor" else ("output_layer",)
-        )
     return BuiltModel(dims, list(chunks), config, layout, role, hf_path)
-
-
-def _check_checkpoint_model(ckpt: str | Path, hf_config: dict) -> None:
-    """Refuse a checkpoint whose ``megarl_meta.json`` names another model than ``hf_config``."""
-    from megarl.checkpoint.dist_ckpt import CheckpointMismatchError
-    from megarl.config.dist_ckpt_checks import checkpoint_mismatch
-
-    mismatch = checkpoint_mismatch(ckpt, hf_config)
-    if mismatch:
-        raise CheckpointMismatchError(f"{ckpt} {mismatch}")
 
 
 def _check_score_head(hf_path: Path) -> None:

@@ -124,7 +124,8 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
     meg = arr.actor.megatron
     recompute = Recompute(meg.recompute_granularity, meg.recompute_method, meg.recompute_num_layers)
     moe = MoeSettings.from_dict(meg.override_transformer_config)  # verl's moe_* knobs
-    actor_model = build_model(
+    actor_model = build_role_model(
+        initial_checkpoint(meg),
         model_path,
         layout,
         dtype=dtype,
@@ -132,15 +133,14 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         recompute=recompute,
         fusions=fusions(meg),
         moe=moe,
-        weights_from=initial_checkpoint(meg),
     )
     actor = TrainableModel(actor_model, optimizer_settings(cfg, total))
     settle(actor, cfg, "actor")
     ref = None
     if ref_used(cfg):
-        ref = build_model(model_path, layout, dtype=dtype, transformer_impl=meg.transformer_impl,
-                          fusions=fusions(meg), moe=moe,
-                          weights_from=initial_checkpoint(arr.ref.megatron))  # fmt: skip
+        ref = build_role_model(initial_checkpoint(arr.ref.megatron), model_path, layout,
+                               dtype=dtype, transformer_impl=meg.transformer_impl,
+                               fusions=fusions(meg), moe=moe)  # fmt: skip
         for chunk in ref.chunks:
             chunk.eval()
             chunk.requires_grad_(False)
@@ -203,7 +203,8 @@ def _build_critic(cfg: MegarlConfig, layout, model_path: str, dtype, total: int,
             f"critic.megatron layout {critic_layout} differs from the actor's {layout}: "
             "Megatron-Core keeps one parallel state per process"
         )
-    critic_model = build_model(
+    critic_model = build_role_model(
+        initial_checkpoint(critic_cfg.megatron),
         str(Path(critic_cfg.model.path or model_path).expanduser()),
         layout,
         role="critic",
@@ -217,11 +218,30 @@ def _build_critic(cfg: MegarlConfig, layout, model_path: str, dtype, total: int,
             critic_cfg.megatron.recompute_method,
             critic_cfg.megatron.recompute_num_layers,
         ),
-        weights_from=initial_checkpoint(critic_cfg.megatron),
     )
     critic = TrainableModel(critic_model, optimizer_settings(cfg, total, role="critic"))
     settle(critic, cfg, "critic")
     return critic, value_update(cfg, plan)
+
+
+def build_role_model(ckpt: Path | None, source, layout, **kwargs) -> BuiltModel:
+    """:func:`build_model`, its weights from the Megatron distributed checkpoint ``ckpt`` (saved
+    at any layout) instead of ``source``'s safetensors when given; the config still comes from
+    ``source``, and another model is refused in one line naming the path. A critic's value head
+    is not taken from it (an actor's checkpoint has none): it starts as it would without one."""
+    if ckpt is None:
+        return build_model(source, layout, **kwargs)
+    from megarl.checkpoint.dist_ckpt import CheckpointMismatchError, load_model_checkpoint
+    from megarl.config.dist_ckpt_checks import checkpoint_mismatch
+    from megarl.config.model_dims import read_hf_config
+
+    mismatch = checkpoint_mismatch(ckpt, read_hf_config(source))
+    if mismatch:
+        raise CheckpointMismatchError(f"{ckpt} {mismatch}")
+    built = build_model(source, layout, hf_weights=False, **kwargs)
+    actor = kwargs.get("role", "actor") == "actor"
+    load_model_checkpoint(built.chunks, ckpt, skip=() if actor else ("output_layer",))
+    return built
 
 
 def initial_checkpoint(megatron) -> Path | None:

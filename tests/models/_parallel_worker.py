@@ -288,6 +288,7 @@ def _dist_checkpoint_init_checks(spec: dict, results: dict) -> None:
     from megarl.models.weights import local_global_names
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
+    from megarl.trainer.setup import build_role_model
 
     hf, ckpt = spec["dist_ckpt"]["hf"], spec["dist_ckpt"]["ckpt"]
     cases = [((2, 1, None), "actor"), ((1, 2, None), "critic"), ((1, 2, 2), "actor")]
@@ -298,14 +299,14 @@ def _dist_checkpoint_init_checks(spec: dict, results: dict) -> None:
         direct = build_model(hf, layout, **kw).chunks
         config_only = Path(ckpt) / "hf_files"
         assert not list(config_only.glob("*.safetensors"))
-        loaded = build_model(config_only, layout, weights_from=ckpt, **kw).chunks
+        loaded = build_role_model(Path(ckpt), config_only, layout, **kw).chunks
         diff = max(
             (a[3] - b[3]).abs().max().item()
             for a, b in zip(local_global_names(direct), local_global_names(loaded), strict=True)
         )
         results[f"dist_ckpt_init/tp{tp}_pp{pp}_vpp{vpp}/{role}"] = _max_all(diff)
     try:
-        build_model(spec["models"]["llama_untied"], layout, weights_from=ckpt)
+        build_role_model(Path(ckpt), spec["models"]["llama_untied"], layout)
         refused = ""
     except CheckpointError as exc:
         refused = str(exc)

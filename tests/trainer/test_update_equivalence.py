@@ -136,7 +136,11 @@ def setup(tmp_path_factory):
     rewards = torch.zeros(b, width)
     rewards[torch.arange(b), (lens - plen) - 1] = scores
     adv, _ = compute_advantage(
-        "grpo", token_level_rewards=rewards, response_mask=mask, index=torch.tensor(prompt_ids)
+        "grpo",
+        token_level_rewards=rewards,
+        response_mask=mask,
+        index=torch.tensor(prompt_ids),
+        norm_adv_by_std_in_grpo=True,
     )
     values = torch.randn(b, width, generator=g) * mask
     returns = (values + torch.randn(b, width, generator=g)) * mask  # value clipping bites
@@ -153,6 +157,16 @@ def setup(tmp_path_factory):
     spec["cliprange_value"] = 0.2
     (tmp / "spec.json").write_text(json.dumps(spec))
     return spec, data
+
+
+LOCAL_COUNTS = {
+    "rollout_is_weights": None,
+    "global_token_count": None,
+    "global_seq_count": None,
+    "seq_token_counts": None,
+}
+"""The reference holds the whole mini-batch: its own token and sequence counts (None: the loss
+counts them) are the global ones."""
 
 
 def reference_update(spec: dict, data: dict, case: dict, optimizer: str):
@@ -191,7 +205,7 @@ def reference_update(spec: dict, data: dict, case: dict, optimizer: str):
         pg, pg_metrics = compute_policy_loss(
             "vanilla", old_log_prob=old, log_prob=logp,
             advantages=data["advantages"][rows].double(), response_mask=mask, loss_agg_mode=mode,
-            **spec["clip"], **scale,
+            **spec["clip"], **scale, **LOCAL_COUNTS,
         )  # fmt: skip
         ref = data["ref_log_probs"][rows].double()
         kl = agg_loss(kl_penalty(logp, ref, "low_var_kl"), mask, mode, **scale)
