@@ -2,6 +2,7 @@
 
     python tools/bench_reshard.py                    # executor vs torch.clone, 72B plan time
     python tools/bench_reshard.py --vllm             # also into a real vLLM engine (in-process)
+    python tools/bench_reshard.py --family qwen3_moe # a Mixture-of-Experts model (16 experts)
 
 1. Sync throughput: one process, training TP = PP = 1 (no process group needed), a random model
    of ``--layers`` × ``--hidden``. The executor streams buckets into a consumer; bytes per second
@@ -9,7 +10,9 @@
    ``copy`` (copies every tensor into preallocated destinations, as a loader does: two copies per
    byte in all, so about half the clone rate is the ceiling), ``none`` (only the executor's own
    copy into the bucket) and, with ``--vllm``, a real engine (vLLM's ``load_weights`` and
-   re-packing included).
+   re-packing included). ``--family qwen3_moe``: the same for a Qwen3-MoE model (``--experts``
+   experts per layer, each ``hidden/2`` wide, top-2), whose layers' experts travel as one
+   module each (vLLM's ``FusedMoE``).
 2. Plan time: :func:`make_reshard_plan` for a Qwen2.5-72B-shaped model (80 layers, hidden 8192,
    ffn 29568, 64/8 heads, vocab 152064) at TP=8, PP=4 → vLLM TP=8; no tensors are allocated.
    Also the bytes one rank receives from the other stages per sync (its vLLM TP slices).
@@ -77,8 +80,14 @@ def _time(fn, reps: int) -> list[float]:
 
 def bench_sync(args) -> dict:
     dtype = torch_dtype(args.dtype)
+    experts = (
+        {"num_experts": args.experts, "moe_intermediate_size": args.hidden // 2}
+        if args.family == "qwen3_moe"
+        else {}
+    )
     hf_cfg = tiny_hf_config(
-        "qwen2",
+        args.family,
+        **experts,
         num_layers=args.layers,
         hidden_size=args.hidden,
         num_attention_heads=args.hidden // 64,
@@ -96,7 +105,11 @@ def bench_sync(args) -> dict:
     )
     nbytes = plan.hf_bytes
     results: dict = {
-        "model": f"{args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, {args.dtype}",
+        "model": (
+            f"{args.family}, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
+            + (f"{args.experts} experts, " if experts else "")
+            + args.dtype
+        ),
         "bytes": nbytes,
         "buckets": len(plan.buckets),
         "bucket_mb": args.bucket_mb,
@@ -194,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--family", choices=["qwen2", "qwen3_moe"], default="qwen2")
+    ap.add_argument("--experts", type=int, default=16, help="experts per layer (qwen3_moe)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--bucket-mb", type=float, default=16.0)
     ap.add_argument("--reps", type=int, default=5)

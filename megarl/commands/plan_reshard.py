@@ -3,6 +3,7 @@
     megarl plan reshard --config configs/ppo_qwen2_5_72b.yaml    layouts and model from a config
     megarl plan reshard --preset qwen2.5-72b --tp 8 --pp 4 --rollout-tp 8
     megarl plan reshard --model /path/to/hf_model --tp 2 --rollout-tp 1 --bucket-mb 64 --buckets
+    megarl plan reshard --preset qwen3-30b-a3b --tp 4 --ep 8 --etp 1 --rollout-tp 8   (MoE)
 
 Nothing is allocated and no process group is started; the plan is pure arithmetic.
 """
@@ -38,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=positive_int, help="training tensor-parallel size")
     p.add_argument("--pp", type=positive_int, help="training pipeline-parallel size")
     p.add_argument("--vpp", type=positive_int, help="virtual pipeline chunks per stage")
+    p.add_argument("--ep", type=positive_int, help="expert-parallel size (MoE models)")
+    p.add_argument("--etp", type=positive_int, help="expert tensor-parallel size (default TP)")
     p.add_argument("--rollout-tp", type=positive_int, help="vLLM tensor-parallel size")
     p.add_argument("--bucket-mb", type=float, help="bucket size limit in MiB (default 1024)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="parameter dtype (default bf16)")
@@ -68,8 +71,8 @@ def _hf_config(args: argparse.Namespace, model_path: str | None) -> tuple[dict, 
 
 def build_plan(args: argparse.Namespace) -> tuple[ReshardPlan, str]:
     """The plan the arguments describe, and the model's source."""
-    tp = pp = rollout_tp = 1
-    vpp = None
+    tp = pp = rollout_tp = ep = 1
+    vpp = etp = None
     dtype = "bf16"
     model_path = None
     if args.config:
@@ -78,6 +81,7 @@ def build_plan(args: argparse.Namespace) -> tuple[ReshardPlan, str]:
         cfg = load_config(args.config, args.overrides)
         layout = cfg.actor_rollout_ref.actor.megatron.parallel_layout()
         tp, pp, vpp = layout.tp, layout.pp, layout.virtual_pipeline_model_parallel_size
+        ep, etp = layout.ep, layout.expert_tensor_parallel_size
         rollout_tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
         dtype = cfg.trainer.dtype
         model_path = cfg.actor_rollout_ref.model.path
@@ -86,12 +90,20 @@ def build_plan(args: argparse.Namespace) -> tuple[ReshardPlan, str]:
     tp = args.tp or tp
     pp = args.pp or pp
     vpp = args.vpp if args.vpp is not None else vpp
+    ep = args.ep or ep
+    etp = args.etp or etp
     rollout_tp = args.rollout_tp or rollout_tp
     dtype = args.dtype or dtype
     hf, source = _hf_config(args, model_path)
     dims = ModelDims.from_hf_config(hf, tp_size=tp)
     bucket = int(args.bucket_mb * (1 << 20)) if args.bucket_mb else DEFAULT_BUCKET_BYTES
-    layout = ParallelLayout(tp, pp, vpp if vpp and vpp > 1 else None)
+    layout = ParallelLayout(
+        tp,
+        pp,
+        vpp if vpp and vpp > 1 else None,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
     plan = make_reshard_plan(dims, layout, rollout_tp, bucket_bytes=bucket, dtype=_DTYPES[dtype])
     return plan, source
 

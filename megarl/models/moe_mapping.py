@@ -84,8 +84,13 @@ def expert_of(suffix: str) -> tuple[int, str] | None:
 
 def is_expert_param(mg_name: str) -> bool:
     """Whether a (layer-prefixed) Megatron name is an expert weight (split over EP and ETP)."""
+    return expert_of_param(mg_name) is not None
+
+
+def expert_of_param(mg_name: str) -> tuple[int, str] | None:
+    """:func:`expert_of` for a layer-prefixed Megatron name (``decoder.layers.{l}.mlp…``)."""
     m = _LAYER_PREFIX.match(mg_name)
-    return m is not None and _EXPERT_RE.match(m.group(2)) is not None
+    return expert_of(m.group(2)) if m else None
 
 
 def moe_layer_suffixes(dims: ModelDims) -> list[str]:

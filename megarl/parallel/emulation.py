@@ -44,6 +44,9 @@ from torch.overrides import TorchFunctionMode
 
 _ACTIVE_MODE: _CudaToCpuMode | None = None
 _PATCHED: dict[tuple[Any, str], Any] = {}
+"""(owner, name) -> the value before the emulation patched it."""
+_OURS: dict[tuple[Any, str], Any] = {}
+"""(owner, name) -> the emulation's value (:func:`reassert_cpu_emulation`)."""
 
 
 def _is_cuda(device: Any) -> bool:
@@ -141,6 +144,10 @@ class _CpuStream:
     def query(self) -> bool:
         return True
 
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
 
 _CPU_STREAM: _CpuStream | None = None
 
@@ -158,7 +165,23 @@ def _patch(owner: Any, name: str, value: Any) -> None:
     key = (owner, name)
     if key not in _PATCHED:
         _PATCHED[key] = getattr(owner, name, None)
+    _OURS[key] = value
     setattr(owner, name, value)
+
+
+def reassert_cpu_emulation() -> None:
+    """Put the emulation's stand-ins back where a library sharing the process replaced them
+    (no-op when the emulation is off).
+
+    vLLM's CPU worker installs its own ``torch.cuda.Stream`` / ``Event`` / ``current_stream``
+    placeholders for the whole process when the engine starts; their ``record_event`` returns
+    None, and Megatron's ``alltoall`` MoE dispatcher then fails on ``None.synchronize()`` in the
+    next training forward. The emulation's stand-ins do everything vLLM's do.
+    """
+    if _ACTIVE_MODE is None:
+        return
+    for (owner, name), value in _OURS.items():
+        setattr(owner, name, value)
 
 
 def emulation_active() -> bool:
@@ -232,6 +255,7 @@ def disable_cpu_emulation() -> None:
     for (owner, name), value in reversed(list(_PATCHED.items())):
         setattr(owner, name, value)
     _PATCHED.clear()
+    _OURS.clear()
 
 
 def cpu_emulated(fn: Callable) -> Callable:

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megarl.config.dtypes import dtype_name
+from megarl.parallel.emulation import reassert_cpu_emulation
 from megarl.parallel.init import read_launch_env, start_process_group
 from megarl.rollout.base import CallOrder, RolloutBatch, RolloutSample, request_seed
 
@@ -240,6 +241,8 @@ class VLLMEngine:
         self._sleep_enabled = free_cache_engine and on_gpu
         self._sleeping: set[str] = set()
         self._order = CallOrder()
+        self._moe_blocks_loaded: set[str] = set()
+        """MoE blocks whose experts the open weight update loaded (:func:`_repack_cpu_experts`)."""
 
         distributed = _ensure_process_group()
         world = dist.get_world_size() if distributed else 1
@@ -393,6 +396,7 @@ class VLLMEngine:
         they are woken first; the KV cache stays asleep."""
         self._order.begin_update()
         self.wake_up(["weights"])
+        self._moe_blocks_loaded = set()
         self._llm.collective_rpc(_begin_layerwise_reload)
 
     def load_weight_chunk(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
@@ -405,13 +409,16 @@ class VLLMEngine:
         finishes.
         """
         self._order.check_updating("load_weight_chunk")
-        self._llm.collective_rpc(_load_weights, args=(iter(named_tensors),))
+        noted = _note_moe_blocks(named_tensors, self._moe_blocks_loaded)
+        self._llm.collective_rpc(_load_weights, args=(noted,))
 
     def finish_weight_update(self) -> None:
         """Process modules still waiting for tensors, and drop cached prefixes."""
         self._order.check_updating("finish_weight_update")
         self._llm.collective_rpc(_finish_layerwise_reload)
         self._llm.collective_rpc(_reprocess_tied_lm_head)
+        if self._moe_blocks_loaded:
+            self._llm.collective_rpc(_repack_cpu_experts, args=(sorted(self._moe_blocks_loaded),))
         self._llm.reset_prefix_cache()
         self._order.finish_update()
 
@@ -474,6 +481,7 @@ def _start_llm(model_path: str, kwargs: dict[str, Any]) -> Any:
             llm = LLM(model_path, **kwargs)
     finally:
         torch.set_num_threads = set_num_threads
+        reassert_cpu_emulation()  # vLLM's CPU worker installs its own CUDA stream stand-ins
     _keep_default_group_on_shutdown(llm)
     return llm
 
@@ -564,6 +572,51 @@ def _reprocess_tied_lm_head(worker: Any) -> None:
         return
     with set_current_vllm_config(worker.vllm_config):
         lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+def _note_moe_blocks(
+    named_tensors: Iterable[tuple[str, Tensor]], blocks: set[str]
+) -> Iterator[tuple[str, Tensor]]:
+    """Yield ``named_tensors`` unchanged, adding to ``blocks`` the MoE block of every expert
+    tensor (``model.layers.3.mlp`` for ``model.layers.3.mlp.experts.5.up_proj.weight``)."""
+    for name, tensor in named_tensors:
+        if ".experts." in name:
+            blocks.add(name.split(".experts.", 1)[0])
+        yield name, tensor
+
+
+def _repack_cpu_experts(worker: Any, blocks: Sequence[str]) -> None:
+    """Redo the CPU MoE kernel's weight packing for the experts of ``blocks`` after an update.
+
+    vLLM 0.32 packs each layer's expert weights for its CPU grouped GEMM
+    (``CPUUnquantizedExperts.process_weights_after_loading``) only when the layer is first
+    loaded: a reload re-runs the layer's processing but skips that step on a weight update
+    (``UnquantizedFusedMoEMethod._setup_kernel``), so the kernel read the new weights in the
+    unpacked layout (measured: reloading the very same weights moved log-probs by 4 nats).
+    GPU kernels are not touched. Raises ``NotImplementedError`` where the CPU kernel pads the
+    experts' intermediate size (the reload cannot fill padded weights).
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    model = worker.model_runner.get_model()
+    with set_current_vllm_config(worker.vllm_config):
+        for name, module in model.named_modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if not isinstance(experts, CPUUnquantizedExperts):
+                continue
+            if name.split(".experts", 1)[0] not in blocks:
+                continue  # not updated in this session: already packed
+            moe = module.moe_config
+            padded = experts._padded_intermediate_size(moe)
+            if padded != moe.intermediate_size_per_partition:
+                raise NotImplementedError(
+                    f"{name}: vLLM's CPU MoE kernel pads the experts' intermediate size "
+                    f"{moe.intermediate_size_per_partition} per TP rank to {padded}; weight "
+                    "updates of such a model are not supported on CPU"
+                )
+            experts.process_weights_after_loading(module)
 
 
 def _ensure_process_group() -> bool:

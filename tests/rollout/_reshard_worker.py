@@ -119,15 +119,17 @@ class LiveBytes(TorchDispatchMode):
 class WireMeter:
     """Counts the bytes the resharding executor receives, at ``torch.distributed``'s entry
     points, independently of the executor's own ``SyncStats``: a broadcast where this rank is
-    not the source and a ``recv`` count their tensor (``pipeline``), an all-gather its output
-    minus this rank's input (``tp``). Only calls made from the executor module count (vLLM
-    shares the process and has collectives of its own)."""
+    not the source and a ``recv`` count their tensor (``pipeline``; ``ep`` for a broadcast over
+    the expert-parallel group), an all-gather its output minus this rank's input (``tp``). Only
+    calls made from the executor module count (vLLM shares the process and has collectives of
+    its own)."""
 
     MODULE = "megarl.rollout.reshard.executor"
 
     def __init__(self) -> None:
         self.pipeline = 0
         self.tp = 0
+        self.ep = 0
         self._saved: dict = {}
 
     def _ours(self) -> bool:
@@ -135,13 +137,18 @@ class WireMeter:
 
     def __enter__(self) -> Self:
         import torch.distributed as dist
+        from megatron.core import parallel_state
 
         broadcast, recv, gather = dist.broadcast, dist.recv, dist.all_gather_into_tensor
         self._saved = {"broadcast": broadcast, "recv": recv, "all_gather_into_tensor": gather}
+        ep_group = parallel_state.get_expert_model_parallel_group(check_initialized=False)
 
         def metered_broadcast(tensor, src, *args, **kwargs):
             if self._ours() and dist.get_rank() != src:
-                self.pipeline += tensor.nbytes
+                if ep_group is not None and kwargs.get("group") is ep_group:
+                    self.ep += tensor.nbytes
+                else:
+                    self.pipeline += tensor.nbytes
             return broadcast(tensor, src, *args, **kwargs)
 
         def metered_recv(tensor, *args, **kwargs):
@@ -185,10 +192,13 @@ def vllm_narrow(name: str, full: torch.Tensor, dims, tp: int, rank: int) -> torc
         replicas = tp // total if tp >= total else 1
         size = max(1, total // tp) * dims.head_dim
         return full.narrow(0, rank // replicas * size, size)
-    if leaf in ("gate_proj", "up_proj"):
+    # MergedColumnParallelLinear; FusedMoE._load_w13 (experts' gate/up, Mixtral's w1/w3: each
+    # expert's intermediate rows split over TP)
+    if leaf in ("gate_proj", "up_proj", "w1", "w3"):
         size = full.shape[0] // tp
         return full.narrow(0, rank * size, size)
-    if leaf in ("o_proj", "down_proj"):
+    # RowParallelLinear; FusedMoE._load_w2 (experts' down / w2: input columns)
+    if leaf in ("o_proj", "down_proj", "w2"):
         size = full.shape[1] // tp
         return full.narrow(1, rank * size, size)
     return full
@@ -251,14 +261,11 @@ def full_noise(name: str, dims, seed: int, scale: float = NOISE) -> torch.Tensor
 @torch.no_grad()
 def perturb(chunks, dims, seed: int, scale: float = NOISE) -> None:
     """Add ``full_noise`` to every parameter (this rank's TP shard of it)."""
-    from megatron.core import parallel_state
-
     from megarl.models import hf_mapping as hm
-    from megarl.models.weights import local_global_names
+    from megarl.models.weights import local_global_names, tp_group_of
 
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
     for _, _, name, p in local_global_names(chunks):
+        tp, rank = tp_group_of(name)  # expert TP for experts
         noise = hm.tp_split(name, full_noise(name, dims, seed, scale), tp, rank, dims)
         p.add_(noise.to(p.device, p.dtype))
 
@@ -276,14 +283,28 @@ def reference_hf(path: str, dims, seed: int) -> dict[str, torch.Tensor]:
     return hm.megatron_to_hf(full, dims)
 
 
-def build(path: str, tp: int, pp: int, vpp: int | None, dtype=torch.float32):
+def build(
+    path: str,
+    tp: int,
+    pp: int,
+    vpp: int | None,
+    ep: int = 1,
+    etp: int | None = None,
+    *,
+    dtype=torch.float32,
+):
+    """Megatron's groups for (TP, PP, VPP, EP, ETP) and the model from ``path``."""
     from megarl.models.build import build_model
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
 
-    layout = ParallelLayout(tp, pp, vpp)
+    layout = ParallelLayout(
+        tp, pp, vpp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+    )
     init_distributed(layout, seed=1234)
     built = build_model(path, layout, dtype=dtype)
+    for chunk in built.chunks:  # nothing trains here; Megatron's MoE layer refuses a
+        chunk.eval()  # training-mode forward at TP > 1 without sequence parallelism
     return built.dims, built.chunks
 
 
@@ -342,16 +363,25 @@ def _traffic(plan, stats, wire: WireMeter) -> dict:
     from megarl.rollout.reshard.executor import rollout_rank_of
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    ep_rank = parallel_state.get_expert_model_parallel_rank() if plan.layout.ep > 1 else 0
     v = rollout_rank_of(dist.get_rank(), plan.rollout_tp)
-    planned = plan.received(pp_rank, v)
+    planned = plan.received(pp_rank, v, ep_rank)
     other = sum(s.numel for b in plan.buckets if b.pp_rank != pp_rank for s in b.slots)
     return {
         "pp_rank": pp_rank,
         "rollout_rank": v,
         "rollout_tp": plan.rollout_tp,
-        "planned": {"pipeline": planned.pipeline, "tp": planned.tp_gather},
-        "stats": {"pipeline": stats.pipeline_received_bytes, "tp": stats.tp_received_bytes},
-        "wire": {"pipeline": wire.pipeline, "tp": wire.tp},
+        "planned": {
+            "pipeline": planned.pipeline,
+            "tp": planned.tp_gather,
+            "ep": planned.ep_broadcast,
+        },
+        "stats": {
+            "pipeline": stats.pipeline_received_bytes,
+            "tp": stats.tp_received_bytes,
+            "ep": stats.ep_received_bytes,
+        },
+        "wire": {"pipeline": wire.pipeline, "tp": wire.tp, "ep": wire.ep},
         "unsliced": plan.full_bytes_from_other_stages(pp_rank),
         "other_stages_hf_bytes": other * plan.itemsize if plan.layout.pp > 1 else 0,
         "model_hf_bytes": plan.hf_bytes,
@@ -430,6 +460,15 @@ def actor_conformance(path: str, dims, chunks, seed: int) -> dict:
     )
 
 
+def case_key(model: str, layout: tuple, rollout_tp: int | None = None) -> str:
+    """``{model}[_vtp{v}]_tp{t}_pp{p}_vpp{vp}[_ep{e}_etp{et}]`` for a layout (TP, PP, VPP[, EP,
+    ETP]); the EP part only with expert parallelism."""
+    tp, pp, vpp, ep, etp = (*layout, 1, None)[:5]
+    vtp = f"_vtp{rollout_tp}" if rollout_tp else ""
+    experts = f"_ep{ep}_etp{etp or tp}" if ep > 1 else ""
+    return f"{model}{vtp}_tp{tp}_pp{pp}_vpp{vpp or 1}{experts}"
+
+
 def layouts_suite(models: Path) -> dict:
     cases = [
         ("tiny", (1, 1, None)),
@@ -438,13 +477,16 @@ def layouts_suite(models: Path) -> dict:
         ("tiny", (1, 2, 2)),
         ("special", (1, 2, None)),  # tied embeddings (copy on the last stage), qk-norm, 1 KV head
         ("qwen3", (2, 1, None)),
+        ("moe", (1, 1, None, 2, None)),  # Qwen3-MoE, EP 2 (expert broadcast), DP 2
+        ("moe", (1, 2, None)),  # experts sliced across stages for vLLM TP 2
+        ("mixtral", (2, 1, None, 2, 1)),  # TP 2 (dense gather), EP 2, expert TP 1
     ]
     out = {}
-    for seed, (model, (tp, pp, vpp)) in enumerate(cases, start=1):
+    for seed, (model, layout) in enumerate(cases, start=1):
         path = str(models / model)
-        dims, chunks = build(path, tp, pp, vpp)
+        dims, chunks = build(path, *layout)
         perturb(chunks, dims, seed)
-        key = f"{model}_tp{tp}_pp{pp}_vpp{vpp or 1}"
+        key = case_key(model, layout)
         out[key] = {
             "small": fake_sync_check(path, dims, chunks, seed, 64 << 10),
             "large": fake_sync_check(path, dims, chunks, seed, 512 << 10),
@@ -471,9 +513,14 @@ def vllm_suite(models: Path, world: int) -> dict:
             ("tiny", 1, [(2, 1, None), (1, 2, None), (1, 1, None)]),
             ("tiny", 2, [(2, 1, None), (1, 2, None), (1, 2, 2), (1, 1, None)]),
             ("special", 2, [(1, 2, None)]),
+            # Qwen3-MoE: EP 2 (DP 2); TP 2 with EP 2 and expert TP 1; experts across PP 2
+            ("moe", 2, [(1, 1, None, 2, None), (2, 1, None, 2, 1), (1, 2, None)]),
         ]
     else:
-        engines = [("tiny", 2, [(2, 2, None), (2, 1, None)])]
+        engines = [
+            ("tiny", 2, [(2, 2, None), (2, 1, None)]),
+            ("mixtral", 2, [(1, 2, None, 2, None)]),  # PP 2 × EP 2 (DP 2)
+        ]
     out: dict = {"cases": {}, "timings": {}}
     seed = 100
     for model, rollout_tp, layouts in engines:
@@ -491,14 +538,14 @@ def vllm_suite(models: Path, world: int) -> dict:
             max_num_seqs=16,
         )
         out["timings"][f"{model}_vtp{rollout_tp}_start_s"] = time.perf_counter() - t
-        for i, (tp, pp, vpp) in enumerate(layouts):
+        for i, layout in enumerate(layouts):
             if i:
                 del chunks
                 gc.collect()
-                dims, chunks = build(path, tp, pp, vpp)
+                dims, chunks = build(path, *layout)
             seed += 1
             perturb(chunks, dims, seed)
-            key = f"{model}_vtp{rollout_tp}_tp{tp}_pp{pp}_vpp{vpp or 1}"
+            key = case_key(model, layout, rollout_tp)
             case = {"fake": fake_sync_check(path, dims, chunks, seed, 128 << 10)}
             before = engine.generate(PROMPTS, **SAMPLING)
             case["before"] = rollout_logprob_consistency(

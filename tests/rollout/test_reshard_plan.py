@@ -372,3 +372,124 @@ def test_plan_cli_tiny_model_dir(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "tied=True" in out and "skipped: output_layer.weight" in out and "float32" in out
+
+
+# --------------------------------------------------------------------------------------------
+# Mixture-of-Experts
+# --------------------------------------------------------------------------------------------
+
+MOE_LAYOUTS = [  # (TP, PP, EP, ETP)
+    (1, 1, 2, 1),
+    (2, 1, 2, 1),
+    (2, 1, 2, 2),
+    (1, 2, 2, 1),
+    (1, 1, 4, 1),
+    (2, 2, 1, 2),
+]
+
+
+def _moe_plan(family: str, layout: tuple, rollout_tp: int = 1, bucket_bytes: int = 64 << 10):
+    tp, pp, ep, etp = layout
+    dims = tiny_dims(family, tp=tp)
+    lay = ParallelLayout(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    return make_reshard_plan(dims, lay, rollout_tp, bucket_bytes=bucket_bytes)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_moe_experts_by_ep_rank_whole_layer_in_one_bucket(family, layout):
+    """Every expert once, held by EP rank e // (E/EP) and split over expert TP; a layer's
+    experts form one bucket (vLLM's FusedMoE processes them together) whose EP runs cover
+    exactly the experts, one run per EP rank in rank order; router and shared expert follow the
+    dense rules. Bytes received: the other EP ranks' experts, whole."""
+    tp, _, ep, etp = layout
+    plan = _moe_plan(family, layout)
+    dims = plan.dims
+    assert [p.name for b in plan.buckets for p in b.params] == hm.megatron_param_names(dims)
+    per_rank = dims.num_experts // ep
+    for b in plan.buckets:
+        experts = [p for p in b.params if p.ep_rank is not None]
+        for p in b.params:
+            found = hm.layer_index(p.name), p.name.split(".mlp.")[-1]
+            if ".local_experts." not in p.name:
+                assert p.ep_rank is None and p.needs_gather == (
+                    tp > 1 and p.partition != "replicated"
+                ), found
+                continue
+            e = int(p.name.split(".local_experts.")[1].split(".")[0])
+            assert p.ep_rank == e // per_rank, found
+            assert p.needs_gather == (etp > 1)
+            assert p.shard_shape == hm.tp_shard_shape(p.name, p.shape, etp)
+        if experts:
+            layers = {hm.layer_index(p.name) for p in experts}
+            assert len(layers) == 1 and len(experts) == 2 * dims.num_experts  # the whole layer
+            if ep == 1:
+                assert b.expert_runs == ()
+                continue
+            assert [k for k, *_ in b.expert_runs] == list(range(ep))
+            start = min(s.offset for p in experts for s in p.slots)
+            assert b.expert_runs[0][1] == start
+            assert all(r[2] == n[1] for r, n in zip(b.expert_runs, b.expert_runs[1:]))
+            assert sum(stop - lo for _, lo, stop in b.expert_runs) == sum(
+                s.numel for p in experts for s in p.slots
+            )
+    expert_bytes = sum(
+        p.hf_bytes for p in plan.params.values() if p.ep_rank is not None and p.pp_rank == 0
+    )
+    for k in range(ep):
+        got = plan.received(0, 0, k)
+        assert got.ep_broadcast == (expert_bytes * (ep - 1) // ep if ep > 1 else 0)
+    if ep > 1:
+        assert f"EP={ep} ETP={etp}" in plan.summary()
+        assert "broadcast in the EP group" in plan.summary()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_rollout_slices_split_each_expert_over_vllm_tp(family):
+    """vLLM TP 2: each expert's gate/up (Mixtral w1/w3) by rows, down (w2) by columns, the
+    router whole; one rank's slices are ~half the model."""
+    plan = _moe_plan(family, (1, 2, 2, 1), rollout_tp=2)
+    names = {s.name: s for b in plan.buckets for s in b.slots}
+    gate, up, down = (
+        ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    )
+    prefix = "block_sparse_moe" if family == "mixtral" else "mlp"
+    expert = f"model.layers.1.{prefix}.experts.5"
+    f, h = plan.dims.moe_ffn_hidden_size, plan.dims.hidden_size
+    for v in range(2):
+        pieces = {
+            p.slot.name: (p.dim, p.start, p.stop)
+            for b in plan.buckets
+            for p in b.slices[v]
+            if p.slot.name.startswith(f"{expert}.") or p.slot.name.endswith(f"{prefix}.gate.weight")
+        }
+        half = f // 2
+        assert pieces[f"{expert}.{gate}.weight"] == (0, v * half, (v + 1) * half)
+        assert pieces[f"{expert}.{up}.weight"] == (0, v * half, (v + 1) * half)
+        assert pieces[f"{expert}.{down}.weight"] == (1, v * half, (v + 1) * half)
+        assert pieces[f"model.layers.1.{prefix}.gate.weight"] == (None, 0, 0)
+        assert names[f"{expert}.{down}.weight"].shape == (h, f)
+        share = plan.rollout_slice_bytes(v) / plan.hf_bytes
+        assert 0.45 < share < 0.6, share
+
+
+def test_moe_layout_errors():
+    dims = tiny_dims("qwen3_moe", num_experts=6)
+    with pytest.raises(ValueError, match="EP=4 does not divide the model's 6 experts"):
+        make_reshard_plan(dims, ParallelLayout(1, 1, expert_model_parallel_size=4), 1)
+
+
+def test_plan_cli_moe_model_dir(tmp_path, capsys):
+    """``megarl plan reshard --ep/--etp`` on a MoE config.json; an EP the experts do not split
+    into is one line, exit 2."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config("qwen3_moe")))
+    args = ["reshard", "--model", str(tmp_path), "--tp", "2", "--ep", "4", "--etp", "1"]
+    assert plan_cli.main([*args, "--rollout-tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "training TP=2 PP=1 VPP=1 EP=4 ETP=1 -> vLLM TP=2" in out
+    assert "experts: 8 over EP=4, broadcast in the EP group" in out
+    assert plan_cli.main([*args[:-4], "--ep", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "error: EP=3 does not divide the model's 8 experts", err

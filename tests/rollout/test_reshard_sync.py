@@ -7,13 +7,15 @@ live bytes allocated during a sync against the plan's bound.
 Multi-rank (``_reshard_worker.py``, one torchrun launch per suite):
 
 - ``layouts`` (2 ranks, no vLLM): Megatron (TP, PP, VPP) ∈ {(1,1) DP 2, (2,1), (1,2), (1,2,2)}
-  on Qwen2, (1,2) on a tied single-KV-head Qwen3, (2,1) on Qwen3: ownership equals Megatron's
+  on Qwen2, (1,2) on a tied single-KV-head Qwen3, (2,1) on Qwen3, and Mixture-of-Experts:
+  Qwen3-MoE at EP 2 and at PP 2, Mixtral at TP 2 × EP 2 (expert TP 1): ownership equals Megatron's
   ``layer_offset``, the synced tensors equal the reference exactly, peak memory within bound;
   the same sliced for vLLM TP 2 (at PP 2 each rank receives only its slices of the other stage,
   point to point; unreceived elements are NaN), bytes received = plan = wire meter.
 - ``vllm`` at 2 ranks: vLLM TP 1 ← Megatron (2,1), (1,2), (1,1); vLLM TP 2 ← (2,1), (1,2),
-  (1,2,2), (1,1); vLLM TP 2 on the single-KV-head model (KV replication) ← (1,2). At 4 ranks:
-  vLLM TP 2 ← (2,2), (2,1). Per case: perturb the actor, generate, sync (elements a rank did
+  (1,2,2), (1,1); vLLM TP 2 on the single-KV-head model (KV replication) ← (1,2); vLLM TP 2
+  on Qwen3-MoE ← EP 2, TP 2 × EP 2 (expert TP 1), PP 2. At 4 ranks: vLLM TP 2 ← (2,2), (2,1),
+  and Mixtral ← PP 2 × EP 2. Per case: perturb the actor, generate, sync (elements a rank did
   not receive set to NaN), generate the same prompts and seeds again; vLLM's log-probs vs the
   actor's runner at T = 0.7; bytes received per rank = plan = wire meter, ~1/vLLM TP of the
   other stages at PP 2 (point to point at 2 ranks, one broadcast per PP group at 4 ranks).
@@ -80,16 +82,25 @@ def test_strided_rewrite_matches_hf_mapping(family, kv, tp):
 
 
 @pytest.mark.parametrize(
-    "kv,vocab,rollout_tp", [(2, 1000, 2), (2, 1000, 4), (1, 65, 2), (2, 65, 4), (4, 1000, 4)]
+    "family,kv,vocab,rollout_tp",
+    [
+        ("qwen2", 2, 1000, 2),
+        ("qwen2", 2, 1000, 4),
+        ("qwen2", 1, 65, 2),
+        ("qwen2", 2, 65, 4),
+        ("qwen2", 4, 1000, 4),
+        ("qwen2_moe", 2, 1000, 2),  # experts and the gated shared expert
+        ("mixtral", 2, 1000, 4),  # w1/w3/w2
+    ],
 )
-def test_messages_carry_exactly_what_vllm_loads(kv, vocab, rollout_tp):
+def test_messages_carry_exactly_what_vllm_loads(family, kv, vocab, rollout_tp):
     """Per bucket and vLLM TP rank: pack the rank's pieces, unpack them into a NaN buffer; the
     parts vLLM's loaders copy (``vllm_narrow``, written from vLLM's code) are all there, and
     nothing else is (KV heads replicated at TP 4 over 2 or 1 heads; a padding-only vocab shard
     at vocab 65, TP 4)."""
     from megarl.rollout.reshard.executor import pack_pieces, piece_view, unpack_pieces
 
-    dims = tiny_dims("qwen2", num_key_value_heads=kv, vocab_size=vocab)
+    dims = tiny_dims(family, num_key_value_heads=kv, vocab_size=vocab)
     plan = make_reshard_plan(
         dims, ParallelLayout(1, 2), rollout_tp, bucket_bytes=64 << 10, dtype=torch.float32
     )
@@ -123,9 +134,11 @@ def _single_rank(bucket_bytes: int, family="qwen2", **kw):
     return dims, hf, full, plan
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_single_rank_sync_delivers_the_hf_state(tied):
-    dims, hf, full, plan = _single_rank(64 << 10, tie_word_embeddings=tied)
+@pytest.mark.parametrize(
+    "family,tied", [("qwen2", False), ("qwen2", True), ("qwen3_moe", False), ("mixtral", False)]
+)
+def test_single_rank_sync_delivers_the_hf_state(family, tied):
+    dims, hf, full, plan = _single_rank(64 << 10, family, tie_word_embeddings=tied)
     sink = CopySink(plan)
     stats = stream_buckets(full, plan, sink)
     assert sorted(sink.dest) == sorted(hm.megatron_to_hf(full, dims))
@@ -262,6 +275,8 @@ def models(tmp_path_factory) -> Path:
         root / "special", "qwen3", num_key_value_heads=1, tie_word_embeddings=True, seed=1
     )
     make_tiny_model(root / "qwen3", "qwen3", num_key_value_heads=2, seed=2)
+    make_tiny_model(root / "moe", "qwen3_moe", seed=3)
+    make_tiny_model(root / "mixtral", "mixtral", seed=4)
     return root
 
 
@@ -306,6 +321,9 @@ LAYOUT_CASES = [
     "tiny_tp1_pp2_vpp2",
     "special_tp1_pp2_vpp1",
     "qwen3_tp2_pp1_vpp1",
+    "moe_tp1_pp1_vpp1_ep2_etp1",
+    "moe_tp1_pp2_vpp1",
+    "mixtral_tp2_pp1_vpp1_ep2_etp1",
 ]
 
 
@@ -329,6 +347,8 @@ def _traffic_checks(t: dict, where: str) -> None:
         assert abs(t["slice_bytes"] * t["rollout_tp"] / t["model_hf_bytes"] - 1) < 0.1, where
     else:
         assert t["planned"]["pipeline"] == 0, where
+    # EP 2: the other EP rank's experts arrive whole by broadcast (half the experts)
+    assert (t["planned"]["ep"] > 0) == ("_ep2_" in where), where
 
 
 @pytest.mark.multirank
@@ -373,8 +393,12 @@ VLLM_CASES = [
     (2, "tiny_vtp2_tp1_pp2_vpp2"),
     (2, "tiny_vtp2_tp1_pp1_vpp1"),
     (2, "special_vtp2_tp1_pp2_vpp1"),  # one KV head replicated by vLLM; tied embeddings
+    (2, "moe_vtp2_tp1_pp1_vpp1_ep2_etp1"),  # Qwen3-MoE, experts broadcast over EP 2
+    (2, "moe_vtp2_tp2_pp1_vpp1_ep2_etp1"),
+    (2, "moe_vtp2_tp1_pp2_vpp1"),  # each expert's vLLM TP slices cross stages
     (4, "tiny_vtp2_tp2_pp2_vpp1"),
     (4, "tiny_vtp2_tp2_pp1_vpp1"),
+    (4, "mixtral_vtp2_tp1_pp2_vpp1_ep2_etp1"),
 ]
 
 
@@ -421,6 +445,7 @@ def test_vllm_syncs_move_the_planned_buckets_and_timings_are_reported(vllm_runs,
                 case["planned_buckets"],
                 case["planned_bytes"],
             ), key
+            assert 0 < case["sync_s"] < rank["total_s"], key  # the executor's own clock
             t = case["traffic"]
             print(
                 f"rank {rank['rank']} {key}: PP{t['pp_rank']} vLLM rank {t['rollout_rank']}: "

@@ -7,7 +7,9 @@ and the same plan. Per bucket:
    it is large enough, nobody else holds it and the plan's bound allows, else a new one);
 2. the ranks of the owning pipeline stage fill it: each parameter's TP shards are all-gathered
    (skipped at training TP 1) and rearranged into the Hugging Face layout with strided copies
-   straight into the buffer (vocab-parallel shards are gathered in place);
+   straight into the buffer (vocab-parallel shards are gathered in place); MoE experts are
+   filled by the ranks of the expert-parallel rank holding them (gathered over expert TP), then
+   each EP rank's run of experts is broadcast over the EP group (``bucket.expert_runs``);
 3. with PP > 1 each rank of the other stages receives, from the owner rank of its PP group,
    only the slices its own vLLM TP rank loads (``bucket.slices[rollout_rank]``), and writes
    them at their places in its (full-shaped) buffer;
@@ -119,6 +121,8 @@ class SyncStats:
     """Bytes this rank received from other pipeline stages (its slices)."""
     tp_received_bytes: int = 0
     """Bytes this rank received in TP all-gathers (the other ranks' shards)."""
+    ep_received_bytes: int = 0
+    """Bytes of the other expert-parallel ranks' experts this rank received (MoE)."""
 
     @property
     def bytes_per_s(self) -> float:
@@ -220,8 +224,8 @@ def _fill_param(
     tp: int,
     tp_group: dist.ProcessGroup | None,
 ) -> int:
-    """Gather (if split over TP) and write one parameter's HF tensors into the bucket; returns
-    the bytes received in the all-gather."""
+    """Gather (if split over TP: ``tp`` ranks of ``tp_group``, expert TP for experts) and write
+    one parameter's HF tensors into the bucket; returns the bytes received in the all-gather."""
     shard = shard.detach()
     if tuple(shard.shape) != transfer.shard_shape:
         raise ValueError(
@@ -262,6 +266,9 @@ def stream_buckets(
     pp_rank: int = 0,
     tp_group: dist.ProcessGroup | None = None,
     pp_group: dist.ProcessGroup | None = None,
+    ep_rank: int = 0,
+    ep_group: dist.ProcessGroup | None = None,
+    etp_group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
     rollout_rank: int | None = None,
     fill_unsent: float | None = None,
@@ -276,6 +283,8 @@ def stream_buckets(
             ``tensor_parallel_size`` / ``tp_rank`` must match the plan and ``rollout_rank``.
         pp_rank: this rank's pipeline stage (its rank in ``pp_group``).
         tp_group / pp_group: the TP and PP groups of this rank (unused at size 1).
+        ep_rank / ep_group / etp_group: this rank's expert-parallel rank, its EP and expert-TP
+            groups (MoE; unused at size 1).
         device: where bucket buffers live (default: the parameters' device).
         rollout_rank: this rank's vLLM TP rank (default: :func:`rollout_rank_of` its global
             rank); the PP group's other members are placed by the same rule.
@@ -283,7 +292,7 @@ def stream_buckets(
             another stage to this value first (tests: NaN, to prove the engine never reads
             them); None leaves them undefined.
     """
-    tp, pp = plan.layout.tp, plan.layout.pp
+    pp = plan.layout.pp
     if device is None:
         device = next(iter(params.values())).device if params else torch.device("cpu")
     for name, p in params.items():
@@ -295,7 +304,7 @@ def stream_buckets(
     _check_sink(sink, plan, rollout_rank)
     route = _PipelineRoute(pp_group, pp_rank, plan.rollout_tp, rollout_rank) if pp > 1 else None
     start = time.perf_counter()
-    moved = gathered = tp_received = pp_received = 0
+    moved = gathered = tp_received = pp_received = ep_received = 0
     spare: _Buffer | None = None
     sink.begin_weight_update()
     for bucket in plan.buckets:
@@ -313,10 +322,23 @@ def stream_buckets(
         flat = buffer.tensor[: bucket.numel]
         if owner:
             for transfer in bucket.params:
+                if transfer.ep_rank not in (None, ep_rank):
+                    continue  # another EP rank's expert: arrives by broadcast below
+                expert = transfer.ep_rank is not None
                 tp_received += _fill_param(
-                    flat, transfer, params[transfer.name], plan.dims, tp, tp_group
+                    flat,
+                    transfer,
+                    params[transfer.name],
+                    plan.dims,
+                    plan.split_size(transfer),
+                    etp_group if expert else tp_group,
                 )
-            gathered += bucket.gathered_bytes
+                gathered += transfer.nbytes if transfer.needs_gather else 0
+            for k, lo, hi in bucket.expert_runs:
+                dist.broadcast(
+                    flat[lo:hi], src=dist.get_global_rank(ep_group, k), group=ep_group
+                )
+                ep_received += (hi - lo) * plan.itemsize if k != ep_rank else 0
         if route is not None:
             pp_received += route.move(bucket, flat, fill_unsent)
         sink.load_weight_chunk([(s.name, slot_view(flat, s)) for s in bucket.slots])
@@ -334,6 +356,7 @@ def stream_buckets(
         time.perf_counter() - start,
         pipeline_received_bytes=pp_received,
         tp_received_bytes=tp_received,
+        ep_received_bytes=ep_received,
     )
 
 
@@ -474,7 +497,11 @@ def plan_for_chunks(
     cfg = model.config
     vpp = cfg.virtual_pipeline_model_parallel_size
     layout = ParallelLayout(
-        cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, vpp if vpp else None
+        cfg.tensor_model_parallel_size,
+        cfg.pipeline_model_parallel_size,
+        vpp if vpp else None,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
     )
     dtype = next(model.parameters()).dtype
     return make_reshard_plan(dims, layout, rollout_tp, bucket_bytes=bucket_bytes, dtype=dtype)
@@ -482,17 +509,19 @@ def plan_for_chunks(
 
 def local_params_for_plan(
     chunks: Sequence[torch.nn.Module], plan: ReshardPlan
-) -> tuple[dict[str, Tensor], int]:
-    """This rank's parameters by global name, checked against the plan's ownership.
+) -> tuple[dict[str, Tensor], int, int]:
+    """This rank's parameters by global name (experts by global index), checked against the
+    plan's ownership, with its pipeline stage and expert-parallel rank.
 
-    Raises ``ValueError`` when Megatron put a parameter on another stage / chunk than the plan
-    (different layer split), or a planned parameter of this stage is missing.
+    Raises ``ValueError`` when Megatron put a parameter on another stage / chunk / EP rank than
+    the plan (different layer or expert split), or a planned parameter of this rank is missing.
     """
     from megatron.core import parallel_state
 
     from megarl.models.weights import local_global_names
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    ep_rank = parallel_state.get_expert_model_parallel_rank() if plan.layout.ep > 1 else 0
     params: dict[str, Tensor] = {}
     for chunk_index, _local, name, param in local_global_names(chunks):
         transfer = plan.params.get(name)
@@ -508,11 +537,20 @@ def local_params_for_plan(
                 f"{name}: Megatron holds it on stage {pp_rank} chunk {chunk_index}, the plan on "
                 f"stage {transfer.pp_rank} chunk {transfer.vp_stage}"
             )
+        if transfer.ep_rank not in (None, ep_rank):
+            raise ValueError(
+                f"{name}: Megatron holds it on expert-parallel rank {ep_rank}, the plan on "
+                f"{transfer.ep_rank}"
+            )
         params[name] = param
-    missing = [n for n, t in plan.params.items() if t.pp_rank == pp_rank and n not in params]
+    missing = [
+        n
+        for n, t in plan.params.items()
+        if t.pp_rank == pp_rank and t.ep_rank in (None, ep_rank) and n not in params
+    ]
     if missing:
         raise ValueError(f"stage {pp_rank} lacks planned parameters {missing[:4]}")
-    return params, pp_rank
+    return params, pp_rank, ep_rank
 
 
 def sync_weights(
@@ -531,13 +569,18 @@ def sync_weights(
     """
     from megatron.core import parallel_state
 
+    lay = plan.layout
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if (tp, pp) != (plan.layout.tp, plan.layout.pp):
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    if (tp, pp) != (lay.tp, lay.pp) or (plan.dims.num_experts and (ep, etp) != (lay.ep, lay.etp)):
         raise ValueError(
-            f"plan is for TP={plan.layout.tp}, PP={plan.layout.pp}; running TP={tp}, PP={pp}"
+            f"plan is for TP={lay.tp}, PP={lay.pp}, EP={lay.ep}, ETP={lay.etp}; running TP={tp}, "
+            f"PP={pp}, EP={ep}, ETP={etp}"
         )
-    params, pp_rank = local_params_for_plan(chunks, plan)
+    params, pp_rank, ep_rank = local_params_for_plan(chunks, plan)
+    experts = plan.dims.num_experts > 0
     stats = stream_buckets(
         params,
         plan,
@@ -545,6 +588,11 @@ def sync_weights(
         pp_rank=pp_rank,
         tp_group=parallel_state.get_tensor_model_parallel_group() if tp > 1 else None,
         pp_group=parallel_state.get_pipeline_model_parallel_group() if pp > 1 else None,
+        ep_rank=ep_rank,
+        ep_group=parallel_state.get_expert_model_parallel_group() if ep > 1 else None,
+        etp_group=(
+            parallel_state.get_expert_tensor_parallel_group() if experts and etp > 1 else None
+        ),
         fill_unsent=fill_unsent,
     )
     return stats

@@ -19,6 +19,15 @@ The embedding and the output layer always travel alone: vLLM pads its vocabulary
 of 64 rows and, when that leaves rows the checkpoint does not fill, holds the tensor until the
 update is finished, which keeps its whole bucket alive that long.
 
+Mixture-of-Experts: a layer's experts are one module (vLLM's ``FusedMoE`` holds every expert of
+the layer in two tensors and processes them only when all have arrived), so they travel in one
+bucket. Inside a stage the experts are split over expert parallelism (EP: each EP rank holds
+``E/EP`` consecutive experts, Megatron's ``BaseMoELayer`` rule) and each expert over expert TP
+(ETP). The ranks of the expert's EP rank all-gather it over ETP and write it into the bucket;
+then each EP rank's run of experts is broadcast over the EP group (:attr:`Bucket.expert_runs`),
+so that every rank hands its engine the whole layer (vLLM without expert parallelism keeps
+every expert, split along the intermediate dimension over its TP ranks).
+
 With PP > 1 a bucket crosses stages as *slices*: each rank receives only the rows / columns of
 each HF tensor that its own vLLM TP rank loads (:func:`rollout_slice` in
 :mod:`~megarl.rollout.reshard.vllm_layout`, vLLM's own narrowing rule), not the whole bucket.
@@ -41,6 +50,7 @@ import torch
 
 from megarl.config.model_dims import ModelDims
 from megarl.models import hf_mapping as hm
+from megarl.models import moe_mapping as mm
 from megarl.parallel.layout import ParallelLayout, shape_layout_problems
 from megarl.rollout.reshard.vllm_layout import rollout_shard_shape, rollout_slice
 
@@ -144,6 +154,9 @@ class ParamTransfer:
     slots: tuple[HFSlot, ...]
     """The Hugging Face tensors it becomes (none for a tied output layer)."""
     itemsize: int
+    ep_rank: int | None = None
+    """MoE experts: the expert-parallel rank holding it (``shard_shape`` and ``needs_gather``
+    then refer to expert TP). None: every rank of its stage holds it."""
 
     @property
     def nbytes(self) -> int:
@@ -191,6 +204,9 @@ class Bucket:
     pack_numel: int = 0
     """Elements of the separate message buffer a pipeline transfer of this bucket needs (the
     largest message that is not one contiguous range of the bucket; 0 at PP 1)."""
+    expert_runs: tuple[tuple[int, int, int], ...] = ()
+    """``(ep_rank, start, stop)``: bucket elements ``[start, stop)`` written by that
+    expert-parallel rank's ranks and broadcast to the EP group (empty at EP 1)."""
 
     @property
     def nbytes(self) -> int:
@@ -243,16 +259,19 @@ class RankTraffic:
     """Its vLLM TP rank's slices of the other pipeline stages' buckets."""
     tp_gather: int
     """The other training-TP ranks' shards of its own stage's split parameters (the all-gather
-    is not sliced: owner ranks assemble full parameters)."""
+    is not sliced: owner ranks assemble full parameters); for experts, the other expert-TP
+    ranks' shards of its own EP rank's experts."""
+    ep_broadcast: int = 0
+    """The other expert-parallel ranks' experts of its own stage, whole."""
 
     @property
     def total(self) -> int:
-        return self.pipeline + self.tp_gather
+        return self.pipeline + self.tp_gather + self.ep_broadcast
 
 
 @dataclass(frozen=True)
 class ReshardPlan:
-    """Megatron (TP, PP, VPP) → vLLM TP weight transfer, as ordered buckets."""
+    """Megatron (TP, PP, VPP, EP, ETP) → vLLM TP weight transfer, as ordered buckets."""
 
     dims: ModelDims
     layout: ParallelLayout
@@ -303,25 +322,31 @@ class ReshardPlan:
             out[b.pp_rank] += b.nbytes
         return out
 
-    def received(self, pp_rank: int, rollout_rank: int) -> RankTraffic:
-        """Bytes a rank of stage ``pp_rank`` and vLLM TP rank ``rollout_rank`` receives per
-        sync (what :class:`~megarl.rollout.reshard.executor.SyncStats` counts on that rank)."""
+    def received(self, pp_rank: int, rollout_rank: int, ep_rank: int = 0) -> RankTraffic:
+        """Bytes a rank of stage ``pp_rank``, vLLM TP rank ``rollout_rank`` and expert-parallel
+        rank ``ep_rank`` receives per sync (what
+        :class:`~megarl.rollout.reshard.executor.SyncStats` counts on that rank)."""
         if not 0 <= rollout_rank < self.rollout_tp:
             raise ValueError(f"rollout rank {rollout_rank} outside 0..{self.rollout_tp - 1}")
+        if not 0 <= ep_rank < self.layout.ep:
+            raise ValueError(f"expert-parallel rank {ep_rank} outside 0..{self.layout.ep - 1}")
         pipeline = 0
         if self.layout.pp > 1:
             pipeline = sum(
                 b.message_numel(rollout_rank) for b in self.buckets if b.pp_rank != pp_rank
             )
-        tp = self.layout.tp
+        own = [p for b in self.buckets if b.pp_rank == pp_rank for p in b.params]
         gather = sum(
-            p.nbytes // tp * (tp - 1)
-            for b in self.buckets
-            if b.pp_rank == pp_rank
-            for p in b.params
-            if p.needs_gather
+            p.nbytes // self.split_size(p) * (self.split_size(p) - 1)
+            for p in own
+            if p.needs_gather and p.ep_rank in (None, ep_rank)
         )
-        return RankTraffic(pipeline * self.itemsize, gather)
+        experts = sum(p.hf_bytes for p in own if p.ep_rank not in (None, ep_rank))
+        return RankTraffic(pipeline * self.itemsize, gather, experts)
+
+    def split_size(self, transfer: ParamTransfer) -> int:
+        """The TP size splitting ``transfer`` in training (expert TP for experts)."""
+        return self.layout.tp if transfer.ep_rank is None else self.layout.etp
 
     def full_bytes_from_other_stages(self, pp_rank: int) -> int:
         """Bytes of the other stages' whole buckets: what a rank of ``pp_rank`` would receive
@@ -353,7 +378,7 @@ class ReshardPlan:
         sizes = sorted(b.nbytes for b in self.buckets) or [0]
         replicated = "  (vLLM replicates KV heads)" if self.rollout_tp > d.num_query_groups else ""
         stages = ", ".join(f"PP{i} {b / mib:.1f}" for i, b in enumerate(self.bytes_per_stage()))
-        gathered = self.gathered_bytes / mib if lay.tp > 1 else 0.0
+        gathered = self.gathered_bytes / mib if self.gathered_bytes else 0.0
         lines = [
             (
                 f"model: {d.architecture}, {d.num_layers} layers, hidden {d.hidden_size}, "
@@ -362,8 +387,9 @@ class ReshardPlan:
                 f"tied={d.tie_word_embeddings}"
             ),
             (
-                f"training TP={lay.tp} PP={lay.pp} VPP={lay.vpp} -> vLLM TP="
-                f"{self.rollout_tp}{replicated}"
+                f"training TP={lay.tp} PP={lay.pp} VPP={lay.vpp}"
+                + (f" EP={lay.ep} ETP={lay.etp}" if d.num_experts else "")
+                + f" -> vLLM TP={self.rollout_tp}{replicated}"
             ),
             (
                 f"tensors: {len(self.params)} Megatron parameters -> "
@@ -376,7 +402,9 @@ class ReshardPlan:
                 "bucket of its own)"
             ),
             f"MiB per stage: {stages}",
-            f"TP all-gather: {gathered:.1f} MiB of full parameters (training TP={lay.tp})",
+            f"TP all-gather: {gathered:.1f} MiB of full parameters (training TP={lay.tp}"
+            + (f", expert TP={lay.etp})" if d.num_experts else ")"),
+            *self._expert_lines(),
             *self._received_lines(),
             (
                 f"peak extra memory per rank: <= {self.peak_bytes / mib:.1f} MiB "
@@ -387,6 +415,24 @@ class ReshardPlan:
         if self.skipped:
             lines.append(f"skipped: {', '.join(self.skipped)} (tied to the embedding)")
         return "\n".join(lines)
+
+    def _expert_lines(self) -> list[str]:
+        """EP: the experts each rank receives whole from the other EP ranks of its stage."""
+        if self.layout.ep == 1:
+            return []
+        mib = 1 << 20
+        per_rank = [
+            self.received(stage, 0, k).ep_broadcast
+            for stage in range(self.layout.pp)
+            for k in range(self.layout.ep)
+        ]
+        return [
+            (
+                f"experts: {self.dims.num_experts} over EP={self.layout.ep}, broadcast in the EP "
+                f"group: {max(per_rank) / mib:.1f} MiB received per rank and sync (the other EP "
+                "ranks' experts, whole)"
+            )
+        ]
 
     def _received_lines(self) -> list[str]:
         """Bytes received per rank, by stage (a range over the vLLM TP ranks)."""
@@ -407,7 +453,7 @@ class ReshardPlan:
             "received per rank and sync, MiB:",
         ]
         for stage in range(self.layout.pp):
-            got = [self.received(stage, v) for v in range(t)]
+            got = [self.received(stage, v) for v in range(t)]  # EP rank 0's share
             full = self.full_bytes_from_other_stages(stage) / mib
             lines.append(
                 f"  PP{stage}: {span([g.pipeline for g in got])} from other stages (unsliced "
@@ -515,7 +561,26 @@ def require_training_layout(dims: ModelDims, layout: ParallelLayout) -> None:
 
 
 def _module_of(mg_name: str) -> str:
+    """The module ``mg_name`` belongs to for bucketing: a layer's experts are one (vLLM's
+    ``FusedMoE``)."""
+    if mm.is_expert_param(mg_name):
+        return mg_name.split(".mlp.experts.", 1)[0] + ".mlp.experts"
     return mg_name.rsplit(".", 1)[0]
+
+
+def _expert_runs(params: list[ParamTransfer]) -> tuple[tuple[int, int, int], ...]:
+    """Runs of consecutive bucket elements written by one expert-parallel rank."""
+    runs: list[list[int]] = []
+    for p in params:
+        if p.ep_rank is None:
+            continue
+        start = min(s.offset for s in p.slots)
+        stop = max(s.offset + s.span for s in p.slots)
+        if runs and runs[-1][0] == p.ep_rank and runs[-1][2] == start:
+            runs[-1][2] = stop
+        else:
+            runs.append([p.ep_rank, start, stop])
+    return tuple((k, a, b) for k, a, b in runs)
 
 
 def _modules_in_order(
@@ -542,20 +607,36 @@ def _modules_in_order(
     return modules, skipped
 
 
-def _transfer_parts(
-    name: str, dims: ModelDims, layout: ParallelLayout
-) -> tuple[str, str, tuple[int, ...], bool, list[HFSlot]]:
-    """(name, TP partition, full shape, gathered over TP?, HF slots at offset 0) of one
-    Megatron parameter; a gathered vocab parameter reserves room for its padded rows."""
+@dataclass(frozen=True)
+class _Parts:
+    """A parameter's transfer before it is placed in a bucket."""
+
+    name: str
+    kind: hm.PartitionKind
+    shape: tuple[int, ...]
+    shard_shape: tuple[int, ...]
+    gather: bool
+    slots: list[HFSlot]
+    ep_rank: int | None
+
+
+def _transfer_parts(name: str, dims: ModelDims, layout: ParallelLayout) -> _Parts:
+    """One Megatron parameter's transfer, HF slots at offset 0; a gathered vocab parameter
+    reserves room for its padded rows. Experts: split over expert TP, held by one EP rank."""
     kind = hm.tp_partition_kind(name)
     shape = hm.megatron_param_shape(name, dims)
-    gather = layout.tp > 1 and kind != "replicated"
+    ep_rank, split = None, layout.tp
+    expert = mm.expert_of_param(name)
+    if expert is not None:
+        ep_rank, split = expert[0] // (dims.num_experts // layout.ep), layout.etp
+    gather = split > 1 and kind != "replicated"
     reserved = _numel(shape) if gather and kind == "vocab" else 0
     slots = [
         HFSlot(hf_name, hm.hf_param_shape(hf_name, dims), 0, reserved)
         for hf_name in hm.megatron_param_sources(name, dims)
     ]
-    return name, kind, shape, gather, slots
+    shard = hm.tp_shard_shape(name, shape, split)
+    return _Parts(name, kind, shape, shard, gather, slots, ep_rank)
 
 
 def make_reshard_plan(
@@ -571,7 +652,7 @@ def make_reshard_plan(
     Args:
         dims: model dimensions; ``dims.padded_vocab_size`` must be the training one (padded for
             the training TP, as :meth:`ModelDims.from_hf_config` does with ``tp_size``).
-        layout: training TP / PP / VPP.
+        layout: training TP / PP / VPP (and EP / ETP for MoE models).
         rollout_tp: vLLM tensor-parallel size: sets the slices each rank receives from other
             stages (:func:`rollout_slice`) and the sizes reported.
         bucket_bytes: upper bound of one bucket's flat buffer. A single module larger than
@@ -602,7 +683,15 @@ def make_reshard_plan(
                 tuple(piece for s in slots for piece in _slot_pieces(s, dims, rollout_tp, v))
                 for v in range(rollout_tp)
             )
-            bucket = Bucket(len(buckets), current_stage, tuple(current), offset, itemsize, slices)
+            bucket = Bucket(
+                len(buckets),
+                current_stage,
+                tuple(current),
+                offset,
+                itemsize,
+                slices,
+                expert_runs=_expert_runs(current) if layout.ep > 1 else (),
+            )
             if layout.pp > 1:  # a message that is not one run of the bucket is packed
                 pack = [
                     bucket.message_numel(v)
@@ -615,8 +704,8 @@ def make_reshard_plan(
 
     for (pp_rank, vp_stage), names in modules:
         transfers = [_transfer_parts(name, dims, layout) for name in names]
-        module_numel = sum(slot.span for *_, slots in transfers for slot in slots)
-        alone = any(kind == "vocab" for _, kind, *_ in transfers)
+        module_numel = sum(slot.span for t in transfers for slot in t.slots)
+        alone = any(t.kind == "vocab" for t in transfers)
         if current and (
             alone
             or current_alone
@@ -625,22 +714,23 @@ def make_reshard_plan(
         ):
             close()
         current_stage, current_alone = pp_rank, alone
-        for name, kind, shape, gather, slots in transfers:
+        for t in transfers:
             placed = []
-            for slot in slots:
+            for slot in t.slots:
                 placed.append(HFSlot(slot.name, slot.shape, offset, slot.reserved))
                 offset += slot.span
             current.append(
                 ParamTransfer(
-                    name=name,
+                    name=t.name,
                     pp_rank=pp_rank,
                     vp_stage=vp_stage,
-                    partition=kind,
-                    shape=shape,
-                    shard_shape=hm.tp_shard_shape(name, shape, layout.tp),
-                    needs_gather=gather,
+                    partition=t.kind,
+                    shape=t.shape,
+                    shard_shape=t.shard_shape,
+                    needs_gather=t.gather,
                     slots=tuple(placed),
                     itemsize=itemsize,
+                    ep_rank=t.ep_rank,
                 )
             )
     close()

@@ -18,6 +18,15 @@ VLLM_VOCAB_PADDING = 64
 (``DEFAULT_VOCAB_PADDING_SIZE``)."""
 
 
+_VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+_DIM0_LEAVES = ("q_proj", "gate_proj", "up_proj", "w1", "w3")
+"""Column-parallel in vLLM: dim-0 chunk ``r``. MoE experts' gate/up (Qwen3-MoE names, Mixtral's
+``w1``/``w3``) too: ``FusedMoE`` splits each expert's intermediate dimension over its TP ranks
+(``_load_w13``)."""
+_DIM1_LEAVES = ("o_proj", "down_proj", "w2")
+"""Row-parallel in vLLM: dim-1 chunk ``r`` (experts' down / ``w2``: ``FusedMoE._load_w2``)."""
+
+
 def rollout_shard_shape(
     hf_name: str, shape: tuple[int, ...], dims: ModelDims, rollout_tp: int
 ) -> tuple[int, ...]:
@@ -38,14 +47,11 @@ def rollout_shard_shape(
     if leaf in ("k_proj", "v_proj"):
         heads = max(dims.num_query_groups // t, 1)
         return (heads * dims.head_dim, *shape[1:])
-    if leaf in ("q_proj", "gate_proj", "up_proj"):
+    if leaf in _DIM0_LEAVES:
         return (shape[0] // t, *shape[1:])
-    if leaf in ("o_proj", "down_proj"):
+    if leaf in _DIM1_LEAVES:
         return (shape[0], shape[1] // t)
     return shape
-
-
-_VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def rollout_slice(
@@ -79,10 +85,10 @@ def rollout_slice(
         rows = max(groups // t, 1) * dims.head_dim
         shard = r // max(t // groups, 1)
         return 0, shard * rows, (shard + 1) * rows
-    if leaf in ("q_proj", "gate_proj", "up_proj"):
+    if leaf in _DIM0_LEAVES:
         rows = shape[0] // t
         return 0, r * rows, (r + 1) * rows
-    if leaf in ("o_proj", "down_proj"):
+    if leaf in _DIM1_LEAVES:
         cols = shape[1] // t
         return 1, r * cols, (r + 1) * cols
     return None
