@@ -335,9 +335,7 @@ def stream_buckets(
                 )
                 gathered += transfer.nbytes if transfer.needs_gather else 0
             for k, lo, hi in bucket.expert_runs:
-                dist.broadcast(
-                    flat[lo:hi], src=dist.get_global_rank(ep_group, k), group=ep_group
-                )
+                dist.broadcast(flat[lo:hi], src=dist.get_global_rank(ep_group, k), group=ep_group)
                 ep_received += (hi - lo) * plan.itemsize if k != ep_rank else 0
         if route is not None:
             pp_received += route.move(bucket, flat, fill_unsent)
