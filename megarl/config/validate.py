@@ -509,15 +509,15 @@ class _Checks(LayoutChecks):
         return shape
 
     def check_not_moe(self, shape: ModelShape | None, key: str) -> None:
-        """MoE models build, convert and match transformers' logits, but the trainer has no
-        expert-parallel update, MoE resharding into vLLM or routing replay yet: refused by
+        """MoE models build, convert, match transformers' logits and sync into vLLM, but the
+        trainer's expert-parallel update and routing replay are not finished: refused by
         ``megarl train``, a warning for ``megarl config validate``."""
         experts = shape.get("num_experts") if shape else None
         if experts:
             self.problem(
                 f"{key} ({shape.source}) is a Mixture-of-Experts model with {experts} experts: "
-                "megarl converts it and runs it in Megatron (megarl convert), but does not "
-                "train it yet (expert-parallel updates, resharding into vLLM, routing replay)"
+                "megarl converts it, runs it in Megatron and syncs it into vLLM, but does not "
+                "train it yet (expert-parallel updates, routing replay)"
             )
 
     def check_gradient_checkpointing(self) -> None:
