@@ -6,9 +6,12 @@
 
 Per phase of a step (setup, generate, reward, old_log_prob, ref, values, update_critic,
 update_actor, sync, checkpoint: the residency schedule the trainer applies,
-:mod:`megarl.config.residency`) a table of the per-GPU terms with their formulas, FITS / DOES NOT FIT against the GPU memory minus a reserve, host RAM per node, the
-vLLM KV cache; when a phase does not fit, the cheapest layouts and switches that do, as
-overrides. Pure arithmetic (:mod:`megarl.config.memory_plan`): no process, no tensor.
+:mod:`megarl.config.residency`) a table of the per-GPU terms with their formulas, FITS / DOES
+NOT FIT against the GPU memory minus a reserve, host RAM per node, the vLLM KV cache, and a
+verdict naming the phases over the limit (or the peak phase) and each one's biggest term; when a
+phase does not fit, the cheapest layouts and switches that do, as overrides. MoE models: the
+experts' terms apart (per EP rank, over expert DP) and EP × ETP in the search. Pure arithmetic
+(:mod:`megarl.config.memory_plan`): no process, no tensor.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Sequence
 
 from megarl.commands.plan_args import InputError, OneLineParser, positive_float, positive_int
 from megarl.config.errors import ConfigError
-from megarl.config.memory import GIB
+from megarl.config.memory import GIB, expert_data_parallel_size
 from megarl.config.memory_plan import Cluster, MemoryPlan, Proposal, plan_memory, search_layouts
 from megarl.config.model_dims import ModelDims
 from megarl.config.model_presets import PRESETS, hf_config_at, resolve_hf_config
@@ -86,6 +89,11 @@ def render(plan: MemoryPlan, proposals: list[Proposal], source: str) -> str:
             f"{lay.data_parallel_size(c.world)}"
         ),
     ]
+    if plan.moe:
+        lines.append(
+            f"experts: EP {lay.ep} × expert TP {lay.etp} × PP {lay.pp} → expert DP "
+            f"{expert_data_parallel_size(lay, c.world)}"
+        )
     for phase in plan.phases:
         verdict = "FITS" if plan.phase_fits(phase) else "DOES NOT FIT"
         lines.append(f"\nphase {phase.name}: {_gib(phase.total)} per GPU  {verdict}")
@@ -103,7 +111,7 @@ def render(plan: MemoryPlan, proposals: list[Proposal], source: str) -> str:
     lines.append(f"host RAM per node: {_gib(host)}")
     lines += [f"  {_gib(t.nbytes)}  {t.name:<48} {t.formula}" for t in plan.host_ram_per_node]
     lines.append("assumptions: " + "; ".join(plan.assumptions))
-    lines.append(f"\nverdict: {'FITS' if plan.fits else 'DOES NOT FIT'}")
+    lines.append(f"\nverdict: {'FITS' if plan.fits else 'DOES NOT FIT'}: {plan.reason()}")
     if not plan.fits:
         lines.append(
             "layouts that fit (sorted: no offload, TP within a node, less pipeline bubble, "
@@ -112,9 +120,10 @@ def render(plan: MemoryPlan, proposals: list[Proposal], source: str) -> str:
             else "no layout of the search fits"
         )
         for p in proposals:
+            experts = f" × EP {p.ep} × ETP {p.etp}" if plan.moe else ""
             lines.append(
-                f"  TP {p.tp} × PP {p.pp}, offload {'on' if p.offload else 'off'}, recompute "
-                f"{'full' if p.recompute else 'off'}, bubble {p.bubble:.0%}, peak "
+                f"  TP {p.tp} × PP {p.pp}{experts}, offload {'on' if p.offload else 'off'}, "
+                f"recompute {'full' if p.recompute else 'off'}, bubble {p.bubble:.0%}, peak "
                 f"{_gib(p.plan.peak).strip()}\n    {' '.join(p.overrides)}"
             )
     return "\n".join(lines)
@@ -137,8 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = plan.to_dict()
         out["source"] = source
         out["proposals"] = [
-            {"tp": p.tp, "pp": p.pp, "offload": p.offload, "recompute": p.recompute,
-             "bubble": p.bubble, "peak_bytes": p.plan.peak, "overrides": list(p.overrides)}
+            {"tp": p.tp, "pp": p.pp, "ep": p.ep, "etp": p.etp, "offload": p.offload,
+             "recompute": p.recompute, "bubble": p.bubble, "peak_bytes": p.plan.peak,
+             "overrides": list(p.overrides)}
             for p in proposals
         ]  # fmt: skip
         print(json.dumps(out, indent=1))

@@ -17,6 +17,14 @@ Megatron-Core 0.16.1; the tests measure them with ``saved_tensors_hooks``):
   q, k, v, the attention output (= ``linear_proj`` input), ``fc1`` output and activation output,
   fp32 ``rstd`` and the softmax log-sum-exp.
 
+MoE layers (every layer of a MoE model) replace the dense MLP's ``e·cF/t`` (``c`` = 5 local,
+3 TE) by, per token: the router's fp32 input copy, logits, probabilities and routing map
+``(4h + 9E + 4k)/σ``; per routed (token, expert) pair, ``k·t_e/σ`` of them per token with
+sequence parallelism (balanced routing and no token dropping assumed: each rank receives as
+many pairs as it sends, then gathers them over expert TP ``t_e``) and ``k`` without, the
+expert's input and output ``2h`` and its MLP ``cF_e/t_e``, times ``e``; Qwen2-MoE's shared
+expert as a dense MLP of width ``F_s``.
+
 Recomputation (Megatron's ``recompute_*``): ``full``/``uniform`` with ``n`` layers keeps only the
 input of every group of ``n`` layers (``e·h/σ`` per token) and recomputes one group at a time in
 the backward pass (that group's activations are the transient working set); ``full``/``block``
@@ -85,11 +93,26 @@ def layer_bytes_per_token(
     sigma = t if layout.sequence_parallel and t > 1 else 1
     h, f, d = dims.hidden_size, dims.ffn_hidden_size, dims.head_dim
     nq, nkv = dims.num_attention_heads, dims.num_query_groups
+    c = 5 if impl == "local" else 3
+    mlp = _moe_bytes_per_token(dims, layout, e, c) if dims.is_moe else e * c * f / t
     if impl == "local":
         scores = 0 if selective else nq * seq_len / t
-        return e * (6 * h / sigma + (4 * nq * d + 5 * f) / t + scores) + 8 / sigma
+        return e * (6 * h / sigma + 4 * nq * d / t + scores) + mlp + 8 / sigma
     lse = 0 if selective else 4 * nq / t
-    return e * (4 * h / sigma + ((nq + 2 * nkv) * d + nq * d + 3 * f) / t) + 8 / sigma + lse
+    return e * (4 * h / sigma + ((nq + 2 * nkv) * d + nq * d) / t) + mlp + 8 / sigma + lse
+
+
+def _moe_bytes_per_token(dims: ModelDims, layout: ParallelLayout, e: int, c: int) -> float:
+    """A MoE layer's MLP bytes per token of the micro-batch (module docstring); ``c`` the
+    dense MLP's widths saved per intermediate element (5 local, 3 TE)."""
+    t, t_e, h = layout.tp, layout.etp, dims.hidden_size
+    sigma = t if layout.sequence_parallel and t > 1 else 1
+    k, experts = dims.moe_router_topk, dims.num_experts
+    pairs = k * t_e / sigma if sigma > 1 else k
+    router = (4 * h + 9 * experts + 4 * k) / sigma
+    routed = pairs * e * (2 * h + c * dims.moe_ffn_hidden_size / t_e)
+    shared = e * c * dims.moe_shared_expert_ffn_hidden_size / t
+    return router + routed + shared
 
 
 def _edge_bytes_per_token(

@@ -25,7 +25,18 @@ so one bucket per model chunk):
 - With the distributed optimizer a rank updates the elements of its contiguous 1/N slice of each
   bucket (padding excluded), otherwise every element.
 
-**Activations** are per layer and token; see :func:`activation_bytes`.
+**Mixture-of-Experts** (``E`` routed experts of width ``F_e``, top-``k``; Megatron's expert
+grid): a MoE layer holds the router ``E × h`` (a dense parameter, replicated over TP), its
+expert-parallel rank's ``E/EP`` experts, each split over expert TP ``t_e``
+(``expert_tensor_parallel_size``, default TP): ``linear_fc1`` ``2F_e/t_e × h`` and ``linear_fc2``
+``h × F_e/t_e``, and Qwen2-MoE's shared expert (TP-split like a dense MLP, ``F_s``) with its
+``1 × h`` gate. Megatron's DDP puts the experts (``allreduce=False``) into buffers of their own,
+reduced over the *expert-data-parallel* group of ``N_e = world / (t_e · EP · p)`` ranks, so the
+distributed optimizer shards their main parameters and Adam states over ``N_e``, the dense
+parts over DP ``N`` as above. Every layer is a MoE layer (``ModelDims`` refuses
+``mlp_only_layers`` and ``decoder_sparse_step`` > 1).
+
+**Activations** are per layer and token; see :mod:`megarl.config.activations`.
 """
 
 from __future__ import annotations
@@ -56,6 +67,8 @@ class ParamSlot:
     norm: bool = False
     """An RMSNorm weight (the model dtype in both specs: megarl casts the local spec's
     ``torch.nn.RMSNorm`` to ``params_dtype``, as Transformer Engine builds it)."""
+    expert: bool = False
+    """A routed expert's weight: reduced and sharded over the expert-data-parallel group."""
 
 
 def chunk_params(
@@ -66,8 +79,10 @@ def chunk_params(
 
     Per layer on a TP rank: norms ``2h``; ``linear_qkv`` ``(nq + 2·nkv)·d/t × h`` (+ the same
     rows of bias for Qwen2); ``linear_proj`` ``h × nq·d/t``; q/k norms ``2d`` (Qwen3);
-    ``linear_fc1`` ``2F/t × h``; ``linear_fc2`` ``h × F/t``. Embedding ``V/t × h`` on the first
-    chunk; final norm ``h`` and output layer ``V/t × h`` (critic: value head ``h``) on the last.
+    ``linear_fc1`` ``2F/t × h``; ``linear_fc2`` ``h × F/t`` (MoE: :func:`moe_mlp_params`).
+    Embedding ``V/t × h`` on the first chunk; final norm ``h`` and output layer ``V/t × h``
+    (critic: value head ``h``) on the last. The slots are those of any EP rank (each holds
+    ``E/EP`` experts).
     """
     t, h, d = layout.tp, dims.hidden_size, dims.head_dim
     vocab = padded_vocab_size(dims.vocab_size, t)
@@ -95,8 +110,11 @@ def chunk_params(
             out.append(ParamSlot(pre + "self_attention.q_layernorm.weight", d, norm=True))
             out.append(ParamSlot(pre + "self_attention.k_layernorm.weight", d, norm=True))
         out.append(ParamSlot(pre + "pre_mlp_layernorm.weight", h, norm=True))
-        out.append(ParamSlot(pre + "mlp.linear_fc1.weight", 2 * dims.ffn_hidden_size // t * h))
-        out.append(ParamSlot(pre + "mlp.linear_fc2.weight", h * dims.ffn_hidden_size // t))
+        if dims.is_moe:
+            out += moe_mlp_params(dims, layout, pre)
+        else:
+            out.append(ParamSlot(pre + "mlp.linear_fc1.weight", 2 * dims.ffn_hidden_size // t * h))
+            out.append(ParamSlot(pre + "mlp.linear_fc2.weight", h * dims.ffn_hidden_size // t))
     if last:
         out.append(ParamSlot("decoder.final_layernorm.weight", h, norm=True))
         if role == "critic":
@@ -106,6 +124,31 @@ def chunk_params(
         elif not first:  # tied at PP > 1: the last stage holds a copy of the embedding
             out.append(ParamSlot("output_layer.weight", vocab // t * h, True))
     return out
+
+
+def moe_mlp_params(dims: ModelDims, layout: ParallelLayout, prefix: str) -> list[ParamSlot]:
+    """One MoE layer's MLP on any rank (Megatron's local-spec names, ``MoELayer`` order):
+    router ``E × h``; ``E/EP`` local experts, ``linear_fc1`` ``2F_e/t_e × h`` and ``linear_fc2``
+    ``h × F_e/t_e`` each; the shared expert ``2F_s/t × h``, ``h × F_s/t`` and its gate ``h``."""
+    h, f, t_e = dims.hidden_size, dims.moe_ffn_hidden_size, layout.etp
+    out = [ParamSlot(prefix + "mlp.router.weight", dims.num_experts * h)]
+    for j in range(dims.num_experts // layout.ep):
+        expert = f"{prefix}mlp.experts.local_experts.{j}."
+        out.append(ParamSlot(expert + "linear_fc1.weight", 2 * f // t_e * h, expert=True))
+        out.append(ParamSlot(expert + "linear_fc2.weight", h * f // t_e, expert=True))
+    shared = dims.moe_shared_expert_ffn_hidden_size
+    if shared:
+        t = layout.tp
+        out.append(ParamSlot(prefix + "mlp.shared_experts.linear_fc1.weight", 2 * shared // t * h))
+        out.append(ParamSlot(prefix + "mlp.shared_experts.linear_fc2.weight", h * shared // t))
+        out.append(ParamSlot(prefix + "mlp.shared_experts.gate_weight", h))
+    return out
+
+
+def expert_data_parallel_size(layout: ParallelLayout, world: int) -> int:
+    """Ranks that hold the same experts (Megatron's expert-data-parallel group):
+    ``world / (t_e · EP · p)``."""
+    return world // (layout.etp * layout.ep * layout.pp)
 
 
 @dataclass(frozen=True)
@@ -157,14 +200,19 @@ def grad_buffer(params: list[ParamSlot], dp: int, distributed_optimizer: bool) -
     return GradBuffer(cursor, tuple(buckets), tuple(ranges[i] for i in range(len(params))))
 
 
-def owned_elements(buffer: GradBuffer, dp: int, dp_rank: int) -> tuple[int, int]:
+def owned_elements(
+    buffer: GradBuffer, dp: int, dp_rank: int, only: set[int] | None = None
+) -> tuple[int, int]:
     """(elements, parameter tensors) the distributed optimizer updates on ``dp_rank``: the
-    parameters' overlap with the rank's slice ``[r·n/N, (r+1)·n/N)`` of every bucket."""
+    parameters' overlap with the rank's slice ``[r·n/N, (r+1)·n/N)`` of every bucket
+    (``only``: counting the parameters of these indices only)."""
     elements = tensors = 0
     for start, end in buffer.buckets:
         size = (end - start) // dp
         lo, hi = start + dp_rank * size, start + (dp_rank + 1) * size
-        for p_start, p_end in buffer.ranges:
+        for index, (p_start, p_end) in enumerate(buffer.ranges):
+            if only is not None and index not in only:
+                continue
             overlap = min(hi, p_end) - max(lo, p_start)
             if overlap > 0:
                 elements += overlap
@@ -198,10 +246,20 @@ class ModelState:
     grads: int
     main_params: int
     optimizer_states: int
+    experts: ModelState | None = None
+    """The routed experts' share of the four totals above (None: a dense model)."""
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.main_params + self.optimizer_states
+
+    def __add__(self, other: ModelState) -> ModelState:
+        return ModelState(
+            self.params + other.params,
+            self.grads + other.grads,
+            self.main_params + other.main_params,
+            self.optimizer_states + other.optimizer_states,
+        )
 
 
 def _by_dtype(slots: list[ParamSlot], opt: OptimizerAssumptions) -> dict[int, list[ParamSlot]]:
@@ -212,6 +270,40 @@ def _by_dtype(slots: list[ParamSlot], opt: OptimizerAssumptions) -> dict[int, li
         size = e
         groups.setdefault(size, []).append(slot)
     return groups
+
+
+def _buffers_state(
+    slots: list[ParamSlot], dp: int, dp_rank: int, role: Role, opt: OptimizerAssumptions
+) -> tuple[ModelState, ModelState]:
+    """Bytes of the buffers Megatron's DDP builds for ``slots`` reduced over ``dp`` ranks, and
+    the routed experts' share of them (a buffer of experts only: its padding too)."""
+    total, experts = [0, 0, 0, 0], [0, 0, 0, 0]
+    for e, group in _by_dtype(slots, opt).items():
+        chosen = {i for i, s in enumerate(group) if s.expert}
+        mine = sum(group[i].numel for i in chosen)
+        if role == "ref":
+            total[0] += e * sum(s.numel for s in group)
+            experts[0] += e * mine
+            continue
+        g = 4 if opt.grad_reduce_in_fp32 else e
+        buffer = grad_buffer(group, dp, opt.distributed_optimizer)
+        if len(chosen) == len(group):
+            mine = buffer.numel
+        if opt.distributed_optimizer:
+            counts = [
+                owned_elements(buffer, dp, dp_rank),
+                owned_elements(buffer, dp, dp_rank, chosen),
+            ]
+        else:
+            counts = [(buffer.numel, len(group)), (mine, len(chosen))]
+        for out, numel, (updated, tensors) in ((total, buffer.numel, counts[0]),
+                                               (experts, mine, counts[1])):  # fmt: skip
+            out[0] += e * numel
+            out[1] += g * numel
+            out[2] += 4 * updated if e < 4 else 0
+            if opt.optimizer == "adam":
+                out[3] += 8 * updated + (4 * tensors if opt.adam == "torch" else 0)
+    return ModelState(*total), ModelState(*experts)
 
 
 def model_state(
@@ -232,30 +324,30 @@ def model_state(
     ``4·k`` when ``e`` < 4; Adam ``8·k`` (+ ``4·j`` with torch's Adam). ``k`` = ``n`` without the
     distributed optimizer. Each (parameter dtype, gradient dtype) pair has its own buffer. A
     reference model (``ref``) holds parameters only.
+
+    MoE: at EP > 1 the experts form buffers of their own over the expert-data-parallel group
+    (``k`` = their ``n_pad/N_e``); at EP = 1 Megatron keeps them in the dense buffers
+    (``allreduce`` is only turned off for expert-parallel layers). ``experts`` is their share.
     """
     if pp_rank is None:
         stages = [model_state(dims, layout, world, role, opt, pp_rank=r) for r in range(layout.pp)]
         return max(stages, key=lambda s: s.total)
     dp = layout.data_parallel_size(world)
-    params = grads = main = states = 0
+    total = experts = ModelState(0, 0, 0, 0)
     for vp_stage in range(layout.vpp):
         slots = chunk_params(dims, layout, pp_rank, vp_stage, role)
-        for e, group in _by_dtype(slots, opt).items():
-            if role == "ref":
-                params += e * sum(s.numel for s in group)
-                continue
-            g = 4 if opt.grad_reduce_in_fp32 else e
-            buffer = grad_buffer(group, dp, opt.distributed_optimizer)
-            if opt.distributed_optimizer:
-                updated, tensors = owned_elements(buffer, dp, dp_rank)
-            else:
-                updated, tensors = buffer.numel, len(group)
-            params += e * buffer.numel
-            grads += g * buffer.numel
-            main += 4 * updated if e < 4 else 0
-            if opt.optimizer == "adam":
-                states += 8 * updated + (4 * tensors if opt.adam == "torch" else 0)
-    return ModelState(params, grads, main, states)
+        if dims.is_moe and layout.ep > 1:
+            dense, _ = _buffers_state([s for s in slots if not s.expert], dp, dp_rank, role, opt)
+            edp = expert_data_parallel_size(layout, world)
+            routed = [s for s in slots if s.expert]
+            _, share = _buffers_state(routed, edp, dp_rank % edp, role, opt)
+            total, experts = total + dense + share, experts + share
+        else:
+            both, share = _buffers_state(slots, dp, dp_rank, role, opt)
+            total, experts = total + both, experts + share
+    if not dims.is_moe:
+        return total
+    return ModelState(total.params, total.grads, total.main_params, total.optimizer_states, experts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,12 +364,21 @@ def vllm_weight_bytes(dims: ModelDims, rollout_tp: int, itemsize: int = 2) -> in
     Per layer: norms ``2h``; q ``nq·d/T × h`` and k, v ``max(nkv/T, 1)·d × h`` each (+ biases of
     the same rows for Qwen2); o ``h × nq·d/T``; gate, up ``F/T × h`` each; down ``h × F/T``; q/k
     norms ``2d`` (Qwen3). Embedding (and an untied ``lm_head``) ``ceil64(vocab)/T × h``; final
-    norm ``h``. ``vocab`` here is the HF size: vLLM pads it itself.
+    norm ``h``. ``vocab`` here is the HF size: vLLM pads it itself. MoE (no expert parallelism
+    in vLLM): every expert on every rank, its intermediate dimension split over ``T``
+    (``FusedMoE``): ``E·3·F_e/T × h``, the router ``E × h`` replicated, Qwen2-MoE's shared
+    expert ``3·F_s/T × h`` and its gate ``h``.
     """
     t, h, d, f = rollout_tp, dims.hidden_size, dims.head_dim, dims.ffn_hidden_size
     q_rows = dims.num_attention_heads * d // t
     kv_rows = max(dims.num_query_groups // t, 1) * d
-    layer = 2 * h + (q_rows + 2 * kv_rows) * h + h * q_rows + 3 * (f // t) * h
+    layer = 2 * h + (q_rows + 2 * kv_rows) * h + h * q_rows
+    if dims.is_moe:
+        layer += dims.num_experts * (3 * (dims.moe_ffn_hidden_size // t) * h + h)
+        if dims.moe_shared_expert_ffn_hidden_size:
+            layer += 3 * (dims.moe_shared_expert_ffn_hidden_size // t) * h + h
+    else:
+        layer += 3 * (f // t) * h
     if dims.qkv_bias:
         layer += q_rows + 2 * kv_rows
     if dims.qk_norm:
@@ -285,6 +386,20 @@ def vllm_weight_bytes(dims: ModelDims, rollout_tp: int, itemsize: int = 2) -> in
     vocab_rows = -(-dims.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING // t
     embeddings = vocab_rows * h * (1 if dims.tie_word_embeddings else 2)
     return itemsize * (dims.num_layers * layer + embeddings + h)
+
+
+def mlp_width_per_token(dims: ModelDims) -> int:
+    """The MLP intermediate width one token passes through: ``F`` (dense) or ``k·F_e + F_s``
+    (MoE: its top-k experts and the shared expert)."""
+    if not dims.is_moe:
+        return dims.ffn_hidden_size
+    return dims.moe_router_topk * dims.moe_ffn_hidden_size + dims.moe_shared_expert_ffn_hidden_size
+
+
+def layer_experts_bytes(dims: ModelDims, itemsize: int = 2) -> int:
+    """One MoE layer's experts, whole (``E·3·F_e·h·e``): the resharding executor moves a
+    layer's experts as one module, one bucket however large (0 for a dense model)."""
+    return itemsize * dims.num_experts * 3 * dims.moe_ffn_hidden_size * dims.hidden_size
 
 
 def kv_bytes_per_token(dims: ModelDims, rollout_tp: int, itemsize: int = 2) -> int:

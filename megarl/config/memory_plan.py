@@ -15,7 +15,12 @@ sleeps) and that phase's transient memory:
 - **old_log_prob**, **ref**, **values**: the pass's forward activations;
 - **update_critic**, **update_actor**: training activations (saved, recompute, log-prob working
   set);
-- **sync**: one bucket and the largest TP all-gather (the padded embedding).
+- **sync**: one bucket (at least one MoE layer's experts, moved as one module) and the largest
+  TP all-gather (the padded embedding).
+
+MoE models: each model's state splits into its dense part (sharded over DP) and its experts
+(``E/EP`` per rank, split over expert TP, sharded over expert DP): separate terms, so that the
+verdict can name which of them is the biggest (:mod:`megarl.config.memory`).
 
 A phase FITS when its total is at most ``G - reserve``; the reserve (default 4 GiB) stands for the
 CUDA context, NCCL buffers and allocator fragmentation, which this plan does not itemise.
@@ -26,6 +31,7 @@ where it sleeps at level 1 (``trainer.skip_weight_sync_steps``), for every GPU o
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +47,10 @@ from megarl.config.memory import (
     ITEMSIZE,
     ModelState,
     OptimizerAssumptions,
+    expert_data_parallel_size,
     kv_bytes_per_token,
+    layer_experts_bytes,
+    mlp_width_per_token,
     model_state,
     vllm_weight_bytes,
 )
@@ -110,6 +119,8 @@ class MemoryPlan:
     kv_cache: dict[str, float]
     """``bytes``, ``tokens``, ``sequences`` of the configured length that vLLM's cache holds."""
     assumptions: tuple[str, ...]
+    moe: bool = False
+    """Whether the model has routed experts (the layout's EP and ETP then matter)."""
 
     @property
     def fits(self) -> bool:
@@ -122,13 +133,35 @@ class MemoryPlan:
     def peak(self) -> int:
         return max(p.total for p in self.phases)
 
+    def reason(self) -> str:
+        """Why it fits or not, in one line: the phases over the limit (else the peak phase)
+        with each one's biggest term, and a KV cache with no room."""
+        usable = self.cluster.usable_bytes / GIB
+        bad = [p for p in self.phases if not self.phase_fits(p)]
+        shown = bad or [max(self.phases, key=lambda p: p.total)]
+        parts = []
+        for phase in shown:
+            big = max(phase.terms, key=lambda t: t.nbytes)
+            parts.append(
+                f"{phase.name} needs {phase.total / GIB:.1f} GiB of {usable:g} GiB usable, "
+                f"biggest term: {big.name} {big.nbytes / GIB:.1f} GiB"
+            )
+        text = "; ".join(parts)
+        if not bad:
+            text = "peak " + text
+        if self.kv_cache["bytes"] <= 0:
+            text += "; rollout: no room left for vLLM's KV cache"
+        return text
+
     def to_dict(self) -> dict[str, Any]:
+        lay = self.layout
         return {
             "gpu_memory_bytes": self.cluster.gpu_bytes,
             "reserve_bytes": self.cluster.gpu_bytes - self.cluster.usable_bytes,
             "usable_bytes": self.cluster.usable_bytes,
-            "layout": {"tp": self.layout.tp, "pp": self.layout.pp, "vpp": self.layout.vpp},
+            "layout": {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "ep": lay.ep, "etp": lay.etp},
             "fits": self.fits,
+            "reason": self.reason(),
             "phases": [
                 {
                     "name": p.name,
@@ -176,6 +209,20 @@ def _tokens(p: PassBatches, seq: int) -> tuple[int, int]:
     return max(1, budget // seq), seq
 
 
+@functools.lru_cache(maxsize=64)
+def _cached_state(dims, layout, world, role, opt) -> ModelState:
+    return model_state(dims, layout, world, role, opt)
+
+
+def _state(dims, layout, world, role, opt) -> ModelState:
+    """:func:`model_state`, cached: the layout search plans each layout under four switches
+    that leave it unchanged (a MoE layer has thousands of expert tensors)."""
+    try:
+        return _cached_state(dims, layout, world, role, opt)
+    except TypeError:  # an unhashable rope_scaling value
+        return model_state(dims, layout, world, role, opt)
+
+
 def _models(cfg: MegarlConfig, dims: ModelDims, world: int) -> list[_Model]:
     arr = cfg.actor_rollout_ref
     layout = arr.actor.megatron.parallel_layout()
@@ -186,11 +233,11 @@ def _models(cfg: MegarlConfig, dims: ModelDims, world: int) -> list[_Model]:
     for role, meg, optimizer in roles:
         opt = _assumptions(cfg, meg)
         opt = OptimizerAssumptions(**{**opt.__dict__, "optimizer": optimizer})
-        state = model_state(dims, layout, world, role, opt)  # type: ignore[arg-type]
+        state = _state(dims, layout, world, role, opt)
         out.append(_Model(role, state))
     if ref_used(cfg):
         meg = arr.ref.megatron
-        state = model_state(dims, layout, world, "ref", _assumptions(cfg, meg))
+        state = _state(dims, layout, world, "ref", _assumptions(cfg, meg))
         out.append(_Model("ref", state))
     return out
 
@@ -252,24 +299,49 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
         ),
         f"reserve {cluster.reserve_gib:g} GiB per GPU for CUDA context, NCCL and fragmentation",
     )
-    return MemoryPlan(cluster, layout, tuple(phases), host, kv, notes)
+    if dims.is_moe:
+        per_rank = dims.num_experts // layout.ep
+        edp = expert_data_parallel_size(layout, world)
+        notes += (
+            (
+                f"MoE: {dims.num_experts} experts over EP {layout.ep} ({per_rank} per rank), "
+                f"expert TP {layout.etp}, expert DP {edp}; top-{dims.moe_router_topk} routing "
+                "balanced, no token dropping; vLLM keeps every expert, split over its TP"
+            ),
+        )
+    return MemoryPlan(cluster, layout, tuple(phases), host, kv, notes, dims.is_moe)
 
 
 _PARTS = (("params", "params", "e·n_pad (e·n without distributed optimizer)"),
           ("grads", "gradient buffers", "4·n_pad (grad_reduce_in_fp32)"),
           ("optimizer", "fp32 main params + Adam moments", "4·n/N + 8·n/N (16-bit params)"))  # fmt: skip
+_EXPERT_FORMULAS = {"params": "e·n_e,pad: E/EP experts split over expert TP",
+                    "grads": "4·n_e,pad (grad_reduce_in_fp32)",
+                    "optimizer": "4·n_e/N_e + 8·n_e/N_e over expert DP N_e"}  # fmt: skip
+
+
+def _parts(state: ModelState) -> dict[str, int]:
+    return {"params": state.params, "grads": state.grads,
+            "optimizer": state.main_params + state.optimizer_states}  # fmt: skip
 
 
 def _resident_terms(placed: Residency, models: dict[str, _Model]) -> list[Term]:
-    """The state ``placed`` keeps on the device, one term per model and part."""
+    """The state ``placed`` keeps on the device, one term per model and part (MoE: the dense
+    part and the experts apart)."""
     terms = []
     for role, on in placed.models.items():
         state = models[role].state
-        sizes = {"params": state.params, "grads": state.grads,
-                 "optimizer": state.main_params + state.optimizer_states}  # fmt: skip
+        sizes = _parts(state)
+        experts = _parts(state.experts) if state.experts else None
         for part, label, formula in _PARTS:
-            if getattr(on, part) and sizes[part]:
-                terms.append(Term(f"{role} {label}", sizes[part], formula))
+            if not getattr(on, part):
+                continue
+            dense = sizes[part] - (experts[part] if experts else 0)
+            if dense:
+                suffix = ", non-expert" if experts else ""
+                terms.append(Term(f"{role} {label}{suffix}", dense, formula))
+            if experts and experts[part]:
+                terms.append(Term(f"{role} expert {label}", experts[part], _EXPERT_FORMULAS[part]))
     return terms
 
 
@@ -317,7 +389,7 @@ def _rollout_terms(cfg, dims, cluster) -> tuple[int, int, dict]:
     t, e = r.tensor_model_parallel_size, ITEMSIZE[cfg.trainer.dtype]
     pool = int(r.gpu_memory_utilization * cluster.gpu_bytes)
     weights = vllm_weight_bytes(dims, t, e)
-    h, f, d = dims.hidden_size, dims.ffn_hidden_size, dims.head_dim
+    h, f, d = dims.hidden_size, mlp_width_per_token(dims), dims.head_dim
     per_token = e * (
         4 * h + (dims.num_attention_heads + 2 * dims.num_query_groups) * d // t + 3 * f // t
     )
@@ -382,7 +454,9 @@ def _sync_terms(cfg, dims) -> tuple[Term, ...]:
     gather = (
         padded_vocab_size(dims.vocab_size, layout.tp) * dims.hidden_size * e if layout.tp > 1 else 0
     )
-    return (Term("sync bucket + TP all-gather", BUCKET_BYTES + gather, "1 GiB + V·h·e (TP > 1)"),)
+    bucket = max(BUCKET_BYTES, layer_experts_bytes(dims, e))
+    formula = "max(1 GiB, E·3·F_e·h·e: one layer's experts)" if dims.is_moe else "1 GiB"
+    return (Term("sync bucket + TP all-gather", bucket + gather, formula + " + V·h·e (TP > 1)"),)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,17 +476,31 @@ class Proposal:
     """Pipeline bubble fraction (p − 1)/(m + p − 1) of the actor update."""
     plan: MemoryPlan
     overrides: tuple[str, ...] = field(default=())
+    ep: int = 1
+    """Expert parallelism (MoE models)."""
+    etp: int = 1
+    """Expert tensor parallelism (MoE models)."""
 
     @property
     def key(self) -> tuple:
-        """Sort key: no offload first, TP inside a node, less bubble, no recompute, lower peak."""
-        cross_node = self.tp > self.plan.cluster.gpus_per_node
+        """Sort key: no offload first, TP and the expert grid (ETP × EP, its all-to-all) inside
+        a node, less bubble, no recompute, lower peak."""
+        gpus = self.plan.cluster.gpus_per_node
+        cross_node = self.tp > gpus or self.etp * self.ep > gpus
         return (self.offload, cross_node, round(self.bubble, 6), self.recompute, self.plan.peak)
 
 
-def _with(cfg: MegarlConfig, tp: int, pp: int, offload: bool, recompute: bool) -> tuple:
+def _with(
+    cfg: MegarlConfig,
+    tp: int,
+    pp: int,
+    offload: bool,
+    recompute: bool,
+    expert: tuple[int, int] | None = None,
+) -> tuple:
     """A copy of ``cfg`` with this layout and these switches on every model, and the overrides
-    (only keys whose value changes) that select it."""
+    (only keys whose value changes) that select it. ``expert``: (EP, ETP) of a MoE model,
+    which also turns sequence parallelism on at TP > 1 (Megatron requires it with EP > 1)."""
     new = copy.deepcopy(cfg)
     values: dict[str, Any] = {
         "tensor_model_parallel_size": tp,
@@ -426,6 +514,12 @@ def _with(cfg: MegarlConfig, tp: int, pp: int, offload: bool, recompute: bool) -
         "recompute_method": "uniform" if recompute else None,
         "recompute_num_layers": 1 if recompute else None,
     }
+    if expert is not None:
+        ep, etp = expert
+        values["expert_model_parallel_size"] = ep
+        values["expert_tensor_parallel_size"] = None if etp == tp else etp
+        if tp > 1:
+            values["sequence_parallel"] = True
     overrides = []
     for prefix, section in (("actor_rollout_ref.actor", "actor"), ("critic", "critic"),
                             ("actor_rollout_ref.ref", "ref")):  # fmt: skip
@@ -446,43 +540,66 @@ def _megatron(cfg: MegarlConfig, section: str) -> MegatronConfig:
     ]
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _layouts(dims: ModelDims, world: int) -> list[ParallelLayout]:
+    """Legal layouts of the search: TP × PP dividing the world (no VPP, CP 1) and, for a MoE
+    model, EP dividing the experts with ETP 1 or TP (``ETP × EP × PP`` dividing the world)."""
+    from megarl.parallel.layout import shape_layout_problems
+
+    out = []
+    shape = dims.known()
+    for tp in _divisors(world):
+        for pp in _divisors(world // tp):
+            experts = [(1, None)]
+            if dims.is_moe:
+                experts = [
+                    (ep, etp if etp != tp else None)
+                    for ep in _divisors(dims.num_experts)
+                    for etp in sorted({1, tp})
+                    if world % (etp * ep * pp) == 0
+                ]
+            for ep, etp in experts:
+                layout = ParallelLayout(tp, pp, expert_model_parallel_size=ep,
+                                        expert_tensor_parallel_size=etp)  # fmt: skip
+                if not shape_layout_problems(layout, shape):
+                    out.append(layout)
+    return out
+
+
 def search_layouts(
     cfg: MegarlConfig, dims: ModelDims, cluster: Cluster, *, limit: int = 5
 ) -> list[Proposal]:
-    """The ``limit`` best layouts (TP × PP, distributed optimizer, no VPP) and switches (all
-    offloads on/off, full recompute on/off) that fit, sorted by :attr:`Proposal.key`.
+    """The ``limit`` best layouts (TP × PP, and EP × ETP for MoE models; distributed optimizer,
+    no VPP) and switches (all offloads on/off, full recompute on/off) that fit, sorted by
+    :attr:`Proposal.key`.
 
     A layout is legal by the one rule (:func:`megarl.parallel.layout.layout_problems`) and when
     the batch sizes divide over its DP size; rollout settings are kept as configured.
     """
     from megarl.config.errors import ConfigError
-    from megarl.parallel.layout import layout_problems
 
     world = cluster.world
     found: list[Proposal] = []
-    for tp in [n for n in range(1, world + 1) if world % n == 0]:
-        for pp in [n for n in range(1, world // tp + 1) if (world // tp) % n == 0]:
-            problems = layout_problems(
-                ParallelLayout(tp, pp),
-                num_attention_heads=dims.num_attention_heads,
-                num_query_groups=dims.num_query_groups,
-                num_layers=dims.num_layers,
-                ffn_hidden_size=dims.ffn_hidden_size,
-                head_dim=dims.head_dim,
-            )
-            if problems:
-                continue
-            for offload in (False, True):
-                for recompute in (False, True):
-                    candidate, overrides = _with(cfg, tp, pp, offload, recompute)
-                    try:
-                        plan = plan_memory(candidate, dims, cluster)
-                        m = BatchPlan.from_config(candidate, world).actor.micro_batches_per_rank
-                    except ConfigError:
-                        continue
-                    if plan.fits:
-                        bubble = (pp - 1) / ((m or 1) + pp - 1)
-                        found.append(Proposal(tp, pp, offload, recompute, bubble, plan, overrides))
+    for layout in _layouts(dims, world):
+        tp, pp = layout.tp, layout.pp
+        expert = (layout.ep, layout.etp) if dims.is_moe else None
+        for offload in (False, True):
+            for recompute in (False, True):
+                candidate, overrides = _with(cfg, tp, pp, offload, recompute, expert)
+                try:
+                    plan = plan_memory(candidate, dims, cluster)
+                    m = BatchPlan.from_config(candidate, world).actor.micro_batches_per_rank
+                except ConfigError:
+                    continue
+                if plan.fits:
+                    bubble = (pp - 1) / ((m or 1) + pp - 1)
+                    found.append(
+                        Proposal(tp, pp, offload, recompute, bubble, plan, overrides,
+                                 layout.ep, layout.etp)
+                    )  # fmt: skip
     return sorted(found, key=lambda p: p.key)[:limit]
 
 

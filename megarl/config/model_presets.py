@@ -18,6 +18,34 @@ _QWEN25 = {
     "rope_theta": 1000000.0,
     "rms_norm_eps": 1e-6,
 }
+# Qwen3-MoE: the fields of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B's config.json on the
+# Hugging Face Hub (April 2025 release), checked on 2026-11-26 against public copies: Ascend
+# MindSpeed-RL configs/model/qwen3_235b_a22b.yaml (94 layers, 128 experts, top-8,
+# moe_ffn_hidden_size 1536, hidden 4096, ffn 12288, 64 heads, 4 query groups, kv_channels 128,
+# vocab 151936, rotary base 1e6, max positions 40960, untied, norm_topk_prob), a published copy
+# of the 30B-A3B config.json with layers and experts reduced for profiling (hidden 2048,
+# intermediate 6144, 32 heads, 4 KV heads, moe_intermediate_size 768, top-8, vocab 151936,
+# max positions 40960, rope_theta 1e6, rms_norm_eps 1e-6, untied, norm_topk_prob), and the
+# model card totals (30.5B total / 3.3B activated; 235B / 22B), which the hand counts in
+# tests/config/test_memory_moe.py reproduce from these shapes.
+_QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "head_dim": 128,
+    "num_key_value_heads": 4,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "hidden_act": "silu",
+}
 PRESETS: dict[str, dict] = {
     "qwen2.5-7b": {
         **_QWEN25,
@@ -42,6 +70,22 @@ PRESETS: dict[str, dict] = {
         "num_hidden_layers": 80,
         "num_attention_heads": 64,
         "num_key_value_heads": 8,
+    },
+    "qwen3-30b-a3b": {
+        **_QWEN3_MOE,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+    },
+    "qwen3-235b-a22b": {
+        **_QWEN3_MOE,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+        "num_hidden_layers": 94,
+        "num_attention_heads": 64,
     },
 }
 """HF ``config.json`` shapes of common models, for planning without the model files."""
