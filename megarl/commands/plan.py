@@ -27,8 +27,18 @@ from megarl.config.memory import GIB, expert_data_parallel_size
 from megarl.config.memory_plan import Cluster, MemoryPlan, Proposal, plan_memory, search_layouts
 from megarl.config.model_dims import ModelDims
 from megarl.config.model_presets import PRESETS, hf_config_at, resolve_hf_config
+from megarl.parallel.layout import shape_layout_problems
 
 __all__ = ["PRESETS", "main"]
+
+MEG = "actor_rollout_ref.actor.megatron"
+_LAYOUT_KEYS = {
+    "tp": "tensor_model_parallel_size",
+    "pp": "pipeline_model_parallel_size",
+    "vpp": "virtual_pipeline_model_parallel_size",
+    "ep": "expert_model_parallel_size",
+    "etp": "expert_tensor_parallel_size",
+}
 
 
 def _parser() -> OneLineParser:
@@ -65,6 +75,15 @@ def build(args) -> tuple[MemoryPlan, list[Proposal], str]:
     else:
         hf, source = resolve_hf_config(cfg.actor_rollout_ref.model, preset=args.preset)
     dims = ModelDims.from_hf_config(hf)
+    # validate() checked the layout against the config's own model; --model/--preset may differ
+    layout = cfg.actor_rollout_ref.actor.megatron.parallel_layout()
+    problems = shape_layout_problems(layout, dims.known())
+    if problems:
+        values = {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "ep": layout.ep,
+                  "etp": layout.etp}  # fmt: skip
+        names = {k: f"{MEG}.{key}={values[k]}" for k, key in _LAYOUT_KEYS.items()}
+        text = "; ".join(p.describe(**names) for p in problems)
+        raise InputError(f"the layout does not fit the model of {source}: {text}")
     plan = plan_memory(cfg, dims, cluster)
     proposals = [] if plan.fits else search_layouts(cfg, dims, cluster, limit=args.propose)
     return plan, proposals, source

@@ -148,6 +148,10 @@ def _no_heads(tmp_path) -> str:
             "tensor_model_parallel_size",
         ),
         (["--config", CFG_72B, "--gpu-memory", "0"], "--gpu-memory"),
+        (  # the config's own model allows PP 4; the preset planned (94 layers) does not
+            ["--config", CFG_72B, "--preset", "qwen3-235b-a22b"],
+            f"num_hidden_layers=94 is not divisible by {MEG}.pipeline_model_parallel_size=4",
+        ),
         (["--config", "no/such.yaml"], "no/such.yaml"),
         (["reshard"], "--config, --model or --preset"),
         (["reshard", "--model", "/no/such/model"], "/no/such/model"),
