@@ -180,9 +180,13 @@ def _summary(cfg: MegarlConfig, world_size: int | None) -> str:
     lay = cfg.actor_rollout_ref.actor.megatron.parallel_layout()
     plan = BatchPlan.from_config(cfg, world)  # validated: no error left
     micro = plan.micro_batches_per_mini_batch
+    experts = ""
+    if lay.ep > 1:
+        expert_dp = world // (lay.etp * lay.ep * lay.pp)
+        experts = f", experts EP {lay.ep} × ETP {lay.etp} → expert DP {expert_dp}"
     return (
         f"world {world} = {cfg.trainer.nnodes} node(s) × {cfg.trainer.n_gpus_per_node}; "
-        f"training TP {lay.tp} × PP {lay.pp} × CP {lay.cp} → DP {plan.data_parallel_size}; "
+        f"training TP {lay.tp} × PP {lay.pp} × CP {lay.cp} → DP {plan.data_parallel_size}{experts}; "
         f"rollout TP {cfg.actor_rollout_ref.rollout.tensor_model_parallel_size} → "
         f"{plan.rollout_data_parallel_size} vLLM engine(s); {plan.responses_per_step} responses "
         f"per step in {plan.mini_batches_per_step} mini-batch(es) of "

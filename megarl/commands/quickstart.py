@@ -7,6 +7,9 @@ one-line failures): per-step summary lines, a progress bar, and at
 the end where the outputs are and the validation reward before and after training.
 
     python -m megarl.commands.quickstart [--out outputs] [--config CONFIG] [KEY=VALUE ...]
+
+The Mixture-of-Experts variant: ``--config configs/grpo_moe_tiny_cpu.yaml --family qwen3_moe``
+(the tiny Qwen3-MoE in ``outputs/tiny-qwen3-moe``, actor TP 1 × EP 2).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ CONFIG = REPO / "configs" / "grpo_tiny_cpu.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megarl.models.tiny import ARCHITECTURES
+
     parser = argparse.ArgumentParser(
         prog="python -m megarl.commands.quickstart", description=__doc__.split("\n")[0]
     )
@@ -30,17 +35,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--config", default=str(CONFIG), help="the run's config (a 2-rank tiny one)"
     )
+    parser.add_argument(
+        "--family",
+        default="qwen2",
+        choices=sorted(ARCHITECTURES),
+        help="the tiny model's family (qwen3_moe with configs/grpo_moe_tiny_cpu.yaml)",
+    )
     args, overrides = parser.parse_known_args(argv)
     out = Path(args.out).resolve()
-    model, data = out / "tiny-qwen2", out / "tiny-data"
+    model, data = out / f"tiny-{args.family.replace('_', '-')}", out / "tiny-data"
     py = sys.executable
     if not (model / "config.json").exists():
         print(f"megarl: making the tiny model in {model}", flush=True)
         subprocess.run(
-            [py, str(REPO / "tools/make_tiny_model.py"), "--family", "qwen2", "--out", str(model)],
+            [py, str(REPO / "tools/make_tiny_model.py"), "--family", args.family,
+             "--out", str(model)],
             check=True,
             capture_output=True,
-        )
+        )  # fmt: skip
     if not (data / "train.parquet").exists():
         from megarl.data.synthetic import write_synthetic_data
 
@@ -56,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         f"actor_rollout_ref.model.path={model}",
         f"data.train_files={data / 'train.parquet'}",
         f"data.val_files={data / 'test.parquet'}",
-        f"trainer.default_local_dir={out / 'runs' / 'grpo_tiny_cpu'}",
+        f"trainer.default_local_dir={out / 'runs' / Path(args.config).stem}",
         f"trainer.n_gpus_per_node={args.nproc}",
         *overrides,
     ])  # fmt: skip

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megarl.config.algo_inputs import unsupplied_inputs
-from megarl.config.batch import ACTOR, ARR, ROLL, critic_enabled
+from megarl.config.batch import ACTOR, ARR, MEG, ROLL, critic_enabled
 from megarl.config.choices import (
     GROUP_ESTIMATORS,
     LOGGERS,
@@ -492,7 +492,7 @@ class _Checks(LayoutChecks):
         )
         self.errors += errors
         self.warnings += warnings
-        self.check_not_moe(shape, f"{ARR}.model.path")
+        self.check_moe(shape, f"{ARR}.model.path", MEG, c.actor_rollout_ref.actor.megatron)
         self.check_gradient_checkpointing()
         critic = c.critic.model
         if critic_enabled(c) and critic.path and critic.path != c.actor_rollout_ref.model.path:
@@ -501,23 +501,27 @@ class _Checks(LayoutChecks):
             )
             self.errors += errors
             self.warnings += warnings
-            self.check_not_moe(critic_shape, "critic.model.path")
+            self.check_moe(critic_shape, "critic.model.path", "critic.megatron", c.critic.megatron)
             if critic_shape:
                 meg = self.cfg.critic.megatron
                 if meg.tensor_model_parallel_size > 0 and meg.pipeline_model_parallel_size > 0:
                     self.check_model_rule("critic.megatron", meg, critic_shape)
         return shape
 
-    def check_not_moe(self, shape: ModelShape | None, key: str) -> None:
-        """MoE models build, convert, match transformers' logits and sync into vLLM, but the
-        trainer's expert-parallel update and routing replay are not finished: refused by
-        ``megarl train``, a warning for ``megarl config validate``."""
+    def check_moe(self, shape: ModelShape | None, key: str, prefix: str, meg) -> None:
+        """A Mixture-of-Experts model trains with expert parallelism beside TP×PP×DP; Megatron's
+        MoE layers train at TP > 1 only under sequence parallelism (which the CPU local spec
+        lacks: there, TP 1 and EP). Routing replay is not implemented: MoE trains as verl's
+        default ``router_replay.mode=disabled`` does."""
         experts = shape.get("num_experts") if shape else None
-        if experts:
-            self.problem(
-                f"{key} ({shape.source}) is a Mixture-of-Experts model with {experts} experts: "
-                "megarl converts it, runs it in Megatron and syncs it into vLLM, but does not "
-                "train it yet (expert-parallel updates, routing replay)"
+        if not experts:
+            return
+        if meg.tensor_model_parallel_size > 1 and not meg.sequence_parallel:
+            self.error(
+                f"{key} ({shape.source}) is a Mixture-of-Experts model: "
+                f"{prefix}.tensor_model_parallel_size={meg.tensor_model_parallel_size} needs "
+                f"{prefix}.sequence_parallel=true (Megatron-Core trains MoE layers with TP only "
+                "under sequence parallelism; on CPU use TP 1 and expert_model_parallel_size)"
             )
 
     def check_gradient_checkpointing(self) -> None:

@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer import TransformerConfig
 
 from megarl.config.model_dims import ModelDims, read_hf_config
+from megarl.models import moe_mapping as mm
 from megarl.models.gpt import (
     Fusions,
     MoeSettings,
@@ -166,12 +167,25 @@ def build_model(
         value_head=role != "actor",
         value_head_seed=value_head_seed,
     )
+    if dims.is_moe:
+        _mark_experts_expert_parallel(chunks)
     if load_weights:
         if role == "reward":
             _check_score_head(hf_path)  # type: ignore[arg-type]
         with torch.no_grad():
             load_hf_weights(chunks, hf_path, dims)  # type: ignore[arg-type]
     return BuiltModel(dims, list(chunks), config, layout, role, hf_path)
+
+
+def _mark_experts_expert_parallel(chunks) -> None:
+    """Megatron marks expert weights ``allreduce=False`` (gradients reduced over expert-DP, an
+    optimizer of their own beside the dense one) at EP > 1 only. Marked at EP 1 too (where
+    expert-DP is DP: the same reduction), the optimizer and its checkpoint have one structure
+    at every EP — dense and experts, chained — so a checkpoint resumes at another EP."""
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if mm.is_expert_param(name):
+                param.allreduce = False
 
 
 def _check_score_head(hf_path: Path) -> None:

@@ -23,11 +23,19 @@ ranks, of the count each micro-batch's loss function returns. megarl's loss func
 micro-batch's *share* of the mini-batch loss: the aggregation with the counts of the whole
 mini-batch (``megarl.algo.agg_loss`` with ``global_token_count`` / ``global_seq_count``), so the
 shares of all micro-batches on all DP ranks add up to the mini-batch loss. The runner multiplies
-each share by ``G`` (the mini-batch's sequences summed over DP×CP) and reports the micro-batch's
-sequence count to Megatron, which divides by exactly ``G``: the gradient is that of the
-mini-batch loss, however the batch is split over micro-batches and ranks. Without Megatron DDP
-(plain chunks, no ``finalize_model_grads``) the share is back-propagated unscaled and gradients
-are not reduced over DP.
+each share by ``G`` (the mini-batch's tokens, prompts and responses without padding, summed over
+DP×CP) and reports the micro-batch's token count to Megatron, which divides by exactly ``G``:
+the gradient is that of the mini-batch loss, however the batch is split over micro-batches and
+ranks. Without Megatron DDP (plain chunks, no ``finalize_model_grads``) the share is
+back-propagated unscaled and gradients are not reduced over DP.
+
+Mixture-of-Experts: the routers' auxiliary losses (``moe_aux_loss_coeff``, z-loss) are Megatron's,
+computed per micro-batch over its tokens without padding (the runner passes Megatron the padding
+mask); under ``calculate_per_token_loss`` Megatron weights each by the micro-batch's token count,
+so with the token counts above the objective is their token-weighted mean over the mini-batch, at
+every layout that cuts the mini-batch into the same micro-batches. They are reported per
+micro-batch as ``moe_aux_loss`` (and ``moe_z_loss``, …): the coefficient-free value, averaged
+over the MoE layers, as a share that sums to the mini-batch's token-weighted mean.
 """
 
 from __future__ import annotations
@@ -335,21 +343,29 @@ def _run(
 
     training = loss_fn is not None
     ddp = _configure_grad_sync(list(chunks), training)
-    scale = _global_sequence_count(n, device) if ddp else 1.0
+    scale = _global_token_count(lengths, device) if ddp else 1.0
     collected: list[Outputs] = []
     outputs_of = _output_fn(role, r, vocab_size, temperature, sum_pi_squared)
+    moe = bool(config.num_moe_experts)
+    aux = _AuxLosses(len(micro)) if moe and training else None
 
     def forward_step(data_iterator, model):
-        mb = next(data_iterator)
+        index, mb = next(data_iterator)
         ids = mb["input_ids"]
         seq = ids.shape[1]
         pos = torch.arange(seq, device=ids.device)[None, :].expand_as(ids)
-        output = model(ids, pos, causal_mask(seq, ids.device))
+        # MoE: padding routes like any token, but stays out of the routers' auxiliary losses.
+        pads = {"padding_mask": pos >= mb["lengths"][:, None]} if moe else {}
+        if aux is not None:
+            aux.before()
+        output = model(ids, pos, causal_mask(seq, ids.device), **pads)
+        if aux is not None:
+            aux.after(index, float(mb["lengths"].sum()))
 
         def loss_func(output_tensor: torch.Tensor):
             outputs = outputs_of(output_tensor, mb)
             collected.append({k: v.detach() for k, v in outputs.items()})
-            count = torch.tensor(ids.shape[0], dtype=torch.int, device=ids.device)
+            count = mb["lengths"].sum().to(torch.int)
             if not training:
                 return output_tensor.sum() * 0.0, count, {}
             share, metrics = loss_fn(outputs, mb)  # type: ignore[misc]
@@ -358,7 +374,7 @@ def _run(
         return output, loss_func
 
     chunk_list = list(chunks)
-    iterators = [iter(micro) for _ in chunk_list]
+    iterators = [iter(list(enumerate(micro))) for _ in chunk_list]
     metrics = get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iterators if len(chunk_list) > 1 else iterators[0],
@@ -372,7 +388,10 @@ def _run(
     if sum_pi_squared:
         names.append("sum_pi_squared")
     dtype = torch.promote_types(next(unwrap(chunks[0]).parameters()).dtype, torch.float32)
-    return _broadcast_results(names, collected, metrics, torch.cat(rows), n, r, device, dtype)
+    out = _broadcast_results(names, collected, metrics, torch.cat(rows), n, r, device, dtype)
+    if aux is not None:
+        aux.add_shares(out.metrics, chunk_list, scale if ddp else float(lengths.sum()))
+    return out
 
 
 def _sequence_parallel_length(seq: int, config) -> int:
@@ -430,13 +449,79 @@ def _output_fn(
     return outputs_of
 
 
-def _global_sequence_count(n: int, device: torch.device) -> float:
-    """Sequences of the mini-batch summed over the DP×CP group (Megatron's divisor)."""
-    total = torch.tensor([n], dtype=torch.float64, device=device)
+def _global_token_count(lengths: torch.Tensor, device: torch.device) -> float:
+    """Tokens (without padding) of the mini-batch summed over the DP×CP group (Megatron's
+    divisor)."""
+    total = lengths.sum().to(torch.float64).reshape(1).to(device)
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return float(total.item())
+
+
+_AUX_LOSS_NAMES = {
+    "load_balancing_loss": "moe_aux_loss",
+    "seq_load_balancing_loss": "moe_seq_aux_loss",
+    "global_load_balancing_loss": "moe_global_aux_loss",
+    "z_loss": "moe_z_loss",
+}
+"""Megatron's aux-loss tracker names -> megarl's metric names."""
+
+
+class _AuxLosses:
+    """The MoE routers' auxiliary losses of each micro-batch of one pass, read from Megatron's
+    aux-loss tracker around each forward of a model chunk (the tracker holds per layer the
+    coefficient-free values its routers added; names as Megatron's router logs them)."""
+
+    NAMES = _AUX_LOSS_NAMES
+
+    def __init__(self, micro_batches: int) -> None:
+        self.sums: dict[str, list[float]] = {k: [0.0] * micro_batches for k in self.NAMES}
+
+    @staticmethod
+    def _tracker() -> dict:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        return get_moe_layer_wise_logging_tracker()
+
+    def before(self) -> None:
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        clear_aux_losses_tracker()
+
+    def after(self, index: int, tokens: float) -> None:
+        """Add micro-batch ``index``'s values (summed over this chunk's layers) × its tokens."""
+        for name, entry in self._tracker().items():
+            if name in self.NAMES:
+                self.sums[name][index] += float(entry["values"].sum()) * tokens
+
+    def add_shares(self, metrics: list[dict], chunks: list, total_tokens: float) -> None:
+        """Put each micro-batch's share of the token-weighted mean (over the mini-batch's
+        ``total_tokens``, per MoE layer) into its metrics; summed over the pipeline stages and
+        tensor×context-parallel ranks (whose routers each add a part, Megatron's reduction)."""
+        from megatron.core.transformer.moe.router import Router
+
+        keys = list(self.NAMES)  # the same on every rank: the tensor is reduced
+        t = torch.tensor(
+            [self.sums[k][i] for k in keys for i in range(len(metrics))]
+            + [sum(isinstance(m, Router) for c in chunks for m in c.modules())],
+            dtype=torch.float64,
+            device=chunks_device(chunks),
+        )
+        for group in (
+            parallel_state.get_pipeline_model_parallel_group(),
+            parallel_state.get_tensor_and_context_parallel_group(),
+        ):
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(t, group=group)
+        values, layers = t[:-1].view(len(keys), len(metrics)).tolist(), float(t[-1])
+        # Every TP×CP rank of a stage holds the same routers: count each stage's once.
+        layers /= parallel_state.get_tensor_and_context_parallel_world_size()
+        for k, row in zip(keys, values, strict=True):
+            if not any(row):
+                continue  # that loss is off
+            for m, value in zip(metrics, row, strict=True):
+                m[self.NAMES[k]] = value / (total_tokens * layers)
 
 
 def _configure_grad_sync(chunks: list[torch.nn.Module], training: bool) -> bool:

@@ -194,9 +194,10 @@ def iter_full_hf_tensors(
             yield (name, tensor, expert) if with_expert_flag else (name, tensor)
 
 
-def _writes(expert: bool) -> bool:
-    """Whether this rank writes a tensor of its stage: TP rank 0 of data-parallel rank 0, and
-    for experts expert-TP rank 0 of expert-data-parallel rank 0 (one per expert-parallel rank)."""
+def holds_first_copy(expert: bool) -> bool:
+    """Whether this rank holds the copy of a tensor of its stage that is written or gathered: TP
+    rank 0 of data-parallel rank 0, and for experts expert-TP rank 0 of expert-data-parallel rank 0
+    (one per expert-parallel rank)."""
     if expert:
         return (
             parallel_state.get_expert_tensor_parallel_rank() == 0
@@ -221,7 +222,7 @@ def export_hf_weights(
     """Write the model as an HF directory loadable by ``transformers`` (collective, all ranks).
 
     One safetensors file per pipeline stage (and, for MoE, per expert-parallel rank), written
-    by the ranks :func:`_writes` picks, plus ``model.safetensors.index.json``; ``config.json``
+    by the ranks :func:`holds_first_copy` picks, plus ``model.safetensors.index.json``; ``config.json``
     (``hf_config`` or the source's) and the tokenizer files of ``source_dir`` are copied by
     global rank 0.
     """
@@ -231,7 +232,7 @@ def export_hf_weights(
     dist.barrier()
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor, expert in iter_full_hf_tensors(chunks, dims, with_expert_flag=True):
-        if _writes(expert):
+        if holds_first_copy(expert):
             t = tensor.to(dtype) if dtype is not None else tensor
             tensors[name] = t.detach().to("cpu").contiguous().clone()
     writer = bool(tensors)

@@ -38,6 +38,7 @@ import psutil
 import pytest
 import torch
 
+from tests._run_outputs import read_metrics, rollout_prompts
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.multirank]
@@ -139,19 +140,6 @@ def _run(tiny: dict, run_dir: Path, *extra: str, expect: int = 0) -> str:
     return out
 
 
-def _metrics(run_dir: Path) -> dict[int, dict[str, float]]:
-    steps: dict[int, dict[str, float]] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        steps.setdefault(record["step"], {}).update(record["metrics"])
-    return steps
-
-
-def _prompts(run_dir: Path, step: int) -> list[str]:
-    lines = (run_dir / "rollouts" / f"{step}.jsonl").read_text().splitlines()
-    return [json.loads(line)["input"] for line in lines]
-
-
 def _largest_difference(
     a: dict[str, float], b: dict[str, float], required: tuple[str, ...] = COMPARED
 ) -> float:
@@ -216,7 +204,7 @@ def _announced(run_dir: Path) -> bool:
 def _stepped(run_dir: Path, step: int) -> bool:
     """Whether ``step``'s metrics are in metrics.jsonl (read while the run appends to it)."""
     try:
-        return step in _metrics(run_dir)
+        return step in read_metrics(run_dir)
     except (FileNotFoundError, json.JSONDecodeError):
         return False
 
@@ -250,12 +238,12 @@ def test_kill_mid_write_then_resume_equals_the_uninterrupted_run(tiny, reference
     out = _run(tiny, run_dir, "trainer.max_actor_ckpt_to_keep=1")
     assert f"incomplete checkpoint directory: {run_dir / 'global_step_4.tmp'}" in out, out
     assert f"resumed from {run_dir / 'global_step_2'}" in out
-    ref, got = _metrics(reference), _metrics(run_dir)
+    ref, got = read_metrics(reference), read_metrics(run_dir)
     worst = max(_largest_difference(ref[s], got[s]) for s in (3, 4))
     weights = _weight_difference(reference, run_dir)
     print(f"diamond (ppo_epochs 1): metrics {worst:.3g}, weights {weights:.3g}")
     assert worst <= 1e-6 and weights <= 1e-6
-    assert all(_prompts(reference, s) == _prompts(run_dir, s) for s in (3, 4))
+    assert all(rollout_prompts(reference, s) == rollout_prompts(run_dir, s) for s in (3, 4))
     # Retention: only the newest complete checkpoint is left.
     assert sorted(p.name for p in run_dir.glob("global_step_*")) == ["global_step_4"]
 
@@ -273,8 +261,8 @@ def test_resume_at_tp1_pp2_continues_exactly_under_the_checkpoint_lr(tiny, refer
     )
     assert "stopped after step 3" in out and not (run_dir / "STOP").exists()
     assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
-    got = _metrics(run_dir)[3]
-    worst = _largest_difference(_metrics(reference)[3], got)
+    got = read_metrics(run_dir)[3]
+    worst = _largest_difference(read_metrics(reference)[3], got)
     print(f"tp1_pp2: step 3 differs by {worst:.3g}")
     assert worst <= 1e-5
     assert "actor_rollout_ref.actor.optim.lr: checkpoint 0.0001, config 0.0002" in out
@@ -303,7 +291,7 @@ def test_sigint_exits_without_saving_and_the_last_checkpoint_loads_at_dp2(tiny, 
     assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert "actor_rollout_ref.actor.optim.lr: checkpoint 0.0001, config 0.0002" in out
     assert "using the config's" in out
-    got, ref = _metrics(run_dir)[3], _metrics(reference)[3]
+    got, ref = read_metrics(run_dir)[3], read_metrics(reference)[3]
     assert got["actor/lr"] == 2e-4
     for key in ("critic/score/mean", "response_length/mean"):  # rolled out before the update
         assert got[key] == ref[key]
@@ -314,7 +302,7 @@ def test_sigint_exits_without_saving_and_the_last_checkpoint_loads_at_dp2(tiny, 
     out = _run(tiny, run_dir, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1")
     assert f"resumed from {run_dir / 'global_step_2'}" in out
     assert "TP 1 × PP 1 × DP 2" in out and "stopped after step 3" in out
-    got = _metrics(run_dir)[3]
+    got = read_metrics(run_dir)[3]
     worst = _largest_difference(ref, got)
     print(f"tp1_dp2: step 3 differs by {worst:.3g}")
     assert worst <= 1e-5 and got["actor/lr"] == 1e-4
@@ -351,7 +339,7 @@ def test_sigterm_to_one_rank_saves_and_the_relaunch_equals_ppo2_with_a_critic(ti
     assert (run_dir / "global_step_1" / "critic").is_dir()
 
     _run(tiny, run_dir, *variant)
-    ref, got = _metrics(straight), _metrics(run_dir)
+    ref, got = read_metrics(straight), read_metrics(run_dir)
     assert "critic/vf_loss" in ref[4]
     coef = "actor/reward_kl_penalty_coeff"
     assert ref[2][coef] != 0.2  # adapted after step 1, before the stop
@@ -360,7 +348,7 @@ def test_sigterm_to_one_rank_saves_and_the_relaunch_equals_ppo2_with_a_critic(ti
     weights = _weight_difference(straight, run_dir)
     print(f"diamond (ppo_epochs 2, PPO with a critic): metrics {worst:.3g}, weights {weights:.3g}")
     assert worst <= 1e-6 and weights <= 1e-6
-    assert all(_prompts(straight, s) == _prompts(run_dir, s) for s in (1, 2, 3, 4))
+    assert all(rollout_prompts(straight, s) == rollout_prompts(run_dir, s) for s in (1, 2, 3, 4))
 
 
 def test_final_hf_export_matches_the_actor_in_transformers(reference):

@@ -1,5 +1,6 @@
-"""verl's own dense Megatron example scripts, their override lists unchanged (tests/config/
-verl_examples/: only model paths and data files replaced by tiny local ones), validate with
+"""verl's own Megatron example scripts (the dense ones and Qwen3-30B-A3B's MoE one), their
+override lists unchanged (tests/config/verl_examples/: only model paths, the MoE script's
+distributed checkpoint and data files replaced by tiny local ones), validate with
 ``megarl config validate`` on verl's defaults (no config file, as verl's
 ``--config-name=ppo_megatron_trainer``); one GRPO and one PPO list, with the layout and batch
 sizes reduced to two CPU ranks, train two steps through ``megarl train``."""
@@ -47,15 +48,25 @@ def files(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("verl_examples")
     for family in ("qwen2", "llama"):
         make_tiny_model(root / family, family=family)
+    # Qwen3-30B-A3B's stand-in: 4 KV heads (the example's TP 4 splits them), 8 experts (EP 4),
+    # and the Megatron distributed checkpoint the script converts it to first.
+    make_tiny_model(root / "qwen3_moe", family="qwen3_moe", num_key_value_heads=4)
+    assert cli.main(["convert", "hf-to-megatron", "--hf-path", str(root / "qwen3_moe"),
+                     "--out", str(root / "qwen3_moe_mcore")]) == 0  # fmt: skip
     assert data.main(["synth", "--out", str(root / "data"), "--train-size", "64"]) == 0
     train, val = root / "data" / "train.parquet", root / "data" / "test.parquet"
     return {"train": f"['{train}', '{train}']", "val": f"['{val}', '{val}']", "root": str(root)}
 
 
 def overrides(script: str, files: dict[str, str]) -> list[str]:
-    model = Path(files["root"]) / ("llama" if "deepseek" in script else "qwen2")
+    root = Path(files["root"])
+    family = "llama" if "deepseek" in script else "qwen3_moe" if "moe" in script else "qwen2"
+    model = root / family
     text = (EXAMPLES / f"{script}.txt").read_text()
-    text = text.format(model=model, critic=model, train=files["train"], val=files["val"])
+    text = text.format(
+        model=model, critic=model, train=files["train"], val=files["val"],
+        dist_ckpt=root / f"{family}_mcore",
+    )  # fmt: skip
     return text.splitlines()
 
 

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from tests._run_outputs import read_metrics, rollout_prompts
 from tests.checkpoint.test_trainer_checkpoint import (
     _largest_difference,
-    _metrics,
-    _prompts,
     _wait_for,
     _weight_difference,
 )
@@ -92,11 +91,13 @@ def test_a_preempted_job_saves_the_step_in_flight_and_the_next_job_equals_the_st
     out = tmp_path / f"batch-{second}.out"
     assert wait_for_job(slurm, second, 600) == 0, out.read_text()[-5000:]
     assert f"resumed from {run_dir / 'global_step_1'}" in out.read_text(), out.read_text()[-5000:]
-    ref, got = _metrics(straight), _metrics(run_dir)
+    ref, got = read_metrics(straight), read_metrics(run_dir)
     ppo = ("actor/pg_loss", "critic/vf_loss", "critic/score/mean")
     assert max(_largest_difference(ref[s], got[s], ppo) for s in range(1, STEPS + 1)) == 0.0
     assert _weight_difference(straight, run_dir, step=STEPS) == 0.0
-    assert all(_prompts(straight, s) == _prompts(run_dir, s) for s in range(1, STEPS + 1))
+    assert all(
+        rollout_prompts(straight, s) == rollout_prompts(run_dir, s) for s in range(1, STEPS + 1)
+    )
 
 
 def test_two_process_training_is_one_mlflow_run(tmp_path, tiny_overrides, monkeypatch):

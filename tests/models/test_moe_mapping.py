@@ -154,21 +154,31 @@ def test_impossible_expert_layouts_are_refused_naming_the_sizes():
         layout.data_parallel_size(4)
 
 
-def test_training_a_moe_model_is_refused_until_the_trainer_has_experts(tmp_path):
-    """``megarl train`` (paths checked) refuses in one line; ``config validate`` warns."""
+def test_a_moe_model_trains_at_ep_and_needs_sequence_parallel_at_tp(tmp_path):
+    """``megarl train``'s validation (paths checked) takes a MoE model at TP 1 × EP 2; at TP 2
+    it names the sequence-parallel key (Megatron trains MoE layers at TP > 1 only with it)."""
     from megarl.commands import data
     from megarl.config import ConfigError, load_config, validate
     from megarl.models.tiny import make_tiny_model
 
     make_tiny_model(tmp_path / "moe", family="qwen3_moe")
     assert data.main(["synth", "--out", str(tmp_path / "data"), "--train-size", "64"]) == 0
+    files = [
+        f"actor_rollout_ref.model.path={tmp_path / 'moe'}",
+        f"data.train_files={tmp_path / 'data' / 'train.parquet'}",
+        f"data.val_files={tmp_path / 'data' / 'test.parquet'}",
+    ]
+    cfg = load_config(["configs/grpo_tiny_cpu.yaml"], files)  # TP 2, no sequence parallelism
+    with pytest.raises(
+        ConfigError,
+        match=r"Mixture-of-Experts model: .*tensor_model_parallel_siz"
+        r"e=2 needs actor_rollout_ref.actor.megatron.sequence_parallel=true",
+    ):
+        validate(cfg, 2, check_paths=True)  # fmt: skip
+    meg = "actor_rollout_ref.actor.megatron"
     cfg = load_config(
         ["configs/grpo_tiny_cpu.yaml"],
-        [f"actor_rollout_ref.model.path={tmp_path / 'moe'}",
-         f"data.train_files={tmp_path / 'data' / 'train.parquet'}",
-         f"data.val_files={tmp_path / 'data' / 'test.parquet'}"],
-    )  # fmt: skip
-    warnings = validate(cfg, 2)
-    assert any("Mixture-of-Experts model with 8 experts" in w for w in warnings), warnings
-    with pytest.raises(ConfigError, match="actor_rollout_ref.model.path .*does not train it yet"):
-        validate(cfg, 2, check_paths=True)
+        [*files, f"{meg}.tensor_model_parallel_size=1", f"{meg}.expert_model_parallel_size=2"],
+    )
+    warnings = validate(cfg, 2, check_paths=True)
+    assert not any("Mixture-of-Experts" in w for w in warnings), warnings

@@ -22,31 +22,24 @@ LAYOUTS = {
     4: [(2, 1, None, True), (2, 2, None, False)],
 }
 """(TP, PP, VPP, distributed optimizer) per world size; DP is what remains."""
+MOE_LAYOUTS = {2: [(1, 1, None, False, 2)], 4: [(1, 2, None, True, 2)]}
+"""The tiny Qwen3-MoE at (TP, PP, VPP, distributed optimizer, EP): EP 2 (DP 2, expert-DP 1)
+and PP 2 × EP 2 with the distributed optimizer (DP 2, expert-DP 1). MoE at TP > 1 trains only
+with sequence parallelism, which the CPU (local) spec lacks."""
 
 
 def _hf_weights(chunks, dims) -> dict[str, torch.Tensor]:
-    """Every parameter, TP-merged, in HF names, on every rank."""
-    from megatron.core import parallel_state
+    """Every parameter, TP-merged, in HF names, on every rank (MoE experts from every
+    expert-parallel rank)."""
+    from megarl.models.weights import holds_first_copy, iter_full_hf_tensors
 
-    from megarl.models import hf_mapping as hm
-    from megarl.models.gpt import ValueHead, unwrap
-    from megarl.models.weights import gather_tp, local_global_names
-
-    local: dict[str, torch.Tensor] = {}
-    for i, _, global_name, param in local_global_names(chunks):
-        if global_name == hm.OUTPUT_LAYER and isinstance(unwrap(chunks[i]).output_layer, ValueHead):
-            local["score.weight"] = param.detach().float().clone()
-            continue
-        full = gather_tp(global_name, param.detach().float(), dims)
-        local.update(
-            {k: v.clone() for k, v in hm.megatron_param_to_hf(global_name, full, dims).items()}
-        )
-    first_replica = (
-        parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_data_parallel_rank() == 0
-    )
+    local = {
+        name: tensor.detach().float().clone()
+        for name, tensor, expert in iter_full_hf_tensors(chunks, dims, with_expert_flag=True)
+        if holds_first_copy(expert)
+    }
     boxes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(boxes, local if first_replica else {})
+    dist.all_gather_object(boxes, local)
     merged: dict[str, torch.Tensor] = {}
     for box in boxes:
         merged.update(box)
@@ -54,19 +47,30 @@ def _hf_weights(chunks, dims) -> dict[str, torch.Tensor]:
 
 
 def _replicas_identical(chunks) -> bool:
-    """All DP replicas hold bit-identical parameters (compared by a float64 checksum per tensor)."""
+    """All data-parallel replicas hold bit-identical parameters (a float64 checksum per tensor):
+    dense ones over DP, MoE experts over expert-DP."""
     from megatron.core import parallel_state
 
+    from megarl.models import moe_mapping as mm
     from megarl.models.weights import local_global_names
     from megarl.parallel.collectives import all_gather_tensors
 
-    sums = torch.tensor(
-        [float(p.detach().double().sum()) for *_, p in local_global_names(chunks)],
-        dtype=torch.float64,
-    )
-    group = parallel_state.get_data_parallel_group()
-    parts = all_gather_tensors(sums, group)
-    return all(torch.equal(parts[0], p) for p in parts)
+    same = True
+    for expert, group in (
+        (False, parallel_state.get_data_parallel_group()),
+        (True, parallel_state.get_expert_data_parallel_group()),
+    ):
+        sums = torch.tensor(
+            [
+                float(p.detach().double().sum())
+                for _, _, name, p in local_global_names(chunks)
+                if mm.is_expert_param(name) == expert
+            ],
+            dtype=torch.float64,
+        )
+        parts = all_gather_tensors(sums, group)
+        same &= all(torch.equal(parts[0], p) for p in parts)
+    return same
 
 
 def _rollout(spec: dict):
@@ -100,25 +104,33 @@ def _enter_weight_read(model) -> None:
     model.place(**dict(zip(("params", "grads", "optimizer"), model.residency, strict=True)))
 
 
-def _run_case(spec: dict, layout, case: dict, optimizer: str) -> dict:
+def _run_case(spec: dict, layout, case: dict, optimizer: str, model: str | None = None) -> dict:
     from megarl.models.build import build_model
+    from megarl.models.gpt import MoeSettings
     from megarl.models.trainable import OptimizerSettings, TrainableModel
     from megarl.parallel.layout import ParallelLayout
     from megarl.trainer.actor import PolicyUpdate, update_policy
 
-    tp, pp, vpp, dist_opt = layout
+    tp, pp, vpp, dist_opt, *ep = layout
     # float64 wherever Megatron allows it (its distributed optimizer takes fp32/bf16 only), so
     # that the comparison measures the parallel arithmetic, not fp32 rounding.
     exact = optimizer != "adamw_fp32" and not (optimizer == "adamw" and dist_opt)
     dtype = torch.float64 if exact else torch.float32
-    built = build_model(spec["model"], ParallelLayout(tp, pp, vpp), dtype=dtype)
+    if case.get("bf16"):
+        dtype = torch.bfloat16
+    built = build_model(
+        model or spec["model"],
+        ParallelLayout(tp, pp, vpp, expert_model_parallel_size=ep[0] if ep else 1),
+        dtype=dtype,
+        moe=MoeSettings.from_dict(case.get("moe", {})),
+    )
     if optimizer == "sgd":
         settings = OptimizerSettings(
-            lr=1.0,
+            lr=case.get("lr", 1.0),
             optimizer="sgd",
             weight_decay=0.0,
             clip_grad=0.0,
-            grad_reduce_in_fp32=False,
+            grad_reduce_in_fp32=dtype == torch.bfloat16,
             use_distributed_optimizer=False,
             ddp_bucket_size=BUCKET,
         )
@@ -128,13 +140,15 @@ def _run_case(spec: dict, layout, case: dict, optimizer: str) -> dict:
             weight_decay=0.1,
             eps=spec["adam_eps"],
             clip_grad=1.0,
-            grad_reduce_in_fp32=not exact,
+            grad_reduce_in_fp32=dtype != torch.float64,
             use_distributed_optimizer=dist_opt,
             ddp_bucket_size=BUCKET,
         )
     actor = TrainableModel(built, settings)
     update = PolicyUpdate(
-        responses_per_mini_batch=spec["responses_per_mini_batch"],
+        responses_per_mini_batch=case.get(
+            "responses_per_mini_batch", spec["responses_per_mini_batch"]
+        ),
         micro_batch_size=None if case["dynamic"] else spec["micro_batch_size"],
         max_token_len=spec["max_token_len"] if case["dynamic"] else None,
         loss_agg_mode=case["loss_agg_mode"],
@@ -326,6 +340,16 @@ def main() -> None:
 
     world = read_launch_env().world_size
     results: dict = {}
+    for layout in MOE_LAYOUTS.get(world, []):
+        tp, pp, vpp, dist_opt, ep = layout
+        init_distributed(ParallelLayout(tp, pp, vpp, expert_model_parallel_size=ep), seed=1234)
+        key = f"moe_tp{tp}_pp{pp}_ep{ep}_dp{world // (tp * pp)}" + ("_distopt" if dist_opt else "")
+        for case in spec["moe_cases"]:
+            if world not in case.get("worlds", (world,)):
+                continue
+            for optimizer in case["optimizers"]:
+                name = f"{key}/{case['name']}/{optimizer}"
+                results[name] = _run_case(spec, layout, case, optimizer, spec["moe_model"])
     for layout in LAYOUTS[world]:
         tp, pp, vpp, dist_opt = layout
         init_distributed(ParallelLayout(tp, pp, vpp), seed=1234)

@@ -30,10 +30,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests._run_outputs import read_metrics, rollout_prompts
 from tests.checkpoint.test_trainer_checkpoint import (
     _largest_difference,
-    _metrics,
-    _prompts,
     _survivors,
     _wait_for,
     _weight_difference,
@@ -176,12 +175,12 @@ def test_stops_save_the_step_in_flight_and_the_relaunch_equals_the_uninterrupted
     _stop(tiny, run_dir, signal.SIGTERM, step=3, during_scoring=False)
     code, out = _finish(_start(tiny, run_dir))
     assert code == 0 and f"resumed from {run_dir / 'global_step_3'}" in out, out[-4000:]
-    ref, got = _metrics(straight), _metrics(run_dir)
+    ref, got = read_metrics(straight), read_metrics(run_dir)
     worst = max(_largest_difference(ref[s], got[s]) for s in (1, 2, 3, 4))
     weights = _weight_difference(straight, run_dir)
     print(f"stop diamond: metrics {worst:.3g}, weights {weights:.3g}")
     assert worst == 0.0 and weights == 0.0
-    assert all(_prompts(straight, s) == _prompts(run_dir, s) for s in (1, 2, 3, 4))
+    assert all(rollout_prompts(straight, s) == rollout_prompts(run_dir, s) for s in (1, 2, 3, 4))
 
 
 def test_kill_9_of_the_launcher_leaves_nothing_running(tiny):

@@ -10,7 +10,6 @@ run's final HF export (so vLLM loading that export is checked too).
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 import subprocess
@@ -18,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests._run_outputs import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.multirank]
@@ -35,14 +36,6 @@ def _quickstart(out: Path, *overrides: str) -> subprocess.CompletedProcess:
         timeout=1200,
         check=False,
     )
-
-
-def _metrics(run_dir: Path) -> dict[int, dict[str, float]]:
-    steps = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        steps.setdefault(record["step"], {}).update(record["metrics"])
-    return steps
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +66,9 @@ def runs(tmp_path_factory):
     assert stale.returncode == 0, stale.stderr[-5000:]
     return {
         "main": main,
-        "main_metrics": _metrics(out / "runs" / "grpo_tiny_cpu"),
-        "lr0_metrics": _metrics(out / "runs" / "lr0"),
-        "stale_metrics": _metrics(out / "runs" / "stale"),
+        "main_metrics": read_metrics(out / "runs" / "grpo_tiny_cpu"),
+        "lr0_metrics": read_metrics(out / "runs" / "lr0"),
+        "stale_metrics": read_metrics(out / "runs" / "stale"),
     }
 
 
