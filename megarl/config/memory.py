@@ -326,8 +326,10 @@ def model_state(
     reference model (``ref``) holds parameters only.
 
     MoE: at EP > 1 the experts form buffers of their own over the expert-data-parallel group
-    (``k`` = their ``n_pad/N_e``); at EP = 1 Megatron keeps them in the dense buffers
-    (``allreduce`` is only turned off for expert-parallel layers). ``experts`` is their share.
+    (``k`` = their ``n_pad/N_e``); at EP = 1 they are counted in the dense buffers. (megarl's
+    ``build_model`` gives them buffers of their own at EP 1 too, so that checkpoints resume
+    across EP; there expert-DP = DP when ETP = TP, and only the buffer padding differs, which is
+    not modelled.) ``experts`` is their share.
     """
     if pp_rank is None:
         stages = [model_state(dims, layout, world, role, opt, pp_rank=r) for r in range(layout.pp)]
