@@ -46,6 +46,10 @@ PROMPTS = [[11, 42, 7, 99, 500], [3, 14, 15, 92, 65, 35, 89], [271, 828, 182, 84
 SAMPLING = {"n": 2, "temperature": T, "max_tokens": 8, "seed": 11}
 
 
+SETTLE_S = 0.05
+"""How long a storage that would raise the measured peak waits for a pending release."""
+
+
 class LiveBytes(TorchDispatchMode):
     """Counts bytes of tensor storages allocated while active and still alive; keeps the peak.
 
@@ -58,8 +62,11 @@ class LiveBytes(TorchDispatchMode):
     finished gloo collective is dropped by gloo's worker thread, which needs the GIL to release
     the Python tensor, so the buffer of the previous bucket could otherwise still look alive.
     (The yield can only lower the peak to the true one: a missed release over-counts, so a
-    slow machine can fail the bound, never pass it wrongly.) Releases are signalled, so the end
-    of a sync waits on them (:meth:`wait_released`), not on a clock.
+    slow machine can fail the bound, never pass it wrongly.) The yield alone once missed one on
+    a quiet machine (a 512-byte buffer still alive: 786944 > 786432), so before a storage raises
+    the peak the meter also waits, up to :data:`SETTLE_S`, for a release that brings the live
+    bytes back under it. Releases are signalled, so the end of a sync waits on them
+    (:meth:`wait_released`), not on a clock.
     """
 
     def __init__(self) -> None:
@@ -98,11 +105,19 @@ class LiveBytes(TorchDispatchMode):
                 if key in inputs:
                     continue  # a view / in-place result of memory allocated before
                 entry = self._storages[key] = [0, nbytes]
+                self._settle(nbytes)
                 self.live += nbytes
                 self.peak = max(self.peak, self.live)
             entry[0] += 1
             weakref.finalize(t, self._release, key)
         return out
+
+    def _settle(self, nbytes: int) -> None:
+        """Before ``nbytes`` more would set a new peak, give a release in flight (a finished
+        collective's buffer that gloo's thread has yet to drop) up to :data:`SETTLE_S` to land.
+        Only waits when the peak would rise; a true new peak costs the wait and stands."""
+        with self._released:
+            self._released.wait_for(lambda: self.live + nbytes <= self.peak, timeout=SETTLE_S)
 
     def _release(self, key: int) -> None:
         entry = self._storages.get(key)
