@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from megarl.commands.plan_args import InputError, OneLineParser, positive_float, positive_int
 from megarl.config.errors import ConfigError
 from megarl.config.memory import GIB, expert_data_parallel_size
-from megarl.config.memory_plan import Cluster, MemoryPlan, Proposal, plan_memory, search_layouts
+from megarl.config.memory_plan import Cluster, MemoryPlan, plan_memory
+from megarl.config.memory_search import Proposal, search_layouts
 from megarl.config.model_dims import ModelDims
 from megarl.config.model_presets import PRESETS, hf_config_at, resolve_hf_config
 from megarl.parallel.layout import shape_layout_problems

@@ -237,7 +237,8 @@ class LayoutChecks:
     # -- sampling, algorithm, rewards, trainer -------------------------------------------
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 

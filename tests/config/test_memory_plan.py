@@ -11,7 +11,8 @@ import pytest
 from megarl.commands import plan as plan_cli
 from megarl.config import load_config, validate
 from megarl.config.memory import GIB, OptimizerAssumptions, model_state, vllm_weight_bytes
-from megarl.config.memory_plan import Cluster, plan_memory, search_layouts
+from megarl.config.memory_plan import Cluster, plan_memory
+from megarl.config.memory_search import search_layouts
 from megarl.config.model_dims import ModelDims
 from megarl.config.model_presets import PRESETS
 from megarl.models.tiny import tiny_hf_config
