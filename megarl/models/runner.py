@@ -473,16 +473,8 @@ class _AuxLosses:
     aux-loss tracker around each forward of a model chunk (the tracker holds per layer the
     coefficient-free values its routers added; names as Megatron's router logs them)."""
 
-    NAMES = _AUX_LOSS_NAMES
-
     def __init__(self, micro_batches: int) -> None:
-        self.sums: dict[str, list[float]] = {k: [0.0] * micro_batches for k in self.NAMES}
-
-    @staticmethod
-    def _tracker() -> dict:
-        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
-        return get_moe_layer_wise_logging_tracker()
+        self.sums: dict[str, list[float]] = {k: [0.0] * micro_batches for k in _AUX_LOSS_NAMES}
 
     def before(self) -> None:
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
@@ -491,8 +483,10 @@ class _AuxLosses:
 
     def after(self, index: int, tokens: float) -> None:
         """Add micro-batch ``index``'s values (summed over this chunk's layers) × its tokens."""
-        for name, entry in self._tracker().items():
-            if name in self.NAMES:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        for name, entry in get_moe_layer_wise_logging_tracker().items():
+            if name in _AUX_LOSS_NAMES:
                 self.sums[name][index] += float(entry["values"].sum()) * tokens
 
     def add_shares(self, metrics: list[dict], chunks: list, total_tokens: float) -> None:
@@ -501,7 +495,7 @@ class _AuxLosses:
         tensor×context-parallel ranks (whose routers each add a part, Megatron's reduction)."""
         from megatron.core.transformer.moe.router import Router
 
-        keys = list(self.NAMES)  # the same on every rank: the tensor is reduced
+        keys = list(_AUX_LOSS_NAMES)  # the same on every rank: the tensor is reduced
         t = torch.tensor(
             [self.sums[k][i] for k in keys for i in range(len(metrics))]
             + [sum(isinstance(m, Router) for c in chunks for m in c.modules())],
@@ -521,7 +515,7 @@ class _AuxLosses:
             if not any(row):
                 continue  # that loss is off
             for m, value in zip(metrics, row, strict=True):
-                m[self.NAMES[k]] = value / (total_tokens * layers)
+                m[_AUX_LOSS_NAMES[k]] = value / (total_tokens * layers)
 
 
 def _configure_grad_sync(chunks: list[torch.nn.Module], training: bool) -> bool:
