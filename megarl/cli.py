@@ -182,7 +182,7 @@ def _summary(cfg: MegarlConfig, world_size: int | None) -> str:
     micro = plan.micro_batches_per_mini_batch
     experts = ""
     if lay.ep > 1:
-        expert_dp = world // (lay.etp * lay.ep * lay.pp)
+        expert_dp = lay.expert_data_parallel_size(world)
         experts = f", experts EP {lay.ep} × ETP {lay.etp} → expert DP {expert_dp}"
     return (
         f"world {world} = {cfg.trainer.nnodes} node(s) × {cfg.trainer.n_gpus_per_node}; "

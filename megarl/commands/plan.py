@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from megarl.commands.plan_args import InputError, OneLineParser, positive_float, positive_int
 from megarl.config.errors import ConfigError
-from megarl.config.memory import GIB, expert_data_parallel_size
+from megarl.config.memory import GIB
 from megarl.config.memory_plan import Cluster, MemoryPlan, plan_memory
 from megarl.config.memory_search import Proposal, search_layouts
 from megarl.config.model_dims import ModelDims
@@ -112,7 +112,7 @@ def render(plan: MemoryPlan, proposals: list[Proposal], source: str) -> str:
     if plan.moe:
         lines.append(
             f"experts: EP {lay.ep} × expert TP {lay.etp} × PP {lay.pp} → expert DP "
-            f"{expert_data_parallel_size(lay, c.world)}"
+            f"{lay.expert_data_parallel_size(c.world)}"
         )
     for phase in plan.phases:
         verdict = "FITS" if plan.phase_fits(phase) else "DOES NOT FIT"

@@ -145,12 +145,6 @@ def moe_mlp_params(dims: ModelDims, layout: ParallelLayout, prefix: str) -> list
     return out
 
 
-def expert_data_parallel_size(layout: ParallelLayout, world: int) -> int:
-    """Ranks that hold the same experts (Megatron's expert-data-parallel group):
-    ``world / (t_e · EP · p)``."""
-    return world // (layout.etp * layout.ep * layout.pp)
-
-
 @dataclass(frozen=True)
 class GradBuffer:
     """Megatron's contiguous parameter/gradient buffer of one chunk (``_ParamAndGradBuffer``)."""
@@ -340,7 +334,7 @@ def model_state(
         slots = chunk_params(dims, layout, pp_rank, vp_stage, role)
         if dims.is_moe and layout.ep > 1:
             dense, _ = _buffers_state([s for s in slots if not s.expert], dp, dp_rank, role, opt)
-            edp = expert_data_parallel_size(layout, world)
+            edp = layout.expert_data_parallel_size(world)
             routed = [s for s in slots if s.expert]
             _, share = _buffers_state(routed, edp, dp_rank % edp, role, opt)
             total, experts = total + dense + share, experts + share

@@ -46,7 +46,6 @@ from megarl.config.memory import (
     ITEMSIZE,
     ModelState,
     OptimizerAssumptions,
-    expert_data_parallel_size,
     kv_bytes_per_token,
     layer_experts_bytes,
     mlp_width_per_token,
@@ -300,7 +299,7 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
     )
     if dims.is_moe:
         per_rank = dims.num_experts // layout.ep
-        edp = expert_data_parallel_size(layout, world)
+        edp = layout.expert_data_parallel_size(world)
         notes += (
             (
                 f"MoE: {dims.num_experts} experts over EP {layout.ep} ({per_rank} per rank), "

@@ -74,6 +74,11 @@ class ParallelLayout:
             )
         return world_size // self.model_parallel_size()
 
+    def expert_data_parallel_size(self, world_size: int) -> int:
+        """Ranks that hold the same experts (Megatron's expert-data-parallel group):
+        ``world / (ETP · EP · PP)``."""
+        return world_size // (self.etp * self.ep * self.pp)
+
     def world_size(self) -> int:
         """The smallest world that holds this layout: TP × PP × CP and ETP × EP × PP both divide
         it (expert parallelism runs across data-parallel replicas)."""
