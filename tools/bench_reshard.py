@@ -39,7 +39,7 @@ from megarl.models import hf_mapping as hm
 from megarl.models.tiny import random_hf_state, tiny_hf_config
 from megarl.parallel.layout import ParallelLayout
 from megarl.rollout.reshard import make_reshard_plan, stream_buckets
-from tests.rollout._reshard_worker import CopySink
+from tests.rollout._sync_meters import CopySink
 
 
 class NullSink:

@@ -44,7 +44,8 @@ from megarl.rollout.reshard import make_reshard_plan, stream_buckets
 from megarl.rollout.reshard.executor import slot_view, write_hf_from_shards
 from tests.conftest import run_torchrun
 from tests.rollout._engine_conformance import assert_conforms
-from tests.rollout._reshard_worker import CopySink, LiveBytes, vllm_narrow
+from tests.rollout._reshard_worker import vllm_narrow
+from tests.rollout._sync_meters import CopySink, LiveBytes
 
 WORKER = Path(__file__).with_name("_reshard_worker.py")
 LOGPROB_TOL = 1e-4
