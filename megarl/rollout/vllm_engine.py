@@ -48,6 +48,7 @@ from torch import Tensor
 from megarl.config.dtypes import dtype_name
 from megarl.parallel.emulation import reassert_cpu_emulation
 from megarl.parallel.init import read_launch_env, start_process_group
+from megarl.rollout import vllm_worker_ops as wops
 from megarl.rollout.base import CallOrder, RolloutBatch, RolloutSample, request_seed
 
 if TYPE_CHECKING:
@@ -242,7 +243,8 @@ class VLLMEngine:
         self._sleeping: set[str] = set()
         self._order = CallOrder()
         self._moe_blocks_loaded: set[str] = set()
-        """MoE blocks whose experts the open weight update loaded (:func:`_repack_cpu_experts`)."""
+        """MoE blocks whose experts the open weight update loaded (repacked at its end:
+        :func:`megarl.rollout.vllm_worker_ops.repack_cpu_experts`)."""
 
         distributed = _ensure_process_group()
         world = dist.get_world_size() if distributed else 1
@@ -397,7 +399,7 @@ class VLLMEngine:
         self._order.begin_update()
         self.wake_up(["weights"])
         self._moe_blocks_loaded = set()
-        self._llm.collective_rpc(_begin_layerwise_reload)
+        self._llm.collective_rpc(wops.begin_layerwise_reload)
 
     def load_weight_chunk(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Feed HF-named full-shaped tensors (vLLM slices them for this rank's TP shard; only
@@ -409,16 +411,18 @@ class VLLMEngine:
         finishes.
         """
         self._order.check_updating("load_weight_chunk")
-        noted = _note_moe_blocks(named_tensors, self._moe_blocks_loaded)
-        self._llm.collective_rpc(_load_weights, args=(noted,))
+        noted = wops.note_moe_blocks(named_tensors, self._moe_blocks_loaded)
+        self._llm.collective_rpc(wops.load_weights, args=(noted,))
 
     def finish_weight_update(self) -> None:
         """Process modules still waiting for tensors, and drop cached prefixes."""
         self._order.check_updating("finish_weight_update")
-        self._llm.collective_rpc(_finish_layerwise_reload)
-        self._llm.collective_rpc(_reprocess_tied_lm_head)
+        self._llm.collective_rpc(wops.finish_layerwise_reload)
+        self._llm.collective_rpc(wops.reprocess_tied_lm_head)
         if self._moe_blocks_loaded:
-            self._llm.collective_rpc(_repack_cpu_experts, args=(sorted(self._moe_blocks_loaded),))
+            self._llm.collective_rpc(
+                wops.repack_cpu_experts, args=(sorted(self._moe_blocks_loaded),)
+            )
         self._llm.reset_prefix_cache()
         self._order.finish_update()
 
@@ -524,99 +528,7 @@ def _sample_from_output(
     )
 
 
-# ---------------------------------------------------------------------- worker-side functions
-# collective_rpc calls these as f(worker, ...) in this same process (in-process engine core).
-
-
-def _begin_layerwise_reload(worker: Any) -> None:
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-    with set_current_vllm_config(worker.vllm_config):
-        initialize_layerwise_reload(worker.model_runner.get_model())
-
-
-def _load_weights(worker: Any, named_tensors: Iterator[tuple[str, Tensor]]) -> None:
-    from vllm.config import set_current_vllm_config
-
-    with set_current_vllm_config(worker.vllm_config):
-        worker.model_runner.get_model().load_weights(named_tensors)
-
-
-def _finish_layerwise_reload(worker: Any) -> None:
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-    with set_current_vllm_config(worker.vllm_config):
-        finalize_layerwise_reload(worker.model_runner.get_model(), worker.vllm_config.model_config)
-
-
 # ---------------------------------------------------------------------- process-group plumbing
-
-
-def _reprocess_tied_lm_head(worker: Any) -> None:
-    """Redo a tied ``lm_head``'s post-load processing after a weight update.
-
-    vLLM's reload never hands a tied ``lm_head`` a tensor of its own (its loader skips
-    ``lm_head.*``), so that layer's ``process_weights_after_loading`` is not re-run; on CPU that
-    step packs the weight for the GEMM kernel, and logits kept coming from the *old* embedding
-    (measured: log-prob error 1.1 after updating a tied model). Untied models: nothing to do.
-    """
-    from vllm.config import set_current_vllm_config
-
-    model = worker.model_runner.get_model()
-    lm_head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    weight = getattr(lm_head, "weight", None)
-    if weight is None or embed is None or weight is not getattr(embed, "weight", None):
-        return
-    with set_current_vllm_config(worker.vllm_config):
-        lm_head.quant_method.process_weights_after_loading(lm_head)
-
-
-def _note_moe_blocks(
-    named_tensors: Iterable[tuple[str, Tensor]], blocks: set[str]
-) -> Iterator[tuple[str, Tensor]]:
-    """Yield ``named_tensors`` unchanged, adding to ``blocks`` the MoE block of every expert
-    tensor (``model.layers.3.mlp`` for ``model.layers.3.mlp.experts.5.up_proj.weight``)."""
-    for name, tensor in named_tensors:
-        if ".experts." in name:
-            blocks.add(name.split(".experts.", 1)[0])
-        yield name, tensor
-
-
-def _repack_cpu_experts(worker: Any, blocks: Sequence[str]) -> None:
-    """Redo the CPU MoE kernel's weight packing for the experts of ``blocks`` after an update.
-
-    vLLM 0.32 packs each layer's expert weights for its CPU grouped GEMM
-    (``CPUUnquantizedExperts.process_weights_after_loading``) only when the layer is first
-    loaded: a reload re-runs the layer's processing but skips that step on a weight update
-    (``UnquantizedFusedMoEMethod._setup_kernel``), so the kernel read the new weights in the
-    unpacked layout (measured: reloading the very same weights moved log-probs by 4 nats).
-    GPU kernels are not touched. Raises ``NotImplementedError`` where the CPU kernel pads the
-    experts' intermediate size (the reload cannot fill padded weights).
-    """
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
-    model = worker.model_runner.get_model()
-    with set_current_vllm_config(worker.vllm_config):
-        for name, module in model.named_modules():
-            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-            experts = getattr(kernel, "fused_experts", None)
-            if not isinstance(experts, CPUUnquantizedExperts):
-                continue
-            if name.split(".experts", 1)[0] not in blocks:
-                continue  # not updated in this session: already packed
-            moe = module.moe_config
-            padded = experts._padded_intermediate_size(moe)
-            if padded != moe.intermediate_size_per_partition:
-                raise NotImplementedError(
-                    f"{name}: vLLM's CPU MoE kernel pads the experts' intermediate size "
-                    f"{moe.intermediate_size_per_partition} per TP rank to {padded}; weight "
-                    "updates of such a model are not supported on CPU"
-                )
-            experts.process_weights_after_loading(module)
 
 
 def _ensure_process_group() -> bool:

@@ -1,0 +1,99 @@
+"""The weight update's steps inside vLLM's worker: ``collective_rpc`` calls each as
+``f(worker, ...)`` in the engine core's process (in-process here). :class:`megarl.rollout.
+vllm_engine.VLLMEngine` drives them: begin a layerwise reload, load chunks, finish it, then redo
+what vLLM's reload skips (a tied ``lm_head``'s and the CPU MoE kernel's weight packing)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from torch import Tensor
+
+
+def begin_layerwise_reload(worker: Any) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    with set_current_vllm_config(worker.vllm_config):
+        initialize_layerwise_reload(worker.model_runner.get_model())
+
+
+def load_weights(worker: Any, named_tensors: Iterator[tuple[str, Tensor]]) -> None:
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        worker.model_runner.get_model().load_weights(named_tensors)
+
+
+def finish_layerwise_reload(worker: Any) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(worker.model_runner.get_model(), worker.vllm_config.model_config)
+
+
+def reprocess_tied_lm_head(worker: Any) -> None:
+    """Redo a tied ``lm_head``'s post-load processing after a weight update.
+
+    vLLM's reload never hands a tied ``lm_head`` a tensor of its own (its loader skips
+    ``lm_head.*``), so that layer's ``process_weights_after_loading`` is not re-run; on CPU that
+    step packs the weight for the GEMM kernel, and logits kept coming from the *old* embedding
+    (measured: log-prob error 1.1 after updating a tied model). Untied models: nothing to do.
+    """
+    from vllm.config import set_current_vllm_config
+
+    model = worker.model_runner.get_model()
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    weight = getattr(lm_head, "weight", None)
+    if weight is None or embed is None or weight is not getattr(embed, "weight", None):
+        return
+    with set_current_vllm_config(worker.vllm_config):
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+def note_moe_blocks(
+    named_tensors: Iterable[tuple[str, Tensor]], blocks: set[str]
+) -> Iterator[tuple[str, Tensor]]:
+    """Yield ``named_tensors`` unchanged, adding to ``blocks`` the MoE block of every expert
+    tensor (``model.layers.3.mlp`` for ``model.layers.3.mlp.experts.5.up_proj.weight``)."""
+    for name, tensor in named_tensors:
+        if ".experts." in name:
+            blocks.add(name.split(".experts.", 1)[0])
+        yield name, tensor
+
+
+def repack_cpu_experts(worker: Any, blocks: Sequence[str]) -> None:
+    """Redo the CPU MoE kernel's weight packing for the experts of ``blocks`` after an update.
+
+    vLLM 0.32 packs each layer's expert weights for its CPU grouped GEMM
+    (``CPUUnquantizedExperts.process_weights_after_loading``) only when the layer is first
+    loaded: a reload re-runs the layer's processing but skips that step on a weight update
+    (``UnquantizedFusedMoEMethod._setup_kernel``), so the kernel read the new weights in the
+    unpacked layout (measured: reloading the very same weights moved log-probs by 4 nats).
+    GPU kernels are not touched. Raises ``NotImplementedError`` where the CPU kernel pads the
+    experts' intermediate size (the reload cannot fill padded weights).
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    model = worker.model_runner.get_model()
+    with set_current_vllm_config(worker.vllm_config):
+        for name, module in model.named_modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if not isinstance(experts, CPUUnquantizedExperts):
+                continue
+            if name.split(".experts", 1)[0] not in blocks:
+                continue  # not updated in this session: already packed
+            moe = module.moe_config
+            padded = experts._padded_intermediate_size(moe)
+            if padded != moe.intermediate_size_per_partition:
+                raise NotImplementedError(
+                    f"{name}: vLLM's CPU MoE kernel pads the experts' intermediate size "
+                    f"{moe.intermediate_size_per_partition} per TP rank to {padded}; weight "
+                    "updates of such a model are not supported on CPU"
+                )
+            experts.process_weights_after_loading(module)
