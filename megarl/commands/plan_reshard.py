@@ -22,7 +22,8 @@ from megarl.config.errors import ConfigError
 from megarl.config.model_dims import ModelDims
 from megarl.config.model_presets import PRESETS, hf_config_at, preset_config
 from megarl.parallel.layout import ParallelLayout
-from megarl.rollout.reshard.plan import DEFAULT_BUCKET_BYTES, ReshardPlan, make_reshard_plan
+from megarl.rollout.reshard.make_plan import make_reshard_plan
+from megarl.rollout.reshard.plan import DEFAULT_BUCKET_BYTES, ReshardPlan
 
 __all__ = ["PRESETS", "build_plan", "main"]
 

@@ -24,7 +24,7 @@ from megarl.config.model_dims import ModelDims
 from megarl.config.model_presets import PRESETS
 from megarl.models.tiny import tiny_hf_config
 from megarl.parallel.layout import ParallelLayout
-from megarl.rollout.reshard.plan import make_reshard_plan
+from megarl.rollout.reshard.make_plan import make_reshard_plan
 
 CFG_30B = str(Path(__file__).resolve().parents[2] / "configs" / "grpo_qwen3_30b_a3b.yaml")
 MEG = "actor_rollout_ref.actor.megatron"

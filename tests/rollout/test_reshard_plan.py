@@ -11,11 +11,8 @@ from megarl.config.model_dims import ModelDims
 from megarl.models import hf_mapping as hm
 from megarl.models.tiny import tiny_hf_config
 from megarl.parallel.layout import ParallelLayout
-from megarl.rollout.reshard.plan import (
-    chunk_layer_range,
-    make_reshard_plan,
-    owner_of,
-)
+from megarl.rollout.reshard.make_plan import make_reshard_plan
+from megarl.rollout.reshard.plan import chunk_layer_range, owner_of
 
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 4, None), (2, 2, 2)]
 

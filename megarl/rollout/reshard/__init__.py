@@ -17,6 +17,7 @@ from megarl.rollout.reshard.executor import (
     sync_weights,
     write_hf_from_shards,
 )
+from megarl.rollout.reshard.make_plan import make_reshard_plan
 from megarl.rollout.reshard.plan import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
@@ -25,7 +26,6 @@ from megarl.rollout.reshard.plan import (
     RankTraffic,
     ReshardPlan,
     SlicePiece,
-    make_reshard_plan,
     owner_of,
     rollout_slice,
 )

@@ -81,6 +81,7 @@ from megarl.config.model_dims import ModelDims
 from megarl.models import hf_mapping as hm
 from megarl.parallel.layout import ParallelLayout
 from megarl.rollout.base import WeightSink
+from megarl.rollout.reshard.make_plan import make_reshard_plan
 from megarl.rollout.reshard.plan import (
     DEFAULT_BUCKET_BYTES,
     Bucket,
@@ -88,7 +89,6 @@ from megarl.rollout.reshard.plan import (
     ParamTransfer,
     ReshardPlan,
     SlicePiece,
-    make_reshard_plan,
 )
 
 __all__ = [
