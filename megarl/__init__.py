@@ -6,3 +6,7 @@ weights), ``checkpoint`` (distributed checkpoints), ``algo`` (pure RL math), ``r
 resharding to vLLM), ``reward``, ``data``, ``trainer``, ``tracking``; ``commands`` and ``cli``
 are the command line.
 """
+
+from megarl.parallel.import_hooks import install as _install_import_hooks
+
+_install_import_hooks()  # skips two costly third-party imports megarl never uses

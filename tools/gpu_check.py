@@ -290,7 +290,7 @@ def _train(model: str, shape: str, run_dir: Path, cuda: bool, runner: str | None
     from megarl.config.model_dims import ModelDims
     from megarl.data.synthetic import write_synthetic_data
     from megarl.parallel.layout import ParallelLayout
-    from megarl.rollout.reshard.plan import make_reshard_plan
+    from megarl.rollout.reshard.make_plan import make_reshard_plan
 
     data = run_dir.parent / "data"
     if not (data / "train.parquet").exists():

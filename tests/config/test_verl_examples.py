@@ -36,6 +36,7 @@ TWO_RANKS = {
     "actor_rollout_ref.rollout.name": "actor",  # the trainer's own sampler: no vLLM start here
     "trainer.total_training_steps": "2",
     "trainer.test_freq": "-1",
+    "data.val_max_samples": "8",  # verl validates before training: 8 prompts, not all 512
     "trainer.logger": "['console']",
 }
 
@@ -96,6 +97,7 @@ def test_a_verl_example_trains_two_steps_on_two_ranks(script, files, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     steps = [r["step"] for r in records if "actor/pg_loss" in r["metrics"]]
     assert steps == [1, 2], records
+    assert "val/score/mean" in records[0]["metrics"] and records[0]["step"] == 0, records[0]
     if script.startswith("ppo"):
         assert all("critic/vf_loss" in r["metrics"] for r in records if r["step"] in steps)
 

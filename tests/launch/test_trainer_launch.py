@@ -120,6 +120,9 @@ def test_two_process_training_is_one_mlflow_run(tmp_path, tiny_overrides, monkey
             ["launch/torchrun_local.sh", "configs/grpo_tiny_cpu.yaml",
              f"trainer.default_local_dir={tmp_path}/run", "trainer.total_training_steps=2",
              "trainer.logger=[console,mlflow,wandb,tensorboard]",
+             # the trainer's own sampler (no vLLM start) and 16 validation prompts: what is
+             # under test is the tracking, not the rollout
+             "actor_rollout_ref.rollout.name=actor", "data.val_max_samples=16",
              f"trainer.tracking_uri={server.uri}",
              "trainer.project_name=trainer-test", *tiny_overrides],
             cwd=REPO, capture_output=True, text=True, timeout=900, check=False,
