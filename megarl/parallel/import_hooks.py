@@ -71,7 +71,7 @@ class _Hook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self) -> None:
         self._loaders: dict[str, importlib.abc.Loader] = {}
 
-    def find_spec(self, fullname, path, target=None):  # noqa: ANN001 (importlib's signature)
+    def find_spec(self, fullname, path, target=None):
         if fullname not in _AROUND:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
@@ -81,7 +81,7 @@ class _Hook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         spec.loader = self
         return spec
 
-    def create_module(self, spec):  # noqa: ANN001
+    def create_module(self, spec):
         return self._loaders[spec.name].create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:

@@ -26,6 +26,14 @@ and the engine refuses to start without one, rather than run every response to `
 Log-probs come back as vLLM's ``FlatLogprobs`` (``flat_logprobs=True``), a few flat lists per
 response instead of a dict and a ``Logprob`` per token; :func:`sampled_logprobs` reads both forms.
 
+Compilation on CPU: with ``enforce_eager`` vLLM compiles no model graph, but three helpers are
+``torch.compile``-decorated regardless (the TP embedding's vocabulary mask, the log-prob rank
+count, the top-k/top-p mask) and Inductor compiles each on its first call in every rank, ~5 s a
+launch on two cores for ops over a few hundred tokens. Without CUDA the engine therefore sets
+``torch.compiler.set_stance("force_eager")`` before starting vLLM: those helpers run eagerly
+(integer masks and counts: the same results), and nothing else in a CPU rank compiles
+(:mod:`megarl.parallel.import_hooks`). On GPU nothing changes.
+
 vLLM is imported lazily, only here.
 """
 
@@ -474,6 +482,8 @@ def _start_llm(model_path: str, kwargs: dict[str, Any]) -> Any:
     """``vllm.LLM(model_path, **kwargs)`` in this process, leaving the trainer's state alone."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
     os.environ.setdefault(MODEL_RUNNER_ENV, "0")  # V1 runner unless asked (module docstring)
+    if not torch.cuda.is_available():
+        torch.compiler.set_stance("force_eager")  # (module docstring)
     _quiet_expected_vllm_warnings()
     # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process;
     # training code sharing the process keeps the real one.

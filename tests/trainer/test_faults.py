@@ -3,12 +3,15 @@
 Launches are the cost (each imports Megatron on two ranks), so they are few and each serves
 several checks:
 
-- the stop diamond (5 launches): an uninterrupted 4-step reference; then one run stopped by
-  SIGUSR1 before scoring (step 1), resumed and stopped by SIGTERM while its scorer is scoring
-  (step 2), resumed and stopped by SIGTERM before scoring (step 3), and resumed to the end.
-  Each stop: exit 0, a checkpoint of the step in flight, the launcher's acknowledgement and the
-  trainer's stop line, no traceback, no process of the launch alive (scoring workers included).
-  The resumed run equals the reference (metrics of every step, prompts, final weights);
+- the stop diamond (6 launches), PPO with a critic (``gae``, ``ppo_epochs`` 2, adaptive KL in
+  the reward, whose coefficient moves every step): an uninterrupted 5-step reference; then one
+  run stopped by SIGUSR1 before scoring (step 1), resumed and stopped by SIGTERM while its
+  scorer is scoring (step 2), resumed and stopped by SIGTERM before scoring (step 3), resumed and
+  stopped by SIGTERM to rank 1 alone (step 4), and resumed to the end. Each stop: exit 0, a
+  checkpoint of the step in flight (the critic's included), the trainer's stop line, no
+  traceback, no process of the launch alive (scoring workers included); the launcher's
+  acknowledgement for the signals sent to it. The resumed run equals the reference (metrics of
+  every step, the KL coefficient included, prompts, final weights);
 - ``kill -9`` of the launcher (1 launch): nothing of the launch runs 40 s later;
 - ``kill -9`` of rank 1 (1 launch): exit 1, one line naming rank 1 and SIGKILL;
 - an error inside the ranks (1 launch: the scorer raises): exit 2, the first rank's ``error:``
@@ -53,6 +56,19 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, hold
     return float(len(solution_str) % 3 == 0)
 """
 LAUNCH_TIMEOUT_S = 600
+PPO = (
+    "algorithm.adv_estimator=gae",
+    "actor_rollout_ref.actor.ppo_epochs=2",  # the critic's too
+    "algorithm.use_kl_in_reward=true",
+    "algorithm.kl_ctrl.type=adaptive",
+    "algorithm.kl_ctrl.kl_coef=0.2",
+    "algorithm.kl_ctrl.target_kl=0.01",
+    "algorithm.kl_ctrl.horizon=40",
+    "trainer.total_training_steps=5",
+    "trainer.save_freq=5",
+)
+"""The stop diamond's run: PPO with a critic, which is saved and restored beside the actor, and
+the adaptive KL controller, whose coefficient is restored from trainer_state.json."""
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +162,7 @@ def _stop(tiny: dict, run_dir: Path, sig: signal.Signals, step: int, during_scor
     if during_scoring:
         hold.touch()
     before = _announcements(run_dir)
-    proc = _start(tiny, run_dir)
+    proc = _start(tiny, run_dir, *PPO)
     _wait_for(lambda: _announced(run_dir, before), "the run to start")
     if during_scoring:
         _wait_for((hold.parent / "hold.scoring").exists, "scoring")
@@ -159,28 +175,57 @@ def _stop(tiny: dict, run_dir: Path, sig: signal.Signals, step: int, during_scor
     assert f"megarl: {sig.name} received" in out and "Traceback" not in out, out
     assert f"stopped after step {step}" in out and "error" not in out, out
     assert "megarl: finished" not in out, out
-    assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == str(step)
-    assert not (run_dir / "STOP").exists()
+    _check_saved(run_dir, step)
     assert _survivors(tree, timeout=10) == []
     return out
 
 
+def _stop_rank_1(tiny: dict, run_dir: Path, step: int) -> None:
+    """Launch, send SIGTERM to rank 1 alone once the run started, check the stop."""
+    before = _announcements(run_dir)
+    proc = _start(tiny, run_dir, *PPO)
+    _wait_for(lambda: _announced(run_dir, before), "the run to start")
+    tree = _tree(proc)
+    rank1 = next(
+        p for p in tree if p.environ().get("RANK") == "1" and "megarl.train" in p.cmdline()
+    )
+    rank1.send_signal(signal.SIGTERM)
+    code, out = _finish(proc)
+    assert code == 0 and "Traceback" not in out and "error" not in out, out[-4000:]
+    rank1_log = (run_dir / "logs" / "rank1.log").read_text()
+    assert f"stopped after step {step} (SIGTERM on rank 1)" in rank1_log
+    _check_saved(run_dir, step)
+    assert _survivors(tree, timeout=10) == []
+
+
+def _check_saved(run_dir: Path, step: int) -> None:
+    assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == str(step)
+    assert (run_dir / f"global_step_{step}" / "critic").is_dir()
+    assert not (run_dir / "STOP").exists()
+
+
 def test_stops_save_the_step_in_flight_and_the_relaunch_equals_the_uninterrupted_run(tiny):
     straight = tiny["root"] / "straight"
-    code, out = _finish(_start(tiny, straight))
+    code, out = _finish(_start(tiny, straight, *PPO))
     assert code == 0, out[-4000:]
     run_dir = tiny["root"] / "stopped"
     _stop(tiny, run_dir, signal.SIGUSR1, step=1, during_scoring=False)
     _stop(tiny, run_dir, signal.SIGTERM, step=2, during_scoring=True)
     _stop(tiny, run_dir, signal.SIGTERM, step=3, during_scoring=False)
-    code, out = _finish(_start(tiny, run_dir))
-    assert code == 0 and f"resumed from {run_dir / 'global_step_3'}" in out, out[-4000:]
+    _stop_rank_1(tiny, run_dir, step=4)
+    code, out = _finish(_start(tiny, run_dir, *PPO))
+    assert code == 0 and f"resumed from {run_dir / 'global_step_4'}" in out, out[-4000:]
+    steps = (1, 2, 3, 4, 5)
     ref, got = read_metrics(straight), read_metrics(run_dir)
-    worst = max(_largest_difference(ref[s], got[s]) for s in (1, 2, 3, 4))
-    weights = _weight_difference(straight, run_dir)
+    assert "critic/vf_loss" in ref[5]
+    coef = "actor/reward_kl_penalty_coeff"
+    assert ref[2][coef] != 0.2  # adapted after step 1
+    assert [got[s][coef] for s in steps] == [ref[s][coef] for s in steps]
+    worst = max(_largest_difference(ref[s], got[s]) for s in steps)
+    weights = _weight_difference(straight, run_dir, step=5)
     print(f"stop diamond: metrics {worst:.3g}, weights {weights:.3g}")
     assert worst == 0.0 and weights == 0.0
-    assert all(rollout_prompts(straight, s) == rollout_prompts(run_dir, s) for s in (1, 2, 3, 4))
+    assert all(rollout_prompts(straight, s) == rollout_prompts(run_dir, s) for s in steps)
 
 
 def test_kill_9_of_the_launcher_leaves_nothing_running(tiny):
