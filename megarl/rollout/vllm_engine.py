@@ -28,8 +28,9 @@ response instead of a dict and a ``Logprob`` per token; :func:`sampled_logprobs`
 
 Compilation on CPU: with ``enforce_eager`` vLLM compiles no model graph, but three helpers are
 ``torch.compile``-decorated regardless (the TP embedding's vocabulary mask, the log-prob rank
-count, the top-k/top-p mask) and Inductor compiles each on its first call in every rank, ~5 s a
-launch on two cores for ops over a few hundred tokens. Without CUDA the engine therefore sets
+count, the top-k/top-p mask) and Inductor compiles each on its first call in every rank: a
+2-step quickstart took 67 s with them and 50 s without, on two cores, for ops over a few hundred
+tokens. Without CUDA the engine therefore sets
 ``torch.compiler.set_stance("force_eager")`` before starting vLLM: those helpers run eagerly
 (integer masks and counts: the same results), and nothing else in a CPU rank compiles
 (:mod:`megarl.parallel.import_hooks`). On GPU nothing changes.

@@ -1,0 +1,39 @@
+"""megarl's import hooks (megarl/parallel/import_hooks.py), in a fresh interpreter: without CUDA
+Megatron's JIT fuser is the identity (Inductor never imported), and loading a tokenizer leaves
+scikit-learn unimported while it stays importable."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+PROBE = """
+import sys, torch
+import megarl
+import megatron.core
+from megatron.core import jit
+from transformers import AutoTokenizer  # noqa: F401 (imports transformers.generation)
+import transformers.generation.candidate_generator
+print("fuser", jit.jit_fuser.__name__, "cuda", torch.cuda.is_available())
+print("inductor", "torch._inductor.compile_fx" in sys.modules)
+print("sklearn", "sklearn" in sys.modules)
+import sklearn.metrics  # noqa: F401
+print("sklearn importable")
+"""
+
+
+def test_no_fuser_compile_and_no_sklearn_import_without_cuda():
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    if "cuda True" in lines[0]:
+        assert lines[0] == "fuser compile cuda True"  # with CUDA Megatron keeps torch.compile
+    else:
+        assert lines[0] == "fuser noop_decorator cuda False"
+        assert lines[1] == "inductor False"
+    assert lines[2:] == ["sklearn False", "sklearn importable"]
