@@ -34,7 +34,9 @@ def run(config_paths: Sequence[str], overrides: Sequence[str]) -> int:
         for message in warnings:
             print(f"warning: {message}", file=sys.stderr)
     from megarl import trainer
+    from megarl.parallel.gate import pass_gate
 
+    pass_gate(trainer.preload)  # ``megarl train`` checks the run meanwhile
     result = trainer.main(cfg)
     return result if isinstance(result, int) else 0
 

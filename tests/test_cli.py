@@ -163,6 +163,7 @@ def test_keys_show_resolved_defaults_of_following_keys(capsys):
 def _fake_trainer(monkeypatch, with_main: bool = True) -> list:
     calls: list = []
     module = types.ModuleType("megarl.trainer")
+    module.preload = lambda: None  # what a rank imports while megarl train's pre-flight runs
     if with_main:
         module.main = lambda cfg: calls.append(cfg) or 0
     monkeypatch.setitem(sys.modules, "megarl.trainer", module)

@@ -12,6 +12,11 @@ the ranks.
   launcher dies, ``kill -9`` included), each rank sets the same against torchrun
   (:func:`megarl.train.run`), and scoring workers and checkpoint writers against their rank:
   the kernel takes the whole tree down.
+- **Checked while the ranks start.** With ``preflight`` (``megarl train``'s checks), torchrun
+  starts at once; each rank imports what its set-up needs and waits at a gate
+  (:mod:`megarl.parallel.gate`) until the checks have passed. A problem
+  kills torchrun, and with it the ranks, before anything is written; a stop signal meanwhile
+  does the same (exit 128 + the signal).
 - **One line.** torchrun's own output (its log lines and ``ChildFailedError`` report) and
   whatever the ranks write to stderr go to ``<run dir>/logs/torchrun.log``; the console keeps
   megarl's own lines (``megarl: ...``, ``warning: ...``; rank 0's progress goes to stdout
@@ -26,12 +31,16 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
+from megarl.parallel.gate import GATE_ENV, open_gate
 from megarl.tracking.paths import STOP_FILE
 
 EXIT_INPUT_ERROR = 2
@@ -87,15 +96,25 @@ def run_torchrun(
     run_dir: Path,
     *,
     log_path: Path | None = None,
+    preflight: Callable[[], str | None] | None = None,
     **popen,
 ) -> int:
     """Run ``command`` (torchrun) as described in the module docstring; its exit status.
-    torchrun's output goes to ``log_path`` (default ``<run dir>/logs/torchrun.log``)."""
+    torchrun's output goes to ``log_path`` (default ``<run dir>/logs/torchrun.log``).
+
+    ``preflight`` (the run's checks: the first problem as one line, or None) runs here while the
+    ranks start and import; they wait at a gate (:mod:`megarl.parallel.gate`) until it has
+    passed. A problem is printed as ``error: ...`` with exit 2; torchrun is killed before a rank
+    has done anything (nothing written, not even the log)."""
     run_dir = Path(run_dir)
     log_path = Path(log_path) if log_path is not None else run_dir / "logs" / LOG_NAME
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     stop_file = run_dir / STOP_FILE
     verbose = env.get("MEGARL_VERBOSE", "0") not in ("", "0")
+    gate_dir = tempfile.mkdtemp(prefix="megarl-gate-") if preflight is not None else None
+    if gate_dir is not None:
+        env = {**env, GATE_ENV: os.path.join(gate_dir, "go")}
+    else:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
     child = subprocess.Popen(
         [sys.executable, "-c", _EXEC_DYING_WITH_PARENT, str(os.getpid()), *command[1:]],
         env=env,
@@ -103,6 +122,20 @@ def run_torchrun(
         start_new_session=True,
         **popen,
     )
+    if gate_dir is not None:
+        try:
+            problem = _open_gate(child, preflight, gate_dir)
+        except _Stopped as stopped:
+            name = signal.Signals(stopped.signum).name
+            print(
+                f"megarl: {name} received during the pre-flight: stopped, nothing ran",
+                file=sys.stderr,
+            )
+            return 128 + stopped.signum
+        if problem is not None:
+            print(f"error: {problem}", file=sys.stderr)
+            return EXIT_INPUT_ERROR
+        log_path.parent.mkdir(parents=True, exist_ok=True)
     requested: list[str] = []
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -136,6 +169,8 @@ def run_torchrun(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if gate_dir is not None:
+            shutil.rmtree(gate_dir, ignore_errors=True)
     if requested:
         stop_file.unlink(missing_ok=True)  # honoured, or the run ended first: not for the next
     if code == 0:
@@ -147,6 +182,41 @@ def run_torchrun(
     summary, code = _failure_summary(log_path, errors, code)
     print(summary, file=sys.stderr)
     return code
+
+
+class _Stopped(BaseException):
+    """A stop signal during the pre-flight (nothing has run: stop at once)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _open_gate(child: subprocess.Popen, preflight, gate_dir: str) -> str | None:
+    """Run ``preflight`` while ``child`` (torchrun) starts; on a problem (or an exception, Ctrl-C
+    included) kill it and its ranks, else let the ranks through (:mod:`megarl.parallel.gate`).
+    The problem or None."""
+    problem: str | None = "the pre-flight did not finish"
+
+    def stop(signum: int, _frame: object) -> None:
+        raise _Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    try:
+        problem = preflight()
+        if problem is None:
+            open_gate(os.path.join(gate_dir, "go"))
+        return problem
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if problem is not None:  # the ranks die with torchrun (their parent-death signal)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            assert child.stderr is not None
+            child.stderr.close()
+            shutil.rmtree(gate_dir, ignore_errors=True)
 
 
 def _failure_summary(log_path: Path, errors: list[str], code: int) -> tuple[str, int]:

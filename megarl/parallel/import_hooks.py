@@ -1,8 +1,8 @@
-"""Two third-party imports that cost every megarl process seconds and give it nothing.
+"""Three third-party imports that cost every megarl process seconds and give it nothing.
 
 Every launch starts the launcher, torchrun and one process per rank, and each imports Torch,
 Megatron-Core and transformers before doing anything; on two cores a tiny run spent more time
-importing than training. Two of those imports are pure waste for megarl, and this module skips
+importing than training. Three of those imports are pure waste for megarl, and this module skips
 them, at import time, in every process that imports megarl first (``megarl/__init__.py`` calls
 :func:`install`; it imports nothing itself, so the CLI's fast paths stay torch-free):
 
@@ -21,6 +21,15 @@ them, at import time, in every process that imports megarl first (``megarl/__ini
   executes, transformers' ``is_sklearn_available`` answers False, so the module binds that answer
   and skips the tuning as it does where scikit-learn is absent; scikit-learn itself stays
   importable (a reward function may use it).
+* **wandb under Megatron's inference engine and timers.** Megatron's model code imports
+  ``megatron.core.inference``, whose dynamic context and engine (and ``megatron.core.timers``)
+  ``import wandb`` when it is installed, for their own metric logging, which megarl never turns
+  on. The import costs ~0.8 s a process, and wandb creates two temporary directories
+  (``tmp*wandb-media``, ``tmp*wandb-artifacts``) that only a normal interpreter exit removes: a
+  rank ended by ``os._exit`` or a signal left them in ``/tmp`` on every run. While those modules
+  execute, ``import wandb`` raises ImportError (``sys.modules["wandb"] = None``), so they bind
+  ``wandb = None`` as where it is not installed. When wandb is already imported (megarl's own
+  wandb sink), nothing changes.
 
 Each hook is a meta-path finder for one module name that defers to the normal path finder and
 wraps only the loader's ``exec_module``.
@@ -36,6 +45,11 @@ from types import ModuleType
 
 _JIT = "megatron.core.jit"
 _CANDIDATES = "transformers.generation.candidate_generator"
+_MEGATRON_WANDB = (
+    "megatron.core.inference.contexts.dynamic_context",
+    "megatron.core.inference.engines.dynamic_engine",
+    "megatron.core.timers",
+)
 
 
 def _fuser_off_without_cuda(exec_module: Callable[[ModuleType], None], module: ModuleType) -> None:
@@ -57,9 +71,22 @@ def _without_sklearn(exec_module: Callable[[ModuleType], None], module: ModuleTy
         transformers.utils.is_sklearn_available = available
 
 
+def _without_wandb(exec_module: Callable[[ModuleType], None], module: ModuleType) -> None:
+    if "wandb" in sys.modules:
+        exec_module(module)
+        return
+    sys.modules["wandb"] = None  # type: ignore[assignment] -- the documented "not importable"
+    try:
+        exec_module(module)
+    finally:
+        if sys.modules.get("wandb", 0) is None:
+            del sys.modules["wandb"]
+
+
 _AROUND: dict[str, Callable[[Callable[[ModuleType], None], ModuleType], None]] = {
     _JIT: _fuser_off_without_cuda,
     _CANDIDATES: _without_sklearn,
+    **dict.fromkeys(_MEGATRON_WANDB, _without_wandb),
 }
 """module name -> how to run its ``exec_module``."""
 

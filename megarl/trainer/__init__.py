@@ -13,3 +13,13 @@ def main(cfg: Any) -> int:
     from megarl.trainer.loop import main_entry
 
     return main_entry(cfg)
+
+
+def preload() -> None:
+    """Import what a rank's set-up needs (torch, Megatron, transformers' tokenizers; ~10 s), as
+    ranks do while ``megarl train``'s pre-flight runs. No other effect."""
+    from transformers import AutoTokenizer  # noqa: F401 -- the lazy module loads here
+
+    import megarl.tracking
+    import megarl.trainer.setup
+    import megarl.trainer.step  # noqa: F401

@@ -1,6 +1,7 @@
 """megarl's import hooks (megarl/parallel/import_hooks.py), in a fresh interpreter: without CUDA
-Megatron's JIT fuser is the identity (Inductor never imported), and loading a tokenizer leaves
-scikit-learn unimported while it stays importable."""
+Megatron's JIT fuser is the identity (Inductor never imported), loading a tokenizer leaves
+scikit-learn unimported, and Megatron's model code leaves wandb unimported (no temporary
+directories behind a rank), while both stay importable."""
 
 from __future__ import annotations
 
@@ -21,10 +22,15 @@ print("inductor", "torch._inductor.compile_fx" in sys.modules)
 print("sklearn", "sklearn" in sys.modules)
 import sklearn.metrics  # noqa: F401
 print("sklearn importable")
+import megarl.trainer.setup  # noqa: F401 (Megatron's GPT model, optimizer, inference engine)
+import megatron.core.timers
+print("wandb", "wandb" in sys.modules, megatron.core.timers.wandb)
+import wandb  # noqa: F401
+print("wandb importable")
 """
 
 
-def test_no_fuser_compile_and_no_sklearn_import_without_cuda():
+def test_no_fuser_compile_no_sklearn_and_no_wandb_import_without_cuda():
     done = subprocess.run(
         [sys.executable, "-c", PROBE],
         cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
@@ -36,4 +42,6 @@ def test_no_fuser_compile_and_no_sklearn_import_without_cuda():
     else:
         assert lines[0] == "fuser noop_decorator cuda False"
         assert lines[1] == "inductor False"
-    assert lines[2:] == ["sklearn False", "sklearn importable"]
+    assert lines[2:] == [
+        "sklearn False", "sklearn importable", "wandb False None", "wandb importable"
+    ]  # fmt: skip

@@ -8,6 +8,7 @@ past the pre-flight would launch torchrun, which the ``no_launch`` fixture turns
 from __future__ import annotations
 
 import shutil
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -49,12 +50,18 @@ def tiny(tmp_path_factory) -> dict:
 
 @pytest.fixture
 def no_launch(monkeypatch):
+    """torchrun never starts: the launcher's pre-flight (which runs while the ranks start,
+    tests/trainer/test_train_command.py) runs here alone, its problem printed as there."""
     from megarl.commands import launch
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("the pre-flight let this through to torchrun")
+    def preflight_only(*args, preflight, **kwargs):
+        problem = preflight()
+        if problem is None:
+            raise AssertionError("the pre-flight let this through to torchrun")
+        print(f"error: {problem}", file=sys.stderr)
+        return launch.EXIT_INPUT_ERROR
 
-    monkeypatch.setattr(launch, "run_torchrun", refuse)
+    monkeypatch.setattr(launch, "run_torchrun", preflight_only)
 
 
 CASES = [

@@ -1,10 +1,16 @@
-"""Bad input to ``megarl train`` gets one line and exit 2 before any process is launched."""
+"""Bad input to ``megarl train`` gets one line and exit 2 before any rank has done anything."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import REPO
@@ -42,3 +48,66 @@ def test_bad_input_is_one_line_and_exit_2(tiny, override, named):
     assert done.returncode == 2, done.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     assert named in lines[0] and "Traceback" not in done.stderr
+
+
+SLOW_TO_CHECK = """
+import os, time
+
+if "RANK" not in os.environ:  # the launcher's pre-flight loads this file: hold it there
+    open(HOLD + ".checking", "w").close()
+    while not os.path.exists(HOLD):
+        time.sleep(0.05)
+    if os.path.exists(HOLD + ".fail"):
+        raise ImportError("no module named 'sandbox'")
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return 0.0
+"""
+
+
+def _wait(predicate, what: str, timeout: float = 120.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_ranks_start_during_the_preflight_and_wait_for_it(tiny, tmp_path):
+    """The ranks import while ``megarl train`` checks the run, then wait at its gate: held there
+    by a pre-flight that has not finished, they have written nothing; when it then fails, the
+    one line is the pre-flight's and no process, log or gate is left."""
+    hold = tmp_path / "hold"
+    scorer = tmp_path / "scorer.py"
+    scorer.write_text(f"HOLD = {str(hold)!r}\n" + SLOW_TO_CHECK)
+    run_dir, gates = tmp_path / "run", tmp_path / "tmp"
+    gates.mkdir()
+    env = {**os.environ, "TMPDIR": str(gates), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megarl.cli", "train", "-c", CONFIG, *tiny,
+         "actor_rollout_ref.rollout.name=actor", f"trainer.default_local_dir={run_dir}",
+         f"custom_reward_function.path={scorer}", "custom_reward_function.name=compute_score"],
+        cwd=REPO, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait(lambda: Path(f"{hold}.checking").exists(), "the pre-flight to load the scorer")
+        _wait(lambda: len(list(gates.glob("megarl-gate-*/go.waiting.rank*"))) == 2,
+              "both ranks at the gate")  # fmt: skip
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        ranks = [p for p in tree if "torch.distributed.run" not in " ".join(p.cmdline())]
+        assert len(ranks) == 2
+        time.sleep(2)  # a rank through the gate would open its log at once
+        assert not (run_dir / "logs").exists(), list((run_dir / "logs").iterdir())
+        Path(f"{hold}.fail").touch()
+        hold.touch()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 2, err[-3000:]
+    assert len(lines) == 1 and "custom_reward_function.path=" in lines[0], lines
+    assert "sandbox" in lines[0]
+    _wait(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks),
+          "the ranks to end", timeout=10)  # fmt: skip
+    assert not (run_dir / "logs").exists() and not list(gates.glob("megarl-gate-*"))
