@@ -197,5 +197,12 @@ def _summary(cfg: MegarlConfig, world_size: int | None) -> str:
     )
 
 
+def entry() -> None:
+    """The ``megarl`` console script: :func:`main`, then a fast exit."""
+    from megarl.parallel.fast_exit import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

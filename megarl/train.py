@@ -57,4 +57,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megarl.parallel.fast_exit import exit_process
+
+    exit_process(main())

@@ -75,4 +75,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megarl.parallel.fast_exit import exit_process
+
+    exit_process(main())

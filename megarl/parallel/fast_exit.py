@@ -1,0 +1,32 @@
+"""End a finished megarl process without the interpreter's teardown.
+
+A rank that has trained, saved and said its last line still spends ~2 s in Python's
+finalization (freeing every module of torch, Megatron, transformers and vLLM, destroying the
+process groups' C++ objects), and the launcher ~1.5 s, on every launch. :func:`exit_process`
+does what the interpreter does first — join the non-daemon threads, run the ``atexit``
+handlers (multiprocessing's finalizers among them: a Manager is shut down there), flush the
+standard streams — and then ends the process with ``os._exit``. Only for a process's last
+statement (``if __name__ == "__main__":``), never where a caller goes on afterwards.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+from typing import NoReturn
+
+
+def exit_process(code: int | None) -> NoReturn:
+    """Exit with ``code`` (None: 0) as described in the module docstring."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # the interpreter's own exit step, run here
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing left to write
+            pass
+    os._exit(code or 0)
