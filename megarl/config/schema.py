@@ -129,6 +129,18 @@ class CheckpointConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    """``*.megatron.router_replay.*``: routing replay of a Mixture-of-Experts actor (verl's
+    section; :mod:`megarl.models.routing`). ``disabled``: every forward routes afresh. ``R2``:
+    the update's forwards route each token to the experts the old-log-prob forward chose.
+    ``R3`` (the rollout engine's routing) is refused: vLLM returns routed experts only with its
+    GPU Model Runner V2."""
+
+    mode: Literal["disabled", "R2", "R3"] = "disabled"
+    """R2: the update routes each token as the old-log-prob forward did; R3 is not available."""
+
+
+@dataclass
 class DDPConfig:
     """``*.megatron.override_ddp_config.*``: Megatron ``DistributedDataParallelConfig`` fields
     (verl's section; megarl types the keys it supports and turns the overlaps on by default,
@@ -194,6 +206,8 @@ class MegatronConfig:
     """Initial weights from dist_checkpointing_path, not model.path (config, tokenizer: still)."""
     dist_checkpointing_path: str | None = None
     """A Megatron distributed checkpoint (`megarl convert hf-to-megatron`), saved at any TP×PP."""
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    """Routing replay (MoE actor only)."""
 
     def parallel_layout(self) -> ParallelLayout:
         """This section's grid sizes as the one layout type."""

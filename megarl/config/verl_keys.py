@@ -36,6 +36,7 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     ("*._target_", "Hydra instantiation target; megarl's config is typed, drop it"),
     ("*.*._target_", "Hydra instantiation target; megarl's config is typed, drop it"),
     ("*.*.*._target_", "Hydra instantiation target; megarl's config is typed, drop it"),
+    ("*.*.*.*._target_", "Hydra instantiation target; megarl's config is typed, drop it"),
     # -- whole sections ------------------------------------------------------------------------
     ("ray_kwargs", _NO_RAY),
     ("transfer_queue", "no transfer queue: rollout and training are colocated"),
@@ -84,7 +85,7 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     *_each(ROLES, "optim.use_layer_wise_distributed_optimizer", "the distributed optimizer shards over DP"),
     *_each(ROLES, "optim.muon_*", "no Muon optimizer (adam or sgd)"),
     *_each(ROLES, "optim.override_optimizer_config", "Megatron's OptimizerConfig is built from optim.*"),
-    *_each(ROLES, "megatron.router_replay", "routing replay (R2/R3) is not implemented: MoE trains without it (verl's default, disabled)"),
+    *_each(ROLES, "megatron.router_replay.*_file", "routing is replayed in memory within each step"),
     *_each(ROLES, "megatron.dist_checkpointing_prefix", "checkpoint keys are the model's own, unprefixed"),
     *_each(ROLES, "megatron.dist_ckpt_optim_fully_reshardable", "optimizer checkpoints are always fully reshardable"),
     *_each(ROLES, "megatron.distrib_optim_fully_reshardable_mem_efficient", "optimizer checkpoints are always fully reshardable"),

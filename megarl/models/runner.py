@@ -53,6 +53,7 @@ from megarl.models.logprobs import (
     vocab_parallel_log_probs_and_entropy,
     vocab_parallel_sum_pi_squared,
 )
+from megarl.models.routing import Routing
 from megarl.parallel.collectives import all_gather_tensors
 
 Outputs = dict[str, torch.Tensor]
@@ -99,6 +100,9 @@ class LogProbs:
     entropy: torch.Tensor
     sum_pi_squared: torch.Tensor | None = None
     """sum_v pi(v)^2 of each position's distribution (optimal-token-baseline estimators)."""
+    routing: torch.Tensor | None = None
+    """The experts each token was routed to, ``[N, layers, positions, k]`` of this pipeline
+    rank's MoE layers (:mod:`megarl.models.routing`; when recorded)."""
 
 
 def response_mask(prompt_lengths: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -214,9 +218,12 @@ def compute_log_probs(
     micro_batches: MicroBatches,
     temperature: float = 1.0,
     sum_pi_squared: bool = False,
+    routing: Routing | None = None,
 ) -> LogProbs:
     """Log-probs and entropy ``[N, R]`` of every response token (forward only); with
-    ``sum_pi_squared`` also sum_v pi(v)^2 at each of those positions (same forward pass)."""
+    ``sum_pi_squared`` also sum_v pi(v)^2 at each of those positions (same forward pass); with a
+    recording ``routing`` also the MoE routers' choices (``LogProbs.routing``), with a replaying
+    one the routers replay the batch's ``routing`` extra (:mod:`megarl.models.routing`)."""
     out = _run(
         chunks,
         batch,
@@ -225,9 +232,10 @@ def compute_log_probs(
         vocab_size=vocab_size,
         temperature=temperature,
         sum_pi_squared=sum_pi_squared,
+        routing=routing,
     )
     t = out.tensors
-    return LogProbs(t["log_probs"], t["entropy"], t.get("sum_pi_squared"))
+    return LogProbs(t["log_probs"], t["entropy"], t.get("sum_pi_squared"), out.routing)
 
 
 def compute_values(
@@ -256,6 +264,7 @@ def forward_backward(
     vocab_size: int | None = None,
     temperature: float = 1.0,
     keep_outputs: bool = False,
+    routing: Routing | None = None,
 ):
     """Forward and backward of one mini-batch; returns each micro-batch's metrics (every rank),
     and with ``keep_outputs`` also the outputs ``[N, R]`` (log-probs and entropy, or values) of
@@ -264,6 +273,9 @@ def forward_backward(
     Gradients accumulate in the chunks (Megatron DDP buffers when wrapped); step the optimizer
     afterwards. An actor (``vocab_size`` given) passes ``log_probs`` and ``entropy`` to
     ``loss_fn``, a critic (``vocab_size`` None) ``values``. Scaling: see the module docstring.
+    ``routing`` (a replaying :class:`~megarl.models.routing.Routing`): the MoE routers replay
+    the choices in the batch's ``routing`` extra (recorded by :func:`compute_log_probs`) and
+    count their agreement.
     """
     role = "actor" if vocab_size is not None else "critic"
     out = _run(
@@ -274,6 +286,7 @@ def forward_backward(
         vocab_size=vocab_size,
         temperature=temperature,
         loss_fn=loss_fn,
+        routing=routing,
     )
     return (out.metrics, out.tensors) if keep_outputs else out.metrics
 
@@ -282,6 +295,7 @@ def forward_backward(
 class _RunOutput:
     tensors: dict[str, torch.Tensor]
     metrics: list[dict[str, float]]
+    routing: torch.Tensor | None = None
 
 
 def _micro_batch_rows(n: int, micro_batches: MicroBatches, device: torch.device) -> list:
@@ -310,6 +324,7 @@ def _run(
     temperature: float = 1.0,
     loss_fn: LossFn | None = None,
     sum_pi_squared: bool = False,
+    routing: Routing | None = None,
 ) -> _RunOutput:
     if bool((batch.prompt_lengths < 1).any()) or bool((batch.lengths < batch.prompt_lengths).any()):
         raise ValueError("need 1 <= prompt_lengths <= lengths for every sequence")
@@ -348,6 +363,9 @@ def _run(
     outputs_of = _output_fn(role, r, vocab_size, temperature, sum_pi_squared)
     moe = bool(config.num_moe_experts)
     aux = _AuxLosses(len(micro)) if moe and training else None
+    recorded = None
+    if routing is not None and routing.mode == "record":
+        recorded = routing.empty(n, input_ids.shape[1])
 
     def forward_step(data_iterator, model):
         index, mb = next(data_iterator)
@@ -358,7 +376,11 @@ def _run(
         pads = {"padding_mask": pos >= mb["lengths"][:, None]} if moe else {}
         if aux is not None:
             aux.before()
+        if routing is not None:
+            routing.before(model, mb, seq)
         output = model(ids, pos, causal_mask(seq, ids.device), **pads)
+        if routing is not None:
+            routing.after(model, recorded, rows[index], seq)
         if aux is not None:
             aux.after(index, float(mb["lengths"].sum()))
 
@@ -391,6 +413,7 @@ def _run(
     out = _broadcast_results(names, collected, metrics, torch.cat(rows), n, r, device, dtype)
     if aux is not None:
         aux.add_shares(out.metrics, chunk_list, scale if ddp else float(lengths.sum()))
+    out.routing = recorded
     return out
 
 

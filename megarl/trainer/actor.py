@@ -35,6 +35,7 @@ from megarl.algo import (
     kl_penalty,
     micro_batch_generator,
 )
+from megarl.models.routing import ROUTING, Routing
 from megarl.models.runner import forward_backward
 from megarl.models.trainable import TrainableModel
 from megarl.parallel.init import device
@@ -107,6 +108,9 @@ def update_policy(
         names.append("ref_log_probs")
     if "rollout_is_weights" in batch.fields:
         names.append("rollout_is_weights")
+    replay = ROUTING in batch.fields and not current  # router_replay.mode=R2
+    if replay:
+        names.append(ROUTING)
 
     def keep(outputs: dict, mine: torch.Tensor) -> None:
         if current:
@@ -136,6 +140,7 @@ def update_policy(
         vocab_size=vocab_size,
         temperature=settings.temperature,
         keep=keep,
+        replay_routing=replay,
     )
     return {f"actor/{k}": v for k, v in metrics.items()}
 
@@ -153,15 +158,19 @@ def run_update(
     vocab_size: int | None = None,
     temperature: float = 1.0,
     keep=None,
+    replay_routing: bool = False,
 ) -> dict[str, float]:
     """``ppo_epochs`` × mini-batches of ``model``'s update: each mini-batch's loss comes from
     ``make_loss_fn(global_tokens, global_seqs)``, its gradient is reduced and stepped; returns
     metrics averaged over mini-batches (loss terms exact, token means token-weighted), the grad
-    norm, skipped steps and the learning rate."""
+    norm, skipped steps and the learning rate. ``replay_routing``: every forward replays the
+    batch's recorded MoE routing (R2), and ``router_agreement`` is the share of real tokens
+    whose routers, choosing afresh, would have picked the same experts."""
     dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
     dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     totals: dict[str, float] = defaultdict(float)
     count = 0
+    agreement = torch.zeros(2, dtype=torch.float64)
     for epoch in range(settings.ppo_epochs):
         order = seeded_generator(seed, f"{purpose}-mini-batches", step, epoch)
         for indices in mini_batches(
@@ -170,6 +179,7 @@ def run_update(
             tokens, seqs = count_tokens_and_seqs(batch.response_mask[indices])
             lengths = batch.lengths if settings.balance else None
             mine = dp_share(indices, dp_rank, dp_size, lengths)
+            routing = Routing(model.chunks, "replay") if replay_routing else None
             per_micro, outputs = forward_backward(
                 model.chunks,
                 batch.sequences(mine, names),
@@ -178,7 +188,10 @@ def run_update(
                 vocab_size=vocab_size,
                 temperature=temperature,
                 keep_outputs=True,
+                routing=routing,
             )
+            if routing is not None:
+                agreement += torch.stack([routing.agree, routing.tokens])
             if keep is not None:
                 keep(outputs, mine)
             sums = _sum_over_dp({k: sum(m[k] for m in per_micro) for k in per_micro[0]})
@@ -191,6 +204,10 @@ def run_update(
     metrics = {k: v / count for k, v in totals.items() if k != "skipped_steps"}
     metrics["skipped_steps"] = totals["skipped_steps"]
     metrics["lr"] = model.lr
+    if replay_routing:  # every rank's routers: each pipeline stage's layers, each DP share
+        agreement = agreement.to(device())
+        dist.all_reduce(agreement)
+        metrics["router_agreement"] = float(agreement[0] / agreement[1].clamp(min=1.0))
     return metrics
 
 

@@ -16,6 +16,7 @@ import torch
 from megatron.core import parallel_state
 
 from megarl.data import PromptSample
+from megarl.models.routing import ROUTING, Routing
 from megarl.models.runner import compute_log_probs
 from megarl.parallel.collectives import all_gather_tensors
 from megarl.parallel.init import device
@@ -111,6 +112,7 @@ def global_pass(
         )
     else:
         micro = fitting_micro_batch(len(rows), micro_batches or len(rows))
+    routing = None
     if role == "critic":
         outputs = {"values": compute_values(chunks, sequences, micro_batches=micro)}
     else:
@@ -118,8 +120,13 @@ def global_pass(
         outputs = {"log_probs": out.log_probs, "entropy": out.entropy}
         if out.sum_pi_squared is not None:
             outputs["sum_pi_squared"] = out.sum_pi_squared
+        routing = out.routing
     width = batch.response_mask.shape[1]
-    return {k: gather_dp(_pad_to(v, width), dp_size) for k, v in outputs.items()}
+    gathered = {k: gather_dp(_pad_to(v, width), dp_size) for k, v in outputs.items()}
+    if routing is not None:  # every position of every sequence, this pipeline rank's layers
+        local = _pad_positions(routing, batch.input_ids.shape[1]).int()  # NCCL, gloo: no int16
+        gathered[ROUTING] = gather_dp(local, dp_size).to(routing.dtype)
+    return gathered
 
 
 def fitting_micro_batch(rows: int, size: int) -> int:
@@ -129,6 +136,16 @@ def fitting_micro_batch(rows: int, size: int) -> int:
     while rows % size:
         size -= 1
     return size
+
+
+def _pad_positions(routing: torch.Tensor, width: int) -> torch.Tensor:
+    """Recorded routing ``[n, layers, positions, k]`` right-padded to ``width`` positions with
+    experts ``0..k-1`` (padding's routing, as :meth:`Routing.empty`)."""
+    n, layers, have, k = routing.shape
+    if have >= width:
+        return routing[:, :, :width]
+    fill = torch.arange(k, dtype=routing.dtype).expand(n, layers, width - have, k)
+    return torch.cat([routing, fill], dim=2)
 
 
 def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -161,19 +178,25 @@ def old_log_probs_are_current(run, num_responses: int) -> bool:
 
 def recompute_log_probs(run, batch: RolloutTensors) -> torch.Tensor | None:
     """The actor's log-probs of the rollout (``recomputed_log_probs``); returns sum_v pi^2 when
-    ``actor.calculate_sum_pi_squared`` asks for it."""
+    ``actor.calculate_sum_pi_squared`` asks for it. With ``router_replay.mode=R2`` the MoE
+    routers' choices are recorded too (``routing``), for the update to replay."""
     plan = run.plan.old_log_prob
-    old, _, sum_pi_squared = global_log_probs(
+    replay = run.cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R2"
+    out = global_pass(
         run.actor.chunks,
         batch,
-        vocab_size=run.vocab_size,
-        temperature=run.cfg.actor_rollout_ref.rollout.temperature,
+        "actor",
         micro_batches=plan.micro_batch_size,
         max_token_len=plan.max_token_len_per_gpu,
+        vocab_size=run.vocab_size,
+        temperature=run.cfg.actor_rollout_ref.rollout.temperature,
         sum_pi_squared=run.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared,
+        routing=Routing(run.actor.chunks, "record") if replay else None,
     )
-    batch.fields["recomputed_log_probs"] = old
-    return sum_pi_squared
+    batch.fields["recomputed_log_probs"] = out["log_probs"]
+    if replay:
+        batch.fields[ROUTING] = out[ROUTING]
+    return out.get("sum_pi_squared")
 
 
 def reference_log_probs(run, batch: RolloutTensors) -> None:

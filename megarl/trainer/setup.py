@@ -124,6 +124,7 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
     meg = arr.actor.megatron
     recompute = Recompute(meg.recompute_granularity, meg.recompute_method, meg.recompute_num_layers)
     moe = MoeSettings.from_dict(meg.override_transformer_config)  # verl's moe_* knobs
+    replay = {"moe_enable_routing_replay": True} if meg.router_replay.mode == "R2" else {}
     actor_model = build_role_model(
         initial_checkpoint(meg),
         model_path,
@@ -132,7 +133,7 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         transformer_impl=meg.transformer_impl,
         recompute=recompute,
         fusions=fusions(meg),
-        moe=moe,
+        moe=MoeSettings.from_dict({**meg.override_transformer_config, **replay}),
     )
     actor = TrainableModel(actor_model, optimizer_settings(cfg, total))
     settle(actor, cfg, "actor")

@@ -9,6 +9,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 GRPO = CONFIGS / "grpo_tiny_cpu.yaml"  # world 2: actor TP 2, rollout TP 2, 4 prompts x n=4
 PPO = CONFIGS / "ppo_tiny_cpu.yaml"  # world 2: actor/critic/ref TP 1 x PP 2, 8 prompts x n=1
 GRPO_7B = CONFIGS / "grpo_qwen2_5_7b.yaml"
+MOE_30B = CONFIGS / "grpo_qwen3_30b_a3b.yaml"  # Qwen3-30B-A3B, 2 nodes x 8, EP 8
 ARCH = "actor_rollout_ref.model.architecture"
 MEG = "actor_rollout_ref.actor.megatron"
 ROLL = "actor_rollout_ref.rollout"
@@ -376,5 +377,33 @@ BAD_CONFIGS = [
         ["actor_rollout_ref.model.path=null"],
         None,
         ["actor_rollout_ref.model.path is required"],
+    ),
+    (
+        "router-replay-r3",
+        MOE_30B,
+        [f"{MEG}.router_replay.mode=R3"],
+        None,
+        [f"{MEG}.router_replay.mode=R3", "Model Runner V2", "use R2"],
+    ),
+    (
+        "router-replay-dense",
+        GRPO_7B,
+        [f"{MEG}.router_replay.mode=R2"],
+        None,
+        [f"{MEG}.router_replay.mode=R2", "is dense"],
+    ),
+    (
+        "router-replay-full-recompute",
+        MOE_30B,
+        [f"{MEG}.router_replay.mode=R2", f"{MEG}.recompute_granularity=full"],
+        None,
+        [f"{MEG}.router_replay.mode=R2", "recompute_granularity"],
+    ),
+    (
+        "router-replay-on-the-reference",
+        MOE_30B,
+        ["actor_rollout_ref.ref.megatron.router_replay.mode=R2"],
+        None,
+        ["actor_rollout_ref.ref.megatron.router_replay.mode=R2", "the actor's update"],
     ),
 ]  # fmt: skip

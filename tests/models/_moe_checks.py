@@ -26,6 +26,10 @@ MOE_LAYOUTS = {
 }
 
 
+# (tp, pp, ep) of the routing replay check (sequence parallel at TP 2: each rank routes a slice).
+REPLAY_LAYOUTS = {2: [(1, 1, 2)], 4: [(2, 2, 1)]}
+
+
 def layout_key(tp: int, pp: int, ep: int, etp: int | None, dispatcher: str) -> str:
     return f"moe/tp{tp}_pp{pp}_ep{ep}_etp{etp or tp}_{dispatcher}"
 
@@ -83,6 +87,8 @@ def run_moe_checks(spec: dict, world: int, results: dict) -> None:
             results[f"{key}/{name}"] = r
     if world == 2:
         _checkpoint_across_expert_layouts(spec, results)
+    for tp, pp, ep in REPLAY_LAYOUTS.get(world, []):
+        results[f"moe/replay_tp{tp}_pp{pp}_ep{ep}"] = _routing_replay(spec, tp, pp, ep)
     results["moe/seconds"] = time.perf_counter() - start  # this launch's added time
 
 
@@ -105,3 +111,108 @@ def _checkpoint_across_expert_layouts(spec: dict, results: dict) -> None:
     flag = torch.tensor([0 if same else 1])
     dist.all_reduce(flag)
     results["moe/ckpt_ep2_to_tp2"] = {"weights_identical": int(flag.item()) == 0}
+
+
+def _routing_replay(spec: dict, tp: int, pp: int, ep: int) -> dict:
+    """Routing replay (megarl.models.routing) at one layout, Qwen3-MoE, seen through forward
+    hooks on the routers (their routing maps, an observation independent of the replay):
+
+    A. record at 2 sequences a micro-batch;
+    B. perturb the routers' weights: without replay some real tokens go to other experts;
+    C. the same weights, replaying A: every token's experts equal A's, and the replay's own
+       agreement count equals the share of real tokens whose top-k of the router's logits
+       (computed here from the hooked input and weight) is A's;
+    D. the original weights, replaying A at 1 sequence a micro-batch (other padding, other
+       token order): log-probs equal A's (a mis-sliced replay would move them).
+    """
+    from megatron.core import parallel_state
+
+    from megarl.models.build import build_model
+    from megarl.models.gpt import MoeSettings, unwrap
+    from megarl.models.routing import ROUTING, Routing, routers
+    from megarl.models.runner import SequenceBatch, compute_log_probs
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+
+    batch = torch.load(spec["moe_batch"])
+    lengths = batch["lengths"]
+    plain = SequenceBatch(batch["input_ids"], torch.full_like(lengths, 3), lengths)
+    if tp > 1:  # sequence parallel on the local spec (tests/trainer/_critic_sp_worker.py)
+        from tests.trainer._critic_sp_worker import _emulate_sp_norm
+
+        _emulate_sp_norm()
+    layout = ParallelLayout(tp, pp, expert_model_parallel_size=ep, sequence_parallel=tp > 1)
+    init_distributed(layout, seed=1234)
+    moe = MoeSettings.from_dict({"moe_enable_routing_replay": True})
+    built = build_model(spec["moe_models"]["qwen3_moe"], layout, moe=moe)
+    chunks = built.chunks
+    for c in chunks:
+        c.eval()
+    mine = [r for c in chunks for r in routers(c)]
+    maps: list[torch.Tensor] = []
+    own: list[torch.Tensor] = []  # each call's routing map had the router chosen afresh
+
+    def hook(router, inputs, out):
+        maps.append(out[1].detach().clone())
+        with torch.no_grad():
+            x = inputs[0].reshape(-1, inputs[0].shape[-1])
+            logits = torch.nn.functional.linear(x.float(), router.weight.float())
+            top = logits.topk(router.topk, dim=-1).indices
+            own.append(torch.zeros_like(out[1]).scatter(1, top, True))
+
+    hooks = [r.register_forward_hook(hook) for r in mine]
+
+    def run(seqs: SequenceBatch, micro: int, routing=None):
+        maps.clear()
+        own.clear()
+        out = compute_log_probs(chunks, seqs, vocab_size=built.dims.vocab_size,
+                                micro_batches=micro, routing=routing)  # fmt: skip
+        return out, list(maps)
+
+    recorded, a_maps = run(plain, 2, Routing(chunks, "record"))
+    replayed = SequenceBatch(plain.input_ids, plain.prompt_lengths, lengths,
+                             extra={ROUTING: recorded.routing})  # fmt: skip
+    originals = [r.weight.detach().clone() for r in mine]
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for r in mine:
+            r.weight.add_((torch.randn(r.weight.shape, generator=g) * r.weight.std()).to(r.weight))
+    _, b_maps = run(plain, 2)
+    replay = Routing(chunks, "replay")
+    _, c_maps = run(replayed, 2, replay)
+    c_own = list(own)
+    with torch.no_grad():
+        for r, w in zip(mine, originals, strict=True):
+            r.weight.copy_(w)
+    d_out, _ = run(replayed, 1, Routing(chunks, "replay"))
+    for h in hooks:
+        h.remove()
+
+    # Real tokens of each router call: micro-batch i // layers, sequence-major, this TP rank's
+    # slice of the positions under sequence parallelism.
+    sp = unwrap(chunks[0]).config.sequence_parallel
+    rank = parallel_state.get_tensor_model_parallel_rank() if sp else 0
+    same_b = same_c = real = 0
+    for i, (a, b, c) in enumerate(zip(a_maps, b_maps, c_own, strict=True)):
+        rows = lengths[2 * (i // len(mine)) :][:2]
+        s_local = a.shape[0] // 2
+        pos = torch.arange(s_local * rank, s_local * (rank + 1))[:, None]
+        valid = (pos < rows[None, :]).reshape(-1)
+        same_b += int((a == b).all(-1)[valid].sum())
+        same_c += int((a == c).all(-1)[valid].sum())
+        real += int(valid.sum())
+    replay_same = all(torch.equal(a, c) for a, c in zip(a_maps, c_maps, strict=True))
+    counts = [same_b, real, float(replay.agree), float(replay.tokens), float(replay_same),
+              len(a_maps), same_c]  # fmt: skip
+    counts = torch.tensor(counts, dtype=torch.float64)
+    dist.all_reduce(counts)
+    diff = (d_out.log_probs - recorded.log_probs).abs().max().reshape(1)
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return {
+        "routed_as_recorded_without_replay": counts[0].item() / max(counts[1].item(), 1.0),
+        "agreement_counted": counts[2].item() / max(counts[3].item(), 1.0),
+        "agreement_seen": counts[6].item() / max(counts[1].item(), 1.0),
+        "replay_equals_recorded": counts[4].item() == dist.get_world_size(),
+        "router_calls": counts[5].item(),
+        "logprob_diff_other_micro_batches": diff.item(),
+    }

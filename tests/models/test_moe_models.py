@@ -83,3 +83,24 @@ def test_every_moe_case_ran(ws1, ws2, ws4):
             assert all(math.isfinite(d) for d in diffs.values()), (world, key, diffs)
             print(f"ws{world} {key}: " + ", ".join(f"{n} {d:.1e}" for n, d in diffs.items()))
         print(f"ws{world}: MoE cases took {results['moe/seconds']:.1f} s")
+
+
+def test_routing_replay_routes_every_token_as_recorded(ws2, ws4):
+    """R2's mechanism at EP 2 and at TP 2 (sequence parallel) x PP 2, in the shared launches
+    (tests/models/_moe_checks.py::_routing_replay): after the routers moved, replay routes
+    every token as recorded where routing afresh does not, its agreement count matches the top-k
+    of the routers' logits recomputed from their inputs, and a replay at another micro-batching
+    leaves log-probs as recorded."""
+    for world, results in ((2, ws2), (4, ws4)):
+        for key in (k for k in results if k.startswith("moe/replay_")):
+            r = results[key]
+            print(f"ws{world} {key}: {r}")
+            assert r["router_calls"] > 0
+            assert r["routed_as_recorded_without_replay"] < 0.95, (key, r)  # the routers moved
+            assert r["replay_equals_recorded"], (key, r)
+            assert r["agreement_counted"] == pytest.approx(r["agreement_seen"], abs=1e-12), r
+            assert r["agreement_counted"] < 1.0, (key, r)
+            assert r["logprob_diff_other_micro_batches"] <= 1e-5, (key, r)
+    assert any(k.startswith("moe/replay_") for k in ws2) and any(
+        k.startswith("moe/replay_") for k in ws4
+    )

@@ -1,12 +1,12 @@
 """The tiny Qwen3-MoE learns under ``megarl train`` at EP 2, and its checkpoint resumes at EP 1.
 
 Two real runs through the quickstart (2 ranks, vLLM TP 2, the synthetic task,
-``configs/grpo_moe_tiny_cpu.yaml``): 6 steps at actor TP 1 × EP 2 with greedy validation at
-steps 0 and 5 and a checkpoint at step 5; then, from a copy of that checkpoint, step 6 at
-EP 1 (every rank holds all 8 experts), validating the loaded weights first. The second run is
-the control of the first: greedy validation of the same weights must give the same score (so
-the learning threshold is the dense run's 0.15, 3σ being 0), and its step 6 must be the first
-run's step 6 (the same prompts, rollouts and update, to the rounding of another expert layout).
+``configs/grpo_moe_tiny_cpu.yaml``, routing replay R2): 6 steps at actor TP 1 × EP 2 with greedy
+validation at steps 0 and 5 and a checkpoint at step 5; then, from a copy of that checkpoint,
+step 6 at EP 1 (every rank holds all 8 experts), validating the loaded weights first. The
+second run is the control of the first: greedy validation of the same weights must give the
+same score (so the learning threshold is the dense run's 0.15, 3σ being 0), and its step 6 must
+be the first run's step 6 (the same prompts, rollouts and update, to the rounding of another expert layout).
 """
 
 from __future__ import annotations
@@ -78,6 +78,17 @@ def test_moe_aux_loss_is_reported(runs):
     its value against a hand computation is the update-equivalence test's)."""
     values = [m["actor/moe_aux_loss"] for s, m in runs["main"].items() if s > 0]
     assert len(values) == 6 and all(0.5 < v < 8 for v in values), values
+
+
+def test_routing_replay_runs_in_every_update(runs):
+    """``router_replay.mode=R2`` is on in the config: every update replays the old-log-prob
+    pass's routing and reports how many real tokens the routers, choosing afresh, would have
+    sent elsewhere (the mechanism against independent observation: tests/models/
+    test_moe_models.py::test_routing_replay_routes_every_token_as_recorded)."""
+    values = [m["actor/router_agreement"] for s, m in runs["main"].items() if s > 0]
+    print("router agreement by step: " + ", ".join(f"{v:.4f}" for v in values))
+    assert len(values) == 6 and all(0.5 < v <= 1.0 for v in values), values
+    assert min(values) < 1.0  # the second mini-batch's routers had moved: replay mattered
 
 
 def test_moe_checkpoint_resumes_at_another_expert_layout(runs):

@@ -1,0 +1,182 @@
+"""Routing replay for Mixture-of-Experts models (verl's ``router_replay.mode=R2``).
+
+The actor's old-log-prob forward records which experts each token's router chose, in every MoE
+layer; the update's forwards then route every token to those experts instead of choosing again.
+The update's gradients move the routers too, so without replay a token can reach other experts
+in a later mini-batch or epoch than in the old-log-prob pass, and the importance ratio
+pi_new / pi_old then compares two different networks. Megatron-Core's ``RouterReplay`` (one per
+router when ``moe_enable_routing_replay`` is set) does the routing; this module says when, and
+moves the choices between passes whose micro-batches differ.
+
+- **Layout.** A router sees its micro-batch's tokens sequence-major (``[s, b]`` flattened), under
+  sequence parallelism only its TP rank's slice of the sequence. Choices are kept per sequence,
+  as ``[rows, layers, positions, k]`` (int16), every position of the sequence (prompt too), the
+  layers being this pipeline rank's MoE layers in order (all its model chunks); positions no
+  recorded micro-batch reached (right padding) hold experts ``0..k-1``, which routes padding
+  only, and padding is causally invisible to real tokens.
+- **Agreement.** While replaying, each router also computes its own choice and counts the real
+  tokens whose top-k set equals the replayed one: ``router_agreement`` (1 at the first
+  mini-batch, lower as the update moves the routers).
+- **Not here.** R3 (the rollout engine's routing replayed in training) needs vLLM's routed-experts
+  output, which vLLM 0.32 offers with Model Runner V2 on GPU only; activation recompute of the
+  routers (full recompute) would need the backward replay Megatron keeps apart, and is refused
+  with routing replay by validation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+ROUTING = "routing"
+"""The batch field holding the recorded choices (and the micro-batch extra replaying them)."""
+
+
+def routers(chunk: torch.nn.Module) -> list:
+    """``chunk``'s MoE routers in layer order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for m in chunk.modules() if isinstance(m, TopKRouter)]
+
+
+def replay_ready(chunks: Sequence[torch.nn.Module]) -> bool:
+    """Every router of ``chunks`` can record and replay (built with routing replay on)."""
+    found = [r for c in chunks for r in routers(c)]
+    return bool(found) and all(r.router_replay is not None for r in found)
+
+
+class Routing:
+    """Recording or replaying one pass's routing over ``chunks`` (see the module docstring)."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], mode: str) -> None:
+        if mode not in ("record", "replay"):
+            raise ValueError(f"routing mode {mode!r}: record or replay")
+        if not replay_ready(chunks):
+            raise ValueError("routing replay needs a MoE model built with routing replay on")
+        self.mode = mode
+        self.chunks = list(chunks)
+        self._routers = [routers(c) for c in self.chunks]
+        self._offsets = [sum(len(r) for r in self._routers[:i]) for i in range(len(self.chunks))]
+        self.layers = sum(len(r) for r in self._routers)
+        self.topk = self._routers[0][0].topk if self.layers else 0
+        from megarl.models.gpt import unwrap
+
+        self._sp = bool(unwrap(self.chunks[0]).config.sequence_parallel)
+        self.agree = torch.zeros((), dtype=torch.float64)
+        self.tokens = torch.zeros((), dtype=torch.float64)
+        self._valid: torch.Tensor | None = None
+
+    # -- storage -------------------------------------------------------------------------------
+
+    def empty(self, rows: int, width: int) -> torch.Tensor:
+        """Storage for ``rows`` sequences of ``width`` positions, every position routed to
+        experts ``0..k-1`` until recorded."""
+        fill = torch.arange(self.topk, dtype=torch.int16)
+        return fill.expand(rows, self.layers, width, self.topk).clone()
+
+    # -- around one micro-batch's forward on one chunk -----------------------------------------
+
+    def before(self, chunk: torch.nn.Module, mb: dict, seq: int) -> None:
+        """Arm the chunk's routers for the micro-batch ``mb`` of ``seq`` positions."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        index = self._index(chunk)
+        if self.mode == "record":
+            for r in self._routers[index]:
+                r.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+            return
+        stored = mb[ROUTING]  # [b, layers, width, k]
+        b, width = stored.shape[0], stored.shape[2]
+        valid = torch.arange(seq, device=stored.device)[:, None] < mb["lengths"][None, :]
+        self._valid = self._local(valid.reshape(seq, b, 1)).reshape(-1)
+        for i, r in enumerate(self._routers[index]):
+            choice = stored[:, self._offsets[index] + i, : min(seq, width)].transpose(0, 1)
+            if seq > width:  # positions past every recorded one: padding
+                pad = torch.arange(self.topk, dtype=choice.dtype, device=choice.device)
+                choice = torch.cat([choice, pad.expand(seq - width, b, self.topk)])
+            target = self._local(choice).reshape(-1, self.topk).long()
+            r.router_replay.set_target_indices(target)
+            r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            self._measure(r.router_replay)
+
+    def after(self, chunk: torch.nn.Module, stored: torch.Tensor | None, rows, seq: int) -> None:
+        """Disarm the chunk's routers; when recording, write the choices of the micro-batch's
+        ``rows`` into ``stored``."""
+        index = self._index(chunk)
+        for i, r in enumerate(self._routers[index]):
+            replay = r.router_replay
+            if self.mode == "record" and stored is not None:
+                chosen = self._full(replay.get_recorded_indices(), seq, len(rows))
+                width = min(seq, stored.shape[2])
+                layer = self._offsets[index] + i
+                stored[rows.cpu(), layer, :width] = chosen[:width].transpose(0, 1).to(stored)
+            replay.clear_indices()
+            replay.clear_router_replay_action()
+            replay.__dict__.pop("get_replay_topk", None)
+        self._valid = None
+
+    def agreement(self) -> float | None:
+        """The share of replayed real tokens whose own top-k equals the replayed one (this
+        rank's), or None before any replay."""
+        return float(self.agree / self.tokens) if self.tokens > 0 else None
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _index(self, chunk: torch.nn.Module) -> int:
+        for i, c in enumerate(self.chunks):
+            if c is chunk:
+                return i
+        raise ValueError("routing: a model chunk this pass was not built for")
+
+    def _tp(self) -> tuple[int, int]:
+        from megatron.core import parallel_state
+
+        if not self._sp:
+            return 0, 1
+        return (
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+        )
+
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        """This TP rank's slice of a sequence-major ``[s, ...]`` under sequence parallelism."""
+        rank, size = self._tp()
+        if size == 1:
+            return t
+        part = t.shape[0] // size
+        return t[rank * part : (rank + 1) * part]
+
+    def _full(self, recorded: torch.Tensor, seq: int, b: int) -> torch.Tensor:
+        """A router's recorded ``[tokens, k]`` as ``[seq, b, k]`` (gathered over the TP ranks
+        under sequence parallelism)."""
+        from megatron.core import parallel_state
+
+        size = self._tp()[1]
+        local = recorded.reshape(-1, b, self.topk)
+        if size == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(size)]
+        group = parallel_state.get_tensor_model_parallel_group()
+        torch.distributed.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts)
+
+    def _measure(self, replay) -> None:
+        """Make ``replay`` also count, while replaying, the real tokens whose own choice agrees."""
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        valid = self._valid
+
+        def get_replay_topk(scores, topk, num_groups=None, group_topk=None, compute=None):
+            probs, chosen = RouterReplay.get_replay_topk(
+                replay, scores, topk, num_groups, group_topk, compute
+            )
+            with torch.no_grad():
+                _, own = compute(scores, topk, num_groups=num_groups, group_topk=group_topk)
+                same = (own.sort(-1).values == chosen.sort(-1).values).all(-1)
+                if valid is not None and valid.numel() == same.numel():
+                    self.agree += float(same[valid.to(same.device)].sum())
+                    self.tokens += float(valid.sum())
+            return probs, chosen
+
+        replay.get_replay_topk = get_replay_topk
