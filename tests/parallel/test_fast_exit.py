@@ -1,0 +1,34 @@
+"""megarl.parallel.fast_exit.exit_process does the interpreter's exit steps before os._exit: a
+non-daemon thread finishes, atexit handlers run, buffered output is written, the code is kept."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+PROBE = """
+import atexit, sys, threading, time
+from megarl.parallel.fast_exit import exit_process
+
+def late():
+    time.sleep(0.3)
+    sys.stdout.write("thread done\\n")
+
+threading.Thread(target=late).start()
+atexit.register(lambda: sys.stdout.write("atexit ran\\n"))
+sys.stdout.write("buffered, no newline flush")
+exit_process(int(sys.argv[1]))
+"""
+
+
+def test_exit_process_finishes_threads_runs_atexit_and_flushes():
+    for code in (0, 3):
+        done = subprocess.run(
+            [sys.executable, "-c", PROBE, str(code)],
+            cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert done.returncode == code, done.stderr
+        assert done.stdout.startswith("buffered, no newline flush"), done.stdout
+        assert done.stdout.index("thread done") < done.stdout.index("atexit ran"), done.stdout
