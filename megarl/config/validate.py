@@ -22,6 +22,7 @@ from megarl.config.errors import ConfigError
 from megarl.config.layout_checks import LayoutChecks, fmt_value
 from megarl.config.model_paths import resolve_model_paths
 from megarl.config.model_source import ModelShape, is_remote, resolve_model_shape
+from megarl.config.moe_checks import check_moe, check_router_replay
 from megarl.config.schema import MegarlConfig
 
 __all__ = ["validate"]
@@ -492,8 +493,8 @@ class _Checks(LayoutChecks):
         )
         self.errors += errors
         self.warnings += warnings
-        self.check_moe(shape, f"{ARR}.model.path", MEG, c.actor_rollout_ref.actor.megatron)
-        self.check_router_replay(shape)
+        check_moe(shape, f"{ARR}.model.path", MEG, c.actor_rollout_ref.actor.megatron, self.error)
+        check_router_replay(c, shape, self.error)
         self.check_gradient_checkpointing()
         critic = c.critic.model
         if critic_enabled(c) and critic.path and critic.path != c.actor_rollout_ref.model.path:
@@ -502,62 +503,13 @@ class _Checks(LayoutChecks):
             )
             self.errors += errors
             self.warnings += warnings
-            self.check_moe(critic_shape, "critic.model.path", "critic.megatron", c.critic.megatron)
+            check_moe(critic_shape, "critic.model.path", "critic.megatron", c.critic.megatron,
+                      self.error)  # fmt: skip
             if critic_shape:
                 meg = self.cfg.critic.megatron
                 if meg.tensor_model_parallel_size > 0 and meg.pipeline_model_parallel_size > 0:
                     self.check_model_rule("critic.megatron", meg, critic_shape)
         return shape
-
-    def check_moe(self, shape: ModelShape | None, key: str, prefix: str, meg) -> None:
-        """A Mixture-of-Experts model trains with expert parallelism beside TP×PP×DP; Megatron's
-        MoE layers train at TP > 1 only under sequence parallelism (which the CPU local spec
-        lacks: there, TP 1 and EP). Routing replay: :meth:`check_router_replay`."""
-        experts = shape.get("num_experts") if shape else None
-        if not experts:
-            return
-        if meg.tensor_model_parallel_size > 1 and not meg.sequence_parallel:
-            self.error(
-                f"{key} ({shape.source}) is a Mixture-of-Experts model: "
-                f"{prefix}.tensor_model_parallel_size={meg.tensor_model_parallel_size} needs "
-                f"{prefix}.sequence_parallel=true (Megatron-Core trains MoE layers with TP only "
-                "under sequence parallelism; on CPU use TP 1 and expert_model_parallel_size)"
-            )
-
-    def check_router_replay(self, shape: ModelShape | None) -> None:
-        """``router_replay.mode``: R2 on a MoE actor (:mod:`megarl.models.routing`); refused
-        where it cannot hold."""
-        c = self.cfg
-        for prefix, meg in (
-            ("actor_rollout_ref.ref.megatron", c.actor_rollout_ref.ref.megatron),
-            ("critic.megatron", c.critic.megatron),
-        ):
-            if meg.router_replay.mode != "disabled":
-                self.error(
-                    f"{prefix}.router_replay.mode={meg.router_replay.mode}: routing replay "
-                    f"applies to the actor's update ({MEG}.router_replay.mode)"
-                )
-        meg = c.actor_rollout_ref.actor.megatron
-        mode = meg.router_replay.mode
-        if mode == "disabled":
-            return
-        key = f"{MEG}.router_replay.mode={mode}"
-        if mode == "R3":
-            self.error(
-                f"{key}: R3 replays the rollout engine's routing, which vLLM returns only with "
-                "its Model Runner V2 on GPU; megarl does not implement it yet (use R2: the "
-                "update replays the old-log-prob forward's routing)"
-            )
-        elif shape is not None and not shape.get("num_experts"):
-            self.error(f"{key}: {ARR}.model.path ({shape.source}) is dense (no experts to route)")
-        elif meg.recompute_granularity == "full" or (
-            meg.recompute_granularity == "selective" and "moe" in meg.recompute_modules
-        ):
-            self.error(
-                f"{key}: recomputing the MoE layers in the backward pass would route afresh "
-                f"there; with routing replay use {MEG}.recompute_granularity=selective without "
-                "'moe' in recompute_modules, or null"
-            )
 
     def check_gradient_checkpointing(self) -> None:
         """model.enable_gradient_checkpointing: accepted and inert, as on verl 0.9.1's Megatron

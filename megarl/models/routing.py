@@ -46,6 +46,21 @@ def replay_ready(chunks: Sequence[torch.nn.Module]) -> bool:
     return bool(found) and all(r.router_replay is not None for r in found)
 
 
+def padding_routing(shape: tuple[int, ...], topk: int, dtype, device=None) -> torch.Tensor:
+    """``[*shape, topk]`` of experts ``0..k-1``: the routing of positions nothing recorded
+    (right padding, causally invisible to real tokens)."""
+    return torch.arange(topk, dtype=dtype, device=device).expand(*shape, topk)
+
+
+def pad_positions(routing: torch.Tensor, width: int) -> torch.Tensor:
+    """Recorded routing ``[n, layers, positions, k]`` cut or right-padded to ``width``
+    positions (padding: :func:`padding_routing`)."""
+    n, layers, have, k = routing.shape
+    if have >= width:
+        return routing[:, :, :width]
+    return torch.cat([routing, padding_routing((n, layers, width - have), k, routing.dtype)], 2)
+
+
 class Routing:
     """Recording or replaying one pass's routing over ``chunks`` (see the module docstring)."""
 
@@ -72,8 +87,7 @@ class Routing:
     def empty(self, rows: int, width: int) -> torch.Tensor:
         """Storage for ``rows`` sequences of ``width`` positions, every position routed to
         experts ``0..k-1`` until recorded."""
-        fill = torch.arange(self.topk, dtype=torch.int16)
-        return fill.expand(rows, self.layers, width, self.topk).clone()
+        return padding_routing((rows, self.layers, width), self.topk, torch.int16).clone()
 
     # -- around one micro-batch's forward on one chunk -----------------------------------------
 
@@ -93,8 +107,8 @@ class Routing:
         for i, r in enumerate(self._routers[index]):
             choice = stored[:, self._offsets[index] + i, : min(seq, width)].transpose(0, 1)
             if seq > width:  # positions past every recorded one: padding
-                pad = torch.arange(self.topk, dtype=choice.dtype, device=choice.device)
-                choice = torch.cat([choice, pad.expand(seq - width, b, self.topk)])
+                pad = padding_routing((seq - width, b), self.topk, choice.dtype, choice.device)
+                choice = torch.cat([choice, pad])
             target = self._local(choice).reshape(-1, self.topk).long()
             r.router_replay.set_target_indices(target)
             r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -115,11 +129,6 @@ class Routing:
             replay.clear_router_replay_action()
             replay.__dict__.pop("get_replay_topk", None)
         self._valid = None
-
-    def agreement(self) -> float | None:
-        """The share of replayed real tokens whose own top-k equals the replayed one (this
-        rank's), or None before any replay."""
-        return float(self.agree / self.tokens) if self.tokens > 0 else None
 
     # -- helpers -------------------------------------------------------------------------------
 

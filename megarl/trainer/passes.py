@@ -16,7 +16,7 @@ import torch
 from megatron.core import parallel_state
 
 from megarl.data import PromptSample
-from megarl.models.routing import ROUTING, Routing
+from megarl.models.routing import ROUTING, Routing, pad_positions
 from megarl.models.runner import compute_log_probs
 from megarl.parallel.collectives import all_gather_tensors
 from megarl.parallel.init import device
@@ -124,7 +124,7 @@ def global_pass(
     width = batch.response_mask.shape[1]
     gathered = {k: gather_dp(_pad_to(v, width), dp_size) for k, v in outputs.items()}
     if routing is not None:  # every position of every sequence, this pipeline rank's layers
-        local = _pad_positions(routing, batch.input_ids.shape[1]).int()  # NCCL, gloo: no int16
+        local = pad_positions(routing, batch.input_ids.shape[1]).int()  # NCCL, gloo: no int16
         gathered[ROUTING] = gather_dp(local, dp_size).to(routing.dtype)
     return gathered
 
@@ -136,16 +136,6 @@ def fitting_micro_batch(rows: int, size: int) -> int:
     while rows % size:
         size -= 1
     return size
-
-
-def _pad_positions(routing: torch.Tensor, width: int) -> torch.Tensor:
-    """Recorded routing ``[n, layers, positions, k]`` right-padded to ``width`` positions with
-    experts ``0..k-1`` (padding's routing, as :meth:`Routing.empty`)."""
-    n, layers, have, k = routing.shape
-    if have >= width:
-        return routing[:, :, :width]
-    fill = torch.arange(k, dtype=routing.dtype).expand(n, layers, width - have, k)
-    return torch.cat([routing, fill], dim=2)
 
 
 def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
