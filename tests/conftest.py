@@ -15,6 +15,12 @@ from megarl.parallel.spawn import free_port
 REPO = Path(__file__).resolve().parents[1]
 
 
+def left_behind(tmpdir: Path) -> list[str]:
+    """What a launch run with ``TMPDIR=tmpdir`` left there, less Inductor's cache directory
+    (``torchinductor_<user>``: torch's own place for a cache meant to outlive the run)."""
+    return sorted(p.name for p in tmpdir.iterdir() if not p.name.startswith("torchinductor_"))
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

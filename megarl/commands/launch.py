@@ -12,6 +12,12 @@ the ranks.
   launcher dies, ``kill -9`` included), each rank sets the same against torchrun
   (:func:`megarl.train.run`), and scoring workers and checkpoint writers against their rank:
   the kernel takes the whole tree down.
+- **Nothing left behind.** torchrun and the ranks get a temporary directory of their own
+  (``TMPDIR``), removed when torchrun has exited, however the ranks ended: torchrun's per-launch
+  error-file directories (``torchelastic_*``), vLLM's IPC socket files and whatever else they
+  put there used to pile up in ``/tmp`` with every run. Inductor's compile cache keeps its usual
+  place (``TORCHINDUCTOR_CACHE_DIR`` is set to it unless already set), so later launches still
+  find it.
 - **Checked while the ranks start.** With ``preflight`` (``megarl train``'s checks), torchrun
   starts at once; each rank imports what its set-up needs and waits at a gate
   (:mod:`megarl.parallel.gate`) until the checks have passed. A problem
@@ -29,6 +35,7 @@ the ranks.
 from __future__ import annotations
 
 import contextlib
+import getpass
 import os
 import re
 import shutil
@@ -106,11 +113,29 @@ def run_torchrun(
     ranks start and import; they wait at a gate (:mod:`megarl.parallel.gate`) until it has
     passed. A problem is printed as ``error: ...`` with exit 2; torchrun is killed before a rank
     has done anything (nothing written, not even the log)."""
-    run_dir = Path(run_dir)
+    scratch = tempfile.mkdtemp(prefix="megarl-launch-")
+    inductor = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    env = {"TORCHINDUCTOR_CACHE_DIR": inductor, **env, "TMPDIR": scratch}
+    try:
+        return _supervise(command, env, Path(run_dir), log_path, preflight, scratch, popen)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _supervise(
+    command: list[str],
+    env: dict[str, str],
+    run_dir: Path,
+    log_path: Path | None,
+    preflight: Callable[[], str | None] | None,
+    scratch: str,
+    popen: dict,
+) -> int:
+    """:func:`run_torchrun` inside its temporary directory ``scratch`` (the gate's too)."""
     log_path = Path(log_path) if log_path is not None else run_dir / "logs" / LOG_NAME
     stop_file = run_dir / STOP_FILE
     verbose = env.get("MEGARL_VERBOSE", "0") not in ("", "0")
-    gate_dir = tempfile.mkdtemp(prefix="megarl-gate-") if preflight is not None else None
+    gate_dir = scratch if preflight is not None else None
     if gate_dir is not None:
         env = {**env, GATE_ENV: os.path.join(gate_dir, "go")}
     else:
@@ -169,8 +194,6 @@ def run_torchrun(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if gate_dir is not None:
-            shutil.rmtree(gate_dir, ignore_errors=True)
     if requested:
         stop_file.unlink(missing_ok=True)  # honoured, or the run ended first: not for the next
     if code == 0:
@@ -216,7 +239,6 @@ def _open_gate(child: subprocess.Popen, preflight, gate_dir: str) -> str | None:
             child.wait()
             assert child.stderr is not None
             child.stderr.close()
-            shutil.rmtree(gate_dir, ignore_errors=True)
 
 
 def _failure_summary(log_path: Path, errors: list[str], code: int) -> tuple[str, int]:

@@ -9,15 +9,8 @@ requests (see :mod:`megarl.rollout.distribute`), ranks of different groups with 
 How it shares ``torch.distributed`` with training: when a default process group already exists
 (the trainer's, gloo on CPU / NCCL on GPU), vLLM reuses it and builds its own TP/PP/DP groups
 with ``new_group`` (so every rank must construct the engine, in the same order relative to other
-``new_group`` calls). When none exists, this module creates it (``env://``) before vLLM can: vLLM
+``new_group`` calls). When none exists, the engine creates it (``env://``) before vLLM can: vLLM
 would otherwise size it as TP_v ranks, which is wrong when rollout DP > 1.
-
-Model runner: vLLM 0.32 picks Model Runner V2 whenever ``VLLM_USE_V2_MODEL_RUNNER`` is unset,
-Triton has an active driver (any CUDA host) and the config has no V2-unsupported feature
-(``VllmConfig.use_v2_model_runner``). megarl's weight updates reach into the runner
-(``model_runner.get_model()``, layerwise reload, the tied ``lm_head`` re-pack) and have only been
-exercised on the V1 runner, so the engine pins V1 (``VLLM_USE_V2_MODEL_RUNNER=0``) unless the
-variable is already set: ``VLLM_USE_V2_MODEL_RUNNER=1`` in the job's environment tries V2.
 
 EOS: the engine starts with ``skip_tokenizer_init`` and ``generation_config="vllm"``, so vLLM
 knows no EOS of its own; :func:`resolve_eos_token_ids` finds the ids (checkpoint, then tokenizer)
@@ -26,27 +19,17 @@ and the engine refuses to start without one, rather than run every response to `
 Log-probs come back as vLLM's ``FlatLogprobs`` (``flat_logprobs=True``), a few flat lists per
 response instead of a dict and a ``Logprob`` per token; :func:`sampled_logprobs` reads both forms.
 
-Compilation on CPU: with ``enforce_eager`` vLLM compiles no model graph, but three helpers are
-``torch.compile``-decorated regardless (the TP embedding's vocabulary mask, the log-prob rank
-count, the top-k/top-p mask) and Inductor compiles each on its first call in every rank: a
-2-step quickstart took 67 s with them and 50 s without, on two cores, for ops over a few hundred
-tokens. Without CUDA the engine therefore sets
-``torch.compiler.set_stance("force_eager")`` before starting vLLM: those helpers run eagerly
-(integer masks and counts: the same results), and nothing else in a CPU rank compiles
-(:mod:`megarl.parallel.import_hooks`). On GPU nothing changes.
+Starting vLLM inside a training rank (the process group, the model runner, compilation on CPU,
+the trainer's RNG streams, vLLM's IPC sockets) is :mod:`megarl.rollout.vllm_process`.
 
-vLLM is imported lazily, only here.
+vLLM is imported lazily, inside functions (here, in vllm_process and in the worker ops).
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
-import logging
-import os
-import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,10 +38,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megarl.config.dtypes import dtype_name
-from megarl.parallel.emulation import reassert_cpu_emulation
-from megarl.parallel.init import read_launch_env, start_process_group
 from megarl.rollout import vllm_worker_ops as wops
 from megarl.rollout.base import CallOrder, RolloutBatch, RolloutSample, request_seed
+from megarl.rollout.vllm_process import ensure_process_group, preserve_rng_state, start_llm
 
 if TYPE_CHECKING:
     from megarl.config.schema import RolloutConfig
@@ -75,9 +57,6 @@ DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
 """KV cache per rank on CPU when none is given (256 MiB: ~130k tokens of the tiny test models)."""
 
 SLEEP_TAGS = ("weights", "kv_cache")
-
-MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
-"""vLLM's switch between model runners; megarl sets it to 0 (V1) when unset."""
 
 
 def read_eos_token_ids(model_path: str | Path) -> list[int]:
@@ -255,7 +234,7 @@ class VLLMEngine:
         """MoE blocks whose experts the open weight update loaded (repacked at its end:
         :func:`megarl.rollout.vllm_worker_ops.repack_cpu_experts`)."""
 
-        distributed = _ensure_process_group()
+        distributed = ensure_process_group()
         world = dist.get_world_size() if distributed else 1
         if world % tensor_parallel_size:
             raise ValueError(
@@ -297,7 +276,7 @@ class VLLMEngine:
         }
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         kwargs.update(engine_kwargs or {})
-        self._llm = _start_llm(self.model_path, kwargs)
+        self._llm = start_llm(self.model_path, kwargs)
 
     @classmethod
     def from_config(
@@ -371,7 +350,7 @@ class VLLMEngine:
             )
             for p, s in keys
         ]
-        with _preserve_rng_state():
+        with preserve_rng_state():
             outputs = self._llm.generate(requests, params, use_tqdm=False)
         samples = [
             _sample_from_output(out, prompts[p], p, s, ids[p])
@@ -479,28 +458,6 @@ class VLLMEngine:
         gc.collect()
 
 
-def _start_llm(model_path: str, kwargs: dict[str, Any]) -> Any:
-    """``vllm.LLM(model_path, **kwargs)`` in this process, leaving the trainer's state alone."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
-    os.environ.setdefault(MODEL_RUNNER_ENV, "0")  # V1 runner unless asked (module docstring)
-    if not torch.cuda.is_available():
-        torch.compiler.set_stance("force_eager")  # (module docstring)
-    _quiet_expected_vllm_warnings()
-    # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process;
-    # training code sharing the process keeps the real one.
-    set_num_threads = torch.set_num_threads
-    try:
-        with _preserve_rng_state():  # importing vLLM already draws from Python's RNG
-            from vllm import LLM
-
-            llm = LLM(model_path, **kwargs)
-    finally:
-        torch.set_num_threads = set_num_threads
-        reassert_cpu_emulation()  # vLLM's CPU worker installs its own CUDA stream stand-ins
-    _keep_default_group_on_shutdown(llm)
-    return llm
-
-
 def sampled_logprobs(tokens: Sequence[int], logprobs: Any) -> list[float]:
     """The log-prob of each sampled token from vLLM's per-response log-probs (``logprobs=0``).
 
@@ -537,95 +494,3 @@ def _sample_from_output(
         finish_reason=completion.finish_reason,
         prompt_id=prompt_id,
     )
-
-
-# ---------------------------------------------------------------------- process-group plumbing
-
-
-def _ensure_process_group() -> bool:
-    """True when running distributed; creates the default group from torchrun's (or Slurm's)
-    variables if needed, as the trainer does (:func:`megarl.parallel.init.start_process_group`).
-
-    vLLM's external launcher reads ``RANK``/``LOCAL_RANK`` from the environment; they are filled
-    in from the existing group when it was created some other way.
-    """
-    if not dist.is_initialized():
-        launch = read_launch_env()
-        if launch.world_size == 1:
-            return False
-        start_process_group(launch)
-    rank = dist.get_rank()
-    os.environ.setdefault("RANK", str(rank))
-    os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
-    if "LOCAL_RANK" not in os.environ:
-        local = torch.cuda.current_device() if torch.cuda.is_available() else rank
-        os.environ["LOCAL_RANK"] = str(local)
-    return True
-
-
-def _keep_default_group_on_shutdown(llm: Any) -> None:
-    """Swap vLLM's engine finalizer for one that spares the default process group.
-
-    vLLM's in-process engine core tears down *all* of torch.distributed when it is shut down or
-    garbage-collected (``cleanup_dist_env_and_memory`` destroys the default group), which would
-    take the trainer's group with it.
-    """
-    client = llm.llm_engine.engine_core
-    old = getattr(client, "_finalizer", None)
-    if old is None or not old.detach():
-        return
-    client._megarl_finalizer = weakref.finalize(client, _shutdown_core, client.engine_core)
-
-
-def _shutdown_core(core: Any) -> None:
-    import vllm.v1.engine.core as core_module
-    from vllm.distributed.parallel_state import destroy_model_parallel
-
-    def release_model_parallel_groups() -> None:
-        destroy_model_parallel()
-        gc.collect()
-
-    original = core_module.cleanup_dist_env_and_memory
-    core_module.cleanup_dist_env_and_memory = release_model_parallel_groups
-    try:
-        core.shutdown()
-    finally:
-        core_module.cleanup_dist_env_and_memory = original
-
-
-class _ExpectedWarnings(logging.Filter):
-    """Drops two warnings that are expected here: the chat-template warm-up failing because the
-    tokenizer is skipped, and rotary embeddings (no checkpoint tensors) "failing" to load on every
-    weight update."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.msg if isinstance(record.msg, str) else ""
-        if msg.startswith("Chat template warmup failed"):
-            return False
-        return not (msg == "%s: Failed to load weights" and "Rotary" in str(record.args[0]))
-
-
-def _quiet_expected_vllm_warnings() -> None:
-    for name in ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.layerwise"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _ExpectedWarnings) for f in logger.filters):
-            logger.addFilter(_ExpectedWarnings())
-
-
-@contextlib.contextmanager
-def _preserve_rng_state() -> Iterator[None]:
-    """Restore Python's, NumPy's and torch's global RNGs afterwards: vLLM reseeds all of them at
-    start-up and its CPU sampler draws from torch's on every step, which would otherwise shift
-    the trainer's random streams (one stream on CPU emulation, where "cuda" is the CPU)."""
-    import random
-
-    import numpy as np
-
-    py_state, np_state = random.getstate(), np.random.get_state()
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        random.setstate(py_state)
-        np.random.set_state(np_state)

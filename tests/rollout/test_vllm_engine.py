@@ -36,6 +36,7 @@ def run(tmp_path_factory) -> dict:
 
     models = tmp_path_factory.mktemp("models")
     out = tmp_path_factory.mktemp("vllm_out")
+    tmpdir = tmp_path_factory.mktemp("tmpdir")
     make_tiny_model(models / "tiny", "qwen2", num_key_value_heads=2, seed=0)
     # Tied: vLLM must re-pack a tied lm_head after a reload (see VLLMEngine).
     make_tiny_model(
@@ -49,6 +50,7 @@ def run(tmp_path_factory) -> dict:
         # vLLM torch.compiles one small log-prob helper (rank counting) on first use: ~8 s of
         # dynamo per process here; eager gives the same numbers.
         "TORCHDYNAMO_DISABLE": "1",
+        "TMPDIR": str(tmpdir),
     }
     cmd = [
         str(Path(sys.executable).with_name("torchrun")),
@@ -72,7 +74,7 @@ def run(tmp_path_factory) -> dict:
         tail = "\n".join(log.read_text().splitlines()[-80:])
         pytest.fail(f"vLLM worker failed (rc={rc}):\n{tail}")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    return {"ranks": ranks, "models": models, "out": out}
+    return {"ranks": ranks, "models": models, "out": out, "tmpdir": tmpdir}
 
 
 @pytest.fixture(scope="module")
@@ -324,3 +326,11 @@ def test_sleep_wake_around_update_on_gpu(tmp_path):
             )
     finally:
         engine.shutdown()
+
+
+def test_no_ipc_socket_file_is_left_behind(run):
+    """vLLM binds ZeroMQ IPC sockets as files in the temporary directory and never removes them
+    when a rank exits without closing them; each rank's private directory for them is gone too
+    (megarl.rollout.vllm_process). Plain torchrun's own error-file directory is torch's."""
+    left = [p for p in run["tmpdir"].rglob("*") if p.is_socket() or "megarl-vllm-ipc" in p.name]
+    assert left == []

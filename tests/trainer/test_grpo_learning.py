@@ -10,6 +10,7 @@ starting from the main run's final HF export (so vLLM loading that export is che
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests._run_outputs import read_metrics
+from tests.conftest import left_behind
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.multirank]
@@ -28,9 +30,13 @@ MEGARL_LINE = re.compile(r"^(megarl: |warning: |step \d+ \| |training: )")
 
 
 def _quickstart(out: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """The quickstart with ``out/tmp`` as its temporary directory (what it leaves there is
+    checked)."""
+    (out / "tmp").mkdir(exist_ok=True)
     return subprocess.run(
         [sys.executable, "-m", "megarl.commands.quickstart", "--out", str(out), *overrides],
         cwd=REPO,
+        env={**os.environ, "TMPDIR": str(out / "tmp")},
         capture_output=True,
         text=True,
         timeout=1200,
@@ -70,6 +76,7 @@ def runs(tmp_path_factory):
         "main_metrics": read_metrics(out / "runs" / "grpo_tiny_cpu"),
         "lr0_metrics": read_metrics(out / "runs" / "lr0"),
         "stale_metrics": read_metrics(out / "runs" / "stale"),
+        "tmp": out / "tmp",
     }
 
 
@@ -119,3 +126,9 @@ def test_console_holds_only_megarl_lines(runs):
     foreign = [line for line in lines if not MEGARL_LINE.match(line)]
     assert foreign == [], foreign[:10]
     assert any("validation score" in line for line in lines)
+
+
+def test_the_runs_leave_nothing_in_the_temporary_directory(runs):
+    """Three launches with vLLM: no torchrun error-file directories, no vLLM IPC socket files,
+    no gate (all used to be left in ``/tmp`` by every run)."""
+    assert left_behind(runs["tmp"]) == []

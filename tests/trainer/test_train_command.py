@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, left_behind
 
 CONFIG = "configs/grpo_tiny_cpu.yaml"
 
@@ -75,7 +75,7 @@ def _wait(predicate, what: str, timeout: float = 120.0) -> None:
 def test_ranks_start_during_the_preflight_and_wait_for_it(tiny, tmp_path):
     """The ranks import while ``megarl train`` checks the run, then wait at its gate: held there
     by a pre-flight that has not finished, they have written nothing; when it then fails, the
-    one line is the pre-flight's and no process, log or gate is left."""
+    one line is the pre-flight's and no process, log or temporary file is left."""
     hold = tmp_path / "hold"
     scorer = tmp_path / "scorer.py"
     scorer.write_text(f"HOLD = {str(hold)!r}\n" + SLOW_TO_CHECK)
@@ -91,7 +91,7 @@ def test_ranks_start_during_the_preflight_and_wait_for_it(tiny, tmp_path):
     )  # fmt: skip
     try:
         _wait(lambda: Path(f"{hold}.checking").exists(), "the pre-flight to load the scorer")
-        _wait(lambda: len(list(gates.glob("megarl-gate-*/go.waiting.rank*"))) == 2,
+        _wait(lambda: len(list(gates.glob("megarl-launch-*/go.waiting.rank*"))) == 2,
               "both ranks at the gate")  # fmt: skip
         tree = psutil.Process(proc.pid).children(recursive=True)
         ranks = [p for p in tree if "torch.distributed.run" not in " ".join(p.cmdline())]
@@ -110,4 +110,4 @@ def test_ranks_start_during_the_preflight_and_wait_for_it(tiny, tmp_path):
     assert "sandbox" in lines[0]
     _wait(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks),
           "the ranks to end", timeout=10)  # fmt: skip
-    assert not (run_dir / "logs").exists() and not list(gates.glob("megarl-gate-*"))
+    assert not (run_dir / "logs").exists() and left_behind(gates) == []
