@@ -66,12 +66,12 @@ def test_sbatch_runs_torchrun_over_gloo(
 ):
     env = {**job_env, "MEGARL_TRAIN_MODULE": "tests.launch._gloo_payload",
            "PAYLOAD_EXIT": str(exit_code)}  # fmt: skip
-    # sbatch --wait (what users and CI run) returns the job's status; one case shows it.
-    wait = script == SCRIPT and exit_code == 0
-    cmd = sbatch_cmd(tmp_path, tiny_overrides, wait=wait, script=script)
+    # Polled (sbatch --wait, what users and CI run, returns the job's status too: the mistake
+    # test below shows it, on a job that ends at once instead of ~18 s of sbatch's back-off).
+    cmd = sbatch_cmd(tmp_path, tiny_overrides, wait=False, script=script)
     done = slurm.run(*cmd, env=env, timeout=600, cwd=REPO)
     job = job_id(done.stdout.splitlines()[0])
-    status = done.returncode if wait else wait_for_job(slurm, job)
+    status = wait_for_job(slurm, job)
     batch_out = (tmp_path / f"batch-{job}.out").read_text()
     assert status == job_status, batch_out
     # The --time of 60 min exceeds the script's USR1 lead time (20 min): no stop was asked for.
@@ -88,7 +88,8 @@ def test_sbatch_runs_torchrun_over_gloo(
 
 
 def test_a_mistake_is_one_line_and_exit_2_before_anything_runs(slurm, job_env, tmp_path):
-    """The job's pre-flight (``megarl train --check``): no node launched, one line names it."""
+    """The job's pre-flight (``megarl train --check``): no node launched, one line names it;
+    ``sbatch --wait`` returns the job's exit status."""
     tiny = ["data.train_files=/no/such/train.parquet"]
     done = slurm.run(*sbatch_cmd(tmp_path, tiny, wait=True), env=job_env, timeout=300, cwd=REPO)
     job = job_id(done.stdout.splitlines()[0])

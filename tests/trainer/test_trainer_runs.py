@@ -11,7 +11,7 @@
 - offloading gradient buffers and optimizer state between steps changes nothing;
 - a learned reward model with its own chat template scores every response (its scores reach
   ``critic/score/*`` and the token-level rewards) as transformers does on the decoded responses.
-- PPO on the synthetic task (configs/ppo_tiny_cpu.yaml, 30 steps): the critic's explained
+- PPO on the synthetic task (configs/ppo_tiny_cpu.yaml, 20 steps): the critic's explained
   variance rises to a measured level and greedy validation does not fall.
 """
 
@@ -58,10 +58,10 @@ PPO_LEARNING = [
 ]
 """configs/ppo_tiny_cpu.yaml (GAE with a critic, KL in the reward, actor and critic at PP 2) with
 this launch's rollout (the actor as engine), 8 prompts x 4 responses of 8 tokens a step."""
-PPO_STEPS = 30
+PPO_STEPS = 20
 EXPLAINED_VAR_FLOOR = -0.5
 VALIDATION_GAIN = 0.2
-"""See test_ppo_learns_on_the_synthetic_task (measured gains 0.43 to 0.47)."""
+"""See test_ppo_learns_on_the_synthetic_task (measured gains 0.42 to 0.47)."""
 
 
 ALL_OFFLOADS = [
@@ -338,20 +338,21 @@ def test_reward_model_scores_reach_the_rewards(dp2, spec):
 
 
 def test_ppo_learns_on_the_synthetic_task(dp2):
-    """PPO (configs/ppo_tiny_cpu.yaml) for 30 steps: the critic learns and greedy validation does
-    not get worse.
+    """PPO (configs/ppo_tiny_cpu.yaml) for 20 steps: the critic learns and the actor's greedy
+    validation rises.
 
-    Measured (trainer.seed 1, 2, 3; this launch's model and data): ``critic/vf_explained_var``
-    starts at -37, -10, -18 (the seeded value head's noise, std ~0.8 against returns of std
-    ~0.2) and its median over the last 10 steps is -0.08, -0.006, -0.08; with the critic's lr
-    at 0 it stays at -10.8. About 0 is all this task allows in 30 steps: once the policy answers
-    with digits (by step ~10) the returns' spread is whether the sum is right, which a random
-    4-layer critic does not learn that fast (a zero-initialised head stayed within +-0.03). The
-    median (single steps whose returns hardly vary read -8 to -78) must exceed -0.5; a critic
-    trained towards the negated returns (broken on purpose) read -1.1.
-    Greedy validation went 0.08 -> 0.55, 0.12 -> 0.55, 0.13 -> 0.57 (0.29 with the critic at lr
-    0); the acceptance bar is a gain of VALIDATION_GAIN (a frozen actor, lr 0, gains 0 and
-    fails it; the earlier bar, r0 - 0.02, passed with a frozen actor).
+    Measured at 20 steps (trainer.seed 1, 2, 3; this launch's model and data; 2026-11-27):
+    ``critic/vf_explained_var`` starts at -37, -10, -18 (the seeded value head's noise, std
+    ~0.8 against returns of std ~0.2) and its median over the last 10 steps is 0.05, -0.04,
+    -0.05; with the critic's lr at 0 it stays at -8.4 (fails the bar). About 0 is all this task
+    allows this soon: once the policy answers with digits (by step ~10) the returns' spread is
+    whether the sum is right, which a random 4-layer critic does not learn that fast (a
+    zero-initialised head stayed within +-0.03). The median (single steps whose returns hardly
+    vary read -8 to -78) must exceed -0.5; at 30 steps (the earlier length, medians -0.08 to
+    -0.006) a critic trained towards the negated returns (broken on purpose) read -1.1.
+    Greedy validation went 0.077 -> 0.55, 0.12 -> 0.54, 0.13 -> 0.55 (the same at 30 steps);
+    the acceptance bar is a gain of VALIDATION_GAIN (a frozen actor, lr 0, gains 0 and fails
+    it; the earlier bar, r0 - 0.02, passed with a frozen actor).
     """
     run = dp2["ppo_learning"]
     explained = [step["metrics"]["critic/vf_explained_var"] for step in run["steps"]]
