@@ -30,7 +30,7 @@ def check_moe(shape: ModelShape | None, key: str, prefix: str, meg, error: Error
 
 
 def check_router_replay(cfg, shape: ModelShape | None, error: Error) -> None:
-    """``router_replay.mode``: R2 on a MoE actor (:mod:`megarl.models.routing`); refused
+    """``router_replay.mode``: R2 or R3 on a MoE actor (:mod:`megarl.models.routing`); refused
     where it cannot hold."""
     c = cfg
     for prefix, meg in (
@@ -39,19 +39,24 @@ def check_router_replay(cfg, shape: ModelShape | None, error: Error) -> None:
     ):
         if meg.router_replay.mode != "disabled":
             error(
-                f"{prefix}.router_replay.mode={meg.router_replay.mode}: routing replay "
-                f"applies to the actor's update ({MEG}.router_replay.mode)"
+                f"{prefix}.router_replay.mode={meg.router_replay.mode}: routing replay is "
+                f"the actor's setting ({MEG}.router_replay.mode; R3 replays in the "
+                "reference's forward too)"
             )
     meg = c.actor_rollout_ref.actor.megatron
     mode = meg.router_replay.mode
+    if c.actor_rollout_ref.rollout.enable_rollout_routing_replay and mode != "R3":
+        error(
+            f"{ARR}.rollout.enable_rollout_routing_replay=true: it is the rollout's side of "
+            f"routing replay R3; set {MEG}.router_replay.mode=R3 too (now {mode})"
+        )
     if mode == "disabled":
         return
     key = f"{MEG}.router_replay.mode={mode}"
-    if mode == "R3":
+    if mode == "R3" and c.actor_rollout_ref.rollout.name != "vllm":
         error(
-            f"{key}: R3 replays the rollout engine's routing, which vLLM returns only with "
-            "its Model Runner V2 on GPU; megarl does not implement it yet (use R2: the "
-            "update replays the old-log-prob forward's routing)"
+            f"{key}: R3 replays the routing vLLM chose; {ARR}.rollout.name="
+            f"{c.actor_rollout_ref.rollout.name} has none (use R2, or the vllm rollout)"
         )
     elif shape is not None and not shape.get("num_experts"):
         error(f"{key}: {ARR}.model.path ({shape.source}) is dense (no experts to route)")

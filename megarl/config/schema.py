@@ -133,11 +133,12 @@ class RouterReplayConfig:
     """``*.megatron.router_replay.*``: routing replay of a Mixture-of-Experts actor (verl's
     section; :mod:`megarl.models.routing`). ``disabled``: every forward routes afresh. ``R2``:
     the update's forwards route each token to the experts the old-log-prob forward chose.
-    ``R3`` (the rollout engine's routing) is refused: vLLM returns routed experts only with its
-    GPU Model Runner V2."""
+    ``R3``: the old-log-prob, reference and update forwards route each token to the experts the
+    rollout engine chose (captured inside vLLM's worker: :mod:`megarl.rollout.routing_capture`)."""
 
     mode: Literal["disabled", "R2", "R3"] = "disabled"
-    """R2: the update routes each token as the old-log-prob forward did; R3 is not available."""
+    """R2: the update routes each token as the old-log-prob forward did; R3: every actor and
+    reference forward routes each token as vLLM did."""
 
 
 @dataclass
@@ -367,7 +368,11 @@ class RolloutConfig:
     enable_chunked_prefill: bool = True
     """vLLM chunked prefill."""
     enable_prefix_caching: bool = True
-    """vLLM prefix caching (the n samples of a prompt share its KV)."""
+    """vLLM prefix caching (the n samples of a prompt share its KV); off while routing is
+    captured (``router_replay.mode=R3``: a cache hit skips the forward whose routing is kept)."""
+    enable_rollout_routing_replay: bool = False
+    """verl's switch for the rollout's side of routing replay R3; megarl captures the rollout's
+    routing whenever ``actor.megatron.router_replay.mode=R3`` (true without R3 is refused)."""
     free_cache_engine: bool = True
     """Put vLLM to sleep (free weights and KV cache) while training runs."""
     max_model_len: int | None = None

@@ -146,7 +146,6 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.rollout.quantization*", "rollout weights are not quantized"),
     ("actor_rollout_ref.rollout.qat", "no quantization-aware training"),
     ("actor_rollout_ref.rollout.mtp", "no multi-token prediction"),
-    ("actor_rollout_ref.rollout.enable_rollout_routing_replay", "routing replay (R3) is not implemented"),
     ("actor_rollout_ref.rollout.moe_load_balance_metrics_interval", "no rollout-side MoE load metrics"),
     ("actor_rollout_ref.rollout.router_config_path", "the router follows the HF config"),
     ("actor_rollout_ref.rollout.multi_turn", "single-turn rollouts only"),

@@ -1,7 +1,10 @@
-"""Routing replay for Mixture-of-Experts models (verl's ``router_replay.mode=R2``).
+"""Routing replay for Mixture-of-Experts models (verl's ``router_replay.mode=R2`` and ``R3``).
 
-The actor's old-log-prob forward records which experts each token's router chose, in every MoE
-layer; the update's forwards then route every token to those experts instead of choosing again.
+R2: the actor's old-log-prob forward records which experts each token's router chose, in every
+MoE layer; the update's forwards then route every token to those experts instead of choosing
+again. R3: the rollout engine's choices (captured in vLLM's worker,
+:mod:`megarl.rollout.routing_capture`) are replayed in the old-log-prob, reference and update
+forwards (:meth:`Routing.from_rollout` picks this pipeline rank's layers).
 The update's gradients move the routers too, so without replay a token can reach other experts
 in a later mini-batch or epoch than in the old-log-prob pass, and the importance ratio
 pi_new / pi_old then compares two different networks. Megatron-Core's ``RouterReplay`` (one per
@@ -17,10 +20,11 @@ moves the choices between passes whose micro-batches differ.
 - **Agreement.** While replaying, each router also computes its own choice and counts the real
   tokens whose top-k set equals the replayed one: ``router_agreement`` (1 at the first
   mini-batch, lower as the update moves the routers).
-- **Not here.** R3 (the rollout engine's routing replayed in training) needs vLLM's routed-experts
-  output, which vLLM 0.32 offers with Model Runner V2 on GPU only; activation recompute of the
-  routers (full recompute) would need the backward replay Megatron keeps apart, and is refused
-  with routing replay by validation.
+- **Agreement under R3.** In the old-log-prob forward it is the share of real tokens whose
+  trainer routers, left alone, would have chosen what vLLM chose (``rollout_corr/
+  router_agreement``).
+- **Not here.** Activation recompute of the routers (full recompute) would need the backward
+  replay Megatron keeps apart, and is refused with routing replay by validation.
 """
 
 from __future__ import annotations
@@ -31,6 +35,28 @@ import torch
 
 ROUTING = "routing"
 """The batch field holding the recorded choices (and the micro-batch extra replaying them)."""
+ROLLOUT_ROUTING = "rollout_routing"
+"""The batch field holding the rollout's choices (R3): ``[rows, positions, model layers, k]``."""
+
+
+def rollout_routing(captured: Sequence, width: int) -> torch.Tensor:
+    """The samples' captured routing (``RolloutSample.routing``, ``[positions, layers, k]``
+    each) as one ``[rows, width, layers, k]`` int16 tensor, -1 past each sample's end."""
+    layers, k = captured[0].shape[1:]
+    out = torch.full((len(captured), width, layers, k), -1, dtype=torch.int16)
+    for row, routing in enumerate(captured):
+        out[row, : len(routing)] = torch.as_tensor(routing)
+    return out
+
+
+def agreement_over_world(counts: torch.Tensor) -> float:
+    """``[agreeing tokens, tokens]`` summed over every rank (each pipeline stage's layers, each
+    data-parallel share) as a share."""
+    from megarl.parallel.init import device
+
+    counts = counts.to(device())
+    torch.distributed.all_reduce(counts)
+    return float(counts[0] / counts[1].clamp(min=1.0))
 
 
 def routers(chunk: torch.nn.Module) -> list:
@@ -75,6 +101,8 @@ class Routing:
         self._offsets = [sum(len(r) for r in self._routers[:i]) for i in range(len(self.chunks))]
         self.layers = sum(len(r) for r in self._routers)
         self.topk = self._routers[0][0].topk if self.layers else 0
+        self.layer_numbers = [r.layer_number - 1 for rs in self._routers for r in rs]
+        """Each of this rank's MoE layers as the model's decoder layer (0-based, global)."""
         from megarl.models.gpt import unwrap
 
         self._sp = bool(unwrap(self.chunks[0]).config.sequence_parallel)
@@ -88,6 +116,16 @@ class Routing:
         """Storage for ``rows`` sequences of ``width`` positions, every position routed to
         experts ``0..k-1`` until recorded."""
         return padding_routing((rows, self.layers, width), self.topk, torch.int16).clone()
+
+    def from_rollout(self, captured: torch.Tensor) -> torch.Tensor:
+        """The rollout's choices ``[rows, positions, model layers, k]`` (-1: nothing routed:
+        dense layers, the last generated token, padding) as this pass's storage
+        ``[rows, layers, positions, k]``: this rank's MoE layers. A position still -1 is
+        replayed as experts ``0..k-1`` (causally invisible: the last token's output predicts
+        nothing) and left out of the agreement."""
+        if captured.shape[-1] != self.topk:
+            raise ValueError(f"rollout routing has top-{captured.shape[-1]}, the model {self.topk}")
+        return captured[:, :, self.layer_numbers].transpose(1, 2).to(torch.int16)
 
     # -- around one micro-batch's forward on one chunk -----------------------------------------
 
@@ -103,12 +141,20 @@ class Routing:
         stored = mb[ROUTING]  # [b, layers, width, k]
         b, width = stored.shape[0], stored.shape[2]
         valid = torch.arange(seq, device=stored.device)[:, None] < mb["lengths"][None, :]
-        self._valid = self._local(valid.reshape(seq, b, 1)).reshape(-1)
         for i, r in enumerate(self._routers[index]):
             choice = stored[:, self._offsets[index] + i, : min(seq, width)].transpose(0, 1)
             if seq > width:  # positions past every recorded one: padding
                 pad = padding_routing((seq - width, b), self.topk, choice.dtype, choice.device)
                 choice = torch.cat([choice, pad])
+            unknown = choice[..., :1] < 0  # nothing routed there (R3: the last token)
+            if i == 0:
+                valid = valid & ~unknown[..., 0]
+                self._valid = self._local(valid.reshape(seq, b, 1)).reshape(-1)
+            choice = torch.where(
+                unknown,
+                padding_routing(choice.shape[:-1], self.topk, choice.dtype, choice.device),
+                choice,
+            )
             target = self._local(choice).reshape(-1, self.topk).long()
             r.router_replay.set_target_indices(target)
             r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -53,6 +53,10 @@ class RolloutSample:
     prompt_id: int = field(kw_only=True)
     """Global id of the prompt (its position in the step's global batch), the id its seed was
     drawn from; GRPO groups the ``n`` responses of one prompt by it."""
+    routing: Any = field(default=None, kw_only=True)
+    """With routing capture on, the MoE experts each position of prompt + response was routed
+    to: int16 ``[positions, layers, k]``, -1 for dense layers and the last generated token
+    (:mod:`megarl.rollout.routing_capture`); otherwise None."""
 
     def __post_init__(self) -> None:
         if len(self.response_logprobs) != len(self.response_token_ids):

@@ -163,13 +163,14 @@ def _pack(batch: RolloutBatch) -> list[tuple]:
             s.response_token_ids,
             s.response_logprobs,
             s.finish_reason,
+            s.routing,
         )
         for s in batch
     ]
 
 
 def _unpack(row: Sequence[Any], prompt_index: int) -> RolloutSample:
-    prompt_id, sample_index, prompt_tokens, response_ids, logprobs, finish = row
+    prompt_id, sample_index, prompt_tokens, response_ids, logprobs, finish, routing = row
     return RolloutSample(
         prompt_index,
         sample_index,
@@ -178,4 +179,5 @@ def _unpack(row: Sequence[Any], prompt_index: int) -> RolloutSample:
         logprobs,
         finish,
         prompt_id=prompt_id,
+        routing=routing,
     )

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megarl.config.dtypes import dtype_name
+from megarl.rollout import routing_capture
 from megarl.rollout import vllm_worker_ops as wops
 from megarl.rollout.base import CallOrder, RolloutBatch, RolloutSample, request_seed
 from megarl.rollout.vllm_process import ensure_process_group, preserve_rng_state, start_llm
@@ -199,6 +200,9 @@ class VLLMEngine:
         tokenizer_path: where the EOS fallback finds a tokenizer (None: ``model_path``).
         eos_token_ids: ids that end a response (None: :func:`resolve_eos_token_ids`); the
             engine refuses to start without any.
+        capture_routing: record every response's MoE routing in the worker
+            (:mod:`megarl.rollout.routing_capture`: eager execution on GPU; prefix caching off)
+            into :attr:`RolloutSample.routing <megarl.rollout.base.RolloutSample.routing>`.
     """
 
     def __init__(
@@ -221,8 +225,15 @@ class VLLMEngine:
         engine_kwargs: dict[str, Any] | None = None,
         tokenizer_path: str | Path | None = None,
         eos_token_ids: Sequence[int] | None = None,
+        capture_routing: bool = False,
     ) -> None:
         on_gpu = torch.cuda.is_available()
+        if capture_routing and on_gpu and not enforce_eager:
+            raise ValueError(
+                "routing capture (router_replay.mode=R3) needs actor_rollout_ref.rollout."
+                "enforce_eager=true on GPU: its hooks do not run inside CUDA graphs"
+            )
+        self.capture_routing = capture_routing
         self.model_path = str(model_path)
         self.tensor_parallel_size = tensor_parallel_size
         self.max_model_len = max_model_len
@@ -260,7 +271,8 @@ class VLLMEngine:
             "kv_cache_memory_bytes": kv_cache_memory_bytes,
             "enable_sleep_mode": self._sleep_enabled,
             "enforce_eager": enforce_eager,
-            "enable_prefix_caching": enable_prefix_caching,
+            # A prefix-cache hit skips the forward whose routing the capture records.
+            "enable_prefix_caching": enable_prefix_caching and not capture_routing,
             # Prompts arrive as token ids and responses leave as token ids.
             "skip_tokenizer_init": True,
             # Log-probs of the distribution actually sampled from (temperature applied), which
@@ -277,6 +289,8 @@ class VLLMEngine:
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         kwargs.update(engine_kwargs or {})
         self._llm = start_llm(self.model_path, kwargs)
+        if capture_routing:
+            self._llm.collective_rpc(routing_capture.install)
 
     @classmethod
     def from_config(
@@ -350,13 +364,33 @@ class VLLMEngine:
             )
             for p, s in keys
         ]
+        if self.capture_routing:
+            self._llm.collective_rpc(routing_capture.clear)
         with preserve_rng_state():
             outputs = self._llm.generate(requests, params, use_tqdm=False)
         samples = [
             _sample_from_output(out, prompts[p], p, s, ids[p])
             for (p, s), out in zip(keys, outputs, strict=True)
         ]
+        if self.capture_routing:
+            self._attach_routing(outputs, samples)
         return RolloutBatch(samples, n)
+
+    def _attach_routing(self, outputs: list, samples: list[RolloutSample]) -> None:
+        """Each sample's captured routing, every position but the last generated token's
+        (never run through the model); refused when a position in between is missing."""
+        lengths = [len(s.prompt_token_ids) + len(s.response_token_ids) for s in samples]
+        ids = [out.request_id for out in outputs]
+        (taken, *_) = self._llm.collective_rpc(routing_capture.take, args=(ids, lengths))
+        for sample, routing, length in zip(samples, taken, lengths, strict=True):
+            moe = (routing[: length - 1] >= 0).any((0, 2))  # the MoE layers
+            gaps = (routing[: length - 1][:, moe] < 0).any((1, 2)).nonzero()[0]
+            if len(gaps):
+                raise RuntimeError(
+                    f"prompt {sample.prompt_index} sample {sample.sample_index}: no routing "
+                    f"captured at positions {gaps[:8].tolist()} of {length}"
+                )
+            sample.routing = routing
 
     def _check_requests(
         self,

@@ -35,7 +35,7 @@ from megarl.algo import (
     kl_penalty,
     micro_batch_generator,
 )
-from megarl.models.routing import ROUTING, Routing
+from megarl.models.routing import ROUTING, Routing, agreement_over_world
 from megarl.models.runner import forward_backward
 from megarl.models.trainable import TrainableModel
 from megarl.parallel.init import device
@@ -108,7 +108,8 @@ def update_policy(
         names.append("ref_log_probs")
     if "rollout_is_weights" in batch.fields:
         names.append("rollout_is_weights")
-    replay = ROUTING in batch.fields and not current  # router_replay.mode=R2
+    # router_replay R2 (recorded by the old-log-prob pass, so absent with the shortcut) or R3.
+    replay = ROUTING in batch.fields
     if replay:
         names.append(ROUTING)
 
@@ -164,7 +165,7 @@ def run_update(
     ``make_loss_fn(global_tokens, global_seqs)``, its gradient is reduced and stepped; returns
     metrics averaged over mini-batches (loss terms exact, token means token-weighted), the grad
     norm, skipped steps and the learning rate. ``replay_routing``: every forward replays the
-    batch's recorded MoE routing (R2), and ``router_agreement`` is the share of real tokens
+    batch's MoE routing (R2: recorded; R3: the rollout's), and ``router_agreement`` is the share of real tokens
     whose routers, choosing afresh, would have picked the same experts."""
     dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
     dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
@@ -205,9 +206,7 @@ def run_update(
     metrics["skipped_steps"] = totals["skipped_steps"]
     metrics["lr"] = model.lr
     if replay_routing:  # every rank's routers: each pipeline stage's layers, each DP share
-        agreement = agreement.to(device())
-        dist.all_reduce(agreement)
-        metrics["router_agreement"] = float(agreement[0] / agreement[1].clamp(min=1.0))
+        metrics["router_agreement"] = agreement_over_world(agreement)
     return metrics
 
 

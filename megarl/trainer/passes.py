@@ -10,13 +10,21 @@ is the same global ``[B, R]`` tensor on every rank.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 from megatron.core import parallel_state
 
 from megarl.data import PromptSample
-from megarl.models.routing import ROUTING, Routing, pad_positions
+from megarl.models.routing import (
+    ROLLOUT_ROUTING,
+    ROUTING,
+    Routing,
+    agreement_over_world,
+    pad_positions,
+    rollout_routing,
+)
 from megarl.models.runner import compute_log_probs
 from megarl.parallel.collectives import all_gather_tensors
 from megarl.parallel.init import device
@@ -54,6 +62,9 @@ def generate(
         [s.finish_reason == "length" for s in out],
         pad_token_id=pad_token_id,
     )
+    if len(out) and out.samples[0].routing is not None:  # captured for R3
+        width = tensors.input_ids.shape[1]
+        tensors.fields[ROLLOUT_ROUTING] = rollout_routing([s.routing for s in out], width)
     return tensors, out
 
 
@@ -66,18 +77,22 @@ def global_log_probs(
     micro_batches: int | None,
     max_token_len: int | None = None,
     sum_pi_squared: bool = False,
+    routing: Routing | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Log-probs, entropy and (when asked) sum_v pi^2, ``[B, R]`` for every response token of
-    the batch, on every rank."""
+    the batch, on every rank. ``routing``: a replaying :class:`Routing`, fed the batch's
+    ``ROUTING`` field."""
     out = global_pass(
         chunks,
         batch,
         "actor",
         micro_batches=micro_batches,
         max_token_len=max_token_len,
+        names=(ROUTING,) if routing is not None and routing.mode == "replay" else (),
         vocab_size=vocab_size,
         temperature=temperature,
         sum_pi_squared=sum_pi_squared,
+        routing=routing,
     )
     return out["log_probs"], out["entropy"], out.get("sum_pi_squared")
 
@@ -89,10 +104,12 @@ def global_pass(
     *,
     micro_batches: int | None,
     max_token_len: int | None = None,
+    names: Sequence[str] = (),
     **kwargs: Any,
 ) -> dict[str, torch.Tensor]:
     """A forward-only pass over the whole batch: each DP rank computes its contiguous share and
-    the shares are all-gathered, so every rank gets every output ``[B, R]``."""
+    the shares are all-gathered, so every rank gets every output ``[B, R]``. ``names``: batch
+    fields the micro-batches carry as extras."""
     from megarl.models.runner import compute_values
     from megarl.trainer.batch import token_budget_micro_batches
 
@@ -100,7 +117,7 @@ def global_pass(
     dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     everyone = torch.arange(len(batch))
     rows = dp_share(everyone, dp_rank, dp_size)
-    sequences = batch.sequences(rows)
+    sequences = batch.sequences(rows, names)
     if max_token_len is not None:
         most = max(
             len(token_budget_micro_batches(batch.lengths[dp_share(everyone, r, dp_size)],
@@ -166,40 +183,68 @@ def old_log_probs_are_current(run, num_responses: int) -> bool:
     )
 
 
-def recompute_log_probs(run, batch: RolloutTensors) -> torch.Tensor | None:
+def recompute_log_probs(run, batch: RolloutTensors) -> tuple[torch.Tensor | None, dict]:
     """The actor's log-probs of the rollout (``recomputed_log_probs``); returns sum_v pi^2 when
-    ``actor.calculate_sum_pi_squared`` asks for it. With ``router_replay.mode=R2`` the MoE
-    routers' choices are recorded too (``routing``), for the update to replay."""
+    ``actor.calculate_sum_pi_squared`` asks for it, and metrics. With ``router_replay.mode=R2``
+    the MoE routers' choices are recorded too (``routing``), for the update to replay; with
+    ``R3`` the routers replay the rollout's (``rollout_corr/router_agreement``: the share of real
+    tokens the trainer's routers would have routed alike)."""
     plan = run.plan.old_log_prob
-    replay = run.cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R2"
+    mode = run.cfg.actor_rollout_ref.actor.megatron.router_replay.mode
+    routing = actor_routing(run, batch)
+    if mode == "R2":
+        routing = Routing(run.actor.chunks, "record")
     out = global_pass(
         run.actor.chunks,
         batch,
         "actor",
         micro_batches=plan.micro_batch_size,
         max_token_len=plan.max_token_len_per_gpu,
+        names=(ROUTING,) if mode == "R3" else (),
         vocab_size=run.vocab_size,
         temperature=run.cfg.actor_rollout_ref.rollout.temperature,
         sum_pi_squared=run.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared,
-        routing=Routing(run.actor.chunks, "record") if replay else None,
+        routing=routing,
     )
     batch.fields["recomputed_log_probs"] = out["log_probs"]
-    if replay:
+    metrics = {}
+    if mode == "R2":
         batch.fields[ROUTING] = out[ROUTING]
-    return out.get("sum_pi_squared")
+    elif mode == "R3":
+        counts = torch.stack([routing.agree, routing.tokens])  # type: ignore[union-attr]
+        metrics["rollout_corr/router_agreement"] = agreement_over_world(counts)
+    return out.get("sum_pi_squared"), metrics
+
+
+def actor_routing(run, batch: RolloutTensors) -> Routing | None:
+    """With ``router_replay.mode=R3``: a replaying :class:`Routing` over the actor, the rollout's
+    choices for its layers put in the batch's ``ROUTING`` field (the update replays them too);
+    otherwise None."""
+    if run.cfg.actor_rollout_ref.actor.megatron.router_replay.mode != "R3":
+        return None
+    routing = Routing(run.actor.chunks, "replay")
+    if ROUTING not in batch.fields:
+        batch.fields[ROUTING] = routing.from_rollout(batch.fields[ROLLOUT_ROUTING])
+    return routing
 
 
 def reference_log_probs(run, batch: RolloutTensors) -> None:
     """The frozen reference's log-probs (``ref_log_probs``), at the rollout temperature (its
-    parameters on the device by the ``ref`` phase's residency)."""
+    parameters on the device by the ``ref`` phase's residency). With ``router_replay.mode=R3``
+    its routers replay the rollout's choices too."""
     plan = run.plan.ref_log_prob
+    routing, view = None, batch
+    if run.cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3":
+        routing = Routing(run.ref.chunks, "replay")  # its own pipeline layout's layers
+        view = replace(batch, fields={ROUTING: routing.from_rollout(batch.fields[ROLLOUT_ROUTING])})
     batch.fields["ref_log_probs"], _, _ = global_log_probs(
         run.ref.chunks,
-        batch,
+        view,
         vocab_size=run.vocab_size,
         temperature=run.cfg.actor_rollout_ref.rollout.temperature,
         micro_batches=plan.micro_batch_size,
         max_token_len=plan.max_token_len_per_gpu,
+        routing=routing,
     )
 
 

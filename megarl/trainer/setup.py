@@ -124,7 +124,7 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
     meg = arr.actor.megatron
     recompute = Recompute(meg.recompute_granularity, meg.recompute_method, meg.recompute_num_layers)
     moe = MoeSettings.from_dict(meg.override_transformer_config)  # verl's moe_* knobs
-    replay = {"moe_enable_routing_replay": True} if meg.router_replay.mode == "R2" else {}
+    replay = {"moe_enable_routing_replay": True} if meg.router_replay.mode != "disabled" else {}
     actor_model = build_role_model(
         initial_checkpoint(meg),
         model_path,
@@ -139,9 +139,14 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
     settle(actor, cfg, "actor")
     ref = None
     if ref_used(cfg):
+        ref_moe = (
+            moe
+            if meg.router_replay.mode != "R3"
+            else MoeSettings.from_dict({**meg.override_transformer_config, **replay})
+        )  # R3 replays the rollout's routing in the reference's forward too
         ref = build_role_model(initial_checkpoint(arr.ref.megatron), model_path, layout,
                                dtype=dtype, transformer_impl=meg.transformer_impl,
-                               fusions=fusions(meg), moe=moe)  # fmt: skip
+                               fusions=fusions(meg), moe=ref_moe)  # fmt: skip
         for chunk in ref.chunks:
             chunk.eval()
             chunk.requires_grad_(False)
@@ -367,6 +372,7 @@ def _start_vllm(cfg: MegarlConfig, model_path: str):
         dtype=cfg.trainer.dtype,
         seed=cfg.trainer.seed,
         tokenizer_path=cfg.actor_rollout_ref.model.tokenizer_path,  # the EOS fallback's
+        capture_routing=cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3",
     )
 
 

@@ -23,6 +23,7 @@ from megarl.trainer.actor import update_policy
 from megarl.trainer.batch import RolloutTensors, pad_token_id
 from megarl.trainer.critic import global_values, update_critic, value_metrics
 from megarl.trainer.passes import (
+    actor_routing,
     correct_for_rollout,
     generate,
     old_log_probs_are_current,
@@ -91,7 +92,8 @@ def train_step(
     if not shortcut and (not bypass or cfg.actor_rollout_ref.actor.calculate_sum_pi_squared):
         enter(run, "old_log_prob", step=step)
         with timer("old_log_prob"):
-            sum_pi_squared = recompute_log_probs(run, batch)
+            sum_pi_squared, replay_metrics = recompute_log_probs(run, batch)
+            metrics.update(replay_metrics)
     if run.ref is not None:
         enter(run, "ref", step=step)
         with timer("ref"):
@@ -142,6 +144,7 @@ def train_step(
         run.critic.advance_lr()
     if actor_trains(step, cfg.trainer.critic_warmup):
         enter(run, "update_actor", step=step)
+        actor_routing(run, batch)  # R3: the rollout's routing, also without an old-log-prob pass
         with timer("update_actor"):
             metrics.update(
                 update_policy(
@@ -157,7 +160,7 @@ def train_step(
         run.actor.advance_lr()  # verl steps the LR schedule once per trainer step
     elif shortcut:  # no update ran: the recomputed log-probs still have to come from somewhere
         enter(run, "old_log_prob", step=step)
-        recompute_log_probs(run, batch)
+        metrics.update(recompute_log_probs(run, batch)[1])
 
     with timer("update_weights"):
         enter(run, "sync", step=step)  # vLLM's weights awake, its KV cache at the next generate

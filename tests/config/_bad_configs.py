@@ -379,11 +379,25 @@ BAD_CONFIGS = [
         ["actor_rollout_ref.model.path is required"],
     ),
     (
-        "router-replay-r3",
+        "router-replay-r3-without-vllm",
         MOE_30B,
+        [f"{MEG}.router_replay.mode=R3", "actor_rollout_ref.rollout.name=actor"],
+        None,
+        [f"{MEG}.router_replay.mode=R3", "rollout.name=actor", "use R2"],
+    ),
+    (
+        "rollout-routing-replay-without-r3",
+        MOE_30B,
+        ["actor_rollout_ref.rollout.enable_rollout_routing_replay=true"],
+        None,
+        ["enable_rollout_routing_replay=true", "router_replay.mode=R3", "now disabled"],
+    ),
+    (
+        "router-replay-r3-dense",
+        GRPO_7B,
         [f"{MEG}.router_replay.mode=R3"],
         None,
-        [f"{MEG}.router_replay.mode=R3", "Model Runner V2", "use R2"],
+        [f"{MEG}.router_replay.mode=R3", "is dense"],
     ),
     (
         "router-replay-dense",
@@ -404,6 +418,6 @@ BAD_CONFIGS = [
         MOE_30B,
         ["actor_rollout_ref.ref.megatron.router_replay.mode=R2"],
         None,
-        ["actor_rollout_ref.ref.megatron.router_replay.mode=R2", "the actor's update"],
+        ["actor_rollout_ref.ref.megatron.router_replay.mode=R2", "the actor's setting"],
     ),
 ]  # fmt: skip

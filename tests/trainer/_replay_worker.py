@@ -1,0 +1,95 @@
+"""Routing replay R3 inside the trainer (2 ranks, ``configs/grpo_moe_tiny_cpu.yaml``: actor
+EP 2, vLLM TP 2 capturing the rollout's routing): ``torchrun ... _replay_worker.py SPEC.json``.
+
+On one rollout, the actor's old log-probs against vLLM's, with and without replay, first with
+the synced weights, then with the actor's routers perturbed so that some tokens route
+differently; then one whole training step (KL loss on: the reference replays too). Rank 0 saves
+what it measured to ``<tmp>/replay.pt``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _largest_gap(log_probs: torch.Tensor, batch) -> float:
+    return float(((log_probs - batch.rollout_log_probs).abs() * batch.response_mask).max())
+
+
+def _perturbed_routers(chunks, scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Add seeded noise (the same on every rank) to every router's weight; the originals."""
+    from megarl.models.routing import routers
+
+    saved, gen = [], torch.Generator().manual_seed(11)
+    for chunk in chunks:
+        for router in routers(chunk):
+            w = router.weight.data
+            saved.append((w, w.clone()))
+            noise = torch.randn(w.shape, generator=gen, dtype=torch.float32)
+            w.add_(scale * float(w.std()) * noise.to(w))
+    return saved
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    from megarl.config import load_config
+    from megarl.models.routing import ROUTING
+    from megarl.parallel.init import destroy_distributed, init_distributed
+    from megarl.trainer.batch import pad_token_id
+    from megarl.trainer.console import Console
+    from megarl.trainer.passes import generate, global_log_probs, recompute_log_probs
+    from megarl.trainer.setup import build_run
+    from megarl.trainer.step import first_sync, train_step, training_sampling
+
+    init_distributed(seed=1)
+    cfg = load_config([spec["config"]], spec["overrides"])
+    run_dir = Path(spec["tmp"]) / "run"
+    out: dict = {}
+    with Console(run_dir / "logs", rank=dist.get_rank()) as console:
+        run = build_run(cfg, console, run_dir)
+        try:
+            first_sync(run)
+            prompts = [run.train_data[i] for i in next(run.sampler)]
+            batch, _ = generate(
+                run.engine, prompts, n=cfg.actor_rollout_ref.rollout.n,
+                sampling=training_sampling(run), seed=cfg.trainer.seed, step=1,
+                pad_token_id=pad_token_id(run.tokenizer),
+            )  # fmt: skip
+
+            def measure(tag: str) -> None:
+                free, _, _ = global_log_probs(
+                    run.actor.chunks, batch, vocab_size=run.vocab_size,
+                    temperature=cfg.actor_rollout_ref.rollout.temperature, micro_batches=None,
+                )  # fmt: skip
+                batch.fields.pop(ROUTING, None)
+                _, metrics = recompute_log_probs(run, batch)
+                out[tag] = {
+                    "free": _largest_gap(free, batch),
+                    "replayed": _largest_gap(batch.fields["recomputed_log_probs"], batch),
+                    "agreement": metrics["rollout_corr/router_agreement"],
+                }
+
+            measure("synced")
+            saved = _perturbed_routers(run.actor.chunks, spec["scale"])
+            measure("perturbed")
+            for w, original in saved:
+                w.copy_(original)
+            batch.fields.pop(ROUTING, None)
+            out["step"], _ = train_step(run, 1, [run.train_data[i] for i in next(run.sampler)])
+        finally:
+            run.rewards.close()
+    if dist.get_rank() == 0:
+        torch.save(out, Path(spec["tmp"]) / "replay.pt")
+    dist.barrier()
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    from tests._worker_exit import exit_now
+
+    main()
+    exit_now()
