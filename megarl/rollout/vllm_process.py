@@ -22,7 +22,9 @@ a random UUID under ``VLLM_RPC_BASE_PATH`` (default: the temporary directory), a
 there when the process ends without closing them, as every rank does (torchrun's kill, or
 :func:`megarl.parallel.fast_exit.exit_process`): measured 4 files in ``/tmp`` per engine start.
 Unless the variable is set, each rank points it at a private directory of its own that is
-removed at exit (atexit; ``exit_process`` runs the handlers).
+removed at exit (atexit; ``exit_process`` runs the handlers): in the temporary directory (under
+``megarl train``, the launch's own), or in ``/tmp`` where that is too deep for a socket path
+(Linux takes at most 107 bytes; zmq refuses to bind a longer one).
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 """vLLM's switch between model runners; megarl sets it to 0 (V1) when unset."""
 
 IPC_ENV = "VLLM_RPC_BASE_PATH"
+SOCKET_PATH_MAX = 107
+"""The longest AF_UNIX socket path Linux takes (``sun_path`` less its terminating NUL)."""
+SOCKET_NAME_LEN = 37
+"""What vLLM appends to its IPC directory: ``/`` and a UUID4."""
 
 
 def start_llm(model_path: str, kwargs: dict[str, Any]) -> Any:
@@ -78,7 +84,10 @@ def _private_ipc_directory() -> None:
     docstring); a directory the user set is left alone."""
     if IPC_ENV in os.environ:
         return
-    path = tempfile.mkdtemp(prefix="megarl-vllm-ipc-")
+    path = tempfile.mkdtemp(prefix="vllm-ipc-")
+    if len(path) + SOCKET_NAME_LEN > SOCKET_PATH_MAX:  # a deep TMPDIR: zmq would refuse to bind
+        os.rmdir(path)
+        path = tempfile.mkdtemp(prefix="megarl-vllm-ipc-", dir="/tmp")
     os.environ[IPC_ENV] = path
     atexit.register(shutil.rmtree, path, ignore_errors=True)
 
