@@ -137,8 +137,7 @@ class RouterReplayConfig:
     rollout engine chose (captured inside vLLM's worker: :mod:`megarl.rollout.routing_capture`)."""
 
     mode: Literal["disabled", "R2", "R3"] = "disabled"
-    """R2: the update routes each token as the old-log-prob forward did; R3: every actor and
-    reference forward routes each token as vLLM did."""
+    """R2: the update replays the old-log-prob pass's routing; R3: every forward replays vLLM's."""
 
 
 @dataclass
@@ -368,11 +367,9 @@ class RolloutConfig:
     enable_chunked_prefill: bool = True
     """vLLM chunked prefill."""
     enable_prefix_caching: bool = True
-    """vLLM prefix caching (the n samples of a prompt share its KV); off while routing is
-    captured (``router_replay.mode=R3``: a cache hit skips the forward whose routing is kept)."""
+    """vLLM prefix caching (the n samples of a prompt share its KV); off under routing replay R3."""
     enable_rollout_routing_replay: bool = False
-    """verl's switch for the rollout's side of routing replay R3; megarl captures the rollout's
-    routing whenever ``actor.megatron.router_replay.mode=R3`` (true without R3 is refused)."""
+    """verl's rollout switch for routing replay R3 (megarl: implied by R3; true without it refused)."""
     free_cache_engine: bool = True
     """Put vLLM to sleep (free weights and KV cache) while training runs."""
     max_model_len: int | None = None
