@@ -88,7 +88,6 @@ def global_log_probs(
         "actor",
         micro_batches=micro_batches,
         max_token_len=max_token_len,
-        names=(ROUTING,) if routing is not None and routing.mode == "replay" else (),
         vocab_size=vocab_size,
         temperature=temperature,
         sum_pi_squared=sum_pi_squared,
@@ -104,12 +103,11 @@ def global_pass(
     *,
     micro_batches: int | None,
     max_token_len: int | None = None,
-    names: Sequence[str] = (),
     **kwargs: Any,
 ) -> dict[str, torch.Tensor]:
     """A forward-only pass over the whole batch: each DP rank computes its contiguous share and
-    the shares are all-gathered, so every rank gets every output ``[B, R]``. ``names``: batch
-    fields the micro-batches carry as extras."""
+    the shares are all-gathered, so every rank gets every output ``[B, R]``. A replaying
+    ``routing`` (in ``kwargs``) is fed the batch's ``ROUTING`` field."""
     from megarl.models.runner import compute_values
     from megarl.trainer.batch import token_budget_micro_batches
 
@@ -117,7 +115,8 @@ def global_pass(
     dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     everyone = torch.arange(len(batch))
     rows = dp_share(everyone, dp_rank, dp_size)
-    sequences = batch.sequences(rows, names)
+    replaying = kwargs.get("routing") is not None and kwargs["routing"].mode == "replay"
+    sequences = batch.sequences(rows, (ROUTING,) if replaying else ())
     if max_token_len is not None:
         most = max(
             len(token_budget_micro_batches(batch.lengths[dp_share(everyone, r, dp_size)],
@@ -200,7 +199,6 @@ def recompute_log_probs(run, batch: RolloutTensors) -> tuple[torch.Tensor | None
         "actor",
         micro_batches=plan.micro_batch_size,
         max_token_len=plan.max_token_len_per_gpu,
-        names=(ROUTING,) if mode == "R3" else (),
         vocab_size=run.vocab_size,
         temperature=run.cfg.actor_rollout_ref.rollout.temperature,
         sum_pi_squared=run.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared,
