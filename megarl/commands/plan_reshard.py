@@ -4,6 +4,7 @@
     megarl plan reshard --preset qwen2.5-72b --tp 8 --pp 4 --rollout-tp 8
     megarl plan reshard --model /path/to/hf_model --tp 2 --rollout-tp 1 --bucket-mb 64 --buckets
     megarl plan reshard --preset qwen3-30b-a3b --tp 4 --ep 8 --etp 1 --rollout-tp 8   (MoE)
+    megarl plan reshard --preset qwen3-30b-a3b --tp 4 --ep 8 --rollout-tp 8 --rollout-ep
 
 Nothing is allocated and no process group is started; the plan is pure arithmetic.
 """
@@ -43,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=positive_int, help="expert-parallel size (MoE models)")
     p.add_argument("--etp", type=positive_int, help="expert tensor-parallel size (default TP)")
     p.add_argument("--rollout-tp", type=positive_int, help="vLLM tensor-parallel size")
+    p.add_argument(
+        "--rollout-ep",
+        action="store_true",
+        help="vLLM expert parallelism: each vLLM rank holds whole experts (MoE models)",
+    )
     p.add_argument("--bucket-mb", type=float, help="bucket size limit in MiB (default 1024)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="parameter dtype (default bf16)")
     p.add_argument("--buckets", action="store_true", help="also list every bucket")
@@ -74,6 +80,7 @@ def build_plan(args: argparse.Namespace) -> tuple[ReshardPlan, str]:
     """The plan the arguments describe, and the model's source."""
     tp = pp = rollout_tp = ep = 1
     vpp = etp = None
+    rollout_ep = False
     dtype = "bf16"
     model_path = None
     if args.config:
@@ -84,6 +91,7 @@ def build_plan(args: argparse.Namespace) -> tuple[ReshardPlan, str]:
         tp, pp, vpp = layout.tp, layout.pp, layout.virtual_pipeline_model_parallel_size
         ep, etp = layout.ep, layout.expert_tensor_parallel_size
         rollout_tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+        rollout_ep = cfg.actor_rollout_ref.rollout.expert_parallel_size > 1
         dtype = cfg.trainer.dtype
         model_path = cfg.actor_rollout_ref.model.path
     elif args.overrides:
@@ -94,6 +102,7 @@ def build_plan(args: argparse.Namespace) -> tuple[ReshardPlan, str]:
     ep = args.ep or ep
     etp = args.etp or etp
     rollout_tp = args.rollout_tp or rollout_tp
+    rollout_ep = args.rollout_ep or rollout_ep
     dtype = args.dtype or dtype
     hf, source = _hf_config(args, model_path)
     dims = ModelDims.from_hf_config(hf, tp_size=tp)
@@ -105,7 +114,9 @@ def build_plan(args: argparse.Namespace) -> tuple[ReshardPlan, str]:
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
     )
-    plan = make_reshard_plan(dims, layout, rollout_tp, bucket_bytes=bucket, dtype=_DTYPES[dtype])
+    plan = make_reshard_plan(
+        dims, layout, rollout_tp, bucket_bytes=bucket, dtype=_DTYPES[dtype], rollout_ep=rollout_ep
+    )
     return plan, source
 
 

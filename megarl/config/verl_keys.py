@@ -129,7 +129,6 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.rollout.log_prob_micro_batch_size", _NO_DYNAMIC_BSZ_GLOBAL),
     ("actor_rollout_ref.rollout.data_parallel_size", "rollout DP is world / rollout TP"),
     ("actor_rollout_ref.rollout.pipeline_model_parallel_size", "vLLM runs tensor-parallel only"),
-    ("actor_rollout_ref.rollout.expert_parallel_size", "vLLM holds every expert, split over its TP ranks (no vLLM expert parallelism yet)"),
     ("actor_rollout_ref.rollout.nnodes", "vLLM shares the training processes"),
     ("actor_rollout_ref.rollout.n_gpus_per_node", "vLLM shares the training processes"),
     ("actor_rollout_ref.rollout.load_format", "weights come from the trainer"),

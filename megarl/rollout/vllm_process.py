@@ -43,11 +43,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl.config.moe_checks import MODEL_RUNNER_ENV  # megarl sets it to 0 (V1) when unset
 from megarl.parallel.emulation import reassert_cpu_emulation
 from megarl.parallel.init import read_launch_env, start_process_group
-
-MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
-"""vLLM's switch between model runners; megarl sets it to 0 (V1) when unset."""
 
 IPC_ENV = "VLLM_RPC_BASE_PATH"
 SOCKET_PATH_MAX = 107

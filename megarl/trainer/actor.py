@@ -18,6 +18,7 @@ micro-batch values instead, which weights small micro-batches more.)
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from megarl.algo import (
     kl_penalty,
     micro_batch_generator,
 )
+from megarl.models.expert_load import ExpertLoad
+from megarl.models.gpt import unwrap
 from megarl.models.routing import ROUTING, Routing, agreement_over_world
 from megarl.models.runner import forward_backward
 from megarl.models.trainable import TrainableModel
@@ -166,12 +169,16 @@ def run_update(
     metrics averaged over mini-batches (loss terms exact, token means token-weighted), the grad
     norm, skipped steps and the learning rate. ``replay_routing``: every forward replays the
     batch's MoE routing (R2: recorded; R3: the rollout's), and ``router_agreement`` is the share of real tokens
-    whose routers, choosing afresh, would have picked the same experts."""
+    whose routers, choosing afresh, would have picked the same experts. A MoE model also reports
+    its expert load over the first epoch's forwards (each token once:
+    :mod:`megarl.models.expert_load`)."""
     dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
     dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     totals: dict[str, float] = defaultdict(float)
     count = 0
     agreement = torch.zeros(2, dtype=torch.float64)
+    moe = unwrap(model.chunks[0]).config.num_moe_experts  # every rank, MoE layers or not
+    load = ExpertLoad(model.chunks) if moe else None
     for epoch in range(settings.ppo_epochs):
         order = seeded_generator(seed, f"{purpose}-mini-batches", step, epoch)
         for indices in mini_batches(
@@ -181,16 +188,17 @@ def run_update(
             lengths = batch.lengths if settings.balance else None
             mine = dp_share(indices, dp_rank, dp_size, lengths)
             routing = Routing(model.chunks, "replay") if replay_routing else None
-            per_micro, outputs = forward_backward(
-                model.chunks,
-                batch.sequences(mine, names),
-                make_loss_fn(float(tokens), float(seqs)),
-                micro_batches=_micro_batches(batch, indices, mine, settings, dp_size),
-                vocab_size=vocab_size,
-                temperature=temperature,
-                keep_outputs=True,
-                routing=routing,
-            )
+            with load if load is not None and epoch == 0 else contextlib.nullcontext():
+                per_micro, outputs = forward_backward(
+                    model.chunks,
+                    batch.sequences(mine, names),
+                    make_loss_fn(float(tokens), float(seqs)),
+                    micro_batches=_micro_batches(batch, indices, mine, settings, dp_size),
+                    vocab_size=vocab_size,
+                    temperature=temperature,
+                    keep_outputs=True,
+                    routing=routing,
+                )
             if routing is not None:
                 agreement += torch.stack([routing.agree, routing.tokens])
             if keep is not None:
@@ -207,6 +215,8 @@ def run_update(
     metrics["lr"] = model.lr
     if replay_routing:  # every rank's routers: each pipeline stage's layers, each DP share
         metrics["router_agreement"] = agreement_over_world(agreement)
+    if load is not None:
+        metrics.update(load.metrics())
     return metrics
 
 

@@ -156,7 +156,12 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         engine: RolloutEngine = vllm_engine
         from megarl.rollout.reshard import plan_for_chunks
 
-        reshard = plan_for_chunks(actor.chunks, actor_model.dims, vllm_engine.tensor_parallel_size)
+        reshard = plan_for_chunks(
+            actor.chunks,
+            actor_model.dims,
+            vllm_engine.tensor_parallel_size,
+            rollout_ep=vllm_engine.expert_parallel,
+        )
     else:
         engine = ActorEngine(
             actor.chunks,

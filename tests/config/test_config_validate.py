@@ -259,3 +259,18 @@ def test_verls_rollout_mode_and_gradient_checkpointing_keys_validate():
     assert any(w.startswith("critic.model.enable_gradient_checkpointing") for w in warnings)
     with pytest.raises(ConfigError, match=rf"^{ROLL}.mode: 'spmd' is not one of async, sync$"):
         load_config(GRPO, [f"{ROLL}.mode=spmd"])
+
+
+def test_gpu_moe_rollout_settings_that_hold_validate(monkeypatch):
+    """On the GPU config: vLLM expert parallelism at the rollout TP size; R3 with eager vLLM
+    (captured by hooks) or with vLLM's V2 runner (its own routed-experts output)."""
+    from tests.config._bad_configs import MOE_30B
+
+    r3 = f"{MEG}.router_replay.mode=R3"
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    validate(load_config(MOE_30B, [f"{ROLL}.expert_parallel_size=4"]))
+    validate(load_config(MOE_30B, [r3, f"{ROLL}.enforce_eager=true"]))
+    with pytest.raises(ConfigError):
+        validate(load_config(MOE_30B, [r3]))
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    validate(load_config(MOE_30B, [r3]))

@@ -87,6 +87,7 @@ def run_moe_checks(spec: dict, world: int, results: dict) -> None:
             results[f"{key}/{name}"] = r
     if world == 2:
         _checkpoint_across_expert_layouts(spec, results)
+        _dist_checkpoint_init(spec, results)
     for tp, pp, ep in REPLAY_LAYOUTS.get(world, []):
         results[f"moe/replay_tp{tp}_pp{pp}_ep{ep}"] = _routing_replay(spec, tp, pp, ep)
     results["moe/seconds"] = time.perf_counter() - start  # this launch's added time
@@ -113,6 +114,35 @@ def _checkpoint_across_expert_layouts(spec: dict, results: dict) -> None:
     results["moe/ckpt_ep2_to_tp2"] = {"weights_identical": int(flag.item()) == 0}
 
 
+def _dist_checkpoint_init(spec: dict, results: dict) -> None:
+    """Initial weights from ``megarl convert``'s EP=2 checkpoint of the tiny Qwen3-MoE
+    (``use_dist_checkpointing``: the trainer's loader, the model built from the checkpoint's
+    ``hf_files/``, no safetensors) as the actor at EP 1 and as the critic at EP 2: every
+    parameter equals the one built from HF."""
+    from megarl.models.build import build_model
+    from megarl.models.weights import local_global_names
+    from megarl.parallel.init import init_distributed
+    from megarl.trainer.setup import build_role_model
+
+    hf, ckpt = spec["moe_models"]["qwen3_moe"], Path(spec["moe_dist_ckpt"])
+    for ep, role in ((1, "actor"), (2, "critic")):
+        layout = _layout(1, 1, ep, None)
+        init_distributed(layout, seed=1234)
+        kw = {"role": role, "value_head_seed": 7}
+        direct = build_model(hf, layout, **kw).chunks
+        assert not list((ckpt / "hf_files").glob("*.safetensors"))
+        loaded = build_role_model(ckpt, ckpt / "hf_files", layout, **kw).chunks
+        pairs = list(zip(local_global_names(direct), local_global_names(loaded), strict=True))
+        diff = max((a[3] - b[3]).abs().max().item() for a, b in pairs)
+        experts = sum(".experts." in a[2] for a, _ in pairs)
+        t = torch.tensor([diff, experts], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        results[f"moe/dist_ckpt_init_ep{ep}_{role}"] = {
+            "max_diff": t[0].item(),
+            "experts": t[1].item(),
+        }
+
+
 def _routing_replay(spec: dict, tp: int, pp: int, ep: int) -> dict:
     """Routing replay (megarl.models.routing) at one layout, Qwen3-MoE, seen through forward
     hooks on the routers (their routing maps, an observation independent of the replay):
@@ -128,6 +158,7 @@ def _routing_replay(spec: dict, tp: int, pp: int, ep: int) -> dict:
     from megatron.core import parallel_state
 
     from megarl.models.build import build_model
+    from megarl.models.expert_load import ExpertLoad
     from megarl.models.gpt import MoeSettings, unwrap
     from megarl.models.routing import ROUTING, Routing, routers
     from megarl.models.runner import SequenceBatch, compute_log_probs
@@ -169,7 +200,10 @@ def _routing_replay(spec: dict, tp: int, pp: int, ep: int) -> dict:
                                 micro_batches=micro, routing=routing)  # fmt: skip
         return out, list(maps)
 
-    recorded, a_maps = run(plain, 2, Routing(chunks, "record"))
+    record = Routing(chunks, "record")
+    with ExpertLoad(chunks) as load:  # also counts every real token's experts
+        recorded, a_maps = run(plain, 2, record)
+    load_expected = _expert_load_of(recorded.routing, record.layer_numbers, lengths, built.dims)
     replayed = SequenceBatch(plain.input_ids, plain.prompt_lengths, lengths,
                              extra={ROUTING: recorded.routing})  # fmt: skip
     originals = [r.weight.detach().clone() for r in mine]
@@ -215,4 +249,23 @@ def _routing_replay(spec: dict, tp: int, pp: int, ep: int) -> dict:
         "replay_equals_recorded": counts[4].item() == dist.get_world_size(),
         "router_calls": counts[5].item(),
         "logprob_diff_other_micro_batches": diff.item(),
+        "expert_load": load.metrics(),
+        "expert_load_expected": load_expected,
+    }
+
+
+def _expert_load_of(recorded: torch.Tensor, layer_numbers, lengths, dims) -> dict[str, float]:
+    """megarl.models.expert_load's summary computed from the recorded routing instead (``[rows,
+    layers, positions, k]``, this rank's layers; real positions only), over every rank's layers."""
+    ratios = torch.zeros(dims.num_layers, dtype=torch.float64)
+    real = torch.arange(recorded.shape[2])[None, :] < lengths[:, None]
+    for i, layer in enumerate(layer_numbers):
+        chosen = recorded[:, i][real].reshape(-1).long()
+        counts = torch.bincount(chosen, minlength=dims.num_experts).double()
+        ratios[layer] = counts.max() / counts.mean()
+    dist.all_reduce(ratios, op=dist.ReduceOp.MAX)  # each layer on one stage, the same elsewhere
+    return {
+        "expert_load_imbalance": float(ratios.mean()),
+        "expert_load_imbalance_max": float(ratios.max()),
+        "expert_load_worst_layer": float(ratios.argmax()),
     }

@@ -124,12 +124,24 @@ def ws1(spec):
 
 
 @pytest.fixture(scope="session")
-def ws2(spec, qwen2, qwen2_tp2):
-    """The world-2 launch; it also loads ``megarl convert``'s TP=2 checkpoint as initial weights
-    (``use_dist_checkpointing``, test_dist_ckpt_init.py)."""
+def ws2(spec, qwen2, qwen2_tp2, moe_ep2):
+    """The world-2 launch; it also loads ``megarl convert``'s TP=2 checkpoint (and a Qwen3-MoE
+    one at EP 2) as initial weights (``use_dist_checkpointing``, test_dist_ckpt_init.py)."""
     spec["dist_ckpt"] = {"hf": str(qwen2), "ckpt": str(qwen2_tp2[0])}
+    spec["moe_dist_ckpt"] = str(moe_ep2)
     (Path(spec["tmp"]) / "spec.json").write_text(json.dumps(spec))
     return _results(spec, 2)
+
+
+@pytest.fixture(scope="session")
+def moe_ep2(spec) -> Path:
+    """``megarl convert hf-to-megatron --ep 2`` of the tiny Qwen3-MoE."""
+    from tests.models._convert_cli import ok, run_convert
+
+    ckpt = Path(spec["tmp"]) / "qwen3_moe-ep2"
+    hf = spec["moe_models"]["qwen3_moe"]
+    ok(run_convert("hf-to-megatron", "--hf-path", hf, "--out", str(ckpt), "--ep", "2"))
+    return ckpt
 
 
 @pytest.fixture(scope="session")

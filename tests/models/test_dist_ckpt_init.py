@@ -26,6 +26,14 @@ def test_initial_weights_from_the_converted_checkpoint_equal_those_from_hf(key, 
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("key", ["ep1_actor", "ep2_critic"])
+def test_moe_initial_weights_from_the_converted_ep2_checkpoint_equal_those_from_hf(key, ws2):
+    """Qwen3-MoE converted at EP 2, loaded as the actor at EP 1 and as the critic at EP 2."""
+    r = ws2[f"moe/dist_ckpt_init_{key}"]
+    assert r["experts"] > 0 and r["max_diff"] <= 1e-6, r
+
+
+@pytest.mark.multirank
 def test_a_checkpoint_of_another_model_is_refused_at_load_naming_path_and_mismatch(ws2, qwen2_tp2):
     message = ws2["dist_ckpt_init/other_shape"]
     assert str(qwen2_tp2[0]) in message

@@ -15,6 +15,7 @@ Suites:
   metered), generate the same prompts/seeds again, and compare both rollouts' log-probs with
   the actor's runner.
 - ``gpu``: bf16 with sleep/wake and vLLM parameter addresses (only meaningful with CUDA).
+- ``gpu_ep``: vLLM expert parallelism on two GPUs (vLLM's CPU MoE kernel cannot run it).
 
 The engine-protocol conformance probe (``_engine_conformance.py``) runs on an ``ActorEngine`` in
 ``layouts`` (Megatron DP 2 and PP 2) and on the vLLM TP 1 engine in ``vllm`` (rollout DP 2).
@@ -470,9 +471,45 @@ def gpu_suite(models: Path) -> dict:
     return out
 
 
+def gpu_ep_suite(models: Path) -> dict:
+    """Two GPUs: vLLM TP 2 with expert parallelism (each rank 4 whole experts of 8) synced from
+    the actor at EP 2 and at PP 2 (where each rank receives only its own experts), unreceived
+    elements NaN; vLLM's log-probs against the actor's after each sync (fp32)."""
+    from megarl.rollout.consistency import rollout_logprob_consistency
+    from megarl.rollout.reshard import plan_for_chunks, sync_weights
+    from megarl.rollout.vllm_engine import VLLMEngine
+
+    path = str(models / "moe")
+    out: dict = {}
+    layouts = [(1, 1, None, 2, None), (1, 2, None)]
+    dims, chunks = build(path, *layouts[0])
+    engine = VLLMEngine(
+        path,
+        tensor_parallel_size=2,
+        max_model_len=64,
+        dtype="float32",
+        gpu_memory_utilization=0.2,
+        expert_parallel=True,
+    )
+    for i, layout in enumerate(layouts):
+        if i:
+            del chunks
+            gc.collect()
+            dims, chunks = build(path, *layout)
+        perturb(chunks, dims, 40 + i)
+        plan = plan_for_chunks(chunks, dims, 2, bucket_bytes=256 << 10, rollout_ep=True)
+        sync_weights(chunks, plan, engine, fill_unsent=float("nan"))
+        after = engine.generate(PROMPTS, **SAMPLING)
+        out[case_key("moe", layout, 2)] = rollout_logprob_consistency(
+            chunks, after, vocab_size=dims.vocab_size, temperature=T
+        )
+    engine.shutdown()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--suite", choices=["layouts", "vllm", "gpu"], required=True)
+    ap.add_argument("--suite", choices=["layouts", "vllm", "gpu", "gpu_ep"], required=True)
     ap.add_argument("--models", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -487,6 +524,8 @@ def main() -> None:
         result = layouts_suite(args.models)
     elif args.suite == "vllm":
         result = vllm_suite(args.models, world)
+    elif args.suite == "gpu_ep":
+        result = gpu_ep_suite(args.models)
     else:
         result = gpu_suite(args.models)
     rank = dist.get_rank()

@@ -1,8 +1,9 @@
 """vLLM engines with routing capture on, one per tiny MoE family, in one process (world 1):
-``python _routing_capture_worker.py OUT FAMILY...`` writes ``OUT/<family>.pt``, a list of
-samples (prompt, response, routing) generated over a small token budget per engine step, so that
-steps mix prefills of some requests with decodes of others. (Chunked prefill off: vLLM 0.32's
-CPU runner fails on a seeded request's partial prefill, "CPU Generator does not use offset".)"""
+``python _routing_capture_worker.py OUT FAMILY...`` writes ``OUT/<family>.pt``: the engine's
+routing source and a list of samples (prompt, response, routing) generated over a small token budget per engine step, so that
+steps mix prefills of some requests with decodes of others. The budget asked for (32 tokens) is
+below the longest prompt (41): the engine must raise it on CPU, where vLLM 0.32's runner fails
+on a seeded request's partial (chunked) prefill ("CPU Generator does not use offset")."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 41, 17, 2)]
-"""Token-id prompts of assorted lengths; 130 prompt tokens in all, over a 96-token budget."""
+"""Token-id prompts of assorted lengths; 130 prompt tokens in all, over a 96-token budget (max_model_len)."""
 
 
 def main() -> None:
@@ -27,8 +28,7 @@ def main() -> None:
             dtype="float32",
             max_model_len=96,
             kv_cache_memory_bytes=32 << 20,
-            enable_chunked_prefill=False,
-            max_num_batched_tokens=96,
+            max_num_batched_tokens=32,
             capture_routing=True,
         )
         batch = engine.generate(PROMPTS, n=2, temperature=1.0, max_tokens=12, seed=3)
@@ -36,7 +36,7 @@ def main() -> None:
             {"prompt": s.prompt_token_ids, "response": s.response_token_ids, "routing": s.routing}
             for s in batch
         ]
-        torch.save(samples, out / f"{family}.pt")
+        torch.save({"source": engine.routing_source, "samples": samples}, out / f"{family}.pt")
         engine.shutdown()
 
 

@@ -506,3 +506,15 @@ def test_gpu_bf16_sync_with_sleep_keeps_parameter_addresses(models):
     assert (
         rank["before"]["rollout/logprob_diff_mean"] > 3 * rank["after"]["rollout/logprob_diff_mean"]
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_vllm_expert_parallel_logprobs_match_actor_after_sync(models):
+    """vLLM expert parallelism (rollout.expert_parallel_size=2: whole experts, 4 per rank),
+    synced from the actor at EP 2 and at PP 2 with everything unreceived NaN: vLLM's log-probs
+    equal the actor's (fp32; 1e-3: vLLM's GPU kernels against Megatron's, a NaN fails)."""
+    for rank in _launch(models, "gpu_ep", 2):
+        for case in ("moe_vtp2_tp1_pp1_vpp1_ep2_etp1", "moe_vtp2_tp1_pp2_vpp1"):
+            assert rank[case]["rollout/logprob_diff_max"] <= 1e-3, (rank["rank"], case)

@@ -1,6 +1,7 @@
 """Critic values and one critic update at several layouts (one torchrun launch of 2 ranks).
 
-For each case (TP, sequence parallelism) the critic is built from the tiny HF checkpoint, its
+For each case (TP, sequence parallelism, or a Mixture-of-Experts model at EP 1 or 2) the critic is
+built from the tiny HF checkpoint, its
 values on a fixed batch are computed by the trainer's value pass, and one update by
 ``update_critic`` with SGD at lr 1 follows, so the weight change is the reduced gradient; the
 actor's log-probs and last-position logits on the same batch come along. Rank 0 saves values,
@@ -95,9 +96,11 @@ def _run_case(spec: dict, case: dict) -> dict:
     from megarl.parallel.layout import ParallelLayout
     from megarl.trainer.critic import ValueUpdate, global_values, update_critic
 
-    layout = ParallelLayout(case["tp"], 1, sequence_parallel=case["sequence_parallel"])
+    layout = ParallelLayout(case["tp"], 1, sequence_parallel=case["sequence_parallel"],
+                            expert_model_parallel_size=case.get("ep", 1))  # fmt: skip
     init_distributed(layout, seed=1)
     dtype = getattr(torch, spec["dtype"])
+    spec = {**spec, "model": spec[case.get("model", "model")]}
     built = build_model(spec["model"], layout, role="critic", dtype=dtype,
                         transformer_impl=spec["transformer_impl"], value_head_seed=7)  # fmt: skip
     sgd = OptimizerSettings(lr=1.0, optimizer="sgd", weight_decay=0.0, clip_grad=0.0,

@@ -34,10 +34,28 @@ def _perturbed_routers(chunks, scale: float) -> list[tuple[torch.Tensor, torch.T
     return saved
 
 
+def _expected_load(batch, experts: int) -> dict[str, float]:
+    """The update's expert load as it should be, from the rollout's routing the update
+    replayed: every real position's top-k (an uncaptured one, -1, replayed as experts 0..k-1),
+    counted per layer and expert, summarised as max / mean per layer."""
+    from megarl.models.routing import ROLLOUT_ROUTING
+
+    captured = batch.fields[ROLLOUT_ROUTING].long()  # [rows, positions, layers, k]
+    _, width, layers, k = captured.shape
+    real = torch.arange(width)[None, :] < batch.lengths[:, None]
+    choice = torch.where(captured < 0, torch.arange(k).expand_as(captured), captured)[real]
+    ratios = []
+    for layer in range(layers):
+        counts = torch.bincount(choice[:, layer].reshape(-1), minlength=experts).double()
+        ratios.append(float(counts.max() / counts.mean()))
+    return {"mean": sum(ratios) / layers, "max": max(ratios), "layer": ratios.index(max(ratios))}
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     from megarl.config import load_config
     from megarl.models.routing import ROUTING
+    from megarl.models.tiny import MOE_DEFAULTS
     from megarl.parallel.init import destroy_distributed, init_distributed
     from megarl.trainer.batch import pad_token_id
     from megarl.trainer.console import Console
@@ -79,7 +97,10 @@ def main() -> None:
             for w, original in saved:
                 w.copy_(original)
             batch.fields.pop(ROUTING, None)
-            out["step"], _ = train_step(run, 1, [run.train_data[i] for i in next(run.sampler)])
+            out["step"], step_batch = train_step(
+                run, 1, [run.train_data[i] for i in next(run.sampler)]
+            )
+            out["expected_load"] = _expected_load(step_batch, MOE_DEFAULTS["num_experts"])
         finally:
             run.rewards.close()
     if dist.get_rank() == 0:

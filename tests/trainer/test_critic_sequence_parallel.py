@@ -13,7 +13,7 @@ length (sequence parallelism splits the sequence over TP, so the runner must pad
 - CPU: the same harness at TP=1 (DP=2), TP=2, and TP=2 with SP on the local spec, whose torch
   norm the worker marks for the TP gradient all-reduce as TE's norms are (Megatron's wrapper
   refuses SP only for lack of that mark); float64, so any difference is a wrong collective, not
-  rounding.
+  rounding. Also a Mixture-of-Experts critic (Qwen3-MoE) at EP 1 and EP 2.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ def _run(tmp: Path, cases: list[dict], **spec) -> dict:
     torch.save(batch, tmp / "batch.pt")
     spec = {
         "model": str(make_tiny_model(tmp / "model", family="qwen2", seed=5)),
+        "moe_model": str(make_tiny_model(tmp / "moe", family="qwen3_moe", seed=6)),
         "batch": str(tmp / "batch.pt"),
         "out": str(tmp / "results.pt"),
         "micro_batch_size": 2,
@@ -67,13 +68,18 @@ def _assert_same_critic(ref: dict, other: dict, *, rtol: float) -> None:
         scale = float(ref[key].abs().max())
         assert float((other[key] - ref[key]).abs().max()) <= rtol * scale, key
     assert set(other["after"]) == set(ref["after"])
+    experts = [n for n in ref["after"] if ".experts." in n]
+    assert not experts or any(bool((ref["before"][n] != ref["after"][n]).any()) for n in experts)
     for name in ref["after"]:
         g_ref = ref["before"][name] - ref["after"][name]
         g = other["before"][name] - other["after"][name]
         assert torch.equal(other["before"][name], ref["before"][name]), name
-        assert float(g_ref.abs().max()) > 0, name  # every parameter gets a gradient
+        if ".experts." not in name:  # (an expert no token reached has none)
+            assert float(g_ref.abs().max()) > 0, name  # every parameter gets a gradient
         assert float((g - g_ref).abs().max()) <= rtol * float(g_ref.abs().max()), name
-    for key in ("critic/vf_loss", "critic/vf_clipfrac"):
+    keys = [k for k in ref["metrics"] if k.startswith(("critic/vf_", "critic/expert_load"))]
+    assert {"critic/vf_loss", "critic/vf_clipfrac"} <= set(keys)
+    for key in keys:
         assert other["metrics"][key] == pytest.approx(ref["metrics"][key], rel=rtol, abs=rtol)
 
 
@@ -91,10 +97,16 @@ def test_critic_sequence_parallel_equals_no_sp_on_gpu(tmp_path):
 
 
 def test_critic_layouts_and_emulated_sequence_parallel_agree_on_cpu(tmp_path):
+    moe = {"tp": 1, "sequence_parallel": False, "model": "moe_model"}
     cases = [{"name": "tp1", "tp": 1, "sequence_parallel": False},
              {"name": "tp2", "tp": 2, "sequence_parallel": False},
-             {"name": "tp2_sp", "tp": 2, "sequence_parallel": True}]  # fmt: skip
+             {"name": "tp2_sp", "tp": 2, "sequence_parallel": True},
+             {"name": "moe_ep1", "ep": 1, **moe}, {"name": "moe_ep2", "ep": 2, **moe}]  # fmt: skip
     out = _run(tmp_path, cases, dtype="float64", transformer_impl="local", emulate_sp_norm=True)
     assert out["tp2_sp"]["sequence_parallel"]
     _assert_same_critic(out["tp1"], out["tp2"], rtol=1e-6)
     _assert_same_critic(out["tp1"], out["tp2_sp"], rtol=1e-6)
+    # A Mixture-of-Experts critic (Qwen3-MoE) with its experts over EP 2: the same values,
+    # gradients (experts' included) and metrics (the expert load too) as at EP 1.
+    assert "critic/expert_load_imbalance" in out["moe_ep1"]["metrics"]
+    _assert_same_critic(out["moe_ep1"], out["moe_ep2"], rtol=1e-6)

@@ -73,3 +73,14 @@ def test_a_training_step_replays_in_every_pass(measured):
     assert 0.5 < m["actor/router_agreement"] <= 1.0  # the update's forwards
     assert m["rollout/logprob_diff_max"] <= 1e-4
     assert torch.isfinite(torch.tensor(m["actor/kl_loss"]))
+
+
+def test_the_step_reports_the_expert_load_the_update_routed(measured):
+    """``actor/expert_load_*`` (hooks on the routers during the update) equals the load counted
+    from the rollout routing the update replayed, independently, in the worker."""
+    m, expected = measured["step"], measured["expected_load"]
+    print({k: v for k, v in m.items() if "expert_load" in k}, expected)
+    assert m["actor/expert_load_imbalance"] == pytest.approx(expected["mean"], rel=1e-9)
+    assert m["actor/expert_load_imbalance_max"] == pytest.approx(expected["max"], rel=1e-9)
+    assert m["actor/expert_load_worst_layer"] == expected["layer"]
+    assert 1.0 < expected["mean"] < 4.0  # uneven; 4 = E / k: every token on the same k

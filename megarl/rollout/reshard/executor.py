@@ -32,7 +32,9 @@ The alternatives considered:
   contract (HF-named, full-shaped tensors through ``load_weights``) is unchanged. The price is
   that the plan must mirror vLLM's narrowing rule
   (:func:`~megarl.rollout.reshard.vllm_layout.rollout_slice`: q/k/v with KV heads replicated
-  when vLLM TP exceeds them, gate/up, o/down by columns, padded vocabulary rows, norms whole). The multi-rank tests fill every element a rank did not receive
+  when vLLM TP exceeds them, gate/up, o/down by columns, padded vocabulary rows, norms whole;
+  under vLLM expert parallelism a rank's own experts whole and no other expert, which its
+  loader skips). The multi-rank tests fill every element a rank did not receive
   with NaN before vLLM loads it, so a rule that drifted from vLLM's would poison the log-probs
   rather than pass silently.
 
@@ -368,6 +370,14 @@ def _check_sink(sink: WeightSink, plan: ReshardPlan, rollout_rank: int) -> None:
     rank = getattr(sink, "tp_rank", None)
     if rank is not None and rank != rollout_rank:
         raise ValueError(f"the engine is TP rank {rank}, the executor assumed {rollout_rank}")
+    # At PP 1 every rank has whole buckets and either expert layout loads; at PP > 1 a rank
+    # receives only the expert slices of the plan's layout, and the other layout reads unsent rows.
+    ep = getattr(sink, "expert_parallel", None)
+    if ep is not None and plan.layout.pp > 1 and bool(ep) != plan.rollout_ep:
+        raise ValueError(
+            f"the engine runs expert_parallel={bool(ep)}, the plan was made for "
+            f"rollout_ep={plan.rollout_ep}"
+        )
 
 
 class _PipelineRoute:
@@ -487,8 +497,10 @@ def plan_for_chunks(
     rollout_tp: int,
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    rollout_ep: bool = False,
 ) -> ReshardPlan:
-    """The plan for this actor: layout from its ``TransformerConfig``, dtype from its weights."""
+    """The plan for this actor: layout from its ``TransformerConfig``, dtype from its weights.
+    ``rollout_ep``: the engine runs vLLM expert parallelism (see :func:`make_reshard_plan`)."""
     from megarl.models.gpt import unwrap
 
     model = unwrap(chunks[0])
@@ -502,7 +514,9 @@ def plan_for_chunks(
         expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
     )
     dtype = next(model.parameters()).dtype
-    return make_reshard_plan(dims, layout, rollout_tp, bucket_bytes=bucket_bytes, dtype=dtype)
+    return make_reshard_plan(
+        dims, layout, rollout_tp, bucket_bytes=bucket_bytes, dtype=dtype, rollout_ep=rollout_ep
+    )
 
 
 def local_params_for_plan(

@@ -114,6 +114,7 @@ def make_reshard_plan(
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     dtype: torch.dtype = torch.bfloat16,
+    rollout_ep: bool = False,
 ) -> ReshardPlan:
     """Plan a Megatron → vLLM weight sync.
 
@@ -126,6 +127,10 @@ def make_reshard_plan(
         bucket_bytes: upper bound of one bucket's flat buffer. A single module larger than
             this forms its own bucket (the bound is then that module's size).
         dtype: element type of the parameters (bytes per element).
+        rollout_ep: vLLM runs expert parallelism (``enable_expert_parallel``, EP size = its TP
+            size): each vLLM rank loads whole experts, only its own
+            (:func:`~megarl.rollout.reshard.vllm_layout.rollout_expert_range`). MoE models
+            only, with at least ``rollout_tp`` experts.
 
     Parameters are visited in Megatron's global order (embedding, layers 0..L-1, final norm,
     output layer); consecutive modules of the same stage share a bucket while they fit.
@@ -133,7 +138,7 @@ def make_reshard_plan(
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     require_training_layout(dims, layout)
-    check_rollout_tp(dims, rollout_tp)
+    check_rollout_tp(dims, rollout_tp, rollout_ep)
     itemsize = dtype.itemsize
 
     modules, skipped = _modules_in_order(dims, layout)
@@ -148,7 +153,11 @@ def make_reshard_plan(
         if current:
             slots = [s for p in current for s in p.slots]
             slices = tuple(
-                tuple(piece for s in slots for piece in slot_pieces(s, dims, rollout_tp, v))
+                tuple(
+                    piece
+                    for s in slots
+                    for piece in slot_pieces(s, dims, rollout_tp, v, rollout_ep)
+                )
                 for v in range(rollout_tp)
             )
             bucket = Bucket(
@@ -210,4 +219,5 @@ def make_reshard_plan(
         dtype=dtype,
         buckets=tuple(buckets),
         skipped=tuple(skipped),
+        rollout_ep=rollout_ep,
     )

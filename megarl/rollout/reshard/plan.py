@@ -26,7 +26,11 @@ bucket. Inside a stage the experts are split over expert parallelism (EP: each E
 (ETP). The ranks of the expert's EP rank all-gather it over ETP and write it into the bucket;
 then each EP rank's run of experts is broadcast over the EP group (:attr:`Bucket.expert_runs`),
 so that every rank hands its engine the whole layer (vLLM without expert parallelism keeps
-every expert, split along the intermediate dimension over its TP ranks).
+every expert, split along the intermediate dimension over its TP ranks). With vLLM expert
+parallelism (:attr:`ReshardPlan.rollout_ep`) each vLLM rank keeps a run of whole experts
+instead (:func:`~megarl.rollout.reshard.vllm_layout.rollout_expert_range`): its engine still
+gets the whole layer and skips the other experts, and its slices from other stages hold only
+its own experts, whole.
 
 With PP > 1 a bucket crosses stages as *slices*: each rank receives only the rows / columns of
 each HF tensor that its own vLLM TP rank loads (:func:`rollout_slice` in
@@ -51,7 +55,11 @@ import torch
 from megarl.config.model_dims import ModelDims
 from megarl.models import hf_mapping as hm
 from megarl.parallel.layout import ParallelLayout, shape_layout_problems
-from megarl.rollout.reshard.vllm_layout import rollout_shard_shape, rollout_slice
+from megarl.rollout.reshard.vllm_layout import (
+    rollout_expert_range,
+    rollout_shard_shape,
+    rollout_slice,
+)
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -65,6 +73,7 @@ __all__ = [
     "chunk_layer_range",
     "owner_of",
     "require_training_layout",
+    "rollout_expert_range",
     "rollout_shard_shape",
     "rollout_slice",
 ]
@@ -281,6 +290,8 @@ class ReshardPlan:
     skipped: tuple[str, ...] = field(default=())
     """Megatron parameters that produce no HF tensor (the tied output-layer copy on the last
     stage when PP > 1)."""
+    rollout_ep: bool = False
+    """vLLM runs expert parallelism (EP size = its TP size): each rank keeps whole experts."""
 
     @property
     def itemsize(self) -> int:
@@ -358,16 +369,28 @@ class ReshardPlan:
         tensor, replicated ones whole; vLLM's padding rows not counted)."""
         return sum(b.message_numel(rollout_rank) for b in self.buckets) * self.itemsize
 
-    def rollout_bytes_per_rank(self) -> int:
-        """Bytes one vLLM TP rank keeps after slicing (KV heads replicated when TP_v > nkv)."""
-        return (
-            sum(
-                math.prod(rollout_shard_shape(s.name, s.shape, self.dims, self.rollout_tp))
-                for b in self.buckets
-                for s in b.slots
+    def rollout_bytes_per_rank(self, rollout_rank: int | None = None) -> int:
+        """Bytes vLLM TP rank ``rollout_rank`` keeps after slicing (KV heads replicated when
+        TP_v > nkv); None: the most any rank keeps (ranks differ only under vLLM EP, where
+        ranks below ``E % TP`` hold one expert more)."""
+        if rollout_rank is None:
+            ranks = range(self.rollout_tp) if self.rollout_ep else range(1)
+            return max(self.rollout_bytes_per_rank(v) for v in ranks)
+        kept = sum(
+            math.prod(
+                rollout_shard_shape(
+                    s.name,
+                    s.shape,
+                    self.dims,
+                    self.rollout_tp,
+                    rollout_ep=self.rollout_ep,
+                    rollout_rank=rollout_rank,
+                )
             )
-            * self.itemsize
+            for b in self.buckets
+            for s in b.slots
         )
+        return kept * self.itemsize
 
     def summary(self) -> str:
         """A few lines for humans (``megarl plan``)."""
@@ -387,7 +410,9 @@ class ReshardPlan:
             (
                 f"training TP={lay.tp} PP={lay.pp} VPP={lay.vpp}"
                 + (f" EP={lay.ep} ETP={lay.etp}" if d.num_experts else "")
-                + f" -> vLLM TP={self.rollout_tp}{replicated}"
+                + f" -> vLLM TP={self.rollout_tp}"
+                + (f" EP={self.rollout_tp}" if self.rollout_ep else "")
+                + replicated
             ),
             (
                 f"tensors: {len(self.params)} Megatron parameters -> "
@@ -408,7 +433,8 @@ class ReshardPlan:
                 f"peak extra memory per rank: <= {self.peak_bytes / mib:.1f} MiB "
                 "(one bucket + one all-gather or message buffer)"
             ),
-            f"vLLM keeps per rank: {self.rollout_bytes_per_rank() / mib:.1f} MiB",
+            f"vLLM keeps per rank: {self.rollout_bytes_per_rank() / mib:.1f} MiB"
+            + (" (the most of any rank; experts whole)" if self.rollout_ep else ""),
         ]
         if self.skipped:
             lines.append(f"skipped: {', '.join(self.skipped)} (tied to the embedding)")
@@ -446,7 +472,8 @@ class ReshardPlan:
             (
                 f"one vLLM TP rank's slices: {span(slices)} MiB of {self.hf_bytes / mib:.1f} "
                 f"(1/{t} = {self.hf_bytes / t / mib:.1f}; norms whole"
-                + (", KV heads replicated)" if t > self.dims.num_query_groups else ")")
+                + (", KV heads replicated" if t > self.dims.num_query_groups else "")
+                + (", experts whole on their vLLM EP rank)" if self.rollout_ep else ")")
             ),
             "received per rank and sync, MiB:",
         ]
@@ -499,20 +526,24 @@ def owner_of(mg_name: str, dims: ModelDims, layout: ParallelLayout) -> tuple[int
 # --------------------------------------------------------------------------------------------
 
 
-def slot_pieces(slot: HFSlot, dims: ModelDims, rollout_tp: int, rank: int) -> list[SlicePiece]:
-    region = rollout_slice(slot.name, slot.shape, dims, rollout_tp, rank)
+def slot_pieces(
+    slot: HFSlot, dims: ModelDims, rollout_tp: int, rank: int, rollout_ep: bool = False
+) -> list[SlicePiece]:
+    """What vLLM TP rank ``rank`` loads of ``slot``: one piece, or none when it loads nothing."""
+    region = rollout_slice(slot.name, slot.shape, dims, rollout_tp, rank, rollout_ep)
     if region is None:
         return [SlicePiece(slot, None)]
     dim, start, stop = region
     if stop <= start:
-        return []  # a vocabulary shard made only of vLLM's padding rows
+        return []  # a vocabulary shard of vLLM's padding rows only, or another EP rank's expert
     if start == 0 and stop == slot.shape[dim]:
         return [SlicePiece(slot, None)]
     return [SlicePiece(slot, dim, start, stop)]
 
 
-def check_rollout_tp(dims: ModelDims, rollout_tp: int) -> None:
-    """vLLM's requirements on its TP size for this model; raises ``ValueError`` naming them."""
+def check_rollout_tp(dims: ModelDims, rollout_tp: int, rollout_ep: bool = False) -> None:
+    """vLLM's requirements on its TP size (and expert parallelism) for this model; raises
+    ``ValueError`` naming them."""
     if rollout_tp < 1:
         raise ValueError(f"rollout TP must be >= 1, got {rollout_tp}")
     if dims.num_attention_heads % rollout_tp:
@@ -523,6 +554,15 @@ def check_rollout_tp(dims: ModelDims, rollout_tp: int) -> None:
     if groups % rollout_tp and rollout_tp % groups:
         raise ValueError(
             f"rollout TP={rollout_tp} must divide or be a multiple of num_key_value_heads={groups}"
+        )
+    if rollout_ep and not dims.num_experts:
+        raise ValueError(
+            f"vLLM expert parallelism (rollout_ep) needs a MoE model; {dims.architecture} is dense"
+        )
+    if rollout_ep and dims.num_experts < rollout_tp:
+        raise ValueError(
+            f"vLLM EP={rollout_tp} (its TP size) exceeds the model's {dims.num_experts} experts: "
+            "some vLLM ranks would hold none"
         )
 
 
