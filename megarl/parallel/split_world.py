@@ -1,0 +1,128 @@
+"""One launch, two worlds: training ranks and rollout ranks (disaggregated placement, issue 26).
+
+torchrun (or Slurm) starts ``W`` processes; the first ``train_size`` train, the others host the
+rollout engines. Each side gets its own default process group, so that Megatron-Core (which
+sizes every parallel group from the default group) sees only the training ranks and vLLM's
+external launcher only the rollout ranks; ``RANK`` and ``WORLD_SIZE`` are rewritten to the side's
+numbering for the code that reads them (the launch's are kept in ``MEGARL_LAUNCH_RANK`` /
+``MEGARL_LAUNCH_WORLD_SIZE``; ``LOCAL_RANK``, which picks the GPU, is left alone).
+
+The two sides talk over groups built on the launch's rendezvous store under their own prefixes
+(:meth:`SplitWorld.group`): ``bridge`` holds every process. They are plain ``ProcessGroup``
+objects, not registered with ``torch.distributed``: call their methods (``broadcast``, ``send``,
+...) directly, or the helpers here. gloo everywhere for now (on GPU the tensors go through host
+memory; an NCCL group for the weights is the next step).
+
+The store: under torchrun its agent hosts it at ``MASTER_ADDR:MASTER_PORT`` and every process
+connects as a client; otherwise (Slurm) the launch's rank 0 hosts it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from megarl.parallel.emulation import enable_cpu_emulation
+from megarl.parallel.init import LaunchEnv, process_group_timeout_minutes, read_launch_env
+
+__all__ = ["SplitWorld", "broadcast_object", "split_world"]
+
+Role = Literal["train", "rollout"]
+
+
+@dataclass
+class SplitWorld:
+    """This process's place in a split launch (see the module docstring)."""
+
+    role: Role
+    rank: int
+    """The launch's rank (0..world_size-1)."""
+    world_size: int
+    train_size: int
+    store: dist.Store
+    timeout: timedelta
+    bridge: Any = None
+    """Every process of the launch (a gloo ``ProcessGroup``)."""
+    _groups: dict = field(default_factory=dict)
+
+    @property
+    def rollout_ranks(self) -> list[int]:
+        return list(range(self.train_size, self.world_size))
+
+    def group(self, name: str, members: list[int]) -> Any:
+        """A gloo group over the launch ranks ``members`` (in that order); created by the
+        members only (None elsewhere), once per name."""
+        if self.rank not in members:
+            return None
+        if name not in self._groups:
+            prefix = dist.PrefixStore(f"megarl/{name}", self.store)
+            self._groups[name] = dist.ProcessGroupGloo(
+                prefix, members.index(self.rank), len(members), self.timeout
+            )
+        return self._groups[name]
+
+
+def split_world(train_size: int, *, timeout_minutes: int | None = None) -> SplitWorld:
+    """Split this launch into its first ``train_size`` ranks (training) and the rest (rollout),
+    each side with its own default process group (NCCL on GPU for training, gloo otherwise);
+    raises ``ValueError`` naming the sizes when a side would be empty."""
+    launch = read_launch_env()
+    if not 0 < train_size < launch.world_size:
+        raise ValueError(
+            f"{train_size} training ranks out of {launch.world_size}: both training and rollout "
+            "need at least one rank"
+        )
+    timeout = timedelta(minutes=timeout_minutes or process_group_timeout_minutes())
+    store = _launch_store(launch, timeout)
+    role: Role = "train" if launch.rank < train_size else "rollout"
+    sub_rank = launch.rank if role == "train" else launch.rank - train_size
+    sub_size = train_size if role == "train" else launch.world_size - train_size
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+    else:
+        enable_cpu_emulation()
+    os.environ["MEGARL_LAUNCH_RANK"] = str(launch.rank)
+    os.environ["MEGARL_LAUNCH_WORLD_SIZE"] = str(launch.world_size)
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(sub_rank), str(sub_size)
+    dist.init_process_group(
+        backend="nccl" if on_gpu and role == "train" else "gloo",
+        store=dist.PrefixStore(f"megarl/{role}", store),
+        rank=sub_rank,
+        world_size=sub_size,
+        timeout=timeout,
+    )
+    world = SplitWorld(role, launch.rank, launch.world_size, train_size, store, timeout)
+    world.bridge = world.group("bridge", list(range(launch.world_size)))
+    return world
+
+
+def _launch_store(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return dist.TCPStore(
+        launch.master_addr,
+        launch.master_port,
+        launch.world_size,
+        is_master=not agent and launch.rank == 0,
+        timeout=timeout,
+    )
+
+
+def broadcast_object(group: Any, obj: Any, root: int) -> Any:
+    """``obj`` of the group's rank ``root`` on every member (pickled; CPU tensors)."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    data = pickle.dumps(obj) if group.rank() == root else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    group.broadcast([size], opts).wait()
+    buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+    if group.rank() == root:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    group.broadcast([buffer], opts).wait()
+    return obj if group.rank() == root else pickle.loads(buffer.numpy().tobytes())
