@@ -31,7 +31,7 @@ import torch.distributed as dist
 from megarl.parallel.emulation import enable_cpu_emulation
 from megarl.parallel.init import LaunchEnv, process_group_timeout_minutes, read_launch_env
 
-__all__ = ["SplitWorld", "broadcast_object", "split_world"]
+__all__ = ["SplitWorld", "broadcast_object", "current", "split_world"]
 
 Role = Literal["train", "rollout"]
 
@@ -54,6 +54,11 @@ class SplitWorld:
     @property
     def rollout_ranks(self) -> list[int]:
         return list(range(self.train_size, self.world_size))
+
+    def control(self) -> Any:
+        """The group the trainer drives the rollout engine over: the first training rank, then
+        every rollout rank (None on the other training ranks)."""
+        return self.group("control", [0, *self.rollout_ranks])
 
     def group(self, name: str, members: list[int]) -> Any:
         """A gloo group over the launch ranks ``members`` (in that order); created by the
@@ -100,7 +105,17 @@ def split_world(train_size: int, *, timeout_minutes: int | None = None) -> Split
     )
     world = SplitWorld(role, launch.rank, launch.world_size, train_size, store, timeout)
     world.bridge = world.group("bridge", list(range(launch.world_size)))
+    global _CURRENT
+    _CURRENT = world
     return world
+
+
+_CURRENT: SplitWorld | None = None
+
+
+def current() -> SplitWorld | None:
+    """This process's split launch (None: not split)."""
+    return _CURRENT
 
 
 def _launch_store(launch: LaunchEnv, timeout: timedelta) -> dist.Store:

@@ -162,6 +162,8 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
             vllm_engine.tensor_parallel_size,
             rollout_ep=vllm_engine.expert_parallel,
         )
+        if hasattr(vllm_engine, "bind_plan"):  # a remote engine receives the plan with its syncs
+            vllm_engine.bind_plan(reshard)
     else:
         engine = ActorEngine(
             actor.chunks,
@@ -368,7 +370,16 @@ def value_update(cfg: MegarlConfig, plan: BatchPlan) -> ValueUpdate:
     )
 
 
-def _start_vllm(cfg: MegarlConfig, model_path: str):
+def _start_vllm(cfg: MegarlConfig, model_path: str, **overrides: Any):
+    """The run's vLLM engine: in this process, or on the rollout ranks of a split launch
+    (:class:`~megarl.rollout.remote_engine.RemoteEngine`, their side :func:`serve_rollout`)."""
+    from megarl.parallel.split_world import current
+
+    world = current()
+    if world is not None and world.role == "train":
+        from megarl.rollout.remote_engine import RemoteEngine
+
+        return RemoteEngine(world.control())
     from megarl.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine.from_config(
@@ -378,7 +389,25 @@ def _start_vllm(cfg: MegarlConfig, model_path: str):
         seed=cfg.trainer.seed,
         tokenizer_path=cfg.actor_rollout_ref.model.tokenizer_path,  # the EOS fallback's
         capture_routing=cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3",
+        **overrides,
     )
+
+
+def serve_rollout(cfg: MegarlConfig) -> None:
+    """A rollout rank of a split launch: start vLLM (never asleep: these devices train nothing)
+    and run the training ranks' commands until they stop it."""
+    from megarl.parallel.split_world import current
+    from megarl.rollout.remote_engine import serve
+
+    world = current()
+    if world is None or world.role != "rollout":
+        raise RuntimeError("serve_rollout runs on the rollout ranks of a split launch")
+    model_path = str(Path(cfg.actor_rollout_ref.model.path).expanduser())
+    engine = _start_vllm(cfg, model_path, free_cache_engine=False)
+    try:
+        serve(engine, world.control())
+    finally:
+        engine.shutdown()
 
 
 def barrier() -> None:

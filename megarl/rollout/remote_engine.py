@@ -1,0 +1,137 @@
+"""A rollout engine on other ranks, seen from the training ranks (disaggregated placement, issue
+26; :mod:`megarl.parallel.split_world`).
+
+:class:`RemoteEngine` is the :class:`~megarl.rollout.base.RolloutEngine` the trainer holds when
+its vLLM runs on rollout ranks: the trainer's own calls (``generate``, the weight-update session
+of :func:`~megarl.rollout.reshard.sync_weights`) reach :func:`serve` on the rollout ranks as
+commands over the ``control`` group (the first training rank, then every rollout rank), so a
+run is the colocated run's steps with the engine elsewhere. The engine looks like one replica of
+vLLM TP 1 to the trainer (whole tensors reach the first training rank; vLLM narrows them for its
+own TP). It never sleeps: its devices are its own.
+
+Commands, from the first training rank (every training rank calls every method; the others
+wait for its result on the training world):
+
+- ``("generate", prompts, kwargs)``: every rollout rank calls its engine's ``generate`` alike;
+  the first rollout rank broadcasts the batch back;
+- ``("weights", plan)``: the buckets of ``plan`` follow, as
+  :func:`~megarl.rollout.reshard.remote.receive_weights` takes them;
+- ``("stop",)``: :func:`serve` returns.
+
+A one-step-off schedule (the rollout of step k+1 generated while step k trains) and bounded
+staleness are not built yet: this is the staleness-0 placement they will extend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megarl.parallel.split_world import broadcast_object
+from megarl.rollout.base import CallOrder, RolloutBatch
+
+__all__ = ["RemoteEngine", "serve"]
+
+
+class RemoteEngine:
+    """The training ranks' handle on the rollout ranks' engine (see the module docstring)."""
+
+    tensor_parallel_size = 1
+    """What the resharding plan is made for: whole tensors to the first training rank."""
+    expert_parallel = False
+    dp_rank = 0
+    dp_size = 1
+
+    def __init__(self, control: Any | None) -> None:
+        self.control = control
+        """``control`` on the first training rank, None on the others."""
+        self._order = CallOrder()
+        self._plan: Any = None
+        self._announced = False
+        """This update's ``weights`` command went out (with its first bucket)."""
+        self.eos_token_ids: list[int] = self._from_first(
+            lambda: self._ask(("eos",)) if control is not None else None
+        )
+
+    # -- generation --------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], **kwargs: Any) -> RolloutBatch:
+        self._order.check_can_generate()
+        return self._from_first(lambda: self._ask(("generate", prompts, kwargs)))
+
+    def sleep(self, level: int = 1) -> None:
+        """Nothing to free: the engine's devices are not the trainer's."""
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Never asleep."""
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def begin_weight_update(self) -> None:
+        self._order.begin_update()
+
+    def bind_plan(self, plan: Any) -> None:
+        """The plan every sync follows (sent with each ``weights`` command)."""
+        self._plan = plan
+
+    def load_weight_chunk(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        self._order.check_updating("load_weight_chunk")
+        if self.control is None:
+            return
+        if not self._announced:
+            broadcast_object(self.control, ("weights", self._plan), 0)
+            self._announced = True
+        flat = torch.cat([t.reshape(-1).cpu() for _, t in named_tensors])
+        self.control.broadcast([flat], _root(0)).wait()
+
+    def finish_weight_update(self) -> None:
+        self._order.finish_update()
+        self._announced = False
+
+    def shutdown(self) -> None:
+        if self.control is not None:
+            broadcast_object(self.control, ("stop",), 0)
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _ask(self, command: tuple) -> Any:
+        broadcast_object(self.control, command, 0)
+        return broadcast_object(self.control, None, 1)
+
+    def _from_first(self, compute) -> Any:
+        """``compute()`` on the first training rank, its result on every training rank."""
+        box = [compute() if self.control is not None else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def serve(engine: Any, control: Any) -> None:
+    """The rollout ranks' side: run the training ranks' commands on ``engine`` until ``stop``."""
+    from megarl.rollout.reshard.remote import receive_weights
+
+    first = control.rank() == 1
+    while True:
+        command = broadcast_object(control, None, 0)
+        if command[0] == "stop":
+            return
+        if command[0] == "eos":
+            broadcast_object(control, list(engine.eos_token_ids) if first else None, 1)
+        elif command[0] == "generate":
+            _, prompts, kwargs = command
+            batch = engine.generate(prompts, **kwargs)
+            broadcast_object(control, batch if first else None, 1)
+        elif command[0] == "weights":
+            receive_weights(engine, command[1], control)
+        else:
+            raise ValueError(f"unknown rollout command {command[0]!r}")
+
+
+def _root(rank: int):
+    opts = dist.BroadcastOptions()
+    opts.rootRank = rank
+    return opts
