@@ -18,12 +18,18 @@ wait for its result on the training world):
   :func:`~megarl.rollout.reshard.remote.receive_weights` takes them;
 - ``("stop",)``: :func:`serve` returns.
 
-A one-step-off schedule (the rollout of step k+1 generated while step k trains) and bounded
-staleness are not built yet: this is the staleness-0 placement they will extend.
+One step off (:meth:`RemoteEngine.prefetch`): the request for step k+1 goes out as soon as step
+k's batch is in, so the rollout ranks generate it, with the weights they hold (step k-1's),
+while step k trains; the next weight update first takes that batch in (the rollout side is then
+waiting to hand it over), and step k+1's ``generate`` returns it. Each batch records the weight
+version that generated it (:attr:`RemoteEngine.last_version`: syncs finished before it was
+asked for, the first sync being version 0), and the wait for it is timed. Bounded staleness
+beyond one step is not built yet.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -51,6 +57,15 @@ class RemoteEngine:
         """``control`` on the first training rank, None on the others."""
         self._order = CallOrder()
         self._plan: Any = None
+        self._syncs = 0
+        """Weight updates finished (the version the engine holds is ``_syncs - 1``)."""
+        self._pending: tuple | None = None
+        """A prefetched request: (prompts, kwargs, version), its batch in ``_held`` once in."""
+        self._held: Any = None
+        self.last_version = -1
+        """The weight version that generated the last batch :meth:`generate` returned."""
+        self.waited_s = 0.0
+        """Seconds the first training rank waited for the last batch."""
         self._announced = False
         """This update's ``weights`` command went out (with its first bucket)."""
         self.eos_token_ids: list[int] = self._from_first(
@@ -61,7 +76,32 @@ class RemoteEngine:
 
     def generate(self, prompts: list[list[int]], **kwargs: Any) -> RolloutBatch:
         self._order.check_can_generate()
-        return self._from_first(lambda: self._ask(("generate", prompts, kwargs)))
+        self._take_pending()  # the rollout side is free once it handed a prefetched batch over
+        if self._pending is not None and self._pending[:2] == (prompts, kwargs):
+            batch, version = self._held, self._pending[2]
+            self._held = self._pending = None
+        else:  # nothing prefetched, or other requests (validation): ask now, keep the batch
+            batch, version = None, self._syncs - 1
+        self.last_version = version
+
+        def first_rank() -> RolloutBatch:
+            return batch if batch is not None else self._timed(("generate", prompts, kwargs))
+
+        return self._from_first(first_rank)
+
+    def prefetch(self, prompts: list[list[int]], **kwargs: Any) -> None:
+        """Ask for the batch a later :meth:`generate` with the same arguments returns; the
+        rollout ranks generate it meanwhile, with the weights they hold now."""
+        if self._pending is not None:
+            raise RuntimeError("a prefetched batch is still outstanding")
+        self._pending = (prompts, kwargs, self._syncs - 1)
+        if self.control is not None:
+            broadcast_object(self.control, ("generate", prompts, kwargs), 0)
+
+    def _take_pending(self) -> None:
+        """Receive the prefetched batch (first training rank) unless it is in already."""
+        if self._pending is not None and self._held is None:
+            self._held = self._receive() if self.control is not None else True
 
     def sleep(self, level: int = 1) -> None:
         """Nothing to free: the engine's devices are not the trainer's."""
@@ -73,6 +113,7 @@ class RemoteEngine:
 
     def begin_weight_update(self) -> None:
         self._order.begin_update()
+        self._take_pending()  # the rollout side hands it over before it takes weights
 
     def bind_plan(self, plan: Any) -> None:
         """The plan every sync follows (sent with each ``weights`` command)."""
@@ -91,6 +132,7 @@ class RemoteEngine:
     def finish_weight_update(self) -> None:
         self._order.finish_update()
         self._announced = False
+        self._syncs += 1
 
     def shutdown(self) -> None:
         if self.control is not None:
@@ -101,6 +143,16 @@ class RemoteEngine:
     def _ask(self, command: tuple) -> Any:
         broadcast_object(self.control, command, 0)
         return broadcast_object(self.control, None, 1)
+
+    def _timed(self, command: tuple) -> Any:
+        broadcast_object(self.control, command, 0)
+        return self._receive()
+
+    def _receive(self) -> Any:
+        start = time.perf_counter()
+        batch = broadcast_object(self.control, None, 1)
+        self.waited_s = time.perf_counter() - start
+        return batch
 
     def _from_first(self, compute) -> Any:
         """``compute()`` on the first training rank, its result on every training rank."""

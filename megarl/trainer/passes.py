@@ -68,6 +68,29 @@ def generate(
     return tensors, out
 
 
+def prefetch(
+    engine: Any,
+    prompts: Sequence[PromptSample],
+    *,
+    n: int,
+    sampling: dict[str, Any],
+    seed: int,
+    step: int,
+) -> None:
+    """Ask a remote engine (:meth:`~megarl.rollout.remote_engine.RemoteEngine.prefetch`) for
+    the batch a later :func:`generate` with these arguments takes: the request
+    :func:`~megarl.rollout.distribute.generate_distributed` makes of its one replica (the engine
+    refuses a later request that differs)."""
+    engine.prefetch(
+        [list(p.prompt_ids) for p in prompts],
+        prompt_ids=list(range(len(prompts))),
+        n=n,
+        seed=seed,
+        step=step,
+        **sampling,
+    )
+
+
 def global_log_probs(
     chunks: Sequence[torch.nn.Module],
     batch: RolloutTensors,

@@ -27,6 +27,7 @@ from megarl.trainer.passes import (
     correct_for_rollout,
     generate,
     old_log_probs_are_current,
+    prefetch,
     recompute_log_probs,
     reference_log_probs,
 )
@@ -52,11 +53,16 @@ class Timer:
 
 
 def train_step(
-    run: Run, step: int, prompts: Sequence[PromptSample]
+    run: Run,
+    step: int,
+    prompts: Sequence[PromptSample],
+    next_prompts: Sequence[PromptSample] | None = None,
 ) -> tuple[dict[str, float], RolloutTensors]:
     """Run training step ``step`` (1-based) on the global prompt batch ``prompts``; returns its
     metrics and the step's batch (tokens, rewards, log-probs, advantages: identical on every
-    rank)."""
+    rank). ``next_prompts`` (an engine on other ranks only): the next step's batch, asked for
+    as soon as this one is in, so that its generation overlaps this step's training (one step
+    off: generated with this step's weights before the update)."""
     cfg = run.cfg
     timer, start = Timer(), time.perf_counter()
     metrics: dict[str, float] = {}
@@ -72,6 +78,12 @@ def train_step(
             step=step,
             pad_token_id=pad_token_id(run.tokenizer),
         )
+    if next_prompts is not None:
+        prefetch(run.engine, next_prompts, n=cfg.actor_rollout_ref.rollout.n,
+                 sampling=training_sampling(run), seed=cfg.trainer.seed, step=step + 1)  # fmt: skip
+    if hasattr(run.engine, "last_version"):  # an engine on other ranks
+        metrics["async/staleness"] = float(step - 1 - run.engine.last_version)
+        metrics["async/wait_rollout_s"] = run.engine.waited_s
     greedy = None
     if cfg.algorithm.adv_estimator == "remax":  # while the engine is awake (as verl)
         with timer("gen_baseline"):

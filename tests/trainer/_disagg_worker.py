@@ -1,9 +1,14 @@
-"""Two training steps through the trainer's own calls, colocated (world 2) or with vLLM on a rank
-of its own (world 3: a split launch, megarl.parallel.split_world; the rollout rank serves the
+"""Training steps through the trainer's own calls, colocated (world 2) or with vLLM on a rank of
+its own (world 3: a split launch, megarl.parallel.split_world; the rollout rank serves the
 trainer's commands, megarl.rollout.remote_engine). Rank 0 saves each step's metrics, responses
 and rewards, and the actor's final weights (HF names), to ``<tmp>/<mode>.pt``:
 
-    torchrun --nproc_per_node 2|3 _disagg_worker.py SPEC.json colocated|split
+    torchrun --nproc_per_node 2|3 _disagg_worker.py SPEC.json MODE
+
+Modes: ``colocated`` and ``split`` (2 steps, staleness 0); ``split_off`` (3 steps one step off:
+each step asks for the next batch as soon as its own is in) and its reference
+``colocated_off``: colocated, but the sync after step k loads the weights step k started from
+(taken before its update), so that batch k+1 comes from step k-1's weights, as one step off.
 """
 
 from __future__ import annotations
@@ -18,6 +23,16 @@ import torch.distributed as dist
 STEPS = 2
 
 
+def _sync_with_the_weights_of_now(run) -> None:
+    """Make this step's closing sync load the weights the actor has now, before its update."""
+    from megarl.rollout.base import update_weights
+    from megarl.trainer import step as step_module
+    from tests.trainer._update_worker import _hf_weights
+
+    now = _hf_weights(run.actor.chunks, run.actor.model.dims)
+    step_module.sync_engine = lambda run: update_weights(run.engine, now.items())
+
+
 def main() -> None:
     spec, mode = json.loads(Path(sys.argv[1]).read_text()), sys.argv[2]
     from megarl.config import load_config
@@ -25,7 +40,7 @@ def main() -> None:
     from megarl.trainer.console import Console
 
     cfg = resolve_config(load_config([spec["config"]], spec["overrides"]))
-    if mode == "split":
+    if mode.startswith("split"):
         from megarl.parallel.split_world import split_world
 
         world = split_world(2)
@@ -45,10 +60,14 @@ def main() -> None:
         run = build_run(cfg, c, run_dir)
         try:
             first_sync(run)
-            for step in range(1, STEPS + 1):
-                metrics, batch = train_step(
-                    run, step, [run.train_data[i] for i in next(run.sampler)]
-                )
+            off = mode.endswith("_off")
+            steps = STEPS + 1 if off else STEPS
+            batches = [[run.train_data[i] for i in next(run.sampler)] for _ in range(steps)]
+            for step in range(1, steps + 1):
+                if mode == "colocated_off":
+                    _sync_with_the_weights_of_now(run)
+                after = batches[step] if mode == "split_off" and step < steps else None
+                metrics, batch = train_step(run, step, batches[step - 1], after)
                 out["steps"].append({
                     "metrics": metrics,
                     "responses": batch.responses.tolist() if hasattr(batch, "responses") else None,
@@ -59,7 +78,7 @@ def main() -> None:
             out["world"] = dist.get_world_size()
         finally:
             run.rewards.close()
-            if mode == "split":
+            if mode.startswith("split"):
                 run.engine.shutdown()
     if dist.get_rank() == 0:
         torch.save(out, Path(spec["tmp"]) / f"{mode}.pt")
