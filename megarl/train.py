@@ -25,7 +25,11 @@ def run(config_paths: Sequence[str], overrides: Sequence[str]) -> int:
         die_with_parent(os.getppid())  # the kernel's SIGKILL when torchrun dies (kill -9 too)
     try:
         cfg = load_config(list(config_paths), list(overrides))
-        world_size = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else None
+        world_size = None
+        if os.environ.get("WORLD_SIZE"):  # the training ranks: the launch's less rollout-only ones
+            from megarl.config.batch import rollout_ranks
+
+            world_size = int(os.environ["WORLD_SIZE"]) - rollout_ranks(cfg)
         warnings = validate(cfg, world_size, check_paths=True)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -73,8 +73,12 @@ def main(argv: list[str]) -> int:
         if cfg is None:
             print(f"error: {problem}", file=sys.stderr)
             return EXIT_INPUT_ERROR
-        nproc = cfg.trainer.n_gpus_per_node
-        command = launch.torchrun_command(nproc, module, [*configs, *overrides])
+        from megarl.config.batch import rollout_ranks
+
+        nproc = cfg.trainer.n_gpus_per_node  # training ranks, then any rollout-only ones
+        command = launch.torchrun_command(
+            nproc + rollout_ranks(cfg), module, [*configs, *overrides]
+        )
         return launch.run_torchrun(
             command, env, run_dir_of(cfg), preflight=lambda: _check(cfg, nproc)
         )

@@ -42,8 +42,16 @@ def ref_used(cfg: MegarlConfig) -> bool:
 
 
 def world_size(cfg: MegarlConfig) -> int:
-    """Processes of the run: trainer.nnodes × trainer.n_gpus_per_node."""
+    """Training processes of the run: trainer.nnodes × trainer.n_gpus_per_node."""
     return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+
+
+def rollout_ranks(cfg: MegarlConfig) -> int:
+    """Rollout-only processes after the training ones (0: vLLM shares the training ranks):
+    rollout.nnodes × rollout.n_gpus_per_node (unset: trainer.n_gpus_per_node)."""
+    roll = cfg.actor_rollout_ref.rollout
+    per_node = roll.n_gpus_per_node or cfg.trainer.n_gpus_per_node
+    return max(roll.nnodes, 0) * per_node
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from megarl.config.batch import (
     check_batches,
     critic_enabled,
     ref_used,
+    rollout_ranks,
 )
 from megarl.config.keys import PARALLEL_KEYS
 from megarl.config.model_source import ModelShape
@@ -180,7 +181,9 @@ class LayoutChecks:
         rtp = self.cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
         if not self.positive(f"{ROLL}.tensor_model_parallel_size", rtp):
             return
-        if world % rtp:
+        if rollout_ranks(self.cfg):
+            pass  # vLLM on ranks of its own (megarl.config.async_checks)
+        elif world % rtp:
             self.error(
                 f"world size {world} ({WORLD}) is not divisible by "
                 f"{ROLL}.tensor_model_parallel_size={rtp}"

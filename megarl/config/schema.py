@@ -340,6 +340,10 @@ class RolloutConfig:
     """vLLM tensor-parallel size (independent of training TP); rollout DP = world / this."""
     expert_parallel_size: int = 1
     """vLLM expert parallelism: 1, or the rollout TP size (each rank then holds whole experts)."""
+    nnodes: int = 0
+    """Nodes of rollout-only ranks after the training ranks; 0: vLLM shares the training ranks."""
+    n_gpus_per_node: int | None = None
+    """Rollout-only ranks per node (with nnodes > 0); unset: trainer.n_gpus_per_node."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may use (weights + KV cache)."""
     temperature: float = 1.0
@@ -571,6 +575,19 @@ class TrainerConfig:
 
 
 @dataclass
+class AsyncTrainingConfig:
+    """``async_training.*`` (verl's fully-async recipe's names): rollout overlapping training,
+    with vLLM on ranks of its own (``actor_rollout_ref.rollout.nnodes`` > 0)."""
+
+    staleness_threshold: float = 0.0
+    """0: on-policy; > 0: one step off (megarl bounds staleness at one update, any value > 0)."""
+    trigger_parameter_sync_step: int = 1
+    """Updates between weight syncs (megarl: 1 only)."""
+    partial_rollout: bool = False
+    """Interrupt rollouts at a weight sync and resume them after (megarl: false only)."""
+
+
+@dataclass
 class MegarlConfig:
     """The whole run."""
 
@@ -590,3 +607,5 @@ class MegarlConfig:
     """User reward function."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Run settings."""
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    """Rollout overlapping training (vLLM on ranks of its own)."""

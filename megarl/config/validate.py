@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megarl.config.algo_inputs import unsupplied_inputs
+from megarl.config.async_checks import check_async
 from megarl.config.batch import ACTOR, ARR, MEG, ROLL, critic_enabled
 from megarl.config.choices import (
     GROUP_ESTIMATORS,
@@ -496,6 +497,7 @@ class _Checks(LayoutChecks):
         check_moe(shape, f"{ARR}.model.path", MEG, c.actor_rollout_ref.actor.megatron, self.error)
         check_router_replay(c, shape, self.error)
         check_rollout_expert_parallel(c, shape, self.error)
+        check_async(c, self.error)
         self.check_gradient_checkpointing()
         critic = c.critic.model
         if critic_enabled(c) and critic.path and critic.path != c.actor_rollout_ref.model.path:

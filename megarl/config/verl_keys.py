@@ -129,8 +129,6 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.rollout.log_prob_micro_batch_size", _NO_DYNAMIC_BSZ_GLOBAL),
     ("actor_rollout_ref.rollout.data_parallel_size", "rollout DP is world / rollout TP"),
     ("actor_rollout_ref.rollout.pipeline_model_parallel_size", "vLLM runs tensor-parallel only"),
-    ("actor_rollout_ref.rollout.nnodes", "vLLM shares the training processes"),
-    ("actor_rollout_ref.rollout.n_gpus_per_node", "vLLM shares the training processes"),
     ("actor_rollout_ref.rollout.load_format", "weights come from the trainer"),
     ("actor_rollout_ref.rollout.layered_summon", "weights travel in buckets"),
     ("actor_rollout_ref.rollout.multi_stage_wake_up", "vLLM wakes up in one stage"),

@@ -135,6 +135,8 @@ class RemoteEngine:
         self._syncs += 1
 
     def shutdown(self) -> None:
+        """Stop the rollout ranks (a prefetched batch still coming is taken in first)."""
+        self._take_pending()
         if self.control is not None:
             broadcast_object(self.control, ("stop",), 0)
 

@@ -35,6 +35,13 @@ def train(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
     if verbose is None:
         verbose = os.environ.get("MEGARL_VERBOSE", "0") not in ("", "0")
     run_dir = Path(cfg.trainer.default_local_dir).expanduser().resolve()
+    from megarl.config.batch import rollout_ranks, world_size
+
+    if rollout_ranks(cfg):  # vLLM on ranks of its own: split the launch first
+        from megarl.parallel.split_world import split_world
+
+        if split_world(world_size(cfg)).role == "rollout":
+            return _serve_rollout(cfg, run_dir, verbose)
     rank = int(os.environ.get("RANK", "0"))
     run: Run | None = None
     tracker = None
@@ -64,6 +71,8 @@ def train(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
                 first_val = last_val = metrics["val/score/mean"]
                 tracker.log_metrics(run.state.step, metrics)
             last_val, stopped = _loop(run, tracker, last_val, stop)
+            if hasattr(run.engine, "shutdown") and hasattr(run.engine, "prefetch"):
+                run.engine.shutdown()  # vLLM on ranks of its own: they stop serving
             tracker.finish("KILLED" if stopped else "FINISHED")
             if not stopped:  # a stop has said its one line ("stopped after step N ...")
                 _farewell(run, first_val, last_val)
@@ -93,6 +102,22 @@ def train(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
                 run.rewards.close()
 
 
+def _serve_rollout(cfg: MegarlConfig, run_dir: Path, verbose: bool) -> int:
+    """A rollout-only rank: serve the training ranks' commands until they stop (its console
+    lines and vLLM's logs go to its log file; a stop request is the training ranks' to act on,
+    after which they stop this rank)."""
+    from megarl.trainer.setup import serve_rollout
+
+    rank = int(os.environ["MEGARL_LAUNCH_RANK"])
+    stop = StopRequest(run_dir, rank).install()  # survive SIGTERM/SIGUSR1 until told to stop
+    try:
+        with Console(run_dir / "logs", rank=rank, verbose=verbose):
+            serve_rollout(cfg)
+        return 0
+    finally:
+        stop.restore()
+
+
 def _loop(
     run: Run, tracker, last_val: float | None, stop: StopRequest
 ) -> tuple[float | None, bool]:
@@ -112,11 +137,20 @@ def _loop(
         dynamic_ncols=True,
     )
     limit = cfg.trainer.max_consecutive_skipped_steps
+    # One step off (vLLM on ranks of its own): each step asks for the next one's batch. The
+    # sampler is drawn one batch ahead, but the state saved is the one after this step's own
+    # batch: a resumed run generates the next batch again rather than skip it.
+    ahead = cfg.async_training.staleness_threshold > 0 and hasattr(run.engine, "prefetch")
+    upcoming = None
     for step in range(run.state.step + 1, run.total_steps + 1):
-        prompts = [run.train_data[i] for i in next(run.sampler)]
-        metrics, _ = train_step(run, step, prompts)
+        prompts = upcoming or [run.train_data[i] for i in next(run.sampler)]
+        sampler_state = run.sampler.state_dict()
+        upcoming = None
+        if ahead and step < run.total_steps:
+            upcoming = [run.train_data[i] for i in next(run.sampler)]
+        metrics, _ = train_step(run, step, prompts, upcoming)
         run.state.step = step
-        run.state.sampler = run.sampler.state_dict()
+        run.state.sampler = sampler_state
         run.state.save_kl_coef(run.kl_ctrl)
         skipped = metrics.get("actor/skipped_steps", 0.0)
         run.state.consecutive_skips = run.state.consecutive_skips + 1 if skipped else 0
@@ -230,10 +264,22 @@ def _announce(run: Run) -> None:
         f"megarl: {cfg.algorithm.adv_estimator} on {cfg.actor_rollout_ref.model.path}, "
         f"{run.world_size} rank(s), TP {meg.tensor_model_parallel_size} × PP "
         f"{meg.pipeline_model_parallel_size} × DP {run.plan.data_parallel_size}, rollout "
-        f"{cfg.actor_rollout_ref.rollout.name} TP "
-        f"{getattr(run.engine, 'tensor_parallel_size', '-')}; {run.total_steps} steps of "
+        f"{cfg.actor_rollout_ref.rollout.name} TP {_rollout_placement(run)}; "
+        f"{run.total_steps} steps of "
         f"{run.plan.responses_per_step} responses; logs in {run.console.log_path.parent}"
     )
+
+
+def _rollout_placement(run: Run) -> str:
+    """The rollout TP and, for vLLM on ranks of its own, where and how far behind."""
+    cfg = run.cfg
+    from megarl.config.batch import rollout_ranks
+
+    ranks = rollout_ranks(cfg)
+    if not ranks:
+        return str(getattr(run.engine, "tensor_parallel_size", "-"))
+    off = "one step off" if cfg.async_training.staleness_threshold > 0 else "on-policy"
+    return f"{cfg.actor_rollout_ref.rollout.tensor_model_parallel_size} on {ranks} rank(s) of its own, {off}"
 
 
 def _farewell(run: Run, first: float | None, last: float | None) -> None:

@@ -274,3 +274,14 @@ def test_gpu_moe_rollout_settings_that_hold_validate(monkeypatch):
         validate(load_config(MOE_30B, [r3]))
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     validate(load_config(MOE_30B, [r3]))
+
+
+def test_vllm_on_ranks_of_its_own_validates_at_the_training_world():
+    """2 training ranks + 1 rollout rank: validated at the training world (2)."""
+    from megarl.config.batch import rollout_ranks
+
+    cfg = load_config(GRPO, [f"{ROLL}.nnodes=1", f"{ROLL}.n_gpus_per_node=1",
+                             f"{ROLL}.tensor_model_parallel_size=1",
+                             "async_training.staleness_threshold=1"])  # fmt: skip
+    assert rollout_ranks(cfg) == 1
+    validate(cfg, 2)

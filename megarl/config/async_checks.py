@@ -1,0 +1,58 @@
+"""Checks of disaggregated placement and overlap (``actor_rollout_ref.rollout.nnodes`` > 0,
+``async_training.*``; :mod:`megarl.rollout.remote_engine`). Each reports a problem through
+``error`` (one line naming the key), as validation collects them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from megarl.config.batch import ROLL, rollout_ranks
+
+Error = Callable[[str], None]
+
+
+def check_async(cfg, error: Error) -> None:
+    """The rollout-only ranks hold one vLLM engine (TP = their number); one step off at most;
+    what the engine on other ranks does not offer yet is refused."""
+    roll, a = cfg.actor_rollout_ref.rollout, cfg.async_training
+    if roll.nnodes < 0:
+        error(f"{ROLL}.nnodes must be >= 0, got {roll.nnodes}")
+        return
+    if roll.n_gpus_per_node is not None and roll.n_gpus_per_node < 1:
+        error(f"{ROLL}.n_gpus_per_node must be a positive number, got {roll.n_gpus_per_node}")
+        return
+    ranks = rollout_ranks(cfg)
+    if a.trigger_parameter_sync_step != 1:
+        error(
+            f"async_training.trigger_parameter_sync_step={a.trigger_parameter_sync_step}: "
+            "megarl syncs the weights after every update (1)"
+        )
+    if a.partial_rollout:
+        error("async_training.partial_rollout=true: megarl finishes every rollout it started")
+    if a.staleness_threshold < 0:
+        error(f"async_training.staleness_threshold must be >= 0, got {a.staleness_threshold}")
+    if not ranks:
+        if a.staleness_threshold > 0:
+            error(
+                f"async_training.staleness_threshold={a.staleness_threshold}: overlap needs "
+                f"vLLM on ranks of its own ({ROLL}.nnodes > 0)"
+            )
+        return
+    key = f"{ROLL}.nnodes={roll.nnodes}"
+    if roll.nnodes > 1 or cfg.trainer.nnodes > 1:
+        error(f"{key}, trainer.nnodes={cfg.trainer.nnodes}: vLLM on ranks of its own runs on "
+              "one node for now (rollout.nnodes=1, trainer.nnodes=1)")  # fmt: skip
+    if roll.name != "vllm":
+        error(f"{key}: ranks of their own host a vLLM engine; {ROLL}.name={roll.name}")
+    if roll.tensor_model_parallel_size != ranks:
+        error(
+            f"{key}: the {ranks} rollout rank(s) hold one vLLM engine, so "
+            f"{ROLL}.tensor_model_parallel_size must be {ranks} "
+            f"(got {roll.tensor_model_parallel_size})"
+        )
+    if cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3":
+        error(f"{key}: routing replay R3 with vLLM on ranks of its own is not built yet")
+    if roll.expert_parallel_size > 1:
+        error(f"{key}: vLLM expert parallelism on ranks of its own is not built yet")
+    if cfg.algorithm.adv_estimator == "remax":
+        error(f"{key}: ReMax's greedy baseline with vLLM on ranks of its own is not built yet")
