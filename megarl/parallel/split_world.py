@@ -73,17 +73,18 @@ class SplitWorld:
         return self._groups[name]
 
 
-def split_world(train_size: int, *, timeout_minutes: int | None = None) -> SplitWorld:
+def split_world(train_size: int, *, timeout: timedelta | None = None) -> SplitWorld:
     """Split this launch into its first ``train_size`` ranks (training) and the rest (rollout),
     each side with its own default process group (NCCL on GPU for training, gloo otherwise);
-    raises ``ValueError`` naming the sizes when a side would be empty."""
+    raises ``ValueError`` naming the sizes when a side would be empty. ``timeout``: how long a
+    collective waits for its peers (default :func:`process_group_timeout_minutes`)."""
     launch = read_launch_env()
     if not 0 < train_size < launch.world_size:
         raise ValueError(
             f"{train_size} training ranks out of {launch.world_size}: both training and rollout "
             "need at least one rank"
         )
-    timeout = timedelta(minutes=timeout_minutes or process_group_timeout_minutes())
+    timeout = timeout or timedelta(minutes=process_group_timeout_minutes())
     store = _launch_store(launch, timeout)
     role: Role = "train" if launch.rank < train_size else "rollout"
     sub_rank = launch.rank if role == "train" else launch.rank - train_size

@@ -29,6 +29,7 @@ beyond one step is not built yet.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -40,7 +41,11 @@ from torch import Tensor
 from megarl.parallel.split_world import broadcast_object
 from megarl.rollout.base import CallOrder, RolloutBatch
 
-__all__ = ["RemoteEngine", "serve"]
+__all__ = ["RemoteEngine", "RolloutRanksLost", "serve"]
+
+
+class RolloutRanksLost(RuntimeError):
+    """The rollout ranks stopped answering the training ranks."""
 
 
 class RemoteEngine:
@@ -52,9 +57,12 @@ class RemoteEngine:
     dp_rank = 0
     dp_size = 1
 
-    def __init__(self, control: Any | None) -> None:
+    def __init__(self, control: Any | None, *, ranks: Sequence[int] = (), timeout=None) -> None:
         self.control = control
         """``control`` on the first training rank, None on the others."""
+        self.ranks = list(ranks)
+        """The rollout ranks (the launch's numbering), for the messages."""
+        self.timeout = timeout
         self._order = CallOrder()
         self._plan: Any = None
         self._syncs = 0
@@ -73,6 +81,11 @@ class RemoteEngine:
         )
 
     # -- generation --------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """The weight version the engine holds now (syncs finished in this launch, less one)."""
+        return self._syncs - 1
 
     def generate(self, prompts: list[list[int]], **kwargs: Any) -> RolloutBatch:
         self._order.check_can_generate()
@@ -96,7 +109,7 @@ class RemoteEngine:
             raise RuntimeError("a prefetched batch is still outstanding")
         self._pending = (prompts, kwargs, self._syncs - 1)
         if self.control is not None:
-            broadcast_object(self.control, ("generate", prompts, kwargs), 0)
+            self._send(("generate", prompts, kwargs))
 
     def _take_pending(self) -> None:
         """Receive the prefetched batch (first training rank) unless it is in already."""
@@ -124,10 +137,11 @@ class RemoteEngine:
         if self.control is None:
             return
         if not self._announced:
-            broadcast_object(self.control, ("weights", self._plan), 0)
+            self._send(("weights", self._plan))
             self._announced = True
         flat = torch.cat([t.reshape(-1).cpu() for _, t in named_tensors])
-        self.control.broadcast([flat], _root(0)).wait()
+        with self._answering():
+            self.control.broadcast([flat], _root(0)).wait()
 
     def finish_weight_update(self) -> None:
         self._order.finish_update()
@@ -138,23 +152,40 @@ class RemoteEngine:
         """Stop the rollout ranks (a prefetched batch still coming is taken in first)."""
         self._take_pending()
         if self.control is not None:
-            broadcast_object(self.control, ("stop",), 0)
+            self._send(("stop",))
 
     # -- plumbing ----------------------------------------------------------------------------
 
     def _ask(self, command: tuple) -> Any:
-        broadcast_object(self.control, command, 0)
-        return broadcast_object(self.control, None, 1)
+        self._send(command)
+        return self._receive()
 
     def _timed(self, command: tuple) -> Any:
-        broadcast_object(self.control, command, 0)
+        self._send(command)
         return self._receive()
+
+    def _send(self, command: tuple) -> None:
+        with self._answering():
+            broadcast_object(self.control, command, 0)
 
     def _receive(self) -> Any:
         start = time.perf_counter()
-        batch = broadcast_object(self.control, None, 1)
+        with self._answering():
+            batch = broadcast_object(self.control, None, 1)
         self.waited_s = time.perf_counter() - start
         return batch
+
+    @contextlib.contextmanager
+    def _answering(self):
+        """A collective with the rollout ranks that fails (they died, or hung past the
+        timeout) becomes one line naming them."""
+        try:
+            yield
+        except RuntimeError as exc:
+            raise RolloutRanksLost(
+                f"the rollout rank(s) {self.ranks} did not answer within {self.timeout} (dead "
+                f"or hung): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            ) from exc
 
     def _from_first(self, compute) -> Any:
         """``compute()`` on the first training rank, its result on every training rank."""

@@ -379,7 +379,7 @@ def _start_vllm(cfg: MegarlConfig, model_path: str, **overrides: Any):
     if world is not None and world.role == "train":
         from megarl.rollout.remote_engine import RemoteEngine
 
-        return RemoteEngine(world.control())
+        return RemoteEngine(world.control(), ranks=world.rollout_ranks, timeout=world.timeout)
     from megarl.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine.from_config(

@@ -82,7 +82,8 @@ def train_step(
         prefetch(run.engine, next_prompts, n=cfg.actor_rollout_ref.rollout.n,
                  sampling=training_sampling(run), seed=cfg.trainer.seed, step=step + 1)  # fmt: skip
     if hasattr(run.engine, "last_version"):  # an engine on other ranks
-        metrics["async/staleness"] = float(step - 1 - run.engine.last_version)
+        # weight updates between the batch's request and now (0 when no request was ahead)
+        metrics["async/staleness"] = float(run.engine.version - run.engine.last_version)
         metrics["async/wait_rollout_s"] = run.engine.waited_s
     greedy = None
     if cfg.algorithm.adv_estimator == "remax":  # while the engine is awake (as verl)

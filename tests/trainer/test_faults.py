@@ -273,3 +273,63 @@ def test_an_error_inside_the_ranks_is_one_line_and_exit_2(tiny):
     assert "Traceback" not in out and "ChildFailedError" not in out
     assert "ChildFailedError" in (run_dir / "logs" / "torchrun.log").read_text()
     assert _survivors(tree, timeout=40) == []
+
+
+def test_kill_9_of_the_rollout_rank_names_it(tiny):
+    """vLLM on a rank of its own, one step off (issue 26): killing that rank ends the run in one
+    line naming it, and nothing of the launch is left."""
+    run_dir = tiny["root"] / "rollout_rank_killed"
+    split = ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.nnodes=1",
+             "actor_rollout_ref.rollout.n_gpus_per_node=1", "async_training.staleness_threshold=1",
+             "trainer.total_training_steps=500")  # fmt: skip
+    proc = _start(tiny, run_dir, *split)
+    _wait_for(lambda: _announced(run_dir), "the run to start")
+    tree = _tree(proc)
+    rollout = next(
+        p for p in tree if p.environ().get("RANK") == "2" and "megarl.train" in p.cmdline()
+    )
+    rollout.kill()
+    code, out = _finish(proc)
+    lines = [ln for ln in out.splitlines() if ln.startswith("error")]
+    assert code == 1 and len(lines) == 1, out[-4000:]
+    assert f"rank 2 (pid {rollout.pid})" in lines[0] and "SIGKILL" in lines[0], lines
+    assert "Traceback" not in out
+    assert _survivors(tree, timeout=40) == []
+
+
+ONE_STEP_OFF = (
+    "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.rollout.nnodes=1",
+    "actor_rollout_ref.rollout.n_gpus_per_node=1",
+    "async_training.staleness_threshold=1",
+)
+"""vLLM on a rank of its own after the 2 training ranks, one step off (issue 26)."""
+
+
+def test_one_step_off_stopped_by_sigterm_resumes_without_repeating_or_dropping_prompts(tiny):
+    """SIGTERM to the launcher while the rollout rank generates step 2 ahead: exit 0 with step
+    1 saved and nothing left running (the rollout rank waits for the trainer to stop it); the
+    relaunch resumes, generates step 2 again, and steps 1-4 see the prompts an uninterrupted
+    run of the same data sees (the stop diamond's, same data, seed and batch size)."""
+    straight = tiny["root"] / "straight"
+    if not (straight / "rollouts" / "4.jsonl").exists():  # when run alone
+        code, out = _finish(_start(tiny, straight, *PPO))
+        assert code == 0, out[-4000:]
+    run_dir = tiny["root"] / "one_step_off_stopped"
+    proc = _start(tiny, run_dir, *ONE_STEP_OFF)
+    _wait_for(lambda: _announced(run_dir), "the run to start")
+    tree = _tree(proc)
+    proc.send_signal(signal.SIGTERM)
+    code, out = _finish(proc)
+    assert code == 0 and "stopped after step 1" in out, out[-4000:]
+    assert "Traceback" not in out and "error" not in out, out[-4000:]
+    assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert _survivors(tree, timeout=10) == []
+    code, out = _finish(_start(tiny, run_dir, *ONE_STEP_OFF))
+    assert code == 0 and f"resumed from {run_dir / 'global_step_1'}" in out, out[-4000:]
+    steps = (1, 2, 3, 4)
+    assert [rollout_prompts(run_dir, s) for s in steps] == [
+        rollout_prompts(straight, s) for s in steps
+    ]
+    staleness = [read_metrics(run_dir)[s]["async/staleness"] for s in steps]
+    assert staleness == [0.0, 0.0, 1.0, 1.0]  # step 2 generated again after the resume
