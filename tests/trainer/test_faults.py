@@ -15,7 +15,10 @@ several checks:
 - ``kill -9`` of the launcher (1 launch): nothing of the launch runs 40 s later;
 - ``kill -9`` of rank 1 (1 launch): exit 1, one line naming rank 1 and SIGKILL;
 - an error inside the ranks (1 launch: the scorer raises): exit 2, the first rank's ``error:``
-  line once with where the logs are, no traceback; torchrun's report in ``logs/torchrun.log``.
+  line once with where the logs are, no traceback; torchrun's report in ``logs/torchrun.log``;
+- vLLM on a rank of its own, one step off (issue 26): ``kill -9`` of that rank (1 launch), one
+  line naming it; SIGTERM to the launcher and a relaunch (2 launches), the prompts of every step
+  those of the uninterrupted run.
 
 Scoring is driven by a custom reward file: while ``<root>/hold`` exists each sample touches
 ``<root>/hold.scoring`` and takes 0.3 s, so a test can signal in the middle of scoring.
@@ -239,21 +242,26 @@ def test_kill_9_of_the_launcher_leaves_nothing_running(tiny):
     assert _survivors(tree, timeout=40) == []
 
 
-def test_kill_9_of_one_rank_names_it(tiny):
-    run_dir = tiny["root"] / "rank_killed"
-    proc = _start(tiny, run_dir)
+def _kill_9_names_it(tiny: dict, run_dir: Path, rank: int, *extra: str) -> None:
+    """Launch, ``kill -9`` rank ``rank`` once the run started: exit 1, one line naming it and
+    SIGKILL, no traceback, nothing of the launch left."""
+    proc = _start(tiny, run_dir, *extra)
     _wait_for(lambda: _announced(run_dir), "the run to start")
     tree = _tree(proc)
-    rank1 = next(
-        p for p in tree if p.environ().get("RANK") == "1" and "megarl.train" in p.cmdline()
+    victim = next(
+        p for p in tree if p.environ().get("RANK") == str(rank) and "megarl.train" in p.cmdline()
     )
-    rank1.kill()
+    victim.kill()
     code, out = _finish(proc)
     lines = [ln for ln in out.splitlines() if ln.startswith("error")]
     assert code == 1 and len(lines) == 1, out[-4000:]
-    assert f"rank 1 (pid {rank1.pid})" in lines[0] and "SIGKILL" in lines[0], lines
+    assert f"rank {rank} (pid {victim.pid})" in lines[0] and "SIGKILL" in lines[0], lines
     assert "Traceback" not in out
     assert _survivors(tree, timeout=40) == []
+
+
+def test_kill_9_of_one_rank_names_it(tiny):
+    _kill_9_names_it(tiny, tiny["root"] / "rank_killed", 1)
 
 
 def test_an_error_inside_the_ranks_is_one_line_and_exit_2(tiny):
@@ -275,28 +283,6 @@ def test_an_error_inside_the_ranks_is_one_line_and_exit_2(tiny):
     assert _survivors(tree, timeout=40) == []
 
 
-def test_kill_9_of_the_rollout_rank_names_it(tiny):
-    """vLLM on a rank of its own, one step off (issue 26): killing that rank ends the run in one
-    line naming it, and nothing of the launch is left."""
-    run_dir = tiny["root"] / "rollout_rank_killed"
-    split = ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.nnodes=1",
-             "actor_rollout_ref.rollout.n_gpus_per_node=1", "async_training.staleness_threshold=1",
-             "trainer.total_training_steps=500")  # fmt: skip
-    proc = _start(tiny, run_dir, *split)
-    _wait_for(lambda: _announced(run_dir), "the run to start")
-    tree = _tree(proc)
-    rollout = next(
-        p for p in tree if p.environ().get("RANK") == "2" and "megarl.train" in p.cmdline()
-    )
-    rollout.kill()
-    code, out = _finish(proc)
-    lines = [ln for ln in out.splitlines() if ln.startswith("error")]
-    assert code == 1 and len(lines) == 1, out[-4000:]
-    assert f"rank 2 (pid {rollout.pid})" in lines[0] and "SIGKILL" in lines[0], lines
-    assert "Traceback" not in out
-    assert _survivors(tree, timeout=40) == []
-
-
 ONE_STEP_OFF = (
     "actor_rollout_ref.rollout.name=vllm",
     "actor_rollout_ref.rollout.nnodes=1",
@@ -304,6 +290,13 @@ ONE_STEP_OFF = (
     "async_training.staleness_threshold=1",
 )
 """vLLM on a rank of its own after the 2 training ranks, one step off (issue 26)."""
+
+
+def test_kill_9_of_the_rollout_rank_names_it(tiny):
+    """vLLM on a rank of its own, one step off (issue 26): killing that rank ends the run in one
+    line naming it, and nothing of the launch is left."""
+    run_dir = tiny["root"] / "rollout_rank_killed"
+    _kill_9_names_it(tiny, run_dir, 2, *ONE_STEP_OFF, "trainer.total_training_steps=500")
 
 
 def test_one_step_off_stopped_by_sigterm_resumes_without_repeating_or_dropping_prompts(tiny):
