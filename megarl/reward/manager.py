@@ -82,6 +82,23 @@ class RewardResult:
     ``reward/timeouts``."""
 
 
+def reward_inputs(
+    tokenizer: Any, prompts: Sequence[Any], samples: Sequence[Any]
+) -> list[RewardInput]:
+    """The samples of a rollout batch to score: each sample's prompt (``prompts[prompt_index]``,
+    anything with ``data_source``, ``ground_truth`` and ``extra_info``) with its response."""
+    return [
+        RewardInput(
+            data_source=prompts[s.prompt_index].data_source,
+            response_ids=s.response_token_ids,
+            ground_truth=prompts[s.prompt_index].ground_truth,
+            extra_info=prompts[s.prompt_index].extra_info,
+            prompt=tokenizer.decode(s.prompt_token_ids, skip_special_tokens=False),
+        )
+        for s in samples
+    ]
+
+
 def _rank_and_world(group: Any) -> tuple[int, int]:
     import torch.distributed as dist
 

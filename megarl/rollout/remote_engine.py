@@ -74,6 +74,12 @@ class RemoteEngine:
         """The weight version that generated the last batch :meth:`generate` returned."""
         self.waited_s = 0.0
         """Seconds the first training rank waited for the last batch."""
+        self.prescored: Any = None
+        """The last batch's scores when the rollout ranks scored it (:meth:`prefetch` with
+        ``reward``): a ``RewardResult``, or the scorer's error as a string; None otherwise."""
+        self.rollout_timing: dict[str, float] = {}
+        """The rollout side's seconds for the last batch: ``generate``, ``score`` and ``idle``
+        (waiting for the request)."""
         self._announced = False
         """This update's ``weights`` command went out (with its first bucket)."""
         self.eos_token_ids: list[int] = self._from_first(
@@ -97,19 +103,24 @@ class RemoteEngine:
             batch, version = None, self._syncs - 1
         self.last_version = version
 
-        def first_rank() -> RolloutBatch:
-            return batch if batch is not None else self._timed(("generate", prompts, kwargs))
+        def first_rank() -> dict:
+            return batch if batch is not None else self._timed(("generate", prompts, kwargs, None))
 
-        return self._from_first(first_rank)
+        reply = self._from_first(first_rank)
+        self.prescored, self.rollout_timing = reply["scored"], reply["timing"]
+        return reply["batch"]
 
-    def prefetch(self, prompts: list[list[int]], **kwargs: Any) -> None:
+    def prefetch(
+        self, prompts: list[list[int]], *, reward: dict | None = None, **kwargs: Any
+    ) -> None:
         """Ask for the batch a later :meth:`generate` with the same arguments returns; the
-        rollout ranks generate it meanwhile, with the weights they hold now."""
+        rollout ranks generate it meanwhile, with the weights they hold now, and with
+        ``reward`` (:func:`serve`'s scoring request) score it too (:attr:`prescored`)."""
         if self._pending is not None:
             raise RuntimeError("a prefetched batch is still outstanding")
         self._pending = (prompts, kwargs, self._syncs - 1)
         if self.control is not None:
-            self._send(("generate", prompts, kwargs))
+            self._send(("generate", prompts, kwargs, reward))
 
     def _take_pending(self) -> None:
         """Receive the prefetched batch (first training rank) unless it is in already."""
@@ -195,21 +206,38 @@ class RemoteEngine:
         return box[0]
 
 
-def serve(engine: Any, control: Any) -> None:
-    """The rollout ranks' side: run the training ranks' commands on ``engine`` until ``stop``."""
+def serve(engine: Any, control: Any, score: Any = None) -> None:
+    """The rollout ranks' side: run the training ranks' commands on ``engine`` until ``stop``.
+
+    ``score(batch, reward)``: scores a generated batch when its request asks for it (every
+    rollout rank calls it, as the reward manager is collective); its error goes back as text.
+    """
     from megarl.rollout.reshard.remote import receive_weights
 
     first = control.rank() == 1
     while True:
+        waiting = time.perf_counter()
         command = broadcast_object(control, None, 0)
+        idle = time.perf_counter() - waiting
         if command[0] == "stop":
             return
         if command[0] == "eos":
             broadcast_object(control, list(engine.eos_token_ids) if first else None, 1)
         elif command[0] == "generate":
-            _, prompts, kwargs = command
+            _, prompts, kwargs, reward = command
+            start = time.perf_counter()
             batch = engine.generate(prompts, **kwargs)
-            broadcast_object(control, batch if first else None, 1)
+            generated = time.perf_counter()
+            scored = None
+            if reward is not None and score is not None:
+                try:
+                    scored = score(batch, reward)
+                except Exception as exc:  # noqa: BLE001 -- the trainer raises it, in one line
+                    scored = f"{type(exc).__name__}: {exc}"
+            timing = {"generate": generated - start, "score": time.perf_counter() - generated,
+                      "idle": idle}  # fmt: skip
+            reply = {"batch": batch, "scored": scored, "timing": timing}
+            broadcast_object(control, reply if first else None, 1)
         elif command[0] == "weights":
             receive_weights(engine, command[1], control)
         else:

@@ -76,6 +76,7 @@ def prefetch(
     sampling: dict[str, Any],
     seed: int,
     step: int,
+    reward: dict | None = None,
 ) -> None:
     """Ask a remote engine (:meth:`~megarl.rollout.remote_engine.RemoteEngine.prefetch`) for
     the batch a later :func:`generate` with these arguments takes: the request
@@ -83,6 +84,7 @@ def prefetch(
     refuses a later request that differs)."""
     engine.prefetch(
         [list(p.prompt_ids) for p in prompts],
+        reward=reward,
         prompt_ids=list(range(len(prompts))),
         n=n,
         seed=seed,

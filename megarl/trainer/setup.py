@@ -26,6 +26,7 @@ from megarl.models.gpt import Fusions, MoeSettings
 from megarl.models.trainable import OptimizerSettings, TrainableModel
 from megarl.parallel.init import init_distributed
 from megarl.reward import RewardManager
+from megarl.reward.manager import reward_inputs
 from megarl.rollout.actor_engine import ActorEngine
 from megarl.rollout.base import RolloutEngine
 from megarl.rollout.vllm_engine import read_eos_token_ids
@@ -402,12 +403,35 @@ def serve_rollout(cfg: MegarlConfig) -> None:
     world = current()
     if world is None or world.role != "rollout":
         raise RuntimeError("serve_rollout runs on the rollout ranks of a split launch")
-    model_path = str(Path(cfg.actor_rollout_ref.model.path).expanduser())
+    arr = cfg.actor_rollout_ref
+    model_path = str(Path(arr.model.path).expanduser())
     engine = _start_vllm(cfg, model_path, free_cache_engine=False)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or model_path)
+    rewards = RewardManager.from_config(cfg, tokenizer)  # spread over the rollout ranks
+
+    def score(batch, reward: dict):
+        """Score a prefetched batch as the trainer would (its rollout dump included)."""
+        prompts = [_PromptInfo(*info) for info in reward["prompts"]]
+        width = max([len(s.response_token_ids) for s in batch] + [1])  # the batch's tensors'
+        return rewards(reward_inputs(tokenizer, prompts, batch.samples), response_width=width,
+                       dump_dir=reward["dump_dir"], step=reward["step"])  # fmt: skip
+
     try:
-        serve(engine, world.control())
+        serve(engine, world.control(), score)
     finally:
+        rewards.close()
         engine.shutdown()
+
+
+@dataclass(frozen=True)
+class _PromptInfo:
+    """What scoring needs of a prompt (the rollout ranks have no dataset)."""
+
+    data_source: str
+    ground_truth: Any
+    extra_info: Any
 
 
 def barrier() -> None:

@@ -17,7 +17,8 @@ import torch
 
 from megarl.algo import compute_advantage, masked_mean
 from megarl.data import PromptSample
-from megarl.reward import RewardInput, RewardResult
+from megarl.reward import RewardResult
+from megarl.reward.manager import reward_inputs
 from megarl.rollout.consistency import logprob_diff_metrics
 from megarl.trainer.actor import update_policy
 from megarl.trainer.batch import RolloutTensors, pad_token_id
@@ -79,12 +80,18 @@ def train_step(
             pad_token_id=pad_token_id(run.tokenizer),
         )
     if next_prompts is not None:
-        prefetch(run.engine, next_prompts, n=cfg.actor_rollout_ref.rollout.n,
+        reward = None  # the rollout ranks score it too, unless a reward model (ours) does
+        if run.reward_model is None:
+            reward = {"prompts": [(p.data_source, p.ground_truth, p.extra_info)
+                                  for p in next_prompts],
+                      "dump_dir": cfg.trainer.rollout_data_dir, "step": step + 1}  # fmt: skip
+        prefetch(run.engine, next_prompts, n=cfg.actor_rollout_ref.rollout.n, reward=reward,
                  sampling=training_sampling(run), seed=cfg.trainer.seed, step=step + 1)  # fmt: skip
     if hasattr(run.engine, "last_version"):  # an engine on other ranks
         # weight updates between the batch's request and now (0 when no request was ahead)
         metrics["async/staleness"] = float(run.engine.version - run.engine.last_version)
         metrics["async/wait_rollout_s"] = run.engine.waited_s
+        metrics.update({f"async/rollout_{k}_s": v for k, v in run.engine.rollout_timing.items()})
     greedy = None
     if cfg.algorithm.adv_estimator == "remax":  # while the engine is awake (as verl)
         with timer("gen_baseline"):
@@ -285,16 +292,16 @@ def sync_engine(run: Run) -> None:
 
 
 def _score(run, prompts, samples, batch: RolloutTensors, step: int, dump) -> RewardResult:
-    inputs = [
-        RewardInput(
-            data_source=prompts[s.prompt_index].data_source,
-            response_ids=s.response_token_ids,
-            ground_truth=prompts[s.prompt_index].ground_truth,
-            extra_info=prompts[s.prompt_index].extra_info,
-            prompt=run.tokenizer.decode(s.prompt_token_ids, skip_special_tokens=False),
-        )
-        for s in samples
-    ]
+    prescored = getattr(run.engine, "prescored", None)  # the rollout ranks scored it already
+    if prescored is not None:
+        run.engine.prescored = None
+        if isinstance(prescored, str):
+            from megarl.reward.manager import RewardError
+
+            raise RewardError(prescored)
+        _check_timeouts(run, prescored, step)
+        return prescored
+    inputs = reward_inputs(run.tokenizer, prompts, samples)
     model_scores = None  # a reward model replaces the rule scorers (verl 0.9.1)
     if run.reward_model is not None:
         model_scores = run.reward_model.score(
