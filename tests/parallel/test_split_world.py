@@ -13,10 +13,11 @@ from megarl.parallel.spawn import run_local_world
 pytestmark = pytest.mark.multirank
 
 
-def split_rank(answer: bool) -> dict:
+def split_rank() -> dict:
     """3 ranks: 2 training, 1 rollout. Each side all-reduces in its own world; the bridge
     carries an object from the rollout rank; then the first training rank asks the rollout side
-    for its EOS ids through a RemoteEngine, which it answers (``answer``) or not (it sleeps)."""
+    for its EOS ids twice through a RemoteEngine: the rollout rank answers the first time, then
+    stops answering (it sleeps)."""
     import os
     from datetime import timedelta
 
@@ -34,15 +35,14 @@ def split_rank(answer: bool) -> dict:
            "bridge": broadcast_object(world.bridge, "from rollout" if world.rank == 2 else None, 2)}  # fmt: skip
     control = world.control()
     if world.role == "rollout":
-        if answer:
-            assert broadcast_object(control, None, 0) == ("eos",)
-            broadcast_object(control, [7], 1)
-        else:
-            time.sleep(8)
+        assert broadcast_object(control, None, 0) == ("eos",)
+        broadcast_object(control, [7], 1)
+        time.sleep(8)
         return out
+    out["eos"] = RemoteEngine(control, ranks=world.rollout_ranks, timeout="3s").eos_token_ids
     start = time.perf_counter()
     try:
-        out["eos"] = RemoteEngine(control, ranks=world.rollout_ranks, timeout="3s").eos_token_ids
+        RemoteEngine(control, ranks=world.rollout_ranks, timeout="3s")
     except RolloutRanksLost as exc:
         out["error"] = str(exc)
     except RuntimeError as exc:  # the other training rank: its wait for the first one timed out
@@ -51,8 +51,12 @@ def split_rank(answer: bool) -> dict:
     return out
 
 
-def test_each_side_has_its_own_world_and_the_bridge_joins_them():
-    results = run_local_world(split_rank, 3, (True,))
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_local_world(split_rank, 3)
+
+
+def test_each_side_has_its_own_world_and_the_bridge_joins_them(results):
     assert [r["role"] for r in results] == ["train", "train", "rollout"]
     assert [r["side"] for r in results] == [[0, 2, 2.0], [1, 2, 2.0], [0, 1, 1.0]]
     assert [r["env"] for r in results] == [["0", "2"], ["1", "2"], ["0", "1"]]
@@ -60,8 +64,7 @@ def test_each_side_has_its_own_world_and_the_bridge_joins_them():
     assert results[0]["eos"] == results[1]["eos"] == [7]
 
 
-def test_a_rollout_side_that_stops_answering_is_one_line_naming_it():
-    results = run_local_world(split_rank, 3, (False,))
+def test_a_rollout_side_that_stops_answering_is_one_line_naming_it(results):
     error = results[0]["error"]
     print(error, results[0]["seconds"])
     assert error.startswith("the rollout rank(s) [2] did not answer within 3s (dead or hung)")

@@ -39,7 +39,9 @@ def main() -> None:
     from megarl.config.loader import resolve_config
     from megarl.trainer.console import Console
 
-    cfg = resolve_config(load_config([spec["config"]], spec["overrides"]))
+    off = mode.endswith("_off")  # the one-step-off pair trains at its own layout (PP 2)
+    overrides = spec["overrides"] + (spec["off_overrides"] if off else [])
+    cfg = resolve_config(load_config([spec["config"]], overrides))
     if mode.startswith("split"):
         from megarl.parallel.split_world import split_world
 
@@ -60,7 +62,6 @@ def main() -> None:
         run = build_run(cfg, c, run_dir)
         try:
             first_sync(run)
-            off = mode.endswith("_off")
             steps = STEPS + 1 if off else STEPS
             batches = [[run.train_data[i] for i in next(run.sampler)] for _ in range(steps)]
             for step in range(1, steps + 1):

@@ -1,7 +1,8 @@
 """Disaggregated placement (issue 26, item 4), through the trainer's own calls
 (tests/trainer/_disagg_worker.py): at staleness 0, two GRPO steps with vLLM on a rank of its own
-equal the colocated run of the same config and seeds; one step off, three steps equal a
-colocated run whose engine gets each step's weights one step late."""
+equal the colocated run of the same config and seeds (actor TP 2); one step off, three steps
+equal a colocated run whose engine gets each step's weights one step late (actor PP 2, so the
+weights of step 3's rollout reach vLLM from both pipeline stages)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ def runs(tmp_path_factory, tiny_overrides) -> dict:
             *tiny_overrides,
             "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
             "trainer.val_before_train=false",
+        ],
+        # one step off at TP 1 x PP 2: the weights reach vLLM from both stages
+        "off_overrides": [
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
         ],
         "tmp": str(tmp),
     }
