@@ -22,6 +22,7 @@ from megarl.config.choices import (
 )
 from megarl.config.keys import SHARED_MEGATRON_KEYS
 from megarl.config.schema_data import (
+    AsyncTrainingConfig,
     CustomRewardFunctionConfig,
     DataConfig,
     RewardModelConfig,
@@ -572,19 +573,6 @@ class TrainerConfig:
     """Keep at most this many actor checkpoints; null: all."""
     max_critic_ckpt_to_keep: int | None = None
     """Keep at most this many critic checkpoints; null: all."""
-
-
-@dataclass
-class AsyncTrainingConfig:
-    """``async_training.*`` (verl's fully-async recipe's names): rollout overlapping training,
-    with vLLM on ranks of its own (``actor_rollout_ref.rollout.nnodes`` > 0)."""
-
-    staleness_threshold: float = 0.0
-    """0: on-policy; > 0: one step off (megarl bounds staleness at one update, any value > 0)."""
-    trigger_parameter_sync_step: int = 1
-    """Updates between weight syncs (megarl: 1 only)."""
-    partial_rollout: bool = False
-    """Interrupt rollouts at a weight sync and resume them after (megarl: false only)."""
 
 
 @dataclass

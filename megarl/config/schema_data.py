@@ -1,5 +1,5 @@
-"""The ``data``, ``reward_model`` and ``custom_reward_function`` sections of the typed config tree
-(:mod:`megarl.config.schema` holds the rest and the root)."""
+"""The ``data``, ``reward_model``, ``custom_reward_function`` and ``async_training`` sections of the
+typed config tree (:mod:`megarl.config.schema` holds the rest and the root)."""
 
 from __future__ import annotations
 
@@ -109,3 +109,16 @@ class CustomRewardFunctionConfig:
     """Function name in that file/module."""
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     """Free-form: extra keyword arguments passed to the function."""
+
+
+@dataclass
+class AsyncTrainingConfig:
+    """``async_training.*`` (verl's fully-async recipe's names): rollout overlapping training,
+    with vLLM on ranks of its own (``actor_rollout_ref.rollout.nnodes`` > 0)."""
+
+    staleness_threshold: float = 0.0
+    """0: on-policy; > 0: one step off (megarl bounds staleness at one update, any value > 0)."""
+    trigger_parameter_sync_step: int = 1
+    """Updates between weight syncs (megarl: 1 only)."""
+    partial_rollout: bool = False
+    """Interrupt rollouts at a weight sync and resume them after (megarl: false only)."""

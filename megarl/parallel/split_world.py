@@ -31,7 +31,7 @@ import torch.distributed as dist
 from megarl.parallel.emulation import enable_cpu_emulation
 from megarl.parallel.init import LaunchEnv, process_group_timeout_minutes, read_launch_env
 
-__all__ = ["SplitWorld", "broadcast_object", "current", "split_world"]
+__all__ = ["SplitWorld", "broadcast_object", "current", "from_rank", "split_world"]
 
 Role = Literal["train", "rollout"]
 
@@ -130,10 +130,16 @@ def _launch_store(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
     )
 
 
-def broadcast_object(group: Any, obj: Any, root: int) -> Any:
-    """``obj`` of the group's rank ``root`` on every member (pickled; CPU tensors)."""
+def from_rank(root: int) -> dist.BroadcastOptions:
+    """Options of a broadcast from the group's rank ``root`` (for a group's own ``broadcast``)."""
     opts = dist.BroadcastOptions()
     opts.rootRank = root
+    return opts
+
+
+def broadcast_object(group: Any, obj: Any, root: int) -> Any:
+    """``obj`` of the group's rank ``root`` on every member (pickled; CPU tensors)."""
+    opts = from_rank(root)
     data = pickle.dumps(obj) if group.rank() == root else b""
     size = torch.tensor([len(data)], dtype=torch.int64)
     group.broadcast([size], opts).wait()

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megarl.parallel.split_world import broadcast_object
+from megarl.parallel.split_world import broadcast_object, from_rank
 from megarl.rollout.base import CallOrder, RolloutBatch
 
 __all__ = ["RemoteEngine", "RolloutRanksLost", "serve"]
@@ -152,7 +152,7 @@ class RemoteEngine:
             self._announced = True
         flat = torch.cat([t.reshape(-1).cpu() for _, t in named_tensors])
         with self._answering():
-            self.control.broadcast([flat], _root(0)).wait()
+            self.control.broadcast([flat], from_rank(0)).wait()
 
     def finish_weight_update(self) -> None:
         self._order.finish_update()
@@ -242,9 +242,3 @@ def serve(engine: Any, control: Any, score: Any = None) -> None:
             receive_weights(engine, command[1], control)
         else:
             raise ValueError(f"unknown rollout command {command[0]!r}")
-
-
-def _root(rank: int):
-    opts = dist.BroadcastOptions()
-    opts.rootRank = rank
-    return opts

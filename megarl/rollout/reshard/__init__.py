@@ -5,19 +5,19 @@
     plan.received(pp_rank, rollout_rank)                    # bytes a rank receives per sync
 
 :mod:`~megarl.rollout.reshard.plan` knows nothing of processes; it is what ``megarl plan``
-prints. :mod:`~megarl.rollout.reshard.executor` moves the bytes (Megatron is imported only when
-:func:`sync_weights` runs).
+prints. :mod:`~megarl.rollout.reshard.executor` moves the bytes;
+:mod:`~megarl.rollout.reshard.megatron_sync` feeds it an actor's chunks (Megatron is imported
+only when :func:`sync_weights` runs).
 """
 
 from megarl.rollout.reshard.executor import (
     SyncStats,
     WeightSink,
-    plan_for_chunks,
     stream_buckets,
-    sync_weights,
     write_hf_from_shards,
 )
 from megarl.rollout.reshard.make_plan import make_reshard_plan
+from megarl.rollout.reshard.megatron_sync import plan_for_chunks, sync_weights
 from megarl.rollout.reshard.plan import (
     DEFAULT_BUCKET_BYTES,
     Bucket,

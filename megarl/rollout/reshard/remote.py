@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from megarl.parallel.split_world import from_rank
 from megarl.rollout.base import WeightSink
 from megarl.rollout.reshard.plan import ReshardPlan
 
@@ -37,7 +38,7 @@ def receive_weights(engine: WeightSink, plan: ReshardPlan, group: Any) -> int:
     for bucket in plan.buckets:
         slots = bucket.slots
         flat = torch.empty(sum(s.numel for s in slots), dtype=plan.dtype)
-        group.broadcast([flat], _root()).wait()
+        group.broadcast([flat], from_rank(0)).wait()
         received += flat.nbytes
         named, at = [], 0
         for s in slots:
@@ -46,11 +47,3 @@ def receive_weights(engine: WeightSink, plan: ReshardPlan, group: Any) -> int:
         engine.load_weight_chunk(named)
     engine.finish_weight_update()
     return received
-
-
-def _root():
-    import torch.distributed as dist
-
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    return opts
