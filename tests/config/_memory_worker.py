@@ -180,7 +180,8 @@ def _gpu_peak(spec: dict, results: list) -> None:
     dims = ModelDims.from_hf_config(hf)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    built = build_model(dims, ParallelLayout(), dtype=torch.bfloat16)
+    impl = "transformer_engine" if transformer_engine_available() else "local"
+    built = build_model(dims, ParallelLayout(), dtype=torch.bfloat16, transformer_impl=impl)
     trainable = TrainableModel(built, OptimizerSettings(lr=1e-5))
     b, s = spec["gpu_batch"]
     ids = torch.randint(0, dims.vocab_size, (b, s), device="cuda")
@@ -205,7 +206,7 @@ def _gpu_peak(spec: dict, results: list) -> None:
         {
             "gpu": True,
             "peak": peak,
-            "impl": "transformer_engine" if transformer_engine_available() else "local",
+            "impl": impl,
             "offload_freed": freed,
             "reload_allocated": restored,
             "weights_restored": all(torch.equal(a, b) for a, b in zip(weights, after, strict=True)),

@@ -1,0 +1,57 @@
+"""NCCL's communicators exist before the first memory-heavy phase (GPU only; skipped on CPU).
+
+Seen on an H100 (2026-11-27, tools/gpu_check.py): a trainer step failed at its first
+gradient-norm all-reduce with "Failed to CUDA calloc async 4 bytes": the generation before it
+had left PyTorch's caching allocator holding the GPU, and NCCL, creating that group's
+communicator lazily, allocates outside the cache. The default group is now bound to the rank's
+GPU (``megarl.parallel.init.bound_device``), so every group's communicator is made at set-up.
+This launch reproduces the sequence: set-up, the cache filled to the last GiB and released to
+the cache (not to the driver), then the first collectives on Megatron's groups.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_torchrun
+
+pytestmark = pytest.mark.gpu
+
+
+def test_collectives_run_after_the_cache_has_taken_the_gpu():
+    out = run_torchrun(Path(__file__), 1, ["--worker"], timeout=300)
+    assert "collectives ok" in out, out[-2000:]
+
+
+def _worker() -> None:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+
+    init_distributed(ParallelLayout())
+    assert dist.get_backend() == "nccl"
+    blocks = []
+    try:
+        while True:
+            blocks.append(torch.empty(2**30, dtype=torch.uint8, device="cuda"))
+    except torch.OutOfMemoryError:
+        pass
+    filled = torch.cuda.memory_reserved()
+    del blocks  # back to PyTorch's cache, which keeps the GPU
+    assert torch.cuda.memory_reserved() == filled
+    t = torch.ones(4, device="cuda")
+    for group in (ps.get_model_parallel_group(), ps.get_data_parallel_group(), None):
+        dist.all_reduce(t, group=group)
+    torch.cuda.synchronize()
+    print(f"collectives ok with {filled / 2**30:.1f} GiB in the cache", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker()
