@@ -1,68 +1,137 @@
 """``megarl train`` with vLLM on a rank of its own, one step off (issue 26): the quickstart on 2
 training ranks plus 1 rollout rank (``actor_rollout_ref.rollout.nnodes=1``,
-``n_gpus_per_node=1``, ``async_training.staleness_threshold=1``) learns the synthetic task, says
-where its rollout runs, keeps the console megarl's own and leaves nothing in its temporary
-directory."""
+``n_gpus_per_node=1``, ``async_training.staleness_threshold=1``), stopped by SIGTERM once step
+``STOP_AFTER`` is done (the rollout rank is then generating the next step ahead) and relaunched
+to the end. Together the two launches learn the synthetic task, see every step's prompts in the
+order of an uninterrupted run (the sampler's, nothing repeated or dropped across the stop), say
+where their rollout runs, keep the console megarl's own and leave nothing running or in their
+temporary directory."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
+import psutil
 import pytest
 
-from tests._run_outputs import read_metrics
+from tests._run_outputs import read_metrics, rollout_prompts
+from tests.checkpoint.test_trainer_checkpoint import _survivors, _wait_for
 from tests.conftest import left_behind
 from tests.trainer.test_grpo_learning import MEGARL_LINE
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 10
+STOP_AFTER = 3
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.multirank]
+
+
+def _launch(out: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "megarl.commands.quickstart", "--out", str(out),
+         "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
+         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+         "async_training.staleness_threshold=1", f"trainer.total_training_steps={STEPS}",
+         "trainer.test_freq=5", "trainer.save_freq=-1", "reward_model.dump_samples=-1",
+         f"trainer.rollout_data_dir={out / 'runs' / 'grpo_tiny_cpu' / 'rollouts'}"],
+        cwd=REPO, env={**os.environ, "TMPDIR": str(out / "tmp")}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _steps_done(run_dir: Path) -> int:
+    try:
+        return max(read_metrics(run_dir), default=0)
+    except (OSError, ValueError):  # not written yet, or a line half written
+        return 0
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("one_step_off")
     (out / "tmp").mkdir()
-    done = subprocess.run(
-        [sys.executable, "-m", "megarl.commands.quickstart", "--out", str(out),
-         "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
-         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-         "async_training.staleness_threshold=1", f"trainer.total_training_steps={STEPS}",
-         "trainer.test_freq=5", "trainer.save_freq=-1"],
-        cwd=REPO, env={**os.environ, "TMPDIR": str(out / "tmp")}, capture_output=True,
-        text=True, timeout=1200, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     run_dir = out / "runs" / "grpo_tiny_cpu"
-    return {"done": done, "metrics": read_metrics(run_dir), "run_dir": run_dir, "tmp": out / "tmp"}
+    first = _launch(out)
+    _wait_for(lambda: first.poll() is not None or _steps_done(run_dir) >= STOP_AFTER,
+              f"step {STOP_AFTER}", timeout=900)  # fmt: skip
+    tree = [psutil.Process(first.pid), *psutil.Process(first.pid).children(recursive=True)]
+    first.send_signal(signal.SIGTERM)
+    stopped = first.communicate(timeout=600)
+    assert first.returncode == 0, stopped[0][-3000:] + stopped[1][-5000:]
+    survivors = _survivors(tree, timeout=10)
+    saved = int((run_dir / "latest_checkpointed_iteration.txt").read_text())
+    second = _launch(out)
+    done = second.communicate(timeout=1200)
+    assert second.returncode == 0, done[0][-3000:] + done[1][-5000:]
+    return {"stopped": stopped, "done": done, "survivors": survivors, "saved": saved,
+            "metrics": read_metrics(run_dir), "run_dir": run_dir, "out": out}  # fmt: skip
 
 
 def test_one_step_off_learns(run):
     """Greedy validation rises as the colocated run's does (the dense learning test's bar: its
-    lr-0 control shows greedy validation does not move by itself)."""
+    lr-0 control shows greedy validation does not move by itself), across the stop."""
     m = run["metrics"]
     gain = m[STEPS]["val/score/mean"] - m[0]["val/score/mean"]
     print(f"r0={m[0]['val/score/mean']:.4f} final={m[STEPS]['val/score/mean']:.4f} gain={gain:.4f}")
     assert gain >= 0.15
 
 
-def test_every_step_after_the_first_trains_on_a_rollout_one_update_old(run):
-    m = run["metrics"]
-    assert [m[s]["async/staleness"] for s in range(1, STEPS + 1)] == [0.0] + [1.0] * (STEPS - 1)
+def test_sigterm_stops_both_sides_with_the_step_saved(run):
+    out, err = run["stopped"]
+    assert run["saved"] >= STOP_AFTER and f"stopped after step {run['saved']}" in out + err
+    assert "Traceback" not in out + err
+    assert run["survivors"] == []  # the rollout rank waited for the trainer to stop it
+    resumed_from = run["run_dir"] / f"global_step_{run['saved']}"
+    assert f"resumed from {resumed_from}" in "".join(run["done"])
+
+
+def test_every_step_trains_on_a_rollout_one_update_old_but_the_first_of_each_launch(run):
+    """Each launch's first step generates with the weights it starts from (staleness 0): the
+    step the first launch generated ahead when it stopped is generated again after the resume."""
+    m, saved = run["metrics"], run["saved"]
+    want = [0.0] + [1.0] * (saved - 1) + [0.0] + [1.0] * (STEPS - saved - 1)
+    assert [m[s]["async/staleness"] for s in range(1, STEPS + 1)] == want
     assert m[1]["rollout/logprob_diff_max"] <= 1e-4  # step 1: the synced initial weights
 
 
+def test_the_stop_repeats_and_drops_no_prompt(run):
+    """Every step's prompts are those the sampler gives an uninterrupted run (the trainer's own
+    dataset and sampler, built here from the same config): it fails if the checkpoint held the
+    sampler's state after the lookahead (the relaunch would skip a batch)."""
+    from transformers import AutoTokenizer
+
+    from megarl.config import load_config
+    from megarl.data.dataset import PromptDataset
+    from megarl.data.sampler import GlobalBatchSampler
+
+    out = run["out"]
+    cfg = load_config(
+        [str(REPO / "configs" / "grpo_tiny_cpu.yaml")],
+        [f"data.train_files={out / 'tiny-data' / 'train.parquet'}"],
+    )
+    tokenizer = AutoTokenizer.from_pretrained(out / "tiny-qwen2")
+    seed = cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed
+    data = PromptDataset.from_config(cfg.data, tokenizer, "train", cfg.trainer.seed)
+    sampler = GlobalBatchSampler(len(data), cfg.data.train_batch_size, seed=seed,
+                                 shuffle=cfg.data.shuffle)  # fmt: skip
+    n = cfg.actor_rollout_ref.rollout.n
+    for step in range(1, STEPS + 1):
+        batch = next(sampler)
+        want = Counter(tokenizer.decode(data[i].prompt_ids) for i in batch for _ in range(n))
+        assert Counter(rollout_prompts(run["run_dir"], step)) == want, step
+
+
 def test_console_says_where_the_rollout_runs_and_holds_only_megarl_lines(run):
-    done = run["done"]
-    lines = [p.strip() for t in (done.stdout, done.stderr) for line in t.splitlines()
-             for p in line.split("\r") if p.strip()]  # fmt: skip
+    lines = [p.strip() for launch in (run["stopped"], run["done"]) for t in launch
+             for line in t.splitlines() for p in line.split("\r") if p.strip()]  # fmt: skip
     assert [line for line in lines if not MEGARL_LINE.match(line)] == []
     assert any("on 1 rank(s) of its own, one step off" in line for line in lines), lines[:3]
     assert (run["run_dir"] / "logs" / "rank2.log").is_file()  # the rollout rank's log
 
 
 def test_the_run_leaves_nothing_in_the_temporary_directory(run):
-    assert left_behind(run["tmp"]) == []
+    assert left_behind(run["out"] / "tmp") == []
