@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,8 +41,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 def run_torchrun(script: Path, nproc: int, args: list[str], *, timeout: int = 900) -> str:
-    """Run ``script`` under torchrun with ``nproc`` CPU ranks; fail the test with its output."""
-    env = dict(os.environ)
+    """Run ``script`` under torchrun with ``nproc`` CPU ranks; fail the test with its output.
+    torchrun and the ranks get a temporary directory of their own, removed afterwards (torchrun
+    leaves a ``torchelastic_*`` directory in it)."""
+    from megarl.commands.launch import scratch_env
+
+    scratch, env = scratch_env(dict(os.environ), prefix="megarl-test-torchrun-")
+    try:
+        return _run_torchrun(script, nproc, args, timeout, env)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_torchrun(script: Path, nproc: int, args: list[str], timeout: int, env: dict) -> str:
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
     cmd = [

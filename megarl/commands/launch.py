@@ -113,13 +113,20 @@ def run_torchrun(
     ranks start and import; they wait at a gate (:mod:`megarl.parallel.gate`) until it has
     passed. A problem is printed as ``error: ...`` with exit 2; torchrun is killed before a rank
     has done anything (nothing written, not even the log)."""
-    scratch = tempfile.mkdtemp(prefix="megarl-launch-")
-    inductor = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
-    env = {"TORCHINDUCTOR_CACHE_DIR": inductor, **env, "TMPDIR": scratch}
+    scratch, env = scratch_env(env)
     try:
         return _supervise(command, env, Path(run_dir), log_path, preflight, scratch, popen)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def scratch_env(env: dict[str, str], prefix: str = "megarl-launch-") -> tuple[str, dict[str, str]]:
+    """A new temporary directory for a launch and ``env`` with ``TMPDIR`` pointing there;
+    Inductor's cache stays in its usual place (``TORCHINDUCTOR_CACHE_DIR``, unless ``env`` sets
+    it), so later launches still find it. The caller removes the directory."""
+    scratch = tempfile.mkdtemp(prefix=prefix)
+    inductor = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    return scratch, {"TORCHINDUCTOR_CACHE_DIR": inductor, **env, "TMPDIR": scratch}
 
 
 def _supervise(

@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import weakref
 from collections import deque
@@ -73,6 +75,9 @@ class _Worker:
 
     def __init__(self, spec_json: str) -> None:
         parent, child = socket.socketpair()
+        # Its own temporary directory, removed when it stops: a worker killed over its time
+        # limit cannot remove what it was using (the code scorer's sandbox directory).
+        self.tmp = tempfile.mkdtemp(prefix="megarl-scorer-")
         try:
             self.proc = subprocess.Popen(
                 [
@@ -81,8 +86,12 @@ class _Worker:
                 ],
                 pass_fds=(child.fileno(),),
                 stdin=subprocess.DEVNULL,
+                env={**os.environ, "TMPDIR": self.tmp},
                 start_new_session=True,  # out of reach of torchrun's killpg of the rank
             )  # fmt: skip
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
         finally:
             child.close()
         self.conn = Connection(parent.detach())
@@ -101,6 +110,7 @@ class _Worker:
             self.proc.kill()
             self.proc.wait()
         self.conn.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def _stop_all(workers: list[_Worker]) -> None:

@@ -22,6 +22,7 @@ the deliberate differences from verl (named in megarl/reward/scorers/code.py).
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 
 import psutil
@@ -283,8 +284,12 @@ def test_a_forked_child_does_not_outlive_its_test():
     assert _dies(int(run.output))
 
 
-def test_a_stuck_program_dies_with_a_killed_scoring_worker(tmp_path):
-    """The reward pool kills a worker over its per-sample limit; the program it ran dies too."""
+def test_a_stuck_program_dies_with_a_killed_scoring_worker(tmp_path, monkeypatch):
+    """The reward pool kills a worker over its per-sample limit; the program it ran dies too,
+    and the sandbox directory it was running in is gone with the worker's own."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    (tmp_path / "tmp").mkdir()
     pid_file = tmp_path / "pid"
     # sleeping, not spinning: its CPU-time limit never fires, only the parent-death signal
     program = f"import posix, time\nopen({str(pid_file)!r}, 'w').write(str(posix.getpid()))\ntime.sleep(600)"
@@ -295,6 +300,7 @@ def test_a_stuck_program_dies_with_a_killed_scoring_worker(tmp_path):
         [ok] = pool.score([(1, "apps", fence(ADD), json.dumps(T2), None)])
         assert (ok.status, ok.score) == ("ok", 1.0)
     assert _dies(int(pid_file.read_text()))
+    assert list((tmp_path / "tmp").iterdir()) == []
 
 
 def test_a_sandbox_url_in_reward_kwargs_fails_the_sample_through_the_pool():
