@@ -230,7 +230,7 @@ def serve(engine: Any, control: Any, score: Any = None) -> None:
             generated = time.perf_counter()
             scored = None
             if reward is not None and score is not None:
-                try:
+                try:  # a result, or an error's one line (the scorer's own, or this one)
                     scored = score(batch, reward)
                 except Exception as exc:  # noqa: BLE001 -- the trainer raises it, in one line
                     scored = f"{type(exc).__name__}: {exc}"

@@ -26,7 +26,7 @@ from megarl.models.gpt import Fusions, MoeSettings
 from megarl.models.trainable import OptimizerSettings, TrainableModel
 from megarl.parallel.init import init_distributed
 from megarl.reward import RewardManager
-from megarl.reward.manager import reward_inputs
+from megarl.reward.manager import RewardError, reward_inputs
 from megarl.rollout.actor_engine import ActorEngine
 from megarl.rollout.base import RolloutEngine
 from megarl.rollout.vllm_engine import read_eos_token_ids
@@ -412,11 +412,16 @@ def serve_rollout(cfg: MegarlConfig) -> None:
     rewards = RewardManager.from_config(cfg, tokenizer)  # spread over the rollout ranks
 
     def score(batch, reward: dict):
-        """Score a prefetched batch as the trainer would (its rollout dump included)."""
+        """Score a prefetched batch as the trainer would (its rollout dump included); a scorer's
+        failure is returned as the reward manager's one-line message, which the trainer raises
+        as the colocated run would."""
         prompts = [_PromptInfo(*info) for info in reward["prompts"]]
         width = max([len(s.response_token_ids) for s in batch] + [1])  # the batch's tensors'
-        return rewards(reward_inputs(tokenizer, prompts, batch.samples), response_width=width,
-                       dump_dir=reward["dump_dir"], step=reward["step"])  # fmt: skip
+        try:
+            return rewards(reward_inputs(tokenizer, prompts, batch.samples), response_width=width,
+                           dump_dir=reward["dump_dir"], step=reward["step"])  # fmt: skip
+        except RewardError as exc:
+            return str(exc)
 
     try:
         serve(engine, world.control(), score)

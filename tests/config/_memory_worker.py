@@ -190,10 +190,18 @@ def _gpu_peak(spec: dict, results: list) -> None:
     def loss_fn(outputs, mb):
         return outputs["log_probs"].float().mean(), {}
 
+    # The allocator's history over the update: what is live at its peak goes with the result,
+    # so that a planner miss on a GPU comes back with where the bytes went.
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
     forward_backward(trainable.chunks, batch, loss_fn, micro_batches=b, vocab_size=dims.vocab_size)
     trainable.step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
+    try:
+        at_peak = _live_at_peak(torch.cuda.memory._snapshot())
+    except Exception as exc:  # noqa: BLE001 - a diagnosis: its failure must not hide the peak
+        at_peak = [[0, f"no breakdown: {type(exc).__name__}: {exc}"]]
+    torch.cuda.memory._record_memory_history(enabled=None)
     # The residency moves (megarl/config/residency.py): everything to host memory and back.
     weights = [p.detach().float().clone() for p in trainable.chunks[0].parameters()]
     before = torch.cuda.memory_allocated()
@@ -210,8 +218,31 @@ def _gpu_peak(spec: dict, results: list) -> None:
             "offload_freed": freed,
             "reload_allocated": restored,
             "weights_restored": all(torch.equal(a, b) for a, b in zip(weights, after, strict=True)),
+            "live_at_peak": at_peak,
         }
     )
+
+
+def _live_at_peak(snapshot: dict, top: int = 25) -> list[list]:
+    """Replay the recorded allocations: the largest blocks live when the most bytes were, as
+    [bytes, where] (where: the innermost frames in megarl, Megatron or torch.nn)."""
+    live: dict[int, tuple[int, str]] = {}
+    total = best = 0
+    best_live: dict[int, tuple[int, str]] = {}
+    for event in snapshot["device_traces"][0]:
+        if event["action"] == "alloc":
+            frames = [
+                f"{Path(f['filename']).name}:{f['line']} {f['name']}"
+                for f in event.get("frames", [])
+                if any(k in f["filename"] for k in ("megarl", "megatron", "torch/nn"))
+            ]
+            live[event["addr"]] = (event["size"], " < ".join(frames[:3]))
+            total += event["size"]
+            if total > best:
+                best, best_live = total, dict(live)
+        elif event["action"] in ("free_requested", "free") and event["addr"] in live:
+            total -= live.pop(event["addr"])[0]
+    return [list(v) for v in sorted(best_live.values(), key=lambda v: -v[0])[:top]]
 
 
 def main() -> None:

@@ -6,7 +6,8 @@ and rewards, and the actor's final weights (HF names), to ``<tmp>/<mode>.pt``:
     torchrun --nproc_per_node 2|3 _disagg_worker.py SPEC.json MODE
 
 Modes: ``colocated`` and ``split`` (2 steps, staleness 0); ``split_off`` (3 steps one step off:
-each step asks for the next batch as soon as its own is in) and its reference
+each step asks for the next batch as soon as its own is in; the 4th batch, asked for by step 3,
+is one whose scorer raises, and step 4 records the error the trainer raises) and its reference
 ``colocated_off``: colocated, but the sync after step k loads the weights step k started from
 (taken before its update), so that batch k+1 comes from step k-1's weights, as one step off.
 """
@@ -63,11 +64,14 @@ def main() -> None:
         try:
             first_sync(run)
             steps = STEPS + 1 if off else STEPS
-            batches = [[run.train_data[i] for i in next(run.sampler)] for _ in range(steps)]
+            batches = [[run.train_data[i] for i in next(run.sampler)] for _ in range(steps + 1)]
+            if mode == "split_off":  # the batch after the last: its scorer raises (see below)
+                poison = [s.extra_info["index"] for s in batches[steps]]
+                Path(spec["tmp"], "poison.json").write_text(json.dumps(poison))
             for step in range(1, steps + 1):
                 if mode == "colocated_off":
                     _sync_with_the_weights_of_now(run)
-                after = batches[step] if mode == "split_off" and step < steps else None
+                after = batches[step] if mode == "split_off" else None
                 metrics, batch = train_step(run, step, batches[step - 1], after)
                 out["steps"].append({
                     "metrics": metrics,
@@ -77,6 +81,15 @@ def main() -> None:
                 })  # fmt: skip
             out["weights"] = _hf_weights(run.actor.chunks, run.actor.model.dims)
             out["world"] = dist.get_world_size()
+            if mode == "split_off":
+                # The last step asked for one more batch, which the rollout rank scored while
+                # that step trained: its scorer's error reaches the trainer at the next step.
+                from megarl.reward.manager import RewardError
+
+                try:
+                    train_step(run, steps + 1, batches[steps], None)
+                except RewardError as exc:
+                    out["scorer_error"] = str(exc)
         finally:
             run.rewards.close()
             if mode.startswith("split"):

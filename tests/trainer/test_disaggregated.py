@@ -19,6 +19,17 @@ WORKER = Path(__file__).with_name("_disagg_worker.py")
 pytestmark = [pytest.mark.vllm, pytest.mark.multirank]
 
 
+POISONED_SCORER = """
+import json, os
+from megarl.data.synthetic import compute_score as synthetic
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, poison=None, **kw):
+    if os.path.exists(poison) and extra_info["index"] in json.load(open(poison)):
+        raise ValueError(f"poisoned row {extra_info['index']}")
+    return synthetic(solution_str, ground_truth)
+"""
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_overrides) -> dict:
     tmp = tmp_path_factory.mktemp("disagg")
@@ -29,14 +40,19 @@ def runs(tmp_path_factory, tiny_overrides) -> dict:
             "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
             "trainer.val_before_train=false",
         ],
-        # one step off at TP 1 x PP 2: the weights reach vLLM from both stages
+        # one step off at TP 1 x PP 2: the weights reach vLLM from both stages; the synthetic
+        # task's scorer, raising for the rows of poison.json (the split run's 4th batch)
         "off_overrides": [
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
             "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+            f"custom_reward_function.path={tmp / 'scorer.py'}",
+            "custom_reward_function.name=compute_score",
+            f"+custom_reward_function.reward_kwargs.poison={tmp / 'poison.json'}",
         ],
         "tmp": str(tmp),
     }
     (tmp / "spec.json").write_text(json.dumps(spec))
+    (tmp / "scorer.py").write_text(POISONED_SCORER)
     modes = {"colocated": 2, "split": 3, "colocated_off": 2, "split_off": 3}
     for mode, world in modes.items():
         run_torchrun(WORKER, world, [str(tmp / "spec.json"), mode], timeout=900)
@@ -77,3 +93,12 @@ def test_one_step_off_trains_on_the_previous_steps_weights_rollouts(runs):
     assert gaps[0] <= 1e-4 < gaps[1]  # the behaviour policy is one update old from step 2 on
     # not the staleness-0 run: step 2's batch differs once the rollout lags the update
     assert runs["split_off"]["steps"][1]["input_ids"] != runs["split"]["steps"][1]["input_ids"]
+
+
+def test_a_scorer_error_on_the_rollout_rank_is_raised_on_the_trainer_in_one_line(runs):
+    """The batch step 3 asked for ahead was scored on the rollout rank, whose scorer raised: the
+    next step raises the reward error on the trainer, one line naming the scorer's error (not
+    a hang, not the rollout rank's traceback)."""
+    error = runs["split_off"]["scorer_error"]
+    assert error.startswith("scorer compute_score from "), error  # the colocated run's words
+    assert "ValueError: poisoned row" in error and "\n" not in error, error
