@@ -11,7 +11,13 @@ Megatron-Core 0.16.1; the tests measure them with ``saved_tensors_hooks``):
   fp32 ``rstd``), the ``linear_qkv`` and ``linear_fc1`` inputs, q and expanded k, v, the softmax
   probabilities (``nq·s`` per token), the ``linear_proj`` input, and the SwiGLU MLP (``fc1``
   output ``2F``, ``silu(gate)`` and the product's two operands ``F`` each, ``fc2`` input ``F``);
-  plus ``16·s·d`` bytes of RoPE cos/sin per layer (fp32, not per sequence).
+  plus ``16·s·d`` bytes of RoPE cos/sin per layer (fp32, not per sequence). In 16-bit
+  (``e = 2``) two more terms: the softmax runs in fp32 (``attention_softmax_in_fp32``) and its
+  fp32 output is saved beside the 16-bit probabilities (``4·nq·s/t``), and each RMSNorm (torch's,
+  without apex) saves two fp32 copies of its ``h`` input instead of ``e``-byte ones
+  (``2·2·(4 - e)·h/σ`` for the layer's two, ``2·(4 - e)·h/σ`` for the final norm): 33 % more
+  than the ``e``-byte count at ``s`` = 160 on CPU, and part of what an H100 measured
+  (README, "On a GPU").
 - Transformer Engine spec (GPU; flash attention, nothing quadratic in ``s``):
   ``e·(4h/σ + ((nq + 2·nkv)·d + nq·d + 3F)/t) + 8/σ + 4·nq/t``: fused norm inputs and outputs,
   q, k, v, the attention output (= ``linear_proj`` input), ``fc1`` output and activation output,
@@ -97,7 +103,10 @@ def layer_bytes_per_token(
     mlp = _moe_bytes_per_token(dims, layout, e, c) if dims.is_moe else e * c * f / t
     if impl == "local":
         scores = 0 if selective else nq * seq_len / t
-        return e * (6 * h / sigma + 4 * nq * d / t + scores) + mlp + 8 / sigma
+        fp32_softmax = 4 * scores if e < 4 else 0  # its fp32 output beside the e-byte copy
+        fp32_norms = 4 * (4 - e) * h / sigma  # two norms, two fp32 copies of h each
+        base = e * (6 * h / sigma + 4 * nq * d / t + scores) + mlp + 8 / sigma
+        return base + fp32_softmax + fp32_norms
     lse = 0 if selective else 4 * nq / t
     return e * (4 * h / sigma + ((nq + 2 * nkv) * d + nq * d) / t) + mlp + 8 / sigma + lse
 
@@ -187,6 +196,8 @@ def training_activations(
         flight = max(1, in_flight - pp_rank * (1 if layout.vpp == 1 else layout.vpp))
         saved = flight * chunk_saved
         saved += tokens * _edge_bytes_per_token(dims, layout, dtype, role, first, last)
+        if last and impl == "local":  # the final norm's fp32 copies (module docstring)
+            saved += tokens * 2 * (4 - ITEMSIZE[dtype]) * dims.hidden_size / sigma
         working = group * (tokens * full_layer + rope)
         if last and role != "critic":
             working += logprob_working_bytes(dims, layout, micro_batch, seq_len, dtype)

@@ -109,7 +109,9 @@ def _state_checks(spec: dict, tp: int, pp: int, results: list) -> None:
                 )
 
 
-def _saved_bytes(spec: dict, recompute, seq: int, micro_batch: int, role: str) -> int:
+def _saved_bytes(
+    spec: dict, recompute, seq: int, micro_batch: int, role: str, dtype=torch.float32
+) -> int:
     """Bytes of distinct non-parameter storages saved for backward during the forward."""
     from megarl.models.build import Recompute, build_model
     from megarl.models.runner import SequenceBatch, forward_backward
@@ -117,8 +119,9 @@ def _saved_bytes(spec: dict, recompute, seq: int, micro_batch: int, role: str) -
     from megarl.parallel.layout import ParallelLayout
 
     built = build_model(
-        spec["models"]["qwen2"], ParallelLayout(), role=role, recompute=Recompute(*recompute)
-    )
+        spec["models"]["qwen2"], ParallelLayout(), role=role, recompute=Recompute(*recompute),
+        dtype=dtype,
+    )  # fmt: skip
     trainable = TrainableModel(built, OptimizerSettings(lr=1e-3))
     params = _storages(p for c in trainable.chunks for p in c.parameters())
     saved: dict[int, int] = {}
@@ -163,6 +166,10 @@ def _activation_checks(spec: dict, results: list) -> None:
                         "saved": _saved_bytes(spec, recompute, seq, micro_batch, role),
                     }
                 )
+    for seq, micro_batch in [(64, 2), (160, 1)]:  # 16-bit: the fp32 softmax and norm copies
+        saved = _saved_bytes(spec, (None, None, None), seq, micro_batch, "actor", torch.bfloat16)
+        results.append({"activations": True, "role": "actor", "dtype": "bf16", "seq": seq,
+                        "micro_batch": micro_batch, "recompute": [None] * 3, "saved": saved})  # fmt: skip
 
 
 def _gpu_peak(spec: dict, results: list) -> None:
