@@ -464,7 +464,8 @@ def _torchrun(args: list[str], log: Path, env_extra: dict[str, str]) -> None:
         done = subprocess.run(cmd, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT,
                               check=False, timeout=3600)  # fmt: skip
     if done.returncode:
-        lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
+        # the progress bar's carriage returns put megarl's error line behind it: split on them
+        lines = [p for ln in log.read_text().splitlines() for p in ln.split("\r") if p.strip()]
         errors = [ln for ln in lines if ln.lstrip().startswith("error:")] or lines[-3:]
         raise RuntimeError(f"exit {done.returncode}: {errors[0].strip()} (log: {log})")
 

@@ -98,18 +98,6 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def bound_device(backend: str, launch: LaunchEnv) -> torch.device | None:
-    """The device an NCCL process group is bound to (``init_process_group(device_id=...)``): the
-    local rank's GPU, as ``init_distributed`` selects it; None for gloo. Bound, NCCL creates its communicators at set-up, for the default group and for
-    every group made from it (Megatron's). Unbound, each group's first collective allocates
-    NCCL's buffers outside PyTorch's caching allocator, and after a phase that left the cache
-    holding the GPU that fails ("Failed to CUDA calloc async 4 bytes": an H100, 2026-11-27, the
-    first gradient-norm all-reduce after a generation phase)."""
-    if backend != "nccl":
-        return None
-    return torch.device("cuda", launch.local_rank % torch.cuda.device_count())
-
-
 def start_process_group(launch: LaunchEnv, timeout_minutes: int | None = None) -> None:
     """Create the default process group for ``launch`` unless one exists: NCCL on GPU, gloo on
     CPU; the rendezvous is ``MASTER_ADDR``/``MASTER_PORT``, set from ``launch`` when unset.
@@ -121,10 +109,8 @@ def start_process_group(launch: LaunchEnv, timeout_minutes: int | None = None) -
     os.environ.setdefault("MASTER_ADDR", launch.master_addr)
     os.environ.setdefault("MASTER_PORT", str(launch.master_port))
     set_gloo_socket_ifname(os.environ["MASTER_ADDR"])  # multi-node only; see its module
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(
-        backend=backend,
-        device_id=bound_device(backend, launch),
+        backend="nccl" if torch.cuda.is_available() else "gloo",
         rank=launch.rank,
         world_size=launch.world_size,
         timeout=timedelta(minutes=timeout_minutes),
@@ -169,7 +155,48 @@ def init_distributed(
         distributed_timeout_minutes=timeout_minutes,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    connect_groups()
     return launch
+
+
+GROUPS = (
+    "get_model_parallel_group", "get_tensor_model_parallel_group",
+    "get_pipeline_model_parallel_group", "get_data_parallel_group",
+    "get_context_parallel_group", "get_embedding_group", "get_expert_model_parallel_group",
+    "get_expert_tensor_parallel_group", "get_expert_data_parallel_group",
+)  # fmt: skip
+"""Megatron's groups :func:`connect_groups` connects, in this order on every rank: those megarl's
+passes use (the position-embedding group serves learned absolute positions, which no model
+here has; a dense model's expert groups are connected too, a few NCCL buffers per GPU)."""
+
+
+def connect_groups() -> int:
+    """One all-reduce of one element on each of this rank's Megatron groups (:data:`GROUPS`, a
+    group that this rank is not in skipped); returns how many.
+
+    NCCL creates a group's communicator at its first collective and allocates its buffers outside
+    PyTorch's caching allocator; a group first used after a phase that left the cache holding
+    the GPU fails there ("Failed to CUDA calloc async 4 bytes": an H100, 2026-11-27, the first
+    gradient-norm all-reduce after a generation phase). Connecting every group at set-up, while
+    the GPU is empty, avoids that. Every rank walks the same kinds in the same order and each
+    kind's groups are disjoint, so the collectives pair up. (Binding the default group to a
+    device, ``init_process_group(device_id=...)``, would connect them eagerly too, but then
+    creating a gloo subgroup has the ranks outside it join an NCCL split that its members never
+    join: Megatron's gloo data-parallel groups would hang.)"""
+    from megatron.core import parallel_state
+
+    one = torch.zeros(1, device="cuda" if torch.cuda.is_available() else "cpu")
+    done: list[object] = []
+    for name in GROUPS:
+        try:
+            groups = getattr(parallel_state, name)()
+        except AssertionError:  # not made, or this rank is in none of them (embedding)
+            continue
+        for group in groups if isinstance(groups, list) else [groups]:
+            if group is not None and all(group is not d for d in done):
+                dist.all_reduce(one, group=group)
+                done.append(group)
+    return len(done)
 
 
 def destroy_distributed() -> None:

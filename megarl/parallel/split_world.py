@@ -29,12 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.parallel.emulation import enable_cpu_emulation
-from megarl.parallel.init import (
-    LaunchEnv,
-    bound_device,
-    process_group_timeout_minutes,
-    read_launch_env,
-)
+from megarl.parallel.init import LaunchEnv, process_group_timeout_minutes, read_launch_env
 
 __all__ = ["SplitWorld", "broadcast_object", "current", "from_rank", "split_world"]
 
@@ -102,10 +97,8 @@ def split_world(train_size: int, *, timeout: timedelta | None = None) -> SplitWo
     os.environ["MEGARL_LAUNCH_RANK"] = str(launch.rank)
     os.environ["MEGARL_LAUNCH_WORLD_SIZE"] = str(launch.world_size)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(sub_rank), str(sub_size)
-    backend = "nccl" if on_gpu and role == "train" else "gloo"
     dist.init_process_group(
-        backend=backend,
-        device_id=bound_device(backend, launch),
+        backend="nccl" if on_gpu and role == "train" else "gloo",
         store=dist.PrefixStore(f"megarl/{role}", store),
         rank=sub_rank,
         world_size=sub_size,

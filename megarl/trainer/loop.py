@@ -136,53 +136,57 @@ def _loop(
         unit="step",
         dynamic_ncols=True,
     )
-    limit = cfg.trainer.max_consecutive_skipped_steps
-    # One step off (vLLM on ranks of its own): each step asks for the next one's batch. The
-    # sampler is drawn one batch ahead, but the state saved is the one after this step's own
-    # batch: a resumed run generates the next batch again rather than skip it.
-    ahead = cfg.async_training.staleness_threshold > 0 and hasattr(run.engine, "prefetch")
-    upcoming = None
-    for step in range(run.state.step + 1, run.total_steps + 1):
-        prompts = upcoming or [run.train_data[i] for i in next(run.sampler)]
-        sampler_state = run.sampler.state_dict()
+    # Closed on the way out whatever the way (an error too): its line is ended before the
+    # error's, which would otherwise be printed on the bar's line.
+    try:
+        limit = cfg.trainer.max_consecutive_skipped_steps
+        # One step off (vLLM on ranks of its own): each step asks for the next one's batch. The
+        # sampler is drawn one batch ahead, but the state saved is the one after this step's own
+        # batch: a resumed run generates the next batch again rather than skip it.
+        ahead = cfg.async_training.staleness_threshold > 0 and hasattr(run.engine, "prefetch")
         upcoming = None
-        if ahead and step < run.total_steps:
-            upcoming = [run.train_data[i] for i in next(run.sampler)]
-        metrics, _ = train_step(run, step, prompts, upcoming)
-        run.state.step = step
-        run.state.sampler = sampler_state
-        run.state.save_kl_coef(run.kl_ctrl)
-        skipped = metrics.get("actor/skipped_steps", 0.0)
-        run.state.consecutive_skips = run.state.consecutive_skips + 1 if skipped else 0
-        metrics["actor/consecutive_skipped_steps"] = float(run.state.consecutive_skips)
-        test_freq = cfg.trainer.test_freq
-        if (
-            run.val_data is not None
-            and test_freq > 0
-            and (step % test_freq == 0 or step == run.total_steps)
-        ):
-            metrics.update(validate(run, step))
-            last_val = metrics["val/score/mean"]
-        tracker.log_metrics(step, metrics)
-        bar.update(1)
-        if limit > 0 and run.state.consecutive_skips >= limit:
-            raise TrainingError(
-                f"{run.state.consecutive_skips} consecutive steps had a non-finite gradient and "
-                f"were skipped (trainer.max_consecutive_skipped_steps={limit})"
-            )
-        stopping = stop.agreed()  # collective, once per step
-        save_freq = cfg.trainer.save_freq
-        if stopping or (save_freq > 0 and (step % save_freq == 0 or step == run.total_steps)):
-            _save(run, step, tracker)
-        if stopping:
-            bar.close()
-            why = stop.reason or "a request on another rank"
-            run.console.print(f"megarl: stopped after step {step} ({why}); resume to continue")
-            if run.rank == 0:
-                stop.consume_stop_file()
-            return last_val, True
-    bar.close()
-    return last_val, False
+        for step in range(run.state.step + 1, run.total_steps + 1):
+            prompts = upcoming or [run.train_data[i] for i in next(run.sampler)]
+            sampler_state = run.sampler.state_dict()
+            upcoming = None
+            if ahead and step < run.total_steps:
+                upcoming = [run.train_data[i] for i in next(run.sampler)]
+            metrics, _ = train_step(run, step, prompts, upcoming)
+            run.state.step = step
+            run.state.sampler = sampler_state
+            run.state.save_kl_coef(run.kl_ctrl)
+            skipped = metrics.get("actor/skipped_steps", 0.0)
+            run.state.consecutive_skips = run.state.consecutive_skips + 1 if skipped else 0
+            metrics["actor/consecutive_skipped_steps"] = float(run.state.consecutive_skips)
+            test_freq = cfg.trainer.test_freq
+            if (
+                run.val_data is not None
+                and test_freq > 0
+                and (step % test_freq == 0 or step == run.total_steps)
+            ):
+                metrics.update(validate(run, step))
+                last_val = metrics["val/score/mean"]
+            tracker.log_metrics(step, metrics)
+            bar.update(1)
+            if limit > 0 and run.state.consecutive_skips >= limit:
+                raise TrainingError(
+                    f"{run.state.consecutive_skips} consecutive steps had a non-finite gradient and "
+                    f"were skipped (trainer.max_consecutive_skipped_steps={limit})"
+                )
+            stopping = stop.agreed()  # collective, once per step
+            save_freq = cfg.trainer.save_freq
+            if stopping or (save_freq > 0 and (step % save_freq == 0 or step == run.total_steps)):
+                _save(run, step, tracker)
+            if stopping:
+                bar.close()  # before the stop line
+                why = stop.reason or "a request on another rank"
+                run.console.print(f"megarl: stopped after step {step} ({why}); resume to continue")
+                if run.rank == 0:
+                    stop.consume_stop_file()
+                return last_val, True
+        return last_val, False
+    finally:
+        bar.close()
 
 
 # -- checkpoints: resume before the loop, save after a step ---------------------

@@ -3,8 +3,8 @@
 Seen on an H100 (2026-11-27, tools/gpu_check.py): a trainer step failed at its first
 gradient-norm all-reduce with "Failed to CUDA calloc async 4 bytes": the generation before it
 had left PyTorch's caching allocator holding the GPU, and NCCL, creating that group's
-communicator lazily, allocates outside the cache. The default group is now bound to the rank's
-GPU (``megarl.parallel.init.bound_device``), so every group's communicator is made at set-up.
+communicator lazily, allocates outside the cache. ``init_distributed`` now connects every
+Megatron group at set-up (``megarl.parallel.init.connect_groups``), while the GPU is empty.
 This launch reproduces the sequence: set-up, the cache filled to the last GiB and released to
 the cache (not to the driver), then the first collectives on Megatron's groups.
 """
