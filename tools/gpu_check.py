@@ -329,7 +329,9 @@ def _train_overrides(model: str, shape: str, run_dir: Path, data: Path, cuda: bo
         f"{arch}.vocab_size={cfg['vocab_size']}",
     ]  # fmt: skip
     # TE's spec where it imports; else the local spec, said in the report (`stack` gives why).
-    impl = "auto" if importlib.util.find_spec("transformer_engine") else "local"
+    from megarl.models.gpt import transformer_engine_available
+
+    impl = "auto" if transformer_engine_available() else "local"
     if rollout == "actor":
         # The actor samples without a KV cache (every token re-runs the prefix): short responses.
         out += ["actor_rollout_ref.rollout.name=actor"]

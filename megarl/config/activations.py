@@ -16,7 +16,7 @@ Megatron-Core 0.16.1; the tests measure them with ``saved_tensors_hooks``):
   fp32 output is saved beside the 16-bit probabilities (``4·nq·s/t``), and each RMSNorm (torch's,
   without apex) saves two fp32 copies of its ``h`` input instead of ``e``-byte ones
   (``2·2·(4 - e)·h/σ`` for the layer's two, ``2·(4 - e)·h/σ`` for the final norm): 33 % more
-  than the ``e``-byte count at ``s`` = 160 on CPU, and part of what an H100 measured
+  than the ``e``-byte count at ``s`` = 160 on CPU, and the gap an H100's memory test measured
   (README, "On a GPU").
 - Transformer Engine spec (GPU; flash attention, nothing quadratic in ``s``):
   ``e·(4h/σ + ((nq + 2·nkv)·d + nq·d + 3F)/t) + 8/σ + 4·nq/t``: fused norm inputs and outputs,
