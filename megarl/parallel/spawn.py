@@ -45,6 +45,8 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, NoReturn
 
+from megarl.parallel.fast_exit import exit_process
+
 __all__ = ["WorkerError", "free_port", "inside_launched_world", "run_local_world"]
 
 STOP_GRACE_S = 10.0
@@ -297,6 +299,8 @@ def _rank_main(fn: Callable[..., Any], args: tuple, env: dict[str, str], conn: C
     _send_report(conn, "ok", result=result)
     conn.close()
     # Done: skip the interpreter's shutdown (1-2 s of tearing down torch and Megatron that the
-    # launcher would wait for). ``fn`` closed what it wrote; helpers it left (a checkpoint
-    # writer's manager) are in this rank's process group, which the launcher stops.
-    os._exit(0)
+    # launcher would wait for), but run the atexit handlers: multiprocessing's finalizers
+    # among them remove the rank's ``pymp-*`` directory (left in TMPDIR by every rank of every
+    # conversion before). ``fn`` closed what it wrote; helpers it left (a checkpoint writer's
+    # manager) are in this rank's process group, which the launcher stops.
+    exit_process(0)
