@@ -61,9 +61,10 @@ def test_busy_workers_die_with_their_rank(tmp_path):
         print(*pool.pids, flush=True)
         pool.score([(0, "src", "sleep", "", None)] * 2)  # both busy when the rank dies
     """)
+    # the killed rank cannot remove its workers' directories: they go to tmp_path, not /tmp
     rank = subprocess.Popen(
         [sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)},
     )  # fmt: skip
     pids = [int(p) for p in rank.stdout.readline().split()]
     assert len(pids) == 2
