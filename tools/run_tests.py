@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
             for lane in (lane_1, lane_2):
                 lane.send_signal(signum)
 
-        signal.signal(signal.SIGTERM, forward)
+        previous = signal.signal(signal.SIGTERM, forward)
         try:
             code_1 = lane_1.wait()
             code_2 = lane_2.wait()
@@ -55,6 +55,8 @@ def main(argv: list[str]) -> int:
             lane_1.wait()
             lane_2.wait()
             return 130
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         log.seek(0)
         print(f"\n---- lane 2: tests/ except {', '.join(LANE_1)} ----", flush=True)
         sys.stdout.write(log.read())
