@@ -12,8 +12,8 @@ Error = Callable[[str], None]
 
 
 def check_async(cfg, error: Error) -> None:
-    """The rollout-only ranks hold one vLLM engine (TP = their number); one step off at most;
-    what the engine on other ranks does not offer yet is refused."""
+    """The rollout-only ranks hold vLLM replicas (their number a multiple of the rollout TP);
+    one step off at most; what the engines on other ranks do not offer yet is refused."""
     roll, a = cfg.actor_rollout_ref.rollout, cfg.async_training
     if roll.nnodes < 0:
         error(f"{ROLL}.nnodes must be >= 0, got {roll.nnodes}")
@@ -44,11 +44,11 @@ def check_async(cfg, error: Error) -> None:
               "one node for now (rollout.nnodes=1, trainer.nnodes=1)")  # fmt: skip
     if roll.name != "vllm":
         error(f"{key}: ranks of their own host a vLLM engine; {ROLL}.name={roll.name}")
-    if roll.tensor_model_parallel_size != ranks:
+    tp = roll.tensor_model_parallel_size
+    if tp > 0 and ranks % tp:
         error(
-            f"{key}: the {ranks} rollout rank(s) hold one vLLM engine, so "
-            f"{ROLL}.tensor_model_parallel_size must be {ranks} "
-            f"(got {roll.tensor_model_parallel_size})"
+            f"{key}: the {ranks} rollout rank(s) hold vLLM replicas of "
+            f"{ROLL}.tensor_model_parallel_size={tp} ranks each; {ranks} is not divisible by {tp}"
         )
     if cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3":
         error(f"{key}: routing replay R3 with vLLM on ranks of its own is not built yet")

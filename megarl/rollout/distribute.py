@@ -27,7 +27,13 @@ import torch.distributed as dist
 
 from megarl.rollout.base import RolloutBatch, RolloutEngine, RolloutSample
 
-__all__ = ["even_split", "gather_global_prompts", "generate_distributed", "object_group"]
+__all__ = [
+    "even_split",
+    "gather_global_prompts",
+    "generate_distributed",
+    "generate_on_replicas",
+    "object_group",
+]
 
 _GLOO_WORLD: dict[int, dist.ProcessGroup] = {}
 """The gloo group over the world, per default group (keyed by its id)."""
@@ -112,16 +118,52 @@ def generate_distributed(
     if "prompt_ids" in sampling:
         raise TypeError("generate_distributed assigns prompt_ids itself (global positions)")
     group = object_group(group)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    n = sampling["n"]
     everything, offset = gather_global_prompts(
         prompts, dp_rank=dp_rank, dp_size=dp_size, group=group
     )
+    rows = _generate_on_replicas(engine, everything, range(len(everything)), group, sampling)
+    return _in_order(rows, range(offset, offset + len(prompts)), sampling["n"])
+
+
+def generate_on_replicas(
+    engine: RolloutEngine,
+    prompts: list[list[int]],
+    *,
+    prompt_ids: Sequence[int] | None = None,
+    group: dist.ProcessGroup | None = None,
+    **sampling: Any,
+) -> RolloutBatch:
+    """Generate ``prompts``, which every rank of ``group`` holds alike, split over the engine's
+    rollout replicas; the whole batch comes back on every rank (collective over ``group``,
+    default :func:`object_group`). The rollout ranks of a split launch serve the trainer's
+    requests so (:func:`megarl.rollout.remote_engine.serve`).
+
+    ``prompt_ids`` (default ``0..len(prompts)-1``, distinct) seed the responses as in
+    ``RolloutEngine.generate``, so the tokens do not depend on how many replicas there are. The
+    batch is prompt-major with ``prompt_index`` relative to ``prompts``.
+    """
+    ids = list(range(len(prompts)) if prompt_ids is None else prompt_ids)
+    if len(ids) != len(prompts) or len(set(ids)) != len(ids):
+        raise ValueError(f"{len(prompts)} prompts need as many distinct prompt_ids, got {ids}")
+    rows = _generate_on_replicas(engine, prompts, ids, object_group(group), sampling)
+    return _in_order(rows, ids, sampling["n"])
+
+
+def _generate_on_replicas(
+    engine: RolloutEngine,
+    prompts: list[list[int]],
+    ids: Sequence[int],
+    group: dist.ProcessGroup | None,
+    sampling: dict[str, Any],
+) -> dict[int, list[tuple]]:
+    """Each replica generates its contiguous share of ``prompts``; every rank gets every
+    replica's responses, packed rows by prompt id."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     reporter = _replica_reporter(engine, world, rank, group)
-
-    mine = even_split(len(everything), engine.dp_size, engine.dp_rank)
-    batch = engine.generate([everything[i] for i in mine], prompt_ids=list(mine), **sampling)
-
+    mine = even_split(len(prompts), engine.dp_size, engine.dp_rank)
+    batch = engine.generate(
+        [prompts[i] for i in mine], prompt_ids=[ids[i] for i in mine], **sampling
+    )
     # One copy per rollout replica travels (its lowest rank's); the rest send None.
     payload = _pack(batch) if reporter == rank else None
     gathered: list[Any] = [None] * world
@@ -130,12 +172,16 @@ def generate_distributed(
     for rows in gathered:
         for row in rows or []:
             by_prompt.setdefault(row[0], []).append(row)
+    return by_prompt
 
+
+def _in_order(by_prompt: dict[int, list[tuple]], ids: Sequence[int], n: int) -> RolloutBatch:
+    """The responses to the prompts ``ids``, prompt-major, each ``n`` of them."""
     samples = []
-    for local, global_index in enumerate(range(offset, offset + len(prompts))):
-        rows = by_prompt.get(global_index, [])
+    for local, prompt_id in enumerate(ids):
+        rows = by_prompt.get(prompt_id, [])
         if len(rows) != n:
-            raise RuntimeError(f"prompt {global_index}: {len(rows)} responses, expected {n}")
+            raise RuntimeError(f"prompt {prompt_id}: {len(rows)} responses, expected {n}")
         samples.extend(_unpack(row, local) for row in sorted(rows, key=lambda r: r[1]))
     return RolloutBatch(samples, n)
 

@@ -5,15 +5,17 @@
 its vLLM runs on rollout ranks: the trainer's own calls (``generate``, the weight-update session
 of :func:`~megarl.rollout.reshard.sync_weights`) reach :func:`serve` on the rollout ranks as
 commands over the ``control`` group (the first training rank, then every rollout rank), so a
-run is the colocated run's steps with the engine elsewhere. The engine looks like one replica of
+run is the colocated run's steps with the engine elsewhere. The engines look like one replica of
 vLLM TP 1 to the trainer (whole tensors reach the first training rank; vLLM narrows them for its
 own TP). It never sleeps: its devices are its own.
 
 Commands, from the first training rank (every training rank calls every method; the others
 wait for its result on the training world):
 
-- ``("generate", prompts, kwargs)``: every rollout rank calls its engine's ``generate`` alike;
-  the first rollout rank broadcasts the batch back;
+- ``("generate", prompts, kwargs)``: the rollout ranks split the prompts over their vLLM
+  replicas (``rollout.tensor_model_parallel_size`` consecutive rollout ranks each,
+  :func:`~megarl.rollout.distribute.generate_on_replicas`: the tokens do not depend on the
+  number of replicas) and gather the batch; the first rollout rank sends it back;
 - ``("weights", plan)``: the buckets of ``plan`` follow, as
   :func:`~megarl.rollout.reshard.remote.receive_weights` takes them;
 - ``("stop",)``: :func:`serve` returns.
@@ -207,11 +209,13 @@ class RemoteEngine:
 
 
 def serve(engine: Any, control: Any, score: Any = None) -> None:
-    """The rollout ranks' side: run the training ranks' commands on ``engine`` until ``stop``.
+    """The rollout ranks' side: run the training ranks' commands on ``engine`` (this rank's
+    part of the rollout ranks' vLLM replicas) until ``stop``.
 
     ``score(batch, reward)``: scores a generated batch when its request asks for it (every
     rollout rank calls it, as the reward manager is collective); its error goes back as text.
     """
+    from megarl.rollout.distribute import generate_on_replicas
     from megarl.rollout.reshard.remote import receive_weights
 
     first = control.rank() == 1
@@ -226,7 +230,7 @@ def serve(engine: Any, control: Any, score: Any = None) -> None:
         elif command[0] == "generate":
             _, prompts, kwargs, reward = command
             start = time.perf_counter()
-            batch = engine.generate(prompts, **kwargs)
+            batch = generate_on_replicas(engine, prompts, **kwargs)
             generated = time.perf_counter()
             scored = None
             if reward is not None and score is not None:

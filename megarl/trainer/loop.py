@@ -283,7 +283,9 @@ def _rollout_placement(run: Run) -> str:
     if not ranks:
         return str(getattr(run.engine, "tensor_parallel_size", "-"))
     off = "one step off" if cfg.async_training.staleness_threshold > 0 else "on-policy"
-    return f"{cfg.actor_rollout_ref.rollout.tensor_model_parallel_size} on {ranks} rank(s) of its own, {off}"
+    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    replicas = f" x {ranks // tp} replicas" if ranks > tp else ""
+    return f"{tp}{replicas} on {ranks} rank(s) of its own, {off}"
 
 
 def _farewell(run: Run, first: float | None, last: float | None) -> None:

@@ -443,12 +443,12 @@ BAD_CONFIGS = [
         [f"{ROLL}.expert_parallel_size=2", "CPU fused-MoE kernel", "use 1"],
     ),
     (
-        "rollout-ranks-not-one-engine",
+        "rollout-ranks-not-whole-replicas",
         GRPO,
-        [f"{ROLL}.nnodes=1", f"{ROLL}.n_gpus_per_node=1"],
+        [f"{ROLL}.nnodes=1", f"{ROLL}.n_gpus_per_node=3"],
         None,
-        [f"{ROLL}.nnodes=1", "1 rollout rank(s) hold one vLLM engine",
-         f"{ROLL}.tensor_model_parallel_size must be 1 (got 2)"],
+        [f"{ROLL}.nnodes=1", "3 rollout rank(s) hold vLLM replicas",
+         f"{ROLL}.tensor_model_parallel_size=2", "3 is not divisible by 2"],
     ),
     (
         "rollout-ranks-with-the-actor-engine",

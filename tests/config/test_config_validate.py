@@ -285,3 +285,21 @@ def test_vllm_on_ranks_of_its_own_validates_at_the_training_world():
                              "async_training.staleness_threshold=1"])  # fmt: skip
     assert rollout_ranks(cfg) == 1
     validate(cfg, 2)
+
+
+@pytest.mark.parametrize(
+    ("ranks", "tp", "placement"),
+    [(2, 1, "1 x 2 replicas on 2"), (2, 2, "2 on 2"), (4, 2, "2 x 2 replicas on 4")],
+)
+def test_rollout_ranks_hold_whole_vllm_replicas(ranks, tp, placement):
+    """Any number of rollout ranks that the rollout TP divides: replicas of TP ranks each, as
+    the run's first console line says."""
+    from types import SimpleNamespace
+
+    from megarl.trainer.loop import _rollout_placement
+
+    cfg = load_config(GRPO, [f"{ROLL}.nnodes=1", f"{ROLL}.n_gpus_per_node={ranks}",
+                             f"{ROLL}.tensor_model_parallel_size={tp}"])  # fmt: skip
+    validate(cfg, 2)
+    said = _rollout_placement(SimpleNamespace(cfg=cfg, engine=None))
+    assert said == f"{placement} rank(s) of its own, on-policy"

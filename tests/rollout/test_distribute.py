@@ -2,7 +2,8 @@
 
 No vLLM: 4 gloo ranks (torch.multiprocessing) run every combination of rollout layout (replicas
 of 1, 2, 4 consecutive ranks, and interleaved replicas as ActorEngine has with PP) and training
-layout in one launch; the fake engine answers with the global prompt id it was asked about.
+layout in one launch; the fake engine answers with the global prompt id it was asked about. The
+same launch checks the rollout ranks' side of a split launch (one request on every rank).
 """
 
 from __future__ import annotations
@@ -142,13 +143,40 @@ def _check_layouts(rank: int, port: int) -> None:
                     assert asked_by.setdefault(replica, call) == call, where
                 asked = [pid for r in range(replicas) for pid in asked_by[r][1]]
                 assert asked == list(range(num_prompts)), where
+        _check_replicas(rank, prompts, n)
     dist.destroy_process_group()
+
+
+def _check_replicas(rank: int, prompts: list[list[int]], n: int) -> None:
+    """The rollout ranks' side of a split launch: every rank holds the whole request, with the
+    trainer's prompt ids; each replica generates its share, every rank gets the whole batch."""
+    from megarl.rollout.distribute import generate_on_replicas
+
+    ids = [50 - 3 * i for i in range(len(prompts))]  # any distinct ids, kept and seeding
+    for name, replica_of, replicas in ROLLOUT_LAYOUTS:
+        engine = FakeEngine(replica_of(rank), replicas)
+        batch = generate_on_replicas(
+            engine, prompts, prompt_ids=ids, n=n, temperature=1.0, max_tokens=2, seed=0
+        )
+        where = f"rank {rank} prompts {len(prompts)} rollout {name}"
+        batch.check_order()
+        assert [(s.prompt_index, s.prompt_id, s.sample_index) for s in batch] == [
+            (p, ids[p], s) for p in range(len(prompts)) for s in range(n)
+        ], where
+        assert [s.response_token_ids for s in batch] == [
+            [ids[p], s] for p in range(len(prompts)) for s in range(n)
+        ], where
+        mine = even_split(len(prompts), replicas, replica_of(rank))
+        assert engine.calls == [([prompts[i] for i in mine], [ids[i] for i in mine])], where
+    with pytest.raises(ValueError, match="distinct prompt_ids"):
+        generate_on_replicas(FakeEngine(0, 1), prompts[:2], prompt_ids=[1, 1], n=1, seed=0)
 
 
 @pytest.mark.multirank
 def test_generate_distributed_all_layouts():
     """Each rank gets its own prompts back with their global prompt ids, at every training and
-    rollout layout (incl. rollout DP 2 and 4)."""
+    rollout layout (incl. rollout DP 2 and 4); rollout ranks holding one request alike get the
+    whole batch back from their replicas (generate_on_replicas)."""
     from megarl.parallel.spawn import free_port
 
     mp.spawn(_check_layouts, args=(free_port(),), nprocs=WORLD, join=True)

@@ -1,9 +1,10 @@
-"""Training steps through the trainer's own calls, colocated (world 2) or with vLLM on a rank of
-its own (world 3: a split launch, megarl.parallel.split_world; the rollout rank serves the
-trainer's commands, megarl.rollout.remote_engine). Rank 0 saves each step's metrics, responses
-and rewards, and the actor's final weights (HF names), to ``<tmp>/<mode>.pt``:
+"""Training steps through the trainer's own calls, colocated (world 2) or with vLLM on ranks of
+its own (world 3 or 4: a split launch, megarl.parallel.split_world, whose first 2 ranks train; the
+rollout ranks serve the trainer's commands, megarl.rollout.remote_engine). Rank 0 saves each
+step's metrics, responses and rewards, and the actor's final weights (HF names), to
+``<tmp>/<mode>.pt``:
 
-    torchrun --nproc_per_node 2|3 _disagg_worker.py SPEC.json MODE
+    torchrun --nproc_per_node 2|3|4 _disagg_worker.py SPEC.json MODE
 
 Modes: ``colocated`` and ``split`` (2 steps, staleness 0); ``split_off`` (3 steps one step off:
 each step asks for the next batch as soon as its own is in; the 4th batch, asked for by step 3,

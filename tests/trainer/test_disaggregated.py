@@ -1,8 +1,10 @@
 """Disaggregated placement (issue 26, item 4), through the trainer's own calls
-(tests/trainer/_disagg_worker.py): at staleness 0, two GRPO steps with vLLM on a rank of its own
-equal the colocated run of the same config and seeds (actor TP 2); one step off, three steps
-equal a colocated run whose engine gets each step's weights one step late (actor PP 2, so the
-weights of step 3's rollout reach vLLM from both pipeline stages)."""
+(tests/trainer/_disagg_worker.py), 2 training ranks and 2 rollout ranks: at staleness 0, two
+GRPO steps with two vLLM replicas (TP 1) on ranks of their own equal the colocated run of the
+same config and seeds (actor TP 2, two colocated replicas); one step off, with one vLLM engine of
+TP 2 on the rollout ranks, three steps equal a colocated run (vLLM TP 2) whose engine gets each
+step's weights one step late (actor PP 2, so the weights of step 3's rollout reach vLLM from both
+pipeline stages)."""
 
 from __future__ import annotations
 
@@ -40,9 +42,10 @@ def runs(tmp_path_factory, tiny_overrides) -> dict:
             "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
             "trainer.val_before_train=false",
         ],
-        # one step off at TP 1 x PP 2: the weights reach vLLM from both stages; the synthetic
-        # task's scorer, raising for the rows of poison.json (the split run's 4th batch)
+        # one step off at TP 1 x PP 2: the weights reach vLLM (TP 2) from both stages; the
+        # synthetic task's scorer, raising for the rows of poison.json (the split run's 4th batch)
         "off_overrides": [
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
             "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
             f"custom_reward_function.path={tmp / 'scorer.py'}",
@@ -53,7 +56,7 @@ def runs(tmp_path_factory, tiny_overrides) -> dict:
     }
     (tmp / "spec.json").write_text(json.dumps(spec))
     (tmp / "scorer.py").write_text(POISONED_SCORER)
-    modes = {"colocated": 2, "split": 3, "colocated_off": 2, "split_off": 3}
+    modes = {"colocated": 2, "split": 4, "colocated_off": 2, "split_off": 4}
     for mode, world in modes.items():
         run_torchrun(WORKER, world, [str(tmp / "spec.json"), mode], timeout=900)
     return {m: torch.load(tmp / f"{m}.pt", weights_only=False) for m in modes}
@@ -77,7 +80,7 @@ def _same_run(colocated: dict, split: dict) -> None:
         assert torch.allclose(split["weights"][name], w, rtol=1e-4, atol=1e-6), name
 
 
-def test_vllm_on_its_own_rank_gives_the_colocated_run(runs):
+def test_vllm_replicas_on_ranks_of_their_own_give_the_colocated_run(runs):
     _same_run(runs["colocated"], runs["split"])
     assert all(s["metrics"]["rollout/logprob_diff_max"] <= 1e-4 for s in runs["split"]["steps"])
     assert [s["metrics"]["async/staleness"] for s in runs["split"]["steps"]] == [0.0, 0.0]
