@@ -54,5 +54,3 @@ def check_async(cfg, error: Error) -> None:
         error(f"{key}: routing replay R3 with vLLM on ranks of its own is not built yet")
     if roll.expert_parallel_size > 1:
         error(f"{key}: vLLM expert parallelism on ranks of its own is not built yet")
-    if cfg.algorithm.adv_estimator == "remax":
-        error(f"{key}: ReMax's greedy baseline with vLLM on ranks of its own is not built yet")

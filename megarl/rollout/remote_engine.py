@@ -12,10 +12,13 @@ own TP). It never sleeps: its devices are its own.
 Commands, from the first training rank (every training rank calls every method; the others
 wait for its result on the training world):
 
-- ``("generate", prompts, kwargs)``: the rollout ranks split the prompts over their vLLM
-  replicas (``rollout.tensor_model_parallel_size`` consecutive rollout ranks each,
-  :func:`~megarl.rollout.distribute.generate_on_replicas`: the tokens do not depend on the
-  number of replicas) and gather the batch; the first rollout rank sends it back;
+- ``("generate", [(prompts, kwargs, reward), ...])``: for each request in turn, the rollout
+  ranks split the prompts over their vLLM replicas (``rollout.tensor_model_parallel_size``
+  consecutive rollout ranks each, :func:`~megarl.rollout.distribute.generate_on_replicas`: the
+  tokens do not depend on the number of replicas), gather the batch, score it when ``reward``
+  asks, and the first rollout rank sends it back (one reply per request, in order: the
+  commands and replies on ``control`` are collectives, so both sides must agree on their
+  sequence);
 - ``("weights", plan)``: the buckets of ``plan`` follow, as
   :func:`~megarl.rollout.reshard.remote.receive_weights` takes them;
 - ``("stop",)``: :func:`serve` returns.
@@ -25,8 +28,10 @@ k's batch is in, so the rollout ranks generate it, with the weights they hold (s
 while step k trains; the next weight update first takes that batch in (the rollout side is then
 waiting to hand it over), and step k+1's ``generate`` returns it. Each batch records the weight
 version that generated it (:attr:`RemoteEngine.last_version`: syncs finished before it was
-asked for, the first sync being version 0), and the wait for it is timed. Bounded staleness
-beyond one step is not built yet.
+asked for, the first sync being version 0), and the wait for it is timed. ReMax's greedy batch
+for step k+1 is asked for right after its sampled one, so both come from the same weights (as
+colocated, where the engine generates both between two syncs). Bounded staleness beyond one
+step is not built yet.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +50,20 @@ from megarl.parallel.split_world import broadcast_object, from_rank
 from megarl.rollout.base import CallOrder, RolloutBatch
 
 __all__ = ["RemoteEngine", "RolloutRanksLost", "serve"]
+
+
+@dataclass
+class _Ahead:
+    """A request asked ahead (:meth:`RemoteEngine.prefetch`)."""
+
+    request: tuple
+    """(prompts, kwargs), as the later ``generate`` call must repeat them."""
+    version: int
+    """The weight version the rollout ranks hold when asked (the one that generates it)."""
+    reply: Any = None
+    """The rollout ranks' reply once received (first training rank; True on the others)."""
+    waited_s: float = 0.0
+    """Seconds the first training rank waited for the reply."""
 
 
 class RolloutRanksLost(RuntimeError):
@@ -69,13 +89,13 @@ class RemoteEngine:
         self._plan: Any = None
         self._syncs = 0
         """Weight updates finished (the version the engine holds is ``_syncs - 1``)."""
-        self._pending: tuple | None = None
-        """A prefetched request: (prompts, kwargs, version), its batch in ``_held`` once in."""
-        self._held: Any = None
+        self._ahead: list[_Ahead] = []
+        """The requests asked ahead (:meth:`prefetch`) and not yet taken, in order."""
         self.last_version = -1
         """The weight version that generated the last batch :meth:`generate` returned."""
         self.waited_s = 0.0
-        """Seconds the first training rank waited for the last batch."""
+        """Seconds the first training rank waited for the last batch :meth:`generate` returned
+        (for one asked ahead: when it was taken in, e.g. at the weight update before)."""
         self.prescored: Any = None
         """The last batch's scores when the rollout ranks scored it (:meth:`prefetch` with
         ``reward``): a ``RewardResult``, or the scorer's error as a string; None otherwise."""
@@ -97,37 +117,47 @@ class RemoteEngine:
 
     def generate(self, prompts: list[list[int]], **kwargs: Any) -> RolloutBatch:
         self._order.check_can_generate()
-        self._take_pending()  # the rollout side is free once it handed a prefetched batch over
-        if self._pending is not None and self._pending[:2] == (prompts, kwargs):
-            batch, version = self._held, self._pending[2]
-            self._held = self._pending = None
-        else:  # nothing prefetched, or other requests (validation): ask now, keep the batch
+        at = next((i for i, a in enumerate(self._ahead) if a.request == (prompts, kwargs)), None)
+        if at is not None:  # asked for ahead: its batch (and those asked before it) come in
+            self._take_ahead(at + 1)
+            ahead = self._ahead.pop(at)
+            batch, version, self.waited_s = ahead.reply, ahead.version, ahead.waited_s
+        else:  # nothing asked ahead, or other requests (validation): ask now
+            self._take_ahead()  # the rollout side is free once it handed those over
             batch, version = None, self._syncs - 1
         self.last_version = version
 
         def first_rank() -> dict:
-            return batch if batch is not None else self._timed(("generate", prompts, kwargs, None))
+            if batch is not None:
+                return batch
+            return self._ask(("generate", [(prompts, kwargs, None)]))
 
         reply = self._from_first(first_rank)
         self.prescored, self.rollout_timing = reply["scored"], reply["timing"]
         return reply["batch"]
 
-    def prefetch(
-        self, prompts: list[list[int]], *, reward: dict | None = None, **kwargs: Any
-    ) -> None:
-        """Ask for the batch a later :meth:`generate` with the same arguments returns; the
-        rollout ranks generate it meanwhile, with the weights they hold now, and with
-        ``reward`` (:func:`serve`'s scoring request) score it too (:attr:`prescored`)."""
-        if self._pending is not None:
-            raise RuntimeError("a prefetched batch is still outstanding")
-        self._pending = (prompts, kwargs, self._syncs - 1)
+    def prefetch(self, requests: Sequence[tuple[list[list[int]], dict, dict | None]]) -> None:
+        """Ask for the batches that later :meth:`generate` calls with the same arguments
+        return: ``requests`` are ``(prompts, kwargs, reward)``, in one command; the rollout
+        ranks generate them meanwhile, in order, with the weights they hold now, and score the
+        ones with a ``reward`` (:func:`serve`'s scoring request; :attr:`prescored`). One
+        command at a time: a step's batch, with ReMax its greedy batch too."""
+        if self._ahead:
+            raise RuntimeError(f"{len(self._ahead)} batch(es) asked ahead are still outstanding")
+        self._ahead = [
+            _Ahead((prompts, kwargs), self._syncs - 1) for prompts, kwargs, _ in requests
+        ]
         if self.control is not None:
-            self._send(("generate", prompts, kwargs, reward))
+            self._send(("generate", list(requests)))
 
-    def _take_pending(self) -> None:
-        """Receive the prefetched batch (first training rank) unless it is in already."""
-        if self._pending is not None and self._held is None:
-            self._held = self._receive() if self.control is not None else True
+    def _take_ahead(self, count: int | None = None) -> None:
+        """Receive the replies to the first ``count`` requests asked ahead (default: all), those
+        not in already, in the order they were asked (first training rank; the others mark
+        them in), with the wait for each."""
+        for ahead in self._ahead[:count]:
+            if ahead.reply is None:
+                ahead.reply = self._receive() if self.control is not None else True
+                ahead.waited_s = self.waited_s
 
     def sleep(self, level: int = 1) -> None:
         """Nothing to free: the engine's devices are not the trainer's."""
@@ -139,7 +169,7 @@ class RemoteEngine:
 
     def begin_weight_update(self) -> None:
         self._order.begin_update()
-        self._take_pending()  # the rollout side hands it over before it takes weights
+        self._take_ahead()  # the rollout side hands them over before it takes weights
 
     def bind_plan(self, plan: Any) -> None:
         """The plan every sync follows (sent with each ``weights`` command)."""
@@ -162,18 +192,14 @@ class RemoteEngine:
         self._syncs += 1
 
     def shutdown(self) -> None:
-        """Stop the rollout ranks (a prefetched batch still coming is taken in first)."""
-        self._take_pending()
+        """Stop the rollout ranks (batches asked ahead and still coming are taken in first)."""
+        self._take_ahead()
         if self.control is not None:
             self._send(("stop",))
 
     # -- plumbing ----------------------------------------------------------------------------
 
     def _ask(self, command: tuple) -> Any:
-        self._send(command)
-        return self._receive()
-
-    def _timed(self, command: tuple) -> Any:
         self._send(command)
         return self._receive()
 
@@ -215,7 +241,6 @@ def serve(engine: Any, control: Any, score: Any = None) -> None:
     ``score(batch, reward)``: scores a generated batch when its request asks for it (every
     rollout rank calls it, as the reward manager is collective); its error goes back as text.
     """
-    from megarl.rollout.distribute import generate_on_replicas
     from megarl.rollout.reshard.remote import receive_weights
 
     first = control.rank() == 1
@@ -228,21 +253,30 @@ def serve(engine: Any, control: Any, score: Any = None) -> None:
         if command[0] == "eos":
             broadcast_object(control, list(engine.eos_token_ids) if first else None, 1)
         elif command[0] == "generate":
-            _, prompts, kwargs, reward = command
-            start = time.perf_counter()
-            batch = generate_on_replicas(engine, prompts, **kwargs)
-            generated = time.perf_counter()
-            scored = None
-            if reward is not None and score is not None:
-                try:  # a result, or an error's one line (the scorer's own, or this one)
-                    scored = score(batch, reward)
-                except Exception as exc:  # noqa: BLE001 -- the trainer raises it, in one line
-                    scored = f"{type(exc).__name__}: {exc}"
-            timing = {"generate": generated - start, "score": time.perf_counter() - generated,
-                      "idle": idle}  # fmt: skip
-            reply = {"batch": batch, "scored": scored, "timing": timing}
-            broadcast_object(control, reply if first else None, 1)
+            for prompts, kwargs, reward in command[1]:  # one reply each, in order
+                reply = _generate(engine, prompts, kwargs, reward, score)
+                reply["timing"]["idle"] = idle
+                broadcast_object(control, reply if first else None, 1)
+                idle = 0.0
         elif command[0] == "weights":
             receive_weights(engine, command[1], control)
         else:
             raise ValueError(f"unknown rollout command {command[0]!r}")
+
+
+def _generate(engine: Any, prompts: list, kwargs: dict, reward: dict | None, score: Any) -> dict:
+    """One request of a ``generate`` command: the batch, its scores when asked (a result, or
+    an error's one line: the scorer's own, or this one) and the seconds spent."""
+    from megarl.rollout.distribute import generate_on_replicas
+
+    start = time.perf_counter()
+    batch = generate_on_replicas(engine, prompts, **kwargs)
+    generated = time.perf_counter()
+    scored = None
+    if reward is not None and score is not None:
+        try:
+            scored = score(batch, reward)
+        except Exception as exc:  # noqa: BLE001 -- the trainer raises it, in one line
+            scored = f"{type(exc).__name__}: {exc}"
+    timing = {"generate": generated - start, "score": time.perf_counter() - generated}
+    return {"batch": batch, "scored": scored, "timing": timing}

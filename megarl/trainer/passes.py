@@ -71,25 +71,23 @@ def generate(
 def prefetch(
     engine: Any,
     prompts: Sequence[PromptSample],
+    requests: Sequence[tuple[int, dict[str, Any], dict | None]],
     *,
-    n: int,
-    sampling: dict[str, Any],
     seed: int,
     step: int,
-    reward: dict | None = None,
 ) -> None:
     """Ask a remote engine (:meth:`~megarl.rollout.remote_engine.RemoteEngine.prefetch`) for
-    the batch a later :func:`generate` with these arguments takes: the request
-    :func:`~megarl.rollout.distribute.generate_distributed` makes of its one replica (the engine
-    refuses a later request that differs)."""
+    the batches later :func:`generate` calls with these arguments take, one per request
+    ``(n, sampling, reward)``: the requests :func:`~megarl.rollout.distribute.
+    generate_distributed` makes of its one replica (the engine refuses a later request that
+    differs)."""
+    tokens = [list(p.prompt_ids) for p in prompts]
+    ids = list(range(len(prompts)))
     engine.prefetch(
-        [list(p.prompt_ids) for p in prompts],
-        reward=reward,
-        prompt_ids=list(range(len(prompts))),
-        n=n,
-        seed=seed,
-        step=step,
-        **sampling,
+        [
+            (tokens, {"prompt_ids": ids, "n": n, "seed": seed, "step": step, **sampling}, reward)
+            for n, sampling, reward in requests
+        ]
     )
 
 

@@ -79,14 +79,7 @@ def train_step(
             step=step,
             pad_token_id=pad_token_id(run.tokenizer),
         )
-    if next_prompts is not None:
-        reward = None  # the rollout ranks score it too, unless a reward model (ours) does
-        if run.reward_model is None:
-            reward = {"prompts": [(p.data_source, p.ground_truth, p.extra_info)
-                                  for p in next_prompts],
-                      "dump_dir": cfg.trainer.rollout_data_dir, "step": step + 1}  # fmt: skip
-        prefetch(run.engine, next_prompts, n=cfg.actor_rollout_ref.rollout.n, reward=reward,
-                 sampling=training_sampling(run), seed=cfg.trainer.seed, step=step + 1)  # fmt: skip
+    prescored = getattr(run.engine, "prescored", None)  # the rollout ranks scored it already
     if hasattr(run.engine, "last_version"):  # an engine on other ranks
         # weight updates between the batch's request and now (0 when no request was ahead)
         metrics["async/staleness"] = float(run.engine.version - run.engine.last_version)
@@ -96,10 +89,13 @@ def train_step(
     if cfg.algorithm.adv_estimator == "remax":  # while the engine is awake (as verl)
         with timer("gen_baseline"):
             greedy = greedy_generation(run, prompts, step)
+    if next_prompts is not None:  # after this step's requests: the engine answers in order
+        ask_ahead(run, next_prompts, step + 1)
 
     enter(run, "reward", step=step)  # the engine asleep from here until the sync
     with timer("reward"):
-        scored = _score(run, prompts, samples, batch, step, dump=cfg.trainer.rollout_data_dir)
+        scored = _score(run, prompts, samples, batch, step, dump=cfg.trainer.rollout_data_dir,
+                        prescored=prescored)  # fmt: skip
         batch.fields["token_level_rewards"] = scored.token_level_rewards
 
     # Old log-probs: recomputed by the actor (decoupled), or, with one mini-batch and one epoch
@@ -253,6 +249,21 @@ def penalize_kl(run: Run, batch: RolloutTensors) -> dict[str, float]:
     return {"actor/reward_kl_penalty": float(current_kl), "actor/reward_kl_penalty_coeff": coef}
 
 
+def ask_ahead(run: Run, prompts: Sequence[PromptSample], step: int) -> None:
+    """Ask the engine on other ranks for step ``step``'s batch (and ReMax's greedy one, from
+    the same weights) now, to be generated while this step trains; the rollout ranks score it
+    too, unless the run's reward model (on the training ranks) does."""
+    cfg = run.cfg
+    reward = None
+    if run.reward_model is None:
+        reward = {"prompts": [(p.data_source, p.ground_truth, p.extra_info) for p in prompts],
+                  "dump_dir": cfg.trainer.rollout_data_dir, "step": step}  # fmt: skip
+    requests = [(cfg.actor_rollout_ref.rollout.n, training_sampling(run), reward)]
+    if cfg.algorithm.adv_estimator == "remax":
+        requests.append((1, greedy_sampling(run), None))
+    prefetch(run.engine, prompts, requests, seed=cfg.trainer.seed, step=step)
+
+
 def greedy_generation(run: Run, prompts: Sequence[PromptSample], step: int):
     """ReMax: one greedy response per prompt (generated with the step's batch, while the engine
     is awake); scored by :func:`greedy_baselines`."""
@@ -260,11 +271,16 @@ def greedy_generation(run: Run, prompts: Sequence[PromptSample], step: int):
         run.engine,
         prompts,
         n=1,
-        sampling={**training_sampling(run), "temperature": 0.0, "top_p": 1.0, "top_k": -1},
+        sampling=greedy_sampling(run),
         seed=run.cfg.trainer.seed,
         step=step,
         pad_token_id=pad_token_id(run.tokenizer),
     )
+
+
+def greedy_sampling(run: Run) -> dict[str, float | int]:
+    """ReMax's greedy decoding of the training prompts (verl: ``do_sample=False``)."""
+    return {**training_sampling(run), "temperature": 0.0, "top_p": 1.0, "top_k": -1}
 
 
 def greedy_baselines(
@@ -291,10 +307,12 @@ def sync_engine(run: Run) -> None:
     sync_weights(run.actor.chunks, run.reshard_plan, run.engine)
 
 
-def _score(run, prompts, samples, batch: RolloutTensors, step: int, dump) -> RewardResult:
-    prescored = getattr(run.engine, "prescored", None)  # the rollout ranks scored it already
+def _score(
+    run, prompts, samples, batch: RolloutTensors, step: int, dump, prescored=None
+) -> RewardResult:
+    """The batch's rewards: ``prescored`` when the rollout ranks scored it (a
+    ``RewardResult``, or their scorer's one-line error), else the run's reward manager's."""
     if prescored is not None:
-        run.engine.prescored = None
         if isinstance(prescored, str):
             from megarl.reward.manager import RewardError
 
