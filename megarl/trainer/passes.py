@@ -78,9 +78,9 @@ def prefetch(
 ) -> None:
     """Ask a remote engine (:meth:`~megarl.rollout.remote_engine.RemoteEngine.prefetch`) for
     the batches later :func:`generate` calls with these arguments take, one per request
-    ``(n, sampling, reward)``: the requests :func:`~megarl.rollout.distribute.
-    generate_distributed` makes of its one replica (the engine refuses a later request that
-    differs)."""
+    ``(n, sampling, reward)``: the requests that
+    :func:`~megarl.rollout.distribute.generate_distributed` makes of the engine's one replica
+    (a later request that differs is asked for anew)."""
     tokens = [list(p.prompt_ids) for p in prompts]
     ids = list(range(len(prompts)))
     engine.prefetch(
