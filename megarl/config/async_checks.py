@@ -50,7 +50,5 @@ def check_async(cfg, error: Error) -> None:
             f"{key}: the {ranks} rollout rank(s) hold vLLM replicas of "
             f"{ROLL}.tensor_model_parallel_size={tp} ranks each; {ranks} is not divisible by {tp}"
         )
-    if cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3":
-        error(f"{key}: routing replay R3 with vLLM on ranks of its own is not built yet")
     if roll.expert_parallel_size > 1:
         error(f"{key}: vLLM expert parallelism on ranks of its own is not built yet")

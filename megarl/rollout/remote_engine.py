@@ -7,7 +7,8 @@ of :func:`~megarl.rollout.reshard.sync_weights`) reach :func:`serve` on the roll
 commands over the ``control`` group (the first training rank, then every rollout rank), so a
 run is the colocated run's steps with the engine elsewhere. The engines look like one replica of
 vLLM TP 1 to the trainer (whole tensors reach the first training rank; vLLM narrows them for its
-own TP). It never sleeps: its devices are its own.
+own TP). It never sleeps: its devices are its own. A batch comes back as the colocated engine
+returns it, with the routing vLLM captured for R3 when that is on.
 
 Commands, from the first training rank (every training rank calls every method; the others
 wait for its result on the training world):

@@ -303,3 +303,19 @@ def test_rollout_ranks_hold_whole_vllm_replicas(ranks, tp, placement):
     validate(cfg, 2)
     said = _rollout_placement(SimpleNamespace(cfg=cfg, engine=None))
     assert said == f"{placement} rank(s) of its own, on-policy"
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides"),
+    [(GRPO.name, ["algorithm.adv_estimator=remax"]),
+     ("grpo_moe_tiny_cpu.yaml", [f"{MEG}.router_replay.mode=R3",
+                                 f"{ROLL}.enable_rollout_routing_replay=true"])],
+    ids=["remax", "r3"],
+)  # fmt: skip
+def test_remax_and_r3_run_with_vllm_on_ranks_of_its_own(config, overrides):
+    """Both were refused with rollout ranks until their requests reached the rollout ranks
+    (tests/trainer/test_disaggregated.py runs each)."""
+    validate(load_config(CONFIGS / config, [f"{ROLL}.nnodes=1", f"{ROLL}.n_gpus_per_node=2",
+                                            f"{ROLL}.tensor_model_parallel_size=1",
+                                            "async_training.staleness_threshold=1",
+                                            *overrides]), 2)  # fmt: skip

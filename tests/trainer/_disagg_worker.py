@@ -6,11 +6,12 @@ step's metrics, responses and rewards, and the actor's final weights (HF names),
 
     torchrun --nproc_per_node 2|3|4 _disagg_worker.py SPEC.json MODE
 
-Modes: ``colocated`` and ``split`` (2 steps, staleness 0); ``split_off`` (3 steps one step off:
-each step asks for the next batch as soon as its own is in; the 4th batch, asked for by step 3,
-is one whose scorer raises, and step 4 records the error the trainer raises) and its reference
-``colocated_off``: colocated, but the sync after step k loads the weights step k started from
-(taken before its update), so that batch k+1 comes from step k-1's weights, as one step off.
+Modes: ``colocated`` and ``split`` (2 steps, staleness 0, the tiny MoE with R3); ``split_off``
+(3 ReMax steps one step off: each step asks for the next batch as soon as its own is in; the
+4th batch, asked for by step 3, is one whose scorer raises, and step 4 records the error the
+trainer raises) and its reference ``colocated_off``: colocated, but the sync after step k loads
+the weights step k started from (taken before its update), so that batch k+1 comes from step
+k-1's weights, as one step off.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ def main() -> None:
     from megarl.config.loader import resolve_config
     from megarl.trainer.console import Console
 
-    off = mode.endswith("_off")  # the one-step-off pair trains at its own layout (PP 2)
-    overrides = spec["overrides"] + (spec["off_overrides"] if off else [])
-    cfg = resolve_config(load_config([spec["config"]], overrides))
+    off = mode.endswith("_off")  # the one-step-off pair: the dense model at PP 2; else the MoE
+    config = spec["config"] if off else spec["on_config"]
+    overrides = spec["overrides"] + (spec["off_overrides"] if off else spec["on_overrides"])
+    cfg = resolve_config(load_config([config], overrides))
     if mode.startswith("split"):
         from megarl.parallel.split_world import split_world
 

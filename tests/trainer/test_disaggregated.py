@@ -1,7 +1,8 @@
 """Disaggregated placement (issue 26, item 4), through the trainer's own calls
 (tests/trainer/_disagg_worker.py), 2 training ranks and 2 rollout ranks: at staleness 0, two
-GRPO steps with two vLLM replicas (TP 1) on ranks of their own equal the colocated run of the
-same config and seeds (actor TP 2, two colocated replicas); one step off, with one vLLM engine of
+GRPO steps of the tiny MoE (actor EP 2) replaying vLLM's routing (R3), with two vLLM replicas
+(TP 1) on ranks of their own, equal the colocated run of the same config and seeds (two
+colocated replicas); one step off, with one vLLM engine of
 TP 2 on the rollout ranks, three ReMax steps equal a colocated run (vLLM TP 2) whose engine gets
 each step's weights one step late (actor PP 2, so the weights of step 3's rollout reach vLLM from
 both pipeline stages; ReMax's greedy batch asked for ahead with its sampled one)."""
@@ -18,6 +19,7 @@ from tests.conftest import run_torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_disagg_worker.py")
+MEG = "actor_rollout_ref.actor.megatron"
 pytestmark = [pytest.mark.vllm, pytest.mark.multirank]
 
 
@@ -34,13 +36,24 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, pois
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_overrides) -> dict:
+    from megarl.models.tiny import make_tiny_model
+
     tmp = tmp_path_factory.mktemp("disagg")
+    make_tiny_model(tmp / "moe", "qwen3_moe", seed=0)
     spec = {
         "config": str(REPO / "configs" / "grpo_tiny_cpu.yaml"),
         "overrides": [
             *tiny_overrides,
             "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
             "trainer.val_before_train=false",
+        ],
+        # staleness 0: the tiny MoE (actor EP 2) replaying vLLM's routing (R3), which comes back
+        # from the rollout ranks with the batch
+        "on_config": str(REPO / "configs" / "grpo_moe_tiny_cpu.yaml"),
+        "on_overrides": [
+            f"actor_rollout_ref.model.path={tmp / 'moe'}",
+            f"{MEG}.router_replay.mode=R3",
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
         ],
         # one step off at TP 1 x PP 2: the weights reach vLLM (TP 2) from both stages; ReMax,
         # whose greedy batch goes ahead too; the synthetic task's scorer, raising for the rows of
@@ -83,7 +96,12 @@ def _same_run(colocated: dict, split: dict) -> None:
 
 
 def test_vllm_replicas_on_ranks_of_their_own_give_the_colocated_run(runs):
+    """Two steps of the MoE with R3: the actor's old log-probs replay the routing the rollout
+    ranks' vLLM chose, so they match vLLM's."""
     _same_run(runs["colocated"], runs["split"])
+    assert all(
+        s["metrics"]["rollout_corr/router_agreement"] >= 0.999 for s in runs["split"]["steps"]
+    )
     assert all(s["metrics"]["rollout/logprob_diff_max"] <= 1e-4 for s in runs["split"]["steps"])
     assert [s["metrics"]["async/staleness"] for s in runs["split"]["steps"]] == [0.0, 0.0]
 
