@@ -2,10 +2,10 @@
 (tests/trainer/_disagg_worker.py), 2 training ranks and 2 rollout ranks: at staleness 0, two
 GRPO steps of the tiny MoE (actor EP 2) replaying vLLM's routing (R3), with two vLLM replicas
 (TP 1) on ranks of their own, equal the colocated run of the same config and seeds (two
-colocated replicas); one step off, with one vLLM engine of
-TP 2 on the rollout ranks, three ReMax steps equal a colocated run (vLLM TP 2) whose engine gets
-each step's weights one step late (actor PP 2, so the weights of step 3's rollout reach vLLM from
-both pipeline stages; ReMax's greedy batch asked for ahead with its sampled one)."""
+colocated replicas); one step off, with one vLLM engine of TP 2 on the rollout ranks, three
+ReMax steps equal a colocated run (vLLM TP 2) whose engine gets each step's weights one step
+late (actor PP 2, so the weights of step 3's rollout reach vLLM from both pipeline stages;
+ReMax's greedy batch asked for ahead with its sampled one)."""
 
 from __future__ import annotations
 
