@@ -60,8 +60,9 @@ if [[ -n "${MEGARL_CONTAINER_IMAGE:-}" ]]; then
         --container-mounts="${MEGARL_CONTAINER_MOUNTS:-$PWD:$PWD}")
 fi
 
-# The node and process counts come from the allocation and win over the config file's.
-OVERRIDES=("$@" "trainer.nnodes=$NNODES" "trainer.n_gpus_per_node=$GPUS_PER_NODE")
+# The node and process counts come from the allocation and win over the config file's: megarl
+# makes trainer.nnodes the job's nodes less actor_rollout_ref.rollout.nnodes (vLLM's own nodes).
+OVERRIDES=("$@" "trainer.n_gpus_per_node=$GPUS_PER_NODE")
 
 # megarl checks the run once before any node starts (config, files, data, reward function, the
 # checkpoint a resume would load: one line and exit 2 on a problem) and resolves the run
@@ -69,7 +70,7 @@ OVERRIDES=("$@" "trainer.nnodes=$NNODES" "trainer.n_gpus_per_node=$GPUS_PER_NODE
 # trainer looks, whatever the config and overrides say.
 RC=0
 RUN_DIR=$(srun --nodes=1 --ntasks=1 "${CONTAINER[@]}" "$PYTHON" -m megarl.cli train --check \
-    --config "$CONFIG" "${OVERRIDES[@]}") || RC=$?
+    --nodes="$NNODES" --config "$CONFIG" "${OVERRIDES[@]}") || RC=$?
 if ((RC != 0)); then
     echo "megarl: job $SLURM_JOB_ID: the pre-flight check failed (status $RC); nothing launched"
     exit "$RC"
@@ -115,7 +116,7 @@ trap 'request_stop TERM' TERM
 srun --kill-on-bad-exit=1 --nodes="$NNODES" --ntasks-per-node=1 --cpu-bind=none \
     "${CONTAINER[@]}" "$PYTHON" -m megarl.cli train \
     --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" --log-dir="$LOG_DIR" \
-    --config "$CONFIG" "${OVERRIDES[@]}" &
+    --nodes="$NNODES" --config "$CONFIG" "${OVERRIDES[@]}" &
 SRUN_PID=$!
 while true; do
     RC=0

@@ -20,7 +20,10 @@ The Slurm job script (``launch/_slurm_job.sh``) runs the same two halves: ``--ch
 (the pre-flight for ``trainer.nnodes`` x ``trainer.n_gpus_per_node`` processes; prints the run
 directory) and then, on every node, ``--rdzv-endpoint HOST:PORT --rdzv-id ID --log-dir DIR``:
 torchrun joins the job's c10d rendezvous, its output goes to ``DIR/<node>.log``, and a failure
-is the same one line as here.
+is the same one line as here. Both get ``--nodes N``, the job's nodes: ``trainer.nnodes`` is N
+less ``actor_rollout_ref.rollout.nnodes``, the nodes that hold only vLLM (issue 26; the
+launch's last ranks, :mod:`megarl.parallel.split_world`), and every node runs
+``trainer.n_gpus_per_node`` processes.
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ def main(argv: list[str]) -> int:
     node.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the c10d rendezvous")
     node.add_argument("--rdzv-id", metavar="ID", help="the rendezvous id (the Slurm job id)")
     node.add_argument("--log-dir", metavar="DIR", help="torchrun's log: DIR/<node>.log")
+    node.add_argument(
+        "--nodes", type=int, metavar="N",
+        help="the job's nodes: trainer.nnodes = N - actor_rollout_ref.rollout.nnodes",
+    )  # fmt: skip
     args, overrides = parser.parse_known_args(argv)
     bad = [a for a in overrides if a.startswith("-")]
     if bad:
@@ -57,6 +64,11 @@ def main(argv: list[str]) -> int:
 
     if os.environ.get("WORLD_SIZE"):
         return train.run(args.config, overrides)
+    if args.nodes is not None:
+        overrides, problem = _training_nodes(args.config, overrides, args.nodes)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return EXIT_INPUT_ERROR
     multinode = args.check or args.rdzv_endpoint is not None
     if args.rdzv_endpoint is not None and not (args.rdzv_id and args.log_dir):
         parser.error("--rdzv-endpoint needs --rdzv-id and --log-dir")
@@ -98,9 +110,28 @@ def main(argv: list[str]) -> int:
 
 
 def _nnodes(configs: list[str], overrides: list[str]) -> int:
+    """The launch's nodes: the training ones, then any of vLLM's own."""
     from megarl.config import load_config
 
-    return load_config(configs, overrides).trainer.nnodes
+    cfg = load_config(configs, overrides)
+    return cfg.trainer.nnodes + max(cfg.actor_rollout_ref.rollout.nnodes, 0)
+
+
+def _training_nodes(
+    configs: list[str], overrides: list[str], nodes: int
+) -> tuple[list[str], str | None]:
+    """``--nodes N`` (the job's allocation): the overrides with ``trainer.nnodes`` = N less the
+    rollout's own nodes, or the problem as one line."""
+    cfg, problem = _load(configs, overrides, multinode=True)
+    if cfg is None:
+        return overrides, problem
+    rollout = max(cfg.actor_rollout_ref.rollout.nnodes, 0)
+    if nodes - rollout < 1:
+        return overrides, (
+            f"--nodes {nodes}: the job's node(s) leave none for training after "
+            f"actor_rollout_ref.rollout.nnodes={rollout}"
+        )
+    return [*overrides, f"trainer.nnodes={nodes - rollout}"], None
 
 
 def preflight(
@@ -123,12 +154,21 @@ def _load(configs: list[str], overrides: list[str], *, multinode: bool):
         cfg = load_config(configs, overrides)
     except ConfigError as exc:
         return None, _line(exc)
-    if cfg.trainer.nnodes > 1 and not multinode:
+    roll = cfg.actor_rollout_ref.rollout
+    if not multinode and (cfg.trainer.nnodes > 1 or roll.nnodes > 1):
+        key = "trainer.nnodes" if cfg.trainer.nnodes > 1 else "actor_rollout_ref.rollout.nnodes"
+        value = cfg.trainer.nnodes if cfg.trainer.nnodes > 1 else roll.nnodes
         reason = (
-            f"trainer.nnodes={cfg.trainer.nnodes}: a multi-node run is launched by Slurm "
+            f"{key}={value}: a multi-node run is launched by Slurm "
             "(launch/*.slurm) or torchrun on every node, not by megarl train"
         )
         return None, reason
+    per_node = cfg.trainer.n_gpus_per_node
+    if multinode and roll.nnodes > 0 and roll.n_gpus_per_node not in (None, per_node):
+        return None, (
+            f"actor_rollout_ref.rollout.n_gpus_per_node={roll.n_gpus_per_node}: on several "
+            f"nodes every node runs trainer.n_gpus_per_node={per_node} processes (torchrun)"
+        )
     return cfg, None
 
 

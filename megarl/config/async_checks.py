@@ -39,9 +39,6 @@ def check_async(cfg, error: Error) -> None:
             )
         return
     key = f"{ROLL}.nnodes={roll.nnodes}"
-    if roll.nnodes > 1 or cfg.trainer.nnodes > 1:
-        error(f"{key}, trainer.nnodes={cfg.trainer.nnodes}: vLLM on ranks of its own runs on "
-              "one node for now (rollout.nnodes=1, trainer.nnodes=1)")  # fmt: skip
     if roll.name != "vllm":
         error(f"{key}: ranks of their own host a vLLM engine; {ROLL}.name={roll.name}")
     tp = roll.tensor_model_parallel_size

@@ -479,13 +479,6 @@ BAD_CONFIGS = [
         ["async_training.trigger_parameter_sync_step=2", "after every update (1)"],
     ),
     (
-        "rollout-ranks-on-two-nodes",
-        GRPO,
-        [f"{ROLL}.nnodes=2", f"{ROLL}.n_gpus_per_node=1", f"{ROLL}.tensor_model_parallel_size=2"],
-        None,
-        [f"{ROLL}.nnodes=2", "one node for now"],
-    ),
-    (
         "router-replay-on-the-reference",
         MOE_30B,
         ["actor_rollout_ref.ref.megatron.router_replay.mode=R2"],

@@ -77,7 +77,7 @@ def test_sbatch_runs_torchrun_over_gloo(
     # The --time of 60 min exceeds the script's USR1 lead time (20 min): no stop was asked for.
     assert "USR1" not in batch_out and not (tmp_path / "run" / "STOP").exists()
     args = f"--config {CONFIG} trainer.default_local_dir={tmp_path}/run "
-    args += " ".join(tiny_overrides) + " trainer.nnodes=1 trainer.n_gpus_per_node=2"
+    args += " ".join(tiny_overrides) + " trainer.n_gpus_per_node=2 trainer.nnodes=1"
     for rank in (0, 1):  # the ranks' stdout is the job's output; torchrun's is the node log
         assert f"rank {rank} of 2: sum 3, args {args}" in batch_out, batch_out
     assert f"trainer exited with status {job_status}" in batch_out

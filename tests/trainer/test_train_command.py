@@ -111,3 +111,43 @@ def test_ranks_start_during_the_preflight_and_wait_for_it(tiny, tmp_path):
     _wait(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks),
           "the ranks to end", timeout=10)  # fmt: skip
     assert not (run_dir / "logs").exists() and left_behind(gates) == []
+
+
+ROLLOUT_NODE = ["actor_rollout_ref.rollout.nnodes=1",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]  # fmt: skip
+"""vLLM on a node of its own (issue 26): the node's ranks hold TP-1 replicas."""
+
+
+def test_the_jobs_nodes_less_vllms_are_the_training_nodes(tiny, tmp_path, capsys):
+    """``--nodes N`` (the Slurm job script's allocation): trainer.nnodes = N less rollout.nnodes,
+    and the launch spans both; a job with no node left for training is one line, exit 2."""
+    from megarl.commands import train
+
+    run = [f"trainer.default_local_dir={tmp_path / 'run'}"]
+    overrides, problem = train._training_nodes([CONFIG], [*tiny, *ROLLOUT_NODE], 3)
+    assert problem is None and overrides[-1] == "trainer.nnodes=2"
+    assert train._nnodes([CONFIG], overrides) == 3
+    assert train.main(["--check", "--nodes", "2", "-c", CONFIG, *tiny, *ROLLOUT_NODE, *run]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "run")
+    assert train.main(["--check", "--nodes", "1", "-c", CONFIG, *tiny, *ROLLOUT_NODE, *run]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --nodes 1") and "rollout.nnodes=1" in err and "\n" not in err
+
+
+@pytest.mark.parametrize(
+    ("override", "multinode", "named"),
+    [
+        ("actor_rollout_ref.rollout.nnodes=2", False, "actor_rollout_ref.rollout.nnodes=2"),
+        ("actor_rollout_ref.rollout.n_gpus_per_node=1", True, "rollout.n_gpus_per_node=1"),
+    ],
+)
+def test_vllms_nodes_need_a_multi_node_launch_of_even_nodes(tiny, override, multinode, named):
+    """Nodes of vLLM's own come from a multi-node launch, whose nodes all run
+    trainer.n_gpus_per_node processes (torchrun); on one node, rollout.nnodes=1 puts the rollout
+    ranks after the training ones."""
+    from megarl.commands import train
+
+    cfg, problem = train._load([CONFIG], [*tiny, *ROLLOUT_NODE, override], multinode=multinode)
+    assert cfg is None and named in problem, problem
+    cfg, problem = train._load([CONFIG], [*tiny, *ROLLOUT_NODE], multinode=multinode)
+    assert problem is None
