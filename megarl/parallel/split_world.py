@@ -2,8 +2,9 @@
 
 torchrun (or Slurm) starts ``W`` processes; the first ``train_size`` train, the others host the
 rollout engines (on one node, after the training ranks; on several, whole nodes, as every node
-runs as many processes and torchrun numbers them node by node). Each side gets its own default process group, so that Megatron-Core (which
-sizes every parallel group from the default group) sees only the training ranks and vLLM's
+runs as many processes and torchrun numbers them node by node). Each side gets its own default
+process group, so that Megatron-Core (which sizes every parallel group from the default group)
+sees only the training ranks and vLLM's
 external launcher only the rollout ranks; ``RANK`` and ``WORLD_SIZE`` are rewritten to the side's
 numbering for the code that reads them (the launch's are kept in ``MEGARL_LAUNCH_RANK`` /
 ``MEGARL_LAUNCH_WORLD_SIZE``; ``LOCAL_RANK``, which picks the GPU, is left alone).
