@@ -1,4 +1,5 @@
-"""Colocated against one step off (issue 26), side by side, with a scorer that sleeps.
+"""Colocated against one step off (or ``--staleness`` steps, issue 26), side by side, with a
+scorer that sleeps.
 
 Two runs of the README's main job (``megarl.commands.quickstart``, the synthetic task) for
 ``--steps`` steps each, without validation, scoring with the task's own scorer plus a sleep of
@@ -15,7 +16,7 @@ each run's mean step time (steps 2.., the first warms vLLM up), their ratio, eac
 (the training ranks' for the batch, the rollout rank's for the next request) as a share of the
 step, and the phases.
 
-    .venv/bin/python tools/bench_overlap.py [--steps 6] [--sleep 0.1] [--out outputs]
+    .venv/bin/python tools/bench_overlap.py [--steps 6] [--sleep 0.1] [--staleness 1] [--out D]
 """
 
 from __future__ import annotations
@@ -36,11 +37,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     time.sleep({sleep})
     return task_score(solution_str, ground_truth)
 """
-ONE_STEP_OFF = (
+OWN_RANK = (
     "actor_rollout_ref.rollout.nnodes=1",
     "actor_rollout_ref.rollout.n_gpus_per_node=1",
     "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-    "async_training.staleness_threshold=1",
     "reward_model.num_workers=4",
 )
 
@@ -49,14 +49,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--sleep", type=float, default=0.1, help="seconds per scored sample")
+    parser.add_argument("--staleness", type=int, default=1, help="steps off (1: one step off)")
     parser.add_argument("--out", default="outputs")
     args = parser.parse_args()
+    off = "one step off" if args.staleness == 1 else f"{args.staleness} steps off"
+    overlapped = (*OWN_RANK, f"async_training.staleness_threshold={args.staleness}")
     out = Path(args.out).resolve()
     scorer = out / "bench_overlap_scorer.py"
     scorer.parent.mkdir(parents=True, exist_ok=True)
     scorer.write_text(SCORER.format(sleep=args.sleep))
     runs = {}
-    for name, extra in (("colocated", ()), ("one step off", ONE_STEP_OFF)):
+    for name, extra in (("colocated", ()), (off, overlapped)):
         run_dir = out / "runs" / f"bench_overlap_{name.replace(' ', '_')}"
         shutil.rmtree(run_dir, ignore_errors=True)
         done = subprocess.run(
@@ -70,7 +73,7 @@ def main() -> int:
         if done.returncode:
             return done.returncode
         runs[name] = _steps(run_dir)
-    _report(runs, args.sleep)
+    _report(runs, args.sleep, off)
     return 0
 
 
@@ -85,8 +88,8 @@ def _mean(steps: list[dict], key: str) -> float:
     return statistics.mean(m.get(key, 0.0) for m in steps)
 
 
-def _report(runs: dict[str, list[dict]], sleep: float) -> None:
-    colocated, off = runs["colocated"], runs["one step off"]
+def _report(runs: dict[str, list[dict]], sleep: float, name_off: str) -> None:
+    colocated, off = runs["colocated"], runs[name_off]
     t_co, t_off = _mean(colocated, "timing_s/step"), _mean(off, "timing_s/step")
     print(f"\nscorer sleep {sleep:g} s per sample; steps 2..{len(colocated) + 1}")
     print(f"{'':<16}{'step s':>9}{'gen':>8}{'reward':>8}{'update':>8}")
@@ -95,10 +98,10 @@ def _report(runs: dict[str, list[dict]], sleep: float) -> None:
             f"{name:<16}{_mean(steps, 'timing_s/step'):>9.2f}{_mean(steps, 'timing_s/gen'):>8.2f}"
             f"{_mean(steps, 'timing_s/reward'):>8.2f}{_mean(steps, 'timing_s/update_actor'):>8.2f}"
         )
-    print(f"\none step off / colocated step time: {t_off / t_co:.2f}")
+    print(f"\n{name_off} / colocated step time: {t_off / t_co:.2f}")
     gen, score = _mean(off, "async/rollout_generate_s"), _mean(off, "async/rollout_score_s")
     print(
-        f"one step off: the rollout rank generates {gen:.2f} s and scores {score:.2f} s per step; "
+        f"{name_off}: the rollout rank generates {gen:.2f} s and scores {score:.2f} s per step; "
         f"the training ranks wait {_mean(off, 'async/wait_rollout_s') / t_off:.0%} of the step "
         f"for its batch, the rollout rank {_mean(off, 'async/rollout_idle_s') / t_off:.0%} for "
         f"the next request"

@@ -13,7 +13,7 @@ Error = Callable[[str], None]
 
 def check_async(cfg, error: Error) -> None:
     """The rollout-only ranks hold vLLM replicas (their number a multiple of the rollout TP);
-    one step off at most; what the engines on other ranks do not offer yet is refused."""
+    what the engines on other ranks do not offer yet is refused."""
     roll, a = cfg.actor_rollout_ref.rollout, cfg.async_training
     if roll.nnodes < 0:
         error(f"{ROLL}.nnodes must be >= 0, got {roll.nnodes}")

@@ -17,6 +17,7 @@ same problems through :func:`check_batches`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megarl.config.errors import ConfigError
@@ -52,6 +53,15 @@ def rollout_ranks(cfg: MegarlConfig) -> int:
     roll = cfg.actor_rollout_ref.rollout
     per_node = roll.n_gpus_per_node or cfg.trainer.n_gpus_per_node
     return max(roll.nnodes, 0) * per_node
+
+
+def steps_ahead(cfg: MegarlConfig) -> int:
+    """How many steps' batches the trainer asks ahead of the one it trains (the staleness
+    bound, in updates): ``async_training.staleness_threshold`` rounded up, with vLLM on ranks
+    of its own; 0 otherwise."""
+    if not rollout_ranks(cfg):
+        return 0
+    return math.ceil(max(cfg.async_training.staleness_threshold, 0.0))
 
 
 @dataclass(frozen=True)

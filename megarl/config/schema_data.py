@@ -117,7 +117,7 @@ class AsyncTrainingConfig:
     with vLLM on ranks of its own (``actor_rollout_ref.rollout.nnodes`` > 0)."""
 
     staleness_threshold: float = 0.0
-    """0: on-policy; > 0: one step off (megarl bounds staleness at one update, any value > 0)."""
+    """0: on-policy; > 0: the staleness bound in updates, rounded up (1: one step off)."""
     trigger_parameter_sync_step: int = 1
     """Updates between weight syncs (megarl: 1 only)."""
     partial_rollout: bool = False

@@ -33,9 +33,22 @@ import torch.distributed as dist
 from megarl.parallel.emulation import enable_cpu_emulation
 from megarl.parallel.init import LaunchEnv, process_group_timeout_minutes, read_launch_env
 
-__all__ = ["SplitWorld", "broadcast_object", "current", "from_rank", "split_world"]
+__all__ = ["Channels", "SplitWorld", "broadcast_object", "current", "from_rank", "split_world"]
 
 Role = Literal["train", "rollout"]
+
+
+@dataclass
+class Channels:
+    """The groups between the first training rank (their rank 0) and the rollout ranks (rank 1
+    onwards), None where this process is not a member."""
+
+    control: Any
+    """Commands, broadcast by the first training rank to every rollout rank."""
+    replies: Any
+    """Replies, broadcast by the first rollout rank to the first training rank, in order."""
+    weights: Any
+    """Weight buckets, broadcast by the first training rank to every rollout rank."""
 
 
 @dataclass
@@ -61,6 +74,19 @@ class SplitWorld:
         """The group the trainer drives the rollout engine over: the first training rank, then
         every rollout rank (None on the other training ranks)."""
         return self.group("control", [0, *self.rollout_ranks])
+
+    def channels(self) -> Channels | None:
+        """The trainer's three groups with the rollout ranks (created in this order by every
+        member; each used by one thread of a process, so that none waits behind another); None
+        on the training ranks after the first."""
+        if self.role == "train" and self.rank != 0:
+            return None
+        first = self.rollout_ranks[0]
+        return Channels(
+            control=self.control(),
+            replies=self.group("replies", [0, first]),
+            weights=self.group("weights", [0, *self.rollout_ranks]),
+        )
 
     def group(self, name: str, members: list[int]) -> Any:
         """A gloo group over the launch ranks ``members`` (in that order); created by the

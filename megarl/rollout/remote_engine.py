@@ -3,36 +3,39 @@
 
 :class:`RemoteEngine` is the :class:`~megarl.rollout.base.RolloutEngine` the trainer holds when
 its vLLM runs on rollout ranks: the trainer's own calls (``generate``, the weight-update session
-of :func:`~megarl.rollout.reshard.sync_weights`) reach :func:`serve` on the rollout ranks as
-commands over the ``control`` group (the first training rank, then every rollout rank), so a
-run is the colocated run's steps with the engine elsewhere. The engines look like one replica of
-vLLM TP 1 to the trainer (whole tensors reach the first training rank; vLLM narrows them for its
-own TP). It never sleeps: its devices are its own. A batch comes back as the colocated engine
-returns it, with the routing vLLM captured for R3 when that is on.
+of :func:`~megarl.rollout.reshard.sync_weights`) reach
+:func:`~megarl.rollout.remote_serve.serve` on the rollout ranks as commands, so a run is the
+colocated run's steps with the engine elsewhere. The engines look like one replica of vLLM TP 1
+to the trainer (whole tensors reach the first training rank; vLLM narrows them for its own TP).
+It never sleeps: its devices are its own. A batch comes back as the colocated engine returns
+it, with the routing vLLM captured for R3 when that is on.
 
-Commands, from the first training rank (every training rank calls every method; the others
-wait for its result on the training world):
+The first training rank talks to the rollout ranks over three groups
+(:class:`~megarl.parallel.split_world.Channels`), each in its own order; every training rank
+calls every method, and the others wait for its result on the training world. Commands, on
+``control``:
 
-- ``("generate", [(prompts, kwargs, reward), ...])``: for each request in turn, the rollout
-  ranks split the prompts over their vLLM replicas (``rollout.tensor_model_parallel_size``
+- ``("generate", version, [(prompts, kwargs, reward), ...])``: for each request in turn, the
+  rollout ranks split the prompts over their vLLM replicas (``rollout.tensor_model_parallel_size``
   consecutive rollout ranks each, :func:`~megarl.rollout.distribute.generate_on_replicas`: the
-  tokens do not depend on the number of replicas), gather the batch, score it when ``reward``
-  asks, and the first rollout rank sends it back (one reply per request, in order: the
-  commands and replies on ``control`` are collectives, so both sides must agree on their
-  sequence);
-- ``("weights", plan)``: the buckets of ``plan`` follow, as
-  :func:`~megarl.rollout.reshard.remote.receive_weights` takes them;
-- ``("stop",)``: :func:`serve` returns.
+  tokens do not depend on the number of replicas), with weight version ``version`` (the
+  trainer's newest when it asked), gather the batch, score it when ``reward`` asks, and the
+  first rollout rank sends it back on ``replies`` (one reply per request, in order);
+- ``("weights", version, plan)``: the buckets of ``plan`` follow on ``weights``, as
+  :func:`~megarl.rollout.reshard.remote.receive_buckets` takes them; the rollout ranks receive
+  them while they generate, and switch to them between requests;
+- ``("eos",)``: the engine's EOS token ids come back on ``replies``;
+- ``("stop",)``: ``serve`` returns.
 
-One step off (:meth:`RemoteEngine.prefetch`): the request for step k+1 goes out as soon as step
-k's batch is in, so the rollout ranks generate it, with the weights they hold (step k-1's),
-while step k trains; the next weight update first takes that batch in (the rollout side is then
-waiting to hand it over), and step k+1's ``generate`` returns it. Each batch records the weight
-version that generated it (:attr:`RemoteEngine.last_version`: syncs finished before it was
-asked for, the first sync being version 0), and the wait for it is timed. ReMax's greedy batch
-for step k+1 is asked for right after its sampled one, so both come from the same weights (as
-colocated, where the engine generates both between two syncs). Bounded staleness beyond one
-step is not built yet.
+Bounded staleness (:meth:`RemoteEngine.prefetch`): the requests for the next steps go out as
+soon as this step's batch is in, so the rollout ranks generate them, with the weights the
+trainer holds when asking, while this step trains; a later ``generate`` with the same arguments
+returns the batch. With up to ``s`` steps asked ahead, step k's batch comes from the weights
+of step k-1-s (:attr:`RemoteEngine.last_version`: syncs finished before it was asked for, the
+first sync being version 0), and the wait for it is timed. The weight updates do not wait for
+the batches asked ahead: their bytes stream to the rollout ranks while they generate. ReMax's
+greedy batch is asked for with its sampled one, in the same command, so both come from the same
+weights (as colocated, where the engine generates both between two syncs).
 """
 
 from __future__ import annotations
@@ -47,10 +50,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megarl.parallel.split_world import broadcast_object, from_rank
+from megarl.parallel.split_world import Channels, broadcast_object, from_rank
 from megarl.rollout.base import CallOrder, RolloutBatch
 
-__all__ = ["RemoteEngine", "RolloutRanksLost", "serve"]
+__all__ = ["RemoteEngine", "RolloutRanksLost"]
 
 
 @dataclass
@@ -60,7 +63,7 @@ class _Ahead:
     request: tuple
     """(prompts, kwargs), as the later ``generate`` call must repeat them."""
     version: int
-    """The weight version the rollout ranks hold when asked (the one that generates it)."""
+    """The trainer's newest weight version when asked: the one that generates it."""
     reply: Any = None
     """The rollout ranks' reply once received (first training rank; True on the others)."""
     waited_s: float = 0.0
@@ -80,9 +83,11 @@ class RemoteEngine:
     dp_rank = 0
     dp_size = 1
 
-    def __init__(self, control: Any | None, *, ranks: Sequence[int] = (), timeout=None) -> None:
-        self.control = control
-        """``control`` on the first training rank, None on the others."""
+    def __init__(
+        self, channels: Channels | None, *, ranks: Sequence[int] = (), timeout=None
+    ) -> None:
+        self.channels = channels
+        """The groups with the rollout ranks on the first training rank, None on the others."""
         self.ranks = list(ranks)
         """The rollout ranks (the launch's numbering), for the messages."""
         self.timeout = timeout
@@ -96,17 +101,15 @@ class RemoteEngine:
         """The weight version that generated the last batch :meth:`generate` returned."""
         self.waited_s = 0.0
         """Seconds the first training rank waited for the last batch :meth:`generate` returned
-        (for one asked ahead: when it was taken in, e.g. at the weight update before)."""
+        (for one asked ahead: when it was taken in, maybe before a later request's)."""
         self.prescored: Any = None
         """The last batch's scores when the rollout ranks scored it (:meth:`prefetch` with
         ``reward``): a ``RewardResult``, or the scorer's error as a string; None otherwise."""
         self.rollout_timing: dict[str, float] = {}
-        """The rollout side's seconds for the last batch: ``generate``, ``score`` and ``idle``
-        (waiting for the request)."""
-        self._announced = False
-        """This update's ``weights`` command went out (with its first bucket)."""
+        """The rollout side's seconds for the last batch: ``generate``, ``score``, ``idle``
+        (waiting for the request) and ``update_weights`` (loading its version first)."""
         self.eos_token_ids: list[int] = self._from_first(
-            lambda: self._ask(("eos",)) if control is not None else None
+            lambda: self._ask(("eos",)) if channels is not None else None
         )
 
     # -- generation --------------------------------------------------------------------------
@@ -131,7 +134,7 @@ class RemoteEngine:
         def first_rank() -> dict:
             if batch is not None:
                 return batch
-            return self._ask(("generate", [(prompts, kwargs, None)]))
+            return self._ask(("generate", version, [(prompts, kwargs, None)]))
 
         reply = self._from_first(first_rank)
         self.prescored, self.rollout_timing = reply["scored"], reply["timing"]
@@ -140,16 +143,14 @@ class RemoteEngine:
     def prefetch(self, requests: Sequence[tuple[list[list[int]], dict, dict | None]]) -> None:
         """Ask for the batches that later :meth:`generate` calls with the same arguments
         return: ``requests`` are ``(prompts, kwargs, reward)``, in one command; the rollout
-        ranks generate them meanwhile, in order, with the weights they hold now, and score the
-        ones with a ``reward`` (:func:`serve`'s scoring request; :attr:`prescored`). One
-        command at a time: a step's batch, with ReMax its greedy batch too."""
-        if self._ahead:
-            raise RuntimeError(f"{len(self._ahead)} batch(es) asked ahead are still outstanding")
-        self._ahead = [
-            _Ahead((prompts, kwargs), self._syncs - 1) for prompts, kwargs, _ in requests
-        ]
-        if self.control is not None:
-            self._send(("generate", list(requests)))
+        ranks generate them, after those asked before, in order, with the weights the trainer
+        holds now, and score the ones with a ``reward`` (the rollout side's ``score``;
+        :attr:`prescored`). One command per step asked ahead: its batch, with ReMax its greedy
+        batch too."""
+        version = self._syncs - 1
+        self._ahead += [_Ahead((prompts, kwargs), version) for prompts, kwargs, _ in requests]
+        if self.channels is not None:
+            self._send(("generate", version, list(requests)))
 
     def _take_ahead(self, count: int | None = None) -> None:
         """Receive the replies to the first ``count`` requests asked ahead (default: all), those
@@ -157,7 +158,7 @@ class RemoteEngine:
         them in), with the wait for each."""
         for ahead in self._ahead[:count]:
             if ahead.reply is None:
-                ahead.reply = self._receive() if self.control is not None else True
+                ahead.reply = self._receive() if self.channels is not None else True
                 ahead.waited_s = self.waited_s
 
     def sleep(self, level: int = 1) -> None:
@@ -169,8 +170,11 @@ class RemoteEngine:
     # -- weights -----------------------------------------------------------------------------
 
     def begin_weight_update(self) -> None:
+        """Announce the next version (its buckets follow): the batches asked ahead go on
+        generating meanwhile, the bytes streaming to a staging slot on the rollout ranks."""
         self._order.begin_update()
-        self._take_ahead()  # the rollout side hands them over before it takes weights
+        if self.channels is not None:
+            self._send(("weights", self._syncs, self._plan))
 
     def bind_plan(self, plan: Any) -> None:
         """The plan every sync follows (sent with each ``weights`` command)."""
@@ -178,24 +182,20 @@ class RemoteEngine:
 
     def load_weight_chunk(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         self._order.check_updating("load_weight_chunk")
-        if self.control is None:
+        if self.channels is None:
             return
-        if not self._announced:
-            self._send(("weights", self._plan))
-            self._announced = True
         flat = torch.cat([t.reshape(-1).cpu() for _, t in named_tensors])
         with self._answering():
-            self.control.broadcast([flat], from_rank(0)).wait()
+            self.channels.weights.broadcast([flat], from_rank(0)).wait()
 
     def finish_weight_update(self) -> None:
         self._order.finish_update()
-        self._announced = False
         self._syncs += 1
 
     def shutdown(self) -> None:
         """Stop the rollout ranks (batches asked ahead and still coming are taken in first)."""
         self._take_ahead()
-        if self.control is not None:
+        if self.channels is not None:
             self._send(("stop",))
 
     # -- plumbing ----------------------------------------------------------------------------
@@ -206,12 +206,12 @@ class RemoteEngine:
 
     def _send(self, command: tuple) -> None:
         with self._answering():
-            broadcast_object(self.control, command, 0)
+            broadcast_object(self.channels.control, command, 0)
 
     def _receive(self) -> Any:
         start = time.perf_counter()
         with self._answering():
-            batch = broadcast_object(self.control, None, 1)
+            batch = broadcast_object(self.channels.replies, None, 1)
         self.waited_s = time.perf_counter() - start
         return batch
 
@@ -229,55 +229,7 @@ class RemoteEngine:
 
     def _from_first(self, compute) -> Any:
         """``compute()`` on the first training rank, its result on every training rank."""
-        box = [compute() if self.control is not None else None]
+        box = [compute() if self.channels is not None else None]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(box, src=0)
         return box[0]
-
-
-def serve(engine: Any, control: Any, score: Any = None) -> None:
-    """The rollout ranks' side: run the training ranks' commands on ``engine`` (this rank's
-    part of the rollout ranks' vLLM replicas) until ``stop``.
-
-    ``score(batch, reward)``: scores a generated batch when its request asks for it (every
-    rollout rank calls it, as the reward manager is collective); its error goes back as text.
-    """
-    from megarl.rollout.reshard.remote import receive_weights
-
-    first = control.rank() == 1
-    while True:
-        waiting = time.perf_counter()
-        command = broadcast_object(control, None, 0)
-        idle = time.perf_counter() - waiting
-        if command[0] == "stop":
-            return
-        if command[0] == "eos":
-            broadcast_object(control, list(engine.eos_token_ids) if first else None, 1)
-        elif command[0] == "generate":
-            for prompts, kwargs, reward in command[1]:  # one reply each, in order
-                reply = _generate(engine, prompts, kwargs, reward, score)
-                reply["timing"]["idle"] = idle
-                broadcast_object(control, reply if first else None, 1)
-                idle = 0.0
-        elif command[0] == "weights":
-            receive_weights(engine, command[1], control)
-        else:
-            raise ValueError(f"unknown rollout command {command[0]!r}")
-
-
-def _generate(engine: Any, prompts: list, kwargs: dict, reward: dict | None, score: Any) -> dict:
-    """One request of a ``generate`` command: the batch, its scores when asked (a result, or
-    an error's one line: the scorer's own, or this one) and the seconds spent."""
-    from megarl.rollout.distribute import generate_on_replicas
-
-    start = time.perf_counter()
-    batch = generate_on_replicas(engine, prompts, **kwargs)
-    generated = time.perf_counter()
-    scored = None
-    if reward is not None and score is not None:
-        try:
-            scored = score(batch, reward)
-        except Exception as exc:  # noqa: BLE001 -- the trainer raises it, in one line
-            scored = f"{type(exc).__name__}: {exc}"
-    timing = {"generate": generated - start, "score": time.perf_counter() - generated}
-    return {"batch": batch, "scored": scored, "timing": timing}

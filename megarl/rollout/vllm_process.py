@@ -25,6 +25,16 @@ Unless the variable is set, each rank points it at a private directory of its ow
 removed at exit (atexit; ``exit_process`` runs the handlers): in the temporary directory (under
 ``megarl train``, the launch's own), or in ``/tmp`` where that is too deep for a socket path
 (Linux takes at most 107 bytes; zmq refuses to bind a longer one).
+
+Shared memory on CPU: vLLM's CPU collectives (TP > 1) map one POSIX shared-memory segment per
+rank, ``/dev/shm/<ident>-<group>-[<ranks>]-cpushm_<rank>``, where ``<ident>`` comes from the
+init method, ``env://`` under the external launcher, so every run on a machine uses the same
+names; they are created exclusively and unlinked only by a C++ destructor that a fast exit
+skips, so a finished run left them behind and the next run on the machine failed ("create shm in
+SHMManager failed. errno: 17"). Once the engine is up every rank of the group has mapped every
+segment, so each rank unlinks its own name there (the mappings live on; the destructor's own
+unlink then finds nothing, which it ignores): nothing is left even by a killed run. A segment
+left by a run killed while its engine started is named in a one-line error.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +63,10 @@ SOCKET_PATH_MAX = 107
 """The longest AF_UNIX socket path Linux takes (``sun_path`` less its terminating NUL)."""
 SOCKET_NAME_LEN = 37
 """What vLLM appends to its IPC directory: ``/`` and a UUID4."""
+SHM_DIR = "/dev/shm"
+"""Where Linux keeps POSIX shared memory (``shm_open`` names, leading slashes dropped)."""
+SHM_EXISTS = "create shm in SHMManager failed. errno: 17"
+"""vLLM's CPU collectives' error when a segment's name is taken (EEXIST)."""
 
 
 def start_llm(model_path: str, kwargs: dict[str, Any]) -> Any:
@@ -70,11 +85,41 @@ def start_llm(model_path: str, kwargs: dict[str, Any]) -> Any:
             from vllm import LLM
 
             llm = LLM(model_path, **kwargs)
+    except RuntimeError as exc:
+        if SHM_EXISTS in str(exc):
+            raise RuntimeError(
+                f"vLLM's CPU shared memory {SHM_DIR}/*cpushm_* is taken: another vLLM on this "
+                "machine is starting, or one was killed while starting (remove those files if "
+                "none is running)"
+            ) from exc
+        raise
     finally:
         torch.set_num_threads = set_num_threads
         reassert_cpu_emulation()  # vLLM's CPU worker installs its own CUDA stream stand-ins
     _keep_default_group_on_shutdown(llm)
+    if not torch.cuda.is_available():
+        unlink_cpu_shared_memory()
     return llm
+
+
+def cpu_shared_memory() -> list[Path]:
+    """This rank's own shared-memory segments of vLLM's CPU collectives (module docstring), by
+    the names vLLM gave them, whether or not they still exist."""
+    from vllm.distributed import parallel_state
+
+    paths = []
+    for ref in list(parallel_state._groups.values()):  # every GroupCoordinator (weak refs)
+        comm = getattr(ref(), "device_communicator", None)
+        name = getattr(getattr(comm, "dist_module", None), "group_name", None)
+        if name is not None:  # a CPU communicator on shared memory
+            paths.append(Path(SHM_DIR) / f"{name}_{comm.rank}".lstrip("/"))
+    return paths
+
+
+def unlink_cpu_shared_memory() -> None:
+    """Remove the names of this rank's segments (module docstring)."""
+    for path in cpu_shared_memory():
+        path.unlink(missing_ok=True)
 
 
 def _private_ipc_directory() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -124,6 +125,7 @@ def _loop(
     """Train the remaining steps; returns (last validation score, stopped on request)."""
     from tqdm import tqdm
 
+    from megarl.config.batch import steps_ahead
     from megarl.trainer.step import train_step, validate
 
     cfg = run.cfg
@@ -140,18 +142,24 @@ def _loop(
     # error's, which would otherwise be printed on the bar's line.
     try:
         limit = cfg.trainer.max_consecutive_skipped_steps
-        # One step off (vLLM on ranks of its own): each step asks for the next one's batch. The
-        # sampler is drawn one batch ahead, but the state saved is the one after this step's own
-        # batch: a resumed run generates the next batch again rather than skip it.
-        ahead = cfg.async_training.staleness_threshold > 0 and hasattr(run.engine, "prefetch")
-        upcoming = None
+        # vLLM on ranks of its own, s steps off: each step asks for the batches of the steps up
+        # to s after it as soon as its own is in. The sampler is drawn ahead, but the state
+        # saved is the one after this step's own batch: a resumed run generates the batches
+        # asked ahead again rather than skip them.
+        ahead = steps_ahead(cfg) if hasattr(run.engine, "prefetch") else 0
+        queued: deque[tuple[list, dict]] = deque()  # (prompts, the sampler's state after them)
+
+        def draw() -> tuple[list, dict]:
+            prompts = [run.train_data[i] for i in next(run.sampler)]
+            return prompts, run.sampler.state_dict()
+
         for step in range(run.state.step + 1, run.total_steps + 1):
-            prompts = upcoming or [run.train_data[i] for i in next(run.sampler)]
-            sampler_state = run.sampler.state_dict()
-            upcoming = None
-            if ahead and step < run.total_steps:
-                upcoming = [run.train_data[i] for i in next(run.sampler)]
-            metrics, _ = train_step(run, step, prompts, upcoming)
+            prompts, sampler_state = queued.popleft() if queued else draw()
+            asks = []
+            while len(queued) < ahead and step + len(queued) < run.total_steps:
+                queued.append(draw())
+                asks.append((step + len(queued), queued[-1][0]))
+            metrics, _ = train_step(run, step, prompts, asks)
             run.state.step = step
             run.state.sampler = sampler_state
             run.state.save_kl_coef(run.kl_ctrl)
@@ -277,12 +285,13 @@ def _announce(run: Run) -> None:
 def _rollout_placement(run: Run) -> str:
     """The rollout TP and, for vLLM on ranks of its own, where and how far behind."""
     cfg = run.cfg
-    from megarl.config.batch import rollout_ranks
+    from megarl.config.batch import rollout_ranks, steps_ahead
 
     ranks = rollout_ranks(cfg)
     if not ranks:
         return str(getattr(run.engine, "tensor_parallel_size", "-"))
-    off = "one step off" if cfg.async_training.staleness_threshold > 0 else "on-policy"
+    ahead = steps_ahead(cfg)
+    off = {0: "on-policy", 1: "one step off"}.get(ahead, f"up to {ahead} steps off")
     tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     replicas = f" x {ranks // tp} replicas" if ranks > tp else ""
     return f"{tp}{replicas} on {ranks} rank(s) of its own, {off}"

@@ -380,7 +380,7 @@ def _start_vllm(cfg: MegarlConfig, model_path: str, **overrides: Any):
     if world is not None and world.role == "train":
         from megarl.rollout.remote_engine import RemoteEngine
 
-        return RemoteEngine(world.control(), ranks=world.rollout_ranks, timeout=world.timeout)
+        return RemoteEngine(world.channels(), ranks=world.rollout_ranks, timeout=world.timeout)
     from megarl.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine.from_config(
@@ -398,7 +398,7 @@ def serve_rollout(cfg: MegarlConfig) -> None:
     """A rollout rank of a split launch: start vLLM (never asleep: these devices train nothing)
     and run the training ranks' commands until they stop it."""
     from megarl.parallel.split_world import current
-    from megarl.rollout.remote_engine import serve
+    from megarl.rollout.remote_serve import serve
 
     world = current()
     if world is None or world.role != "rollout":
@@ -424,7 +424,7 @@ def serve_rollout(cfg: MegarlConfig) -> None:
             return str(exc)
 
     try:
-        serve(engine, world.control(), score)
+        serve(engine, world.channels(), score)
     finally:
         rewards.close()
         engine.shutdown()

@@ -57,13 +57,13 @@ def train_step(
     run: Run,
     step: int,
     prompts: Sequence[PromptSample],
-    next_prompts: Sequence[PromptSample] | None = None,
+    ahead: Sequence[tuple[int, Sequence[PromptSample]]] = (),
 ) -> tuple[dict[str, float], RolloutTensors]:
     """Run training step ``step`` (1-based) on the global prompt batch ``prompts``; returns its
     metrics and the step's batch (tokens, rewards, log-probs, advantages: identical on every
-    rank). ``next_prompts`` (an engine on other ranks only): the next step's batch, asked for
-    as soon as this one is in, so that its generation overlaps this step's training (one step
-    off: generated with this step's weights before the update)."""
+    rank). ``ahead`` (an engine on other ranks only): ``(later step, its prompts)`` to ask for
+    as soon as this step's batch is in, so that their generation overlaps training (with the
+    weights this step starts from)."""
     cfg = run.cfg
     timer, start = Timer(), time.perf_counter()
     metrics: dict[str, float] = {}
@@ -81,16 +81,18 @@ def train_step(
         )
     prescored = getattr(run.engine, "prescored", None)  # the rollout ranks scored it already
     if hasattr(run.engine, "last_version"):  # an engine on other ranks
-        # weight updates between the batch's request and now (0 when no request was ahead)
-        metrics["async/staleness"] = float(run.engine.version - run.engine.last_version)
+        # weight updates between the batch's request and now (0 when no request was ahead); the
+        # issue's (and verl's fully-async) mean and max over the samples: one version per batch
+        staleness = float(run.engine.version - run.engine.last_version)
+        metrics["async/staleness_mean"] = metrics["async/staleness_max"] = staleness
         metrics["async/wait_rollout_s"] = run.engine.waited_s
         metrics.update({f"async/rollout_{k}_s": v for k, v in run.engine.rollout_timing.items()})
     greedy = None
     if cfg.algorithm.adv_estimator == "remax":  # while the engine is awake (as verl)
         with timer("gen_baseline"):
             greedy = greedy_generation(run, prompts, step)
-    if next_prompts is not None:  # after this step's requests: the engine answers in order
-        ask_ahead(run, next_prompts, step + 1)
+    for later, later_prompts in ahead:  # after this step's requests: the engine answers in order
+        ask_ahead(run, later_prompts, later)
 
     enter(run, "reward", step=step)  # the engine asleep from here until the sync
     with timer("reward"):

@@ -306,6 +306,27 @@ def test_rollout_ranks_hold_whole_vllm_replicas(ranks, tp, placement):
 
 
 @pytest.mark.parametrize(
+    ("threshold", "ahead", "said"),
+    [(0, 0, "on-policy"), (0.5, 1, "one step off"), (1, 1, "one step off"),
+     (2, 2, "up to 2 steps off"), (2.5, 3, "up to 3 steps off")],
+)  # fmt: skip
+def test_the_staleness_threshold_bounds_the_steps_asked_ahead(threshold, ahead, said):
+    """verl's share of stale samples, in whole batches (rounded up): the steps whose batches the
+    training loop asks for ahead, as the run's first console line says."""
+    from types import SimpleNamespace
+
+    from megarl.config.batch import steps_ahead
+    from megarl.trainer.loop import _rollout_placement
+
+    cfg = load_config(GRPO, [f"{ROLL}.nnodes=1", f"{ROLL}.n_gpus_per_node=1",
+                             f"{ROLL}.tensor_model_parallel_size=1",
+                             f"async_training.staleness_threshold={threshold}"])  # fmt: skip
+    validate(cfg, 2)
+    assert steps_ahead(cfg) == ahead
+    assert _rollout_placement(SimpleNamespace(cfg=cfg, engine=None)).endswith(f"own, {said}")
+
+
+@pytest.mark.parametrize(
     ("config", "overrides"),
     [(GRPO.name, ["algorithm.adv_estimator=remax"]),
      ("grpo_moe_tiny_cpu.yaml", [f"{MEG}.router_replay.mode=R3",

@@ -33,16 +33,16 @@ def split_rank() -> dict:
     out = {"role": world.role, "side": [dist.get_rank(), dist.get_world_size(), t.item()],
            "env": [os.environ["RANK"], os.environ["WORLD_SIZE"]],
            "bridge": broadcast_object(world.bridge, "from rollout" if world.rank == 2 else None, 2)}  # fmt: skip
-    control = world.control()
+    channels = world.channels()
     if world.role == "rollout":
-        assert broadcast_object(control, None, 0) == ("eos",)
-        broadcast_object(control, [7], 1)
+        assert broadcast_object(channels.control, None, 0) == ("eos",)
+        broadcast_object(channels.replies, [7], 1)
         time.sleep(8)
         return out
-    out["eos"] = RemoteEngine(control, ranks=world.rollout_ranks, timeout="3s").eos_token_ids
+    out["eos"] = RemoteEngine(channels, ranks=world.rollout_ranks, timeout="3s").eos_token_ids
     start = time.perf_counter()
     try:
-        RemoteEngine(control, ranks=world.rollout_ranks, timeout="3s")
+        RemoteEngine(channels, ranks=world.rollout_ranks, timeout="3s")
     except RolloutRanksLost as exc:
         out["error"] = str(exc)
     except RuntimeError as exc:  # the other training rank: its wait for the first one timed out

@@ -200,6 +200,9 @@ def main() -> None:
 
     # ---- B: TP_v=2, rollout DP 1, built from the config; weight updates ---------------------
     engine = make_from_config(tiny, "tp2")
+    from megarl.rollout.vllm_process import cpu_shared_memory
+
+    out["meta"]["shm"] = [(str(path), path.exists()) for path in cpu_shared_memory()]
     rec["tp2"] = record(run())
     noisy = noisy_state(tiny, seed=123)
     if rank == 0:

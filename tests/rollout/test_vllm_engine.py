@@ -334,3 +334,14 @@ def test_no_ipc_socket_file_is_left_behind(run):
     (megarl.rollout.vllm_process). Plain torchrun's own error-file directory is torch's."""
     left = [p for p in run["tmpdir"].rglob("*") if p.is_socket() or "megarl-vllm-ipc" in p.name]
     assert left == []
+
+
+def test_no_shared_memory_name_is_left_once_the_engine_is_up(run):
+    """vLLM's CPU collectives at TP 2 map a shared-memory segment per rank under the same name
+    in every run on the machine, and only unlinked it at an exit megarl's ranks skip: the next
+    run failed. Each rank removes its name once the engine is up (megarl.rollout.vllm_process),
+    and the TP 2 rollouts after that still match transformers (the log-prob tests above)."""
+    for rank in run["ranks"]:
+        shm = rank["meta"]["shm"]
+        assert shm and all(name.startswith("/dev/shm/") for name, _ in shm), shm
+        assert [name for name, exists in shm if exists] == []

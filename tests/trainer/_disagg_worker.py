@@ -7,11 +7,12 @@ step's metrics, responses and rewards, and the actor's final weights (HF names),
     torchrun --nproc_per_node 2|3|4 _disagg_worker.py SPEC.json MODE
 
 Modes: ``colocated`` and ``split`` (2 steps, staleness 0, the tiny MoE with R3); ``split_off``
-(3 ReMax steps one step off: each step asks for the next batch as soon as its own is in; the
-4th batch, asked for by step 3, is one whose scorer raises, and step 4 records the error the
-trainer raises) and its reference ``colocated_off``: colocated, but the sync after step k loads
-the weights step k started from (taken before its update), so that batch k+1 comes from step
-k-1's weights, as one step off.
+(3 ReMax steps up to two steps off, as ``megarl train``'s loop asks at
+``async_training.staleness_threshold=2``: step 1 asks for batches 2 and 3 as soon as its own is
+in, step k > 1 for batch k+2; the 4th batch is one whose scorer raises, and step 4 records the
+error the trainer raises) and its reference ``colocated_off``: colocated, but the sync after
+step k loads the weights step k-1 started from (step 1: its own), so that batch k comes from the
+weights after update max(0, k-3), as two steps off.
 """
 
 from __future__ import annotations
@@ -24,16 +25,20 @@ import torch
 import torch.distributed as dist
 
 STEPS = 2
+STALENESS = 2
+"""How far ``split_off`` asks ahead (and ``colocated_off``'s engine lags)."""
 
 
-def _sync_with_the_weights_of_now(run) -> None:
-    """Make this step's closing sync load the weights the actor has now, before its update."""
+def _sync_with_older_weights(run, snapshots: list) -> None:
+    """Make this step's closing sync load the weights the actor had ``STALENESS`` - 1 steps
+    ago, before that step's update (the first step's when there were fewer)."""
     from megarl.rollout.base import update_weights
     from megarl.trainer import step as step_module
     from tests.trainer._update_worker import _hf_weights
 
-    now = _hf_weights(run.actor.chunks, run.actor.model.dims)
-    step_module.sync_engine = lambda run: update_weights(run.engine, now.items())
+    snapshots.append(_hf_weights(run.actor.chunks, run.actor.model.dims))
+    old = snapshots[max(0, len(snapshots) - STALENESS)]
+    step_module.sync_engine = lambda run: update_weights(run.engine, old.items())
 
 
 def main() -> None:
@@ -67,15 +72,20 @@ def main() -> None:
         try:
             first_sync(run)
             steps = STEPS + 1 if off else STEPS
-            batches = [[run.train_data[i] for i in next(run.sampler)] for _ in range(steps + 1)]
+            draws = steps + STALENESS
+            batches = [[run.train_data[i] for i in next(run.sampler)] for _ in range(draws)]
             if mode == "split_off":  # the batch after the last: its scorer raises (see below)
                 poison = [s.extra_info["index"] for s in batches[steps]]
                 Path(spec["tmp"], "poison.json").write_text(json.dumps(poison))
+            asked, snapshots = 1, []
             for step in range(1, steps + 1):
                 if mode == "colocated_off":
-                    _sync_with_the_weights_of_now(run)
-                after = batches[step] if mode == "split_off" else None
-                metrics, batch = train_step(run, step, batches[step - 1], after)
+                    _sync_with_older_weights(run, snapshots)
+                ahead = []
+                while mode == "split_off" and asked < step + STALENESS:
+                    asked += 1
+                    ahead.append((asked, batches[asked - 1]))
+                metrics, batch = train_step(run, step, batches[step - 1], ahead)
                 out["steps"].append({
                     "metrics": metrics,
                     "responses": batch.responses.tolist() if hasattr(batch, "responses") else None,
@@ -85,12 +95,12 @@ def main() -> None:
             out["weights"] = _hf_weights(run.actor.chunks, run.actor.model.dims)
             out["world"] = dist.get_world_size()
             if mode == "split_off":
-                # The last step asked for one more batch, which the rollout rank scored while
-                # that step trained: its scorer's error reaches the trainer at the next step.
+                # Batch 4, asked for by step 2, was scored on the rollout ranks while the steps
+                # trained: its scorer's error reaches the trainer at step 4.
                 from megarl.reward.manager import RewardError
 
                 try:
-                    train_step(run, steps + 1, batches[steps], None)
+                    train_step(run, steps + 1, batches[steps])
                 except RewardError as exc:
                     out["scorer_error"] = str(exc)
         finally:

@@ -1,0 +1,182 @@
+"""The rollout ranks' side of a split launch (disaggregated placement, issue 26): :func:`serve`
+runs the commands of :class:`~megarl.rollout.remote_engine.RemoteEngine` (the protocol is in its
+module docstring) on this rank's part of the rollout ranks' vLLM replicas.
+
+Three threads talk to the training side, one per group of
+:class:`~megarl.parallel.split_world.Channels`, so that none waits behind another:
+
+- the commands thread receives every command on ``control`` as soon as the trainer sends it
+  and queues it for the main thread (the trainer asking ahead never waits for a generation);
+- the weights thread receives each announced weight version on ``weights`` into a staging slot
+  while the main thread goes on generating with the weights the engine holds;
+- the replies thread (first rollout rank) sends each reply on ``replies``, in order, when the
+  trainer takes it (the main thread goes on with the next request meanwhile).
+
+The main thread runs the queued commands in order: the engine, the replicas' collectives and the
+reward manager stay on it. A request carries the weight version it must be generated with (the
+trainer's newest when it asked); before generating it the main thread loads that version from
+the slot, between two requests, never inside one. The slot holds one version: the weights
+thread receives the next one once the main thread has loaded or dropped the last one (a version
+no request asks for is dropped when the next is announced), so the rollout side holds at most
+one copy of the weights besides its engine's, and a trainer more than a version ahead waits in
+its weight sync. A thread's error (the trainer gone, a timeout) ends :func:`serve` with it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+from megarl.parallel.split_world import Channels, broadcast_object
+
+__all__ = ["serve"]
+
+
+class _Staging:
+    """The staging slot between the weights thread and the main thread."""
+
+    def __init__(self) -> None:
+        self.todo: queue.Queue = queue.Queue()
+        """(version, plan) announced, for the weights thread (None: stop)."""
+        self._cond = threading.Condition()
+        self._slot: tuple[int, Any, list] | None = None
+        self.error: BaseException | None = None
+
+    def receive_all(self, group: Any) -> None:
+        """The weights thread: each announced version into the slot once it is free."""
+        from megarl.rollout.reshard.remote import receive_buckets
+
+        while (item := self.todo.get()) is not None:
+            version, plan = item
+            with self._cond:
+                self._cond.wait_for(lambda: self._slot is None)
+            flats = receive_buckets(plan, group)
+            with self._cond:
+                self._slot = (version, plan, flats)
+                self._cond.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._cond:
+            self.error = exc
+            self._cond.notify_all()
+
+    def take(self, version: int) -> tuple[Any, list]:
+        """The main thread: wait for ``version`` in the slot and empty it; its plan and
+        buckets."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._slot is not None or self.error is not None)
+            if self._slot is None:
+                raise RuntimeError(f"weight version {version} never came in") from self.error
+            got, plan, flats = self._slot
+            if got != version:  # the protocol's order broken: never expected
+                raise RuntimeError(f"weight version {got} came in where {version} was expected")
+            self._slot = None
+            self._cond.notify_all()
+        return plan, flats
+
+
+def serve(engine: Any, channels: Channels, score: Any = None) -> None:
+    """Run the training ranks' commands on ``engine`` until ``stop`` (see the module docstring).
+
+    ``score(batch, reward)``: scores a generated batch when its request asks for it (every
+    rollout rank calls it, as the reward manager is collective); its error goes back as text.
+    """
+    from megarl.rollout.reshard.remote import load_buckets
+
+    inbox: queue.Queue = queue.Queue()
+    """(arrival time, command) in the trainer's order, or (None, error) from a thread."""
+    outbox: queue.Queue | None = queue.Queue() if channels.replies is not None else None
+    staging = _Staging()
+
+    def run(target, *args) -> threading.Thread:
+        def body() -> None:
+            try:
+                target(*args)
+            except BaseException as exc:  # noqa: BLE001 -- the main thread raises it
+                staging.fail(exc)
+                inbox.put((None, exc))
+
+        thread = threading.Thread(target=body, name=f"megarl-{target.__name__}", daemon=True)
+        thread.start()
+        return thread
+
+    def read_commands() -> None:
+        while True:
+            command = broadcast_object(channels.control, None, 0)
+            if command[0] == "weights":
+                staging.todo.put(command[1:])
+            inbox.put((time.perf_counter(), command))
+            if command[0] == "stop":
+                if outbox is not None:
+                    outbox.put(None)
+                    threads[-1].join()  # the replies were all taken before the stop came
+                return
+
+    def send_replies() -> None:
+        while (reply := outbox.get()) is not None:
+            broadcast_object(channels.replies, reply, 1)
+
+    threads = [run(read_commands), run(staging.receive_all, channels.weights)]
+    if outbox is not None:
+        threads.append(run(send_replies))
+    held, announced = -1, None  # the version the engine holds; the last one announced
+    try:
+        while True:
+            waiting = time.perf_counter()
+            arrived, command = inbox.get()
+            if arrived is None:
+                raise command
+            idle = max(0.0, arrived - waiting)
+            if command[0] == "stop":
+                if outbox is not None:
+                    outbox.put(None)
+                    threads[-1].join()  # the replies were all taken before the stop came
+                return
+            if command[0] == "eos":
+                _reply(outbox, list(engine.eos_token_ids))
+            elif command[0] == "weights":
+                if announced is not None and announced != held:
+                    staging.take(announced)  # no request asked for it: dropped
+                announced = command[1]
+            elif command[0] == "generate":
+                version, requests = command[1], command[2]
+                loading = time.perf_counter()
+                if version != held:
+                    load_buckets(engine, *staging.take(version))
+                    held = version
+                loaded = time.perf_counter() - loading
+                for prompts, kwargs, reward in requests:  # one reply each, in order
+                    reply = _generate(engine, prompts, kwargs, reward, score)
+                    reply["timing"].update(idle=idle, update_weights=loaded)
+                    _reply(outbox, reply)
+                    idle = loaded = 0.0
+            else:
+                raise ValueError(f"unknown rollout command {command[0]!r}")
+    finally:
+        staging.todo.put(None)  # the threads still waiting are daemons: they end with the rank
+
+
+def _reply(outbox: queue.Queue | None, reply: Any) -> None:
+    """Queue ``reply`` for the replies thread (the first rollout rank; the others send none)."""
+    if outbox is not None:
+        outbox.put(reply)
+
+
+def _generate(engine: Any, prompts: list, kwargs: dict, reward: dict | None, score: Any) -> dict:
+    """One request of a ``generate`` command: the batch, its scores when asked (a result, or
+    an error's one line: the scorer's own, or this one) and the seconds spent."""
+    from megarl.rollout.distribute import generate_on_replicas
+
+    start = time.perf_counter()
+    batch = generate_on_replicas(engine, prompts, **kwargs)
+    generated = time.perf_counter()
+    scored = None
+    if reward is not None and score is not None:
+        try:
+            scored = score(batch, reward)
+        except Exception as exc:  # noqa: BLE001 -- the trainer raises it, in one line
+            scored = f"{type(exc).__name__}: {exc}"
+    timing = {"generate": generated - start, "score": time.perf_counter() - generated}
+    return {"batch": batch, "scored": scored, "timing": timing}
