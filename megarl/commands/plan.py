@@ -109,6 +109,10 @@ def render(plan: MemoryPlan, proposals: list[Proposal], source: str) -> str:
             f"{lay.data_parallel_size(c.world)}"
         ),
     ]
+    if plan.rollout_gpus:
+        lines.append(
+            f"rollout: vLLM on {plan.rollout_gpus} GPU(s) of its own (phase 'rollout ranks')"
+        )
     if plan.moe:
         lines.append(
             f"experts: EP {lay.ep} × expert TP {lay.etp} × PP {lay.pp} → expert DP "

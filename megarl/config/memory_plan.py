@@ -26,6 +26,11 @@ A phase FITS when its total is at most ``G - reserve``; the reserve (default 4 G
 CUDA context, NCCL buffers and allocator fragmentation, which this plan does not itemise.
 Host RAM per node is the most training state any phase keeps in host memory, plus vLLM's weights
 where it sleeps at level 1 (``trainer.skip_weight_sync_steps``), for every GPU of the node.
+
+vLLM on ranks of its own (``rollout.nnodes`` > 0): the training GPUs hold no engine in any
+phase (the residency schedule says so), and one more phase, ``rollout ranks``, is a rollout
+GPU: vLLM's pool and nothing else. Each rollout rank stages a weight update in host memory while
+it generates (:mod:`megarl.rollout.remote_serve`): the whole model per rollout rank of a node.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from megarl.config.activations import (
     forward_activations,
     training_activations,
 )
-from megarl.config.batch import BatchPlan, PassBatches, critic_enabled, ref_used
+from megarl.config.batch import BatchPlan, PassBatches, critic_enabled, ref_used, rollout_ranks
 from megarl.config.memory import (
     GIB,
     ITEMSIZE,
@@ -53,7 +58,14 @@ from megarl.config.memory import (
     vllm_weight_bytes,
 )
 from megarl.config.model_dims import ModelDims, padded_vocab_size
-from megarl.config.residency import Residency, engine_is_vllm, residency, schedule
+from megarl.config.residency import (
+    EngineResidency,
+    Residency,
+    engine_is_vllm,
+    engine_on_training_ranks,
+    residency,
+    schedule,
+)
 from megarl.config.schema import MegarlConfig, MegatronConfig
 from megarl.parallel.layout import ParallelLayout
 
@@ -119,6 +131,8 @@ class MemoryPlan:
     assumptions: tuple[str, ...]
     moe: bool = False
     """Whether the model has routed experts (the layout's EP and ETP then matter)."""
+    rollout_gpus: int = 0
+    """GPUs of vLLM's own, beyond the cluster's training GPUs (``rollout.nnodes`` > 0)."""
 
     @property
     def fits(self) -> bool:
@@ -170,6 +184,7 @@ class MemoryPlan:
                 for p in self.phases
             ],
             "host_ram_per_node": [t.__dict__ for t in self.host_ram_per_node],
+            "rollout_gpus": self.rollout_gpus,
             "kv_cache": self.kv_cache,
             "assumptions": list(self.assumptions),
         }
@@ -268,7 +283,11 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
             Phase(name, (*resident, *_engine_terms(placed, pool, vllm), *transient.get(name, ())))
         )
         most_offloaded = max(most_offloaded, _in_host_memory(placed, models))
+    own = rollout_ranks(cfg)
+    if own and engine_is_vllm(cfg):  # vLLM on GPUs of its own: its pool is all they hold
+        phases.append(Phase("rollout ranks", tuple(_engine_terms(OWN_GPUS, pool, vllm))))
     level1 = bool(cfg.trainer.skip_weight_sync_steps) and arr.rollout.free_cache_engine
+    whole = vllm_weight_bytes(dims, 1, ITEMSIZE[cfg.trainer.dtype])
     host = (
         Term(
             "offloaded training state",
@@ -278,8 +297,14 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
         ),
         Term(
             "vLLM weights asleep (level 1)",
-            (vllm if level1 and engine_is_vllm(cfg) else 0) * cluster.gpus_per_node,
+            (vllm if level1 and engine_on_training_ranks(cfg) else 0) * cluster.gpus_per_node,
             "G_node × vLLM weights per rank (level 1 only before a skipped sync; else level 2)",
+        ),
+        Term(
+            "weight updates staged on rollout ranks",
+            whole * _rollout_ranks_per_node(cfg) if own else 0,
+            "rollout ranks per node × the whole model (each receives whole tensors while it "
+            "generates; on nodes of their own: those nodes' RAM)",
         ),
     )
     impl = _impl(cfg, arr.actor.megatron)
@@ -307,7 +332,7 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
                 "balanced, no token dropping; vLLM keeps every expert, split over its TP"
             ),
         )
-    return MemoryPlan(cluster, layout, tuple(phases), host, kv, notes, dims.is_moe)
+    return MemoryPlan(cluster, layout, tuple(phases), host, kv, notes, dims.is_moe, own)
 
 
 _PARTS = (("params", "params", "e·n_pad (e·n without distributed optimizer)"),
@@ -364,6 +389,15 @@ def _engine_terms(placed: Residency, pool: int, weights: int) -> list[Term]:
     if engine.weights:
         return [Term("vLLM weights (awake)", weights, "vLLM weights per rank")]
     return [Term("vLLM asleep", 0, "level 2 (or 1 before a skipped sync): nothing on the GPU")]
+
+
+OWN_GPUS = Residency({}, EngineResidency(weights=True, kv_cache=True))
+"""A rollout rank's device: vLLM awake, nothing else."""
+
+
+def _rollout_ranks_per_node(cfg) -> int:
+    roll = cfg.actor_rollout_ref.rollout
+    return min(rollout_ranks(cfg), roll.n_gpus_per_node or cfg.trainer.n_gpus_per_node)
 
 
 def _setup_terms(cfg, models: dict[str, _Model]) -> tuple[Term, ...]:

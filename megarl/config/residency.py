@@ -29,7 +29,9 @@ leave the device outside the phases that need them exactly when its ``param_offl
 ``grad_offload``, ``optimizer_offload`` say so. vLLM sleeps (``rollout.free_cache_engine``)
 outside ``generate`` and ``sync`` at level 2 when the next wake updates its weights (vLLM's
 contract for "update the model": nothing copied to host memory and back only to be
-overwritten), level 1 when the next step keeps them (``trainer.skip_weight_sync_steps``).
+overwritten), level 1 when the next step keeps them (``trainer.skip_weight_sync_steps``). With
+vLLM on ranks of its own (``rollout.nnodes`` > 0) the training devices hold no engine in any
+phase.
 
 Pure (no torch, no processes).
 """
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.config.batch import critic_enabled, ref_used
+from megarl.config.batch import critic_enabled, ref_used, rollout_ranks
 from megarl.config.schema import MegarlConfig
 
 PHASES = (
@@ -89,10 +91,12 @@ class EngineResidency:
 
 @dataclass(frozen=True)
 class Residency:
-    """One phase: every model present in the run, and the engine (None: the actor generates)."""
+    """One phase: every model present in the run, and the engine."""
 
     models: dict[str, ModelResidency]
     engine: EngineResidency | None
+    """None: no engine on these devices (the actor generates, or vLLM runs on ranks of its
+    own)."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,11 @@ def _offloads(meg) -> Offloads:
 
 def engine_is_vllm(cfg: MegarlConfig) -> bool:
     return cfg.actor_rollout_ref.rollout.name == "vllm"
+
+
+def engine_on_training_ranks(cfg: MegarlConfig) -> bool:
+    """vLLM shares the training ranks' devices (not on ranks of its own)."""
+    return engine_is_vllm(cfg) and not rollout_ranks(cfg)
 
 
 def phases_of(cfg: MegarlConfig) -> tuple[str, ...]:
@@ -152,7 +161,7 @@ def residency(cfg: MegarlConfig, phase: str) -> Residency:
             optimizer=trainable and (saved or role == trains or not off.optimizer),
         )
     engine = None
-    if engine_is_vllm(cfg):
+    if engine_on_training_ranks(cfg):
         awake = not cfg.actor_rollout_ref.rollout.free_cache_engine
         engine = EngineResidency(
             weights=awake or phase in ("generate", "sync", "checkpoint"),

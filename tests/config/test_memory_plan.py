@@ -171,15 +171,21 @@ def test_bad_input_is_one_line_and_exit_2(argv, names, tmp_path, capsys):
     assert "Traceback" not in captured.err and captured.out == ""
 
 
+OWN_RANKS = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=8"]
+"""vLLM on a node of its own (8 rollout ranks)."""
+
+
 @pytest.mark.parametrize(
     "overrides",
     [[], NO_OFFLOAD_TP1_PP1, ["actor_rollout_ref.rollout.free_cache_engine=false"],
-     ["actor_rollout_ref.rollout.name=actor", "algorithm.use_kl_in_reward=false"]],
-    ids=["offloads", "no_offloads", "vllm_awake", "actor_engine_no_ref"],
+     ["actor_rollout_ref.rollout.name=actor", "algorithm.use_kl_in_reward=false"], OWN_RANKS],
+    ids=["offloads", "no_offloads", "vllm_awake", "actor_engine_no_ref", "vllm_own_ranks"],
 )  # fmt: skip
 def test_the_planner_sums_the_residency_schedule(overrides):
     """Each phase of the plan holds exactly the state the schedule the trainer applies keeps on
-    the device (tests/trainer/test_trainer_runs.py holds the trainer to the same schedule)."""
+    the device (tests/trainer/test_trainer_runs.py holds the trainer to the same schedule; with
+    vLLM on ranks of its own, tests/trainer/test_disaggregated.py), and with vLLM on ranks of its
+    own one more phase: a rollout GPU, vLLM's pool only."""
     from megarl.config import critic_enabled, ref_used
     from megarl.config.residency import schedule
 
@@ -187,13 +193,18 @@ def test_the_planner_sums_the_residency_schedule(overrides):
     dims = _dims_72b()
     plan = plan_memory(cfg, dims, Cluster(8, 8, 80.0))
     declared = schedule(cfg)
-    assert [p.name for p in plan.phases] == list(declared)
+    phases = list(plan.phases)
+    if overrides == OWN_RANKS:
+        own = phases.pop()
+        assert own.name == "rollout ranks"
+        assert {t.name: t.nbytes for t in own.terms} == {"vLLM pool": int(0.5 * 80 * GIB)}
+    assert [p.name for p in phases] == list(declared)
     opt = OptimizerAssumptions(impl="transformer_engine", adam="fused")
     layout = ParallelLayout(
         cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size,
         cfg.actor_rollout_ref.actor.megatron.pipeline_model_parallel_size,
     )
-    for phase in plan.phases:
+    for phase in phases:
         terms = {t.name: t.nbytes for t in phase.terms}
         for role, on in declared[phase.name].models.items():
             state = model_state(dims, layout, 64, "ref" if role == "ref" else role, opt)
@@ -227,3 +238,20 @@ def test_the_72b_setup_phase_holds_one_model_being_built():
     largest = max(built, key=built.get)
     assert {t.name: t.nbytes for t in setup.terms} == {"vLLM asleep": 0, largest: built[largest]}
     assert plan.fits and setup.total < 20 * GIB
+
+
+def test_vllm_on_ranks_of_its_own_leaves_the_training_gpus_and_stages_in_host_memory():
+    """The training GPUs of the 72B config hold no vLLM in any phase (its generate phase drops
+    by the pool, 40 GiB); host memory holds each rollout rank's staged update (the whole model in
+    bf16) for the 8 rollout ranks of a node, and nothing of it colocated."""
+    colocated = plan_memory(load_config(CFG_72B), _dims_72b(), Cluster(8, 8, 80.0))
+    own = plan_memory(load_config(CFG_72B, OWN_RANKS), _dims_72b(), Cluster(8, 8, 80.0))
+    generate = [{p.name: p.total for p in plan.phases}["generate"] for plan in (colocated, own)]
+    assert generate[0] - generate[1] == int(0.5 * 80 * GIB)
+    staged = {t.name: t.nbytes for t in own.host_ram_per_node}[
+        "weight updates staged on rollout ranks"
+    ]
+    assert staged == 8 * vllm_weight_bytes(_dims_72b(), 1, 2)
+    assert {t.name: t.nbytes for t in colocated.host_ram_per_node}[
+        "weight updates staged on rollout ranks"
+    ] == 0

@@ -79,3 +79,13 @@ def test_sleep_level_two_unless_the_step_keeps_the_weights():
 def test_an_unknown_phase_is_refused():
     with pytest.raises(ValueError, match="unknown phase 'rollout'"):
         residency(load_config(CFG_72B), "rollout")
+
+
+def test_vllm_on_ranks_of_its_own_puts_no_engine_on_the_training_devices():
+    """Its devices are the rollout ranks' (the models move exactly as colocated)."""
+    own = load_config(CFG_72B, ["actor_rollout_ref.rollout.nnodes=1"])
+    colocated = load_config(CFG_72B)
+    assert phases_of(own) == phases_of(colocated)
+    for phase in phases_of(own):
+        assert residency(own, phase).engine is None
+        assert residency(own, phase).models == residency(colocated, phase).models

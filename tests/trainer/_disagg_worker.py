@@ -50,6 +50,10 @@ def main() -> None:
     off = mode.endswith("_off")  # the one-step-off pair: the dense model at PP 2; else the MoE
     config = spec["config"] if off else spec["on_config"]
     overrides = spec["overrides"] + (spec["off_overrides"] if off else spec["on_overrides"])
+    if mode.startswith("split"):  # the config megarl train would split this launch by
+        overrides += ["actor_rollout_ref.rollout.nnodes=1",
+                      "actor_rollout_ref.rollout.n_gpus_per_node=2",
+                      f"async_training.staleness_threshold={STALENESS if off else 0}"]  # fmt: skip
     cfg = resolve_config(load_config([config], overrides))
     if mode.startswith("split"):
         from megarl.parallel.split_world import split_world
@@ -93,6 +97,10 @@ def main() -> None:
                     "rewards": batch.fields["token_level_rewards"].sum(-1).tolist(),
                 })  # fmt: skip
             out["weights"] = _hf_weights(run.actor.chunks, run.actor.model.dims)
+            from megarl.config.residency import residency
+
+            out["residency"] = [(phase, applied, residency(cfg, phase))
+                                for phase, applied in run.residency_log]  # fmt: skip
             out["world"] = dist.get_world_size()
             if mode == "split_off":
                 # Batch 4, asked for by step 2, was scored on the rollout ranks while the steps

@@ -87,8 +87,10 @@ def _same_run(colocated: dict, split: dict) -> None:
     for step, (a, b) in enumerate(zip(colocated["steps"], split["steps"], strict=True), start=1):
         assert a["input_ids"] == b["input_ids"], step
         assert a["rewards"] == b["rewards"], step
+        # only the colocated engine sleeps (the rollout ranks' devices train nothing)
+        assert set(a["metrics"]) - set(b["metrics"]) == {"rollout/sleep_level"}, step
         for key, value in a["metrics"].items():
-            if key.startswith(("timing", "perf", "memory")):
+            if key.startswith(("timing", "perf", "memory", "rollout/sleep")):
                 continue
             assert b["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
     for name, w in colocated["weights"].items():
@@ -116,6 +118,18 @@ def test_bounded_staleness_trains_on_the_rollouts_of_older_weights(runs):
     assert staleness == [0.0, 1.0, 2.0]
     gaps = [s["metrics"]["rollout/logprob_diff_max"] for s in runs["split_off"]["steps"]]
     assert gaps[0] <= 1e-4 < gaps[1]  # the behaviour policy is older than the actor from step 2
+
+
+def test_the_training_ranks_hold_what_the_planner_declares(runs):
+    """No engine on the training devices in any phase (megarl plan sums the same schedule:
+    tests/config/test_memory_plan.py), the models where the colocated run has them."""
+    for mode in ("split", "split_off"):
+        log = runs[mode]["residency"]
+        assert [phase for phase, _, _ in log][:3] == ["setup", "sync", "generate"]
+        for phase, applied, declared in log:
+            assert applied == declared and applied.engine is None, (mode, phase, applied)
+    colocated = [applied.models for _, applied, _ in runs["colocated_off"]["residency"]]
+    assert [applied.models for _, applied, _ in runs["split_off"]["residency"]] == colocated
 
 
 def test_a_scorer_error_on_the_rollout_rank_is_raised_on_the_trainer_in_one_line(runs):
