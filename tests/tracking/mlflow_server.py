@@ -31,9 +31,12 @@ class MlflowServer:
             "--artifacts-destination", str(self.root / "artifacts"),
         ]  # fmt: skip
         log = open(self.root / "server.log", "a")  # noqa: SIM115 (lives with the server)
-        # Its own session: stop() signals the whole group (the server forks workers).
+        # Its own session: stop() signals the whole group (the server forks workers). Without
+        # its job runner (GenAI jobs, unused here), whose store directory in /dev/shm the server
+        # never removes: the suite left one per server start.
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
