@@ -20,7 +20,11 @@ error, and the others still run):
   device-to-device copy of the same bytes, generation tokens/s. Where vLLM does not import
   (``--rollout auto``; a machine with no network, say) one run samples with the Megatron actor
   itself (``rollout.name=actor``, short responses): the GPU trainer without vLLM's figures;
-- ``memory``: each phase's measured peak against ``megarl plan`` for the same config.
+- ``memory``: each phase's measured peak against ``megarl plan`` for the same config;
+- ``overlap``: the ``train`` run's config one step off with vLLM on a rank of its own (issue 26:
+  2 processes, 1 training and 1 rollout; on one GPU both share it, vLLM taking its
+  ``gpu_memory_utilization``): the staleness of each step, vLLM's agreement after the first
+  sync, the step time, each side's wait and the weight update's seconds.
 
 Prints the table and writes ``<out>/gpu_check.json``; exits 1 when a section failed.
 """
@@ -55,7 +59,7 @@ SHAPES = {
                    "vocab_size": 32000},
 }  # fmt: skip
 """Model shapes (Qwen2.5's, with the synthetic tokenizer's vocabulary)."""
-SECTIONS = ("stack", "logits", "gpu_tests", "train")
+SECTIONS = ("stack", "logits", "gpu_tests", "train", "overlap")
 """What ``--sections`` can pick (``train`` brings its ``memory`` row)."""
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 """Dense bf16 peak by device name (SXM parts), for MFU."""
@@ -120,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     train_model = "tiny" if args.tiny else "qwen2.5-1.5b"
     needed = [
         *(shapes if "logits" in wanted else []),
-        *([train_model] if "train" in wanted else []),
+        *([train_model] if {"train", "overlap"} & set(wanted) else []),
     ]
     for name in dict.fromkeys(needed):
         models[name] = _section(lambda n=name: _make_model(out / "models" / n, n, cuda))
@@ -149,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         sections[key.replace("train", "memory")] = _section(
             lambda k=key: _memory(sections[k], paths[train_model], cuda)
+        )
+    if "overlap" in wanted:
+        sections["overlap"] = _section(
+            lambda: _overlap(paths[train_model], train_model, out / "overlap", cuda, args.steps)
         )
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     _print_table(report)
@@ -423,6 +431,39 @@ def _train(model: str, shape: str, run_dir: Path, cuda: bool, runner: str | None
     }  # fmt: skip
 
 
+def _overlap(model: str, shape: str, run_dir: Path, cuda: bool, steps: int) -> dict:
+    """The ``train`` run's config, one step off with vLLM on a rank of its own (module
+    docstring)."""
+    from megarl.data.synthetic import write_synthetic_data
+
+    data = run_dir.parent / "data"
+    if not (data / "train.parquet").exists():
+        write_synthetic_data(data)
+    overrides = [
+        *_train_overrides(model, shape, run_dir, data, cuda, steps),
+        "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
+        "async_training.staleness_threshold=1",
+    ]  # fmt: skip
+    config = str(REPO / "configs" / "grpo_tiny_cpu.yaml")
+    _torchrun(["-m", "megarl.train", "--config", config, *overrides],
+              run_dir.parent / f"{run_dir.name}.log", {}, nproc=2)  # fmt: skip
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = [r["metrics"] for r in records if r["step"] > 0]
+    later = metrics[1:] or metrics
+
+    def med(key: str) -> float | None:
+        values = [m[key] for m in later if key in m]
+        return statistics.median(values) if values else None
+
+    return {
+        "overrides": overrides, "steps": len(metrics),
+        "staleness": [m.get("async/staleness_max") for m in metrics],
+        "logprob_diff_first": metrics[0].get("rollout/logprob_diff_max") if metrics else None,
+        "step_s": med("timing_s/step"), "wait_rollout_s": med("async/wait_rollout_s"),
+        "rollout_idle_s": med("async/rollout_idle_s"), "sync_s": med("timing_s/update_weights"),
+    }  # fmt: skip
+
+
 def _memory(train: dict, model: str, cuda: bool) -> dict:
     """``megarl plan`` for the run's own config against what each phase measured."""
     import torch
@@ -453,15 +494,15 @@ def _memory(train: dict, model: str, cuda: bool) -> dict:
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def _torchrun(args: list[str], log: Path, env_extra: dict[str, str]) -> None:
+def _torchrun(args: list[str], log: Path, env_extra: dict[str, str], nproc: int = 1) -> None:
     env = {
         **os.environ,
         **env_extra,
         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
     }
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-           *args]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(nproc), *args]  # fmt: skip
     with log.open("w") as handle:
         done = subprocess.run(cmd, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT,
                               check=False, timeout=3600)  # fmt: skip
@@ -526,6 +567,8 @@ def _print_table(report: dict) -> None:
                   "update_tflops", "update_mfu", "sync_s", "sync_gbps", "copy_gbps",
                   "gen_tokens_per_s"),
         "gpu_tests": ("summary", "failed", "not_collected"),
+        "overlap": ("steps", "staleness", "logprob_diff_first", "step_s", "wait_rollout_s",
+                    "rollout_idle_s", "sync_s"),
     }  # fmt: skip
     for name, section in report["sections"].items():
         status = section.get("status", "ok")
