@@ -29,8 +29,9 @@ where it sleeps at level 1 (``trainer.skip_weight_sync_steps``), for every GPU o
 
 vLLM on ranks of its own (``rollout.nnodes`` > 0): the training GPUs hold no engine in any
 phase (the residency schedule says so), and one more phase, ``rollout ranks``, is a rollout
-GPU: vLLM's pool and nothing else. Each rollout rank stages a weight update in host memory while
-it generates (:mod:`megarl.rollout.remote_serve`): the whole model per rollout rank of a node.
+GPU: vLLM's pool and nothing else. Beyond one step off each rollout rank stages a weight update in
+host memory while it generates (:mod:`megarl.rollout.remote_serve`): the whole model per rollout
+rank of a node.
 """
 
 from __future__ import annotations
@@ -45,7 +46,14 @@ from megarl.config.activations import (
     forward_activations,
     training_activations,
 )
-from megarl.config.batch import BatchPlan, PassBatches, critic_enabled, ref_used, rollout_ranks
+from megarl.config.batch import (
+    BatchPlan,
+    PassBatches,
+    critic_enabled,
+    ref_used,
+    rollout_ranks,
+    steps_ahead,
+)
 from megarl.config.memory import (
     GIB,
     ITEMSIZE,
@@ -302,9 +310,9 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
         ),
         Term(
             "weight updates staged on rollout ranks",
-            whole * _rollout_ranks_per_node(cfg) if own else 0,
+            whole * _rollout_ranks_per_node(cfg) if steps_ahead(cfg) > 1 else 0,
             "rollout ranks per node × the whole model (each receives whole tensors while it "
-            "generates; on nodes of their own: those nodes' RAM)",
+            "generates, beyond one step off; on nodes of their own: those nodes' RAM)",
         ),
     )
     impl = _impl(cfg, arr.actor.megatron)

@@ -7,19 +7,22 @@ Three threads talk to the training side, one per group of
 
 - the commands thread receives every command on ``control`` as soon as the trainer sends it
   and queues it for the main thread (the trainer asking ahead never waits for a generation);
-- the weights thread receives each announced weight version on ``weights`` into a staging slot
-  while the main thread goes on generating with the weights the engine holds;
+- with bounded staleness beyond one step (``stage``), the weights thread receives each announced
+  weight version on ``weights`` into a staging slot while the main thread goes on generating
+  with the weights the engine holds (otherwise the main thread loads each update straight into
+  the engine, bucket by bucket, when it reaches its command: no copy of the weights, and one step
+  off loses nothing by it, as the trainer waits for that batch next anyway);
 - the replies thread (first rollout rank) sends each reply on ``replies``, in order, when the
   trainer takes it (the main thread goes on with the next request meanwhile).
 
 The main thread runs the queued commands in order: the engine, the replicas' collectives and the
 reward manager stay on it. A request carries the weight version it must be generated with (the
-trainer's newest when it asked); before generating it the main thread loads that version from
-the slot, between two requests, never inside one. The slot holds one version: the weights
-thread receives the next one once the main thread has loaded or dropped the last one (a version
-no request asks for is dropped when the next is announced), so the rollout side holds at most
-one copy of the weights besides its engine's, and a trainer more than a version ahead waits in
-its weight sync. A thread's error (the trainer gone, a timeout) ends :func:`serve` with it.
+trainer's newest when it asked); before generating it the main thread loads that version (from
+the slot when staging), between two requests, never inside one. The slot holds one version: the
+weights thread receives the next one once the main thread has loaded or dropped the last one (a
+version no request asks for is dropped when the next is announced), so the rollout side holds at
+most one copy of the weights besides its engine's, and a trainer more than a version ahead waits
+in its weight sync. A thread's error (the trainer gone, a timeout) ends :func:`serve` with it.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class _Staging:
             version, plan = item
             with self._cond:
                 self._cond.wait_for(lambda: self._slot is None)
-            flats = receive_buckets(plan, group)
+            flats = list(receive_buckets(plan, group))
             with self._cond:
                 self._slot = (version, plan, flats)
                 self._cond.notify_all()
@@ -77,13 +80,16 @@ class _Staging:
         return plan, flats
 
 
-def serve(engine: Any, channels: Channels, score: Any = None) -> None:
+def serve(engine: Any, channels: Channels, score: Any = None, *, stage: bool = True) -> None:
     """Run the training ranks' commands on ``engine`` until ``stop`` (see the module docstring).
 
     ``score(batch, reward)``: scores a generated batch when its request asks for it (every
     rollout rank calls it, as the reward manager is collective); its error goes back as text.
+    ``stage``: receive weight updates while generating, into the staging slot; False: each
+    update goes straight into the engine, bucket by bucket, when the main thread reaches its
+    command (no copy of the weights; the trainer's sync waits for the requests before it).
     """
-    from megarl.rollout.reshard.remote import load_buckets
+    from megarl.rollout.reshard.remote import load_buckets, receive_buckets
 
     inbox: queue.Queue = queue.Queue()
     """(arrival time, command) in the trainer's order, or (None, error) from a thread."""
@@ -105,7 +111,7 @@ def serve(engine: Any, channels: Channels, score: Any = None) -> None:
     def read_commands() -> None:
         while True:
             command = broadcast_object(channels.control, None, 0)
-            if command[0] == "weights":
+            if command[0] == "weights" and stage:
                 staging.todo.put(command[1:])
             inbox.put((time.perf_counter(), command))
             if command[0] == "stop":
@@ -118,7 +124,9 @@ def serve(engine: Any, channels: Channels, score: Any = None) -> None:
         while (reply := outbox.get()) is not None:
             broadcast_object(channels.replies, reply, 1)
 
-    threads = [run(read_commands), run(staging.receive_all, channels.weights)]
+    threads = [run(read_commands)]
+    if stage:
+        threads.append(run(staging.receive_all, channels.weights))
     if outbox is not None:
         threads.append(run(send_replies))
     held, announced = -1, None  # the version the engine holds; the last one announced
@@ -136,6 +144,9 @@ def serve(engine: Any, channels: Channels, score: Any = None) -> None:
                 return
             if command[0] == "eos":
                 _reply(outbox, list(engine.eos_token_ids))
+            elif command[0] == "weights" and not stage:
+                load_buckets(engine, command[2], receive_buckets(command[2], channels.weights))
+                held = command[1]
             elif command[0] == "weights":
                 if announced is not None and announced != held:
                     staging.take(announced)  # no request asked for it: dropped

@@ -397,6 +397,7 @@ def _start_vllm(cfg: MegarlConfig, model_path: str, **overrides: Any):
 def serve_rollout(cfg: MegarlConfig) -> None:
     """A rollout rank of a split launch: start vLLM (never asleep: these devices train nothing)
     and run the training ranks' commands until they stop it."""
+    from megarl.config.batch import steps_ahead
     from megarl.parallel.split_world import current
     from megarl.rollout.remote_serve import serve
 
@@ -424,7 +425,9 @@ def serve_rollout(cfg: MegarlConfig) -> None:
             return str(exc)
 
     try:
-        serve(engine, world.channels(), score)
+        # staged while generating only when more than one step is asked ahead (the module
+        # docstring of megarl.rollout.remote_serve: one step off loses nothing without it)
+        serve(engine, world.channels(), score, stage=steps_ahead(cfg) > 1)
     finally:
         rewards.close()
         engine.shutdown()

@@ -6,9 +6,10 @@ The training ranks run the resharding plan as for a colocated engine
 a :class:`~megarl.rollout.remote_engine.RemoteEngine`; the plan is made for vLLM TP 1, so that
 whole tensors reach the first training rank, which broadcasts each bucket, its HF tensors back
 to back, over the ``weights`` group (itself first, then every rollout rank); the other training
-ranks drop theirs. Each rollout rank receives the buckets in plan order on a thread of its own,
-while its engine goes on generating with the weights it holds, and loads them into the engine in
-one weight-update session between two requests, when a request asks for that version
+ranks drop theirs. Each rollout rank receives the buckets in plan order and loads them into its
+engine in one weight-update session between two requests: straight in, bucket by bucket, or
+(bounded staleness beyond one step) received on a thread of its own into a staging copy while the
+engine goes on generating, and loaded when a request asks for that version
 (:mod:`megarl.rollout.remote_serve`; vLLM narrows each tensor for its own TP rank, so any
 rollout TP works). The plan travels with the command; the rollout side needs no Megatron.
 
@@ -18,6 +19,7 @@ for the bytes (gloo through host memory today).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -29,20 +31,18 @@ from megarl.rollout.reshard.plan import ReshardPlan
 __all__ = ["load_buckets", "receive_buckets"]
 
 
-def receive_buckets(plan: ReshardPlan, group: Any) -> list[torch.Tensor]:
+def receive_buckets(plan: ReshardPlan, group: Any) -> Iterator[torch.Tensor]:
     """Rollout ranks: every bucket of ``plan`` from ``group``'s root, in plan order (each its
-    HF tensors back to back)."""
-    flats = []
+    HF tensors back to back), each received when the caller asks for it."""
     for bucket in plan.buckets:
         flat = torch.empty(sum(s.numel for s in bucket.slots), dtype=plan.dtype)
         group.broadcast([flat], from_rank(0)).wait()
-        flats.append(flat)
-    return flats
+        yield flat
 
 
-def load_buckets(engine: WeightSink, plan: ReshardPlan, flats: list[torch.Tensor]) -> None:
-    """Load the buckets :func:`receive_buckets` returned into ``engine``, in one weight-update
-    session."""
+def load_buckets(engine: WeightSink, plan: ReshardPlan, flats: Iterable[torch.Tensor]) -> None:
+    """Load ``plan``'s buckets into ``engine``, in one weight-update session: from a staged list,
+    or straight from :func:`receive_buckets` (each bucket loaded as it comes in)."""
     engine.begin_weight_update()
     for bucket, flat in zip(plan.buckets, flats, strict=True):
         named, at = [], 0
