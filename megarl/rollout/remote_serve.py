@@ -115,9 +115,6 @@ def serve(engine: Any, channels: Channels, score: Any = None, *, stage: bool = T
                 staging.todo.put(command[1:])
             inbox.put((time.perf_counter(), command))
             if command[0] == "stop":
-                if outbox is not None:
-                    outbox.put(None)
-                    threads[-1].join()  # the replies were all taken before the stop came
                 return
 
     def send_replies() -> None:
