@@ -22,8 +22,8 @@ calls every method, and the others wait for its result on the training world. Co
   trainer's newest when it asked), gather the batch, score it when ``reward`` asks, and the
   first rollout rank sends it back on ``replies`` (one reply per request, in order);
 - ``("weights", version, plan)``: the buckets of ``plan`` follow on ``weights``, as
-  :func:`~megarl.rollout.reshard.remote.receive_buckets` takes them; the rollout ranks receive
-  them while they generate, and switch to them between requests;
+  :func:`~megarl.rollout.reshard.remote.receive_buckets` takes them; the rollout ranks switch
+  to them between requests (beyond one step off they receive them while they generate);
 - ``("eos",)``: the engine's EOS token ids come back on ``replies``;
 - ``("stop",)``: ``serve`` returns.
 
@@ -32,8 +32,9 @@ soon as this step's batch is in, so the rollout ranks generate them, with the we
 trainer holds when asking, while this step trains; a later ``generate`` with the same arguments
 returns the batch. With up to ``s`` steps asked ahead, step k's batch comes from the weights
 of step k-1-s (:attr:`RemoteEngine.last_version`: syncs finished before it was asked for, the
-first sync being version 0), and the wait for it is timed. The weight updates do not wait for
-the batches asked ahead: their bytes stream to the rollout ranks while they generate. ReMax's
+first sync being version 0), and the wait for it is timed. Beyond one step off the weight
+updates do not wait for the batches asked ahead: their bytes stream to the rollout ranks while
+they generate (at most one step off they go in after the batch asked before them). ReMax's
 greedy batch is asked for with its sampled one, in the same command, so both come from the same
 weights (as colocated, where the engine generates both between two syncs).
 """
@@ -170,8 +171,8 @@ class RemoteEngine:
     # -- weights -----------------------------------------------------------------------------
 
     def begin_weight_update(self) -> None:
-        """Announce the next version (its buckets follow): the batches asked ahead go on
-        generating meanwhile, the bytes streaming to a staging slot on the rollout ranks."""
+        """Announce the next version (its buckets follow; beyond one step off the batches asked
+        ahead go on generating meanwhile, the bytes streaming to a staging slot)."""
         self._order.begin_update()
         if self.channels is not None:
             self._send(("weights", self._syncs, self._plan))
