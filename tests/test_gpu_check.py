@@ -87,3 +87,4 @@ def test_the_overlap_run_trains_one_step_off_with_vllm_on_a_rank_of_its_own(chec
     assert overlap["steps"] == 2 and overlap["staleness"] == [0.0, 1.0]
     assert overlap["logprob_diff_first"] <= 1e-4
     assert overlap["step_s"] > 0 and overlap["sync_s"] > 0
+    assert overlap["weights_link"] == "gloo"  # NCCL only between GPUs of their own

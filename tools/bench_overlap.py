@@ -104,8 +104,9 @@ def _report(runs: dict[str, list[dict]], sleep: float, name_off: str) -> None:
         f"{name_off}: the rollout rank generates {gen:.2f} s and scores {score:.2f} s per step; "
         f"the training ranks wait {_mean(off, 'async/wait_rollout_s') / t_off:.0%} of the step "
         f"for its batch and spend {_mean(off, 'timing_s/update_weights') / t_off:.0%} in the "
-        f"weight update (which waits for the rollout rank to take it in), the rollout rank "
-        f"{_mean(off, 'async/rollout_idle_s') / t_off:.0%} waits for the next request"
+        f"weight update, {_mean(off, 'async/sync_wait_rollout_s') / t_off:.0%} of it waiting for "
+        f"the batch asked before (at most one step off the update goes in after it), the "
+        f"rollout rank {_mean(off, 'async/rollout_idle_s') / t_off:.0%} waits for the next request"
     )
 
 

@@ -36,6 +36,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -445,8 +446,9 @@ def _overlap(model: str, shape: str, run_dir: Path, cuda: bool, steps: int) -> d
         "async_training.staleness_threshold=1",
     ]  # fmt: skip
     config = str(REPO / "configs" / "grpo_tiny_cpu.yaml")
-    _torchrun(["-m", "megarl.train", "--config", config, *overrides],
-              run_dir.parent / f"{run_dir.name}.log", {}, nproc=2)  # fmt: skip
+    log = run_dir.parent / f"{run_dir.name}.log"
+    _torchrun(["-m", "megarl.train", "--config", config, *overrides], log, {}, nproc=2)
+    link = re.search(r"weights over (\w+)", log.read_text())  # NCCL needs a GPU per process
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     metrics = [r["metrics"] for r in records if r["step"] > 0]
     later = metrics[1:] or metrics
@@ -461,6 +463,8 @@ def _overlap(model: str, shape: str, run_dir: Path, cuda: bool, steps: int) -> d
         "logprob_diff_first": metrics[0].get("rollout/logprob_diff_max") if metrics else None,
         "step_s": med("timing_s/step"), "wait_rollout_s": med("async/wait_rollout_s"),
         "rollout_idle_s": med("async/rollout_idle_s"), "sync_s": med("timing_s/update_weights"),
+        "sync_wait_rollout_s": med("async/sync_wait_rollout_s"),
+        "weights_link": link.group(1) if link else None,
     }  # fmt: skip
 
 
@@ -568,7 +572,7 @@ def _print_table(report: dict) -> None:
                   "gen_tokens_per_s"),
         "gpu_tests": ("summary", "failed", "not_collected"),
         "overlap": ("steps", "staleness", "logprob_diff_first", "step_s", "wait_rollout_s",
-                    "rollout_idle_s", "sync_s"),
+                    "rollout_idle_s", "sync_s", "sync_wait_rollout_s", "weights_link"),
     }  # fmt: skip
     for name, section in report["sections"].items():
         status = section.get("status", "ok")

@@ -12,8 +12,8 @@ numbering for the code that reads them (the launch's are kept in ``MEGARL_LAUNCH
 The two sides talk over groups built on the launch's rendezvous store under their own prefixes
 (:meth:`SplitWorld.group`): ``bridge`` holds every process. They are plain ``ProcessGroup``
 objects, not registered with ``torch.distributed``: call their methods (``broadcast``, ``send``,
-...) directly, or the helpers here. gloo everywhere for now (on GPU the tensors go through host
-memory; an NCCL group for the weights is the next step).
+...) directly, or the helpers here. gloo, except the weights' group between GPUs of their own
+(:meth:`SplitWorld.channels`): NCCL, the buckets going from GPU to GPU.
 
 The store: under torchrun its agent hosts it at ``MASTER_ADDR:MASTER_PORT`` and every process
 connects as a client; otherwise (Slurm) the launch's rank 0 hosts it.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
@@ -33,9 +34,19 @@ import torch.distributed as dist
 from megarl.parallel.emulation import enable_cpu_emulation
 from megarl.parallel.init import LaunchEnv, process_group_timeout_minutes, read_launch_env
 
-__all__ = ["Channels", "SplitWorld", "broadcast_object", "current", "from_rank", "split_world"]
+__all__ = [
+    "Channels",
+    "SplitWorld",
+    "broadcast_object",
+    "current",
+    "distinct_devices",
+    "from_rank",
+    "split_world",
+]
 
 Role = Literal["train", "rollout"]
+HOST = torch.device("cpu")
+"""Where gloo's buckets live."""
 
 
 @dataclass
@@ -49,6 +60,8 @@ class Channels:
     """Replies, broadcast by the first rollout rank to the first training rank, in order."""
     weights: Any
     """Weight buckets, broadcast by the first training rank to every rollout rank."""
+    weights_device: torch.device = HOST
+    """Where the buckets on ``weights`` live: this rank's GPU when ``weights`` is NCCL."""
 
 
 @dataclass
@@ -75,30 +88,59 @@ class SplitWorld:
         every rollout rank (None on the other training ranks)."""
         return self.group("control", [0, *self.rollout_ranks])
 
-    def channels(self) -> Channels | None:
+    def channels(self, *, nccl_weights: bool = False) -> Channels | None:
         """The trainer's three groups with the rollout ranks (created in this order by every
         member; each used by one thread of a process, so that none waits behind another); None
-        on the training ranks after the first."""
+        on the training ranks after the first.
+
+        ``nccl_weights`` (the same on every member): the weights' group is NCCL when every
+        member has a GPU of its own (NCCL refuses two ranks on one device; the members compare
+        theirs through the store, so they agree), its buckets on this rank's GPU; gloo and
+        host memory otherwise. Only for a group whose members use it from one thread at a time,
+        while no other NCCL work of theirs runs concurrently (NCCL's rule for several
+        communicators): the rollout side receives at most one step off on its main thread,
+        between two requests (:mod:`megarl.rollout.remote_serve`)."""
         if self.role == "train" and self.rank != 0:
             return None
         first = self.rollout_ranks[0]
-        return Channels(
-            control=self.control(),
-            replies=self.group("replies", [0, first]),
-            weights=self.group("weights", [0, *self.rollout_ranks]),
-        )
+        control = self.control()
+        replies = self.group("replies", [0, first])
+        members = [0, *self.rollout_ranks]
+        if nccl_weights and self._gpus_of_their_own(members):
+            weights = self.group("weights", members, backend="nccl")
+            device = torch.device("cuda", torch.cuda.current_device())
+            weights.broadcast([torch.zeros(1, device=device)], from_rank(0)).wait()  # connect now
+            torch.cuda.synchronize(device)  # while the GPU has room (tests/parallel/test_nccl_gpu)
+            return Channels(control, replies, weights, device)
+        return Channels(control, replies, self.group("weights", members))
 
-    def group(self, name: str, members: list[int]) -> Any:
-        """A gloo group over the launch ranks ``members`` (in that order); created by the
-        members only (None elsewhere), once per name."""
+    def group(self, name: str, members: list[int], *, backend: str = "gloo") -> Any:
+        """A group over the launch ranks ``members`` (in that order), gloo or NCCL (``backend``;
+        on this process's current GPU); created by the members only (None elsewhere), once per
+        name."""
         if self.rank not in members:
             return None
         if name not in self._groups:
             prefix = dist.PrefixStore(f"megarl/{name}", self.store)
-            self._groups[name] = dist.ProcessGroupGloo(
-                prefix, members.index(self.rank), len(members), self.timeout
-            )
+            rank, size = members.index(self.rank), len(members)
+            if backend == "nccl":
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = self.timeout
+                self._groups[name] = dist.ProcessGroupNCCL(prefix, rank, size, options)
+            else:
+                self._groups[name] = dist.ProcessGroupGloo(prefix, rank, size, self.timeout)
         return self._groups[name]
+
+    def _gpus_of_their_own(self, members: list[int]) -> bool:
+        """Whether every one of ``members`` has a GPU no other one has (False without CUDA);
+        every member calls it, and all get the same answer."""
+        mine = ""
+        if torch.cuda.is_available():
+            uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
+            mine = f"{socket.gethostname()}/{uuid}"
+        store = dist.PrefixStore("megarl/devices", self.store)
+        store.set(str(self.rank), mine)
+        return distinct_devices([store.get(str(r)).decode() for r in members])
 
 
 def split_world(train_size: int, *, timeout: timedelta | None = None) -> SplitWorld:
@@ -156,6 +198,12 @@ def _launch_store(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
         is_master=not agent and launch.rank == 0,
         timeout=timeout,
     )
+
+
+def distinct_devices(devices: list[str]) -> bool:
+    """Whether each of ``devices`` (``host/GPU uuid``; empty: no GPU) is a GPU and none is
+    another's."""
+    return all(devices) and len(set(devices)) == len(devices)
 
 
 def from_rank(root: int) -> dist.BroadcastOptions:

@@ -34,7 +34,10 @@ returns the batch. With up to ``s`` steps asked ahead, step k's batch comes from
 of step k-1-s (:attr:`RemoteEngine.last_version`: syncs finished before it was asked for, the
 first sync being version 0), and the wait for it is timed. Beyond one step off the weight
 updates do not wait for the batches asked ahead: their bytes stream to the rollout ranks while
-they generate (at most one step off they go in after the batch asked before them). ReMax's
+they generate (:attr:`RemoteEngine.streams`). At most one step off an update goes in after the
+batch asked before it: the sync takes that batch in first (the wait is the sync's,
+:attr:`RemoteEngine.sync_waited_s`), so the rollout ranks are known to be alive and idle when
+the bytes go (over NCCL where each rank has a GPU of its own). ReMax's
 greedy batch is asked for with its sampled one, in the same command, so both come from the same
 weights (as colocated, where the engine generates both between two syncs).
 """
@@ -85,10 +88,22 @@ class RemoteEngine:
     dp_size = 1
 
     def __init__(
-        self, channels: Channels | None, *, ranks: Sequence[int] = (), timeout=None
+        self,
+        channels: Channels | None,
+        *,
+        ranks: Sequence[int] = (),
+        timeout=None,
+        streams: bool = False,
     ) -> None:
         self.channels = channels
         """The groups with the rollout ranks on the first training rank, None on the others."""
+        self.streams = streams
+        """Whether weight updates stream to the rollout ranks while they generate (beyond one
+        step off, into a staging slot); False: an update goes in once the batches asked before
+        it are in, which the sync takes first."""
+        self.sync_waited_s = 0.0
+        """Seconds the last weight sync waited for the batches asked before it (not streaming;
+        first training rank)."""
         self.ranks = list(ranks)
         """The rollout ranks (the launch's numbering), for the messages."""
         self.timeout = timeout
@@ -114,6 +129,14 @@ class RemoteEngine:
         )
 
     # -- generation --------------------------------------------------------------------------
+
+    @property
+    def weights_link(self) -> str | None:
+        """How the weight buckets travel: ``NCCL`` (GPU to GPU) or ``gloo`` (host memory); None
+        on the training ranks after the first."""
+        if self.channels is None:
+            return None
+        return "NCCL" if self.channels.weights_device.type == "cuda" else "gloo"
 
     @property
     def version(self) -> int:
@@ -153,14 +176,14 @@ class RemoteEngine:
         if self.channels is not None:
             self._send(("generate", version, list(requests)))
 
-    def _take_ahead(self, count: int | None = None) -> None:
+    def _take_ahead(self, count: int | None = None, *, timed: bool = True) -> None:
         """Receive the replies to the first ``count`` requests asked ahead (default: all), those
         not in already, in the order they were asked (first training rank; the others mark
-        them in), with the wait for each."""
+        them in), with the wait for each (0 unless ``timed``: a wait the caller counts)."""
         for ahead in self._ahead[:count]:
             if ahead.reply is None:
                 ahead.reply = self._receive() if self.channels is not None else True
-                ahead.waited_s = self.waited_s
+                ahead.waited_s = self.waited_s if timed else 0.0
 
     def sleep(self, level: int = 1) -> None:
         """Nothing to free: the engine's devices are not the trainer's."""
@@ -171,9 +194,14 @@ class RemoteEngine:
     # -- weights -----------------------------------------------------------------------------
 
     def begin_weight_update(self) -> None:
-        """Announce the next version (its buckets follow; beyond one step off the batches asked
-        ahead go on generating meanwhile, the bytes streaming to a staging slot)."""
+        """Announce the next version (its buckets follow): streaming, the batches asked ahead go
+        on generating meanwhile, the bytes going to a staging slot; otherwise once the batches
+        asked before are in (taken now, the wait timed in :attr:`sync_waited_s`)."""
         self._order.begin_update()
+        start = time.perf_counter()
+        if not self.streams:
+            self._take_ahead(timed=False)
+        self.sync_waited_s = time.perf_counter() - start
         if self.channels is not None:
             self._send(("weights", self._syncs, self._plan))
 
@@ -185,12 +213,16 @@ class RemoteEngine:
         self._order.check_updating("load_weight_chunk")
         if self.channels is None:
             return
-        flat = torch.cat([t.reshape(-1).cpu() for _, t in named_tensors])
+        device = self.channels.weights_device
+        flat = torch.cat([t.reshape(-1).to(device) for _, t in named_tensors])
         with self._answering():
             self.channels.weights.broadcast([flat], from_rank(0)).wait()
 
     def finish_weight_update(self) -> None:
         self._order.finish_update()
+        if self.channels is not None and self.channels.weights_device.type == "cuda":
+            with self._answering():  # NCCL's wait only ordered the stream: the bytes are out
+                torch.cuda.synchronize(self.channels.weights_device)
         self._syncs += 1
 
     def shutdown(self) -> None:

@@ -11,7 +11,9 @@ Three threads talk to the training side, one per group of
   weight version on ``weights`` into a staging slot while the main thread goes on generating
   with the weights the engine holds (otherwise the main thread loads each update straight into
   the engine, bucket by bucket, when it reaches its command: no copy of the weights, and one step
-  off loses nothing by it, as the trainer waits for that batch next anyway);
+  off loses nothing by it, as the trainer waits for that batch next anyway; the bytes go GPU to
+  GPU over NCCL then, where each rank has a GPU of its own, as nothing else of this process
+  runs on the GPU meanwhile);
 - the replies thread (first rollout rank) sends each reply on ``replies``, in order, when the
   trainer takes it (the main thread goes on with the next request meanwhile).
 
@@ -142,7 +144,8 @@ def serve(engine: Any, channels: Channels, score: Any = None, *, stage: bool = T
             if command[0] == "eos":
                 _reply(outbox, list(engine.eos_token_ids))
             elif command[0] == "weights" and not stage:
-                load_buckets(engine, command[2], receive_buckets(command[2], channels.weights))
+                buckets = receive_buckets(command[2], channels.weights, channels.weights_device)
+                load_buckets(engine, command[2], buckets)
                 held = command[1]
             elif command[0] == "weights":
                 if announced is not None and announced != held:

@@ -283,7 +283,8 @@ def _announce(run: Run) -> None:
 
 
 def _rollout_placement(run: Run) -> str:
-    """The rollout TP and, for vLLM on ranks of its own, where and how far behind."""
+    """The rollout TP and, for vLLM on ranks of its own, where, how far behind and how the
+    weights get there."""
     cfg = run.cfg
     from megarl.config.batch import rollout_ranks, steps_ahead
 
@@ -294,7 +295,10 @@ def _rollout_placement(run: Run) -> str:
     off = {0: "on-policy", 1: "one step off"}.get(ahead, f"up to {ahead} steps off")
     tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     replicas = f" x {ranks // tp} replicas" if ranks > tp else ""
-    return f"{tp}{replicas} on {ranks} rank(s) of its own, {off}"
+    link = getattr(run.engine, "weights_link", None)
+    return f"{tp}{replicas} on {ranks} rank(s) of its own, {off}" + (
+        f", weights over {link}" if link else ""
+    )
 
 
 def _farewell(run: Run, first: float | None, last: float | None) -> None:

@@ -378,9 +378,12 @@ def _start_vllm(cfg: MegarlConfig, model_path: str, **overrides: Any):
 
     world = current()
     if world is not None and world.role == "train":
+        from megarl.config.batch import steps_ahead
         from megarl.rollout.remote_engine import RemoteEngine
 
-        return RemoteEngine(world.channels(), ranks=world.rollout_ranks, timeout=world.timeout)
+        streams = steps_ahead(cfg) > 1  # as serve_rollout's staging
+        return RemoteEngine(world.channels(nccl_weights=not streams), ranks=world.rollout_ranks,
+                            timeout=world.timeout, streams=streams)  # fmt: skip
     from megarl.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine.from_config(
@@ -426,8 +429,10 @@ def serve_rollout(cfg: MegarlConfig) -> None:
 
     try:
         # staged while generating only when more than one step is asked ahead (the module
-        # docstring of megarl.rollout.remote_serve: one step off loses nothing without it)
-        serve(engine, world.channels(), score, stage=steps_ahead(cfg) > 1)
+        # docstring of megarl.rollout.remote_serve: one step off loses nothing without it);
+        # otherwise the bytes go GPU to GPU over NCCL where each rank has a GPU of its own
+        stage = steps_ahead(cfg) > 1
+        serve(engine, world.channels(nccl_weights=not stage), score, stage=stage)
     finally:
         rewards.close()
         engine.shutdown()

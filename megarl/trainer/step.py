@@ -184,6 +184,8 @@ def train_step(
         enter(run, "sync", step=step)  # vLLM's weights awake, its KV cache at the next generate
         if step not in cfg.trainer.skip_weight_sync_steps:
             sync_engine(run)
+            if hasattr(run.engine, "sync_waited_s"):  # of it, waiting for the batch asked before
+                metrics["async/sync_wait_rollout_s"] = run.engine.sync_waited_s
 
     metrics.update(step_metrics(run, batch, scored, timer, start))
     return metrics, batch

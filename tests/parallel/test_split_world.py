@@ -1,14 +1,18 @@
 """A split launch (megarl.parallel.split_world): each side its own world, groups between them,
 and a rollout side that stops answering makes the training side fail in one line naming it
-within the timeout (megarl.rollout.remote_engine)."""
+within the timeout (megarl.rollout.remote_engine); weight updates from the trainer's
+RemoteEngine reach the rollout side's engine whole and in order, over gloo on CPU and over NCCL,
+GPU to GPU, between two GPUs (megarl.rollout.remote_serve)."""
 
 from __future__ import annotations
 
 import time
+from typing import ClassVar
 
 import pytest
 
 from megarl.parallel.spawn import run_local_world
+from megarl.parallel.split_world import distinct_devices
 
 pytestmark = pytest.mark.multirank
 
@@ -33,7 +37,8 @@ def split_rank() -> dict:
     out = {"role": world.role, "side": [dist.get_rank(), dist.get_world_size(), t.item()],
            "env": [os.environ["RANK"], os.environ["WORLD_SIZE"]],
            "bridge": broadcast_object(world.bridge, "from rollout" if world.rank == 2 else None, 2)}  # fmt: skip
-    channels = world.channels()
+    channels = world.channels(nccl_weights=True)  # no GPUs here: gloo
+    out["weights_device"] = None if channels is None else str(channels.weights_device)
     if world.role == "rollout":
         assert broadcast_object(channels.control, None, 0) == ("eos",)
         broadcast_object(channels.replies, [7], 1)
@@ -62,6 +67,7 @@ def test_each_side_has_its_own_world_and_the_bridge_joins_them(results):
     assert [r["env"] for r in results] == [["0", "2"], ["1", "2"], ["0", "1"]]
     assert {r["bridge"] for r in results} == {"from rollout"}
     assert results[0]["eos"] == results[1]["eos"] == [7]
+    assert [r["weights_device"] for r in results] == ["cpu", None, "cpu"]
 
 
 def test_a_rollout_side_that_stops_answering_is_one_line_naming_it(results):
@@ -69,3 +75,109 @@ def test_a_rollout_side_that_stops_answering_is_one_line_naming_it(results):
     print(error, results[0]["seconds"])
     assert error.startswith("the rollout rank(s) [2] did not answer within 3s (dead or hung)")
     assert "\n" not in error and results[0]["seconds"] < 7
+
+
+def test_nccl_only_between_gpus_of_their_own():
+    assert distinct_devices(["n0/GPU-a", "n0/GPU-b", "n1/GPU-a"])
+    assert not distinct_devices(["n0/GPU-a", "n0/GPU-a"])  # two ranks on one GPU: NCCL refuses
+    assert not distinct_devices(["n0/GPU-a", ""])  # a rank without a GPU
+
+
+class _Sink:
+    """The rollout side's engine, recording each weight-update session: per tensor its name,
+    device, sum and last element."""
+
+    eos_token_ids: ClassVar[list[int]] = [7]
+
+    def __init__(self) -> None:
+        self.sessions: list[list] = []
+
+    def begin_weight_update(self) -> None:
+        self.sessions.append([])
+
+    def load_weight_chunk(self, named) -> None:
+        self.sessions[-1] += [(n, t.device.type, t.sum().item(), t.flatten()[-1].item())
+                              for n, t in named]  # fmt: skip
+
+    def finish_weight_update(self) -> None:
+        pass
+
+
+def _weight(slot_index: int, shape, version: int, device):
+    import torch
+
+    start = 1000.0 * version + slot_index
+    return (torch.arange(torch.Size(shape).numel(), dtype=torch.float32, device=device) + start
+            ).view(shape)  # fmt: skip
+
+
+def weights_rank() -> dict:
+    """2 ranks: 1 training, 1 rollout. The trainer's RemoteEngine sends two weight updates of
+    the tiny model (each tensor numbered by its slot and the version), as a sync at most one
+    step off does; the rollout rank loads each straight into its engine (``serve`` unstaged)."""
+    import torch
+
+    from megarl.config.model_dims import ModelDims
+    from megarl.models.tiny import tiny_hf_config
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.parallel.split_world import split_world
+    from megarl.rollout.remote_engine import RemoteEngine
+    from megarl.rollout.remote_serve import serve
+    from megarl.rollout.reshard.make_plan import make_reshard_plan
+
+    world = split_world(1)
+    dims = ModelDims.from_hf_config(tiny_hf_config("qwen2", num_layers=2))
+    plan = make_reshard_plan(dims, ParallelLayout(), 1, bucket_bytes=32 << 10, dtype=torch.float32)
+    channels = world.channels(nccl_weights=True)
+    out = {"weights_device": channels.weights_device.type, "buckets": len(plan.buckets)}
+    if world.role == "rollout":
+        sink = _Sink()
+        serve(sink, channels, stage=False)
+        return {**out, "sessions": sink.sessions}
+    engine = RemoteEngine(channels, ranks=world.rollout_ranks)
+    engine.bind_plan(plan)
+    source = "cuda" if torch.cuda.is_available() else "cpu"  # where the trainer's tensors are
+    for version in range(2):
+        engine.begin_weight_update()
+        first = 0  # the bucket's first slot, counting over the plan
+        for bucket in plan.buckets:
+            engine.load_weight_chunk([(s.name, _weight(first + i, s.shape, version, source))
+                                      for i, s in enumerate(bucket.slots)])  # fmt: skip
+            first += len(bucket.slots)
+        engine.finish_weight_update()
+    engine.shutdown()
+    slots = [s for bucket in plan.buckets for s in bucket.slots]
+    expected = [[(s.name, _weight(i, s.shape, v, "cpu")) for i, s in enumerate(slots)]
+                for v in range(2)]  # fmt: skip
+    out["expected"] = [[(n, t.sum().item(), t.flatten()[-1].item()) for n, t in session]
+                       for session in expected]  # fmt: skip
+    return out
+
+
+def _check_weight_updates(results: list[dict], device: str) -> None:
+    trainer, rollout = results
+    assert trainer["buckets"] > 2  # several buckets per update
+    assert trainer["weights_device"] == rollout["weights_device"] == device
+    got = [[(n, total, last) for n, dev, total, last in session] for session in rollout["sessions"]]
+    assert [json_round(s) for s in got] == [json_round(s) for s in trainer["expected"]]
+    assert {dev for session in rollout["sessions"] for _, dev, _, _ in session} == {device}
+
+
+def json_round(session: list) -> list:
+    return [list(item) for item in session]
+
+
+def test_weight_updates_reach_the_rollout_engine_whole_and_in_order():
+    """On CPU the weights' group is gloo: the buckets go through host memory."""
+    _check_weight_updates(run_local_world(weights_rank, 2), "cpu")
+
+
+@pytest.mark.gpu
+def test_weight_updates_go_gpu_to_gpu_over_nccl():
+    """Two GPUs, one per rank: the weights' group is NCCL and the buckets arrive on the rollout
+    rank's GPU (NCCL refuses two ranks on one GPU: a single-GPU machine runs gloo, as above)."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    _check_weight_updates(run_local_world(weights_rank, 2), "cuda")

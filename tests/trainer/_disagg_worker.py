@@ -12,7 +12,10 @@ Modes: ``colocated`` and ``split`` (2 steps, staleness 0, the tiny MoE with R3);
 in, step k > 1 for batch k+2; the 4th batch is one whose scorer raises, and step 4 records the
 error the trainer raises) and its reference ``colocated_off``: colocated, but the sync after
 step k loads the weights step k-1 started from (step 1: its own), so that batch k comes from the
-weights after update max(0, k-3), as two steps off.
+weights after update max(0, k-3), as two steps off. ``split_one`` and ``colocated_one``: the
+same 3 ReMax steps one step off (the rollout side loads each update straight into vLLM, no
+staging), against a colocated engine one update behind (the sync after step k loads the weights
+step k started from).
 """
 
 from __future__ import annotations
@@ -25,20 +28,26 @@ import torch
 import torch.distributed as dist
 
 STEPS = 2
-STALENESS = 2
-"""How far ``split_off`` asks ahead (and ``colocated_off``'s engine lags)."""
+STALENESS = {"split_off": 2, "colocated_off": 2, "split_one": 1, "colocated_one": 1}
+"""How far the off-policy modes ask ahead (the colocated ones: how far their engine lags)."""
 
 
-def _sync_with_older_weights(run, snapshots: list) -> None:
-    """Make this step's closing sync load the weights the actor had ``STALENESS`` - 1 steps
-    ago, before that step's update (the first step's when there were fewer)."""
+def _sync_with_older_weights(run, snapshots: list, lag: int) -> None:
+    """Make this step's closing sync load the weights the actor had ``lag`` - 1 steps ago,
+    before that step's update (the first step's when there were fewer)."""
     from megarl.rollout.base import update_weights
     from megarl.trainer import step as step_module
     from tests.trainer._update_worker import _hf_weights
 
     snapshots.append(_hf_weights(run.actor.chunks, run.actor.model.dims))
-    old = snapshots[max(0, len(snapshots) - STALENESS)]
+    old = snapshots[max(0, len(snapshots) - lag)]
     step_module.sync_engine = lambda run: update_weights(run.engine, old.items())
+
+
+def _launch_size() -> int:
+    import os
+
+    return int(os.environ["WORLD_SIZE"])
 
 
 def main() -> None:
@@ -47,13 +56,16 @@ def main() -> None:
     from megarl.config.loader import resolve_config
     from megarl.trainer.console import Console
 
-    off = mode.endswith("_off")  # the one-step-off pair: the dense model at PP 2; else the MoE
+    lag = STALENESS.get(mode, 0)
+    off = lag > 0  # the off-policy pairs: the dense model at PP 2; else the MoE
     config = spec["config"] if off else spec["on_config"]
     overrides = spec["overrides"] + (spec["off_overrides"] if off else spec["on_overrides"])
+    if mode.endswith("_one"):
+        overrides += spec["one_overrides"]
     if mode.startswith("split"):  # the config megarl train would split this launch by
         overrides += ["actor_rollout_ref.rollout.nnodes=1",
-                      "actor_rollout_ref.rollout.n_gpus_per_node=2",
-                      f"async_training.staleness_threshold={STALENESS if off else 0}"]  # fmt: skip
+                      f"actor_rollout_ref.rollout.n_gpus_per_node={_launch_size() - 2}",
+                      f"async_training.staleness_threshold={lag}"]  # fmt: skip
     cfg = resolve_config(load_config([config], overrides))
     if mode.startswith("split"):
         from megarl.parallel.split_world import split_world
@@ -76,17 +88,17 @@ def main() -> None:
         try:
             first_sync(run)
             steps = STEPS + 1 if off else STEPS
-            draws = steps + STALENESS
+            draws = steps + lag
             batches = [[run.train_data[i] for i in next(run.sampler)] for _ in range(draws)]
             if mode == "split_off":  # the batch after the last: its scorer raises (see below)
                 poison = [s.extra_info["index"] for s in batches[steps]]
                 Path(spec["tmp"], "poison.json").write_text(json.dumps(poison))
             asked, snapshots = 1, []
             for step in range(1, steps + 1):
-                if mode == "colocated_off":
-                    _sync_with_older_weights(run, snapshots)
+                if mode.startswith("colocated") and off:
+                    _sync_with_older_weights(run, snapshots, lag)
                 ahead = []
-                while mode == "split_off" and asked < step + STALENESS:
+                while mode.startswith("split") and asked < step + lag:
                     asked += 1
                     ahead.append((asked, batches[asked - 1]))
                 metrics, batch = train_step(run, step, batches[step - 1], ahead)

@@ -5,7 +5,9 @@ GRPO steps of the tiny MoE (actor EP 2) replaying vLLM's routing (R3), with two 
 colocated replicas); up to two steps off, with one vLLM engine of TP 2 on the rollout ranks,
 three ReMax steps (step 2 one step off, step 3 two) equal a colocated run (vLLM TP 2) whose
 engine gets each step's weights two steps late (actor PP 2, so the weights reach vLLM from both
-pipeline stages; ReMax's greedy batch asked for ahead with its sampled one)."""
+pipeline stages; ReMax's greedy batch asked for ahead with its sampled one); one step off, with
+vLLM TP 1 on one rollout rank loading each update straight in, the same ReMax steps equal a
+colocated run whose engine is one update behind."""
 
 from __future__ import annotations
 
@@ -67,11 +69,16 @@ def runs(tmp_path_factory, tiny_overrides) -> dict:
             "custom_reward_function.name=compute_score",
             f"+custom_reward_function.reward_kwargs.poison={tmp / 'poison.json'}",
         ],
+        # one step off, on the path that loads each update straight into vLLM: vLLM TP 1 on one
+        # rollout rank (two colocated replicas; the tokens do not depend on their number)
+        "one_overrides": ["actor_rollout_ref.rollout.tensor_model_parallel_size=1"],
         "tmp": str(tmp),
     }
     (tmp / "spec.json").write_text(json.dumps(spec))
     (tmp / "scorer.py").write_text(POISONED_SCORER)
-    modes = {"colocated": 2, "split": 4, "colocated_off": 2, "split_off": 4}
+    # the one-step-off pair before split_off, which writes poison.json
+    modes = {"colocated": 2, "split": 4, "colocated_one": 2, "split_one": 3,
+             "colocated_off": 2, "split_off": 4}  # fmt: skip
     for mode, world in modes.items():
         run_torchrun(WORKER, world, [str(tmp / "spec.json"), mode], timeout=900)
     return {m: torch.load(tmp / f"{m}.pt", weights_only=False) for m in modes}
@@ -120,10 +127,25 @@ def test_bounded_staleness_trains_on_the_rollouts_of_older_weights(runs):
     assert gaps[0] <= 1e-4 < gaps[1]  # the behaviour policy is older than the actor from step 2
 
 
+def test_one_step_off_trains_on_the_rollouts_of_the_weights_before_the_last_update(runs):
+    """At most one step off the rollout rank loads each update straight into vLLM when it
+    reaches its command (no staging): batch k comes from the weights after update k-2, the same
+    run as the colocated one whose engine is always one update behind."""
+    _same_run(runs["colocated_one"], runs["split_one"])
+    staleness = [s["metrics"]["async/staleness_max"] for s in runs["split_one"]["steps"]]
+    assert staleness == [0.0, 1.0, 1.0]
+    gaps = [s["metrics"]["rollout/logprob_diff_max"] for s in runs["split_one"]["steps"]]
+    assert gaps[0] <= 1e-4 < gaps[1]
+    # batches 2 and 3 were taken in by the syncs before them (the wait is the sync's), so the
+    # rollout rank was idle when the bytes went (as NCCL needs, where the GPUs are the ranks' own)
+    assert [s["metrics"]["async/wait_rollout_s"] for s in runs["split_one"]["steps"][1:]] == [0, 0]
+    assert all("async/sync_wait_rollout_s" in s["metrics"] for s in runs["split_one"]["steps"])
+
+
 def test_the_training_ranks_hold_what_the_planner_declares(runs):
     """No engine on the training devices in any phase (megarl plan sums the same schedule:
     tests/config/test_memory_plan.py), the models where the colocated run has them."""
-    for mode in ("split", "split_off"):
+    for mode in ("split", "split_one", "split_off"):
         log = runs[mode]["residency"]
         assert [phase for phase, _, _ in log][:3] == ["setup", "sync", "generate"]
         for phase, applied, declared in log:

@@ -13,8 +13,10 @@ engine goes on generating, and loaded when a request asks for that version
 (:mod:`megarl.rollout.remote_serve`; vLLM narrows each tensor for its own TP rank, so any
 rollout TP works). The plan travels with the command; the rollout side needs no Megatron.
 
-Not yet: slices per vLLM TP rank (every rollout rank receives whole tensors) and an NCCL group
-for the bytes (gloo through host memory today).
+The bytes go over NCCL, GPU to GPU, when every member of the group has a GPU of its own and
+the rollout side loads each update straight in (at most one step off); over gloo through host
+memory otherwise (:meth:`~megarl.parallel.split_world.SplitWorld.channels`). Not yet: slices per
+vLLM TP rank (every rollout rank receives whole tensors).
 """
 
 from __future__ import annotations
@@ -24,18 +26,20 @@ from typing import Any
 
 import torch
 
-from megarl.parallel.split_world import from_rank
+from megarl.parallel.split_world import HOST, from_rank
 from megarl.rollout.base import WeightSink
 from megarl.rollout.reshard.plan import ReshardPlan
 
 __all__ = ["load_buckets", "receive_buckets"]
 
 
-def receive_buckets(plan: ReshardPlan, group: Any) -> Iterator[torch.Tensor]:
+def receive_buckets(
+    plan: ReshardPlan, group: Any, device: torch.device = HOST
+) -> Iterator[torch.Tensor]:
     """Rollout ranks: every bucket of ``plan`` from ``group``'s root, in plan order (each its
-    HF tensors back to back), each received when the caller asks for it."""
+    HF tensors back to back, on ``device``), each received when the caller asks for it."""
     for bucket in plan.buckets:
-        flat = torch.empty(sum(s.numel for s in bucket.slots), dtype=plan.dtype)
+        flat = torch.empty(sum(s.numel for s in bucket.slots), dtype=plan.dtype, device=device)
         group.broadcast([flat], from_rank(0)).wait()
         yield flat
 
