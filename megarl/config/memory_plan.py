@@ -30,7 +30,8 @@ where it sleeps at level 1 (``trainer.skip_weight_sync_steps``), for every GPU o
 vLLM on ranks of its own (``rollout.nnodes`` > 0): the training GPUs hold no engine in any
 phase (the residency schedule says so), and one more phase, ``rollout ranks``, is a rollout
 GPU: vLLM's pool and nothing else. Beyond one step off each rollout rank stages a weight update in
-host memory while it generates (:mod:`megarl.rollout.remote_serve`): the whole model per rollout
+host memory while it generates (:mod:`megarl.rollout.remote_serve`): what its vLLM TP rank loads
+(its pieces of each tensor, :func:`~megarl.rollout.reshard.remote.pack_part`), for every rollout
 rank of a node.
 """
 
@@ -295,7 +296,9 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
     if own and engine_is_vllm(cfg):  # vLLM on GPUs of its own: its pool is all they hold
         phases.append(Phase("rollout ranks", tuple(_engine_terms(OWN_GPUS, pool, vllm))))
     level1 = bool(cfg.trainer.skip_weight_sync_steps) and arr.rollout.free_cache_engine
-    whole = vllm_weight_bytes(dims, 1, ITEMSIZE[cfg.trainer.dtype])
+    part = vllm_weight_bytes(
+        dims, arr.rollout.tensor_model_parallel_size, ITEMSIZE[cfg.trainer.dtype]
+    )
     host = (
         Term(
             "offloaded training state",
@@ -310,9 +313,10 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
         ),
         Term(
             "weight updates staged on rollout ranks",
-            whole * _rollout_ranks_per_node(cfg) if steps_ahead(cfg) > 1 else 0,
-            "rollout ranks per node × the whole model (each receives whole tensors while it "
-            "generates, beyond one step off; on nodes of their own: those nodes' RAM)",
+            part * _rollout_ranks_per_node(cfg) if steps_ahead(cfg) > 1 else 0,
+            "rollout ranks per node × vLLM's weights per rank (each receives what its vLLM TP "
+            "rank loads while it generates, beyond one step off; on nodes of their own: those "
+            "nodes' RAM)",
         ),
     )
     impl = _impl(cfg, arr.actor.megatron)

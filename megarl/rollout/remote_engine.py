@@ -94,6 +94,7 @@ class RemoteEngine:
         ranks: Sequence[int] = (),
         timeout=None,
         streams: bool = False,
+        rollout_tp: int = 1,
     ) -> None:
         self.channels = channels
         """The groups with the rollout ranks on the first training rank, None on the others."""
@@ -101,6 +102,14 @@ class RemoteEngine:
         """Whether weight updates stream to the rollout ranks while they generate (beyond one
         step off, into a staging slot); False: an update goes in once the batches asked before
         it are in, which the sync takes first."""
+        self.rollout_tp = rollout_tp
+        """The rollout ranks' vLLM TP size: streaming, each rank receives only its TP rank's
+        pieces (:func:`~megarl.rollout.reshard.remote.pack_part`)."""
+        self._bucket = 0
+        """The next bucket of the update in progress."""
+        self.update_bytes = 0
+        """Bytes the rollout ranks received of the last weight update, all of them together
+        (first training rank)."""
         self.sync_waited_s = 0.0
         """Seconds the last weight sync waited for the batches asked before it (not streaming;
         first training rank)."""
@@ -202,6 +211,7 @@ class RemoteEngine:
         if not self.streams:
             self._take_ahead(timed=False)
         self.sync_waited_s = time.perf_counter() - start
+        self._bucket, self.update_bytes = 0, 0
         if self.channels is not None:
             self._send(("weights", self._syncs, self._plan))
 
@@ -213,10 +223,36 @@ class RemoteEngine:
         self._order.check_updating("load_weight_chunk")
         if self.channels is None:
             return
+        if self.streams:
+            self._send_parts(list(named_tensors))
+            return
         device = self.channels.weights_device
         flat = torch.cat([t.reshape(-1).to(device) for _, t in named_tensors])
         with self._answering():
             self.channels.weights.broadcast([flat], from_rank(0)).wait()
+        self.update_bytes += flat.numel() * flat.element_size() * len(self.ranks)
+
+    def _send_parts(self, named: list[tuple[str, Tensor]]) -> None:
+        """Send each rollout rank its vLLM TP rank's pieces of the next bucket (staged there)."""
+        from megarl.rollout.reshard.remote import pack_part
+
+        bucket = self._plan.buckets[self._bucket]
+        self._bucket += 1
+        if [n for n, _ in named] != [s.name for s in bucket.slots]:
+            raise RuntimeError(f"weight bucket {bucket.index} is not the plan's: {named[0][0]} ...")
+        tensors = [t.to(self.channels.weights_device) for _, t in named]
+        packs: dict[int, Tensor] = {}
+        with self._answering():
+            works = []
+            for member in range(1, len(self.ranks) + 1):  # the group's rollout ranks, in order
+                tp_rank = (member - 1) % self.rollout_tp
+                if tp_rank not in packs:
+                    packs[tp_rank] = pack_part(self._plan, bucket, tensors,
+                                               (self.rollout_tp, tp_rank))  # fmt: skip
+                works.append(self.channels.weights.send([packs[tp_rank]], member, 0))
+                self.update_bytes += packs[tp_rank].numel() * packs[tp_rank].element_size()
+            for work in works:
+                work.wait()
 
     def finish_weight_update(self) -> None:
         self._order.finish_update()

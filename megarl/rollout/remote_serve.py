@@ -23,8 +23,8 @@ trainer's newest when it asked); before generating it the main thread loads that
 the slot when staging), between two requests, never inside one. The slot holds one version: the
 weights thread receives the next one once the main thread has loaded or dropped the last one (a
 version no request asks for is dropped when the next is announced), so the rollout side holds at
-most one copy of the weights besides its engine's, and a trainer more than a version ahead waits
-in its weight sync. A thread's error (the trainer gone, a timeout) ends :func:`serve` with it.
+most one copy of the weights besides its engine's (each rank only what its vLLM TP rank loads,
+``part``), and a trainer more than a version ahead waits in its weight sync. A thread's error (the trainer gone, a timeout) ends :func:`serve` with it.
 """
 
 from __future__ import annotations
@@ -49,15 +49,16 @@ class _Staging:
         self._slot: tuple[int, Any, list] | None = None
         self.error: BaseException | None = None
 
-    def receive_all(self, group: Any) -> None:
-        """The weights thread: each announced version into the slot once it is free."""
+    def receive_all(self, group: Any, part: Any) -> None:
+        """The weights thread: each announced version into the slot once it is free (this
+        rank's pieces, ``part``)."""
         from megarl.rollout.reshard.remote import receive_buckets
 
         while (item := self.todo.get()) is not None:
             version, plan = item
             with self._cond:
                 self._cond.wait_for(lambda: self._slot is None)
-            flats = list(receive_buckets(plan, group))
+            flats = list(receive_buckets(plan, group, part=part))
             with self._cond:
                 self._slot = (version, plan, flats)
                 self._cond.notify_all()
@@ -82,7 +83,14 @@ class _Staging:
         return plan, flats
 
 
-def serve(engine: Any, channels: Channels, score: Any = None, *, stage: bool = True) -> None:
+def serve(
+    engine: Any,
+    channels: Channels,
+    score: Any = None,
+    *,
+    stage: bool = True,
+    part: tuple[int, int] = (1, 0),
+) -> None:
     """Run the training ranks' commands on ``engine`` until ``stop`` (see the module docstring).
 
     ``score(batch, reward)``: scores a generated batch when its request asks for it (every
@@ -90,6 +98,8 @@ def serve(engine: Any, channels: Channels, score: Any = None, *, stage: bool = T
     ``stage``: receive weight updates while generating, into the staging slot; False: each
     update goes straight into the engine, bucket by bucket, when the main thread reaches its
     command (no copy of the weights; the trainer's sync waits for the requests before it).
+    ``part``: ``(rollout TP, this rank's vLLM TP rank)``: staging, what this rank receives of
+    each update (its pieces only, :func:`~megarl.rollout.reshard.remote.pack_part`).
     """
     from megarl.rollout.reshard.remote import load_buckets, receive_buckets
 
@@ -125,7 +135,7 @@ def serve(engine: Any, channels: Channels, score: Any = None, *, stage: bool = T
 
     threads = [run(read_commands)]
     if stage:
-        threads.append(run(staging.receive_all, channels.weights))
+        threads.append(run(staging.receive_all, channels.weights, part))
     if outbox is not None:
         threads.append(run(send_replies))
     held, announced = -1, None  # the version the engine holds; the last one announced
@@ -155,7 +165,7 @@ def serve(engine: Any, channels: Channels, score: Any = None, *, stage: bool = T
                 version, requests = command[1], command[2]
                 loading = time.perf_counter()
                 if version != held:
-                    load_buckets(engine, *staging.take(version))
+                    load_buckets(engine, *staging.take(version), part=part)
                     held = version
                 loaded = time.perf_counter() - loading
                 for prompts, kwargs, reward in requests:  # one reply each, in order

@@ -382,8 +382,9 @@ def _start_vllm(cfg: MegarlConfig, model_path: str, **overrides: Any):
         from megarl.rollout.remote_engine import RemoteEngine
 
         streams = steps_ahead(cfg) > 1  # as serve_rollout's staging
+        tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
         return RemoteEngine(world.channels(nccl_weights=not streams), ranks=world.rollout_ranks,
-                            timeout=world.timeout, streams=streams)  # fmt: skip
+                            timeout=world.timeout, streams=streams, rollout_tp=tp)  # fmt: skip
     from megarl.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine.from_config(
@@ -432,7 +433,9 @@ def serve_rollout(cfg: MegarlConfig) -> None:
         # docstring of megarl.rollout.remote_serve: one step off loses nothing without it);
         # otherwise the bytes go GPU to GPU over NCCL where each rank has a GPU of its own
         stage = steps_ahead(cfg) > 1
-        serve(engine, world.channels(nccl_weights=not stage), score, stage=stage)
+        tp = arr.rollout.tensor_model_parallel_size  # staged: each rank its vLLM TP rank's pieces
+        serve(engine, world.channels(nccl_weights=not stage), score, stage=stage,
+              part=(tp, dist.get_rank() % tp))  # fmt: skip
     finally:
         rewards.close()
         engine.shutdown()

@@ -186,6 +186,7 @@ def train_step(
             sync_engine(run)
             if hasattr(run.engine, "sync_waited_s"):  # of it, waiting for the batch asked before
                 metrics["async/sync_wait_rollout_s"] = run.engine.sync_waited_s
+                metrics["async/update_weights_bytes"] = float(run.engine.update_bytes)
 
     metrics.update(step_metrics(run, batch, scored, timer, start))
     return metrics, batch

@@ -181,3 +181,82 @@ def test_weight_updates_go_gpu_to_gpu_over_nccl():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     _check_weight_updates(run_local_world(weights_rank, 2), "cuda")
+
+
+def staged_rank() -> dict:
+    """3 ranks: 1 training, 2 rollout (one vLLM engine of TP 2). The trainer's RemoteEngine
+    streams one weight update as beyond one step off (``streams``); each rollout rank receives
+    its vLLM TP rank's pieces, as its weights thread does, and loads them: it reports the
+    elements it staged and, per tensor, whether what the engine got is the trainer's tensor on
+    exactly the part its TP rank loads, NaN elsewhere."""
+    import torch
+
+    from megarl.config.model_dims import ModelDims
+    from megarl.models.tiny import tiny_hf_config
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.parallel.split_world import broadcast_object, split_world
+    from megarl.rollout.remote_engine import RemoteEngine
+    from megarl.rollout.reshard.make_plan import make_reshard_plan
+    from megarl.rollout.reshard.plan import slot_pieces
+    from megarl.rollout.reshard.remote import load_buckets, receive_buckets
+
+    world = split_world(1)
+    dims = ModelDims.from_hf_config(tiny_hf_config("qwen2", num_layers=2))
+    plan = make_reshard_plan(dims, ParallelLayout(), 1, bucket_bytes=32 << 10, dtype=torch.float32)
+    slots = [s for bucket in plan.buckets for s in bucket.slots]
+    channels = world.channels()
+    if world.role == "train":
+        engine = RemoteEngine(channels, ranks=world.rollout_ranks, streams=True, rollout_tp=2)
+        engine.bind_plan(plan)
+        engine.begin_weight_update()
+        first = 0
+        for bucket in plan.buckets:
+            engine.load_weight_chunk([(s.name, _weight(first + i, s.shape, 0, "cpu"))
+                                      for i, s in enumerate(bucket.slots)])  # fmt: skip
+            first += len(bucket.slots)
+        engine.finish_weight_update()
+        engine.shutdown()
+        return {"whole": sum(s.numel for s in slots)}
+    tp_rank = world.rank - 1
+    assert broadcast_object(channels.control, None, 0) == ("eos",)
+    if tp_rank == 0:
+        broadcast_object(channels.replies, [7], 1)
+    command = broadcast_object(channels.control, None, 0)
+    assert command[0] == "weights"
+    flats = list(receive_buckets(command[2], channels.weights, part=(2, tp_rank)))
+    sink = _WholeSink()
+    load_buckets(sink, command[2], flats, part=(2, tp_rank))
+    assert broadcast_object(channels.control, None, 0) == ("stop",)
+    wrong = []
+    for i, s in enumerate(slots):
+        got, sent = sink.tensors[s.name], _weight(i, s.shape, 0, "cpu")
+        expected = torch.zeros(s.shape, dtype=torch.bool)
+        for piece in slot_pieces(s, dims, 2, tp_rank):
+            region = expected if piece.dim is None else expected.narrow(
+                piece.dim, piece.start, piece.stop - piece.start)  # fmt: skip
+            region.fill_(True)
+        same = torch.equal(got[expected], sent[expected])
+        if not torch.equal(~got.isnan(), expected) or not same:
+            wrong.append(s.name)
+    return {"staged": sum(f.numel() for f in flats), "wrong": wrong}
+
+
+class _WholeSink(_Sink):
+    """Keeps each tensor it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensors: dict = {}
+
+    def load_weight_chunk(self, named) -> None:
+        self.tensors.update((name, t.clone()) for name, t in named)
+
+
+def test_a_staged_update_holds_only_what_each_vllm_tp_rank_loads():
+    """Beyond one step off each rollout rank stages about 1/TP of the model: its vLLM TP rank's
+    pieces (the colocated sync's rule), the engine getting them in place and NaN elsewhere."""
+    trainer, first, second = run_local_world(staged_rank, 3)
+    assert first["wrong"] == second["wrong"] == []
+    for rank in (first, second):  # about half (the norms whole on both; the vocabulary split
+        assert trainer["whole"] * 0.45 < rank["staged"] < trainer["whole"] * 0.55  # unevenly)
+    assert first["staged"] + second["staged"] > trainer["whole"]

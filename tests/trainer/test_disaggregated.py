@@ -125,6 +125,11 @@ def test_bounded_staleness_trains_on_the_rollouts_of_older_weights(runs):
     assert staleness == [0.0, 1.0, 2.0]
     gaps = [s["metrics"]["rollout/logprob_diff_max"] for s in runs["split_off"]["steps"]]
     assert gaps[0] <= 1e-4 < gaps[1]  # the behaviour policy is older than the actor from step 2
+    # each of the 2 rollout ranks staged what its vLLM TP rank loads (about half, the norms
+    # whole on both; in place, or vLLM would read NaN); together a little over the model
+    whole = sum(w.numel() * w.element_size() for w in runs["split_off"]["weights"].values())
+    for s in runs["split_off"]["steps"]:
+        assert whole < s["metrics"]["async/update_weights_bytes"] < 1.05 * whole
 
 
 def test_one_step_off_trains_on_the_rollouts_of_the_weights_before_the_last_update(runs):
@@ -140,6 +145,10 @@ def test_one_step_off_trains_on_the_rollouts_of_the_weights_before_the_last_upda
     # rollout rank was idle when the bytes went (as NCCL needs, where the GPUs are the ranks' own)
     assert [s["metrics"]["async/wait_rollout_s"] for s in runs["split_one"]["steps"][1:]] == [0, 0]
     assert all("async/sync_wait_rollout_s" in s["metrics"] for s in runs["split_one"]["steps"])
+    # the whole model once (fp32), to the one rollout rank
+    whole = sum(w.numel() * w.element_size() for w in runs["split_one"]["weights"].values())
+    sent = {s["metrics"]["async/update_weights_bytes"] for s in runs["split_one"]["steps"]}
+    assert sent == {whole}, (sent, whole)
 
 
 def test_the_training_ranks_hold_what_the_planner_declares(runs):

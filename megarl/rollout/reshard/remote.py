@@ -7,16 +7,20 @@ a :class:`~megarl.rollout.remote_engine.RemoteEngine`; the plan is made for vLLM
 whole tensors reach the first training rank, which broadcasts each bucket, its HF tensors back
 to back, over the ``weights`` group (itself first, then every rollout rank); the other training
 ranks drop theirs. Each rollout rank receives the buckets in plan order and loads them into its
-engine in one weight-update session between two requests: straight in, bucket by bucket, or
-(bounded staleness beyond one step) received on a thread of its own into a staging copy while the
-engine goes on generating, and loaded when a request asks for that version
-(:mod:`megarl.rollout.remote_serve`; vLLM narrows each tensor for its own TP rank, so any
-rollout TP works). The plan travels with the command; the rollout side needs no Megatron.
+engine in one weight-update session between two requests:
 
-The bytes go over NCCL, GPU to GPU, when every member of the group has a GPU of its own and
-the rollout side loads each update straight in (at most one step off); over gloo through host
-memory otherwise (:meth:`~megarl.parallel.split_world.SplitWorld.channels`). Not yet: slices per
-vLLM TP rank (every rollout rank receives whole tensors).
+- straight in, bucket by bucket (at most one step off): whole buckets, broadcast to every
+  rollout rank (vLLM narrows each tensor for its own TP rank, so any rollout TP works), over
+  NCCL, GPU to GPU, when every member of the group has a GPU of its own, over gloo through host
+  memory otherwise (:meth:`~megarl.parallel.split_world.SplitWorld.channels`);
+- or staged (bounded staleness beyond one step): received on a thread of its own into host
+  memory while the engine goes on generating, and loaded when a request asks for that version
+  (:mod:`megarl.rollout.remote_serve`). Each rollout rank then receives only what its vLLM TP
+  rank loads (:func:`~megarl.rollout.reshard.plan.slot_pieces`, the colocated sync's rule; sent
+  to it alone, over gloo), so a staged version takes 1/TP of the model on each; at load time
+  each tensor is whole-shaped again, NaN outside those pieces (vLLM reading one would show).
+
+The plan travels with the command; the rollout side needs no Megatron.
 """
 
 from __future__ import annotations
@@ -28,30 +32,78 @@ import torch
 
 from megarl.parallel.split_world import HOST, from_rank
 from megarl.rollout.base import WeightSink
-from megarl.rollout.reshard.plan import ReshardPlan
+from megarl.rollout.reshard.plan import Bucket, ReshardPlan, SlicePiece, slot_pieces
 
-__all__ = ["load_buckets", "receive_buckets"]
+__all__ = ["load_buckets", "pack_part", "part_pieces", "receive_buckets"]
+
+Part = tuple[int, int]
+"""``(rollout TP, vLLM TP rank)``: the pieces one rollout rank receives of each bucket."""
+
+
+def part_pieces(plan: ReshardPlan, bucket: Bucket, part: Part) -> list[SlicePiece]:
+    """What the vLLM TP rank of ``part`` loads of ``bucket``, in slot order."""
+    tp, rank = part
+    return [piece for s in bucket.slots for piece in slot_pieces(s, plan.dims, tp, rank)]
+
+
+def pack_part(
+    plan: ReshardPlan, bucket: Bucket, tensors: list[torch.Tensor], part: Part
+) -> torch.Tensor:
+    """Training side: the pieces of ``part`` of the bucket's whole HF ``tensors`` (in slot
+    order), back to back."""
+    index = {slot.name: i for i, slot in enumerate(bucket.slots)}
+    views = []
+    for piece in part_pieces(plan, bucket, part):
+        whole = tensors[index[piece.slot.name]]
+        view = whole if piece.dim is None else whole.narrow(piece.dim, piece.start,
+                                                            piece.stop - piece.start)  # fmt: skip
+        views.append(view.reshape(-1))
+    return torch.cat(views) if views else torch.empty(0, dtype=plan.dtype)
 
 
 def receive_buckets(
-    plan: ReshardPlan, group: Any, device: torch.device = HOST
+    plan: ReshardPlan, group: Any, device: torch.device = HOST, *, part: Part | None = None
 ) -> Iterator[torch.Tensor]:
     """Rollout ranks: every bucket of ``plan`` from ``group``'s root, in plan order (each its
-    HF tensors back to back, on ``device``), each received when the caller asks for it."""
+    HF tensors back to back, on ``device``), each received when the caller asks for it. With
+    ``part``: only its pieces (:func:`pack_part`), sent to this rank alone."""
     for bucket in plan.buckets:
-        flat = torch.empty(sum(s.numel for s in bucket.slots), dtype=plan.dtype, device=device)
-        group.broadcast([flat], from_rank(0)).wait()
+        if part is None:
+            flat = torch.empty(sum(s.numel for s in bucket.slots), dtype=plan.dtype, device=device)
+            group.broadcast([flat], from_rank(0)).wait()
+        else:
+            numel = sum(p.numel for p in part_pieces(plan, bucket, part))
+            flat = torch.empty(numel, dtype=plan.dtype, device=device)
+            group.recv([flat], 0, 0).wait()
         yield flat
 
 
-def load_buckets(engine: WeightSink, plan: ReshardPlan, flats: Iterable[torch.Tensor]) -> None:
+def load_buckets(
+    engine: WeightSink,
+    plan: ReshardPlan,
+    flats: Iterable[torch.Tensor],
+    *,
+    part: Part | None = None,
+) -> None:
     """Load ``plan``'s buckets into ``engine``, in one weight-update session: from a staged list,
-    or straight from :func:`receive_buckets` (each bucket loaded as it comes in)."""
+    or straight from :func:`receive_buckets` (each bucket loaded as it comes in). With ``part``
+    the buckets hold its pieces only: each tensor goes in whole-shaped, NaN elsewhere."""
     engine.begin_weight_update()
     for bucket, flat in zip(plan.buckets, flats, strict=True):
         named, at = [], 0
-        for s in bucket.slots:
-            named.append((s.name, flat[at : at + s.numel].view(s.shape)))
-            at += s.numel
+        if part is None:
+            for s in bucket.slots:
+                named.append((s.name, flat[at : at + s.numel].view(s.shape)))
+                at += s.numel
+        else:
+            whole = {s.name: torch.full(s.shape, float("nan"), dtype=flat.dtype, device=flat.device)
+                     for s in bucket.slots}  # fmt: skip
+            for piece in part_pieces(plan, bucket, part):
+                target = whole[piece.slot.name]
+                if piece.dim is not None:
+                    target = target.narrow(piece.dim, piece.start, piece.stop - piece.start)
+                target.copy_(flat[at : at + piece.numel].view(piece.shape))
+                at += piece.numel
+            named = list(whole.items())
         engine.load_weight_chunk(named)
     engine.finish_weight_update()
