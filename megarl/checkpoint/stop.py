@@ -11,6 +11,9 @@
   or a preemption signals every process of the job step, so each rank gets SIGTERM from
   slurmstepd and once more from torchrun, which forwards its own, within milliseconds. The
   launchers turn an operator's second signal into SIGINT (:mod:`megarl.commands.launch`).
+- A rank outside the training world (a rollout rank of a split launch, which the training ranks
+  stop when they stop) takes part in no all-reduce: its signal writes the ``STOP`` file
+  (``relay``), which the training ranks read at their next check.
 
 torchrun forwards SIGTERM to its workers and SIGKILLs them 30 s later: a stop needs the rest of
 the current step plus one save (measured on the tiny CPU run: well under a second for the save);
@@ -40,9 +43,11 @@ class StopRequest:
     ``install()`` must run in the main thread (Python delivers signals there).
     """
 
-    def __init__(self, run_dir: Path, rank: int) -> None:
+    def __init__(self, run_dir: Path, rank: int, *, relay: bool = False) -> None:
         self.stop_file = Path(run_dir) / STOP_FILE
         self.rank = rank
+        self.relay = relay
+        """Pass a signal on as the ``STOP`` file (a rank the training ranks stop)."""
         self.reason: str | None = None
         self._previous: dict[int, object] = {}
 
@@ -67,6 +72,11 @@ class StopRequest:
         self.reason = f"{name} on rank {self.rank}"
         # os.write, not print: a handler may interrupt a print in progress.
         message = f"megarl: {name} received: stopping after this step with a checkpoint\n"
+        if self.relay:
+            self.stop_file.parent.mkdir(parents=True, exist_ok=True)
+            self.stop_file.touch()
+            message = (f"megarl: {name} received on rank {self.rank}: the training ranks stop "
+                       "after this step with a checkpoint\n")  # fmt: skip
         os.write(2, message.encode())
 
     def local(self) -> bool:

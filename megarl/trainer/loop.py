@@ -105,12 +105,12 @@ def train(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
 
 def _serve_rollout(cfg: MegarlConfig, run_dir: Path, verbose: bool) -> int:
     """A rollout-only rank: serve the training ranks' commands until they stop (its console
-    lines and vLLM's logs go to its log file; a stop request is the training ranks' to act on,
-    after which they stop this rank)."""
+    lines and vLLM's logs go to its log file; a signal here writes the STOP file, a stop request
+    the training ranks act on, after which they stop this rank)."""
     from megarl.trainer.setup import serve_rollout
 
     rank = int(os.environ["MEGARL_LAUNCH_RANK"])
-    stop = StopRequest(run_dir, rank).install()  # survive SIGTERM/SIGUSR1 until told to stop
+    stop = StopRequest(run_dir, rank, relay=True).install()  # survive SIGTERM/USR1: pass on
     try:
         with Console(run_dir / "logs", rank=rank, verbose=verbose):
             serve_rollout(cfg)

@@ -21,6 +21,13 @@ def test_repeated_stop_signals_are_one_request_and_the_stop_file_is_one_too(tmp_
         stop.restore()
     assert signal.getsignal(signal.SIGTERM) is not stop._on_signal
 
+    relay = StopRequest(tmp_path / "run", rank=2, relay=True).install()  # a rollout rank
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert (tmp_path / "run" / "STOP").exists()  # what the training ranks read
+    finally:
+        relay.restore()
+
     by_file = StopRequest(tmp_path, rank=0)
     (tmp_path / "STOP").touch()
     assert by_file.local() and by_file.reason == f"{tmp_path / 'STOP'} exists"

@@ -1,8 +1,9 @@
 """``megarl train`` with vLLM on a rank of its own, up to two steps off (issue 26): the quickstart
 on 2 training ranks plus 1 rollout rank (``actor_rollout_ref.rollout.nnodes=1``,
-``n_gpus_per_node=1``, ``async_training.staleness_threshold=2``), stopped by SIGTERM once step
-``STOP_AFTER`` is done (the rollout rank is then generating the next steps ahead) and relaunched
-to the end. Together the two launches learn the synthetic task, see every step's prompts in the
+``n_gpus_per_node=1``, ``async_training.staleness_threshold=2``), stopped by SIGUSR1 sent to
+the rollout rank alone once step ``STOP_AFTER`` is done (the rollout rank is then generating the
+next steps ahead; it passes the request on to the training ranks as the STOP file, which a
+signal to the launcher writes too: tests/trainer/test_faults.py) and relaunched to the end. Together the two launches learn the synthetic task, see every step's prompts in the
 order of an uninterrupted run (the sampler's, nothing repeated or dropped across the stop), say
 where their rollout runs, keep the console megarl's own and leave nothing running or in their
 temporary directory."""
@@ -60,7 +61,9 @@ def run(tmp_path_factory) -> dict:
     _wait_for(lambda: first.poll() is not None or _steps_done(run_dir) >= STOP_AFTER,
               f"step {STOP_AFTER}", timeout=900)  # fmt: skip
     tree = [psutil.Process(first.pid), *psutil.Process(first.pid).children(recursive=True)]
-    first.send_signal(signal.SIGTERM)
+    rollout = next(p for p in tree
+                   if "megarl.train" in p.cmdline() and p.environ().get("RANK") == "2")  # fmt: skip
+    rollout.send_signal(signal.SIGUSR1)
     stopped = first.communicate(timeout=600)
     assert first.returncode == 0, stopped[0][-3000:] + stopped[1][-5000:]
     survivors = _survivors(tree, timeout=10)
@@ -81,9 +84,12 @@ def test_two_steps_off_learns(run):
     assert gain >= 0.15
 
 
-def test_sigterm_stops_both_sides_with_the_step_saved(run):
+def test_a_signal_to_the_rollout_rank_stops_both_sides_with_the_step_saved(run):
     out, err = run["stopped"]
     assert run["saved"] >= STOP_AFTER and f"stopped after step {run['saved']}" in out + err
+    assert "STOP exists" in out  # passed on by the rollout rank, which says so in its log
+    rank2 = (run["run_dir"] / "logs" / "rank2.log").read_text()
+    assert "SIGUSR1 received on rank 2: the training ranks stop after this step" in rank2
     assert "Traceback" not in out + err
     assert run["survivors"] == []  # the rollout rank waited for the trainer to stop it
     resumed_from = run["run_dir"] / f"global_step_{run['saved']}"
