@@ -1,9 +1,10 @@
 """``megarl train`` with vLLM on a rank of its own, up to two steps off (issue 26): the quickstart
 on 2 training ranks plus 1 rollout rank (``actor_rollout_ref.rollout.nnodes=1``,
-``n_gpus_per_node=1``, ``async_training.staleness_threshold=2``), stopped by SIGUSR1 sent to
+``n_gpus_per_node=1``, ``async_training.staleness_threshold=2``), stopped by SIGTERM sent to
 the rollout rank alone once step ``STOP_AFTER`` is done (the rollout rank is then generating the
-next steps ahead; it passes the request on to the training ranks as the STOP file, which a
-signal to the launcher writes too: tests/trainer/test_faults.py) and relaunched to the end. Together the two launches learn the synthetic task, see every step's prompts in the
+next steps ahead; it survives the signal, as under ``scancel``, which signals every process, and
+passes the request on to the training ranks as the STOP file, which a signal to the launcher
+writes too: tests/trainer/test_faults.py) and relaunched to the end. Together the two launches learn the synthetic task, see every step's prompts in the
 order of an uninterrupted run (the sampler's, nothing repeated or dropped across the stop), say
 where their rollout runs, keep the console megarl's own and leave nothing running or in their
 temporary directory."""
@@ -63,7 +64,7 @@ def run(tmp_path_factory) -> dict:
     tree = [psutil.Process(first.pid), *psutil.Process(first.pid).children(recursive=True)]
     rollout = next(p for p in tree
                    if "megarl.train" in p.cmdline() and p.environ().get("RANK") == "2")  # fmt: skip
-    rollout.send_signal(signal.SIGUSR1)
+    rollout.send_signal(signal.SIGTERM)
     stopped = first.communicate(timeout=600)
     assert first.returncode == 0, stopped[0][-3000:] + stopped[1][-5000:]
     survivors = _survivors(tree, timeout=10)
@@ -89,7 +90,7 @@ def test_a_signal_to_the_rollout_rank_stops_both_sides_with_the_step_saved(run):
     assert run["saved"] >= STOP_AFTER and f"stopped after step {run['saved']}" in out + err
     assert "STOP exists" in out  # passed on by the rollout rank, which says so in its log
     rank2 = (run["run_dir"] / "logs" / "rank2.log").read_text()
-    assert "SIGUSR1 received on rank 2: the training ranks stop after this step" in rank2
+    assert "SIGTERM received on rank 2: the training ranks stop after this step" in rank2
     assert "Traceback" not in out + err
     assert run["survivors"] == []  # the rollout rank waited for the trainer to stop it
     resumed_from = run["run_dir"] / f"global_step_{run['saved']}"
