@@ -24,7 +24,8 @@ the slot when staging), between two requests, never inside one. The slot holds o
 weights thread receives the next one once the main thread has loaded or dropped the last one (a
 version no request asks for is dropped when the next is announced), so the rollout side holds at
 most one copy of the weights besides its engine's (each rank only what its vLLM TP rank loads,
-``part``), and a trainer more than a version ahead waits in its weight sync. A thread's error (the trainer gone, a timeout) ends :func:`serve` with it.
+``part``), and a trainer more than a version ahead waits in its weight sync. A thread's error
+(the trainer gone, a timeout) ends :func:`serve` with it.
 """
 
 from __future__ import annotations

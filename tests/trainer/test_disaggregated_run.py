@@ -4,10 +4,10 @@ on 2 training ranks plus 1 rollout rank (``actor_rollout_ref.rollout.nnodes=1``,
 the rollout rank alone once step ``STOP_AFTER`` is done (the rollout rank is then generating the
 next steps ahead; it survives the signal, as under ``scancel``, which signals every process, and
 passes the request on to the training ranks as the STOP file, which a signal to the launcher
-writes too: tests/trainer/test_faults.py) and relaunched to the end. Together the two launches learn the synthetic task, see every step's prompts in the
-order of an uninterrupted run (the sampler's, nothing repeated or dropped across the stop), say
-where their rollout runs, keep the console megarl's own and leave nothing running or in their
-temporary directory."""
+writes too: tests/trainer/test_faults.py) and relaunched to the end. Together the two launches
+learn the synthetic task, see every step's prompts in the order of an uninterrupted run (the
+sampler's, nothing repeated or dropped across the stop), say where their rollout runs, keep the
+console megarl's own and leave nothing running or in their temporary directory."""
 
 from __future__ import annotations
 
