@@ -13,7 +13,9 @@
   launchers turn an operator's second signal into SIGINT (:mod:`megarl.commands.launch`).
 - A rank outside the training world (a rollout rank of a split launch, which the training ranks
   stop when they stop) takes part in no all-reduce: its signal writes the ``STOP`` file
-  (``relay``), which the training ranks read at their next check.
+  (``relay``; the run directory must be one the training ranks see), which the training ranks
+  read at their next check; it withdraws a file it wrote when it ends (:meth:`StopRequest.
+  withdraw`: the training ranks honoured it, or are gone, and a resumed run must not stop on it).
 
 torchrun forwards SIGTERM to its workers and SIGKILLs them 30 s later: a stop needs the rest of
 the current step plus one save (measured on the tiny CPU run: well under a second for the save);
@@ -48,6 +50,7 @@ class StopRequest:
         self.rank = rank
         self.relay = relay
         """Pass a signal on as the ``STOP`` file (a rank the training ranks stop)."""
+        self._relayed = False
         self.reason: str | None = None
         self._previous: dict[int, object] = {}
 
@@ -73,10 +76,13 @@ class StopRequest:
         # os.write, not print: a handler may interrupt a print in progress.
         message = f"megarl: {name} received: stopping after this step with a checkpoint\n"
         if self.relay:
-            self.stop_file.parent.mkdir(parents=True, exist_ok=True)
-            self.stop_file.touch()
-            message = (f"megarl: {name} received on rank {self.rank}: the training ranks stop "
-                       "after this step with a checkpoint\n")  # fmt: skip
+            try:
+                self.stop_file.touch()
+                self._relayed = True
+                message = (f"megarl: {name} received on rank {self.rank}: the training ranks stop "
+                           "after this step with a checkpoint\n")  # fmt: skip
+            except OSError as exc:  # never raise here: the handler runs at any line of the rank
+                message = f"megarl: {name} received on rank {self.rank}, not passed on: {exc}\n"
         os.write(2, message.encode())
 
     def local(self) -> bool:
@@ -92,6 +98,11 @@ class StopRequest:
             flag = flag.to(_flag_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item() > 0)
+
+    def withdraw(self) -> None:
+        """Remove the ``STOP`` file this rank wrote (``relay``), if it is still there."""
+        if self._relayed:
+            self.stop_file.unlink(missing_ok=True)
 
     def consume_stop_file(self) -> None:
         """Remove the honoured STOP file (rank 0, after the checkpoint is complete)."""

@@ -285,6 +285,12 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
         "update_actor": _update_terms(cfg, dims, "actor", batches.actor, seq),
         "sync": _sync_terms(cfg, dims),
     }
+    own = rollout_ranks(cfg)
+    nccl = bool(own) and engine_is_vllm(cfg) and steps_ahead(cfg) <= 1  # buckets GPU to GPU
+    bucket = _bucket_bytes(cfg, dims)
+    if nccl:
+        transient["sync"] += (Term("bucket sent to the rollout ranks", bucket,
+                                   "the first training rank's copy for NCCL: one bucket"),)  # fmt: skip
     phases, most_offloaded = [], 0
     for name, placed in schedule(cfg).items():
         resident = _resident_terms(placed, models)
@@ -292,9 +298,11 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
             Phase(name, (*resident, *_engine_terms(placed, pool, vllm), *transient.get(name, ())))
         )
         most_offloaded = max(most_offloaded, _in_host_memory(placed, models))
-    own = rollout_ranks(cfg)
-    if own and engine_is_vllm(cfg):  # vLLM on GPUs of its own: its pool is all they hold
-        phases.append(Phase("rollout ranks", tuple(_engine_terms(OWN_GPUS, pool, vllm))))
+    if own and engine_is_vllm(cfg):  # vLLM on GPUs of its own: its pool, and a bucket coming in
+        received = (
+            (Term("bucket received", bucket, "one bucket at a time, over NCCL"),) if nccl else ()
+        )
+        phases.append(Phase("rollout ranks", (*_engine_terms(OWN_GPUS, pool, vllm), *received)))
     level1 = bool(cfg.trainer.skip_weight_sync_steps) and arr.rollout.free_cache_engine
     part = vllm_weight_bytes(
         dims, arr.rollout.tensor_model_parallel_size, ITEMSIZE[cfg.trainer.dtype]
@@ -498,9 +506,16 @@ def _sync_terms(cfg, dims) -> tuple[Term, ...]:
     gather = (
         padded_vocab_size(dims.vocab_size, layout.tp) * dims.hidden_size * e if layout.tp > 1 else 0
     )
-    bucket = max(BUCKET_BYTES, layer_experts_bytes(dims, e))
     formula = "max(1 GiB, E·3·F_e·h·e: one layer's experts)" if dims.is_moe else "1 GiB"
-    return (Term("sync bucket + TP all-gather", bucket + gather, formula + " + V·h·e (TP > 1)"),)
+    return (
+        Term("sync bucket + TP all-gather", _bucket_bytes(cfg, dims) + gather,
+             formula + " + V·h·e (TP > 1)"),
+    )  # fmt: skip
+
+
+def _bucket_bytes(cfg, dims) -> int:
+    """The largest bucket of a weight sync: 1 GiB, or one layer's experts when larger."""
+    return max(BUCKET_BYTES, layer_experts_bytes(dims, ITEMSIZE[cfg.trainer.dtype]))
 
 
 DEFAULT_GPU_MEMORY_GIB = 80.0

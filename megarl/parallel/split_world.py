@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
@@ -99,7 +98,11 @@ class SplitWorld:
         host memory otherwise. Only for a group whose members use it from one thread at a time,
         while no other NCCL work of theirs runs concurrently (NCCL's rule for several
         communicators): the rollout side receives at most one step off on its main thread,
-        between two requests (:mod:`megarl.rollout.remote_serve`)."""
+        between two requests (:mod:`megarl.rollout.remote_serve`). A rollout rank builds its
+        channels once vLLM holds its pool (both sides start meanwhile), so NCCL's buffers and one
+        bucket at a time (``megarl plan``'s ``bucket received``) come from the GPU memory vLLM
+        leaves (``rollout.gpu_memory_utilization``). A dead peer shows on the gloo groups first;
+        one dying inside an NCCL transfer ends the rank when NCCL's watchdog times out."""
         if self.role == "train" and self.rank != 0:
             return None
         first = self.rollout_ranks[0]
@@ -135,9 +138,8 @@ class SplitWorld:
         """Whether every one of ``members`` has a GPU no other one has (False without CUDA);
         every member calls it, and all get the same answer."""
         mine = ""
-        if torch.cuda.is_available():
-            uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
-            mine = f"{socket.gethostname()}/{uuid}"
+        if torch.cuda.is_available():  # unique across machines (containers share hostnames)
+            mine = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
         store = dist.PrefixStore("megarl/devices", self.store)
         store.set(str(self.rank), mine)
         return distinct_devices([store.get(str(r)).decode() for r in members])
@@ -201,8 +203,7 @@ def _launch_store(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
 
 
 def distinct_devices(devices: list[str]) -> bool:
-    """Whether each of ``devices`` (``host/GPU uuid``; empty: no GPU) is a GPU and none is
-    another's."""
+    """Whether each of ``devices`` (GPU uuids; empty: no GPU) is a GPU and none is another's."""
     return all(devices) and len(set(devices)) == len(devices)
 
 

@@ -249,7 +249,8 @@ class RemoteEngine:
                 if tp_rank not in packs:
                     packs[tp_rank] = pack_part(self._plan, bucket, tensors,
                                                (self.rollout_tp, tp_rank))  # fmt: skip
-                works.append(self.channels.weights.send([packs[tp_rank]], member, 0))
+                if packs[tp_rank].numel():  # receive_buckets expects nothing for an empty one
+                    works.append(self.channels.weights.send([packs[tp_rank]], member, 0))
                 self.update_bytes += packs[tp_rank].numel() * packs[tp_rank].element_size()
             for work in works:
                 work.wait()

@@ -117,6 +117,7 @@ def _serve_rollout(cfg: MegarlConfig, run_dir: Path, verbose: bool) -> int:
         return 0
     finally:
         stop.restore()
+        stop.withdraw()  # honoured by now, or the training ranks are gone
 
 
 def _loop(

@@ -435,7 +435,7 @@ def serve_rollout(cfg: MegarlConfig) -> None:
         stage = steps_ahead(cfg) > 1
         tp = arr.rollout.tensor_model_parallel_size  # staged: each rank its vLLM TP rank's pieces
         serve(engine, world.channels(nccl_weights=not stage), score, stage=stage,
-              part=(tp, dist.get_rank() % tp))  # fmt: skip
+              part=(tp, engine.tp_rank))  # fmt: skip
     finally:
         rewards.close()
         engine.shutdown()

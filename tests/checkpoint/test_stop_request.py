@@ -21,12 +21,15 @@ def test_repeated_stop_signals_are_one_request_and_the_stop_file_is_one_too(tmp_
         stop.restore()
     assert signal.getsignal(signal.SIGTERM) is not stop._on_signal
 
+    (tmp_path / "run").mkdir()
     relay = StopRequest(tmp_path / "run", rank=2, relay=True).install()  # a rollout rank
     try:
         os.kill(os.getpid(), signal.SIGUSR1)
         assert (tmp_path / "run" / "STOP").exists()  # what the training ranks read
     finally:
         relay.restore()
+    relay.withdraw()  # at its end: no STOP left for a resumed run
+    assert not (tmp_path / "run" / "STOP").exists()
 
     by_file = StopRequest(tmp_path, rank=0)
     (tmp_path / "STOP").touch()

@@ -185,7 +185,7 @@ def test_the_planner_sums_the_residency_schedule(overrides):
     """Each phase of the plan holds exactly the state the schedule the trainer applies keeps on
     the device (tests/trainer/test_trainer_runs.py holds the trainer to the same schedule; with
     vLLM on ranks of its own, tests/trainer/test_disaggregated.py), and with vLLM on ranks of its
-    own one more phase: a rollout GPU, vLLM's pool only."""
+    own one more phase: a rollout GPU, vLLM's pool and the bucket coming in over NCCL."""
     from megarl.config import critic_enabled, ref_used
     from megarl.config.residency import schedule
 
@@ -197,7 +197,8 @@ def test_the_planner_sums_the_residency_schedule(overrides):
     if overrides == OWN_RANKS:
         own = phases.pop()
         assert own.name == "rollout ranks"
-        assert {t.name: t.nbytes for t in own.terms} == {"vLLM pool": int(0.5 * 80 * GIB)}
+        assert {t.name: t.nbytes for t in own.terms} == {"vLLM pool": int(0.5 * 80 * GIB),
+                                                         "bucket received": 1 << 30}  # fmt: skip
     assert [p.name for p in phases] == list(declared)
     opt = OptimizerAssumptions(impl="transformer_engine", adam="fused")
     layout = ParallelLayout(
@@ -259,4 +260,9 @@ def test_vllm_on_ranks_of_its_own_leaves_the_training_gpus_and_stages_in_host_me
 
     part = vllm_weight_bytes(_dims_72b(), 8, 2)
     assert staged(own) == (8 * part if staleness > 1 else 0) and staged(colocated) == 0
+    # at most one step off the buckets go GPU to GPU over NCCL: one more on each side's GPU
+    terms = {p.name: {t.name: t.nbytes for t in p.terms} for p in own.phases}
+    nccl = {"sync": "bucket sent to the rollout ranks", "rollout ranks": "bucket received"}
+    for phase, term in nccl.items():
+        assert terms[phase].get(term) == (1 << 30 if staleness <= 1 else None), (phase, term)
     assert staleness < 2 or 1 < staged(own) / vllm_weight_bytes(_dims_72b(), 1, 2) < 1.01

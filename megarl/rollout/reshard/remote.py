@@ -66,7 +66,8 @@ def receive_buckets(
 ) -> Iterator[torch.Tensor]:
     """Rollout ranks: every bucket of ``plan`` from ``group``'s root, in plan order (each its
     HF tensors back to back, on ``device``), each received when the caller asks for it. With
-    ``part``: only its pieces (:func:`pack_part`), sent to this rank alone."""
+    ``part``: only its pieces (:func:`pack_part`), sent to this rank alone (nothing when they
+    are empty: a vocabulary shard of vLLM's padding rows only)."""
     for bucket in plan.buckets:
         if part is None:
             flat = torch.empty(sum(s.numel for s in bucket.slots), dtype=plan.dtype, device=device)
@@ -74,8 +75,10 @@ def receive_buckets(
         else:
             numel = sum(p.numel for p in part_pieces(plan, bucket, part))
             flat = torch.empty(numel, dtype=plan.dtype, device=device)
-            group.recv([flat], 0, 0).wait()
+            if numel:
+                group.recv([flat], 0, 0).wait()
         yield flat
+        del flat  # before the next one is allocated (one bucket on the device at a time)
 
 
 def load_buckets(
@@ -87,11 +90,12 @@ def load_buckets(
 ) -> None:
     """Load ``plan``'s buckets into ``engine``, in one weight-update session: from a staged list,
     or straight from :func:`receive_buckets` (each bucket loaded as it comes in). With ``part``
-    the buckets hold its pieces only: each tensor goes in whole-shaped, NaN elsewhere."""
+    the buckets hold its pieces only: each tensor goes in whole-shaped, NaN elsewhere (at TP 1
+    the pieces are the whole tensors: they go in as they are)."""
     engine.begin_weight_update()
     for bucket, flat in zip(plan.buckets, flats, strict=True):
         named, at = [], 0
-        if part is None:
+        if part is None or part[0] == 1:
             for s in bucket.slots:
                 named.append((s.name, flat[at : at + s.numel].view(s.shape)))
                 at += s.numel
@@ -105,5 +109,7 @@ def load_buckets(
                 target.copy_(flat[at : at + piece.numel].view(piece.shape))
                 at += piece.numel
             named = list(whole.items())
+            del whole
         engine.load_weight_chunk(named)
+        del flat, named  # before the next bucket comes in
     engine.finish_weight_update()
