@@ -97,8 +97,15 @@ class WandbSink:
 
     def finish(self, status: Status) -> None:
         if self._run is not None:
+            import wandb
+
             self._run.finish(exit_code=0 if status == "FINISHED" else 1)
             self._run = None
+            # run.finish() returns once wandb's service has the run's last records, not once its
+            # run file holds them (seen: a file read right after lacked the last step); its
+            # teardown waits for the service to close the file. wandb's own atexit hook does
+            # this, but megarl's fast exit skips it.
+            wandb.teardown()
 
 
 class TensorboardSink:
