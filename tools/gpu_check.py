@@ -60,6 +60,8 @@ SHAPES = {
                    "vocab_size": 32000},
 }  # fmt: skip
 """Model shapes (Qwen2.5's, with the synthetic tokenizer's vocabulary)."""
+TRAIN_CONFIG = str(REPO / "configs" / "grpo_tiny_cpu.yaml")
+"""The config the ``train`` and ``overlap`` runs override."""
 SECTIONS = ("stack", "logits", "gpu_tests", "train", "overlap")
 """What ``--sections`` can pick (``train`` brings its ``memory`` row)."""
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -379,25 +381,16 @@ def _train(model: str, shape: str, run_dir: Path, cuda: bool, runner: str | None
     import torch
 
     from megarl.config.model_dims import ModelDims
-    from megarl.data.synthetic import write_synthetic_data
     from megarl.parallel.layout import ParallelLayout
     from megarl.rollout.reshard.make_plan import make_reshard_plan
 
-    data = run_dir.parent / "data"
-    if not (data / "train.parquet").exists():
-        write_synthetic_data(data)
-    overrides = _train_overrides(model, shape, run_dir, data, cuda, steps, rollout)
+    overrides = _train_overrides(model, shape, run_dir, _data(run_dir), cuda, steps, rollout)
     env = {} if runner is None else {"VLLM_USE_V2_MODEL_RUNNER": runner}
-    config = str(REPO / "configs" / "grpo_tiny_cpu.yaml")
-    _torchrun(["-m", "megarl.train", "--config", config, *overrides], run_dir.parent /
-              f"{run_dir.name}.log", env)  # fmt: skip
-    steps_m = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    metrics = [r["metrics"] for r in steps_m if r["step"] > 0]
+    metrics, _ = _run_train(overrides, run_dir, env)
     later = metrics[1:] or metrics  # the first step compiles and warms up
 
     def med(key: str) -> float | None:
-        values = [m[key] for m in later if key in m]
-        return statistics.median(values) if values else None
+        return _median(later, key)
 
     hf = json.loads((Path(model) / "config.json").read_text())
     dims = ModelDims.from_hf_config(hf)
@@ -413,7 +406,7 @@ def _train(model: str, shape: str, run_dir: Path, cuda: bool, runner: str | None
     tflops = 6 * n_params * tokens / update_s / 1e12 if tokens and update_s else None
     peak = _peak_tflops() if cuda else None
     return {
-        "config": config, "overrides": overrides, "rollout": rollout, "runner": runner,
+        "config": TRAIN_CONFIG, "overrides": overrides, "rollout": rollout, "runner": runner,
         "steps": len(metrics),
         "logprob_diff_max": max((m["rollout/logprob_diff_max"] for m in metrics
                                  if "rollout/logprob_diff_max" in m), default=None),
@@ -435,27 +428,17 @@ def _train(model: str, shape: str, run_dir: Path, cuda: bool, runner: str | None
 def _overlap(model: str, shape: str, run_dir: Path, cuda: bool, steps: int) -> dict:
     """The ``train`` run's config, one step off with vLLM on a rank of its own (module
     docstring)."""
-    from megarl.data.synthetic import write_synthetic_data
-
-    data = run_dir.parent / "data"
-    if not (data / "train.parquet").exists():
-        write_synthetic_data(data)
     overrides = [
-        *_train_overrides(model, shape, run_dir, data, cuda, steps),
+        *_train_overrides(model, shape, run_dir, _data(run_dir), cuda, steps),
         "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
         "async_training.staleness_threshold=1",
     ]  # fmt: skip
-    config = str(REPO / "configs" / "grpo_tiny_cpu.yaml")
-    log = run_dir.parent / f"{run_dir.name}.log"
-    _torchrun(["-m", "megarl.train", "--config", config, *overrides], log, {}, nproc=2)
-    link = re.search(r"weights over (\w+)", log.read_text())  # NCCL needs a GPU per process
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    metrics = [r["metrics"] for r in records if r["step"] > 0]
+    metrics, log = _run_train(overrides, run_dir, {}, nproc=2)
+    link = re.search(r"weights over (\w+)", log)  # NCCL needs a GPU per process
     later = metrics[1:] or metrics
 
     def med(key: str) -> float | None:
-        values = [m[key] for m in later if key in m]
-        return statistics.median(values) if values else None
+        return _median(later, key)
 
     return {
         "overrides": overrides, "steps": len(metrics),
@@ -496,6 +479,32 @@ def _memory(train: dict, model: str, cuda: bool) -> dict:
 
 
 # -- helpers ----------------------------------------------------------------------------------
+
+
+def _data(run_dir: Path) -> Path:
+    """The synthetic task's parquet files beside ``run_dir`` (written once)."""
+    from megarl.data.synthetic import write_synthetic_data
+
+    data = run_dir.parent / "data"
+    if not (data / "train.parquet").exists():
+        write_synthetic_data(data)
+    return data
+
+
+def _run_train(
+    overrides: list[str], run_dir: Path, env: dict[str, str], nproc: int = 1
+) -> tuple[list[dict], str]:
+    """``megarl.train`` on the tiny CPU config with ``overrides``: each step's metrics (step 1
+    on) and the launch's log."""
+    log = run_dir.parent / f"{run_dir.name}.log"
+    _torchrun(["-m", "megarl.train", "--config", TRAIN_CONFIG, *overrides], log, env, nproc=nproc)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["metrics"] for r in records if r["step"] > 0], log.read_text()
+
+
+def _median(metrics: list[dict], key: str) -> float | None:
+    values = [m[key] for m in metrics if key in m]
+    return statistics.median(values) if values else None
 
 
 def _torchrun(args: list[str], log: Path, env_extra: dict[str, str], nproc: int = 1) -> None:

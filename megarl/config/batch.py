@@ -64,6 +64,13 @@ def steps_ahead(cfg: MegarlConfig) -> int:
     return math.ceil(max(cfg.async_training.staleness_threshold, 0.0))
 
 
+def stages_weight_updates(cfg: MegarlConfig) -> bool:
+    """Whether the rollout ranks receive weight updates while they generate, into a staging
+    copy in host memory (beyond one step off); otherwise each update goes straight into vLLM
+    between two requests, over NCCL where the GPUs are the ranks' own."""
+    return steps_ahead(cfg) > 1
+
+
 @dataclass(frozen=True)
 class PassBatches:
     """How one pass over a step's responses is split (an update, or a log-prob pass)."""

@@ -53,7 +53,7 @@ from megarl.config.batch import (
     critic_enabled,
     ref_used,
     rollout_ranks,
-    steps_ahead,
+    stages_weight_updates,
 )
 from megarl.config.memory import (
     GIB,
@@ -286,7 +286,7 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
         "sync": _sync_terms(cfg, dims),
     }
     own = rollout_ranks(cfg)
-    nccl = bool(own) and engine_is_vllm(cfg) and steps_ahead(cfg) <= 1  # buckets GPU to GPU
+    nccl = bool(own) and engine_is_vllm(cfg) and not stages_weight_updates(cfg)  # GPU to GPU
     bucket = _bucket_bytes(cfg, dims)
     if nccl:
         transient["sync"] += (Term("bucket sent to the rollout ranks", bucket,
@@ -321,7 +321,7 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
         ),
         Term(
             "weight updates staged on rollout ranks",
-            part * _rollout_ranks_per_node(cfg) if steps_ahead(cfg) > 1 else 0,
+            part * _rollout_ranks_per_node(cfg) if stages_weight_updates(cfg) else 0,
             "rollout ranks per node × vLLM's weights per rank (each receives what its vLLM TP "
             "rank loads while it generates, beyond one step off; on nodes of their own: those "
             "nodes' RAM)",

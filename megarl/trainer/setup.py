@@ -378,10 +378,10 @@ def _start_vllm(cfg: MegarlConfig, model_path: str, **overrides: Any):
 
     world = current()
     if world is not None and world.role == "train":
-        from megarl.config.batch import steps_ahead
+        from megarl.config.batch import stages_weight_updates
         from megarl.rollout.remote_engine import RemoteEngine
 
-        streams = steps_ahead(cfg) > 1  # as serve_rollout's staging
+        streams = stages_weight_updates(cfg)
         tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
         return RemoteEngine(world.channels(nccl_weights=not streams), ranks=world.rollout_ranks,
                             timeout=world.timeout, streams=streams, rollout_tp=tp)  # fmt: skip
@@ -401,7 +401,7 @@ def _start_vllm(cfg: MegarlConfig, model_path: str, **overrides: Any):
 def serve_rollout(cfg: MegarlConfig) -> None:
     """A rollout rank of a split launch: start vLLM (never asleep: these devices train nothing)
     and run the training ranks' commands until they stop it."""
-    from megarl.config.batch import steps_ahead
+    from megarl.config.batch import stages_weight_updates
     from megarl.parallel.split_world import current
     from megarl.rollout.remote_serve import serve
 
@@ -432,7 +432,7 @@ def serve_rollout(cfg: MegarlConfig) -> None:
         # staged while generating only when more than one step is asked ahead (the module
         # docstring of megarl.rollout.remote_serve: one step off loses nothing without it);
         # otherwise the bytes go GPU to GPU over NCCL where each rank has a GPU of its own
-        stage = steps_ahead(cfg) > 1
+        stage = stages_weight_updates(cfg)
         tp = arr.rollout.tensor_model_parallel_size  # staged: each rank its vLLM TP rank's pieces
         serve(engine, world.channels(nccl_weights=not stage), score, stage=stage,
               part=(tp, engine.tp_rank))  # fmt: skip

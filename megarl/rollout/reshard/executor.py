@@ -95,6 +95,7 @@ __all__ = [
     "SyncStats",
     "WeightSink",
     "pack_pieces",
+    "piece_of",
     "piece_view",
     "rollout_rank_of",
     "slot_view",
@@ -134,10 +135,14 @@ def slot_view(flat: Tensor, slot: HFSlot) -> Tensor:
 
 def piece_view(flat: Tensor, piece: SlicePiece) -> Tensor:
     """The rows / columns of ``piece`` inside a bucket buffer (a view, strided for columns)."""
-    view = slot_view(flat, piece.slot)
+    return piece_of(slot_view(flat, piece.slot), piece)
+
+
+def piece_of(whole: Tensor, piece: SlicePiece) -> Tensor:
+    """The rows / columns of ``piece`` in its slot's whole tensor (a view)."""
     if piece.dim is None:
-        return view
-    return view.narrow(piece.dim, piece.start, piece.stop - piece.start)
+        return whole
+    return whole.narrow(piece.dim, piece.start, piece.stop - piece.start)
 
 
 def pack_pieces(flat: Tensor, pieces: Sequence[SlicePiece], out: Tensor) -> None:

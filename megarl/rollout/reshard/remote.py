@@ -32,6 +32,7 @@ import torch
 
 from megarl.parallel.split_world import HOST, from_rank
 from megarl.rollout.base import WeightSink
+from megarl.rollout.reshard.executor import piece_of, slot_view, unpack_pieces
 from megarl.rollout.reshard.plan import Bucket, ReshardPlan, SlicePiece, slot_pieces
 
 __all__ = ["load_buckets", "pack_part", "part_pieces", "receive_buckets"]
@@ -51,13 +52,8 @@ def pack_part(
 ) -> torch.Tensor:
     """Training side: the pieces of ``part`` of the bucket's whole HF ``tensors`` (in slot
     order), back to back."""
-    index = {slot.name: i for i, slot in enumerate(bucket.slots)}
-    views = []
-    for piece in part_pieces(plan, bucket, part):
-        whole = tensors[index[piece.slot.name]]
-        view = whole if piece.dim is None else whole.narrow(piece.dim, piece.start,
-                                                            piece.stop - piece.start)  # fmt: skip
-        views.append(view.reshape(-1))
+    whole = {slot.name: t for slot, t in zip(bucket.slots, tensors, strict=True)}
+    views = [piece_of(whole[p.slot.name], p).reshape(-1) for p in part_pieces(plan, bucket, part)]
     return torch.cat(views) if views else torch.empty(0, dtype=plan.dtype)
 
 
@@ -99,17 +95,11 @@ def load_buckets(
             for s in bucket.slots:
                 named.append((s.name, flat[at : at + s.numel].view(s.shape)))
                 at += s.numel
-        else:
-            whole = {s.name: torch.full(s.shape, float("nan"), dtype=flat.dtype, device=flat.device)
-                     for s in bucket.slots}  # fmt: skip
-            for piece in part_pieces(plan, bucket, part):
-                target = whole[piece.slot.name]
-                if piece.dim is not None:
-                    target = target.narrow(piece.dim, piece.start, piece.stop - piece.start)
-                target.copy_(flat[at : at + piece.numel].view(piece.shape))
-                at += piece.numel
-            named = list(whole.items())
-            del whole
+        else:  # the bucket's buffer as the colocated sync lays it out, NaN where nothing came
+            full = torch.full((bucket.numel,), float("nan"), dtype=flat.dtype, device=flat.device)
+            unpack_pieces(flat, part_pieces(plan, bucket, part), full)
+            named = [(s.name, slot_view(full, s)) for s in bucket.slots]
+            del full
         engine.load_weight_chunk(named)
         del flat, named  # before the next bucket comes in
     engine.finish_weight_update()
