@@ -203,6 +203,9 @@ def main() -> None:
     from megarl.rollout.vllm_process import cpu_shared_memory
 
     out["meta"]["shm"] = [(str(path), path.exists()) for path in cpu_shared_memory()]
+    # vLLM's CPU collectives use shared memory only where its kernel build has the manager (its
+    # AVX2 build has none: they fall back to torch.distributed); the same test vLLM makes.
+    out["meta"]["shm_manager"] = hasattr(torch.ops._C, "init_shm_manager")
     rec["tp2"] = record(run())
     noisy = noisy_state(tiny, seed=123)
     if rank == 0:

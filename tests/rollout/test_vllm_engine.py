@@ -340,8 +340,11 @@ def test_no_shared_memory_name_is_left_once_the_engine_is_up(run):
     """vLLM's CPU collectives at TP 2 map a shared-memory segment per rank under the same name
     in every run on the machine, and only unlinked it at an exit megarl's ranks skip: the next
     run failed. Each rank removes its name once the engine is up (megarl.rollout.vllm_process),
-    and the TP 2 rollouts after that still match transformers (the log-prob tests above)."""
+    and the TP 2 rollouts after that still match transformers (the log-prob tests above).
+    vLLM makes segments only where its kernel build has the shared-memory manager (AVX-512
+    builds; on an AVX2-only CPU it falls back to torch.distributed and makes none)."""
     for rank in run["ranks"]:
         shm = rank["meta"]["shm"]
-        assert shm and all(name.startswith("/dev/shm/") for name, _ in shm), shm
+        assert all(name.startswith("/dev/shm/") for name, _ in shm), shm
+        assert bool(shm) == rank["meta"]["shm_manager"], shm  # made exactly where vLLM makes them
         assert [name for name, exists in shm if exists] == []
