@@ -144,8 +144,11 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from megarl.planner import memory_warnings
+
     cfg = _load(args)
     warnings = validate(cfg, args.world_size)
+    warnings += memory_warnings(cfg, args.world_size)
     _print_warnings(warnings)
     print(f"ok: {' + '.join(args.config)} is valid. {_summary(cfg, args.world_size)}")
     return 0

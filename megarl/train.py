@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from megarl.config import ConfigError, load_config, validate
+from megarl.planner import memory_warnings
 
 EXIT_CONFIG_ERROR = 2
 
@@ -31,6 +32,7 @@ def run(config_paths: Sequence[str], overrides: Sequence[str]) -> int:
 
             world_size = int(os.environ["WORLD_SIZE"]) - rollout_ranks(cfg)
         warnings = validate(cfg, world_size, check_paths=True)
+        warnings += memory_warnings(cfg, world_size)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

@@ -107,3 +107,11 @@ def tiny_overrides(tmp_path_factory) -> list[str]:
         f"data.train_files={root}/tiny-data/train.parquet",
         f"data.val_files={root}/tiny-data/test.parquet",
     ]
+
+
+@pytest.fixture
+def hermetic(tmp_path, monkeypatch):
+    """Relative model/data paths resolve under tmp_path; no real HF cache is consulted (the
+    config and planner tests use it for every test)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))

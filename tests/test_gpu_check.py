@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megarl.config import load_config
-from megarl.config.residency import phases_of
+from megarl.planner.residency import phases_of
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megarl"
 
 LAYERS: dict[str, int] = {
     **dict.fromkeys(("algo", "config", "parallel"), 0),
-    "models": 1,
+    **dict.fromkeys(("models", "planner"), 1),
     **dict.fromkeys(("checkpoint", "rollout", "data", "reward", "tracking"), 2),
     "trainer": 3,
     **dict.fromkeys(("commands", "cli", "train"), 4),

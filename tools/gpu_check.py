@@ -456,8 +456,8 @@ def _memory(train: dict, model: str, cuda: bool) -> dict:
     import torch
 
     from megarl.config import load_config
-    from megarl.config.memory_plan import Cluster, plan_memory
     from megarl.config.model_dims import ModelDims
+    from megarl.planner.memory_plan import Cluster, plan_memory
 
     if train.get("status") != "ok":
         return {"status": "skipped", "why": "its trainer run failed"}

@@ -7,8 +7,8 @@ directory, so that each session-scoped fixture (the world-size launches of ``tes
 Slurm cluster of ``tests/launch``) stays in one session; its halves took 1244 s and 1228 s of
 test time at c0c2fa7:
 
-- lane 1: ``tests/trainer``, ``tests/config``, ``tests/tracking``, ``tests/reward``, its output on
-  the console as it runs;
+- lane 1: ``tests/trainer``, ``tests/config``, ``tests/planner``, ``tests/tracking``,
+  ``tests/reward``, its output on the console as it runs;
 - lane 2: every other test (a new directory lands here), its output kept in a file and printed
   once both lanes are done, without pytest's cache (lane 1 keeps it).
 
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LANE_1 = ("tests/trainer", "tests/config", "tests/tracking", "tests/reward")
+LANE_1 = ("tests/trainer", "tests/config", "tests/planner", "tests/tracking", "tests/reward")
 
 
 def _pytest(*args: str) -> list[str]:

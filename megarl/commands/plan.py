@@ -6,12 +6,12 @@
 
 Per phase of a step (setup, generate, reward, old_log_prob, ref, values, update_critic,
 update_actor, sync, checkpoint: the residency schedule the trainer applies,
-:mod:`megarl.config.residency`) a table of the per-GPU terms with their formulas, FITS / DOES
+:mod:`megarl.planner.residency`) a table of the per-GPU terms with their formulas, FITS / DOES
 NOT FIT against the GPU memory minus a reserve, host RAM per node, the vLLM KV cache, and a
 verdict naming the phases over the limit (or the peak phase) and each one's biggest term; when a
 phase does not fit, the cheapest layouts and switches that do, as overrides. MoE models: the
 experts' terms apart (per EP rank, over expert DP) and EP × ETP in the search. Pure arithmetic
-(:mod:`megarl.config.memory_plan`): no process, no tensor.
+(:mod:`megarl.planner.memory_plan`): no process, no tensor.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from collections.abc import Sequence
 
 from megarl.commands.plan_args import InputError, OneLineParser, positive_float, positive_int
 from megarl.config.errors import ConfigError
-from megarl.config.memory import GIB
-from megarl.config.memory_plan import Cluster, MemoryPlan, plan_memory
-from megarl.config.memory_search import Proposal, search_layouts
 from megarl.config.model_dims import ModelDims
-from megarl.config.model_presets import PRESETS, hf_config_at, resolve_hf_config
 from megarl.parallel.layout import shape_layout_problems
+from megarl.planner.memory import GIB
+from megarl.planner.memory_plan import Cluster, MemoryPlan, plan_memory
+from megarl.planner.memory_search import Proposal, search_layouts
+from megarl.planner.model_presets import PRESETS, hf_config_at, resolve_hf_config
 
 __all__ = ["PRESETS", "main"]
 
@@ -70,7 +70,7 @@ def build(args) -> tuple[MemoryPlan, list[Proposal], str]:
     cluster = Cluster(nodes, gpus, args.gpu_memory, args.reserve)
     if args.reserve >= args.gpu_memory:
         raise InputError(f"--reserve {args.reserve:g} GiB leaves nothing of --gpu-memory")
-    validate(cfg, cluster.world, check_memory=False)  # a ConfigError names the keys
+    validate(cfg, cluster.world)  # a ConfigError names the keys
     if args.model:
         hf, source = hf_config_at(args.model)
     else:

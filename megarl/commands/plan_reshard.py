@@ -21,8 +21,8 @@ import torch
 from megarl.commands.plan_args import InputError, OneLineParser, positive_int
 from megarl.config.errors import ConfigError
 from megarl.config.model_dims import ModelDims
-from megarl.config.model_presets import PRESETS, hf_config_at, preset_config
 from megarl.parallel.layout import ParallelLayout
+from megarl.planner.model_presets import PRESETS, hf_config_at, preset_config
 from megarl.rollout.reshard.make_plan import make_reshard_plan
 from megarl.rollout.reshard.plan import DEFAULT_BUCKET_BYTES, ReshardPlan
 

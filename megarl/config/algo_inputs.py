@@ -1,10 +1,9 @@
 """What the trainer supplies to advantage estimators and policy losses, known before a run.
 
-Each estimator and loss declares its inputs when it is registered (`megarl.algo.registry`);
-`unsupplied_inputs` compares a config's choice with the set below, so validation refuses an
-algorithm the trainer cannot feed in one line. `megarl.trainer.step` and `megarl.trainer.actor`
-build their calls from the same names (`policy_loss_settings` is what `setup.policy_update`
-passes), and the registry's call refuses an input they did not supply.
+Each estimator and loss declares its inputs when it is registered (:mod:`megarl.algo.registry`);
+:func:`unsupplied_inputs` compares a config's choice with the set below, so validation refuses
+in one line an algorithm the trainer cannot feed. The trainer builds its calls from the same
+names (:func:`policy_loss_settings`), and the registry's call refuses an input not supplied.
 """
 
 from __future__ import annotations

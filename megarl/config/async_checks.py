@@ -1,6 +1,7 @@
-"""Checks of disaggregated placement and overlap (``actor_rollout_ref.rollout.nnodes`` > 0,
-``async_training.*``; :mod:`megarl.rollout.remote_engine`). Each reports a problem through
-``error`` (one line naming the key), as validation collects them."""
+"""Checks of disaggregated placement and overlap: vLLM on ranks of its own
+(``actor_rollout_ref.rollout.nnodes`` > 0) and ``async_training.*``. Each reports a problem
+through ``error`` (one line naming the key), as validation collects them.
+"""
 
 from __future__ import annotations
 

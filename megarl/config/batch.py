@@ -1,18 +1,13 @@
 """Batch arithmetic in verl's units, as one object: :class:`BatchPlan`.
 
-verl's units: ``data.train_batch_size`` and ``*.ppo_mini_batch_size`` count *prompts* (each
-brings ``rollout.n`` responses); ``*_micro_batch_size_per_gpu`` counts *responses* on one
-data-parallel rank. One training step therefore holds ``train_batch_size × n`` responses, an
-update pass splits them into mini-batches of ``ppo_mini_batch_size × n`` responses (one
-optimizer step each), each rank gets ``1/DP`` of a mini-batch and runs it as micro-batches.
-Log-prob passes (old and reference log-probs, values) cover the whole step at once.
-
-With ``use_dynamic_bsz`` a pass packs micro-batches up to a token budget
-(``*_max_token_len_per_gpu``) at run time, so its micro-batch count is not known here: the
-pass says so (``micro_batches_per_rank is None``, ``dynamic`` true).
-
-``BatchPlan.from_config(cfg, world_size)`` is what the trainer uses; validation reports the
-same problems through :func:`check_batches`.
+``data.train_batch_size`` and ``*.ppo_mini_batch_size`` count *prompts* (each brings
+``rollout.n`` responses); ``*_micro_batch_size_per_gpu`` counts *responses* on one data-parallel
+rank. A step holds ``train_batch_size × n`` responses; an update pass splits them into
+mini-batches (one optimizer step each), each rank runs ``1/DP`` of one as micro-batches; the
+log-prob passes cover the whole step at once. With ``use_dynamic_bsz`` micro-batches are packed
+to a token budget at run time, so their count is unknown here (``micro_batches_per_rank`` None).
+The trainer uses :meth:`BatchPlan.from_config`; validation reports the same problems through
+:func:`check_batches`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Names users choose from (estimators, loss modes, KL estimators, loggers).
 
-Kept in the config package rather than imported from ``megarl.algo`` so that loading and
-validating a config stays import-light and independent of the algorithm registries; a test in
-``tests/config`` keeps the lists in step with the registries when both are importable.
+Kept here rather than imported from ``megarl.algo`` so that loading and validating a config
+stays import-light; a test in ``tests/config`` keeps the lists in step with the registries.
 """
 
 from __future__ import annotations

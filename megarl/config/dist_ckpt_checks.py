@@ -1,24 +1,12 @@
 """``*.megatron.use_dist_checkpointing`` / ``dist_checkpointing_path``: initial weights from a
 Megatron distributed checkpoint, checked before any process starts.
 
-As in verl 0.9.1 (``McoreEngineConfig``; the Megatron engine's ``load_mcore_dist_weights``),
-the path is a directory holding one Megatron distributed checkpoint (``metadata.json`` and
-its shards), loaded into the model instead of the HF weights; the model is still built from
-``model.path``'s ``config.json``, whose tokenizer is still used; the critic keeps its own value
-head (every other tensor comes from the checkpoint); the actor, the reference and the critic each
-have their own switch (the reference does not follow the actor's). Where megarl differs:
-
-- The checkpoint is the output of ``megarl convert hf-to-megatron`` (or an actor/critic
-  checkpoint of a megarl run), saved at any TP×PP(×VPP) and loaded at the run's layout.
-  Its ``megarl_meta.json`` names the model it holds: another architecture or shape than
-  ``model.path``'s is refused here, in one line naming the path and the mismatch. A checkpoint
-  without that file (written by other tools) is checked only by the load itself.
-- vLLM still starts from ``model.path``'s safetensors (megarl's engine loads real weights before
-  the first sync; verl's default ``rollout.load_format=dummy`` does not), so the safetensors
-  must be there and are read once, by the rollout engine only.
-- verl's switch also makes the run save its own checkpoints as Megatron shards; megarl's
-  checkpoints always are, so the switch changes nothing else: the run's own checkpoints and
-  their resume (which replaces these initial weights) are as without it.
+As in verl 0.9.1, the path holds one distributed checkpoint loaded instead of the HF weights;
+the model is still built from ``model.path``'s ``config.json`` and tokenizer, and vLLM still
+starts from its safetensors. megarl reads the checkpoint's ``megarl_meta.json`` (written by
+``megarl convert hf-to-megatron`` and by megarl's own checkpoints, at any TP×PP) and refuses, in
+one line, a checkpoint of another architecture or shape than ``model.path``'s; one without that
+file is checked only by the load itself.
 """
 
 from __future__ import annotations

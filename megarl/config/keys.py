@@ -1,7 +1,5 @@
 """How the schema's keys relate: which follow others when unset (``FOLLOWS``), which parallel
 sizes critic and ref share with the actor, and each field's one-line docstring.
-
-Split from :mod:`megarl.config.schema` so that the schema holds only the dataclass tree.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Parallel-layout and batch-size checks: world size, TP/PP/CP/EP against the model (Megatron's
-rule, :func:`megarl.parallel.layout.layout_problems`), rollout TP, critic/ref layouts, and the
-batch arithmetic of :mod:`megarl.config.batch`.
-
-Used by :func:`megarl.config.validate.validate`.
+"""Parallel-layout and batch-size checks for :func:`~megarl.config.validate.validate`: world size,
+TP/PP/CP/EP against the model (Megatron's rule, :func:`megarl.parallel.layout.layout_problems`),
+rollout TP, critic/ref layouts, and the batch arithmetic of :mod:`megarl.config.batch`.
 """
 
 from __future__ import annotations

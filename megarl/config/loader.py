@@ -1,10 +1,9 @@
 """Loading a config: YAML files with ``_base_`` inheritance, dotted overrides, type coercion.
 
-Order of precedence, lowest first: dataclass defaults; the ``_base_`` files of each YAML file
-(recursively, in list order); the YAML file itself; further ``--config`` files in order; the
-command-line overrides in order; then keys left unset take their source's value (``FOLLOWS``,
-when ``MegarlConfig`` is built) and ``${...}`` references are resolved. Every problem found on the way is collected and raised
-as one ``ConfigError``.
+Precedence, lowest first: dataclass defaults; each YAML file's ``_base_`` files (recursively, in
+list order); the file itself; further ``--config`` files in order; the command-line overrides in
+order. Then unset keys take their source's value (``FOLLOWS``) and ``${...}`` references are
+resolved. Every problem found on the way is raised as one ``ConfigError``.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The one model-shape type, :class:`ModelDims`, and the one reader and parser of HF configs.
 
-``read_hf_config`` reads a ``config.json`` as it is; ``known_dims`` parses whatever shape
-fields an HF config (or the YAML ``*.model.architecture`` section) holds; ``ModelDims.from_hf_config``
-parses a complete one and refuses anything the HF↔Megatron mapping cannot convert.
-
-A *partial* shape (validating a 72B config on a laptop, or a ``config.json`` without some keys)
-is the dict ``known_dims`` returns: ``ModelDims`` field names, only those that are known. Layout
-checks take whichever are present; building a model needs the whole :class:`ModelDims`.
-
-Kept in the config package (torch-free) so that validation, conversion's input checks, the
-resharding plan and the model builder share it without importing Megatron.
+``read_hf_config`` reads a ``config.json`` as it is; ``known_dims`` parses the shape fields an HF
+config (or a ``*.model.architecture`` section) holds, as a *partial* shape (a dict of the known
+``ModelDims`` fields: enough for layout checks on a laptop); ``ModelDims.from_hf_config`` parses
+a complete one and refuses what the HF↔Megatron mapping cannot convert. Torch-free, so
+validation, conversion checks, the resharding plan and the model builder share it.
 """
 
 from __future__ import annotations

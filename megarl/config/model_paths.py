@@ -1,21 +1,11 @@
 """One resolver for every model path key: a local directory, or a hub id found in the HF cache.
 
-vLLM resolves a hub id (``Qwen/Qwen2.5-7B-Instruct``) itself, while ``build_model`` and
-``read_eos_token_ids`` read files from a directory: left as an id, the run would start vLLM and
-then fail (or, worse, run without EOS) minutes later. So every model path key (see
-:data:`MODEL_PATH_KEYS`) is replaced, before any engine starts, by the local directory it names:
-
-- an existing local directory -> its absolute path;
-- ``org/name`` that is not a local path -> the snapshot ``refs/main`` points to in the Hugging Face
-  cache (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``);
-- anything else -> one line naming the key and the value.
-
-The lookup never goes to the network (it reads the cache layout directly), so ``HF_HUB_OFFLINE``
-is honoured trivially and every rank of a job gets the same answer without racing downloads;
-fetch a model first (``hf download org/name``). ``megarl train``'s pre-flight and every rank
-call :func:`resolve_model_paths` through :func:`megarl.config.validate.validate` with
-``check_paths``, so vLLM, ``build_model`` and the tokenizer all read one directory.
-Remote URLs (``s3://``) are left alone here and reported by validation.
+``build_model`` and the tokenizer read files from a directory (vLLM alone would resolve a hub
+id), so before any engine starts every key of :data:`MODEL_PATH_KEYS` becomes the local
+directory it names: an existing directory, else the snapshot ``refs/main`` points to in the HF
+cache (``$HF_HUB_CACHE``, ``$HF_HOME/hub`` or ``~/.cache/huggingface/hub``), else an error
+naming the key. Never the network: every rank gets the same answer; fetch a model first
+(``hf download org/name``). Remote URLs (``s3://``) are left to validation.
 """
 
 from __future__ import annotations

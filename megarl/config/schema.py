@@ -1,9 +1,7 @@
 """The typed configuration tree: one dataclass per YAML section, one docstring per field.
 
 Key names and defaults follow verl's PPO trainer (``ppo_megatron_trainer.yaml``) so that its
-users' scripts and overrides keep working. Fields that megarl adds are marked "(megarl)" in their
-docstring; the package docstring (``megarl/config/__init__.py``) lists where they live.
-
+users' scripts and overrides keep working; fields megarl adds say "(megarl)" in their docstring.
 Fields typed ``dict[str, Any]`` are free-form sections: their keys are not checked, and a new key
 is added on the command line with ``+section.key=value``.
 """

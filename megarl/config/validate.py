@@ -1,8 +1,9 @@
 """Validation before anything distributed starts: every problem, each naming its keys and values.
 
 ``validate(cfg, world_size)`` raises one ``ConfigError`` listing all errors and returns the
-warnings. The parallel-layout and batch-size checks live in ``layout_checks``; this module holds
-the entry point and the checks of ranges, sampling, algorithm, rewards, trainer and files.
+warnings. The layout and batch-size checks live in :mod:`~megarl.config.layout_checks`; this
+module holds the entry point and the checks of ranges, sampling, algorithm, rewards, trainer and
+files.
 """
 
 from __future__ import annotations
@@ -34,27 +35,20 @@ def validate(
     world_size: int | None = None,
     *,
     check_paths: bool = False,
-    check_memory: bool = True,
 ) -> list[str]:
     """Check ``cfg`` at ``world_size`` (default nnodes x n_gpus_per_node); return warnings.
 
     With ``check_paths`` (``megarl train``), missing local model and data files are errors;
     otherwise (validating a cluster config on a laptop) they are warnings. With ``check_paths``
     every model path key is also replaced in ``cfg`` by the local directory it names (a hub id by
-    its snapshot in the HF cache; :mod:`megarl.config.model_paths`). With
-    ``check_memory`` a valid GPU config that does not fit on 80 GiB GPUs gets a warning
-    (:func:`megarl.config.memory_plan.memory_warnings`).
+    its snapshot in the HF cache; :mod:`megarl.config.model_paths`). Whether the config fits in
+    GPU memory is the planner's question (:func:`megarl.planner.memory_warnings`).
     Raises ``ConfigError`` listing every problem found.
     """
     checks = _Checks(cfg, world_size, check_paths)
     checks.run()
     if checks.errors:
         raise ConfigError(checks.errors)
-    if check_memory:
-        from megarl.config.batch import world_size as configured_world
-        from megarl.config.memory_plan import memory_warnings
-
-        checks.warnings += memory_warnings(cfg, world_size or configured_world(cfg))
     return checks.warnings
 
 

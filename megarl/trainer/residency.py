@@ -1,4 +1,4 @@
-"""The trainer's side of :mod:`megarl.config.residency`: move every model's state and the
+"""The trainer's side of :mod:`megarl.planner.residency`: move every model's state and the
 rollout engine to a phase's declared residency, and record what was applied.
 
 ``enter(run, phase)`` is the only place the trainer offloads, reloads, sleeps or wakes; the
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from megarl.config.residency import (
+from megarl.planner.residency import (
     EngineResidency,
     ModelResidency,
     Residency,

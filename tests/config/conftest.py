@@ -9,10 +9,8 @@ import pytest
 
 
 @pytest.fixture(autouse=True)
-def _hermetic(tmp_path, monkeypatch):
-    """Relative model/data paths resolve under tmp_path; no real HF cache is consulted."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+def _hermetic(hermetic):
+    """Every test here is hermetic (tests/conftest.py)."""
 
 
 @pytest.fixture

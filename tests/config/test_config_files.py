@@ -103,8 +103,8 @@ def test_grpo_qwen3_30b_a3b_is_an_expert_parallel_layout_that_fits():
     """EP 8 × expert TP 1 (16 experts per GPU, expert DP 2) beside TP 4 with sequence
     parallelism (Megatron requires it with TP and EP) × PP 1 on 2 nodes; ``megarl plan`` says
     it fits there (its model shape: the qwen3-30b-a3b preset its hub id names)."""
-    from megarl.config.memory_plan import Cluster, plan_memory
-    from megarl.config.model_presets import resolve_dims
+    from megarl.planner.memory_plan import Cluster, plan_memory
+    from megarl.planner.model_presets import resolve_dims
 
     cfg = load_config(CONFIGS / "grpo_qwen3_30b_a3b.yaml")
     arch = cfg.actor_rollout_ref.model.architecture

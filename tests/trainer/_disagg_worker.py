@@ -109,7 +109,7 @@ def main() -> None:
                     "rewards": batch.fields["token_level_rewards"].sum(-1).tolist(),
                 })  # fmt: skip
             out["weights"] = _hf_weights(run.actor.chunks, run.actor.model.dims)
-            from megarl.config.residency import residency
+            from megarl.planner.residency import residency
 
             out["residency"] = [(phase, applied, residency(cfg, phase))
                                 for phase, applied in run.residency_log]  # fmt: skip

@@ -153,7 +153,7 @@ def test_one_step_off_trains_on_the_rollouts_of_the_weights_before_the_last_upda
 
 def test_the_training_ranks_hold_what_the_planner_declares(runs):
     """No engine on the training devices in any phase (megarl plan sums the same schedule:
-    tests/config/test_memory_plan.py), the models where the colocated run has them."""
+    tests/planner/test_memory_plan.py), the models where the colocated run has them."""
     for mode in ("split", "split_one", "split_off"):
         log = runs[mode]["residency"]
         assert [phase for phase, _, _ in log][:3] == ["setup", "sync", "generate"]

@@ -215,11 +215,11 @@ def test_offloading_between_steps_changes_nothing(dp2):
 
 @pytest.mark.parametrize("name", ["kl_fixed", "offload"])
 def test_the_trainer_applies_the_declared_residency_in_every_phase(spec, dp2, name):
-    """What the models report after each phase change is what config/residency.py declares
-    (the planner sums the same declaration: tests/config/test_memory_plan.py); every phase of a
+    """What the models report after each phase change is what planner/residency.py declares
+    (the planner sums the same declaration: tests/planner/test_memory_plan.py); every phase of a
     step is visited, in the step's order."""
     from megarl.config import load_config
-    from megarl.config.residency import phases_of, residency
+    from megarl.planner.residency import phases_of, residency
 
     overrides = next(r["overrides"] for r in spec["runs"] if r["name"] == name)
     cfg = load_config([spec["config"]], [*spec["overrides"], *overrides])

@@ -10,8 +10,11 @@ import pytest
 
 from megarl.commands import plan as plan_cli
 from megarl.config import load_config
-from megarl.config.activations import layer_bytes_per_token
-from megarl.config.memory import (
+from megarl.config.model_dims import ModelDims
+from megarl.models.tiny import tiny_hf_config
+from megarl.parallel.layout import ParallelLayout
+from megarl.planner.activations import layer_bytes_per_token
+from megarl.planner.memory import (
     OptimizerAssumptions,
     chunk_params,
     grad_buffer,
@@ -19,11 +22,8 @@ from megarl.config.memory import (
     model_state,
     vllm_weight_bytes,
 )
-from megarl.config.memory_plan import Cluster, plan_memory
-from megarl.config.model_dims import ModelDims
-from megarl.config.model_presets import PRESETS
-from megarl.models.tiny import tiny_hf_config
-from megarl.parallel.layout import ParallelLayout
+from megarl.planner.memory_plan import Cluster, plan_memory
+from megarl.planner.model_presets import PRESETS
 from megarl.rollout.reshard.make_plan import make_reshard_plan
 
 CFG_30B = str(Path(__file__).resolve().parents[2] / "configs" / "grpo_qwen3_30b_a3b.yaml")

@@ -1,51 +1,10 @@
-"""Activation memory of one training micro-batch, per GPU: pure arithmetic.
+"""Activation memory of one training or forward pass per GPU: pure arithmetic.
 
-Notation as in :mod:`megarl.config.memory`; ``σ`` is ``t`` with sequence parallelism (the
-``h``-sized tensors are split over TP) and 1 without; ``e`` the activation dtype's bytes.
-
-Bytes saved for backward per token and layer (read off the layer's autograd graph in
-Megatron-Core 0.16.1; the tests measure them with ``saved_tensors_hooks``):
-
-- local spec (CPU; unfused attention, GQA keys/values expanded to ``nq`` heads):
-  ``e·(6h/σ + (4·nq·d + 5F)/t + nq·s/t) + 8/σ``: two RMSNorms (input and normalised output,
-  fp32 ``rstd``), the ``linear_qkv`` and ``linear_fc1`` inputs, q and expanded k, v, the softmax
-  probabilities (``nq·s`` per token), the ``linear_proj`` input, and the SwiGLU MLP (``fc1``
-  output ``2F``, ``silu(gate)`` and the product's two operands ``F`` each, ``fc2`` input ``F``);
-  plus ``16·s·d`` bytes of RoPE cos/sin per layer (fp32, not per sequence). In 16-bit
-  (``e = 2``) two more terms: the softmax runs in fp32 (``attention_softmax_in_fp32``) and its
-  fp32 output is saved beside the 16-bit probabilities (``4·nq·s/t``), and each RMSNorm (torch's,
-  without apex) saves two fp32 copies of its ``h`` input instead of ``e``-byte ones
-  (``2·2·(4 - e)·h/σ`` for the layer's two, ``2·(4 - e)·h/σ`` for the final norm): 33 % more
-  than the ``e``-byte count at ``s`` = 160 on CPU, and the gap an H100's memory test measured
-  (README, "On a GPU").
-- Transformer Engine spec (GPU; flash attention, nothing quadratic in ``s``):
-  ``e·(4h/σ + ((nq + 2·nkv)·d + nq·d + 3F)/t) + 8/σ + 4·nq/t``: fused norm inputs and outputs,
-  q, k, v, the attention output (= ``linear_proj`` input), ``fc1`` output and activation output,
-  fp32 ``rstd`` and the softmax log-sum-exp.
-
-MoE layers (every layer of a MoE model) replace the dense MLP's ``e·cF/t`` (``c`` = 5 local,
-3 TE) by, per token: the router's fp32 input copy, logits, probabilities and routing map
-``(4h + 9E + 4k)/σ``; per routed (token, expert) pair, ``k·t_e/σ`` of them per token with
-sequence parallelism (balanced routing and no token dropping assumed: each rank receives as
-many pairs as it sends, then gathers them over expert TP ``t_e``) and ``k`` without, the
-expert's input and output ``2h`` and its MLP ``cF_e/t_e``, times ``e``; Qwen2-MoE's shared
-expert as a dense MLP of width ``F_s``.
-
-Recomputation (Megatron's ``recompute_*``): ``full``/``uniform`` with ``n`` layers keeps only the
-input of every group of ``n`` layers (``e·h/σ`` per token) and recomputes one group at a time in
-the backward pass (that group's activations are the transient working set); ``full``/``block``
-recomputes the first ``n`` layers of every chunk and keeps the rest; ``selective`` drops the
-attention core (the ``nq·s/t`` probabilities and, on TE, the log-sum-exp).
-
-Outside the layers: the first stage keeps the token ids (8 bytes per token); the last keeps the
-final norm and the output layer's input (``e·3h/σ + 4/σ``), then the actor's vocab-parallel
-logits (``e·V/t``) and the log-prob function's per-token tensors (43 bytes), or the critic's
-values (``e + 24`` bytes). The log-prob working set (transient) is the logits' gradient plus five
-fp32 chunks of 1024 positions: ``e·b·s·V/t + 20·b·min(s, 1024)·V/t``.
-
-Pipeline: with 1F1B the first stage holds ``min(p, m)`` micro-batches in flight (``m`` micro-
-batches per step); interleaved (VPP) it holds Megatron's warm-up count ``2(p-1) + (v-1)p + 1``
-model-chunk forwards (at most ``m·v``), each of ``L/(p·v)`` layers.
+Notation as in :mod:`megarl.planner.memory`; ``σ`` is ``t`` with sequence parallelism (the
+``h``-sized tensors split over TP), else 1. The bytes saved per token and layer are read off the
+layer's autograd graph in Megatron-Core 0.16.1, for the local spec (CPU) and the Transformer
+Engine spec (GPU); the tests measure them with ``saved_tensors_hooks``, and each function below
+gives its formula.
 """
 
 from __future__ import annotations
@@ -53,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megarl.config.memory import ITEMSIZE, Role
 from megarl.config.model_dims import ModelDims, padded_vocab_size
 from megarl.parallel.layout import ParallelLayout
+from megarl.planner.memory import ITEMSIZE, Role
 
 Impl = Literal["local", "transformer_engine"]
 LOGPROB_CHUNK = 1024
@@ -94,7 +53,22 @@ def layer_bytes_per_token(
     *,
     selective: bool = False,
 ) -> float:
-    """Bytes one layer saves per token (formulas in the module docstring; RoPE excluded)."""
+    """Bytes one layer saves per token.
+
+    - local spec (unfused attention, GQA keys/values expanded to ``nq`` heads):
+      ``e·(6h/σ + (4·nq·d + 5F)/t + nq·s/t) + 8/σ``: two RMSNorms (input and output, fp32
+      ``rstd``), the ``linear_qkv`` and ``linear_fc1`` inputs, q and expanded k, v, the softmax
+      probabilities, the ``linear_proj`` input, the SwiGLU MLP (``fc1`` output ``2F``,
+      ``silu(gate)`` and the product's operands, ``fc2`` input). In 16-bit two more: the fp32
+      softmax output (``4·nq·s/t``) and the norms' fp32 copies of ``h`` (``4·(4 - e)·h/σ``), the
+      gap an H100's memory test measured (README, "On a GPU"). RoPE's fp32 cos/sin (``16·s·d``
+      per layer, not per token) are the caller's.
+    - Transformer Engine spec (flash attention, nothing quadratic in ``s``):
+      ``e·(4h/σ + ((nq + 2·nkv)·d + nq·d + 3F)/t) + 8/σ + 4·nq/t`` (the last: the log-sum-exp).
+
+    A MoE layer's MLP is :func:`_moe_bytes_per_token`. ``selective`` recomputation drops the
+    attention core (the probabilities, or the log-sum-exp).
+    """
     e, t = ITEMSIZE[dtype], layout.tp
     sigma = t if layout.sequence_parallel and t > 1 else 1
     h, f, d = dims.hidden_size, dims.ffn_hidden_size, dims.head_dim
@@ -112,8 +86,12 @@ def layer_bytes_per_token(
 
 
 def _moe_bytes_per_token(dims: ModelDims, layout: ParallelLayout, e: int, c: int) -> float:
-    """A MoE layer's MLP bytes per token of the micro-batch (module docstring); ``c`` the
-    dense MLP's widths saved per intermediate element (5 local, 3 TE)."""
+    """A MoE layer's MLP bytes per token of the micro-batch, in place of the dense ``e·cF/t``
+    (``c`` widths saved per intermediate element: 5 local, 3 TE): the router's fp32 input,
+    logits, probabilities and routing map ``(4h + 9E + 4k)/σ``; per routed (token, expert) pair
+    (``k·t_e/σ`` per token with sequence parallelism, ``k`` without; balanced routing, no token
+    dropped) the expert's input and output ``2h`` and its MLP ``cF_e/t_e``, times ``e``; a shared
+    expert as a dense MLP of width ``F_s``."""
     t, t_e, h = layout.tp, layout.etp, dims.hidden_size
     sigma = t if layout.sequence_parallel and t > 1 else 1
     k, experts = dims.moe_router_topk, dims.num_experts
@@ -127,6 +105,10 @@ def _moe_bytes_per_token(dims: ModelDims, layout: ParallelLayout, e: int, c: int
 def _edge_bytes_per_token(
     dims: ModelDims, layout: ParallelLayout, dtype: str, role: Role, first: bool, last: bool
 ) -> float:
+    """Bytes per token outside the layers: the token ids on the first stage (8); on the last the
+    final norm and the output layer's input (``e·3h/σ + 4/σ``), then the actor's vocab-parallel
+    logits (``e·V/t``) and the log-prob function's per-token tensors (43), or the critic's
+    values (``e + 24``)."""
     e, t = ITEMSIZE[dtype], layout.tp
     sigma = t if layout.sequence_parallel and t > 1 else 1
     out = 8.0 if first else 0.0
@@ -152,7 +134,8 @@ def logprob_working_bytes(
 
 
 def _in_flight(layout: ParallelLayout, micro_batches: int) -> int:
-    """Chunk forwards whose activations the first stage holds at once (Megatron's warm-up)."""
+    """Chunk forwards whose activations the first stage holds at once (Megatron's warm-up):
+    ``min(p, m)`` with 1F1B, ``2(p-1) + (v-1)p + 1`` (at most ``m·v``) interleaved."""
     p, v = layout.pp, layout.vpp
     if v == 1:
         return min(p, micro_batches)
@@ -171,7 +154,13 @@ def training_activations(
     role: Role = "actor",
     recompute: Recompute = Recompute(),
 ) -> Activations:
-    """Peak activation bytes on the busiest pipeline stage during a training pass."""
+    """Peak activation bytes on the busiest pipeline stage during a training pass.
+
+    Recomputation: ``full``/``uniform`` over ``n`` layers keeps only the input of every group of
+    ``n`` layers (``e·h/σ`` per token) and recomputes one group at a time in the backward pass
+    (the working set); ``full``/``block`` recomputes the first ``n`` layers of every chunk and
+    keeps the rest; ``selective`` drops the attention core.
+    """
     tokens = micro_batch * seq_len
     per_chunk = dims.num_layers // (layout.pp * layout.vpp)
     selective = recompute.granularity == "selective"
@@ -196,7 +185,7 @@ def training_activations(
         flight = max(1, in_flight - pp_rank * (1 if layout.vpp == 1 else layout.vpp))
         saved = flight * chunk_saved
         saved += tokens * _edge_bytes_per_token(dims, layout, dtype, role, first, last)
-        if last and impl == "local":  # the final norm's fp32 copies (module docstring)
+        if last and impl == "local":  # the final norm's fp32 copies (layer_bytes_per_token)
             saved += tokens * 2 * (4 - ITEMSIZE[dtype]) * dims.hidden_size / sigma
         working = group * (tokens * full_layer + rope)
         if last and role != "critic":

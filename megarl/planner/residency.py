@@ -1,39 +1,8 @@
-"""Where every model's state lives in each phase of a step, declared once.
+"""Where every model's state and the rollout engine live in each phase of a step, declared once.
 
 The trainer moves state by this schedule (:mod:`megarl.trainer.residency`) and the memory
-planner (:mod:`megarl.config.memory_plan`) sums the bytes of the same schedule, so ``megarl plan``
-describes the states the trainer actually reaches.
-
-Phases, in the trainer's order:
-
-- ``setup``: after the engine started and every model was built; the engine asleep at level 2
-  from right after its start (its pool is needed by nobody until the first generate, and level 2
-  keeps no host copy: the first wake syncs the actor's weights in), each model at its idle
-  residency. While a model is being built it holds its full state once (the planner adds that).
-- ``generate``: the engine awake (weights and KV cache); training models idle. Validation and
-  ReMax's greedy baseline generate in this phase too.
-- ``reward``: scoring (rule scorers, or the reward model, which keeps its own
-  ``reward_model.megatron.param_offload`` and is not part of this schedule); the engine asleep
-  from here until ``sync``, training models idle.
-- ``old_log_prob``, ``ref``, ``values``: one forward-only pass each; the model computing has its
-  parameters on the device.
-- ``update_critic``, ``update_actor``: the model training has everything on the device.
-- ``sync``: the engine's weights awake (its KV cache still asleep: a lower peak), the actor's
-  parameters on the device; the KV cache wakes at the next ``generate``.
-- ``checkpoint``: saving a step or loading one to resume: the saved models (actor, critic) with
-  parameters and optimizer state on the device (Megatron's optimizer gathers its state over the
-  data-parallel group there), gradient buffers as when idle; the engine as in ``sync``.
-
-A model's parameters, gradient buffers and optimizer state (fp32 main parameters and moments)
-leave the device outside the phases that need them exactly when its ``param_offload``,
-``grad_offload``, ``optimizer_offload`` say so. vLLM sleeps (``rollout.free_cache_engine``)
-outside ``generate`` and ``sync`` at level 2 when the next wake updates its weights (vLLM's
-contract for "update the model": nothing copied to host memory and back only to be
-overwritten), level 1 when the next step keeps them (``trainer.skip_weight_sync_steps``). With
-vLLM on ranks of its own (``rollout.nnodes`` > 0) the training devices hold no engine in any
-phase.
-
-Pure (no torch, no processes).
+planner sums the bytes of the same schedule, so ``megarl plan`` describes the states the trainer
+actually reaches. Pure: no torch, no processes.
 """
 
 from __future__ import annotations
@@ -56,7 +25,13 @@ PHASES = (
     "checkpoint",
 )
 """Every phase, in the order a step runs them (``setup`` once, before the first step;
-``checkpoint`` after a step that saves, and when a run resumes)."""
+``checkpoint`` after a step that saves, and when a run resumes). ``setup``: every model built,
+the engine asleep at level 2 from its start (the first wake syncs the weights in); ``generate``:
+the engine awake (validation and ReMax's greedy baseline too); ``reward``: the engine asleep
+until ``sync`` (a reward model keeps its own offload switch, outside this schedule); the passes:
+the model computing holds its parameters, the model training everything; ``sync``: the engine's
+weights awake, not its KV cache; ``checkpoint``: the saved models' parameters and optimizer
+state on the device, the engine as in ``sync``."""
 
 _COMPUTES = {
     "old_log_prob": "actor",
@@ -145,7 +120,11 @@ def phases_of(cfg: MegarlConfig) -> tuple[str, ...]:
 
 
 def residency(cfg: MegarlConfig, phase: str) -> Residency:
-    """What is on the device in ``phase`` (one of :data:`PHASES`) for a run of ``cfg``."""
+    """What is on the device in ``phase`` (one of :data:`PHASES`) for a run of ``cfg``: a
+    model's parameters, gradient buffers and optimizer state leave the device outside the phases
+    that need them exactly when its ``*_offload`` switches say so; with
+    ``rollout.free_cache_engine`` vLLM's KV cache sleeps outside ``generate``, its weights
+    outside ``generate``, ``sync`` and ``checkpoint`` (level: :func:`sleep_level`)."""
     if phase not in PHASES:
         raise ValueError(f"unknown phase {phase!r}; phases: {', '.join(PHASES)}")
     computes, trains = _COMPUTES.get(phase), _TRAINS.get(phase)

@@ -1,38 +1,10 @@
-"""Will a config fit? Per-GPU peaks of each phase of a step, and layouts that fit when it does not.
+"""Will a config fit? The per-GPU peak of every phase of a step (:func:`plan_memory`), and the
+one-line warning of validation when it does not (:func:`memory_warnings`).
 
-Pure arithmetic over the terms of :mod:`megarl.config.memory` and
-:mod:`megarl.config.activations` (no processes, no tensors); used by ``megarl plan`` and by
-``megarl config validate`` (which warns when a config does not fit).
-
-The phases and what is on the device in each come from :mod:`megarl.config.residency`, the
-schedule the trainer applies (a test holds the two together): each phase sums the state its
-residency keeps on the device (each model's parameters, gradient buffers, optimizer state;
-vLLM's whole pool while it generates, only its weights while they are synced, nothing while it
-sleeps) and that phase's transient memory:
-
-- **setup**: the largest model while it is built (parameters, gradient buffers and main
-  parameters, before it moves to its setup residency; vLLM asleep since its start);
-- **old_log_prob**, **ref**, **values**: the pass's forward activations;
-- **update_critic**, **update_actor**: training activations (saved, recompute, log-prob working
-  set);
-- **sync**: one bucket (at least one MoE layer's experts, moved as one module) and the largest
-  TP all-gather (the padded embedding).
-
-MoE models: each model's state splits into its dense part (sharded over DP) and its experts
-(``E/EP`` per rank, split over expert TP, sharded over expert DP): separate terms, so that the
-verdict can name which of them is the biggest (:mod:`megarl.config.memory`).
-
-A phase FITS when its total is at most ``G - reserve``; the reserve (default 4 GiB) stands for the
-CUDA context, NCCL buffers and allocator fragmentation, which this plan does not itemise.
-Host RAM per node is the most training state any phase keeps in host memory, plus vLLM's weights
-where it sleeps at level 1 (``trainer.skip_weight_sync_steps``), for every GPU of the node.
-
-vLLM on ranks of its own (``rollout.nnodes`` > 0): the training GPUs hold no engine in any
-phase (the residency schedule says so), and one more phase, ``rollout ranks``, is a rollout
-GPU: vLLM's pool and nothing else. Beyond one step off each rollout rank stages a weight update in
-host memory while it generates (:mod:`megarl.rollout.remote_serve`): what its vLLM TP rank loads
-(its pieces of each tensor, :func:`~megarl.rollout.reshard.remote.pack_part`), for every rollout
-rank of a node.
+Each phase sums the state its residency keeps on the device (:mod:`megarl.planner.residency`,
+the schedule the trainer applies) and that phase's transient memory, term by term with the
+formula. A phase fits when its total is at most the GPU memory less a reserve (default 4 GiB)
+for what the plan does not itemise: the CUDA context, NCCL buffers, allocator fragmentation.
 """
 
 from __future__ import annotations
@@ -41,12 +13,6 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from megarl.config.activations import (
-    Impl,
-    Recompute,
-    forward_activations,
-    training_activations,
-)
 from megarl.config.batch import (
     BatchPlan,
     PassBatches,
@@ -54,8 +20,18 @@ from megarl.config.batch import (
     ref_used,
     rollout_ranks,
     stages_weight_updates,
+    world_size,
 )
-from megarl.config.memory import (
+from megarl.config.model_dims import ModelDims, padded_vocab_size
+from megarl.config.schema import MegarlConfig, MegatronConfig
+from megarl.parallel.layout import ParallelLayout
+from megarl.planner.activations import (
+    Impl,
+    Recompute,
+    forward_activations,
+    training_activations,
+)
+from megarl.planner.memory import (
     GIB,
     ITEMSIZE,
     ModelState,
@@ -66,8 +42,7 @@ from megarl.config.memory import (
     model_state,
     vllm_weight_bytes,
 )
-from megarl.config.model_dims import ModelDims, padded_vocab_size
-from megarl.config.residency import (
+from megarl.planner.residency import (
     EngineResidency,
     Residency,
     engine_is_vllm,
@@ -75,8 +50,6 @@ from megarl.config.residency import (
     residency,
     schedule,
 )
-from megarl.config.schema import MegarlConfig, MegatronConfig
-from megarl.parallel.layout import ParallelLayout
 
 BUCKET_BYTES = 1 << 30
 """The resharding executor's bucket limit (``DEFAULT_BUCKET_BYTES``)."""
@@ -337,7 +310,7 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
         f"layer spec: {impl}; sequence length {seq} = max_prompt_length + max_response_length",
         f"gradient buffers in fp32 (grad_reduce_in_fp32), {'distributed' if arr.actor.megatron.use_distributed_optimizer else 'plain'} optimizer over DP {layout.data_parallel_size(world)}",
         (
-            "residency by phase: megarl/config/residency.py (what the trainer applies); the reward "
+            "residency by phase: megarl/planner/residency.py (what the trainer applies); the reward "
             "model and the checkpoint save's optimizer gather are not modelled"
         ),
         f"reserve {cluster.reserve_gib:g} GiB per GPU for CUDA context, NCCL and fragmentation",
@@ -522,14 +495,16 @@ DEFAULT_GPU_MEMORY_GIB = 80.0
 """GPU memory ``megarl config validate`` assumes (H100-80GB); ``megarl plan --gpu-memory``."""
 
 
-def memory_warnings(cfg: MegarlConfig, world: int) -> list[str]:
-    """One warning when ``cfg`` (already valid) does not fit on 80 GiB GPUs; none on CPU or
-    when the model's shape is unknown (no config.json, preset or complete architecture)."""
+def memory_warnings(cfg: MegarlConfig, world: int | None = None) -> list[str]:
+    """One warning when ``cfg`` (already valid: :func:`megarl.config.validate`) does not fit on
+    80 GiB GPUs at ``world`` ranks (default nnodes x n_gpus_per_node); none on CPU or when the
+    model's shape is unknown (no config.json, preset or complete architecture)."""
     from megarl.config.errors import ConfigError
-    from megarl.config.model_presets import resolve_hf_config
+    from megarl.planner.model_presets import resolve_hf_config
 
     if cfg.trainer.device != "cuda":
         return []
+    world = world or world_size(cfg)
     try:
         hf, _ = resolve_hf_config(cfg.actor_rollout_ref.model)
         dims = ModelDims.from_hf_config(hf)

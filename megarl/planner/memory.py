@@ -1,42 +1,13 @@
-"""Per-GPU memory terms of a model on a layout: pure arithmetic (no processes, no tensors).
+"""Per-GPU memory terms of a model on a layout, in bytes: pure arithmetic.
 
-Every function takes the one model-shape type (:class:`ModelDims`) and the one layout type
-(:class:`ParallelLayout`) and returns bytes. Notation: ``h`` hidden size, ``F`` FFN width,
-``L`` layers, ``nq``/``nkv`` query/KV heads, ``d`` head width, ``V`` vocabulary padded to a
-multiple of 128·TP (Megatron's ``_vocab_size_with_padding``), ``t`` TP, ``p`` PP, ``v`` VPP,
-``N`` DP, ``b`` micro-batch (sequences), ``s`` sequence length, ``e`` bytes per parameter.
-
-**Model state** follows Megatron-Core 0.16.1's ``DistributedDataParallel`` and optimizers as
-megarl builds them (:class:`megarl.models.trainable.TrainableModel`: ``overlap_grad_reduce`` off,
-so one bucket per model chunk):
-
-- parameters: ``e`` per element. With the distributed optimizer they live in one contiguous
-  buffer per chunk, in which every parameter starts at a multiple of 64 elements and the
-  bucket ends at a multiple of lcm(N, 128) (``_ParamAndGradBuffer``); the tied embedding copy
-  (PP > 1) forms a bucket of its own. Without it each parameter is its own tensor (no padding).
-- gradient buffers: the same layout in fp32 (``grad_reduce_in_fp32``) or in the parameter dtype.
-- main parameters: fp32 copies of 16-bit parameters (4 bytes per element this rank updates);
-  none in fp32 (the optimizer steps the parameters themselves).
-- Adam states: ``exp_avg`` and ``exp_avg_sq`` in fp32 (8 bytes per element this rank updates),
-  plus, for torch's ``Adam`` (the CPU fallback), one 4-byte ``step`` tensor per main-parameter
-  tensor. The GPU assumption is Transformer Engine's ``FusedAdam`` with fp32 states and no
-  per-tensor step; the precision-aware optimizer (16-bit moments) and ``store_param_remainders``
-  (16-bit main-parameter remainders) would change these bytes and are not modelled.
-- With the distributed optimizer a rank updates the elements of its contiguous 1/N slice of each
-  bucket (padding excluded), otherwise every element.
-
-**Mixture-of-Experts** (``E`` routed experts of width ``F_e``, top-``k``; Megatron's expert
-grid): a MoE layer holds the router ``E × h`` (a dense parameter, replicated over TP), its
-expert-parallel rank's ``E/EP`` experts, each split over expert TP ``t_e``
-(``expert_tensor_parallel_size``, default TP): ``linear_fc1`` ``2F_e/t_e × h`` and ``linear_fc2``
-``h × F_e/t_e``, and Qwen2-MoE's shared expert (TP-split like a dense MLP, ``F_s``) with its
-``1 × h`` gate. Megatron's DDP puts the experts (``allreduce=False``) into buffers of their own,
-reduced over the *expert-data-parallel* group of ``N_e = world / (t_e · EP · p)`` ranks, so the
-distributed optimizer shards their main parameters and Adam states over ``N_e``, the dense
-parts over DP ``N`` as above. Every layer is a MoE layer (``ModelDims`` refuses
-``mlp_only_layers`` and ``decoder_sparse_step`` > 1).
-
-**Activations** are per layer and token; see :mod:`megarl.config.activations`.
+Every function takes the one model shape (:class:`ModelDims`) and the one layout
+(:class:`ParallelLayout`). Notation: ``h`` hidden size, ``F`` FFN width, ``L`` layers,
+``nq``/``nkv`` query/KV heads, ``d`` head width, ``V`` vocabulary padded to a multiple of 128·TP,
+``t`` TP, ``p`` PP, ``v`` VPP, ``N`` DP, ``b`` micro-batch (sequences), ``s`` sequence length,
+``e`` bytes per parameter; MoE: ``E`` experts of width ``F_e``, top-``k``, expert TP ``t_e``.
+Model state follows Megatron-Core 0.16.1's DDP buffers and optimizers as megarl builds them
+(:func:`grad_buffer`, :func:`model_state`); on GPU the optimizer assumed is Transformer Engine's
+``FusedAdam`` with fp32 states (16-bit moments and parameter remainders are not modelled).
 """
 
 from __future__ import annotations

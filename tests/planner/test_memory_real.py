@@ -2,7 +2,7 @@
 
 Model state: after one optimizer step, the bytes each rank holds in parameters, gradient
 buffers, main parameters and optimizer states (distinct storages, counted by
-``_memory_worker.py``) must equal :func:`megarl.config.memory.model_state` *exactly*: the planner
+``_memory_worker.py``) must equal :func:`megarl.planner.memory.model_state` *exactly*: the planner
 reproduces Megatron's buffer padding (parameters start at multiples of 64 elements and buckets
 end at multiples of lcm(DP, 128) with the distributed optimizer). On CPU the optimizer is
 torch's ``Adam`` (one 4-byte ``step`` tensor per main-parameter tensor: ``adam="torch"``) and the
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config.activations import Recompute, training_activations
-from megarl.config.memory import OptimizerAssumptions, model_state
 from megarl.config.model_dims import ModelDims, read_hf_config
 from megarl.parallel.layout import ParallelLayout
+from megarl.planner.activations import Recompute, training_activations
+from megarl.planner.memory import OptimizerAssumptions, model_state
 from tests.conftest import run_torchrun
 
 WORKER = Path(__file__).with_name("_memory_worker.py")

@@ -1,6 +1,7 @@
-"""The layout search of ``megarl plan``: the cheapest layouts and switches that fit when a
-config does not (:func:`search_layouts`), each planned by :func:`megarl.config.memory_plan.
-plan_memory` and returned as the overrides that select it."""
+"""The layout search of ``megarl plan``: when a config does not fit, the cheapest layouts and
+switches that do (:func:`search_layouts`), each planned by :func:`~megarl.planner.memory_plan.
+plan_memory` and returned as the overrides that select it.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from typing import Any
 
 from megarl.config.batch import BatchPlan
 from megarl.config.layout_checks import divisors
-from megarl.config.memory_plan import Cluster, MemoryPlan, plan_memory
 from megarl.config.model_dims import ModelDims
 from megarl.config.schema import MegarlConfig, MegatronConfig
 from megarl.parallel.layout import ParallelLayout
+from megarl.planner.memory_plan import Cluster, MemoryPlan, plan_memory
 
 
 @dataclass(frozen=True)

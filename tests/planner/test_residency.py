@@ -1,6 +1,6 @@
 """The residency schedule by hand: which state is on the device in each phase, and vLLM's sleep
 level (the trainer applying it: tests/trainer/test_trainer_runs.py; the planner summing it:
-tests/config/test_memory_plan.py)."""
+tests/planner/test_memory_plan.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megarl.config import load_config
-from megarl.config.residency import (
+from megarl.planner.residency import (
     EngineResidency,
     ModelResidency,
     phases_of,

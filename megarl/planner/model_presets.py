@@ -1,4 +1,4 @@
-"""Shapes of common models (their HF ``config.json`` fields), and the one way a planner finds a
+"""Shapes of common models (their HF ``config.json`` fields), and the one way the planner finds a
 config's model shape: ``--model``/``--preset``, else the ``config.json`` at the model path, else a
 preset whose name the path contains, else a complete ``*.model.architecture`` section.
 """
@@ -27,7 +27,7 @@ _QWEN25 = {
 # intermediate 6144, 32 heads, 4 KV heads, moe_intermediate_size 768, top-8, vocab 151936,
 # max positions 40960, rope_theta 1e6, rms_norm_eps 1e-6, untied, norm_topk_prob), and the
 # model card totals (30.5B total / 3.3B activated; 235B / 22B), which the hand counts in
-# tests/config/test_memory_moe.py reproduce from these shapes.
+# tests/planner/test_memory_moe.py reproduce from these shapes.
 _QWEN3_MOE = {
     "architectures": ["Qwen3MoeForCausalLM"],
     "model_type": "qwen3_moe",

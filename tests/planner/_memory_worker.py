@@ -209,7 +209,7 @@ def _gpu_peak(spec: dict, results: list) -> None:
     except Exception as exc:  # noqa: BLE001 - a diagnosis: its failure must not hide the peak
         at_peak = [[0, f"no breakdown: {type(exc).__name__}: {exc}"]]
     torch.cuda.memory._record_memory_history(enabled=None)
-    # The residency moves (megarl/config/residency.py): everything to host memory and back.
+    # The residency moves (megarl/planner/residency.py): everything to host memory and back.
     weights = [p.detach().float().clone() for p in trainable.chunks[0].parameters()]
     before = torch.cuda.memory_allocated()
     trainable.place(params=False, grads=False, optimizer=False)

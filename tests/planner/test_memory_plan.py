@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from megarl.cli import main as cli_main
 from megarl.commands import plan as plan_cli
 from megarl.config import load_config, validate
-from megarl.config.memory import GIB, OptimizerAssumptions, model_state, vllm_weight_bytes
-from megarl.config.memory_plan import Cluster, plan_memory
-from megarl.config.memory_search import search_layouts
 from megarl.config.model_dims import ModelDims
-from megarl.config.model_presets import PRESETS
 from megarl.models.tiny import tiny_hf_config
 from megarl.parallel.layout import ParallelLayout
+from megarl.planner.memory import GIB, OptimizerAssumptions, model_state, vllm_weight_bytes
+from megarl.planner.memory_plan import Cluster, memory_warnings, plan_memory
+from megarl.planner.memory_search import search_layouts
+from megarl.planner.model_presets import PRESETS
 from megarl.rollout.reshard.make_plan import make_reshard_plan
 
 CFG_72B = str(Path(__file__).resolve().parents[2] / "configs" / "ppo_qwen2_5_72b.yaml")
@@ -105,16 +106,29 @@ def test_qwen72b_config_fits_and_tp1_pp1_without_offload_does_not():
         assert p.plan.fits
         proposed = load_config(CFG_72B, [*NO_OFFLOAD_TP1_PP1, *p.overrides])
         assert plan_memory(proposed, dims, cluster).fits
-        warnings = validate(proposed, 64)
+        warnings = _validate(proposed, 64)
         assert not [w for w in warnings if w.startswith("memory:")], warnings
 
 
+def _validate(cfg, world: int) -> list[str]:
+    """What ``megarl config validate`` and each training rank warn: the config's checks, then
+    the planner's fit."""
+    return validate(cfg, world) + memory_warnings(cfg, world)
+
+
 def test_validate_warns_when_a_config_does_not_fit():
-    warnings = validate(load_config(CFG_72B, NO_OFFLOAD_TP1_PP1), 64)
+    warnings = _validate(load_config(CFG_72B, NO_OFFLOAD_TP1_PP1), 64)
     memory = [w for w in warnings if w.startswith("memory:")]
     assert len(memory) == 1 and "does not fit on 80 GiB GPUs" in memory[0], warnings
     assert "update_actor" in memory[0]
-    assert not [w for w in validate(load_config(CFG_72B), 64) if w.startswith("memory:")]
+    assert not [w for w in _validate(load_config(CFG_72B), 64) if w.startswith("memory:")]
+
+
+def test_config_validate_prints_the_memory_warning(capsys):
+    argv = ["config", "validate", "-c", CFG_72B, "--world-size", "64", *NO_OFFLOAD_TP1_PP1]
+    assert cli_main(argv) == 0
+    err = capsys.readouterr().err
+    assert "warning: memory: does not fit on 80 GiB GPUs" in err and "update_actor" in err, err
 
 
 def test_plan_cli_text_and_json(capsys):
@@ -187,7 +201,7 @@ def test_the_planner_sums_the_residency_schedule(overrides):
     vLLM on ranks of its own, tests/trainer/test_disaggregated.py), and with vLLM on ranks of its
     own one more phase: a rollout GPU, vLLM's pool and the bucket coming in over NCCL."""
     from megarl.config import critic_enabled, ref_used
-    from megarl.config.residency import schedule
+    from megarl.planner.residency import schedule
 
     cfg = load_config(CFG_72B, overrides)
     dims = _dims_72b()

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config.activations import training_activations
-from megarl.config.memory import OptimizerAssumptions, model_state
 from megarl.config.model_dims import ModelDims
 from megarl.models.tiny import tiny_hf_config
 from megarl.parallel.layout import ParallelLayout
+from megarl.planner.activations import training_activations
+from megarl.planner.memory import OptimizerAssumptions, model_state
 from tests.conftest import run_torchrun
 
 WORKER = Path(__file__).with_name("_memory_worker.py")
