@@ -1,20 +1,9 @@
 """Loss aggregation (`actor.loss_agg_mode`) that is exact under micro-batching.
 
-A mini-batch is split into micro-batches (and across data-parallel ranks). If each micro-batch is
-normalised by its own token or sequence count, the result depends on how the batch was split. Pass
-the counts of the whole mini-batch instead — `global_token_count` / `global_seq_count`, summed over
-all micro-batches and all DP (and CP) ranks, e.g. `count_tokens_and_seqs(mask)` all-reduced — and
-the micro-batch losses *add up* to the full-batch loss, so K micro-batches give the same gradient as
-one batch.
-
-With Megatron, the runner turns these micro-batch shares into exact gradients; the contract
-is stated once, in `megarl/models/runner.py`. For logging, the shares summed over micro-batches
-and ranks are the mini-batch's loss.
-
-Context parallelism splits each sequence's tokens over the CP ranks: all-reduce the token count
-over DP x CP but the sequence count over DP only (CP ranks share sequences), and for
-seq-mean-token-mean pass `seq_token_counts`, each sequence's valid-token count over the whole
-sequence, so that the per-shard terms add up to the sequence's mean.
+Pass `agg_loss` the counts of the whole mini-batch (`global_token_count` / `global_seq_count`:
+`count_tokens_and_seqs` summed over micro-batches and all-reduced) and the micro-batch losses add
+up to the mini-batch's loss, so K micro-batches give the same gradient as one batch. The runner
+turns these shares into exact gradients; that contract is stated in `megarl/models/runner.py`.
 """
 
 from __future__ import annotations
@@ -35,8 +24,11 @@ LOSS_AGG_MODES = (
 def count_tokens_and_seqs(loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Local (valid tokens, sequences with at least one valid token) of a `[B, T]` mask.
 
-    Sum both over every micro-batch of the mini-batch and all-reduce over DP (and CP) to get the
-    `global_token_count` and `global_seq_count` of `agg_loss`.
+    Sum both over every micro-batch of the mini-batch and all-reduce to get the
+    `global_token_count` and `global_seq_count` of `agg_loss`. Under context parallelism each
+    sequence's tokens are split over the CP ranks: all-reduce the token count over DP x CP but the
+    sequence count over DP only (CP ranks share sequences), and give `agg_loss` `seq_token_counts`
+    for seq-mean-token-mean so that the per-shard terms add up to each sequence's mean.
     """
     tokens_per_seq = loss_mask.sum(dim=-1)
     return tokens_per_seq.sum(), (tokens_per_seq > 0).sum()

@@ -1,18 +1,11 @@
-"""KL-Cov and Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning Language
-Models", arXiv:2505.22617): PPO variants that single out the tokens whose advantage and log-prob
-covary most, the ones that drive entropy collapse.
+"""KL-Cov and Clip-Cov (Cui et al. 2025, arXiv:2505.22617): PPO variants that single out the
+tokens whose advantage and log-prob covary most, the ones that drive entropy collapse.
 
-Shapes `[B, T]`; each returns `(loss, metrics)` like `policy_loss.py`.
-
-Both select tokens from statistics of the batch they are given — the means of A and log_prob over
-its valid tokens, and a token budget of ratio x its valid-token count — so, exactly as in verl,
-their result depends on how the mini-batch is split into micro-batches (and over DP ranks): the
-same mini-batch in other micro-batches selects other tokens. Clip-Cov also draws a random subset:
-pass a `generator` seeded by (seed, step, micro-batch index), e.g. `micro_batch_generator`, so that
-a run is reproducible and no global random state is consumed.
-
-Deliberate difference from verl: the log-ratio is clamped to +-20 before exp (verl leaves these
-two unclamped); identical unless a ratio exceeds e^20.
+Shapes `[B, T]`; each returns `(loss, metrics)` like `policy_loss.py`. As in verl, both pick
+tokens from statistics of the micro-batch they are given (means over its valid tokens, a budget
+of ratio x its token count), so the result depends on how a mini-batch is split. Clip-Cov draws
+a random subset from a `generator` seeded per micro-batch (`micro_batch_generator`). Unlike verl,
+the log-ratio is clamped to +-20 before exp.
 """
 
 from __future__ import annotations

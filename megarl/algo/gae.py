@@ -1,44 +1,13 @@
-"""Generalized Advantage Estimation (PPO's `adv_estimator: gae`), float64-exact, torch only.
+"""Generalized Advantage Estimation (PPO's `adv_estimator: gae`), vectorized, float64 inside.
 
-verl's per-step recurrence, going backwards over t with `nextvalues = lastgaelam = 0`:
+Reproduces every valid position of verl's backward recurrence, which starts from
+`nextvalues = lastgaelam = 0` and skips masked steps (they update nothing):
 
-    delta[t] = r[t] + gamma * nextvalues - V[t]
-    A[t]     = delta[t] + gamma * lam * lastgaelam        (valid t; then nextvalues, lastgaelam
-                                                            = V[t], A[t])
+    delta[t] = r[t] + gamma * nextvalues - V[t];   A[t] = delta[t] + gamma * lam * lastgaelam
 
-A masked step updates nothing, so at a valid t `nextvalues` is the value of the next *valid* token
-and the discount skips masked steps. megarl reproduces every valid position of that recurrence in
-float64 arithmetic; results differ from the float64 loop by the final rounding to the input dtype
-(tests: relative 1e-5 elementwise, measured ~6e-8 for float32).
-
-Masked positions hold advantage 0 before whitening (the textbook GAE recursion), and returns =
-values there. verl agrees on trailing padding and carries the next valid advantage through interior
-and leading masked steps instead; those positions never reach a loss (every aggregation masks).
-Whitening, as verl's `masked_whiten`, takes the masked mean and unbiased variance over valid tokens
-and applies them to every position.
-
-One route on every device: torch operations only, no loop over time steps.
-
-How the vectorized route works. With d = gamma * lam, the recurrence is
-A[t] = a[t] * A[t+1] + m[t] * delta[t] with a[t] = d at valid and 1 at masked steps. Folding the
-next-value term into the scan ("next value of t" is "value of the previous valid step" of the
-reversed sequence, one decay apart) gives, for valid t,
-
-    X[t] = m[t] * (r[t] - V[t] + V[t] / lam),    S = reverse scan of X with factors a,
-    A[t] = m[t] * (r[t] - V[t]) + d * S[t+1]
-
-so no "next valid value" is ever looked up. The reverse scan is computed without flipping rows:
-inside blocks of at most `_MAX_GROWTH`-fold weight range, with w[j] the running product of the
-factors, sum_{i > j} (w[i] / w[j]) X[i] = (G - F[j]) / w[j] where F = cumsum(w X) and G is the
-block total plus the carry from later blocks (a small matrix product or weighted sum over the
-block axis). For right-padded rows w is one row of powers d**k shared by all rows. Rows go in
-chunks of ~2 MiB float64 buffers.
-lam < _MIN_LAMBDA (the fold divides by lam) and gamma = 0 take the direct route: delta with an
-explicit next-value lookup, then the masked reverse scan of `scan.py`.
-
-Speed (`tools/bench_algos.py`, B=256, T=4096, 2 threads): 4-8 ms, 25-70x verl's per-step loop.
-On CPU it is memory-bound (each pass over a `[B, T]` float64 tensor moves 16 bytes per element),
-so the code counts passes.
+Masked positions get advantage 0 and returns = values (verl differs only at interior and leading
+masked steps, which never reach a loss). Whitening, as verl's `masked_whiten`, takes the masked
+mean and unbiased variance over valid tokens and applies them to every position.
 """
 
 from __future__ import annotations
@@ -78,6 +47,9 @@ def compute_gae_advantage_return(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE advantages and returns for PPO (see the module docstring for the exact semantics).
 
+    Computed in float64 and rounded once to the input dtype; lam < _MIN_LAMBDA (the fast route
+    divides by lam) and gamma = 0 take the direct route.
+
     Args:
         token_level_rewards: `[B, T]` rewards per response token.
         values: `[B, T]` critic values V(s_t).
@@ -113,7 +85,15 @@ def _checked(rewards, values, mask, gamma, lam) -> tuple[float, float]:
 
 
 def _gae_folded(rewards, values, mask, gamma, lam, whiten):
-    """The fast route (lam >= _MIN_LAMBDA, gamma > 0): chunks of rows, float64 inside."""
+    """The fast route (lam >= _MIN_LAMBDA, gamma > 0): chunks of rows, float64 inside.
+
+    With d = gamma * lam the recurrence is A[t] = a[t] * A[t+1] + m[t] * delta[t], a[t] = d at
+    valid and 1 at masked steps. Folding the next-value term into the scan,
+    X[t] = m[t] * (r[t] - V[t] + V[t] / lam) and A[t] = m[t] * (r[t] - V[t]) + d * S[t+1] with S
+    the reverse scan of X, so no "next valid value" is ever looked up (`_chunk_advantages`). On
+    CPU this is memory-bound (16 bytes per element per pass over a float64 `[B, T]` tensor):
+    rows go in chunks of cache-sized buffers and the code counts passes.
+    """
     B, T = values.shape
     blocks = _Blocks(gamma * lam, T, values.device)
     step = max(1, _CHUNK_ELEMENTS // blocks.width)

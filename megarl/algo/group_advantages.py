@@ -1,16 +1,11 @@
 """Outcome-reward advantage estimators over groups of responses to the same prompt.
 
-Each response's score is the sum of its token-level rewards; `index` names the group (prompt) of
-each response. All estimators are vectorized over groups (bincount / index_add / gather; no Python
-loop over groups), compute group statistics in float64, and return `(advantages, returns)` — the
-same `[B, T]` tensor twice, as in verl — with the per-response scalar broadcast over the response
-mask.
-
-Deliberate difference from verl: a group of one response gets advantage 0 in every estimator (there
-is no baseline to compare with). verl gives such a response `score / (1 + eps)` in grpo, its raw
-score in rloo/opo (alpha * score in gpg; a whitened score in reinforce_plus_plus_baseline), and
-raises in grpo_passk. Standard deviations are unbiased (n - 1), as verl's `torch.std` (GRPO pseudo-code
-often writes the population std).
+A response's score is the sum of its token-level rewards; `index` names each response's group.
+Every estimator is vectorized over groups, computes group statistics in float64 (unbiased std,
+as verl's `torch.std`) and returns `(advantages, returns)`: the same `[B, T]` tensor twice, as in
+verl, with the per-response scalar broadcast over the response mask. Unlike verl, a group of one
+response gets advantage 0 in every estimator (verl gives it a value derived from its score, or
+raises in grpo_passk).
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """KL estimators, KL in the reward (fixed / adaptive controller) and KL as a loss term.
 
-Estimators of KL(pi || pi_ref) from log-probs of tokens sampled from pi (J. Schulman, "Approximating
-KL divergence", http://joschu.net/blog/kl-approx.html), with d = log_prob - ref_log_prob:
-
-    kl / k1:          d
-    abs:              |d|
-    mse / k2:         0.5 * d^2
-    low_var_kl / k3:  r - log r - 1 with r = pi_ref / pi = exp(-d); the log-ratio is clamped to
-                      +-20 and the result to [-10, 10] (as verl). Some write-ups put the ratio
-                      the other way round (pi / pi_ref); megarl follows verl's implementation.
-    full:             sum_v p(v) (log p(v) - log p_ref(v)) over the whole vocabulary: the inputs
-                      are `[B, T, V]` log-softmax tensors (verl raises NotImplementedError here).
-                      With a vocab-parallel (TP) layout the caller must all-reduce the sum.
-    "<name>+":        the value of <name> with the gradient of k2 (straight-through), for kl, k1,
-                      abs, low_var_kl and k3: k2's gradient is the unbiased KL gradient. "mse+"
-                      and "k2+" are k2 itself (value and gradient), as in verl.
-All estimators return `[B, T]`; none of them masks — callers pass the mask to `agg_loss` or
-multiply.
+Estimators of KL(pi || pi_ref) from log-probs of tokens sampled from pi (J. Schulman,
+http://joschu.net/blog/kl-approx.html), by config name, with d = log_prob - ref_log_prob:
+kl / k1: d;  abs: |d|;  mse / k2: 0.5 d^2;  low_var_kl / k3: r - log r - 1 with r = exp(-d);
+full: exact KL from `[B, T, V]` log-softmax inputs. "<name>+" has the value of <name> and the
+gradient of k2, the unbiased KL gradient ("mse+" and "k2+" are k2 itself, as in verl).
+Every estimator returns `[B, T]` and none masks: pass the mask to `agg_loss` or multiply.
 """
 
 from __future__ import annotations
@@ -54,14 +43,21 @@ def kl_k2(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
 
 @KL_ESTIMATORS.register("low_var_kl", "k3")
 def kl_k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
-    """k3 = r - log r - 1, r = pi_ref / pi, log r clamped to +-20, result to [-10, 10]; `[B, T]`."""
+    """k3 = r - log r - 1, r = pi_ref / pi, log r clamped to +-20, result to [-10, 10]; `[B, T]`.
+
+    As verl's implementation; some write-ups put the ratio the other way round (pi / pi_ref).
+    """
     log_r = clamp_log_ratio(ref_log_prob - log_prob)
     return torch.clamp(torch.exp(log_r) - log_r - 1.0, -10.0, 10.0)
 
 
 @KL_ESTIMATORS.register("full")
 def kl_full(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
-    """Exact KL per position from full log-distributions `[B, T, V]` → `[B, T]`."""
+    """Exact KL per position from full log-distributions `[B, T, V]` → `[B, T]`.
+
+    verl raises NotImplementedError here. With a vocab-parallel (TP) layout each rank holds part
+    of V: the caller must all-reduce the sum.
+    """
     if log_prob.dim() < 3 or log_prob.shape != ref_log_prob.shape:
         raise ValueError(
             "kl_penalty 'full' needs full log-softmax distributions [B, T, V] for both policies, "

@@ -1,26 +1,12 @@
 """Optimal token baseline (OTB): a per-token baseline from the group, weighted by path variance.
 
-verl 0.9.1's `optimal_token_baseline` and `tir_optimal_token_baseline`
+verl 0.9.1's `optimal_token_baseline` and its multi-turn `tir_` variant
 (https://yingru.notion.site/The-Optimal-Token-Baseline-399211a558b782cfa936014c0d42dfb8). With
-G_t the return-to-go (reverse cumulative sum of the masked rewards) and
-
-    w_t = 1 - 2 pi(y_t) + sum_v pi(v)^2        (squared norm of the logit gradient of log pi(y_t))
-    W_t = sum_{valid j <= t} w_j (x rho_j^2 with rollout IS weights rho)
-
-each position of each group gets the baseline B = sum_i G_i W_i / (sum_i W_i + epsilon) over the
-group's responses, and the advantage is (G - B) on valid tokens. `optimal_token_baseline` lines the
-responses up by raw position t; `tir_optimal_token_baseline` (tool-integrated, multi-turn) by the
-index of the valid token, so masked spans (tool output) do not shift one response against another,
-and it leaves empty responses out of the group. With `handle_zero_tail`, the baseline of a group's
-unique longest response is 0 past the second-longest length (no other response to compare with).
-
-`pi(y_t)` is exp(old_log_prob) and `sum_pi_squared` comes from the actor's log-prob pass over the
-full (vocab-parallel) distribution: `megarl.models.logprobs.vocab_parallel_sum_pi_squared`, the same
-forward that gives old_log_prob (verl: `actor.calculate_sum_pi_squared`).
-
-Vectorized (one index_add per group statistic, no loop over groups), float64 inside. Deliberate
-difference from verl: a group of one response (for the tir variant: one non-empty response) gets
-advantage 0, megarl's rule for every group estimator; verl gives it its return G.
+G_t the return-to-go, w_t = 1 - 2 pi(y_t) + sum_v pi(v)^2 (x rho_t^2 with rollout IS weights)
+and W_t = sum_{valid j <= t} w_j, each position of a group gets the baseline
+B = sum_i G_i W_i / (sum_i W_i + epsilon) over the group's responses, and advantage G - B on valid
+tokens. The plain variant lines responses up by raw position, the tir variant by valid-token
+index (tool output does not shift them). Unlike verl, a group of one response gets advantage 0.
 """
 
 from __future__ import annotations
@@ -128,7 +114,9 @@ def compute_optimal_token_baseline_advantage(
         token_level_rewards, response_mask: `[B, T]`.
         index: `[B]` group labels.
         old_log_prob: `[B, T]` log pi(y_t) of the rollout's tokens (verl calls it old_log_probs).
-        sum_pi_squared: `[B, T]` sum_v pi(v)^2 at each position.
+        sum_pi_squared: `[B, T]` sum_v pi(v)^2 at each position, from the actor's log-prob pass
+            over the full vocab-parallel distribution (`vocab_parallel_sum_pi_squared` in
+            `megarl.models.logprobs`; verl: `actor.calculate_sum_pi_squared`).
         rollout_is_weights: optional `[B, T]` truncated IS weights rho (W uses rho^2).
         handle_zero_tail: zero the baseline of a group's unique longest response past the
             second-longest length (verl 0.9.1's default: True).

@@ -1,14 +1,10 @@
 """Policy-gradient losses (`actor.policy_loss.loss_mode`): PPO clip with clip-higher and dual-clip,
-and GPG. The rest of verl 0.9.1's menu lives beside this module: `sequence_losses.py` (gspo, sapo,
-geo_mean), `weighted_logprob_losses.py` (cispo, dppo_tv, dppo_kl, dro) and `covariance_losses.py`
-(kl_cov, clip_cov).
+and GPG. The rest of verl 0.9.1's menu: `sequence_losses.py`, `weighted_logprob_losses.py` and
+`covariance_losses.py`.
 
-Every loss takes `[B, T]` tensors and returns `(loss, metrics)`: a scalar aggregated with
-`agg_loss` (pass the global counts when micro-batching, see `aggregation.py`) and a dict of detached
-0-dim tensors (no `.item()`, so no device sync; the trainer converts them). Rollout IS weights
-(`rollout_is_weights`, `[B, T]`, detached) multiply the per-token loss before aggregation, in every
-loss. The inputs all losses share are declared once, in `policy_loss_inputs.py`; each loss below is
-written against `PolicyLossInputs` and called with the flat signature `@policy_loss` publishes.
+Every loss is written against `PolicyLossInputs` (`policy_loss_inputs.py`) and returns
+`(loss, metrics)`: a scalar (rollout IS weights, if given, weight the per-token loss before
+`agg_loss`) and a dict of detached 0-dim tensors (no `.item()`, so no device sync).
 """
 
 from __future__ import annotations

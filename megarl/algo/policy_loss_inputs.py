@@ -1,14 +1,13 @@
 """What every policy loss takes, declared once: the `[B, T]` tensors and the aggregation inputs.
 
-A policy loss is written as a function of `PolicyLossInputs` and its own settings (clip ratios,
-tau, ...) and registered with `@policy_loss(name, settings=(...))`, naming those settings; a
-loss that forces its aggregation (sapo, geo_mean) names in `takes` only the aggregation inputs
-it uses. The registered `PolicyLoss` is called flat, by keyword or (the tensors) by position:
+A loss is a function of `PolicyLossInputs` and its own settings (clip ratios, tau, ...),
+registered with `@policy_loss(name, settings=(...))`; a loss that forces its aggregation (sapo,
+geo_mean) names in `takes` only the aggregation inputs it uses. The registered `PolicyLoss` is
+called flat, by keyword or (the tensors) by position:
 
     old_log_prob, log_prob, advantages, response_mask, <aggregation inputs>, <settings>
 
-and its declared inputs (`PolicyLoss.inputs`) are what `POLICY_LOSSES.call` takes from the
-trainer's supplied set and what config validation checks that set against.
+Its `inputs` are what `POLICY_LOSSES.call` passes and what config validation checks.
 """
 
 from __future__ import annotations

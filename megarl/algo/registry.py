@@ -1,15 +1,11 @@
 """Name → function registries for the choices users make by config name.
 
-`algorithm.adv_estimator` → `get_adv_estimator`, `actor.policy_loss` → `get_policy_loss`,
-`algorithm.kl_penalty` / `actor.kl_loss_type` → `get_kl_estimator`. An unknown name raises a
-ValueError that lists every valid name.
-
-Advantage estimators and policy losses declare, when they are registered, the inputs they take
-(``inputs=(...)``); `Registry.call` passes exactly those from what the caller supplies and
-refuses a call that lacks one. The trainer's supplied set is known before a run
-(`megarl.config.algo_inputs`), so config validation refuses an estimator or a loss whose inputs
-it does not supply, instead of a run finding out (or, when a function's default stands in for
-a missing input, never finding out).
+`algorithm.adv_estimator` → `get_adv_estimator`, `actor.policy_loss.loss_mode` →
+`get_policy_loss`, `algorithm.kl_penalty` / `actor.kl_loss_type` → `get_kl_estimator`; an unknown
+name raises a ValueError listing every valid name. Advantage estimators and policy losses declare
+their inputs when registered; `Registry.call` passes exactly those and refuses a call that lacks
+one, and config validation (`megarl.config.algo_inputs`) checks them against what the trainer
+supplies before a run starts.
 """
 
 from __future__ import annotations

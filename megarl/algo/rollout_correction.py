@@ -1,16 +1,11 @@
 """Which log-probs anchor the PPO ratio, and importance weights for rollout/trainer mismatch.
 
-The rollout engine (vLLM, often bf16) and the trainer (Megatron) compute slightly different
-log-probs for the same tokens. There are three ways to handle it (as in verl):
-
-- "decoupled" (default): the trainer recomputes old log-probs once per batch; the PPO ratio is
-  pi_theta / pi_old. Optionally multiply the per-token loss by truncated importance weights
-  pi_old / pi_rollout (`compute_rollout_is_weights(old_log_prob, rollout_log_prob, ...)`).
-- "bypass": skip the recomputation and use the rollout log-probs as old log-probs; the ratio is
-  pi_theta / pi_rollout, so the clip already bounds the correction and no IS weights are applied
-  to PPO-clip (they would count the correction twice).
-- truncated IS (TIS) weights from rollout log-probs, at token or sequence level, for either mode
-  with a non-ratio loss (e.g. "gpg"): pass them as `rollout_is_weights` to the policy loss.
+The rollout engine (vLLM, often bf16) and the trainer (Megatron) give slightly different
+log-probs for the same tokens. "decoupled" (default): the trainer recomputes old log-probs and the
+ratio is pi_theta / pi_old, optionally with truncated IS weights pi_old / pi_rollout multiplying
+the per-token loss. "bypass": the rollout log-probs are the old log-probs, so the PPO clip already
+bounds the correction and PPO-clip takes no IS weights (they would count it twice). A loss without
+a ratio (e.g. "gpg") can take token- or sequence-level IS weights in either mode.
 """
 
 from __future__ import annotations

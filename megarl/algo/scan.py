@@ -1,23 +1,9 @@
 """Vectorized reverse linear recurrences (the engine behind GAE and discounted returns).
 
-`discounted_reverse_cumsum` evaluates, for every row of a `[B, T]` tensor,
-
-    y[t] = x[t] + a[t] * y[t + 1],   y[T] = 0,
-
-where each factor a[t] is `decay`, 1 (carry through unchanged) or 0 (a break), without a Python loop
-over time steps. With E[t] the number of decaying steps before t,
-
-    y[t] = decay**(-E[t]) * sum_{s >= t, no break in [t, s)} decay**E[s] * x[s],
-
-so one weighting, one reverse cumulative sum and one un-weighting give the whole recurrence. The
-weights decay**E shrink along the row; the sum runs from the end towards the start, so every partial
-sum is accumulated from terms no larger than its own weight and the rounding error stays relative to
-the natural size of y[t] (the float64 error is ~1e-16 * T). The exponent range is kept inside
-float64 by cutting the time axis into blocks whose weights stay within exp(+-_MAX_LOG_RANGE); the
-blocks are joined by carrying y at each block start into the block before it (a loop over a few
-blocks, one block for decay >= 0.87 at T = 4096). Used by REINFORCE++ (breaks) and by GAE's
-direct route for lam ~ 0 (masked steps as exponents). Breaks split the row into segments; each
-segment's sum is the global reverse cumsum minus the reverse cumsum at the segment's end.
+`discounted_reverse_cumsum` solves y[t] = x[t] + a[t] * y[t + 1] (y[T] = 0) for every row of a
+`[B, T]` tensor, each a[t] being `decay`, 1 (carry through) or 0 (a break), with no Python loop
+over time steps: one weighting, one reverse cumulative sum and one un-weighting. Used by
+REINFORCE++ (breaks) and by GAE's direct route (masked steps carry).
 """
 
 from __future__ import annotations
@@ -64,6 +50,14 @@ def discounted_reverse_cumsum(
     breaks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Solve `y[t] = x[t] + a[t] * y[t+1]` (y[T] = 0) for all rows at once.
+
+    With E[t] the number of decaying steps before t,
+    y[t] = decay**(-E[t]) * sum_{s >= t, no break in [t, s)} decay**E[s] * x[s]. The sum is
+    accumulated from the end, so its rounding error stays relative to the size of y[t] (float64:
+    ~1e-16 * T). The time axis is cut into blocks whose weights stay within
+    exp(+-_MAX_LOG_RANGE), joined by carrying y at each block start into the block before it (one
+    block for decay >= 0.87 at T = 4096). A break's segment sum is the reverse cumsum minus the
+    reverse cumsum at the segment's end.
 
     Args:
         x: `[B, T]` floating tensor (use float64 for accuracy; the result has x's dtype).

@@ -1,10 +1,10 @@
 """Policy losses with sequence-level structure: GSPO, SAPO and GMPO (`geo_mean`).
 
 Shapes `[B, T]`; each returns `(loss, metrics)` like `policy_loss.py`. As in verl 0.9.1, gspo
-aggregates with `actor.loss_agg_mode` like the token-level losses, while sapo always aggregates
-with seq-mean-token-mean and geo_mean with a mean over sequences, whatever `actor.loss_agg_mode`
-says (they take no `loss_agg_mode`; config validation warns when it is set to something else). GSPO and GMPO average log-ratios over each whole sequence, so under context
-parallelism every rank must hold whole sequences.
+aggregates with `actor.loss_agg_mode`, while sapo always uses seq-mean-token-mean and geo_mean a
+mean over sequences (config validation warns when `loss_agg_mode` says otherwise). GSPO and GMPO
+average log-ratios over whole sequences, so under context parallelism every rank must hold whole
+sequences.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Megatron distributed checkpoints of model chunks (the on-disk format used on GPU too).
 
 ``dist_checkpointing`` stores each tensor under its global key with its global shape, so a
-checkpoint saved at one TP×PP(×VPP) loads at any other. Chunks are stored as ``model{i}`` (their
-ShardedTensors carry global layer indices, so the nesting does not tie the checkpoint to a VPP
-size).
-
-CPU note: the default ``torch_dist`` save strategy starts a ``spawn``-context
-``multiprocessing.Manager`` whose child re-imports the launching script; every entry point must
-keep its work under ``if __name__ == "__main__":`` (and ``psutil`` must be installed) or the save
-hangs.
+checkpoint saved at one TP×PP(×VPP) loads at any other; chunks are stored as ``model{i}`` with
+global layer indices, so the nesting does not tie a checkpoint to a VPP size. The ``torch_dist``
+save starts a ``spawn``-context ``multiprocessing.Manager`` whose child re-imports the launching
+script: every entry point must keep its work under ``if __name__ == "__main__":`` (and
+``psutil`` must be installed) or the save hangs.
 """
 
 from __future__ import annotations

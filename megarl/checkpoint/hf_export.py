@@ -1,11 +1,9 @@
 """HF side files of a Megatron checkpoint, and the export of model chunks as an HF directory.
 
-Light to import (torch only inside :func:`export_hf`): ``megarl convert`` imports it at start.
-
-Shared by ``megarl convert`` (``hf-to-megatron`` keeps the side files, ``megatron-to-hf``
-exports) and the trainer (every actor checkpoint keeps the side files, so ``megarl convert
-megatron-to-hf --ckpt <run>/global_step_<N>/actor`` works; the final save exports
-``actor/huggingface``).
+Shared by ``megarl convert`` and the trainer: every actor checkpoint keeps the HF side files,
+so ``megarl convert megatron-to-hf --ckpt <run>/global_step_<N>/actor`` works, and the final save
+exports ``actor/huggingface``. Light to import (torch only inside :func:`export_hf`):
+``megarl convert`` imports it at start.
 """
 
 from __future__ import annotations

@@ -4,23 +4,13 @@
 
     <trainer.default_local_dir>/
         latest_checkpointed_iteration.txt   the step of the newest complete checkpoint
-        global_step_<N>/                    a complete checkpoint (it holds COMPLETE)
-            actor/                          Megatron dist checkpoint: model + optimizer
-                                            (fully_reshardable), extra_state.json (LR scheduler),
-                                            megarl_meta.json + hf_files/ (megarl convert reads
-                                            them), huggingface/ (hf_model, the final save)
-            critic/                         the same for the critic (PPO)
-            trainer_state.json              TrainerState: step, sampler position, KL coefficient,
-                                            MLflow run id
-            config.yaml                     the resolved config of the run that saved it
-            COMPLETE                        written last, before the rename
-        global_step_<N>.tmp/                being written (or left by a crash: never resumed)
+        global_step_<N>/                    actor/, critic/ (Megatron dist checkpoints),
+                                            trainer_state.json, config.yaml, COMPLETE (last)
+        global_step_<N>.tmp/                being written, or left by a crash: never resumed
 
-A save writes into ``global_step_<N>.tmp``; once every rank has finished, rank 0 writes
-``COMPLETE``, renames the directory into place and only then rewrites the pointer file (through
-a temporary file and ``os.replace``). A crash at any point leaves the previous complete
-checkpoint and the pointer to it intact. Everything here is plain file work (no torch), so
-``megarl train``'s pre-flight can use it too.
+A save writes into the ``.tmp`` directory; :func:`commit` writes ``COMPLETE``, renames it into
+place and only then rewrites the pointer file, so a crash leaves the previous complete
+checkpoint and the pointer to it intact. Plain file work (no torch): the pre-flight uses it too.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """The helper processes of Megatron's checkpoint writer, kept from outliving their rank.
 
-Megatron-Core 0.16's ``torch_dist`` save (``filesystem_async``) keeps one ``spawn``-context
-``multiprocessing.Manager`` per rank for its results queue (its child re-imports the entry
-module: keep that light) and, during every save, forks one writer process per file bucket. A
-normal exit shuts the Manager down (multiprocessing's exit hook), but a rank killed by SIGKILL
-would leave both kinds orphaned, still holding the checkpoint files open.
-
-:func:`start_writer_processes` therefore creates that Manager itself, before Megatron does, with
-``PR_SET_PDEATHSIG`` = SIGKILL set in the Manager's process, and marks every process forked
-while a save is in progress (:func:`saving`) the same way: when the rank dies, the kernel kills
-them. :func:`stop_writer_processes` shuts the Manager down at the end of the run. Linux only
-(elsewhere the death signal is skipped and only the orderly shutdown remains).
-
-Test hook: ``MEGARL_TEST_SLOW_CHECKPOINT=<step>:<seconds>[:<rank>]`` makes every writer process
-of the save of step ``<step>`` (on ``<rank>`` only, if given) sleep ``<seconds>`` before writing,
-and that rank write its PID to ``<run dir>/test_hooks/saving-rank<r>.pid`` first, so a test can
-kill a rank mid-write.
+Megatron's ``torch_dist`` save keeps one ``spawn``-context ``multiprocessing.Manager`` per rank
+for its results queue and forks one writer process per file bucket during every save; a rank
+killed by SIGKILL would leave both orphaned, holding the checkpoint files open.
+:func:`start_writer_processes` creates that Manager itself, before Megatron does, and it and
+every process forked during a save (:func:`saving`) get ``PR_SET_PDEATHSIG`` = SIGKILL, so the
+kernel kills them with the rank (Linux only; elsewhere only the orderly shutdown remains).
 """
 
 from __future__ import annotations
@@ -100,7 +90,13 @@ def writer_pids() -> list[int]:
 
 @contextlib.contextmanager
 def saving(step: int, run_dir: Path, rank: int) -> Iterator[None]:
-    """Around one save: forked writers die with this rank (and the test hook applies)."""
+    """Around one save: forked writers die with this rank (and the test hook applies).
+
+    Test hook: ``MEGARL_TEST_SLOW_CHECKPOINT=<step>:<seconds>[:<rank>]`` makes every writer of
+    the save of ``<step>`` (on ``<rank>`` only, if given) sleep ``<seconds>`` before writing, and
+    that rank write its PID to ``<run dir>/test_hooks/saving-rank<r>.pid`` first, so a test can
+    kill a rank mid-write.
+    """
     global _saving, _writer_delay_s
     start_writer_processes()
     _writer_delay_s = _test_delay(step, rank)

@@ -2,11 +2,10 @@
 
 Megatron's ``OptimizerParamScheduler`` silently takes lr, warm-up and decay from the checkpoint
 by default; megarl builds it with that switched off and decides here, per model, with verl's
-``<role>.optim.use_checkpoint_opt_param_scheduler`` (default false: the config wins). Either
-way every setting whose value differs between checkpoint and config is named in one warning,
-with both values and the one in force. The optimizer's own hyperparameters (Adam betas and
-which Megatron's optimizer load takes from the checkpoint's parameter groups, follow
-the same policy.
+``<role>.optim.use_checkpoint_opt_param_scheduler`` (default false: the config wins). The
+optimizer hyperparameters that Megatron's optimizer load takes from the checkpoint's parameter
+groups (Adam betas) follow the same policy. Every setting that differs between checkpoint and
+config is named in one warning, with both values and the one in force.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """One stop protocol for preemption, time limits and operators.
 
-- The first SIGTERM or SIGUSR1 on any rank, or a ``STOP`` file in the run directory (the Slurm
-  USR1 trap in launch/*.slurm writes it), asks the run to stop: the request is all-reduced once per
-  step (:meth:`StopRequest.agreed`), so every rank finishes the step, saves a checkpoint and
-  exits 0 together. The honoured ``STOP`` file is removed once the checkpoint is complete, so a
-  requeued job trains on.
-- SIGINT means exit now without saving: ``KeyboardInterrupt`` is raised in the main thread (an
-  interrupted save leaves only a ``.tmp`` directory, which is never resumed). A repeated SIGTERM
-  or SIGUSR1 is the same request again, not an escalation: under Slurm, ``scancel``, a time limit
-  or a preemption signals every process of the job step, so each rank gets SIGTERM from
-  slurmstepd and once more from torchrun, which forwards its own, within milliseconds. The
-  launchers turn an operator's second signal into SIGINT (:mod:`megarl.commands.launch`).
-- A rank outside the training world (a rollout rank of a split launch, which the training ranks
-  stop when they stop) takes part in no all-reduce: its signal writes the ``STOP`` file
-  (``relay``; the run directory must be one the training ranks see), which the training ranks
-  read at their next check; it withdraws a file it wrote when it ends (:meth:`StopRequest.
-  withdraw`: the training ranks honoured it, or are gone, and a resumed run must not stop on it).
-
-torchrun forwards SIGTERM to its workers and SIGKILLs them 30 s later: a stop needs the rest of
-the current step plus one save (measured on the tiny CPU run: well under a second for the save);
-for large models the Slurm lead time (``--signal=B:USR1@<s>`` writes STOP, no torchrun timer)
-is the one to size.
+The first SIGTERM or SIGUSR1 on any rank, or a ``STOP`` file in the run directory (the Slurm
+USR1 trap in launch/_slurm_job.sh writes it), asks the run to stop: the request is all-reduced
+once per step (:meth:`StopRequest.agreed`), so every rank finishes the step, saves a checkpoint
+and exits 0 together; the honoured ``STOP`` file is then removed, so a requeued job trains on.
+SIGINT means exit now without saving (``KeyboardInterrupt``). A rank outside the training world
+(``relay``: a rollout rank of a split launch) passes a signal on as the ``STOP`` file instead.
+torchrun SIGKILLs its workers 30 s after forwarding SIGTERM; for large models size the Slurm
+lead time (``--signal=B:USR1@<s>``), which has no such timer.
 """
 
 from __future__ import annotations
@@ -40,7 +27,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class StopRequest:
-    """This rank's view of a stop request; see the module docstring.
+    """This rank's view of a stop request (the protocol: the module docstring).
 
     ``install()`` must run in the main thread (Python delivers signals there).
     """
@@ -71,7 +58,10 @@ class StopRequest:
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.reason is not None:
-            return  # the same request again (see the module docstring)
+            # The same request again, not an escalation: under Slurm each rank gets SIGTERM from
+            # slurmstepd and once more from torchrun; the launchers turn an operator's second
+            # signal into SIGINT (megarl.commands.launch).
+            return
         self.reason = f"{name} on rank {self.rank}"
         # os.write, not print: a handler may interrupt a print in progress.
         message = f"megarl: {name} received: stopping after this step with a checkpoint\n"
@@ -100,7 +90,8 @@ class StopRequest:
         return bool(flag.item() > 0)
 
     def withdraw(self) -> None:
-        """Remove the ``STOP`` file this rank wrote (``relay``), if it is still there."""
+        """Remove the ``STOP`` file this rank wrote (``relay``), if it is still there: the
+        training ranks honoured it or are gone, and a resumed run must not stop on it."""
         if self._relayed:
             self.stop_file.unlink(missing_ok=True)
 

@@ -3,25 +3,9 @@ the trainer's state and the resolved config (layout in :mod:`megarl.checkpoint.l
 
 Models go through Megatron's ``dist_checkpointing`` with the distributed optimizer in the
 ``fully_reshardable`` format, so a checkpoint saved at one TP×PP×DP layout resumes at any other.
-verl's ``<role>.checkpoint.save_contents`` / ``load_contents`` choose the parts: ``model``,
-``optimizer``, ``extra`` (the LR scheduler), ``hf_model`` (an HF copy). The trainer's state
-(step, sampler position, KL coefficient, MLflow run id) is always saved and loaded. Every
-function here is collective: call it on every rank.
-
-Host memory of an optimizer save (not changed, on purpose): ``fully_reshardable``
-makes each rank all-gather its DP group's fp32 main parameters and both Adam moments (about
-12 bytes per parameter of the rank's TP×PP shard: ~27 GB at 72B on TP 8 × PP 4) before the
-writes are spread over the DP ranks. Megatron-Core 0.16.1 has a variant
-(``metadata["distrib_optim_fully_reshardable_mem_efficient"] = True``,
-``DistributedOptimizer.sharded_param_state_fully_reshardable``): it gathers over gloo onto DP
-rank 0 only and returns no optimizer state on the other ranks, so the same checkpoint format
-(resumable at any layout) costs nothing on DP ranks > 0, but DP rank 0 still holds the whole
-~27 GB, the gather goes through the CPU (gloo) instead of NCCL, and DP rank 0 alone writes.
-The peak per rank, which is what fails a node, is unchanged, while saves get slower; the switch
-also belongs in ``TrainableModel.sharded_state_dict`` (megarl.models.trainable), with the
-checkpoint tests at several layouts and a measurement on GPUs. Left for that change.
-The collective timeout (``MEGARL_DIST_TIMEOUT_MINUTES``, :mod:`megarl.parallel.init`) defaults
-to 3 hours so that a long save does not trip the 30-minute PyTorch default.
+verl's ``<role>.checkpoint.save_contents`` / ``load_contents`` choose the parts (``model``,
+``optimizer``, ``extra``: the LR scheduler, ``hf_model``: an HF copy); the trainer's state is
+always saved and loaded. Every function here is collective: call it on every rank.
 """
 
 from __future__ import annotations

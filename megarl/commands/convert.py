@@ -1,37 +1,16 @@
 """Convert checkpoints between Hugging Face and Megatron formats, and check that logits agree.
 
-    megarl convert hf-to-megatron --hf-path HF_DIR --out CKPT [--tp N --pp N --vpp N --ep N --etp N]
-                                  [--dtype auto|fp32|bf16|fp16] [--verify]
+    megarl convert hf-to-megatron --hf-path HF_DIR --out CKPT [--tp N --pp N --vpp N --ep N]
+                                  [--etp N] [--dtype auto|fp32|bf16|fp16] [--verify]
     megarl convert megatron-to-hf --ckpt CKPT --out HF_DIR [--tp N --pp N --vpp N]
                                   [--dtype auto|fp32|bf16|fp16] [--hf-config DIR] [--verify]
     megarl convert verify --ckpt CKPT --hf-path HF_DIR [--tp N --pp N] [--atol X --rtol Y]
 
-(also ``tools/convert_hf_to_megatron.py`` and ``tools/convert_megatron_to_hf.py``).
-
-The Megatron side is a Megatron-Core distributed checkpoint (:mod:`megarl.checkpoint.dist_ckpt`,
-the format used on GPU), so it loads at any TP×PP. Beside the shards it holds
-``megarl_meta.json`` (the HF config, source, dtype, saved layout) and
-``hf_files/`` (config, tokenizer and generation files), so ``megatron-to-hf`` needs nothing else.
-
-Processes: run the command once. When the process is not already one rank of a torchrun /
-Slurm world, it checks the inputs and starts TP×PP local ranks itself
-(:mod:`megarl.parallel.spawn`; gloo on CPU, NCCL on GPU), staying light itself. Under torchrun /
-srun the existing world is used (its size must be a multiple of TP×PP). Entry points keep their
-work under ``if __name__ == "__main__":`` (the checkpoint writer's ``spawn``-context helper
-process re-imports the main module).
-
-Output: the ranks write into ``OUT.incomplete`` beside ``--out``; rank 0 renames it to ``--out``
-once it is complete (``--force`` replaces an existing ``--out`` then, so no stale shard stays).
-On a failure, Ctrl-C or SIGTERM the launcher stops every process it started (ranks, checkpoint
-writers, their helpers) and removes ``OUT.incomplete``; a directory of that name left by a
-killed run is removed by the next run.
-
-Verification (``--verify``, ``verify``; :mod:`megarl.models.verify`) runs seeded random token
-sequences through the Megatron model and, in float32 on one rank's CPU, the ``transformers``
-model; it prints ``max |Δlogit|`` and fails (exit 1) above ``atol + rtol · max|logit|``.
-
-Exit status: 0 ok, 1 verification failed, 2 bad arguments or inputs (one ``error: ...`` line),
-3 an unexpected exception (a bug: traceback shown), 128+N stopped by signal N (130: Ctrl-C).
+The Megatron side is a distributed checkpoint (:mod:`megarl.checkpoint.dist_ckpt`), loadable at
+any TP×PP. Outside a torchrun / Slurm world the command checks its inputs and starts TP×PP local
+ranks itself (:mod:`megarl.parallel.spawn`). The ranks write into ``OUT.incomplete``, renamed to
+``--out`` once complete; a failure or signal stops every process and removes it. Exit status:
+0 ok, 1 verification failed, 2 bad arguments or inputs, 3 a bug (traceback), 128+N signal N.
 """
 
 from __future__ import annotations
@@ -296,7 +275,8 @@ def _run_local_ranks(args: argparse.Namespace, world: int) -> int:
 
 
 def run_rank(args: argparse.Namespace) -> int:
-    """One rank's share of the command under torchrun / srun (collective: every rank calls it).
+    """One rank's share of the command under torchrun / srun (collective: every rank calls it;
+    the world's size must be a multiple of TP×PP).
 
     Returns the exit status: a bad input prints one ``error:`` line, a bug its traceback.
     """
@@ -424,7 +404,8 @@ def run_hf_to_megatron(args: argparse.Namespace) -> int:
 
 
 def run_megatron_to_hf(args: argparse.Namespace) -> int:
-    """Load the dist checkpoint at ``--tp/--pp/--vpp`` and write an HF directory."""
+    """Load the dist checkpoint at ``--tp/--pp/--vpp`` and write an HF directory (from the
+    checkpoint alone: it holds ``megarl_meta.json`` and the HF side files in ``hf_files/``)."""
     from megarl.checkpoint.dist_ckpt import load_model_checkpoint
     from megarl.checkpoint.hf_export import export_hf
     from megarl.checkpoint.meta import read_checkpoint_meta

@@ -1,13 +1,11 @@
-"""The main CPU job (``make demo``): the most complete megarl pipeline that runs end to end today.
+"""Conversion and weight-sync demo on CPU (``make demo-convert``; ``make demo`` trains).
 
-Until the trainer lands this is: make a tiny randomised Qwen2 checkpoint → validate the tiny
-GRPO config at its world size → convert HF → Megatron at TP=2 and verify logits against
-``transformers`` → convert back at PP=2, verify, and check the round trip is bit-identical →
-start Megatron TP=2 and vLLM TP=2 in one torchrun world,
-perturb the actor, sync the weights into vLLM and report the log-prob agreement.
-
-Every step prints what it runs and how long it took; the first failure stops the demo with its
-exit code. Outputs go to ``outputs/`` (``--out`` to change); a re-run replaces them.
+Makes a tiny randomised Qwen2 checkpoint → validates the tiny GRPO config at world size 2 →
+converts HF → Megatron at TP=2 and verifies logits against ``transformers`` → converts back at
+PP=2, verifies, and checks the round trip is bit-identical → starts Megatron TP=2 and vLLM TP=2
+in one torchrun world, perturbs the actor, syncs the weights into vLLM and reports the log-prob
+agreement. Each step prints its command and time; the first failure stops the demo with its exit
+code. Outputs go to ``outputs/`` (``--out``); a re-run replaces them.
 """
 
 from __future__ import annotations

@@ -2,12 +2,11 @@
 
     torchrun --nproc_per_node 2 -m megarl.commands.demo_sync --model outputs/tiny-qwen2
 
-Builds the actor at ``--tp``×``--pp`` from an HF checkpoint, starts vLLM at ``--rollout-tp``
-inside the same processes, then: generate → compare vLLM's log-probs with the actor's →
-perturb the actor's weights (seeded noise) → generate again (vLLM still has the old weights:
-the difference is large) → sync Megatron → vLLM → generate again (the difference is back at
-float32 noise). Prints one line per stage on rank 0 and exits non-zero when the synced
-difference exceeds ``--atol``.
+Builds the actor at ``--tp``×``--pp`` and vLLM at ``--rollout-tp`` in the same processes, then:
+generate and compare vLLM's log-probs with the actor's → perturb the actor (seeded noise) →
+generate (vLLM's stale weights: a large difference) → sync Megatron → vLLM → generate (float32
+noise). Exits non-zero unless the synced difference is within ``--atol`` and the stale one far
+above it.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """The README's main command (``make demo``): a tiny GRPO run on CPU, from nothing.
 
-Makes the tiny random Qwen2 checkpoint (``outputs/tiny-qwen2``) and the synthetic task's data
-(``outputs/tiny-data``) when they are missing, then trains ``configs/grpo_tiny_cpu.yaml`` with 2
-processes (actor TP 2, vLLM TP 2) through ``megarl train`` (its pre-flight, stop protocol and
-one-line failures): per-step summary lines, a progress bar, and at
-the end where the outputs are and the validation reward before and after training.
-
     python -m megarl.commands.quickstart [--out outputs] [--config CONFIG] [KEY=VALUE ...]
 
-The Mixture-of-Experts variant: ``--config configs/grpo_moe_tiny_cpu.yaml --family qwen3_moe``
-(the tiny Qwen3-MoE in ``outputs/tiny-qwen3-moe``, actor TP 1 × EP 2).
+Makes the tiny random checkpoint (``outputs/tiny-qwen2``) and the synthetic task's data
+(``outputs/tiny-data``) when they are missing, then trains ``configs/grpo_tiny_cpu.yaml`` with 2
+processes through ``megarl train`` (its pre-flight, stop protocol and one-line failures). The
+Mixture-of-Experts variant: ``--config configs/grpo_moe_tiny_cpu.yaml --family qwen3_moe``.
 """
 
 from __future__ import annotations

@@ -2,15 +2,9 @@
 
 Columns (as verl's ``examples/data_preprocess/*.py`` write them): ``data_source``, ``prompt``
 (chat messages or a string; ``data.prompt_key``), ``ability``, ``reward_model`` (``style``,
-``ground_truth``) and ``extra_info``. ``data.reward_fn_key`` names the column that selects the
-reward function (``data_source`` by default). Files are read with pyarrow and tokenised once,
-up front (:mod:`megarl.data.tokenize`); items are then plain Python objects.
-
-Row selection as verl's ``RLHFDataset``: the files are concatenated; ``*_max_samples`` > 0 keeps
-that many rows (a seeded random choice without replacement when ``data.shuffle``, else the first
-ones; megarl uses numpy's ``default_rng(seed)`` as verl does, so the same rows are chosen);
-``filter_overlong_prompts`` then drops prompts longer than ``max_prompt_length`` (counted and
-reported once); longer prompts that remain are truncated by ``data.truncation``.
+``ground_truth``) and ``extra_info``; ``data.reward_fn_key`` names the column that selects the
+reward function. Files are read with pyarrow and tokenised once, up front
+(:mod:`megarl.data.tokenize`); rows are selected as verl's ``RLHFDataset`` selects them.
 """
 
 from __future__ import annotations
@@ -103,7 +97,14 @@ def _check_columns(row: dict[str, Any], where: str, prompt_key: str, reward_fn_k
 
 
 class PromptDataset:
-    """Tokenised prompts of one split; ``len()``, ``[i]`` -> :class:`PromptSample`."""
+    """Tokenised prompts of one split; ``len()``, ``[i]`` -> :class:`PromptSample`.
+
+    Rows as verl's ``RLHFDataset`` selects them: the files are concatenated; ``max_samples`` > 0
+    keeps that many rows (with ``shuffle`` a choice without replacement by numpy's
+    ``default_rng(seed)``, as verl, so the same rows; else the first ones);
+    ``filter_overlong_prompts`` then drops prompts longer than ``max_prompt_length`` (counted and
+    reported once), and longer prompts that remain are cut by ``truncation``.
+    """
 
     def __init__(
         self,

@@ -3,14 +3,9 @@
 Every rank builds the same sampler and takes the same global batch of dataset indices per step
 (the trainer then splits it over rollout DP ranks). Epoch ``e`` visits the prompts in the order
 ``numpy.random.default_rng([seed, e]).permutation(n)`` (or ``0..n-1`` without shuffling), cut
-into batches of ``batch_size``; ``drop_last`` drops a final partial batch (verl drops it for
-training). The iterator walks epochs without end; the trainer stops after
-:func:`total_training_steps` batches.
-
-Where megarl differs from verl: verl seeds one torch generator once and lets it run across
-epochs, so resuming depends on restoring that generator's state; megarl derives each epoch's
-order from (seed, epoch) alone, so the state is just (epoch, batch within epoch) and a resumed
-run continues with the very next prompt. The orders themselves differ from verl's.
+into batches of ``batch_size``. Unlike verl (one torch generator running across epochs), each
+epoch's order comes from (seed, epoch) alone, so the resumable state is just (epoch, batch within
+epoch); the orders themselves differ from verl's.
 """
 
 from __future__ import annotations
@@ -23,7 +18,11 @@ __all__ = ["GlobalBatchSampler", "total_training_steps"]
 
 
 class GlobalBatchSampler:
-    """Iterator of global batches (lists of dataset indices); see the module docstring."""
+    """Iterator of global batches (lists of dataset indices); see the module docstring.
+
+    ``drop_last`` drops a final partial batch (verl drops it for training). The iterator walks
+    epochs without end; the trainer stops after :func:`total_training_steps` batches.
+    """
 
     def __init__(
         self,

@@ -1,26 +1,12 @@
 """The synthetic verifiable task ``megarl/digit_sum``: add two numbers, answer with digits.
 
-A prompt is one chat message ``what is {a} plus {b} ?`` with ``a, b`` drawn uniformly from
+A prompt is one chat message ``what is {a} plus {b} ?`` with ``a, b`` uniform in
 ``0..max_operand`` (49 by default); the ground truth is ``str(a + b)``. The wording is the one
 the tiny model's tokenizer was trained on (``megarl.models.tiny``), so prompts are a handful of
-tokens.
-
-Reward, on the response decoded as verl does (special tokens skipped), in ``[0, 1]``:
-
-- the answer is the run of digits at the very start of the response (leading whitespace
-  skipped); none (the response starts with anything else) scores 0;
-- ``format`` = 1 when that answer exists, else 0;
-- ``digits`` = the number of positions where answer and ground truth hold the same digit
-  (compared from the left), divided by the longer of the two lengths, so extra digits cost
-  credit; 1 exactly when the answer is right;
-- ``score = 0.5 * format + 0.5 * digits``; the dict also carries ``acc`` (exact answer).
-
-Why this shape: a randomly initialised tiny model (vocabulary 1000, a quarter of whose tokens
-start with a digit) starts near 0.16-0.20 mean reward at temperature 1 (tests/data measure it),
-every group of responses has spread (format is a coin flip with p ~ 0.3; greedy decoding starts
-near 0.06), and the first signal GRPO picks up, starting the response with a number, is prompt-independent and learnt in a few dozen
-steps on CPU; per-digit credit then rewards getting the sum's leading digit right. Responses are
-scored on their prefix, so the response length (the tiny config's 64 tokens) does not matter.
+tokens. The reward (:func:`compute_score`) is shaped so that a randomly initialised tiny model
+already scores some reward with spread in every group, and the first signal GRPO picks up
+(starting the response with a number) is prompt-independent and learnt in a few dozen steps on
+CPU; per-digit credit then rewards getting the sum's leading digit right.
 """
 
 from __future__ import annotations
@@ -103,7 +89,15 @@ def write_synthetic_data(
 
 
 def compute_score(solution_str: str, ground_truth: str, **_: Any) -> dict[str, float]:
-    """``{"score", "format", "digits", "acc"}`` of one response (see the module docstring)."""
+    """``{"score", "format", "digits", "acc"}`` of one response, each in ``[0, 1]``.
+
+    The response is decoded as verl does (special tokens skipped). The answer is the run of
+    digits at its very start (leading whitespace skipped); with none, everything is 0.
+    ``format`` = 1 when the answer exists; ``digits`` = positions where answer and ground truth
+    hold the same digit (from the left) over the longer of the two lengths, so extra digits cost
+    credit; ``score = 0.5 * format + 0.5 * digits``; ``acc``: the exact answer. Only the prefix
+    counts, so the response length does not matter.
+    """
     match = _LEADING_DIGITS.match(solution_str)
     if match is None:
         return {"score": 0.0, "format": 0.0, "digits": 0.0, "acc": 0.0}

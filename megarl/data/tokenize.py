@@ -1,15 +1,10 @@
 """Prompt tokenisation as verl does it, and ``max_prompt_length`` truncation.
 
-A chat prompt (a list of ``{"role", "content"}`` messages) is rendered with the tokenizer's chat
-template to text (``add_generation_prompt=True``, ``tokenize=False``) and that text tokenised with
-``add_special_tokens=False``: a template that writes BOS itself (Llama 3) gets exactly one BOS,
-and transformers 5's ``apply_chat_template`` dict return value never enters the picture. A
-plain-string prompt is wrapped as one user message; with ``data.use_chat_template=false`` it is
-tokenised as it is instead (no template, no special tokens added).
-
-Truncation of a prompt longer than ``max_prompt_length`` (verl's ``data.truncation``): ``left``
-keeps the last tokens, ``right`` the first, ``middle`` the first ``max // 2`` and the last
-``max - max // 2``; ``error`` raises :class:`PromptTooLong` naming the row and its length.
+A chat prompt (``{"role", "content"}`` messages; a plain string becomes one user message) is
+rendered with the tokenizer's chat template to text (``add_generation_prompt=True``) and that
+text tokenised with ``add_special_tokens=False``: a template that writes BOS itself (Llama 3)
+gets exactly one BOS. With ``data.use_chat_template=false`` a plain-string prompt is tokenised as
+it is (no template, no special tokens added).
 """
 
 from __future__ import annotations
@@ -91,7 +86,11 @@ def tokenize_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
 
 
 def truncate(ids: list[int], max_length: int, mode: str, where: str) -> list[int]:
-    """``ids`` cut to ``max_length`` tokens by ``mode`` (see the module docstring)."""
+    """``ids`` cut to ``max_length`` tokens by ``mode`` (verl's ``data.truncation``).
+
+    ``left`` keeps the last tokens, ``right`` the first, ``middle`` the first ``max // 2`` and
+    the last ``max - max // 2``; ``error`` raises :class:`PromptTooLong` naming the row.
+    """
     if len(ids) <= max_length:
         return ids
     if mode == "left":

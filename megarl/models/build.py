@@ -1,13 +1,11 @@
 """The one way to build a model: HF path (or dims) + layout + dtype + role → this rank's chunks.
 
-Every caller (trainer, conversion, resharding demo, tests) builds through :func:`build_model`, so
-the ``TransformerConfig``, the layer spec, the value head and the weight loading are decided in
-one place. Megatron's parallel state must already be initialised for ``layout``
-(:func:`megarl.parallel.init.init_distributed`).
-
-Weights are loaded here, before any optimizer exists: Megatron's bf16 optimizer clones fp32 main
-parameters when it is built, so weights copied in afterwards would be reverted by its first step
-(fp32 main parameters are views, so only bf16 shows this). :class:`megarl.models.trainable.TrainableModel` is built on the result.
+Every caller (trainer, conversion, tests) builds through :func:`build_model`, so the
+``TransformerConfig``, layer spec, value head and weight loading are decided in one place.
+Megatron's parallel state must already be initialised for ``layout``
+(:func:`megarl.parallel.init.init_distributed`). Weights are loaded here, before any optimizer
+exists: Megatron's bf16 optimizer clones fp32 main parameters when it is built, so weights
+copied in afterwards would be reverted by its first step.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Expert load of a Mixture-of-Experts model: how evenly its routers spread the tokens.
 
-Each MoE router of the model chunks is watched by a forward hook while :class:`ExpertLoad` is
-open: the routing map it returns (``[tokens, experts]``, the experts each token goes to, the
-replayed ones under routing replay) is summed over the real tokens (Megatron's ``padding_mask``
-leaves padding out) into one count per (layer, expert). :meth:`ExpertLoad.metrics` adds the
-counts over every rank and summarises them per layer as ``max / mean`` tokens per expert
-(1: perfectly even; ``E``: every token on one expert):
-
-- ``expert_load_imbalance``: the mean over the MoE layers;
-- ``expert_load_imbalance_max``: the worst layer's, and ``expert_load_worst_layer`` its index
-  (0-based, the model's decoder layer);
-- ``expert_load_idle``: the share of (layer, expert) pairs that received no token.
-
-Ranks see different tokens across data and context parallelism (and across TP ranks under
-sequence parallelism); without sequence parallelism the TP ranks of a group see the same tokens,
-so their sum is divided by TP. Each pipeline stage counts its own layers. A forward run again by
-activation recompute counts again, every layer alike, which leaves the ratios unchanged.
+While :class:`ExpertLoad` is open, a forward hook on every MoE router sums the routing map it
+returns (the experts each token goes to, the replayed ones under routing replay) over the real
+tokens into one count per (layer, expert); :meth:`ExpertLoad.metrics` adds the counts over every
+rank and summarises them per layer as ``max / mean`` tokens per expert (1: perfectly even).
+A forward run again by activation recompute counts again, every layer alike: the ratios hold.
 """
 
 from __future__ import annotations
@@ -78,7 +67,13 @@ class ExpertLoad:
         return padding[rank * part : (rank + 1) * part]
 
     def metrics(self) -> dict[str, float]:
-        """The load summary over every rank (collective: call it on every rank)."""
+        """The load summary over every rank (collective: call it on every rank).
+
+        ``expert_load_imbalance``: the mean over the MoE layers of max / mean tokens per expert;
+        ``expert_load_imbalance_max``: the worst layer's, and ``expert_load_worst_layer`` its
+        (0-based decoder layer) index; ``expert_load_idle``: the share of (layer, expert) pairs
+        that received no token. Each pipeline stage counts its own layers.
+        """
         from megatron.core import parallel_state
 
         from megarl.parallel.init import device
@@ -86,7 +81,7 @@ class ExpertLoad:
         total = self.counts.to(device())
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(total)
-        if not self.sequence_parallel:
+        if not self.sequence_parallel:  # then a TP group's ranks all saw the same tokens
             total /= parallel_state.get_tensor_model_parallel_world_size()
         total = total.cpu()
         moe = total.sum(1) > 0  # dense layers, and MoE layers nobody counted, are left out

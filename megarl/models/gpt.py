@@ -1,12 +1,10 @@
 """Build Megatron-Core ``GPTModel`` actors and critics from a Hugging Face ``config.json``.
 
-Megatron objects are built directly (STYLE.md, "Don't re-wrap Megatron"): this module only
-translates the HF architecture (:class:`megarl.models.hf_mapping.ModelDims`) into a
-``TransformerConfig`` and a layer spec, and builds one model chunk per virtual pipeline stage.
-
-``transformer_impl: auto`` builds Transformer Engine's spec on CUDA (and fails loudly, saying
-why, when TE does not import there) and the local spec on CPU; ``local`` or ``transformer_engine``
-forces either. Fusions (:class:`Fusions`) are on wherever the spec allows them.
+Megatron objects are built directly: this module translates the HF architecture
+(:class:`megarl.config.model_dims.ModelDims`) into a ``TransformerConfig`` and a layer spec, and
+builds one model chunk per virtual pipeline stage. ``transformer_impl: auto`` is Transformer
+Engine's spec on CUDA (an error saying why if TE does not import) and the local spec on CPU;
+fusions (:class:`Fusions`) are on wherever the spec allows them.
 """
 
 from __future__ import annotations

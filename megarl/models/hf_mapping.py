@@ -1,23 +1,12 @@
-"""Hugging Face <-> Megatron-Core weight layout for the Llama / Qwen2 / Qwen3 family (dense, and
-the Qwen3-MoE / Mixtral MoE MLP through :mod:`megarl.models.moe_mapping`).
+"""Hugging Face <-> Megatron-Core weight layout for the Llama / Qwen2 / Qwen3 family (dense; the
+Qwen3-MoE / Mixtral MoE MLP through :mod:`megarl.models.moe_mapping`).
 
-Pure tensor functions: no ``torch.distributed``, no Megatron imports. Everything here works on
-*full* (unsharded) Megatron tensors keyed by Megatron names with *global* layer indices
-(``decoder.layers.{global_i}.…``); the model's dimensions are :class:`megarl.config.model_dims.ModelDims`
-(re-exported here). :func:`tp_split` / :func:`tp_merge` convert between a full
-tensor and its tensor-parallel shards, and :func:`megatron_name_to_global` /
-:func:`megatron_name_to_local` translate the per-stage (PP / VPP chunk) layer indices.
-
-Megatron layouts (local layer spec names; the Transformer Engine spec is handled by
-:func:`to_te_name` / :func:`from_te_name`):
-
-- ``self_attention.linear_qkv`` rows are interleaved per KV group ``g``:
-  ``[q heads of g (nq/nkv heads × d rows); k_g (d rows); v_g (d rows)]``. TP rank ``r`` holds a
-  contiguous dim-0 chunk of the interleaved tensor: whole groups when TP divides nkv.
-- ``mlp.linear_fc1`` full form is ``[gate; up]``; TP rank ``r`` holds ``[gate_r; up_r]``.
-- ``linear_proj`` / ``linear_fc2`` are row-parallel (split dim 1).
-- word embeddings / output layer are vocab-parallel (split dim 0) and padded with zero rows to
-  ``padded_vocab_size`` (a multiple of ``make_vocab_size_divisible_by × TP``).
+Pure tensor functions: no ``torch.distributed``, no Megatron imports. Everything works on *full*
+(unsharded) Megatron tensors keyed by local-spec names with *global* layer indices
+(``decoder.layers.{global_i}.…``). :func:`tp_split` / :func:`tp_merge` convert to and from
+tensor-parallel shards, :func:`megatron_name_to_global` / :func:`megatron_name_to_local` to and
+from per-stage (PP / VPP chunk) layer indices, :func:`to_te_name` / :func:`from_te_name` to and
+from the Transformer Engine spec's names.
 """
 
 from __future__ import annotations
@@ -322,6 +311,8 @@ def megatron_param_shape(mg_name: str, dims: ModelDims) -> tuple[int, ...]:
 def qkv_separate_to_megatron(q: Tensor, k: Tensor, v: Tensor, dims: ModelDims) -> Tensor:
     """HF q/k/v (weights ``[n·d, H]`` or biases ``[n·d]``) -> Megatron interleaved ``linear_qkv``.
 
+    Megatron's rows are interleaved per KV group ``g``: ``[q heads of g (nq/nkv heads × d rows);
+    k_g (d rows); v_g (d rows)]``.
     Works on a whole model or on a TP slice of whole groups: the number of groups is read from
     ``k`` (``k.shape[0] // head_dim``).
     """
@@ -523,6 +514,11 @@ def _check_divisible(mg_name: str, what: str, n: int, tp_size: int) -> None:
 def tp_split(mg_name: str, full: Tensor, tp_size: int, tp_rank: int, dims: ModelDims) -> Tensor:
     """TP rank ``tp_rank``'s shard of the full Megatron parameter ``mg_name``.
 
+    Column-parallel (``linear_qkv``: a contiguous dim-0 chunk of the interleaved tensor) and
+    vocab-parallel (word embeddings, output layer: padded with zero rows to
+    ``padded_vocab_size``, a multiple of ``make_vocab_size_divisible_by × TP``) split dim 0;
+    row-parallel (``linear_proj``, ``linear_fc2``) dim 1; ``linear_fc1`` ``[gate; up]`` gives
+    rank ``r`` ``[gate_r; up_r]``.
     Returns a view where possible (replicated parameters return ``full`` itself); copy before
     writing into it.
     """

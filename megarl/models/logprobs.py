@@ -1,13 +1,10 @@
 """Token log-probs and entropy from vocab-parallel (TP-sharded) logits, never gathering the vocab.
 
-Each TP rank holds logits for a contiguous slice of the padded vocabulary. A softmax over the
-full vocabulary only needs three per-position scalars reduced over the TP group: the max, the
-sum of exponentials and (for entropy) the sum of ``exp · logit``. Padded vocabulary rows are
-masked to ``-inf`` before anything else, so they never get probability mass.
-
-Memory: the forward pass keeps only the per-position statistics; the backward pass recomputes
-the softmax chunk by chunk over the sequence, so the extra memory is one chunk of
-``[B, chunk, V/TP]`` instead of a full copy of the logits.
+Each TP rank holds logits for a contiguous slice of the padded vocabulary; the softmax needs only
+three per-position scalars reduced over the TP group (the max, the sum of exponentials and, for
+entropy, the sum of ``exp · logit``). Padded vocabulary columns are masked to ``-inf`` first.
+The backward pass recomputes the softmax chunk by chunk over the sequence, so the extra memory
+is one ``[B, chunk, V/TP]`` chunk, not a copy of the logits.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
-"""Hugging Face <-> Megatron-Core names and shapes of the MoE MLP (Qwen3-MoE, Mixtral).
+"""Hugging Face <-> Megatron-Core names and shapes of the MoE MLP (Qwen3-MoE, Qwen2-MoE, Mixtral).
 
-Pure functions used by :mod:`megarl.models.hf_mapping` for the per-layer MLP of MoE models;
-everything else of these families (attention, norms, embeddings) is the dense mapping.
-
-Megatron (local spec, ``SequentialMLP``), per layer ``l``, with *global* expert indices ``e``
-(a rank of expert-parallel rank ``k`` holds experts ``k·E/EP … (k+1)·E/EP − 1`` as
-``local_experts.0 …``; :func:`expert_name_to_global` / :func:`expert_name_to_local` translate):
-
-- ``mlp.router.weight`` ``[E, H]``: replicated (routing runs on every TP rank);
-- ``mlp.experts.local_experts.{e}.linear_fc1.weight`` ``[2·F_e, H]`` = ``[gate_e; up_e]``,
-  split over *expert* tensor parallelism (ETP) as a dense ``linear_fc1``;
-- ``mlp.experts.local_experts.{e}.linear_fc2.weight`` ``[H, F_e]``: row-parallel over ETP.
-
-The Transformer Engine spec (``TEGroupedMLP``) names expert ``j``'s weights
-``mlp.experts.linear_fc1.weight{j}`` (local index) and keeps ``pre_mlp_layernorm`` separate
-(its ``linear_fc1`` has no fused norm in MoE layers).
-
-HF names (safetensors, as on the Hub and as vLLM loads them; transformers 5 fuses the experts
-into 3-D tensors only in memory): Qwen3-MoE ``mlp.gate.weight``,
-``mlp.experts.{e}.{gate,up,down}_proj.weight``; Mixtral ``block_sparse_moe.gate.weight``,
-``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`` (w1 gate, w3 up, w2 down).
+Pure functions used by :mod:`megarl.models.hf_mapping` for each MoE layer's MLP; attention, norms
+and embeddings of these families are the dense mapping. Megatron names (local spec,
+``SequentialMLP``) carry *global* expert indices, ``mlp.experts.local_experts.{e}``
+(:func:`expert_name_to_global` / :func:`expert_name_to_local` translate an expert-parallel
+rank's own). The router is replicated; each expert's ``linear_fc1`` ``[gate_e; up_e]`` and
+``linear_fc2`` are split over *expert* TP like a dense MLP's. HF names are the safetensors ones
+(as on the Hub and as vLLM loads them; transformers 5 fuses experts into 3-D tensors only in
+memory).
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """Routing replay for Mixture-of-Experts models (verl's ``router_replay.mode=R2`` and ``R3``).
 
-R2: the actor's old-log-prob forward records which experts each token's router chose, in every
-MoE layer; the update's forwards then route every token to those experts instead of choosing
-again. R3: the rollout engine's choices (captured in vLLM's worker,
-:mod:`megarl.rollout.routing_capture`) are replayed in the old-log-prob, reference and update
-forwards (:meth:`Routing.from_rollout` picks this pipeline rank's layers).
-The update's gradients move the routers too, so without replay a token can reach other experts
-in a later mini-batch or epoch than in the old-log-prob pass, and the importance ratio
-pi_new / pi_old then compares two different networks. Megatron-Core's ``RouterReplay`` (one per
-router when ``moe_enable_routing_replay`` is set) does the routing; this module says when, and
-moves the choices between passes whose micro-batches differ.
-
-- **Layout.** A router sees its micro-batch's tokens sequence-major (``[s, b]`` flattened), under
-  sequence parallelism only its TP rank's slice of the sequence. Choices are kept per sequence,
-  as ``[rows, layers, positions, k]`` (int16), every position of the sequence (prompt too), the
-  layers being this pipeline rank's MoE layers in order (all its model chunks); positions no
-  recorded micro-batch reached (right padding) hold experts ``0..k-1``, which routes padding
-  only, and padding is causally invisible to real tokens.
-- **Agreement.** While replaying, each router also computes its own choice and counts the real
-  tokens whose top-k set equals the replayed one: ``router_agreement`` (1 at the first
-  mini-batch, lower as the update moves the routers).
-- **Agreement under R3.** In the old-log-prob forward it is the share of real tokens whose
-  trainer routers, left alone, would have chosen what vLLM chose (``rollout_corr/
-  router_agreement``).
-- **Not here.** Activation recompute of the routers (full recompute) would need the backward
-  replay Megatron keeps apart, and is refused with routing replay by validation.
+The update moves the routers, so without replay a token can reach other experts than in the
+old-log-prob pass, and pi_new / pi_old then compares two different networks. R2: the old-log-prob
+forward records each token's experts in every MoE layer and the update's forwards replay them.
+R3: the rollout engine's choices (:mod:`megarl.rollout.routing_capture`) are replayed in the
+old-log-prob, reference and update forwards. Megatron-Core's ``RouterReplay`` does the routing;
+this module says when, and moves the choices between passes whose micro-batches differ.
+Validation refuses activation recompute of the routers with routing replay.
 """
 
 from __future__ import annotations
@@ -88,7 +70,16 @@ def pad_positions(routing: torch.Tensor, width: int) -> torch.Tensor:
 
 
 class Routing:
-    """Recording or replaying one pass's routing over ``chunks`` (see the module docstring)."""
+    """Recording or replaying one pass's routing over ``chunks``.
+
+    Choices are kept per sequence as ``[rows, layers, positions, k]`` int16: every position
+    (prompt too), this pipeline rank's MoE layers in order (all its chunks). A router sees its
+    micro-batch sequence-major (``[s, b]`` flattened), under sequence parallelism only its TP
+    rank's slice. Positions nothing recorded hold experts ``0..k-1`` (padding: causally
+    invisible to real tokens). While replaying, each router also counts the real tokens whose
+    own top-k set equals the replayed one: ``router_agreement`` (under R3, in the old-log-prob
+    forward, ``rollout_corr/router_agreement``: the trainer's routers against vLLM's choices).
+    """
 
     def __init__(self, chunks: Sequence[torch.nn.Module], mode: str) -> None:
         if mode not in ("record", "replay"):

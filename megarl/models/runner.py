@@ -1,41 +1,17 @@
 """Micro-batch runner over Megatron's ``get_forward_backward_func`` (so pipeline parallelism works).
 
-Input: a :class:`SequenceBatch` of right-padded prompt+response sequences ``input_ids [N, S]``
-with per-sequence ``prompt_lengths [N]`` and total ``lengths [N]``. Outputs are per-response-token
-tensors ``[N, R]`` (``R = max(lengths - prompt_lengths)``), response-aligned: entry ``[i, k]``
-belongs to response token ``k`` of sequence ``i``, which sits at position ``p_i + k``; it is
-computed from the model output at position ``p_i + k - 1`` (position t's logits score token t+1;
-the critic's value of the state before that token). Entries past a response's end are 0 and
-masked by :func:`response_mask`. Results computed on the last pipeline stage are broadcast so
-every rank returns them.
+Outputs are response-aligned ``[N, R]``: entry ``[i, k]`` is response token ``k`` of sequence
+``i`` (position ``p_i + k``), computed from the model output at ``p_i + k - 1``; entries past a
+response's end are 0 (:func:`response_mask`), and every rank returns them.
 
-Entry points: :func:`compute_log_probs` (actor: log-probs and entropy of
-``softmax(logits / temperature)``, padded vocabulary columns masked out), :func:`compute_values`
-(critic), :func:`compute_scores` (reward model: one score per sequence, at its last token) and
-:func:`forward_backward` (training with a loss function).
-
-The loss-scaling contract (the one place it is implemented is :func:`forward_backward`):
-Megatron is configured with ``calculate_per_token_loss`` (see
-:func:`megarl.models.gpt.build_transformer_config`), so its pipeline schedule does not divide
-losses by the micro-batch count, DDP sums (does not average) gradients over data-parallel ranks,
-and ``finalize_model_grads`` divides the gradients by the sum, over micro-batches and DP×CP
-ranks, of the count each micro-batch's loss function returns. megarl's loss function returns the
-micro-batch's *share* of the mini-batch loss: the aggregation with the counts of the whole
-mini-batch (``megarl.algo.agg_loss`` with ``global_token_count`` / ``global_seq_count``), so the
-shares of all micro-batches on all DP ranks add up to the mini-batch loss. The runner multiplies
-each share by ``G`` (the mini-batch's tokens, prompts and responses without padding, summed over
-DP×CP) and reports the micro-batch's token count to Megatron, which divides by exactly ``G``:
-the gradient is that of the mini-batch loss, however the batch is split over micro-batches and
-ranks. Without Megatron DDP (plain chunks, no ``finalize_model_grads``) the share is
-back-propagated unscaled and gradients are not reduced over DP.
-
-Mixture-of-Experts: the routers' auxiliary losses (``moe_aux_loss_coeff``, z-loss) are Megatron's,
-computed per micro-batch over its tokens without padding (the runner passes Megatron the padding
-mask); under ``calculate_per_token_loss`` Megatron weights each by the micro-batch's token count,
-so with the token counts above the objective is their token-weighted mean over the mini-batch, at
-every layout that cuts the mini-batch into the same micro-batches. They are reported per
-micro-batch as ``moe_aux_loss`` (and ``moe_z_loss``, …): the coefficient-free value, averaged
-over the MoE layers, as a share that sums to the mini-batch's token-weighted mean.
+The loss-scaling contract (implemented only in :func:`forward_backward`): Megatron runs with
+``calculate_per_token_loss``, so its schedule does not divide by the micro-batch count, DDP sums
+gradients over DP, and ``finalize_model_grads`` divides them by the sum of the counts the loss
+functions return. megarl's loss function returns the micro-batch's *share* of the mini-batch loss
+(``agg_loss`` with the whole mini-batch's counts); the runner multiplies it by ``G``, the
+mini-batch's unpadded tokens summed over DP×CP, and reports the micro-batch's token count, so
+Megatron divides by exactly ``G``: the gradient is the mini-batch loss's however the batch is
+split. Without Megatron DDP the share is back-propagated unscaled and not reduced over DP.
 """
 
 from __future__ import annotations
@@ -494,7 +470,14 @@ _AUX_LOSS_NAMES = {
 class _AuxLosses:
     """The MoE routers' auxiliary losses of each micro-batch of one pass, read from Megatron's
     aux-loss tracker around each forward of a model chunk (the tracker holds per layer the
-    coefficient-free values its routers added; names as Megatron's router logs them)."""
+    coefficient-free values its routers added; names as Megatron's router logs them).
+
+    Megatron computes them (``moe_aux_loss_coeff``, z-loss) per micro-batch over its unpadded
+    tokens and, under ``calculate_per_token_loss``, weights each by that token count: the
+    objective is their token-weighted mean over the mini-batch. They are reported as
+    ``moe_aux_loss``, ``moe_z_loss``, ...: coefficient-free, averaged over the MoE layers, as
+    per-micro-batch shares that sum to that mean.
+    """
 
     def __init__(self, micro_batches: int) -> None:
         self.sums: dict[str, list[float]] = {k: [0.0] * micro_batches for k in _AUX_LOSS_NAMES}

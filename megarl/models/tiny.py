@@ -1,5 +1,5 @@
-"""Tiny, fully random Hugging Face checkpoints (Llama / Qwen2 / Qwen3, and the Qwen3-MoE and
-Mixtral mixture-of-experts families) for CPU tests.
+"""Tiny, fully random Hugging Face checkpoints (Llama / Qwen2 / Qwen3, and the Qwen3-MoE, Qwen2-MoE
+and Mixtral mixture-of-experts families) for CPU tests.
 
 Every tensor is drawn from one seeded generator (biases and norm weights too: HF's default init
 leaves them at 0 / 1, which hides mapping bugs), and the tokenizer is a byte-level BPE trained

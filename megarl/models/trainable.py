@@ -1,17 +1,11 @@
 """A trainable model on Megatron's own pieces: DDP, ``get_megatron_optimizer``, the LR scheduler.
 
 :class:`TrainableModel` wraps the chunks of a :class:`megarl.models.build.BuiltModel` (weights
-already loaded: the bf16 optimizer clones fp32 main parameters at construction) in Megatron's
-``DistributedDataParallel`` and builds the Megatron optimizer (distributed or not; weight-decay
-groups as Megatron makes them: biases and 1-D parameters get none) and an
-``OptimizerParamScheduler``.
-
-:meth:`TrainableModel.step` is megarl's optimizer step. Megatron's fp32 path (and bf16 without a
-grad scaler) never checks gradients for NaN/Inf and returns no norm when clipping is off, so the
-step computes the global gradient norm itself, all-reduces an is-finite flag over the whole world
-and either clips and steps on every rank or skips on every rank (gradients are dropped either
-way). The LR scheduler is advanced separately (:meth:`TrainableModel.advance_lr`): verl steps it
-once per trainer step, not once per optimizer step.
+already loaded) in Megatron's ``DistributedDataParallel`` with the Megatron optimizer and an
+``OptimizerParamScheduler``. Megatron's fp32 path (and bf16 without a grad scaler) never checks
+gradients for NaN/Inf, so :meth:`TrainableModel.step` computes the global gradient norm itself
+and either clips and steps on every rank or skips on every rank. The LR schedule advances once
+per trainer step (:meth:`TrainableModel.advance_lr`, as verl), not once per optimizer step.
 """
 
 from __future__ import annotations
@@ -285,6 +279,12 @@ class TrainableModel:
         With ``is_loading`` the optimizer state is first created empty where it does not exist
         yet (Megatron's distributed optimizer cannot describe a state it has not created; torch's
         Adam creates it at the first step), so a fresh model can load a checkpoint.
+
+        Host memory of a save: each rank all-gathers its DP group's fp32 main parameters and
+        Adam moments (~12 bytes per parameter of its TP×PP shard) before the writes are spread
+        over the DP ranks. Megatron's ``distrib_optim_fully_reshardable_mem_efficient`` variant
+        gathers over gloo onto DP rank 0 only, which leaves the per-rank peak (what fails a node)
+        unchanged and slows saves, so it is not used.
         """
         if is_loading:
             _create_empty_optimizer_state(self.optimizer)

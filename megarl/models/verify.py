@@ -1,15 +1,11 @@
 """Check that a Megatron model computes the same logits as its Hugging Face counterpart.
 
-A few seeded random token sequences of different lengths go through the Megatron model (any
-TP×PP×VPP layout, through Megatron's pipeline schedule: :func:`megatron_logits`) and through the
-HF model with ``transformers`` (:func:`hf_logits`), both in float32. Before that the caller
-rounds both sides' weights to the coarser of the two stored dtypes (:func:`round_params`), so a
-bf16 checkpoint is compared exactly rather than through bf16 kernels. :func:`compare_with_hf`
-reports ``max |Δlogit|`` against ``atol + rtol · max|logit|``.
-
-The HF reference is loaded by one rank (last pipeline stage, TP rank 0, DP rank 0) on the CPU in
-float32: 4 bytes per parameter. Used by ``megarl convert ... --verify`` and ``megarl convert
-verify`` (:mod:`megarl.commands.convert`).
+Seeded random sequences go through the Megatron model (any TP×PP×VPP layout,
+:func:`megatron_logits`) and through the HF model in ``transformers`` (:func:`hf_logits`), both
+in float32 with both sides' weights rounded to the coarser stored dtype (:func:`round_params`),
+so a bf16 checkpoint is compared exactly. :func:`compare_with_hf` reports ``max |Δlogit|``
+against ``atol + rtol · max|logit|``; one rank loads the HF model on the CPU in float32 (4 bytes
+per parameter). Used by ``megarl convert ... --verify`` and ``megarl convert verify``.
 """
 
 from __future__ import annotations

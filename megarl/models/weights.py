@@ -1,14 +1,10 @@
 """Move weights between a Hugging Face safetensors directory and sharded Megatron model chunks.
 
-Loading: every rank reads only the HF tensors its own parameters need (lazily, through
-``safe_open``), builds each full Megatron parameter with :mod:`megarl.models.hf_mapping`, and
-keeps its TP shard. Exporting: each parameter is all-gathered over its TP group, converted to
-HF names on TP rank 0, and every pipeline stage writes its own safetensors file (no rank ever
-holds the whole model); global rank 0 writes the index, config and tokenizer files.
-
-MoE experts: a rank holds its expert-parallel rank's experts, split over *expert* TP (ETP);
-their global names carry the global expert index (:func:`local_global_names`), loading keeps the
-ETP shard, and each expert-parallel rank of a stage writes its own experts' file.
+Loading: every rank reads (lazily) only the HF tensors its own parameters need, builds each full
+Megatron parameter with :mod:`megarl.models.hf_mapping` and keeps its TP (for experts: expert-TP)
+shard. Exporting: each parameter is all-gathered over its TP group and converted on TP rank 0;
+every pipeline stage (and each expert-parallel rank, for its experts) writes its own safetensors
+file, so no rank holds the whole model, and global rank 0 writes the index, config and tokenizer.
 """
 
 from __future__ import annotations

@@ -1,35 +1,12 @@
 """CPU emulation of the few CUDA calls Megatron-Core makes unconditionally.
 
-Megatron-Core 0.16 assumes a GPU in a handful of places even when told to initialise on CPU:
-RNG state tracking goes through ``torch.cuda`` generators, some factory calls pass
-``device="cuda"`` or ``torch.cuda.current_device()``, modules and tensors are moved with
-``.cuda()``, ``clip_grads`` asserts ``grad.type() == "torch.cuda.FloatTensor"``, and a few
-helpers call ``torch.cuda.synchronize`` / ``empty_cache`` / ``nvtx``.
-
-This module makes those calls land on the CPU and changes nothing else: no numerics, no control
-flow of megarl's own code. It is switched on by :func:`megarl.parallel.init.init_distributed`
-when CUDA is absent (or explicitly via :func:`enable_cpu_emulation`), so the GPU path runs the
-very same code with the real CUDA calls.
-
-What it does (each item was needed to run Megatron-Core 0.16.1 on CPU with gloo):
-
-* a :class:`torch.overrides.TorchFunctionMode` that maps ``device="cuda"`` (any form) to CPU in
-  factory and ``.to`` calls, makes ``Tensor.cuda()`` a no-op, ``Tensor.pin_memory()`` a plain
-  host copy (Megatron's parameter offload keeps one), and makes the argument-less
-  ``Tensor.type()`` report ``torch.cuda.*`` names;
-* ``torch.cuda.{get,set}_rng_state``, ``manual_seed(_all)`` and ``torch.cuda.random.*`` routed to
-  the CPU generator, and Megatron's private ``_get/_set_cuda_rng_state`` likewise (on CPU the
-  "cuda" and CPU random streams are one stream: code that needs independent streams must use
-  explicit generators);
-* ``torch.cuda.current_device`` returns ``"cpu"``; ``synchronize``, ``empty_cache``,
-  ``set_device`` and ``nvtx`` ranges become no-ops;
-* streams and events (the MoE ``alltoall`` token dispatcher makes a side stream for its
-  device-to-host copies, shared-expert overlap another): the CPU runs everything in order, so
-  ``torch.cuda.Stream()`` and ``current_stream()`` are one :class:`_CpuStream` whose waits and
-  events are no-ops, ``torch.cuda.stream(s)`` a null context and ``Event`` a no-op event;
-* the alltoall dispatcher's split sizes: Megatron turns them into numpy arrays only when they
-  are on the GPU (``maybe_move_tensor_to_cpu``), and ``all_to_all_single`` refuses the CPU
-  tensors left otherwise: on the CPU they become numpy arrays as they would on the GPU.
+Megatron-Core assumes a GPU in a handful of places even when told to initialise on CPU (CUDA RNG
+state, ``device="cuda"`` factories, ``.cuda()``, a ``torch.cuda.FloatTensor`` assert in
+``clip_grads``, streams, ``synchronize``, ``nvtx``). This module makes those calls land on the
+CPU and changes nothing else (no numerics, no control flow of megarl's code), so the GPU path
+runs the same code with the real calls; :func:`megarl.parallel.init.init_distributed` switches it
+on when CUDA is absent. On CPU the "cuda" and CPU random streams are one stream: code that needs
+independent streams must use explicit generators.
 """
 
 from __future__ import annotations
@@ -62,7 +39,12 @@ def _cpu_if_cuda(device: Any) -> Any:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Routes CUDA placements to the CPU; everything else passes through untouched."""
+    """Routes CUDA placements to the CPU; everything else passes through untouched.
+
+    ``device="cuda"`` (any form) in factory and ``.to`` calls becomes the CPU, ``Tensor.cuda()``
+    a no-op, ``Tensor.pin_memory()`` a plain host copy (Megatron's parameter offload keeps one),
+    and the argument-less ``Tensor.type()`` reports ``torch.cuda.*`` names (``clip_grads``).
+    """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -121,7 +103,11 @@ class _CpuEvent:
 
 
 class _CpuStream:
-    """The one CPU "stream": every stream is this one (so no tensor is ever on a side stream)."""
+    """The one CPU "stream": every stream is this one (so no tensor is ever on a side stream).
+
+    The MoE ``alltoall`` dispatcher makes a side stream for its device-to-host copies, and
+    shared-expert overlap another; the CPU runs everything in order, so waits are no-ops.
+    """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         global _CPU_STREAM
@@ -233,7 +219,11 @@ def _patch_megatron_rng() -> None:
 
 
 def _cpu_tensor_as_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
-    """``moe_utils.maybe_move_tensor_to_cpu`` for tensors already on the CPU."""
+    """``moe_utils.maybe_move_tensor_to_cpu`` for tensors already on the CPU.
+
+    Megatron turns the alltoall dispatcher's split sizes into numpy arrays only when they are on
+    the GPU, and ``all_to_all_single`` refuses the CPU tensors left otherwise.
+    """
     if torch.is_tensor(tensor) and as_numpy:
         return tensor.numpy()
     return tensor

@@ -1,12 +1,11 @@
 """End a finished megarl process without the interpreter's teardown.
 
-A rank that has trained, saved and said its last line still spends ~2 s in Python's
-finalization (freeing every module of torch, Megatron, transformers and vLLM, destroying the
-process groups' C++ objects), and the launcher ~1.5 s, on every launch. :func:`exit_process`
-does what the interpreter does first — join the non-daemon threads, run the ``atexit``
-handlers (multiprocessing's finalizers among them: a Manager is shut down there), flush the
-standard streams — and then ends the process with ``os._exit``. Only for a process's last
-statement (``if __name__ == "__main__":``), never where a caller goes on afterwards.
+Python's finalization (freeing every module of torch, Megatron, transformers and vLLM, destroying
+the process groups' C++ objects) costs each rank and the launcher seconds on every launch.
+:func:`exit_process` does what the interpreter does first (join the non-daemon threads, run the
+``atexit`` handlers, multiprocessing's finalizers among them, flush the standard streams) and
+then ends the process with ``os._exit``. Only for a process's last statement
+(``if __name__ == "__main__":``), never where a caller goes on afterwards.
 """
 
 from __future__ import annotations

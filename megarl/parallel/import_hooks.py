@@ -1,38 +1,11 @@
-"""Three third-party imports that cost every megarl process seconds and give it nothing.
+"""Skip three third-party imports that cost every megarl process seconds and give it nothing.
 
-Every launch starts the launcher, torchrun and one process per rank, and each imports Torch,
-Megatron-Core and transformers before doing anything; on two cores a tiny run spent more time
-importing than training. Three of those imports are pure waste for megarl, and this module skips
-them, at import time, in every process that imports megarl first (``megarl/__init__.py`` calls
-:func:`install`; it imports nothing itself, so the CLI's fast paths stay torch-free):
-
-* **Megatron's JIT fuser without CUDA.** ``megatron.core.jit`` sets ``jit_fuser =
-  torch.compile`` and Megatron's fusion modules decorate functions with it when imported;
-  ``torch.compile`` then imports Inductor (~2.5 s a process, ~3.6 s each when two ranks start
-  on two cores). Without CUDA none of those functions runs compiled (megarl turns every fusion
-  off on the local, non-TE spec: :mod:`megarl.models.gpt`), so the moment ``megatron.core.jit``
-  has loaded, its documented ``disable_jit_fuser()`` makes the fuser the identity; a fused
-  function that does run then runs eagerly, the same arithmetic. With CUDA nothing changes.
-* **scikit-learn under transformers' generation utilities.** ``AutoTokenizer`` imports
-  ``transformers.generation``, whose ``candidate_generator`` imports ``sklearn.metrics`` (and with
-  it SciPy's stats and optimisers, ~3 s a process) whenever scikit-learn is installed, which the
-  pinned MLflow requires. It is used for one thing: tuning the confidence threshold of
-  *assisted* generation (a draft model), which megarl never runs. While that one module
-  executes, transformers' ``is_sklearn_available`` answers False, so the module binds that answer
-  and skips the tuning as it does where scikit-learn is absent; scikit-learn itself stays
-  importable (a reward function may use it).
-* **wandb under Megatron's inference engine and timers.** Megatron's model code imports
-  ``megatron.core.inference``, whose dynamic context and engine (and ``megatron.core.timers``)
-  ``import wandb`` when it is installed, for their own metric logging, which megarl never turns
-  on. The import costs ~0.8 s a process, and wandb creates two temporary directories
-  (``tmp*wandb-media``, ``tmp*wandb-artifacts``) that only a normal interpreter exit removes: a
-  rank ended by ``os._exit`` or a signal left them in ``/tmp`` on every run. While those modules
-  execute, ``import wandb`` raises ImportError (``sys.modules["wandb"] = None``), so they bind
-  ``wandb = None`` as where it is not installed. When wandb is already imported (megarl's own
-  wandb sink), nothing changes.
-
-Each hook is a meta-path finder for one module name that defers to the normal path finder and
-wraps only the loader's ``exec_module``.
+Every launch starts the launcher, torchrun and one process per rank, each importing Torch,
+Megatron-Core and transformers. ``megarl/__init__.py`` calls :func:`install` (this module imports
+nothing itself, so the CLI's fast paths stay torch-free); from then on a meta-path finder wraps
+the ``exec_module`` of a few named modules: Megatron's JIT fuser without CUDA, scikit-learn under
+transformers' assisted generation, wandb under Megatron's inference engine and timers (see each
+wrapper). Nothing else about those imports changes.
 """
 
 from __future__ import annotations
@@ -53,6 +26,11 @@ _MEGATRON_WANDB = (
 
 
 def _fuser_off_without_cuda(exec_module: Callable[[ModuleType], None], module: ModuleType) -> None:
+    """``megatron.core.jit`` sets ``jit_fuser = torch.compile``, and decorating Megatron's fusion
+    functions with it imports Inductor. Without CUDA none of them runs compiled (megarl turns
+    every fusion off on the local spec), so the fuser becomes the identity
+    (``disable_jit_fuser()``): a fused function that does run runs eagerly, the same arithmetic.
+    With CUDA nothing changes."""
     exec_module(module)
     import torch
 
@@ -61,6 +39,11 @@ def _fuser_off_without_cuda(exec_module: Callable[[ModuleType], None], module: M
 
 
 def _without_sklearn(exec_module: Callable[[ModuleType], None], module: ModuleType) -> None:
+    """``candidate_generator`` (imported by ``AutoTokenizer``) imports ``sklearn.metrics``, and
+    SciPy with it, whenever scikit-learn is installed (the pinned MLflow requires it), only to
+    tune *assisted* generation, which megarl never runs. While it executes
+    ``is_sklearn_available`` answers False, so it skips the tuning as without scikit-learn;
+    scikit-learn itself stays importable (a reward function may use it)."""
     import transformers.utils
 
     available = transformers.utils.is_sklearn_available
@@ -72,6 +55,11 @@ def _without_sklearn(exec_module: Callable[[ModuleType], None], module: ModuleTy
 
 
 def _without_wandb(exec_module: Callable[[ModuleType], None], module: ModuleType) -> None:
+    """Megatron's inference context, engine and timers ``import wandb`` when installed, for
+    logging megarl never turns on; wandb also makes two temporary directories that only a
+    normal interpreter exit removes (a rank ended by ``os._exit`` or a signal left them in
+    ``/tmp``). While those modules execute ``import wandb`` raises ImportError, so they bind
+    ``wandb = None``. When wandb is already imported (megarl's own sink), nothing changes."""
     if "wandb" in sys.modules:
         exec_module(module)
         return

@@ -1,18 +1,10 @@
 """Process-group and Megatron ``parallel_state`` initialisation under torchrun or Slurm.
 
-One process per device. The rank/world come from torchrun's variables (``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) or, when those are absent, from
-Slurm's (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, first host of
-``SLURM_JOB_NODELIST``). NCCL on GPU, gloo on CPU; on CPU the emulation layer
-(:mod:`megarl.parallel.emulation`) is switched on before Megatron is touched.
-
-Collective timeout: :func:`process_group_timeout_minutes`, default
-:data:`DEFAULT_TIMEOUT_MINUTES` (3 h), set with ``MEGARL_DIST_TIMEOUT_MINUTES``. It bounds how
-long a rank waits in a collective for its peers, and a distributed-checkpoint save at 72B (tens
-of GB per rank, written to shared storage while the other ranks wait in the save's closing
-collectives) can take longer than PyTorch's 30 minutes: the NCCL watchdog would then kill a
-healthy job mid-save. The price of a longer timeout is that a real hang is reported later.
-It applies to the default group and, through ``distributed_timeout_minutes``, to Megatron's.
+One process per device; rank, world and master come from torchrun's variables or, when those
+are absent, Slurm's. NCCL on GPU, gloo on CPU, where the emulation layer
+(:mod:`megarl.parallel.emulation`) is switched on before Megatron is touched. The collective
+timeout (:func:`process_group_timeout_minutes`, ``MEGARL_DIST_TIMEOUT_MINUTES``) applies to the
+default group and, through ``distributed_timeout_minutes``, to Megatron's.
 """
 
 from __future__ import annotations
@@ -30,7 +22,10 @@ from megarl.parallel.layout import ParallelLayout
 from megarl.parallel.network import set_gloo_socket_ifname
 
 DEFAULT_TIMEOUT_MINUTES = 180
-"""Default collective timeout: long enough for a multi-hour checkpoint save (see above)."""
+"""Default collective timeout (3 h). It bounds how long a rank waits in a collective for its
+peers; a distributed-checkpoint save of a large model (tens of GB per rank to shared storage,
+the other ranks waiting in its closing collectives) can outlast PyTorch's 30 minutes, and the
+NCCL watchdog would then kill a healthy job mid-save. The price: a real hang is reported later."""
 
 TIMEOUT_ENV = "MEGARL_DIST_TIMEOUT_MINUTES"
 

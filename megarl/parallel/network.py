@@ -1,17 +1,12 @@
 """Which network interface gloo uses: the one that routes to the rendezvous (master) address.
 
-vLLM and Megatron build gloo groups over the whole world (vLLM's CPU-side groups, Megatron's
-gloo DP groups, megarl's object collectives). Unless ``GLOO_SOCKET_IFNAME`` is set, gloo picks
-the interface the host name resolves to, which on many clusters is a management or docker
-interface the other nodes cannot reach: the classic multi-node hang at the first gloo group.
-
-:func:`set_gloo_socket_ifname` (called before the default process group is created, on every
-rank, so each node finds its own interface) sets ``GLOO_SOCKET_IFNAME`` to the interface that
-holds the local address the kernel would use to reach ``MASTER_ADDR`` (a UDP ``connect`` sends
-nothing; on the master's own node it yields the master's address, so not ``lo``). It does so
-only for jobs spanning several nodes (``LOCAL_WORLD_SIZE < WORLD_SIZE``), leaves a value the
-user set alone (the override), and sets nothing when it cannot tell (IPv6, no route).
-Linux only (``SIOCGIFADDR``).
+vLLM, Megatron and megarl all build gloo groups over the whole world. Unless
+``GLOO_SOCKET_IFNAME`` is set, gloo picks the interface the host name resolves to, often one the
+other nodes cannot reach: the classic multi-node hang at the first gloo group.
+:func:`set_gloo_socket_ifname` (every rank, before the default process group) sets it, for
+multi-node jobs only, to the interface holding the address the kernel would use to reach
+``MASTER_ADDR``; it leaves a user's value alone and sets nothing when it cannot tell (IPv6, no
+route). Linux only (``SIOCGIFADDR``).
 """
 
 from __future__ import annotations

@@ -1,32 +1,15 @@
 """Start a local torch.distributed world from one process, when no launcher started one.
 
-A command such as ``megarl convert --tp 2`` is run once by the user; when it is not already one
-rank of a torchrun / Slurm world, it calls :func:`run_local_world` to start the ranks itself::
+A command such as ``megarl convert --tp 2`` that is not already one rank of a torchrun / Slurm
+world starts its ranks itself::
 
     if world_size > 1 and not inside_launched_world():
         results = run_local_world(rank_main, world_size, (args,))
 
-Each rank is a fresh ``spawn``-context process with torchrun's variables set (``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so the
-rank code initialises ``torch.distributed`` exactly as under torchrun (``env://``). Spawned
-children re-import the function by name: it must live at the top level of an importable module
-(not in ``__main__`` behind the guard, not a lambda), and its arguments and return value must be
-picklable; its return value must be JSON (numbers, strings, lists, dicts: ``tensor.tolist()``).
-
-A rank ends with ``os._exit`` once it has reported: no interpreter shutdown, so ``fn`` must
-close what it writes before it returns (``with`` blocks; logging's stream handlers flush every
-record). A rank fails by raising (``sys.exit(n)`` included). The other ranks are then stopped before the
-failing one is: none of them crashes on a vanished peer and buries the failing rank's error
-under its own traceback.
-
-Nothing of the world outlives :func:`run_local_world`, whether it returns, raises or is
-interrupted (``KeyboardInterrupt``, or any exception raised in the launcher by a signal
-handler): each rank leads its own process group, so the processes a rank starts (the
-dist-checkpoint writer and its ``spawn`` manager) are stopped with it, even once orphaned; and a
-rank whose launcher dies is sent SIGTERM (Linux ``PR_SET_PDEATHSIG``).
-
-Reports travel from the ranks as JSON (:func:`_send_report`), never as pickles: the launcher
-executes nothing a rank sends.
+Each rank is a fresh ``spawn`` process with torchrun's variables set, so it initialises
+``torch.distributed`` exactly as under torchrun. Nothing of the world outlives
+:func:`run_local_world`; reports travel as JSON, never pickles, so the launcher executes nothing
+a rank sends.
 """
 
 from __future__ import annotations
@@ -111,6 +94,15 @@ def run_local_world(
     started has been stopped by then, as after an exception in the launcher (Ctrl-C). ``fn``
     joins the world with ``torch.distributed.init_process_group()`` (or
     :func:`megarl.parallel.init.init_distributed`): the environment says where it is.
+
+    ``fn`` is re-imported by name in each rank: it must live at the top level of an importable
+    module (not in ``__main__`` behind the guard, not a lambda), with picklable arguments and a
+    JSON return value (numbers, strings, lists, dicts: ``tensor.tolist()``). A rank ends with
+    ``os._exit`` once it has reported, so ``fn`` must close what it writes before it returns. When
+    a rank fails, the others are stopped before it, so none buries its error under a traceback
+    about a vanished peer. Each rank leads its own process group (the processes it starts, e.g.
+    the dist-checkpoint writer, are stopped with it, even once orphaned), and a rank whose
+    launcher dies gets SIGTERM (``PR_SET_PDEATHSIG``).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -229,7 +221,7 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 def _group_alive(pgid: int) -> bool:
     """True while a process of group ``pgid`` runs. Zombies do not count: an orphaned helper's
-    is reaped by init whenever init gets to it (here: up to ~1.5 s later), not by us."""
+    is reaped by init whenever init gets to it, not by us."""
     proc = Path("/proc")
     if not proc.is_dir():  # no procfs: the group as the kernel sees it, zombies included
         try:

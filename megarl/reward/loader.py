@@ -1,12 +1,8 @@
 """Which function scores a sample: the built-in router, or a user's function loaded by path.
 
 ``custom_reward_function.path`` takes what verl 0.9.1 takes: a Python file (``/abs/my_reward.py``,
-``rel/my_reward.py`` or ``file://...``) or a module (``pkg://pkg.mod`` or plain ``pkg.mod``).
-A file is executed as a module of its own name, ``megarl_reward_<stem>_<hash of its path>``
-(registered in ``sys.modules`` so that pickling and dataclasses inside it work; nothing is added
-to ``sys.path``, exactly as verl loads it), so a verl user's reward file works unchanged.
-``reward_kwargs`` are passed to every call as keyword arguments, as verl does.
-
+``rel/my_reward.py`` or ``file://...``) or a module (``pkg://pkg.mod`` or plain ``pkg.mod``), so
+a verl user's reward file works unchanged; ``reward_kwargs`` go to every call, as in verl.
 :class:`ScorerSpec` is what a scoring worker receives (plain, picklable data): each worker loads
 the function itself, by path and name.
 """
@@ -66,6 +62,9 @@ def _is_file_path(path: str) -> bool:
 
 
 def _load_file(path: str) -> ModuleType:
+    """The file as a module of its own name, ``megarl_reward_<stem>_<hash of its path>``,
+    registered in ``sys.modules`` (so pickling and dataclasses inside it work); nothing is added
+    to ``sys.path``, exactly as verl loads it."""
     file = Path(path.removeprefix("file://")).expanduser().resolve()
     if not file.is_file():
         raise RewardFunctionError(f"custom_reward_function.path={path!r}: no such file")

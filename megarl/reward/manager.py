@@ -1,28 +1,11 @@
 """The reward manager: every sample of the global batch scored exactly once in the whole job.
 
-Called SPMD: every rank passes the same global list of :class:`RewardInput` (same order). Rank
-``r`` of ``W`` scores samples ``r, r + W, r + 2W, ...`` in its own :class:`ScoringPool` (so the
-work is spread over all ranks, TP and PP ranks included, and no sample is scored twice), then
-an all-gather of the outcomes gives every rank the full :class:`RewardResult`. Without an
-initialised ``torch.distributed`` (or with ``group`` of size 1) the one process scores all.
-
-With a learned reward model (``reward_model.enable``) the trainer passes its scores as
-``model_scores`` and they replace the scorers, as verl 0.9.1's reward loop does: a reward model
-and the data_source rules are never added (:mod:`megarl.trainer.reward_model`).
-
-Like verl's naive reward manager, a response is decoded from its valid token ids with
-``skip_special_tokens=True`` and scored by ``compute_score(data_source=, solution_str=,
-ground_truth=, extra_info=, **reward_kwargs)``; the score goes on the response's last valid
-token. Where megarl differs, deliberately:
-
-- a per-sample time limit always applies (verl's is optional and SIGALRM-based); a sample over
-  it scores 0, has no dict fields, and counts in ``reward/timeouts``;
-- a scorer that raises fails the step on every rank with one message naming the scorer, the
-  data_source and the sample index (verl propagates the raw exception from one worker);
-- an empty response has no token to carry its reward: its row of ``token_level_rewards`` is all
-  zero (verl writes it to index -1, the last padding column); its score is still in ``scores``;
-- dict fields missing from some samples (timeouts, or a scorer that returns a dict only
-  sometimes) are 0 in the numeric field tensors.
+Called SPMD: every rank passes the same global list of :class:`RewardInput`; rank ``r`` of ``W``
+scores samples ``r, r + W, ...`` in its own :class:`ScoringPool` and an all-gather gives every
+rank the full :class:`RewardResult`. As in verl's naive reward manager, a response is decoded
+with ``skip_special_tokens=True``, scored by ``compute_score(data_source=, solution_str=,
+ground_truth=, extra_info=, **reward_kwargs)``, and its score goes on its last valid token. A
+learned reward model's scores replace the scorers (``model_scores``), as in verl 0.9.1.
 """
 
 from __future__ import annotations
@@ -172,7 +155,14 @@ class RewardManager:
         ``response_width`` is T of ``token_level_rewards`` (default: the longest response).
         With ``dump_dir``, rank 0 writes the first ``dump_samples`` samples to
         ``dump_dir/<step>.jsonl``. ``model_scores`` ``[B]`` (a reward model's, the same on every
-        rank) replace the scorers, as verl 0.9.1's reward loop does with a reward model enabled.
+        rank) replace the scorers, as verl 0.9.1's reward loop does with a reward model enabled
+        (a reward model and the data_source rules are never added).
+
+        Deliberately unlike verl: a per-sample time limit always applies (a sample over it
+        scores 0, has no dict fields and counts in ``reward/timeouts``); a scorer that raises
+        fails the step on every rank with one :class:`RewardError`; an empty response's row of
+        ``token_level_rewards`` is all zero (verl writes index -1), its score still in
+        ``scores``; dict fields some samples lack are 0 in the numeric field tensors.
         """
         rank, world = _rank_and_world(self.group)
         if model_scores is not None:

@@ -1,27 +1,13 @@
 """A pool of scoring worker processes with a per-sample time limit.
 
-Each worker loads its scorer, reports ready, then scores one sample at a time; the time limit
-runs from the moment a sample is handed to a ready worker, so interpreter start-up and the
-scorer's imports (sympy for Math-Verify) never count against it. A worker still busy when its sample's limit runs out
-is killed (SIGKILL) and reaped, a fresh worker takes its place, and the sample is reported as
-timed out; a worker that dies by itself (a crash in native code, ``os._exit``) is replaced and
-its sample reported as an error. The limit holds with a single worker too.
-
-Each worker is a fresh interpreter (``python -c``, the parent's ``sys.path``) that imports only
-:mod:`megarl.reward.worker` and then the scorer: starting one takes a few tens of milliseconds
-however much the trainer has imported or allocated, nothing is forked from a process holding
-GPU memory or threads, and, unlike multiprocessing's spawn and forkserver children, the worker
-does not re-import the trainer's ``__main__`` module. Parent and worker talk over a socket
-pair with ``multiprocessing.connection`` framing; a worker whose parent dies reads EOF and
-exits. A scorer may start processes of its own (verl's Math-Verify wrapper does).
-
-Stops and preemption: torchrun starts each rank in a session of its own and, when it
-is signalled, ``killpg``s that session, which would take the rank's scoring workers with it in
-the middle of the step the rank is finishing before its checkpoint. Each worker therefore runs
-in a session of its own, and the kernel kills it when its rank dies (``PR_SET_PDEATHSIG``), so
-it can neither outlive the rank nor be lost before it. A worker found dead while idle is
-replaced before it is given a sample, and a sample whose worker was killed by a signal is
-scored once more on a fresh worker.
+The limit runs from the moment a sample is handed to a ready worker (start-up and the scorer's
+imports never count); a worker still busy when it runs out is killed and replaced and the sample
+reported as timed out, and a worker that dies by itself is replaced and its sample reported as an
+error. Each worker is a fresh interpreter (``python -c``, the parent's ``sys.path``) that imports
+only :mod:`megarl.reward.worker` and its scorer: nothing is forked from a process holding GPU
+memory or threads, and the trainer's ``__main__`` is not re-imported. Each runs in a session of
+its own (torchrun's ``killpg`` of a stopping rank cannot take it mid-step) and dies with its
+rank (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -148,7 +134,12 @@ class ScoringPool:
         self.close()
 
     def score(self, tasks: list[Task]) -> list[Outcome]:
-        """Score ``tasks``; one :class:`Outcome` per task, in the order given."""
+        """Score ``tasks``; one :class:`Outcome` per task, in the order given.
+
+        A worker found dead while idle is replaced before it is given a sample, and a sample
+        whose worker was killed by a signal (not by its sample) is scored once more on a fresh
+        worker.
+        """
         if not self._finalizer.alive:
             raise RuntimeError("the scoring pool is closed")
         pending: deque[Task] = deque(tasks)

@@ -1,17 +1,12 @@
 """The body of a scoring worker process: load the scorer by location, score one sample at a time.
 
-This module is what a worker imports first, so it imports nothing heavy (no torch): a worker
-starts in tens of milliseconds and loads only the scorer modules its samples need.
-
-Protocol on the worker's end of a ``multiprocessing`` connection: it first loads the scorer
-and sends ``("ready",)`` (or ``("failed", why)`` and exits); then it receives
-``(index, data_source, solution_str, ground_truth, extra_info)`` tuples (``None`` stops it) and
-answers each with one of
-
-- ``("ok", index, score, fields)``: ``score`` a float, ``fields`` the other entries of a dict
-  result (``{}`` for a plain number);
-- ``("error", index, summary)``: the scorer raised or returned something unusable; ``summary``
-  is one line ``ExceptionType: message``.
+A worker imports this module first, so it imports nothing heavy (no torch). Protocol on the
+worker's end of the connection: it loads the scorer and sends ``("ready",)`` (or
+``("failed", why)`` and exits); then it receives ``(index, data_source, solution_str,
+ground_truth, extra_info)`` tuples (``None`` stops it) and answers each with
+``("ok", index, score, fields)`` (``fields``: the other entries of a dict result) or
+``("error", index, "ExceptionType: message")`` when the scorer raised or returned something
+unusable.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
-"""Metrics tracking: console lines, ``metrics.jsonl`` in the run directory, and MLflow.
+"""Metrics tracking: console lines, ``metrics.jsonl`` in the run directory, MLflow, wandb and
+TensorBoard.
 
-The trainer's use, on every rank, right after process-group init::
-
-    tracker = make_tracker(cfg, rank=rank, world_size=world, resume_run_id=state.tracking_run_id)
-    try:
-        tracker.log_config(to_dict(cfg), to_yaml(cfg))
-        for step in ...:
-            tracker.log_metrics(step, reduced_metrics)   # only the logging rank's call counts
-            state.tracking_run_id = tracker.run_id       # saved with the checkpoint (rank 0)
-            if stopping:                                 # STOP file / SIGTERM / SIGUSR1
-                tracker.finish("KILLED"); return 0
-        tracker.finish("FINISHED")
-    except BaseException as exc:
-        tracker.fail(exc)                                # any rank: FAILED within seconds
-        raise
-
-The run directory layout is in ``megarl/tracking/paths.py``; the failure protocol in
-``failure.py``; the MLflow sender in ``mlflow_sink.py``; ``megarl tracking sync RUN_DIR``
-(``sync.py``) uploads what the server missed.
+Every rank makes a :class:`Tracker` (:func:`make_tracker`) right after process-group init and
+calls it in the order :class:`Tracker` documents; only the logging rank's sinks log, and any
+rank's ``fail`` gets the run recorded FAILED within seconds (``failure.py``). The run
+directory's files are in ``paths.py``; ``megarl tracking sync RUN_DIR`` (``sync.py``) uploads
+what the MLflow server missed.
 """
 
 from megarl.tracking.mlflow_sink import SenderOptions

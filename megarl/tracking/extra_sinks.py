@@ -1,22 +1,10 @@
 """The wandb and TensorBoard sinks (``trainer.logger`` names ``wandb``, ``tensorboard``).
 
-Both are optional extras (``pip install 'megarl[wandb]'``, ``'megarl[tensorboard]'``);
-``megarl config validate`` and the launcher's pre-flight refuse a logger whose package is
-missing (``megarl.config.choices.missing_logger_extras``), so nothing here fails mid-run for it.
-
-They receive exactly what the MLflow sink receives: every metric of every step under the
-trainer's own names (MLflow alone must encode characters it refuses, ``megarl.tracking.names``).
-Where they differ from verl 0.9.1 (``verl/utils/tracking.py``):
-
-- wandb writes under ``<run dir>/wandb/`` (verl: the working directory). Without an API key
-  (``$WANDB_API_KEY`` or a netrc entry for the wandb host) the run is offline, and so is one
-  whose online start fails (no network): upload it later with ``wandb sync``. ``$WANDB_MODE``,
-  when set, decides. A resumed launch continues the same wandb run (its id is kept in
-  ``<run dir>/wandb_run.json``); verl starts a new one. wandb's own console capture is off: the
-  run's output is in ``<run dir>/logs/``.
-- TensorBoard event files go to ``$TENSORBOARD_DIR`` as in verl, else ``<run dir>/tensorboard/``
-  (verl: ``tensorboard_log/<project>/<experiment>`` under the working directory). They are
-  written with ``torch.utils.tensorboard`` as verl does, which needs the ``tensorboard`` package.
+Both are optional extras (``pip install 'megarl[wandb]'``, ``'megarl[tensorboard]'``); config
+validation and the launcher's pre-flight refuse a logger whose package is missing
+(``megarl.config.choices.missing_logger_extras``), so nothing here fails mid-run for it. They
+receive exactly what the MLflow sink receives: every metric of every step, under the trainer's
+own names. Where they differ from verl 0.9.1: the class docstrings.
 """
 
 from __future__ import annotations
@@ -45,7 +33,13 @@ def wandb_has_api_key() -> bool:
 
 
 class WandbSink:
-    """One wandb run per megarl run; offline without an API key or network."""
+    """One wandb run per megarl run, under ``<run dir>/wandb/`` (verl: the working directory).
+
+    Offline without an API key, or when the online start fails (upload later with
+    ``wandb sync``); ``$WANDB_MODE``, when set, decides. A resumed launch continues the same
+    wandb run (its id is in ``<run dir>/wandb_run.json``; verl starts a new one). wandb's console
+    capture is off: the run's output is in ``<run dir>/logs/``.
+    """
 
     def __init__(
         self,
@@ -109,7 +103,11 @@ class WandbSink:
 
 
 class TensorboardSink:
-    """Scalars in TensorBoard event files, one tag per metric, at the trainer's step."""
+    """Scalars in TensorBoard event files, one tag per metric, at the trainer's step.
+
+    In ``$TENSORBOARD_DIR`` as in verl, else ``<run dir>/tensorboard/`` (verl:
+    ``tensorboard_log/<project>/<experiment>`` under the working directory).
+    """
 
     def __init__(self, run_dir: Path, *, notify: Callable[[str], None] = warn) -> None:
         from torch.utils.tensorboard import SummaryWriter

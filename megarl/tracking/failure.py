@@ -1,22 +1,12 @@
 """Failure markers: how a rank that is not the logging rank gets FAILED recorded in bounded time.
 
-A rank that raises calls ``Tracker.fail(exc)`` in its exception handler, which writes
-``<run dir>/failed/rank-<r>`` (one line: ``rank r: Type: message``) before the process dies.
-The logging rank's sender thread polls that directory about once a second, independent of the
-training loop, and ends the MLflow run as FAILED as soon as a marker appears. The logging rank
-is then typically blocked in a collective that will only time out after the process-group
-timeout (30 minutes with NCCL), or torchrun is about to SIGTERM it (and SIGKILL 30 s later):
-neither matters, the thread has already recorded FAILED, seconds after the failure.
-
-Why files and not a collective or a second connection to MLflow from every rank: a collective
-is exactly what hangs when a rank dies; MLflow from every rank needs the run id broadcast and
-network access to the server from every node. The run directory is already shared by every
-node (checkpoints and the stop file live there).
-
-Markers are cleared per rank when that rank's tracker starts (a rank can only write its marker
-after that), so a relaunch into the same run directory does not inherit the last launch's
-failure. A rank killed by a signal writes no marker; its launcher's exit code and the logging
-rank's own exception handler cover that case.
+A rank that raises calls ``Tracker.fail(exc)``, which writes ``<run dir>/failed/rank-<r>`` (one
+line: ``rank r: Type: message``) before the process dies. The logging rank's sender thread polls
+that directory about once a second, independent of the training loop (which may be stuck in a
+collective), and ends the MLflow run FAILED as soon as a marker appears. Files, not a collective
+(exactly what hangs when a rank dies) nor MLflow from every rank: the run directory is shared by
+every node anyway. A rank clears its own marker when its tracker starts, so a relaunch does not
+inherit the last launch's failure; a rank killed by a signal writes none.
 """
 
 from __future__ import annotations

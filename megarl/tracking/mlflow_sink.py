@@ -1,15 +1,11 @@
 """The MLflow sink: a background sender thread, so that a training step never waits on MLflow.
 
-The training thread only puts items on a bounded queue (``put_nowait``); when the queue is full
-the step's metrics are not queued (they are in ``metrics.jsonl``) and the sender re-reads them
-from there once MLflow answers again. The sender talks to MLflow with megarl's own timeout and
-retry schedule (``configure_http``): a dead server costs it one short timeout per attempt, then
-it backs off and tries again, for as long as the run lasts. ``finish`` waits a bounded time for
-the queue to drain; what is left is uploaded later by ``megarl tracking sync RUN_DIR``.
-
-The same thread watches ``<run dir>/failed/`` (see ``failure.py``) and ends the run FAILED as
-soon as any rank records a failure. FAILED is sticky: a later ``finish("KILLED")`` or
-``finish("FINISHED")`` does not overwrite it.
+The training thread only puts items on a bounded queue (``put_nowait``); a step whose metrics
+find it full is re-read from ``metrics.jsonl`` once MLflow answers again. The sender uses megarl's
+own timeout and retry schedule (``configure_http``) and backs off for as long as the run lasts;
+``finish`` waits a bounded time for the queue to drain, and ``megarl tracking sync`` uploads
+what is left. The same thread watches ``<run dir>/failed/`` (``failure.py``) and ends the run
+FAILED as soon as any rank records a failure; FAILED is sticky (a later ``finish`` keeps it).
 """
 
 from __future__ import annotations

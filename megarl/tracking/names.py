@@ -1,15 +1,9 @@
 """MLflow-safe names and values: injective sanitising, config flattening, truncation, batching.
 
-MLflow accepts metric and param names made of ``[/\\w.\\- :]`` (at most 250 characters) that do
-not change under ``posixpath.normpath`` (no ``a//b``, ``./a``, ``a/..``, leading or trailing
-``/``), and param values of at most 6000 characters (MLflow 3.x limits).
-
-Sanitising must be injective: two different megarl names must never become the same MLflow name,
-or one metric would silently overwrite another ("a@b" and "a_b" must stay distinct). Every other
-character, and the escape character ``:`` itself, is written as ``:<hex code point>:`` (so
-"a@b" → "a:40:b"), which can be decoded back, hence injective. A ``/`` or ``.`` that would make
-the name change under normpath is escaped the same way. A name still longer than 250 characters
-keeps its first 238 characters and ends in ``:h`` + 10 hex digits of its SHA-1.
+MLflow (3.x) accepts metric and param names of at most 250 characters made of word characters
+and ``/.- :`` that do not change under ``posixpath.normpath``, and param values of at most 6000
+characters. Sanitising must be injective: two different megarl names must never become one
+MLflow name, or one metric would silently overwrite another.
 """
 
 from __future__ import annotations
@@ -39,7 +33,14 @@ def _escape(char: str) -> str:
 
 
 def sanitize_name(name: str) -> str:
-    """``name`` in MLflow's allowed set, injectively (see the module docstring)."""
+    """``name`` in MLflow's allowed set, injectively.
+
+    Every other character, and the escape character ``:`` itself, becomes
+    ``:<hex code point>:`` ("a@b" → "a:40:b", distinct from "a_b"), as does a ``/`` or ``.`` that
+    would make the name change under normpath (``a//b``, ``./a``, a leading or trailing ``/``).
+    A name still longer than 250 characters keeps its first 238 and ends in ``:h`` + 10 hex
+    digits of its SHA-1.
+    """
     out = "".join(c if c != _ESCAPE and _ALLOWED.fullmatch(c) else _escape(c) for c in name)
     segments = out.split("/")
     # Dots that form a "." or ".." segment, and slashes that open, close or double a segment.

@@ -6,17 +6,13 @@
         metrics.jsonl      every metric of every step, one JSON object per line (source of truth)
         config/            config.yaml of the first launch, resume-<k>.yaml of later launches
         mlflow_run.json    MLflow state: URI, run id, what has reached the server, final status
-        mlflow.db          the default local MLflow store (single-node runs without a URI)
-        mlartifacts/       that store's artifacts
-        wandb/             wandb's run files (trainer.logger has wandb); offline runs to sync
-        wandb_run.json     the wandb run id, so that a resumed launch continues that run
-        tensorboard/       TensorBoard event files (trainer.logger has tensorboard)
+        mlflow.db          the default local MLflow store, mlartifacts/ its artifacts
+        wandb/, wandb_run.json, tensorboard/   the wandb and TensorBoard sinks' files
         failed/rank-<r>    written by a rank that failed; the logging rank records FAILED
         STOP               written by the Slurm USR1 trap: the trainer stops after this step
 
-The run directory is ``trainer.default_local_dir`` (verl's checkpoint directory, so a verl user
-finds checkpoints, metrics and logs of a run in one place); it must be on a filesystem every
-node sees (the stop file and failure markers cross nodes through it).
+The run directory is ``trainer.default_local_dir`` (verl's checkpoint directory); it must be on
+a filesystem every node sees (the stop file and failure markers cross nodes through it).
 """
 
 from __future__ import annotations

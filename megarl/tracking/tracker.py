@@ -1,4 +1,4 @@
-"""``Tracker``: the trainer's one handle on its metric sinks, and ``make_sinks`` that builds it.
+"""``Tracker``: the trainer's one handle on its metric sinks, and ``make_tracker`` that builds it.
 
 Exactly one rank logs (global rank 0); on every other rank the tracker holds no sink, and its
 only job is ``fail``, which writes that rank's failure marker. Nothing here is collective: no

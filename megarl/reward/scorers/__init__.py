@@ -1,30 +1,12 @@
 """Rule-based scorers chosen by ``data_source``, with verl 0.9.1's routing and semantics.
 
 :func:`default_compute_score` has verl's signature ``(data_source, solution_str, ground_truth,
-extra_info=None, **reward_kwargs) -> float | dict`` and routes as verl's
-``verl.utils.reward_score.default_compute_score`` does:
-
-=====================================================================  ==========================
-data_source                                                             scorer
-=====================================================================  ==========================
-``openai/gsm8k``                                                        :mod:`.gsm8k` (strict)
-``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``,             :mod:`.hendrycks_math`
-``HuggingFaceH4/MATH-500``
-``math_dapo``, ``math``, ``math_dapo_reasoning``, ``aime*``             :mod:`.math_dapo` (dict)
-``numina_aops_forum``, ``numina_synthetic_math``, ``numina_amc_aime``,  :mod:`.prime_math`
-``numina_synthetic_amc``, ``numina_cn_k12``, ``numina_olympiads``
-``hiyouga/geometry3k``                                                  :mod:`.geo3k` (mathruler)
-``searchR1_nq``, ``_triviaqa``, ``_popqa``, ``_hotpotqa``,              :mod:`.qa_em`
-``_2wikimultihopqa``, ``_musique``, ``_bamboogle``
-``codecontests``, ``apps``, ``codeforces``, ``taco``                    :mod:`.code` (runs tests)
-megarl's synthetic task (``megarl/digit_sum``)                          :mod:`megarl.data.synthetic`
-=====================================================================  ==========================
-
-That is every data_source verl 0.9.1 routes. Code runs locally only: verl's
-``sandbox_fusion_url`` keyword is refused. Modules are imported on first use, so a scoring
-worker loads only what its samples need. Extra keyword arguments go to the code scorer (verl's
-``sandbox_fusion_url``, ``memory_limit_mb``; megarl's ``test_timeout_s``,
-``all_tests_timeout_s``) and are ignored by the others, as in verl.
+extra_info=None, **reward_kwargs) -> float | dict`` and routes every data_source verl 0.9.1's
+``default_compute_score`` routes (the table is ``_EXACT``; ``aime*`` goes to math_dapo), plus
+megarl's synthetic ``megarl/digit_sum``. Scorer modules are imported on first use, so a scoring
+worker loads only what its samples need. Extra keyword arguments go to the code scorer only
+(``test_timeout_s``, ``all_tests_timeout_s``, ``memory_limit_mb``), as in verl; code runs
+locally (``sandbox_fusion_url`` is refused).
 """
 
 from __future__ import annotations

@@ -2,50 +2,12 @@
 ground-truth tests; the score is the fraction of tests passed.
 
 Same semantics as verl 0.9.1's default route for these sources without a sandbox,
-``prime_code.compute_score(solution_str, ground_truth, continuous=True)`` (written from its
-behaviour):
-
-- the program is the text after the **last** `````python`` up to the next ````` (the whole
-  response up to its first ````` when there is no `````python``);
-- ``ground_truth`` is ``{"inputs": [...], "outputs": [...], "fn_name"?: str}`` or its JSON text;
-  anything else (bad JSON, missing keys, fewer outputs than inputs) scores 0, and a test whose
-  input or output is not a string (a list of lines, say) fails;
-- without ``fn_name`` each input is the program's stdin and its stdout is compared with the output
-  text (:func:`stdout_matches`). The score is the fraction of the **first ten** tests passed,
-  each run on its own (later tests cannot change it: in verl they only decide its all-tests
-  pre-check, whose 1.0 the first ten then give too);
-- with ``fn_name`` all tests run first in one process (``all_tests_timeout_s`` in all), calling
-  that function (a method of ``Solution()`` when the program defines ``class Solution``) with
-  each input's lines JSON-decoded as arguments, the result compared with the JSON-decoded output
-  (:func:`call_result_matches`); all pass: 1.0. Otherwise verl's per-test pass runs the first
-  ten tests **as stdin programs** (it drops ``fn_name``), which a function-only program fails: so
-  call-based problems score 1 or, nearly always, 0;
-- ``continuous=False``: 1.0 when every test passes, else 0.0 (verl 0.9.1 intends this but raises
-  ``UnboundLocalError`` on a failure; its default route always passes ``continuous=True``);
-- a syntax error (or, with ``fn_name``, an error while loading the module or a missing function)
-  fails every test; a runtime error, a timeout or a wrong answer fails its test; ``sys.exit``
-  ends a stdin program normally, while ``exit()``/``quit()`` fail (verl's guard sets them to
-  None). No test cases: 1.0 when the program compiles (and its function loads), as in verl;
-- per-test wall-time limit ``test_timeout_s`` (verl's per-test pass: 10 s).
-
-Execution is isolated in a child process per test (:mod:`.code_runner`: own temp dir, rlimits,
-process group killed after each test, verl's guard and star-imports inside). Deliberate
-differences from verl, whose harness runs the program inside its own process:
-
-- a stdin program runs as a real script: a ``global`` statement for a top-level name,
-  ``sys.stdout.buffer`` and an ``if __name__ == "__main__":`` block that is not the last
-  statement work here (verl rewrites the program into a function and captures a text-only
-  stdout, which fails them: verl scores the ``global`` and ``buffer`` cases of the tests 0);
-- limits include interpreter start-up; the all-tests pre-check of stdin programs (which can
-  only give a 1.0 the first ten tests give too) is not run, and the call-based one has one
-  overall limit, not also 5 s per call;
-- memory: an address-space limit (``memory_limit_mb``, default 1024, verl's sandbox default;
-  verl's local route has none).
-
-``sandbox_fusion_url`` (verl sends the program to a sandbox service when it is set): megarl has
-no client for one and refuses, rather than silently running locally. The reward pool's
-per-sample limit (``reward.compute_score_timeout``) still applies on top: ten looping tests take
-ten times ``test_timeout_s``.
+``prime_code.compute_score(solution_str, ground_truth, continuous=True)``, written from its
+behaviour (rules: :func:`compute_score`). Each test runs in an isolated child process
+(:mod:`.code_runner`), where verl runs the program inside its harness's own process; so a stdin
+program runs as a real script (``global``, ``sys.stdout.buffer`` and a ``__main__`` block that is
+not the last statement work here, verl scores them 0), limits include interpreter start-up, and
+memory is capped (``memory_limit_mb``). ``sandbox_fusion_url`` is refused: no sandbox client.
 """
 
 from __future__ import annotations
@@ -100,7 +62,31 @@ def compute_score(
     sandbox_fusion_url: str | None = None,
     **_unused: Any,
 ) -> float:
-    """Fraction of the tests ``solution_str``'s program passes (see the module docstring)."""
+    """Fraction of the tests ``solution_str``'s program passes.
+
+    - The program is :func:`extract_code`'s; ``ground_truth`` is ``{"inputs": [...],
+      "outputs": [...], "fn_name"?: str}`` or its JSON text; anything else (bad JSON, missing
+      keys, fewer outputs than inputs) scores 0, and a test whose input or output is not a
+      string fails.
+    - Without ``fn_name`` each input is the program's stdin, its stdout compared with the output
+      text (:func:`stdout_matches`); the score is the fraction of the **first ten** tests
+      passed, each run on its own (verl's all-tests pre-check of stdin programs can only give a
+      1.0 these give too, so it is not run).
+    - With ``fn_name`` all tests first run in one process (``all_tests_timeout_s`` in all; verl
+      also 5 s a call), calling that function (a method of ``Solution()`` when the program
+      defines ``class Solution``) with each input's lines JSON-decoded as arguments
+      (:func:`call_result_matches`); all pass: 1.0. Otherwise verl's per-test pass runs the
+      first ten tests **as stdin programs**, which a function-only program fails: call-based
+      problems score 1 or, nearly always, 0.
+    - ``continuous=False``: 1.0 when every test passes, else 0.0 (verl 0.9.1 intends this but
+      raises ``UnboundLocalError`` on a failure; its default route passes ``continuous=True``).
+    - A syntax error (with ``fn_name``: an error loading the module, a missing function) fails
+      every test; a runtime error, a timeout or a wrong answer fails its test; ``sys.exit``
+      ends a stdin program normally, ``exit()``/``quit()`` fail (verl's guard). No test cases:
+      1.0 when the program compiles (and its function loads), as in verl.
+    - ``test_timeout_s`` is the per-test wall-time limit; the reward pool's per-sample limit
+      applies on top (ten looping tests take ten times ``test_timeout_s``).
+    """
     if sandbox_fusion_url:
         raise SandboxUnavailable(
             f"reward_kwargs sandbox_fusion_url={sandbox_fusion_url!r}: megarl has no code sandbox "
@@ -137,7 +123,8 @@ def compute_score(
 
 
 def extract_code(completion: str) -> str:
-    """The program in ``completion``: the last `````python`` block (verl's rule)."""
+    """The program in ``completion``: the text after the last `````python`` up to the next
+    ````` (without `````python``: the text up to the first `````), verl's rule."""
     return completion.split("```python")[-1].split("```")[0]
 
 

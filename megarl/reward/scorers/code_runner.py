@@ -1,31 +1,13 @@
 """Run one generated Python program on one test input in an isolated child process.
 
 The scoring worker never executes generated code itself. :func:`run_program` writes the program
-to a fresh temporary directory and starts ``python -I -X utf8 -c <driver>`` there:
-
-- its own session and process group (``start_new_session``), killed as a whole (SIGKILL) when
-  the wall-time limit runs out and again after every run, so loops, sleeps and forked children do
-  not outlive their test;
-- rlimits set in ``preexec_fn``: address space (``memory_limit_mb``), CPU seconds (the wall
-  limit plus one), file size (output capped at :data:`OUTPUT_LIMIT_BYTES`), no core files; and on
-  Linux the parent-death signal, so the program dies with a scoring worker that the reward pool
-  kills;
-- stdin from the test input, stdout to a file, stderr discarded, a minimal environment (no
-  inherited variables but ``PATH``; BLAS/OpenMP limited to one thread).
-
-Inside the child, the driver (:data:`_DRIVER`) reproduces the environment verl 0.9.1's
-``prime_code`` gives a program (``testing_util.run_test``): verl's reliability guard (``exit``,
-``quit``, ``os.system``, ``os.kill``, ``subprocess``, file removal and friends disabled, so the
-same programs fail), then the same star-imports and recursion limit ahead of the program. A
-``stdin`` program runs as ``__main__``; ``sys.exit`` ends it normally (verl swallows
-``SystemExit``). A ``call`` program is loaded as a module (``__name__ != "__main__"``), the
-function ``fn_name`` (a method of ``Solution()`` when the source defines ``class Solution``) is
-called with the JSON-decoded input lines, and its result goes back through a private copy of
-fd 1 while the program's own output is discarded; a result ``json.dumps`` rejects counts as a
-runtime error, as in verl. The expected outputs never enter the child: the caller compares.
-
-This is isolation against accidents (loops, memory, crashes, stray processes), not a security
-sandbox against deliberately hostile code: that needs a container or verl's sandbox service.
+to a fresh temporary directory and runs ``python -I -X utf8 -c <driver>`` there, in its own
+process group (killed as a whole after every run, so loops and forked children do not outlive
+their test), under rlimits (:func:`_child_limits`) and a minimal environment. The driver
+(:data:`_DRIVER`) reproduces what verl 0.9.1's ``prime_code`` gives a program: its reliability
+guard, star-imports and recursion limit. The expected outputs never enter the child. This is
+isolation against accidents, not a security sandbox against hostile code (that needs a
+container or verl's sandbox service).
 """
 
 from __future__ import annotations
@@ -168,10 +150,14 @@ def run_program(
 ) -> Run:
     """Run ``source`` in an isolated child (see the module docstring).
 
-    ``fn_name`` None: a stdin/stdout program, ``test_input`` its stdin text. Otherwise the
-    function to call once per text in the list ``test_input`` (its lines are the JSON
-    arguments), in one process as verl's all-tests check does. ``load_only``: stop after
-    compiling (and loading the module and finding the function).
+    ``fn_name`` None: a stdin/stdout program, ``test_input`` its stdin text; it runs as
+    ``__main__`` and ``sys.exit`` ends it normally. Otherwise the function to call once per text
+    in the list ``test_input`` (its lines are the JSON arguments), in one process as verl's
+    all-tests check does: the program is loaded as a module (a method of ``Solution()`` when it
+    defines ``class Solution``), its own output discarded, and each result goes back through a
+    private copy of fd 1 (one ``json.dumps`` rejects is a runtime error, as in verl).
+    ``load_only``: stop after compiling (and loading the module and finding the function).
+    stdin comes from the test input, stdout goes to a file, stderr is discarded.
     """
     mode = "stdin" if fn_name is None else "call"
     stdin_text = test_input if fn_name is None else json.dumps(test_input)
@@ -227,7 +213,12 @@ _LIBC = (
 
 
 def _child_limits(timeout_s: float, memory_limit_mb: int):
-    """The ``preexec_fn`` of a program's child: rlimits and the parent-death signal."""
+    """The ``preexec_fn`` of a program's child: rlimits and the parent-death signal.
+
+    Address space ``memory_limit_mb``, CPU seconds a little past the wall limit, output file
+    size :data:`OUTPUT_LIMIT_BYTES`, no core files; on Linux SIGKILL when the parent dies, so the
+    program dies with a scoring worker the reward pool kills.
+    """
     memory = memory_limit_mb * 2**20
     cpu = int(timeout_s) + 2
 

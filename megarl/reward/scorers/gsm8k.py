@@ -1,14 +1,8 @@
 """GSM8K: the answer after ``####`` (strict) or the last number (flexible), compared as text.
 
-Same semantics as verl 0.9.1's ``verl/utils/reward_score/gsm8k.py`` (written from its behaviour):
-
-- only the last 300 characters of the response are searched (an answer sits at the end, and
-  regular expressions on very long degenerate responses are slow);
-- ``strict`` takes the last ``#### <number>`` where the number is ``-?[0-9.,]+``, with commas
-  (and ``$``) removed; ``flexible`` takes the last run of ``-?[0-9.,]+`` that is not ``""`` or
-  ``"."``, commas kept (so ``1,000`` does not equal ``1000`` there, as in verl);
-- the extracted text equal to ``ground_truth`` scores ``score`` (1.0), any other extracted text
-  ``format_score`` (0.0), no answer 0.
+Same semantics as verl 0.9.1's ``verl/utils/reward_score/gsm8k.py`` (written from its
+behaviour). Only the last 300 characters of the response are searched: an answer sits at the
+end, and regular expressions on very long degenerate responses are slow.
 """
 
 from __future__ import annotations
@@ -23,7 +17,12 @@ _NUMBER = re.compile(r"-?[0-9.,]+")
 
 
 def extract_solution(solution_str: str, method: str = "strict") -> str | None:
-    """The answer text of ``solution_str`` (None when there is none)."""
+    """The answer text of ``solution_str`` (None when there is none).
+
+    ``strict``: the last ``#### <number>`` (the number ``-?[0-9.,]+``), commas and ``$``
+    removed; ``flexible``: the last run of ``-?[0-9.,]+`` that is not ``""`` or ``"."``, commas
+    kept (so ``1,000`` does not equal ``1000`` there, as in verl).
+    """
     if method not in ("strict", "flexible"):
         raise ValueError(f"gsm8k: method must be 'strict' or 'flexible', got {method!r}")
     tail = solution_str[-CLIP_CHARS:]

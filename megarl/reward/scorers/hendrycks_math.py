@@ -1,18 +1,9 @@
 """MATH (``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``, ``HuggingFaceH4/MATH-500``).
 
 Same semantics as verl 0.9.1's ``verl/utils/reward_score/math_reward.py`` (itself the
-lm-evaluation-harness Hendrycks-MATH normalisation), written from its behaviour:
-
-- the answer is the last ``\\boxed{...}`` (braces matched) or, failing that, ``\\fbox{...}``; when
-  the text contains ``\\boxed `` (with a space), the answer is what follows the last
-  ``\\boxed `` up to the next ``$``. An ``\\fbox`` answer, or none, scores 0.
-- answer and ground truth are normalised (:func:`strip_string`) and compared as strings; when
-  normalising either one fails (a malformed ``\\frac``/``\\sqrt``, two ``\\text{ `` units) the raw
-  strings are compared instead, as verl does;
-- 1.0 when equal, else 0.0.
-
-Deliberately the same quirks as verl: ``0.5`` and ``\\frac{1}{2}`` are equal (the normaliser maps
-exactly ``0.5``), but ``0.25`` and ``\\frac{1}{4}`` are not.
+lm-evaluation-harness Hendrycks-MATH normalisation), written from its behaviour, quirks included:
+``0.5`` and ``\\frac{1}{2}`` are equal (the normaliser maps exactly ``0.5``), ``0.25`` and
+``\\frac{1}{4}`` are not.
 """
 
 from __future__ import annotations
@@ -131,7 +122,8 @@ def strip_string(text: str) -> str:
 
 
 def is_equiv(answer: str | None, truth: str | None) -> bool:
-    """Equal after normalisation (raw equality when normalising fails)."""
+    """Equal after :func:`strip_string`; the raw strings are compared when normalising either
+    fails (a malformed ``\\frac``/``\\sqrt``, two ``\\text{ `` units), as verl does."""
     if answer is None or truth is None:
         return answer is None and truth is None
     try:
@@ -143,8 +135,11 @@ def is_equiv(answer: str | None, truth: str | None) -> bool:
 def compute_score(solution_str: str, ground_truth: str) -> float:
     """1.0 when the last boxed answer equals ``ground_truth`` after normalisation, else 0.0.
 
-    A missing response (None, as verl's reward loop can pass) scores 0.0, as in verl, where any
-    exception inside the scorer yields 0.0."""
+    The answer is the last ``\\boxed{...}`` (braces matched) or, failing that, ``\\fbox{...}``;
+    when the text contains ``\\boxed `` (with a space), what follows the last ``\\boxed `` up
+    to the next ``$``. An ``\\fbox`` answer, or none, scores 0. Answer and ground truth are
+    compared by :func:`is_equiv`. A missing response (None, as verl's reward loop can pass)
+    scores 0.0, as in verl, where any exception inside the scorer yields 0.0."""
     if not isinstance(solution_str, str):
         return 0.0
     boxed = last_boxed_only_string(solution_str)

@@ -1,17 +1,7 @@
 """DAPO math (``math_dapo``, ``math``, ``math_dapo_reasoning``, ``aime*``): +1 right, -1 wrong.
 
 Same semantics as verl 0.9.1's ``verl/utils/reward_score/math_dapo.py``, written from its
-behaviour:
-
-- only the last 300 characters of the response count;
-- Minerva style first: the last ``Answer: ...`` line (case-insensitive) is normalised
-  (:func:`normalize_final_answer`: text after the last ``=``, units and LaTeX wrappers dropped)
-  and compared with the equally normalised ground truth;
-- with no ``Answer:`` line, the last ``\\boxed{...}`` within the final 100 characters is compared
-  with the ground truth **verbatim** (no normalisation);
-- returns ``{"score": 1.0 | -1.0, "acc": bool, "pred": str | None}``; ``pred`` is
-  ``"[INVALID]"`` when neither form is present.
-- ``strict_box_verify=True`` skips the Minerva step and uses only the boxed comparison.
+behaviour (rules: :func:`verify`). Only the last 300 characters of the response count.
 """
 
 from __future__ import annotations
@@ -92,7 +82,15 @@ def _boxed_verbatim(solution: str, truth: str) -> tuple[bool, str | None]:
 
 
 def verify(solution: str, truth: str, strict_box_verify: bool = False) -> tuple[bool, str | None]:
-    """(correct, prediction) of a (clipped) solution."""
+    """(correct, prediction) of a (clipped) solution.
+
+    Minerva style first: the last ``Answer: ...`` line (case-insensitive), normalised by
+    :func:`normalize_final_answer` (text after the last ``=``, units and LaTeX wrappers
+    dropped), against the equally normalised ground truth. With no ``Answer:`` line, the last
+    ``\\boxed{...}`` within the final 100 characters against the ground truth **verbatim**;
+    with neither, the prediction is ``"[INVALID]"``. ``strict_box_verify`` uses only the boxed
+    comparison.
+    """
     if strict_box_verify:
         return _boxed_verbatim(solution, truth)
     lines = _ANSWER_LINE.findall(solution)

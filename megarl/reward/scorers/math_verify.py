@@ -1,19 +1,10 @@
 """Math-Verify grading: verl 0.9.1's opt-in ``math_verify`` scorer, on the ``math-verify`` package.
 
-verl routes MATH data to the Hendrycks normaliser by default and suggests Math-Verify as the
-more accurate alternative; a megarl user picks it with
-``custom_reward_function.path=megarl.reward.scorers.math_verify`` (function ``compute_score``).
-
-Semantics as verl 0.9.1's ``verl/utils/reward_score/math_verify.py``: the ground truth is wrapped
-in ``\\boxed{}`` and parsed as LaTeX; the response is parsed as a plain expression and as LaTeX;
-1.0 when some parsed prediction verifies against some parsed gold answer, else 0.0.
-
-Where megarl differs: verl runs each call in its own spawn-process pool with a 30 s limit; in
-megarl the call already runs in a scoring worker process under the reward manager's per-sample
-limit (``reward_model.compute_score_timeout``), so Math-Verify's own ``signal.alarm`` timeouts
-work (the worker scores on its main thread) and no second pool is started. Math-Verify's
-``TimeoutException`` scores ``timeout_score`` (0.0) and any other error inside Math-Verify 0.0,
-as in verl.
+A user picks it with ``custom_reward_function.path=megarl.reward.scorers.math_verify`` (function
+``compute_score``). verl runs each call in a spawn-process pool of its own with a 30 s limit;
+here the call already runs in a scoring worker (on its main thread, so Math-Verify's own
+``signal.alarm`` timeouts work) under the reward manager's per-sample limit, and no second pool
+is started.
 """
 
 from __future__ import annotations
@@ -24,7 +15,12 @@ __all__ = ["compute_score", "math_verify_score"]
 
 
 def math_verify_score(model_output: str, ground_truth: str, timeout_score: float = 0.0) -> float:
-    """1.0 when Math-Verify finds the response equal to ``ground_truth``, else 0.0."""
+    """1.0 when Math-Verify finds the response equal to ``ground_truth``, else 0.0.
+
+    As verl 0.9.1: the ground truth is wrapped in ``\\boxed{}`` and parsed as LaTeX, the response
+    parsed as a plain expression and as LaTeX; 1.0 when some prediction verifies against some
+    gold answer. Math-Verify's ``TimeoutException`` scores ``timeout_score``, any other error 0.
+    """
     from math_verify.errors import TimeoutException
     from math_verify.grader import verify
     from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig, parse

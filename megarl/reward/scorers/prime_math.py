@@ -2,34 +2,11 @@
 ``numina_synthetic_amc``, ``numina_cn_k12``, ``numina_olympiads``): 1.0 right, 0.0 wrong.
 
 Same semantics and values as verl 0.9.1's ``verl/utils/reward_score/prime_math/``, written from
-its behaviour (verl returns ``(correct, format_ok, extracted)`` and its router keeps
-``float(correct)``, which is what :func:`compute_score` returns):
-
-1. **Extraction** (:func:`extract_answer`): the text after the last ``answer:`` / ``answer is``
-   / ``answers are`` (case-insensitive), then before the last ``is the answer`` (and kin); then
-   the content of the last ``\\boxed{...}``/``\\fbox{...}`` when there is one and it is not
-   empty; then the text before the last ``". "``; then the text after the last ``be ``, ``is ``,
-   ``are ``, ``=``, ``": "`` or ``get `` (each marker in turn).
-2. **PRM800K grading** (:func:`grade_answer`): equal after the Hendrycks-MATH normaliser
-   (:func:`megarl.reward.scorers.hendrycks_math.strip_string`, the very same function verl's
-   copy is), or equal after PRM800K's own normaliser (units, ``\\text{}``, ``%``/``$`` dropped,
-   LaTeX turned into text with ``pylatexenc``, lower case, integers canonical), or, element by
-   element of a tuple/interval, equal under ``sympy.simplify`` (with PRM800K's guards: no more
-   than two distinct letters, no ``^{``/``^(``/large powers; unreduced fractions and integers must
-   match as strings). A ``sympy`` comparison gets 10 s, as in verl, after which it counts as
-   unequal.
-3. **ToRA comparison** (:mod:`megarl.reward.scorers.prime_math_equal`) when PRM800K says no:
-   numbers within 1e-4 relative (also ×100 and ÷100), ``\\pi`` as ``math.pi`` or ``3.14``,
-   tuples/intervals element-wise, matrices.
-
-Where megarl differs from verl, deliberately:
-
-- verl runs each ``sympy`` comparison in a forked child process to time it out; here the
-  comparison runs in the scoring worker itself (already a separate process under the reward
-  manager's per-sample limit) under a ``SIGALRM`` timer of the same 10 s, when scoring on the
-  main thread (elsewhere only the manager's limit applies). Same value, no fork per sample.
-- verl's ``is_matched`` flag and format flag (``"Step 2:"`` and ``\\box`` in the text) never
-  reach the score, so they are not computed.
+its behaviour, in three steps: extraction (:func:`extract_answer`), PRM800K grading
+(:func:`grade_answer`), then the ToRA comparison (:mod:`.prime_math_equal`) when PRM800K says
+no. verl runs each ``sympy`` comparison in a forked child to time it out; here it runs in the
+scoring worker itself under a ``SIGALRM`` timer of the same 10 s (:func:`_time_limit`). verl's
+match and format flags never reach the score, so they are not computed.
 """
 
 from __future__ import annotations
@@ -86,7 +63,14 @@ def _after_last(text: str, markers: tuple[str, ...]) -> str:
 
 
 def extract_answer(response: str) -> str:
-    """The final answer verl's PRIME grader reads out of a response (see the module docstring)."""
+    """The final answer verl's PRIME grader reads out of a response.
+
+    The text after the last ``answer:`` / ``answer is`` / ``answers are`` (case-insensitive),
+    then before the last ``is the answer`` (and kin); then the content of the last
+    ``\\boxed{...}``/``\\fbox{...}`` when there is one and it is not empty; then the text
+    before the last ``". "``; then the text after the last ``be ``, ``is ``, ``are ``, ``=``,
+    ``": "`` or ``get `` (each marker in turn).
+    """
     response = _after_last(response, _AFTER_MARKERS)
     for marker in _BEFORE_MARKERS:
         pos = response.lower().rfind(marker)
@@ -206,7 +190,11 @@ class _SympyTimeout(Exception):
 
 @contextlib.contextmanager
 def _time_limit(seconds: float) -> Iterator[None]:
-    """Raise :class:`_SympyTimeout` after ``seconds`` (SIGALRM; only on the main thread)."""
+    """Raise :class:`_SympyTimeout` after ``seconds`` (SIGALRM; only on the main thread).
+
+    verl forks a child per comparison instead; the scoring worker is already a separate process
+    under the reward manager's per-sample limit, so same value, no fork per sample.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield  # signals need the main thread; the reward manager's own limit still applies
         return
@@ -269,7 +257,14 @@ def _elements_equal(truth: str, given: str) -> bool:
 
 
 def grade_answer(given: str, truth: str) -> bool:
-    """PRM800K's verdict: equal normal forms, or equal under sympy element by element."""
+    """PRM800K's verdict: equal normal forms, or equal under sympy element by element.
+
+    Equal after the Hendrycks-MATH normaliser (the very function verl's copy is), or after
+    PRM800K's own (:func:`prm800k_normalize`: units, ``\\text{}``, ``%``/``$`` dropped, LaTeX
+    as text, lower case, integers canonical), or, element by element of a tuple/interval, under
+    ``sympy.simplify`` with PRM800K's guards (no more than two distinct letters, no
+    ``^{``/``^(``/large powers; unreduced fractions and integers must match as strings).
+    """
     if normalize_answer(truth) == normalize_answer(given):
         return True
     truth_norm, given_norm = prm800k_normalize(truth), prm800k_normalize(given)
@@ -291,7 +286,8 @@ def grade_answer(given: str, truth: str) -> bool:
 
 
 def compute_score(solution_str: str, ground_truth: str) -> float:
-    """1.0 when the extracted answer grades equal to ``ground_truth``, else 0.0."""
+    """1.0 when the extracted answer grades equal to ``ground_truth``, else 0.0 (verl returns
+    ``(correct, format_ok, extracted)`` and its router keeps ``float(correct)``)."""
     solution_str, ground_truth = str(solution_str), str(ground_truth)
     answer = extract_answer(solution_str)
     if grade_answer(answer, ground_truth):

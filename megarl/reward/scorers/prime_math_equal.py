@@ -1,28 +1,11 @@
 """The ToRA-style second opinion of verl 0.9.1's PRIME math grader (``prime_math/grader.py``).
 
 :func:`pi_aware_math_equal` is what verl's ``prime_math.compute_score`` asks when the PRM800K
-grader (:mod:`megarl.reward.scorers.prime_math`) says "not equal". Written from verl's behaviour:
-
-- ``$12`` -> ``12``; ``45%`` / ``45\\%`` -> ``45``; a number in a base (``101_2``) -> its leading
-  digits as an integer (text before ``_`` that is not a number makes the whole comparison
-  false, as verl's uncaught ``float()`` error does);
-- ``\\pi`` becomes ``*3.14159...`` (or ``1*3.14159...``) and the text is evaluated as arithmetic;
-  when either side mentions ``\\pi`` the comparison is tried with ``math.pi`` and with ``3.14``;
-- equal as text (case- and space-insensitive), or as numbers within ``1e-4`` relative (the
-  reference also ×100 and ÷100, for percentages);
-- tuples/intervals and comma lists element-wise (``(a, b)`` vs ``(c, d)``), ``Point(...)``
-  against a tuple, ``Matrix(...)`` or ``[[...]]`` against a ``pmatrix``;
-- verl 0.9.1 then tries a symbolic comparison, but it wraps it in ``with timeout_limit(...)``,
-  which is a decorator factory, not a context manager: the ``with`` raises ``TypeError``, which
-  verl catches, so the symbolic step never says "equal". megarl leaves it out; values are the
-  same.
-
-Where megarl differs from verl, deliberately: verl passes model output to Python's ``eval``
-(after ``\\pi`` substitution, and for ``[...]`` predictions against a matrix) and to sympy's
-``parse_expr`` (``Matrix(...)`` predictions). megarl evaluates only arithmetic on number literals
-(tuples and lists of them; :func:`evaluate_arithmetic`), refuses exponents over 10 000 (verl
-would hang until the per-sample limit), and reads ``Matrix([...])`` entries the same way, as sympy
-numbers. Text with names or calls is not evaluated; verl would evaluate it.
+grader (:mod:`megarl.reward.scorers.prime_math`) says "not equal"; written from verl's behaviour
+(rules: :func:`math_equal`). Deliberately unlike verl, which passes model output to Python's
+``eval`` and sympy's ``parse_expr``, megarl evaluates only arithmetic on number literals
+(:func:`evaluate_arithmetic`, exponents over 10 000 refused) and reads ``Matrix([...])`` entries
+the same way, as sympy numbers; text with names or calls is not evaluated (verl would).
 """
 
 from __future__ import annotations
@@ -208,6 +191,15 @@ def math_equal(
     pi: float = math.pi,
 ) -> bool:
     """verl's ``math_equal`` (without its symbolic step, which never succeeds in verl 0.9.1).
+
+    ``$12`` -> ``12``; ``45%`` / ``45\\%`` -> ``45``; a number in a base (``101_2``) -> its
+    leading digits as an integer; ``\\pi`` becomes ``*pi`` (or ``1*pi``) and the text is
+    evaluated as arithmetic. Equal as text (case- and space-insensitive), or as numbers within
+    ``tolerance`` relative (the reference also ×100 and ÷100, for percentages), or element-wise
+    for tuples/intervals and comma lists, ``Point(...)`` against a tuple, ``Matrix(...)`` or
+    ``[[...]]`` against a ``pmatrix``. verl 0.9.1's symbolic step wraps its comparison in
+    ``with timeout_limit(...)``, a decorator factory: the ``with`` raises ``TypeError``, which
+    verl catches, so it never says "equal"; leaving it out gives the same values.
 
     Raises where verl raises (a base-number ``_`` with a non-number before it, a malformed
     ``[...]`` against a matrix); :func:`pi_aware_math_equal` turns that into "not equal".
