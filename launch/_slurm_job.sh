@@ -11,7 +11,7 @@
 #   MEGARL_GPUS_PER_NODE    processes per node (default: the GPUs Slurm allocated, else 8); a
 #                           node without GPUs runs the same script with e.g. 2 (CPU configs)
 #   MEGARL_PYTHON           interpreter with megarl installed (default: python)
-#   MEGARL_TRAIN_MODULE     module torchrun runs (default: megarl.train; a wrapper of your own,
+#   MEGARL_TRAIN_MODULE     module torchrun runs (default: megarl.trainer; a wrapper of your own,
 #                           or the stand-ins with which the tests exercise this script)
 #   MEGARL_LOG_DIR          parent of the per-job log directory (default: <run dir>/logs)
 #   MEGARL_REQUEUE=1        after a clean stop on USR1/TERM, requeue this job to resume
@@ -27,7 +27,7 @@
 #
 # Launcher: one srun task per node running `megarl train` as one node of the job (it starts
 # torchrun with c10d rendezvous), not one srun task per GPU. The trainer is a torchrun program
-# (`python -m megarl.train` reads RANK, LOCAL_RANK, WORLD_SIZE from torchrun), so a Slurm job and
+# (`python -m megarl.trainer` reads RANK, LOCAL_RANK, WORLD_SIZE from torchrun), so a Slurm job and
 # a laptop run go through the same entry, environment and failure report; torchrun kills the
 # node's other workers when one of them dies, and srun --kill-on-bad-exit=1 then ends the other
 # nodes: a dead rank ends the job instead of hanging it until the NCCL timeout.

@@ -6,7 +6,7 @@
 #   MEGARL_NPROC   processes (default: the GPUs nvidia-smi lists; 2 without GPUs, the world of
 #                  the tiny CPU configs)
 #   MEGARL_PYTHON  interpreter with megarl installed (default: python)
-#   MEGARL_TRAIN_MODULE  module torchrun runs (default: megarl.train)
+#   MEGARL_TRAIN_MODULE  module torchrun runs (default: megarl.trainer)
 #
 # `megarl train` replaces this shell (exec): its pre-flight checks the run before anything is
 # launched, then it runs torchrun; Ctrl-C, SIGTERM and SIGUSR1 become the trainer's stop

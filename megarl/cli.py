@@ -5,7 +5,7 @@
     megarl config validate --config X.yaml [--world-size N] [overrides]
     megarl config keys [PREFIX]                            every key with its default and doc
     megarl convert ...                                     HF <-> Megatron checkpoints
-    megarl plan ...                                        rollout/resharding plans
+    megarl plan ...                                        memory and resharding plans
 
 A configuration problem prints one ``error: ...`` paragraph and exits with status 2, without a
 traceback. Heavy modules (torch, Megatron, vLLM) are imported only by the subcommand that needs
@@ -58,7 +58,7 @@ def _tracking(argv: list[str]) -> int:
 FORWARDED: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (_train, "check a config and run the trainer (megarl train -c FILE --help)"),
     "convert": (_convert, "convert checkpoints between HF and Megatron formats"),
-    "plan": (_plan, "show how weights move between training and rollout"),
+    "plan": (_plan, "memory per GPU for a config; `plan reshard`: how weights move to vLLM"),
     "data": (_data, "make synthetic prompt data (megarl data synth)"),
     "tracking": (_tracking, "tracking utilities (megarl tracking sync RUN_DIR)"),
 }

@@ -160,18 +160,18 @@ def test_keys_show_resolved_defaults_of_following_keys(capsys):
 # -- train ----------------------------------------------------------------------------------
 
 
-def _fake_trainer(monkeypatch, with_main: bool = True) -> list:
+def _fake_trainer(monkeypatch) -> list:
+    """Replace the rank's run (:func:`megarl.trainer.loop.run`, what :func:`megarl.trainer.start`
+    hands the checked config to) by a recorder."""
     calls: list = []
-    module = types.ModuleType("megarl.trainer")
-    module.preload = lambda: None  # what a rank imports while megarl train's pre-flight runs
-    if with_main:
-        module.main = lambda cfg: calls.append(cfg) or 0
-    monkeypatch.setitem(sys.modules, "megarl.trainer", module)
-    # Also the package attribute: once an earlier test imported megarl.trainer, `from megarl
-    # import trainer` finds the real one there and not in sys.modules.
-    import megarl
+    module = types.ModuleType("megarl.trainer.loop")
+    module.run = lambda cfg: calls.append(cfg) or 0
+    monkeypatch.setitem(sys.modules, "megarl.trainer.loop", module)
+    # Also the package attribute: once an earlier test imported megarl.trainer.loop, `from
+    # megarl.trainer import loop` finds the real one there and not in sys.modules.
+    import megarl.trainer
 
-    monkeypatch.setattr(megarl, "trainer", module, raising=False)
+    monkeypatch.setattr(megarl.trainer, "loop", module, raising=False)
     return calls
 
 

@@ -15,7 +15,7 @@ error, and the others still run):
 - ``gpu_tests``: ``pytest -m gpu`` (only the GPU-marked tests: the CPU suite's multi-rank tests
   would put several ranks on one GPU);
 - ``train`` (one per vLLM model runner on CUDA: V1 and V2): a few GRPO steps through
-  ``megarl.train`` (bf16, TE, vLLM sleep/wake, CUDA graphs): vLLM's log-prob agreement after each
+  ``megarl.trainer`` (bf16, TE, vLLM sleep/wake, CUDA graphs): vLLM's log-prob agreement after each
   sync, the sleep level and the memory a sleep freed, update MFU, sync GB/s against a
   device-to-device copy of the same bytes, generation tokens/s. Where vLLM does not import
   (``--rollout auto``; a machine with no network, say) one run samples with the Megatron actor
@@ -494,10 +494,10 @@ def _data(run_dir: Path) -> Path:
 def _run_train(
     overrides: list[str], run_dir: Path, env: dict[str, str], nproc: int = 1
 ) -> tuple[list[dict], str]:
-    """``megarl.train`` on the tiny CPU config with ``overrides``: each step's metrics (step 1
+    """``megarl.trainer`` on the tiny CPU config with ``overrides``: each step's metrics (step 1
     on) and the launch's log."""
     log = run_dir.parent / f"{run_dir.name}.log"
-    _torchrun(["-m", "megarl.train", "--config", TRAIN_CONFIG, *overrides], log, env, nproc=nproc)
+    _torchrun(["-m", "megarl.trainer", "--config", TRAIN_CONFIG, *overrides], log, env, nproc=nproc)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["metrics"] for r in records if r["step"] > 0], log.read_text()
 

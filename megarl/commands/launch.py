@@ -1,35 +1,18 @@
-"""Run torchrun on this machine for ``megarl train``, the quickstart and each node of a Slurm job
-(``launch/_slurm_job.sh``): the outside of the stop protocol, and one line for a failure inside
-the ranks.
+"""Run torchrun on this machine for ``megarl train``, the quickstart and each node of a Slurm job:
+the outside of the stop protocol, and one line for a failure inside the ranks.
 
-- **Stops.** torchrun runs in a session of its own, so a terminal's Ctrl-C reaches this launcher
-  only. The first SIGTERM, SIGUSR1 or SIGINT writes ``<run dir>/STOP``: every rank finishes the
-  step in flight, saves a checkpoint and exits 0 (:mod:`megarl.checkpoint.stop`); torchrun itself
-  is never signalled, so it neither kills the ranks 30 s later nor prints a traceback. A second
-  signal means stop now without saving: torchrun gets SIGINT and passes it on. torchrun does
-  not handle SIGUSR1 (it would die of it); it never sees one from here.
-- **Nothing left running.** torchrun is started with a parent-death signal (SIGKILL when this
-  launcher dies, ``kill -9`` included), each rank sets the same against torchrun
-  (:func:`megarl.train.run`), and scoring workers and checkpoint writers against their rank:
-  the kernel takes the whole tree down.
-- **Nothing left behind.** torchrun and the ranks get a temporary directory of their own
-  (``TMPDIR``), removed when torchrun has exited, however the ranks ended: torchrun's per-launch
-  error-file directories (``torchelastic_*``), vLLM's IPC socket files and whatever else they
-  put there used to pile up in ``/tmp`` with every run. Inductor's compile cache keeps its usual
-  place (``TORCHINDUCTOR_CACHE_DIR`` is set to it unless already set), so later launches still
-  find it.
-- **Checked while the ranks start.** With ``preflight`` (``megarl train``'s checks), torchrun
-  starts at once; each rank imports what its set-up needs and waits at a gate
-  (:mod:`megarl.parallel.gate`) until the checks have passed. A problem
-  kills torchrun, and with it the ranks, before anything is written; a stop signal meanwhile
-  does the same (exit 128 + the signal).
-- **One line.** torchrun's own output (its log lines and ``ChildFailedError`` report) and
-  whatever the ranks write to stderr go to ``<run dir>/logs/torchrun.log``; the console keeps
-  megarl's own lines (``megarl: ...``, ``warning: ...``; rank 0's progress goes to stdout
-  directly). When the ranks fail, the first ``error:`` line is printed once with where the logs
-  are, and the exit status is 2 when a rank exited 2 (an input error) and 1 otherwise; a rank
-  killed by a signal is named (rank, host, signal) instead of the survivors' broken-connection
-  errors.
+- **Stops.** torchrun runs in a session of its own and is never signalled by the first stop: a
+  SIGTERM, SIGUSR1 or SIGINT writes ``<run dir>/STOP`` and every rank saves the step in flight
+  and exits 0 (:mod:`megarl.checkpoint.stop`). A second signal stops now: torchrun gets SIGINT.
+  (torchrun would die of SIGUSR1, and kills its ranks 30 s after a SIGTERM.)
+- **Nothing left running or behind.** Parent-death signals chain launcher → torchrun → ranks →
+  scoring workers and checkpoint writers (:func:`megarl.trainer.start` arms the ranks'); torchrun
+  and the ranks get a ``TMPDIR`` of their own, removed at exit.
+- **Checked while the ranks start.** With ``preflight``, the ranks import and wait at a gate
+  (:mod:`megarl.parallel.gate`) until the checks pass; a problem kills them first.
+- **One line.** torchrun's output goes to ``<run dir>/logs/torchrun.log``; a failure is the
+  first rank's ``error:`` line (exit 2 for an input error, else 1), a rank killed by a signal is
+  named.
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
-"""``megarl train``: check a run before launching it, then launch it on this machine.
-
-Inside a launched world (``WORLD_SIZE`` set: torchrun, srun) it trains in this process. Otherwise
-it checks what would otherwise fail on every rank — the config with its files and world
-size, the data files (read and tokenised: a missing file, an overlong prompt with
-``truncation=error``), what the trainer runs, the checkpoint a resume would load (missing, or
-of another architecture) — and answers a problem in one line with exit 2. The check runs while
-``torchrun --standalone`` starts ``trainer.n_gpus_per_node`` processes through
-:mod:`megarl.commands.launch`: the ranks import (~10 s of torch, Megatron and transformers) and
-then wait at the launcher's gate, so a problem kills them before they have done anything and a
-run that passes starts ~5 s sooner on two cores (the whole check, ~10 s, where cores are
-plenty). SIGINT, SIGTERM and SIGUSR1 become the trainer's stop request
-(a checkpoint of the step in flight, exit 0; a second signal stops at once), torchrun's own
-output goes to the run's log directory, and a failure inside the ranks is one line.
-``MEGARL_TRAIN_MODULE`` replaces the module torchrun runs (``megarl.train``).
+"""``megarl train``: check a run, then launch its ranks on this machine (torchrun).
 
     megarl train [-c X.yaml [-c Y.yaml]] [KEY=VALUE ...] [--verbose]
 
-The Slurm job script (``launch/_slurm_job.sh``) runs the same two halves: ``--check`` once
-(the pre-flight for ``trainer.nnodes`` x ``trainer.n_gpus_per_node`` processes; prints the run
-directory) and then, on every node, ``--rdzv-endpoint HOST:PORT --rdzv-id ID --log-dir DIR``:
-torchrun joins the job's c10d rendezvous, its output goes to ``DIR/<node>.log``, and a failure
-is the same one line as here. Both get ``--nodes N``, the job's nodes: ``trainer.nnodes`` is N
-less ``actor_rollout_ref.rollout.nnodes``, the nodes that hold only vLLM (issue 26; the
-launch's last ranks, :mod:`megarl.parallel.split_world`), and every node runs
-``trainer.n_gpus_per_node`` processes.
+The checks (config with its files and world size, the data, the checkpoint a resume would load)
+run while the ranks start and wait at the launcher's gate (:mod:`megarl.commands.launch`); a
+problem is one line, exit 2, before any rank has done anything. Inside a launched world
+(``WORLD_SIZE`` set) it is a rank itself (:func:`megarl.trainer.start`).
+``MEGARL_TRAIN_MODULE`` replaces the module torchrun runs (``megarl.trainer``).
+
+A Slurm job (``launch/_slurm_job.sh``) runs ``--check`` once, then on every node
+``--rdzv-endpoint HOST:PORT --rdzv-id ID --log-dir DIR``; both get ``--nodes N``, the job's
+nodes, of which ``actor_rollout_ref.rollout.nnodes`` hold only vLLM.
 """
 
 from __future__ import annotations
@@ -60,10 +47,10 @@ def main(argv: list[str]) -> int:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     if args.verbose:
         os.environ["MEGARL_VERBOSE"] = "1"
-    from megarl import train
+    if os.environ.get("WORLD_SIZE"):  # a rank of a launched world: train here
+        from megarl.trainer import start
 
-    if os.environ.get("WORLD_SIZE"):
-        return train.run(args.config, overrides)
+        return start(args.config, overrides)
     if args.nodes is not None:
         overrides, problem = _training_nodes(args.config, overrides, args.nodes)
         if problem:
@@ -76,7 +63,7 @@ def main(argv: list[str]) -> int:
     from megarl.commands import launch
 
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    module = os.environ.get("MEGARL_TRAIN_MODULE") or "megarl.train"
+    module = os.environ.get("MEGARL_TRAIN_MODULE") or "megarl.trainer"
     configs = [a for c in args.config for a in ("--config", c)]
     if not multinode:
         # The ranks start at once and import (torch, Megatron, transformers: ~10 s) while this
@@ -85,7 +72,7 @@ def main(argv: list[str]) -> int:
         if cfg is None:
             print(f"error: {problem}", file=sys.stderr)
             return EXIT_INPUT_ERROR
-        from megarl.config.batch import rollout_ranks
+        from megarl.config.batch_plan import rollout_ranks
 
         nproc = cfg.trainer.n_gpus_per_node  # training ranks, then any rollout-only ones
         command = launch.torchrun_command(

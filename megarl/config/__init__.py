@@ -13,7 +13,7 @@ A YAML file may inherit (``_base_: base.yaml``, or a list merged in order). Over
 megarl adds to verl's vocabulary say "(megarl)" in their docstring (``megarl config keys``).
 """
 
-from megarl.config.batch import BatchPlan, PassBatches, critic_enabled, ref_used, world_size
+from megarl.config.batch_plan import BatchPlan, PassBatches, critic_enabled, ref_used, world_size
 from megarl.config.choices import (
     ADV_ESTIMATORS,
     GROUP_ESTIMATORS,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megarl.config.batch import ACTOR, critic_enabled
+from megarl.config.batch_plan import ACTOR, critic_enabled
 from megarl.config.schema import MegarlConfig
 
 ADVANTAGE_INPUTS_ALWAYS = (

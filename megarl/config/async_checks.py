@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from megarl.config.batch import ROLL, rollout_ranks
+from megarl.config.batch_plan import ROLL, rollout_ranks
 
 Error = Callable[[str], None]
 

@@ -1,11 +1,11 @@
 """Parallel-layout and batch-size checks for :func:`~megarl.config.validate.validate`: world size,
 TP/PP/CP/EP against the model (Megatron's rule, :func:`megarl.parallel.layout.layout_problems`),
-rollout TP, critic/ref layouts, and the batch arithmetic of :mod:`megarl.config.batch`.
+rollout TP, critic/ref layouts, and the batch arithmetic of :mod:`megarl.config.batch_plan`.
 """
 
 from __future__ import annotations
 
-from megarl.config.batch import (
+from megarl.config.batch_plan import (
     MEG,
     REF,
     ROLL,

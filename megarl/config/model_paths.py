@@ -68,7 +68,7 @@ def resolve_model_paths(cfg: Any) -> list[str]:
     Returns one error line per key that names no local directory (those keys are left as they
     were). Remote URLs are skipped. Idempotent: a resolved directory resolves to itself.
     """
-    from megarl.config.batch import critic_enabled
+    from megarl.config.batch_plan import critic_enabled
 
     unused = {"critic": not critic_enabled(cfg), "reward_model": not cfg.reward_model.enable}
     errors = []

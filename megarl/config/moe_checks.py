@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from megarl.config.batch import ARR, MEG
+from megarl.config.batch_plan import ARR, MEG
 from megarl.config.model_source import ModelShape
 
 MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from megarl.config.algo_inputs import unsupplied_inputs
 from megarl.config.async_checks import check_async
-from megarl.config.batch import ACTOR, ARR, MEG, ROLL, critic_enabled
+from megarl.config.batch_plan import ACTOR, ARR, MEG, ROLL, critic_enabled
 from megarl.config.choices import (
     GROUP_ESTIMATORS,
     LOGGERS,

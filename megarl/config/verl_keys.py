@@ -39,7 +39,7 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     ("*.*.*.*._target_", "Hydra instantiation target; megarl's config is typed, drop it"),
     # -- whole sections ------------------------------------------------------------------------
     ("ray_kwargs", _NO_RAY),
-    ("transfer_queue", "no transfer queue: rollout and training are colocated"),
+    ("transfer_queue", "no transfer queue: batches travel over torch.distributed"),
     ("distillation", "no on-policy distillation"),
     ("global_profiler", _PROFILE),
     ("skip", "no rollout skipping / replay"),
@@ -150,7 +150,7 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.rollout.trace", "no rollout tracing"),
     ("actor_rollout_ref.rollout.profiler", _PROFILE),
     ("actor_rollout_ref.rollout.prometheus", "no Prometheus metrics"),
-    ("actor_rollout_ref.rollout.disaggregation", "rollout and training are colocated"),
+    ("actor_rollout_ref.rollout.disaggregation", "vLLM on ranks of its own is actor_rollout_ref.rollout.nnodes"),
     ("actor_rollout_ref.rollout.val_kwargs.*", "not a validation-sampling option megarl has"),
     # -- policy loss (keys of loss modes megarl does not offer yet) ----------------------------------
     ("actor_rollout_ref.actor.policy_loss.*", "option of a policy loss megarl does not offer yet"),

@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from megarl.config.batch import (
+from megarl.config.batch_plan import (
     BatchPlan,
     PassBatches,
     critic_enabled,

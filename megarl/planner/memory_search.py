@@ -9,7 +9,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from megarl.config.batch import BatchPlan
+from megarl.config.batch_plan import BatchPlan
 from megarl.config.layout_checks import divisors
 from megarl.config.model_dims import ModelDims
 from megarl.config.schema import MegarlConfig, MegatronConfig

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.config.batch import critic_enabled, ref_used, rollout_ranks
+from megarl.config.batch_plan import critic_enabled, ref_used, rollout_ranks
 from megarl.config.schema import MegarlConfig
 
 PHASES = (

@@ -1,22 +1,12 @@
 """A rollout engine that samples from the Megatron actor itself (no vLLM).
 
-For trainer tests and debugging: it needs no engine start-up and is exactly reproducible. It
-re-runs the full prefix every decoding step (no KV cache), so it is only meant for tiny models
-and short responses.
+For trainer tests and debugging: no engine start-up, exactly reproducible. It re-runs the full
+prefix every decoding step (no KV cache), so it suits only tiny models and short responses.
 
-Weight updates: the engine samples from the live parameters of the actor's chunks, i.e. it *is*
-the trained model, so a weight update has nothing to load. It still runs the protocol's session
-(same call-order errors as vLLM) and consumes every chunk, and the contract holds by
-construction: after ``sync_weights(chunks, plan, engine)`` the engine samples from the actor's
-current weights. (Copying the pushed tensors back into the same parameters would only cost an
-HF → Megatron conversion per sync.) ``sleep``/``wake_up`` free nothing (no separate state).
-
-Rollout replicas are Megatron's data-parallel replicas (``dp_rank`` = Megatron's DP rank): every
-rank of one model-parallel group (TP × PP, not contiguous in rank order when PP > 1) calls
-:meth:`ActorEngine.generate` with the same prompts. Logits of the last position are gathered
-over TP and broadcast from the last pipeline stage, and tokens are drawn with a per-request
-``torch.Generator`` seeded by :func:`megarl.rollout.base.request_seed`, so every rank draws the
-same tokens without any further communication.
+It samples from the actor's live parameters, so a weight update has nothing to load: it still
+runs the session (same call-order errors as vLLM) and consumes every chunk, and after
+``sync_weights(chunks, plan, engine)`` it samples from the actor's current weights by
+construction. ``sleep``/``wake_up`` free nothing.
 """
 
 from __future__ import annotations
@@ -73,6 +63,13 @@ def last_position_logits(
 
 class ActorEngine:
     """:class:`megarl.rollout.base.RolloutEngine` backed by the actor's own Megatron chunks.
+
+    Rollout replicas are Megatron's data-parallel replicas (``dp_rank`` = Megatron's DP rank):
+    every rank of one model-parallel group (TP × PP, not contiguous in rank order when PP > 1)
+    calls :meth:`generate` with the same prompts. The last position's logits are gathered over
+    TP and broadcast from the last pipeline stage, and each request draws from a
+    ``torch.Generator`` seeded by :func:`~megarl.rollout.base.request_seed`, so every rank draws
+    the same tokens without further communication.
 
     Args:
         chunks: this rank's model chunks (Megatron parallel state initialised).

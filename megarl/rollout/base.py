@@ -5,8 +5,9 @@ weight-update session (``begin_weight_update`` / ``load_weight_chunk`` / ``finis
 which the resharding executor drives; :func:`update_weights` wraps one session), ``sleep`` and
 ``wake_up``, and the attributes ``tensor_parallel_size``, ``dp_rank``, ``dp_size``,
 ``eos_token_ids``. Implementations: :class:`~megarl.rollout.vllm_engine.VLLMEngine` and
-:class:`~megarl.rollout.actor_engine.ActorEngine`. vLLM stays inside
-:mod:`megarl.rollout.vllm_engine`.
+:class:`~megarl.rollout.actor_engine.ActorEngine`; an engine on ranks of its own also implements
+:class:`AheadEngine` (:mod:`megarl.rollout.remote`). Only the ``megarl.rollout.vllm_*`` modules
+import vLLM.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "AheadEngine",
     "CallOrder",
     "FinishReason",
     "RolloutBatch",
@@ -221,6 +223,45 @@ class RolloutEngine(WeightSink, Protocol):
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Bring back what :meth:`sleep` freed: ``tags`` from ``("weights", "kv_cache")``, None
         for all. Wake the weights, update them, then wake the KV cache to keep the peak low."""
+        ...
+
+
+@runtime_checkable
+class AheadEngine(RolloutEngine, Protocol):
+    """A rollout engine on ranks of its own that generates ahead of the trainer
+    (:class:`~megarl.rollout.remote.engine.RemoteEngine`). Besides :class:`RolloutEngine`'s
+    calls, the trainer asks it for later steps' batches and reads how far behind each was."""
+
+    version: int
+    """The weight version it holds now (syncs finished in this launch, less one)."""
+    last_version: int
+    """The weight version that generated the last batch :meth:`generate` returned."""
+    waited_s: float
+    """Seconds the trainer waited for the last batch."""
+    sync_waited_s: float
+    """Seconds the last weight sync waited for the batch asked before it."""
+    update_bytes: int
+    """Bytes the rollout ranks received of the last weight update."""
+    rollout_timing: dict[str, float]
+    """The rollout side's seconds for the last batch (``generate``, ``score``, ...)."""
+    prescored: Any
+    """The last batch's scores when the rollout ranks scored it (a ``RewardResult``, or the
+    scorer's error as a string); None otherwise."""
+    weights_link: str | None
+    """How weight buckets travel: ``NCCL``, ``gloo`` (None on the training ranks after the
+    first)."""
+
+    def prefetch(self, requests: Sequence[tuple[list[list[int]], dict, dict | None]]) -> None:
+        """Ask now for the batches later :meth:`generate` calls with the same arguments take,
+        ``(prompts, generate's keyword arguments, what to score them with or None)`` each."""
+        ...
+
+    def bind_plan(self, plan: Any) -> None:
+        """The resharding plan whose buckets each weight update sends."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the rollout ranks serving (they exit)."""
         ...
 
 

@@ -1,21 +1,13 @@
 """Move prompts from the training data-parallel layout to the rollout layout and back.
 
-Training shards prompts by its DP rank (TP/PP/CP peers hold identical shards); rollout splits the
-same global batch over the engine's rollout replicas (``engine.dp_rank``; with vLLM's external
-launcher, groups of TP_v consecutive ranks), and every rank of one replica must submit the
-identical request list. The simple, correct scheme used here: all-gather each rank's (DP rank,
-prompts) over a gloo group, keep one copy per DP rank to form the global batch (DP-rank-major),
-split it contiguously over rollout replicas, generate, all-gather the results (one copy per
-replica) and slice out each rank's own prompts, which keep their global prompt ids. Object
-collectives pickle the data; fine for token-id lists of a rollout step.
-
-The object collectives run over gloo, never NCCL: with no ``group`` given and a default group
-that is not gloo (NCCL on GPU), :func:`object_group` builds one gloo group over the whole world
-on first use (every rank reaches it at the same call, so ``new_group`` order agrees) and reuses
-it. Over NCCL, ``all_gather_object`` would copy every pickled batch to the GPU and back, block
-the device stream, and take GPU memory that colocated vLLM/training may not have left.
-
-No Megatron import: the caller passes its training DP rank and size.
+Training shards prompts by its DP rank (TP/PP/CP peers hold identical shards); rollout splits
+the same global batch over the engine's replicas (``engine.dp_rank``), and every rank of one
+replica must submit the identical request list. So: all-gather each rank's (DP rank, prompts),
+keep one copy per DP rank to form the global batch (DP-rank-major), split it contiguously over
+the replicas, generate, all-gather the results (one copy per replica) and slice out each rank's
+own prompts. Prompts keep their global ids, which seed them, so the tokens do not depend on the
+rollout layout. Object collectives run over gloo (:func:`object_group`). No Megatron import:
+the caller passes its training DP rank and size.
 """
 
 from __future__ import annotations
@@ -41,7 +33,12 @@ _GLOO_WORLD: dict[int, dist.ProcessGroup] = {}
 
 def object_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
     """The group object collectives use: ``group`` when given; else the default group when it is
-    gloo; else a gloo group over the whole world, created once (a collective call on first use)."""
+    gloo; else a gloo group over the whole world, created once (a collective call on first use:
+    every rank reaches it at the same call, so ``new_group`` order agrees).
+
+    Never NCCL: there ``all_gather_object`` would copy every pickled batch to the GPU and back,
+    block the device stream and take GPU memory that colocated vLLM and training may not have.
+    """
     if group is not None or dist.get_backend() == "gloo":
         return group
     default = dist.distributed_c10d._get_default_group()
@@ -71,8 +68,9 @@ def gather_global_prompts(
 ) -> tuple[list[list[int]], int]:
     """All DP shards joined in DP-rank order, and the offset of this rank's shard in it.
 
-    Collective over ``group`` (every rank of it calls; None: :func:`object_group`). Ranks reporting the same ``dp_rank`` must
-    hold identical prompts; every DP rank in ``[0, dp_size)`` must be present.
+    Collective over ``group`` (every rank of it calls; None: :func:`object_group`). Ranks
+    reporting the same ``dp_rank`` must hold identical prompts; every DP rank in
+    ``[0, dp_size)`` must be present.
     """
     group = object_group(group)
     gathered: list[Any] = [None] * dist.get_world_size(group)
@@ -136,7 +134,7 @@ def generate_on_replicas(
     """Generate ``prompts``, which every rank of ``group`` holds alike, split over the engine's
     rollout replicas; the whole batch comes back on every rank (collective over ``group``,
     default :func:`object_group`). The rollout ranks of a split launch serve the trainer's
-    requests so (:func:`megarl.rollout.remote_engine.serve`).
+    requests so (:func:`megarl.rollout.remote.serve.serve`).
 
     ``prompt_ids`` (default ``0..len(prompts)-1``, distinct) seed the responses as in
     ``RolloutEngine.generate``, so the tokens do not depend on how many replicas there are. The

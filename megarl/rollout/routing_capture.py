@@ -1,28 +1,16 @@
 """The rollout's MoE routing for routing replay R3: one format, two sources.
 
-Each request's choices are kept as ``[positions, layers, k]`` (int16, ``layers`` = the model's
-decoder layers, -1 where nothing was recorded: the last generated token, which vLLM samples but
-never runs through the model, and with the hooks also dense layers). :func:`source` picks:
+A request's choices are ``[positions, layers, k]`` int16 over the model's decoder layers, -1
+where nothing was recorded (the last generated token, which vLLM samples but never runs through
+the model; with the hooks also dense layers). :func:`source` picks:
 
-- ``aux``: vLLM's own aux output (``enable_return_routed_experts``; each finished request's
-  ``CompletionOutput.routed_experts``, ``[prompt + generated - 1, layers, k]``, zeros in dense
-  layers), converted by :func:`from_routed_experts`. vLLM 0.32 offers it only with Model Runner
-  V2 ("AuxOutput Connector requires Model Runner V2"), which needs Triton, i.e. a GPU: the source
-  when ``VLLM_USE_V2_MODEL_RUNNER=1`` on GPU. It works with CUDA graphs and prefix caching.
-- ``hooks``: everywhere else (the CPU, and GPU's V1 runner in eager mode), the worker records
-  them itself, reached the way the weight update reaches the model (``collective_rpc``,
-  :mod:`megarl.rollout.vllm_worker_ops`):
-
-- a forward hook on every MoE block's router (``mlp.gate``) takes the top-k of its logits per
-  token: the experts vLLM's fused MoE then runs (Qwen2/3-MoE and Mixtral choose by top-k of the
-  router's logits, a softmax before or after not changing which);
-- the model runner's forward is wrapped to learn which request and position each token row is:
-  rows are laid out request by request in the input batch's order (``query_start_loc``), the
-  model's ``positions`` argument gives each row's position in its sequence.
-
-A position whose KV came from the prefix cache is not run either, so an engine capturing by hooks
-turns prefix caching off. Python hooks do not fire inside CUDA graphs: that source is for eager
-execution.
+- ``aux``: vLLM's own output (``enable_return_routed_experts``), converted by
+  :func:`from_routed_experts`. vLLM 0.32 offers it only with Model Runner V2, i.e. on GPU with
+  ``VLLM_USE_V2_MODEL_RUNNER=1``; it works with CUDA graphs and prefix caching.
+- ``hooks``: everywhere else, :class:`RoutingCapture` records them in the worker (reached by
+  ``collective_rpc``, as the weight update is). Hooks see only positions run through the model
+  and do not fire inside CUDA graphs: such an engine turns prefix caching off and needs eager
+  execution.
 """
 
 from __future__ import annotations
@@ -50,7 +38,8 @@ def source(capture: bool, on_gpu: bool) -> str | None:
 
 def from_routed_experts(routed: Any, length: int) -> np.ndarray:
     """vLLM's ``CompletionOutput.routed_experts`` of a sequence of ``length`` tokens (prompt +
-    response) in the capture format: ``[length, layers, k]`` int16, the last position -1."""
+    response; vLLM's ``[length - 1, layers, k]``, zeros in dense layers) in the capture format:
+    ``[length, layers, k]`` int16, the last position -1."""
     if routed is None:
         raise RuntimeError("vLLM returned no routed experts (enable_return_routed_experts off?)")
     routed = np.asarray(routed)
@@ -65,7 +54,15 @@ def from_routed_experts(routed: Any, length: int) -> np.ndarray:
 
 
 class RoutingCapture:
-    """Installed on a vLLM worker's model runner by :func:`install`; see the module docstring."""
+    """The ``hooks`` source, installed on a vLLM worker's model runner by :func:`install`.
+
+    A forward hook on every MoE block's router (``mlp.gate``) takes the top-k of its logits per
+    token: the experts vLLM's fused MoE then runs (Qwen2/3-MoE and Mixtral choose by top-k of
+    the router's logits; a softmax before or after does not change which). The runner's forward
+    is wrapped to learn each token row's request and position: rows are laid out request by
+    request in the input batch's order (``query_start_loc``), and the model's ``positions``
+    argument gives each row's position in its sequence.
+    """
 
     def __init__(self, runner: Any) -> None:
         model = runner.get_model()

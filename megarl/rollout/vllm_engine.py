@@ -1,28 +1,14 @@
 """vLLM rollout engine colocated with training under torchrun (SPMD, no Ray).
 
-Each torchrun rank is one vLLM worker: ``LLM(..., distributed_executor_backend="external_launcher")``
-runs the engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). vLLM lays its TP groups over
-consecutive global ranks, so rollout TP rank = ``rank % TP_v`` and rollout DP rank =
-``rank // TP_v``; the ranks of one TP group must call :meth:`VLLMEngine.generate` with identical
-requests (see :mod:`megarl.rollout.distribute`), ranks of different groups with their own.
+Each rank is one vLLM worker (``distributed_executor_backend="external_launcher"``, the engine
+in-process). vLLM lays its TP groups over consecutive global ranks: rollout TP rank =
+``rank % TP_v``, rollout DP rank = ``rank // TP_v``; the ranks of one TP group must call
+:meth:`VLLMEngine.generate` with identical requests (:mod:`megarl.rollout.distribute`). vLLM
+reuses an existing default process group and builds its own groups with ``new_group``, so every
+rank must construct the engine, in the same order relative to other ``new_group`` calls.
 
-How it shares ``torch.distributed`` with training: when a default process group already exists
-(the trainer's, gloo on CPU / NCCL on GPU), vLLM reuses it and builds its own TP/PP/DP groups
-with ``new_group`` (so every rank must construct the engine, in the same order relative to other
-``new_group`` calls). When none exists, the engine creates it (``env://``) before vLLM can: vLLM
-would otherwise size it as TP_v ranks, which is wrong when rollout DP > 1.
-
-EOS: the engine starts with ``skip_tokenizer_init`` and ``generation_config="vllm"``, so vLLM
-knows no EOS of its own; :func:`resolve_eos_token_ids` finds the ids (checkpoint, then tokenizer)
-and the engine refuses to start without one, rather than run every response to ``max_tokens``.
-
-Log-probs come back as vLLM's ``FlatLogprobs`` (``flat_logprobs=True``), a few flat lists per
-response instead of a dict and a ``Logprob`` per token; :func:`sampled_logprobs` reads both forms.
-
-Starting vLLM inside a training rank (the process group, the model runner, compilation on CPU,
-the trainer's RNG streams, vLLM's IPC sockets) is :mod:`megarl.rollout.vllm_process`.
-
-vLLM is imported lazily, inside functions (here, in vllm_process and in the worker ops).
+Starting vLLM inside a training rank is :mod:`megarl.rollout.vllm_process`; the steps run inside
+vLLM's worker are :mod:`megarl.rollout.vllm_worker_ops`. vLLM is imported only inside functions.
 """
 
 from __future__ import annotations

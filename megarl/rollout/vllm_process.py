@@ -1,40 +1,9 @@
 """vLLM inside a training rank: started in-process, sharing the trainer's process group, leaving
 the trainer's state alone and nothing behind.
 
-Model runner: vLLM 0.32 picks Model Runner V2 whenever ``VLLM_USE_V2_MODEL_RUNNER`` is unset,
-Triton has an active driver (any CUDA host) and the config has no V2-unsupported feature
-(``VllmConfig.use_v2_model_runner``). megarl's weight updates reach into the runner
-(``model_runner.get_model()``, layerwise reload, the tied ``lm_head`` re-pack) and have only been
-exercised on the V1 runner, so the engine pins V1 (``VLLM_USE_V2_MODEL_RUNNER=0``) unless the
-variable is already set: ``VLLM_USE_V2_MODEL_RUNNER=1`` in the job's environment tries V2.
-
-Compilation on CPU: with ``enforce_eager`` vLLM compiles no model graph, but three helpers are
-``torch.compile``-decorated regardless (the TP embedding's vocabulary mask, the log-prob rank
-count, the top-k/top-p mask) and Inductor compiles each on its first call in every rank: a
-2-step quickstart took 67 s with them and 50 s without, on two cores, for ops over a few hundred
-tokens. Without CUDA the engine therefore sets
-``torch.compiler.set_stance("force_eager")`` before starting vLLM: those helpers run eagerly
-(integer masks and counts: the same results), and nothing else in a CPU rank compiles
-(:mod:`megarl.parallel.import_hooks`). On GPU nothing changes.
-
-IPC sockets: vLLM's shared-memory broadcast queues bind ZeroMQ ``ipc://`` sockets, files named by
-a random UUID under ``VLLM_RPC_BASE_PATH`` (default: the temporary directory), and leave them
-there when the process ends without closing them, as every rank does (torchrun's kill, or
-:func:`megarl.parallel.fast_exit.exit_process`): measured 4 files in ``/tmp`` per engine start.
-Unless the variable is set, each rank points it at a private directory of its own that is
-removed at exit (atexit; ``exit_process`` runs the handlers): in the temporary directory (under
-``megarl train``, the launch's own), or in ``/tmp`` where that is too deep for a socket path
-(Linux takes at most 107 bytes; zmq refuses to bind a longer one).
-
-Shared memory on CPU: vLLM's CPU collectives (TP > 1) map one POSIX shared-memory segment per
-rank, ``/dev/shm/<ident>-<group>-[<ranks>]-cpushm_<rank>``, where ``<ident>`` comes from the
-init method, ``env://`` under the external launcher, so every run on a machine uses the same
-names; they are created exclusively and unlinked only by a C++ destructor that a fast exit
-skips, so a finished run left them behind and the next run on the machine failed ("create shm in
-SHMManager failed. errno: 17"). Once the engine is up every rank of the group has mapped every
-segment, so each rank unlinks its own name there (the mappings live on; the destructor's own
-unlink then finds nothing, which it ignores): nothing is left even by a killed run. A segment
-left by a run killed while its engine started is named in a one-line error.
+:func:`start_llm` pins vLLM's V1 model runner, makes CPU ranks run vLLM's compiled helpers
+eagerly, gives vLLM's IPC sockets a private directory removed at exit and unlinks the names of
+vLLM's CPU shared-memory segments once they are mapped; its steps say why.
 """
 
 from __future__ import annotations
@@ -70,11 +39,23 @@ SHM_EXISTS = "create shm in SHMManager failed. errno: 17"
 
 
 def start_llm(model_path: str, kwargs: dict[str, Any]) -> Any:
-    """``vllm.LLM(model_path, **kwargs)`` in this process, leaving the trainer's state alone."""
+    """``vllm.LLM(model_path, **kwargs)`` in this process, leaving the trainer's state alone.
+
+    Model runner: vLLM 0.32 picks Model Runner V2 whenever ``VLLM_USE_V2_MODEL_RUNNER`` is unset
+    and the host can run it (Triton with a driver, no unsupported feature). megarl's weight
+    updates reach into the runner (``get_model()``, layerwise reload, the tied ``lm_head``
+    re-pack) and are exercised on V1 only, so V1 is pinned unless the variable is set (``1``
+    tries V2).
+
+    Without CUDA, ``torch.compiler.set_stance("force_eager")``: even with ``enforce_eager``
+    vLLM ``torch.compile``s three helpers (the TP embedding's vocabulary mask, the log-prob rank
+    count, the top-k/top-p mask), and Inductor compiling each in every rank costs more than the
+    tiny ops it speeds up; eager gives the same results (integer masks and counts).
+    """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
-    os.environ.setdefault(MODEL_RUNNER_ENV, "0")  # V1 runner unless asked (module docstring)
+    os.environ.setdefault(MODEL_RUNNER_ENV, "0")  # V1 runner unless asked (see the docstring)
     if not torch.cuda.is_available():
-        torch.compiler.set_stance("force_eager")  # (module docstring)
+        torch.compiler.set_stance("force_eager")  # (see the docstring)
     _quiet_expected_vllm_warnings()
     _private_ipc_directory()
     # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process;
@@ -103,8 +84,8 @@ def start_llm(model_path: str, kwargs: dict[str, Any]) -> Any:
 
 
 def cpu_shared_memory() -> list[Path]:
-    """This rank's own shared-memory segments of vLLM's CPU collectives (module docstring), by
-    the names vLLM gave them, whether or not they still exist."""
+    """This rank's own shared-memory segments of vLLM's CPU collectives (TP > 1), by the names
+    vLLM gave them, whether or not they still exist."""
     from vllm.distributed import parallel_state
 
     paths = []
@@ -117,14 +98,30 @@ def cpu_shared_memory() -> list[Path]:
 
 
 def unlink_cpu_shared_memory() -> None:
-    """Remove the names of this rank's segments (module docstring)."""
+    """Remove the names of this rank's segments; call it once every rank of the group has
+    mapped them (:func:`start_llm` does, once the engine is up).
+
+    vLLM names them ``/dev/shm/<ident>-<group>-[<ranks>]-cpushm_<rank>`` with ``<ident>`` from
+    the init method (``env://`` under the external launcher: the same for every run on a
+    machine), creates them exclusively and unlinks them only in a C++ destructor that a fast exit
+    skips, so a leftover name would make the next run fail (:data:`SHM_EXISTS`). The mappings
+    live on after the unlink, and the destructor ignores the missing name.
+    """
     for path in cpu_shared_memory():
         path.unlink(missing_ok=True)
 
 
 def _private_ipc_directory() -> None:
-    """Point vLLM's IPC socket files at a directory of this process's, removed at exit (module
-    docstring); a directory the user set is left alone."""
+    """Point vLLM's IPC socket files at a directory of this process's, removed at exit; a
+    directory the user set (``VLLM_RPC_BASE_PATH``) is left alone.
+
+    vLLM's shared-memory broadcast queues bind ZeroMQ ``ipc://`` sockets, files under that
+    directory (default: the temporary directory), and leave them behind when the process ends
+    without closing them, as every rank does (torchrun's kill, or
+    :func:`megarl.parallel.fast_exit.exit_process`, which runs the ``atexit`` handlers). The
+    private directory goes in ``/tmp`` where the temporary directory is too deep for a socket
+    path (``SOCKET_PATH_MAX``: zmq refuses to bind a longer one).
+    """
     if IPC_ENV in os.environ:
         return
     path = tempfile.mkdtemp(prefix="vllm-ipc-")
@@ -140,7 +137,8 @@ def _private_ipc_directory() -> None:
 
 def ensure_process_group() -> bool:
     """True when running distributed; creates the default group from torchrun's (or Slurm's)
-    variables if needed, as the trainer does (:func:`megarl.parallel.init.start_process_group`).
+    variables if needed, as the trainer does (:func:`megarl.parallel.init.start_process_group`),
+    before vLLM can: vLLM would size it as one TP group, wrong when rollout DP > 1.
 
     vLLM's external launcher reads ``RANK``/``LOCAL_RANK`` from the environment; they are filled
     in from the existing group when it was created some other way.

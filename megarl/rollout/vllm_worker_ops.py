@@ -39,8 +39,8 @@ def reprocess_tied_lm_head(worker: Any) -> None:
 
     vLLM's reload never hands a tied ``lm_head`` a tensor of its own (its loader skips
     ``lm_head.*``), so that layer's ``process_weights_after_loading`` is not re-run; on CPU that
-    step packs the weight for the GEMM kernel, and logits kept coming from the *old* embedding
-    (measured: log-prob error 1.1 after updating a tied model). Untied models: nothing to do.
+    step packs the weight for the GEMM kernel, so logits would keep coming from the *old*
+    embedding. Untied models: nothing to do.
     """
     from vllm.config import set_current_vllm_config
 
@@ -71,8 +71,8 @@ def repack_cpu_experts(worker: Any, blocks: Sequence[str]) -> None:
     vLLM 0.32 packs each layer's expert weights for its CPU grouped GEMM
     (``CPUUnquantizedExperts.process_weights_after_loading``) only when the layer is first
     loaded: a reload re-runs the layer's processing but skips that step on a weight update
-    (``UnquantizedFusedMoEMethod._setup_kernel``), so the kernel read the new weights in the
-    unpacked layout (measured: reloading the very same weights moved log-probs by 4 nats).
+    (``UnquantizedFusedMoEMethod._setup_kernel``), so the kernel would read the new weights in
+    the unpacked layout (wrong log-probs even for the very same weights).
     GPU kernels are not touched. Raises ``NotImplementedError`` where the CPU kernel pads the
     experts' intermediate size (the reload cannot fill padded weights).
     """

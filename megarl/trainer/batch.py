@@ -1,39 +1,38 @@
-"""The step's batch as tensors, and how it is cut into mini-batches, DP shards and micro-batches.
+"""The step's batch: one typed record of every tensor a training step produces.
 
-Every rank holds the whole (global) rollout batch: responses are ordered prompt-major by global
-prompt id, so every tensor here is identical on every rank and whatever is computed from it
-(advantages, group statistics, batch whitening, mini-batch membership) does not depend on the
-parallel layout. Each forward or backward pass then takes this rank's data-parallel share of a
-set of global response indices (:func:`dp_share`).
-
-Units follow verl (``megarl.config`` batch arithmetic): mini-batches count prompts × n
-responses; micro-batches count responses per DP rank, or are packed to a token budget
-(``use_dynamic_bsz``).
+Every rank holds the whole (global) batch, responses ordered prompt-major by global prompt id,
+so every tensor is identical on every rank and anything computed from it (advantages, group
+statistics, mini-batch membership) does not depend on the parallel layout. :func:`rollout_batch`
+fills the rollout's fields; the phases of :func:`megarl.trainer.step.train_step` return their
+tensors and only ``train_step`` assigns them, in the order the fields are listed.
 """
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from megarl.models.routing import ROUTING
 from megarl.models.runner import SequenceBatch
+
+BATCH = "batch"
+"""The runner extra under which a loss function finds its micro-batch's :class:`StepBatch` rows."""
 
 
 @dataclass
-class RolloutTensors:
-    """The global batch of one step: B responses, S = longest prompt+response, R = longest response.
+class StepBatch:
+    """The global batch of one step: B responses, S = longest prompt + response, R = longest
+    response. Every tensor is on the CPU, ``[B, ...]``, identical on every rank; a field is
+    None until the phase that produces it has run (or when the run has no such phase)."""
 
-    Filled in stages by the step (old/ref log-probs, rewards, advantages); every tensor is on
-    the CPU and identical on every rank.
-    """
-
+    # -- from the rollout ---------------------------------------------------------------------
     input_ids: torch.Tensor
     """``[B, S]`` prompt + response tokens, right-padded."""
     prompt_lengths: torch.Tensor
-    """``[B]``."""
+    """``[B]`` prompt lengths."""
     lengths: torch.Tensor
     """``[B]`` prompt + response lengths."""
     response_mask: torch.Tensor
@@ -44,8 +43,35 @@ class RolloutTensors:
     """``[B, R]`` the rollout engine's (temperature-processed) log-probs of the sampled tokens."""
     truncated: torch.Tensor
     """``[B]`` bool: the response hit max_tokens (no EOS)."""
-    fields: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Per-step tensors added by the stages (``old_log_probs``, ``advantages``, ...)."""
+    rollout_routing: torch.Tensor | None = None
+    """``[B, S, model layers, k]`` int16: the experts the rollout routed each token to (R3)."""
+
+    # -- added by the step's phases, in this order ---------------------------------------------
+    token_level_scores: torch.Tensor | None = None
+    """``[B, R]`` the scores on each response's last token (before any KL penalty)."""
+    token_level_rewards: torch.Tensor | None = None
+    """``[B, R]`` the rewards the advantages use (the scores, less β·KL with KL in the reward)."""
+    recomputed_log_probs: torch.Tensor | None = None
+    """``[B, R]`` the actor's log-probs of the rollout before the update (none in bypass mode)."""
+    sum_pi_squared: torch.Tensor | None = None
+    """``[B, R]`` sum_v π_old(v)² at each response position (``calculate_sum_pi_squared``)."""
+    routing: torch.Tensor | None = None
+    """``[B, actor MoE layers here, S, k]``: the routing the actor's forwards replay (R2: recorded
+    by the old-log-prob pass; R3: the rollout's, for this pipeline rank's layers)."""
+    ref_log_probs: torch.Tensor | None = None
+    """``[B, R]`` the reference policy's log-probs (KL loss or KL in the reward)."""
+    old_log_probs: torch.Tensor | None = None
+    """``[B, R]`` π_old of the policy loss: recomputed, or the rollout's in bypass mode."""
+    rollout_is_weights: torch.Tensor | None = None
+    """``[B, R]`` truncated importance weights π_old / π_rollout (``rollout_is``)."""
+    values: torch.Tensor | None = None
+    """``[B, R]`` the critic's values before the update."""
+    reward_baselines: torch.Tensor | None = None
+    """``[B]`` ReMax: the score of each prompt's greedy response."""
+    advantages: torch.Tensor | None = None
+    """``[B, R]``."""
+    returns: torch.Tensor | None = None
+    """``[B, R]`` the critic's targets."""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -54,18 +80,43 @@ class RolloutTensors:
     def response_lengths(self) -> torch.Tensor:
         return self.lengths - self.prompt_lengths
 
-    def sequences(self, rows: torch.Tensor, names: Sequence[str] = ()) -> SequenceBatch:
-        """The rows ``rows`` as a runner batch, with ``names`` (and the mask) as extras."""
+    def select(self, rows: torch.Tensor) -> StepBatch:
+        """The rows ``rows`` of every field that is set."""
+        return self._map(lambda t: t[rows])
+
+    __getitem__ = select  # the runner slices its extras per micro-batch with ``[rows]``
+
+    def to(self, device: torch.device | str) -> StepBatch:
+        return self._map(lambda t: t.to(device))
+
+    def _map(self, fn) -> StepBatch:
+        return StepBatch(
+            **{
+                f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name))
+                for f in dataclasses.fields(self)
+            }
+        )
+
+    def sequences(
+        self, rows: torch.Tensor, *, loss_inputs: bool = False, replay: torch.Tensor | None = None
+    ) -> SequenceBatch:
+        """The rows ``rows`` as a runner batch, cut to their longest sequence. ``loss_inputs``:
+        the rows' :class:`StepBatch` goes along for the loss function (extra ``BATCH``, without
+        the routing fields); ``replay`` (``[B, layers, S, k]``): the routing the routers replay."""
         lengths = self.lengths[rows]
         width = int(lengths.max().item()) if len(rows) else 1
-        extra = {"response_mask": self.response_mask[rows]}
-        extra.update({name: self.fields[name][rows] for name in names})
+        extra = {}
+        if loss_inputs:
+            rows_only = dataclasses.replace(self, rollout_routing=None, routing=None)
+            extra[BATCH] = rows_only.select(rows)
+        if replay is not None:
+            extra[ROUTING] = replay[rows]
         return SequenceBatch(
             self.input_ids[rows, :width], self.prompt_lengths[rows], lengths, extra=extra
         )
 
 
-def rollout_tensors(
+def rollout_batch(
     prompts: Sequence[Sequence[int]],
     responses: Sequence[Sequence[int]],
     log_probs: Sequence[Sequence[float]],
@@ -73,7 +124,7 @@ def rollout_tensors(
     truncated: Sequence[bool],
     *,
     pad_token_id: int,
-) -> RolloutTensors:
+) -> StepBatch:
     """Right-padded tensors of B (prompt, response) pairs (an empty response gets mask 0)."""
     b = len(prompts)
     seq = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
@@ -86,7 +137,7 @@ def rollout_tensors(
         mask[i, : len(r)] = 1.0
         logp[i, : len(r)] = torch.tensor(lp, dtype=torch.float32)
     plen = torch.tensor([len(p) for p in prompts])
-    return RolloutTensors(
+    return StepBatch(
         input_ids=input_ids,
         prompt_lengths=plen,
         lengths=plen + torch.tensor([len(r) for r in responses]),
@@ -95,96 +146,6 @@ def rollout_tensors(
         rollout_log_probs=logp,
         truncated=torch.tensor(list(truncated), dtype=torch.bool),
     )
-
-
-def seeded_generator(seed: int, *purpose: object) -> torch.Generator:
-    """A CPU generator seeded by (run seed, purpose...), e.g. ``(seed, "minibatch", step, epoch)``:
-    the same draws on every rank and at every layout, and after a resume."""
-    digest = hashlib.blake2b(":".join(map(str, (seed, *purpose))).encode(), digest_size=8)
-    return torch.Generator().manual_seed(int.from_bytes(digest.digest(), "little") >> 1)
-
-
-def mini_batches(
-    num_responses: int, responses_per_mini_batch: int, *, shuffle: bool, generator=None
-) -> list[torch.Tensor]:
-    """Global response indices of each mini-batch (a permutation when ``shuffle``)."""
-    if num_responses % responses_per_mini_batch:
-        raise ValueError(
-            f"{num_responses} responses do not split into mini-batches of "
-            f"{responses_per_mini_batch}"
-        )
-    order = (
-        torch.randperm(num_responses, generator=generator)
-        if shuffle
-        else torch.arange(num_responses)
-    )
-    return list(order.split(responses_per_mini_batch))
-
-
-def dp_share(
-    indices: torch.Tensor, dp_rank: int, dp_size: int, lengths: torch.Tensor | None = None
-) -> torch.Tensor:
-    """This DP rank's share of a set of global indices (equal counts on every rank).
-
-    Without ``lengths``: a contiguous slice. With ``lengths`` (``trainer.balance_batch``): the
-    indices are dealt so that token counts are balanced — longest first, each to the rank with
-    the fewest tokens that still has room — deterministically, so every rank computes the same
-    partition. The set being partitioned (a mini-batch) is the same either way; only which rank
-    computes which response changes, and the reduced gradient does not depend on that.
-    """
-    if len(indices) % dp_size:
-        raise ValueError(f"{len(indices)} responses do not split over {dp_size} DP ranks")
-    per = len(indices) // dp_size
-    if lengths is None or dp_size == 1:
-        return indices[dp_rank * per : (dp_rank + 1) * per]
-    sizes = lengths[indices]
-    order = torch.argsort(sizes, descending=True, stable=True).tolist()
-    load = [0] * dp_size
-    members: list[list[int]] = [[] for _ in range(dp_size)]
-    for k in order:
-        target = min(
-            (r for r in range(dp_size) if len(members[r]) < per), key=lambda r: (load[r], r)
-        )
-        members[target].append(k)
-        load[target] += int(sizes[k])
-    return indices[torch.tensor(sorted(members[dp_rank]), dtype=torch.long)]
-
-
-def token_budget_micro_batches(
-    lengths: torch.Tensor, max_tokens: int, *, num_micro_batches: int | None = None
-) -> list[torch.Tensor]:
-    """Row indices of micro-batches of at most ``max_tokens`` tokens (``use_dynamic_bsz``).
-
-    Greedy first-fit over rows sorted by length (longest first); a row longer than the budget
-    gets a micro-batch of its own. ``num_micro_batches`` asks for at least that many (DP ranks
-    use the largest count among them, so their schedules agree): the fullest ones are split.
-    """
-    order = torch.argsort(lengths, descending=True, stable=True)
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for row in order.tolist():
-        size = int(lengths[row])
-        for k, load in enumerate(loads):
-            if load + size <= max_tokens:
-                bins[k].append(row)
-                loads[k] += size
-                break
-        else:
-            bins.append([row])
-            loads.append(size)
-    while num_micro_batches is not None and len(bins) < num_micro_batches:
-        k = max(range(len(bins)), key=lambda i: (len(bins[i]) > 1, loads[i]))
-        if len(bins[k]) < 2:
-            raise ValueError(
-                f"cannot form {num_micro_batches} micro-batches from {len(lengths)} sequences"
-            )
-        half = len(bins[k]) // 2
-        moved = bins[k][half:]
-        bins[k] = bins[k][:half]
-        loads[k] -= sum(int(lengths[r]) for r in moved)
-        bins.append(moved)
-        loads.append(sum(int(lengths[r]) for r in moved))
-    return [torch.tensor(sorted(b), dtype=torch.long) for b in bins]
 
 
 def pad_token_id(tokenizer) -> int:

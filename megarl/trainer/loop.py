@@ -1,6 +1,8 @@
-"""The training loop: set up, validate, step, log, finish — with a quiet console.
+"""A rank's whole run: :func:`run` builds, resumes, validates, steps, logs and saves, with a quiet
+console (megarl's own lines; third-party output goes to the rank's log file).
 
-``train(cfg)`` is what ``python -m megarl.train`` and ``megarl train`` run on every rank.
+A failure is one ``error:`` line: exit 2 for an input error (a bad file, value, checkpoint or
+reward function), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from megarl.trainer.console import Console
 if TYPE_CHECKING:
     from megarl.trainer.setup import Run
 
-# Megatron, vLLM and transformers are imported inside train(), after the console is redirected:
+# Megatron, vLLM and transformers are imported inside run(), after the console is redirected:
 # some of them print warnings when imported.
 
 
@@ -31,15 +33,17 @@ class TrainingError(RuntimeError):
     """The run cannot go on (e.g. too many consecutive non-finite updates): one line."""
 
 
-def train(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
-    """Run training; returns the exit status (0 finished, 1 failed)."""
+def run(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
+    """Train with the resolved config ``cfg`` on this rank; returns the exit status (0 finished or
+    stopped on request, 2 an input error, 1 a failure; time-stamped on the console then)."""
+    started = time.time()
     if verbose is None:
         verbose = os.environ.get("MEGARL_VERBOSE", "0") not in ("", "0")
     run_dir = Path(cfg.trainer.default_local_dir).expanduser().resolve()
-    from megarl.config.batch import rollout_ranks, world_size
+    from megarl.config.batch_plan import rollout_ranks, world_size
 
     if rollout_ranks(cfg):  # vLLM on ranks of its own: split the launch first
-        from megarl.parallel.split_world import split_world
+        from megarl.rollout.remote.split_world import split_world
 
         if split_world(world_size(cfg)).role == "rollout":
             return _serve_rollout(cfg, run_dir, verbose)
@@ -71,9 +75,9 @@ def train(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
                 metrics = validate(run, run.state.step)
                 first_val = last_val = metrics["val/score/mean"]
                 tracker.log_metrics(run.state.step, metrics)
-            last_val, stopped = _loop(run, tracker, last_val, stop)
-            if hasattr(run.engine, "shutdown") and hasattr(run.engine, "prefetch"):
-                run.engine.shutdown()  # vLLM on ranks of its own: they stop serving
+            last_val, stopped = _train_steps(run, tracker, last_val, stop)
+            if run.ahead is not None:
+                run.ahead.shutdown()  # vLLM on ranks of its own: they stop serving
             tracker.finish("KILLED" if stopped else "FINISHED")
             if not stopped:  # a stop has said its one line ("stopped after step N ...")
                 _farewell(run, first_val, last_val)
@@ -95,6 +99,8 @@ def train(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
                 import traceback
 
                 traceback.print_exc()  # into the log file unless verbose
+            if os.environ.get("RANK", "0") == "0":
+                print(f"megarl: failed after {time.time() - started:.0f} s", file=sys.stderr)
             return 2 if input_error else 1
         finally:
             stop.restore()
@@ -120,13 +126,13 @@ def _serve_rollout(cfg: MegarlConfig, run_dir: Path, verbose: bool) -> int:
         stop.withdraw()  # honoured by now, or the training ranks are gone
 
 
-def _loop(
+def _train_steps(
     run: Run, tracker, last_val: float | None, stop: StopRequest
 ) -> tuple[float | None, bool]:
     """Train the remaining steps; returns (last validation score, stopped on request)."""
     from tqdm import tqdm
 
-    from megarl.config.batch import steps_ahead
+    from megarl.config.batch_plan import steps_ahead
     from megarl.trainer.step import train_step, validate
 
     cfg = run.cfg
@@ -147,7 +153,7 @@ def _loop(
         # to s after it as soon as its own is in. The sampler is drawn ahead, but the state
         # saved is the one after this step's own batch: a resumed run generates the batches
         # asked ahead again rather than skip them.
-        ahead = steps_ahead(cfg) if hasattr(run.engine, "prefetch") else 0
+        ahead = steps_ahead(cfg) if run.ahead is not None else 0
         queued: deque[tuple[list, dict]] = deque()  # (prompts, the sampler's state after them)
 
         def draw() -> tuple[list, dict]:
@@ -277,26 +283,25 @@ def _announce(run: Run) -> None:
         f"megarl: {cfg.algorithm.adv_estimator} on {cfg.actor_rollout_ref.model.path}, "
         f"{run.world_size} rank(s), TP {meg.tensor_model_parallel_size} × PP "
         f"{meg.pipeline_model_parallel_size} × DP {run.plan.data_parallel_size}, rollout "
-        f"{cfg.actor_rollout_ref.rollout.name} TP {_rollout_placement(run)}; "
+        f"{cfg.actor_rollout_ref.rollout.name} TP {_rollout_placement(cfg, run.engine, run.ahead)}; "
         f"{run.total_steps} steps of "
         f"{run.plan.responses_per_step} responses; logs in {run.console.log_path.parent}"
     )
 
 
-def _rollout_placement(run: Run) -> str:
-    """The rollout TP and, for vLLM on ranks of its own, where, how far behind and how the
-    weights get there."""
-    cfg = run.cfg
-    from megarl.config.batch import rollout_ranks, steps_ahead
+def _rollout_placement(cfg: MegarlConfig, engine, remote) -> str:
+    """The rollout TP and, for vLLM on ranks of its own (``remote``, the run's
+    :class:`~megarl.rollout.base.AheadEngine`), where, how far behind and how the weights go."""
+    from megarl.config.batch_plan import rollout_ranks, steps_ahead
 
     ranks = rollout_ranks(cfg)
     if not ranks:
-        return str(getattr(run.engine, "tensor_parallel_size", "-"))
+        return str(getattr(engine, "tensor_parallel_size", "-"))
     ahead = steps_ahead(cfg)
     off = {0: "on-policy", 1: "one step off"}.get(ahead, f"up to {ahead} steps off")
     tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     replicas = f" x {ranks // tp} replicas" if ranks > tp else ""
-    link = getattr(run.engine, "weights_link", None)
+    link = remote.weights_link if remote is not None else None
     return f"{tp}{replicas} on {ranks} rank(s) of its own, {off}" + (
         f", weights over {link}" if link else ""
     )
@@ -313,12 +318,3 @@ def _farewell(run: Run, first: float | None, last: float | None) -> None:
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) < 400 else text[:397] + "..."
-
-
-def main_entry(cfg: MegarlConfig) -> int:
-    """For ``megarl.train``: run and return the exit status (time-stamped on failure)."""
-    start = time.time()
-    status = train(cfg)
-    if status and os.environ.get("RANK", "0") == "0":
-        print(f"megarl: failed after {time.time() - start:.0f} s", file=sys.stderr)
-    return status

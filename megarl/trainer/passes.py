@@ -1,16 +1,16 @@
-"""Passes over the whole step batch: generation and log-prob passes, each returning global tensors.
+"""The step's passes over the whole batch: generation, and the forward-only model passes.
 
 Generation: every rank holds the step's global prompt list; the engine's replicas split it and
-every rank gets every response back (:func:`megarl.rollout.distribute.generate_distributed`
-with one "training shard", the global list). Log-prob passes: each DP rank computes its
-contiguous share of the batch and the shares are all-gathered over the DP group, so the result
-is the same global ``[B, R]`` tensor on every rank.
+every rank gets every response back (:func:`megarl.rollout.distribute.generate_distributed`).
+Forward passes: each DP rank computes its contiguous share and the shares are all-gathered over
+the DP group, so each returns the global ``[B, R]`` tensor on every rank. Each pass returns its
+tensors; :func:`megarl.trainer.step.train_step` puts them in the batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,19 +18,19 @@ from megatron.core import parallel_state
 
 from megarl.data import PromptSample
 from megarl.models.routing import (
-    ROLLOUT_ROUTING,
     ROUTING,
     Routing,
     agreement_over_world,
     pad_positions,
     rollout_routing,
 )
-from megarl.models.runner import compute_log_probs
+from megarl.models.runner import compute_log_probs, compute_values
 from megarl.parallel.collectives import all_gather_tensors
 from megarl.parallel.init import device
-from megarl.rollout.base import RolloutBatch, RolloutEngine
+from megarl.rollout.base import AheadEngine, RolloutBatch, RolloutEngine
 from megarl.rollout.distribute import generate_distributed
-from megarl.trainer.batch import RolloutTensors, dp_share, rollout_tensors
+from megarl.trainer.batch import StepBatch, rollout_batch
+from megarl.trainer.split import dp_share, fitting_micro_batch, micro_batches
 
 
 def generate(
@@ -42,8 +42,9 @@ def generate(
     seed: int,
     step: int,
     pad_token_id: int,
-) -> tuple[RolloutTensors, RolloutBatch]:
-    """``n`` responses to each prompt, prompt-major, as global tensors on every rank."""
+) -> tuple[StepBatch, RolloutBatch]:
+    """``n`` responses to each prompt, prompt-major, as the step's batch on every rank (with the
+    rollout's routing when the engine captured it, for R3)."""
     out = generate_distributed(
         engine,
         [list(p.prompt_ids) for p in prompts],
@@ -54,7 +55,7 @@ def generate(
         step=step,
         **sampling,
     )
-    tensors = rollout_tensors(
+    batch = rollout_batch(
         [s.prompt_token_ids for s in out],
         [s.response_token_ids for s in out],
         [s.response_logprobs for s in out],
@@ -63,22 +64,21 @@ def generate(
         pad_token_id=pad_token_id,
     )
     if len(out) and out.samples[0].routing is not None:  # captured for R3
-        width = tensors.input_ids.shape[1]
-        tensors.fields[ROLLOUT_ROUTING] = rollout_routing([s.routing for s in out], width)
-    return tensors, out
+        width = batch.input_ids.shape[1]
+        batch.rollout_routing = rollout_routing([s.routing for s in out], width)
+    return batch, out
 
 
 def prefetch(
-    engine: Any,
+    engine: AheadEngine,
     prompts: Sequence[PromptSample],
     requests: Sequence[tuple[int, dict[str, Any], dict | None]],
     *,
     seed: int,
     step: int,
 ) -> None:
-    """Ask a remote engine (:meth:`~megarl.rollout.remote_engine.RemoteEngine.prefetch`) for
-    the batches later :func:`generate` calls with these arguments take, one per request
-    ``(n, sampling, reward)``: the requests that
+    """Ask an engine on other ranks for the batches later :func:`generate` calls with these
+    arguments take, one per request ``(n, sampling, reward)``: the requests that
     :func:`~megarl.rollout.distribute.generate_distributed` makes of the engine's one replica
     (a later request that differs is asked for anew)."""
     tokens = [list(p.prompt_ids) for p in prompts]
@@ -93,7 +93,7 @@ def prefetch(
 
 def global_log_probs(
     chunks: Sequence[torch.nn.Module],
-    batch: RolloutTensors,
+    batch: StepBatch,
     *,
     vocab_size: int,
     temperature: float,
@@ -101,16 +101,17 @@ def global_log_probs(
     max_token_len: int | None = None,
     sum_pi_squared: bool = False,
     routing: Routing | None = None,
+    replay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Log-probs, entropy and (when asked) sum_v pi^2, ``[B, R]`` for every response token of
-    the batch, on every rank. ``routing``: a replaying :class:`Routing`, fed the batch's
-    ``ROUTING`` field."""
+    the batch, on every rank. ``routing``: a replaying :class:`Routing`, fed ``replay``."""
     out = global_pass(
         chunks,
         batch,
         "actor",
         micro_batches=micro_batches,
         max_token_len=max_token_len,
+        replay=replay,
         vocab_size=vocab_size,
         temperature=temperature,
         sum_pi_squared=sum_pi_squared,
@@ -121,36 +122,24 @@ def global_log_probs(
 
 def global_pass(
     chunks: Sequence[torch.nn.Module],
-    batch: RolloutTensors,
+    batch: StepBatch,
     role: str,
     *,
     micro_batches: int | None,
     max_token_len: int | None = None,
+    replay: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> dict[str, torch.Tensor]:
     """A forward-only pass over the whole batch: each DP rank computes its contiguous share and
-    the shares are all-gathered, so every rank gets every output ``[B, R]``. A replaying
-    ``routing`` (in ``kwargs``) is fed the batch's ``ROUTING`` field."""
-    from megarl.models.runner import compute_values
-    from megarl.trainer.batch import token_budget_micro_batches
-
+    the shares are all-gathered, so every rank gets every output ``[B, R]`` (and, recording, the
+    ``ROUTING``). A replaying ``routing`` (in ``kwargs``) is fed ``replay``."""
     dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
     dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     everyone = torch.arange(len(batch))
     rows = dp_share(everyone, dp_rank, dp_size)
     replaying = kwargs.get("routing") is not None and kwargs["routing"].mode == "replay"
-    sequences = batch.sequences(rows, (ROUTING,) if replaying else ())
-    if max_token_len is not None:
-        most = max(
-            len(token_budget_micro_batches(batch.lengths[dp_share(everyone, r, dp_size)],
-                                           max_token_len))
-            for r in range(dp_size)
-        )  # fmt: skip
-        micro: Any = token_budget_micro_batches(
-            batch.lengths[rows], max_token_len, num_micro_batches=most
-        )
-    else:
-        micro = fitting_micro_batch(len(rows), micro_batches or len(rows))
+    sequences = batch.sequences(rows, replay=replay if replaying else None)
+    micro: Any = _pass_micro_batches(batch, everyone, rows, micro_batches, max_token_len)
     routing = None
     if role == "critic":
         outputs = {"values": compute_values(chunks, sequences, micro_batches=micro)}
@@ -168,13 +157,15 @@ def global_pass(
     return gathered
 
 
-def fitting_micro_batch(rows: int, size: int) -> int:
-    """The configured micro-batch size, lowered to a divisor of the rows (forward-only passes
-    accept any split)."""
-    size = max(1, min(size, rows))
-    while rows % size:
-        size -= 1
-    return size
+def _pass_micro_batches(batch: StepBatch, everyone, rows, size: int | None, max_token_len):
+    """A forward-only pass's micro-batches of this rank's ``rows``: the configured size lowered
+    to a divisor of the rows, or packed to the token budget."""
+    if max_token_len is None:
+        return fitting_micro_batch(len(rows), size or len(rows))
+    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    return micro_batches(batch.lengths, everyone, dp_rank, dp_size, micro_batch_size=None,
+                         max_token_len=max_token_len)  # fmt: skip
 
 
 def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -205,90 +196,115 @@ def old_log_probs_are_current(run, num_responses: int) -> bool:
     )
 
 
-def recompute_log_probs(run, batch: RolloutTensors) -> tuple[torch.Tensor | None, dict]:
-    """The actor's log-probs of the rollout (``recomputed_log_probs``); returns sum_v pi^2 when
-    ``actor.calculate_sum_pi_squared`` asks for it, and metrics. With ``router_replay.mode=R2``
-    the MoE routers' choices are recorded too (``routing``), for the update to replay; with
-    ``R3`` the routers replay the rollout's (``rollout_corr/router_agreement``: the share of real
-    tokens the trainer's routers would have routed alike)."""
+@dataclass
+class ActorPass:
+    """What the old-log-prob pass returns."""
+
+    log_probs: torch.Tensor
+    """``[B, R]`` the actor's log-probs of the rollout (``StepBatch.recomputed_log_probs``)."""
+    sum_pi_squared: torch.Tensor | None = None
+    """``[B, R]`` sum_v pi^2 (``actor.calculate_sum_pi_squared``)."""
+    routing: torch.Tensor | None = None
+    """The routing the update replays (``StepBatch.routing``): R2's record, R3's rollout's."""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def recompute_log_probs(run, batch: StepBatch) -> ActorPass:
+    """The actor's log-probs of the rollout; sum_v pi^2 when ``actor.calculate_sum_pi_squared``
+    asks for it. With ``router_replay.mode=R2`` the MoE routers' choices are recorded, for the
+    update to replay; with ``R3`` the routers replay the rollout's (``rollout_corr/
+    router_agreement``: the share of real tokens the trainer's routers would have routed alike)."""
     plan = run.plan.old_log_prob
     mode = run.cfg.actor_rollout_ref.actor.megatron.router_replay.mode
-    routing = actor_routing(run, batch)
-    if mode == "R2":
-        routing = Routing(run.actor.chunks, "record")
+    replay = actor_replay_routing(run, batch)
+    kind = {"R2": "record", "R3": "replay"}.get(mode)
+    routing = Routing(run.actor.chunks, kind) if kind else None
     out = global_pass(
         run.actor.chunks,
         batch,
         "actor",
         micro_batches=plan.micro_batch_size,
         max_token_len=plan.max_token_len_per_gpu,
+        replay=replay,
         vocab_size=run.vocab_size,
         temperature=run.cfg.actor_rollout_ref.rollout.temperature,
         sum_pi_squared=run.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared,
         routing=routing,
     )
-    batch.fields["recomputed_log_probs"] = out["log_probs"]
-    metrics = {}
+    result = ActorPass(out["log_probs"], out.get("sum_pi_squared"), replay)
     if mode == "R2":
-        batch.fields[ROUTING] = out[ROUTING]
+        result.routing = out[ROUTING]
     elif mode == "R3":
         counts = torch.stack([routing.agree, routing.tokens])  # type: ignore[union-attr]
-        metrics["rollout_corr/router_agreement"] = agreement_over_world(counts)
-    return out.get("sum_pi_squared"), metrics
+        result.metrics["rollout_corr/router_agreement"] = agreement_over_world(counts)
+    return result
 
 
-def actor_routing(run, batch: RolloutTensors) -> Routing | None:
-    """With ``router_replay.mode=R3``: a replaying :class:`Routing` over the actor, the rollout's
-    choices for its layers put in the batch's ``ROUTING`` field (the update replays them too);
-    otherwise None."""
+def actor_replay_routing(run, batch: StepBatch) -> torch.Tensor | None:
+    """With ``router_replay.mode=R3``: the rollout's choices for the actor's layers on this
+    pipeline rank (the old-log-prob pass and the update replay them); otherwise None."""
     if run.cfg.actor_rollout_ref.actor.megatron.router_replay.mode != "R3":
         return None
-    routing = Routing(run.actor.chunks, "replay")
-    if ROUTING not in batch.fields:
-        batch.fields[ROUTING] = routing.from_rollout(batch.fields[ROLLOUT_ROUTING])
-    return routing
+    return Routing(run.actor.chunks, "replay").from_rollout(batch.rollout_routing)
 
 
-def reference_log_probs(run, batch: RolloutTensors) -> None:
-    """The frozen reference's log-probs (``ref_log_probs``), at the rollout temperature (its
-    parameters on the device by the ``ref`` phase's residency). With ``router_replay.mode=R3``
-    its routers replay the rollout's choices too."""
+def reference_log_probs(run, batch: StepBatch) -> torch.Tensor:
+    """The frozen reference's log-probs ``[B, R]``, at the rollout temperature (its parameters on
+    the device by the ``ref`` phase's residency). With ``router_replay.mode=R3`` its routers
+    replay the rollout's choices too."""
     plan = run.plan.ref_log_prob
-    routing, view = None, batch
+    routing = replay = None
     if run.cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3":
         routing = Routing(run.ref.chunks, "replay")  # its own pipeline layout's layers
-        view = replace(batch, fields={ROUTING: routing.from_rollout(batch.fields[ROLLOUT_ROUTING])})
-    batch.fields["ref_log_probs"], _, _ = global_log_probs(
+        replay = routing.from_rollout(batch.rollout_routing)
+    log_probs, _, _ = global_log_probs(
         run.ref.chunks,
-        view,
+        batch,
         vocab_size=run.vocab_size,
         temperature=run.cfg.actor_rollout_ref.rollout.temperature,
         micro_batches=plan.micro_batch_size,
         max_token_len=plan.max_token_len_per_gpu,
         routing=routing,
+        replay=replay,
     )
+    return log_probs
 
 
-def correct_for_rollout(batch: RolloutTensors, correction, shortcut: bool) -> dict[str, float]:
+def critic_values(
+    critic, batch: StepBatch, *, micro_batches: int | None, max_token_len: int | None
+) -> torch.Tensor:
+    """The critic's values ``[B, R]`` of every response token of the batch, on every rank."""
+    return global_pass(critic.chunks, batch, "critic", micro_batches=micro_batches,
+                       max_token_len=max_token_len)["values"]  # fmt: skip
+
+
+@dataclass
+class Correction:
+    """π_old by ``algorithm.rollout_correction``, and its importance weights."""
+
+    old_log_probs: torch.Tensor | None
+    """``[B, R]``: recomputed (decoupled), the rollout's (bypass); None under the shortcut."""
+    rollout_is_weights: torch.Tensor | None = None
+    """``[B, R]`` truncated π_old / π_rollout (``rollout_is``)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def correct_for_rollout(batch: StepBatch, correction, shortcut: bool) -> Correction:
     """Old log-probs by ``algorithm.rollout_correction``: decoupled (recomputed), bypass (the
     rollout's own), and truncated importance weights pi_old / pi_rollout (``rollout_is``)."""
     from megarl.algo import compute_rollout_is_weights
 
+    old = None
     if not shortcut:
-        batch.fields["old_log_probs"] = (
-            batch.rollout_log_probs
-            if correction.bypass_mode
-            else batch.fields["recomputed_log_probs"]
-        )
+        old = batch.rollout_log_probs if correction.bypass_mode else batch.recomputed_log_probs
     if correction.rollout_is is None or correction.bypass_mode:
-        return {}
+        return Correction(old)
     weights, metrics = compute_rollout_is_weights(
-        batch.fields["recomputed_log_probs"],
+        batch.recomputed_log_probs,
         batch.rollout_log_probs,
         batch.response_mask,
         rollout_is=correction.rollout_is,
         rollout_is_threshold=correction.rollout_is_threshold,
         rollout_is_batch_normalize=correction.rollout_is_batch_normalize,
     )
-    batch.fields["rollout_is_weights"] = weights
-    return {f"rollout_corr/{k}": float(v) for k, v in metrics.items()}
+    return Correction(old, weights, {f"rollout_corr/{k}": float(v) for k, v in metrics.items()})

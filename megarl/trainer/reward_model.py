@@ -24,8 +24,9 @@ from megatron.core import parallel_state
 from megarl.models.build import BuiltModel, build_model
 from megarl.models.runner import SequenceBatch, compute_scores
 from megarl.reward.retokenize import reward_model_input_ids
-from megarl.trainer.batch import dp_share, pad_token_id
-from megarl.trainer.passes import fitting_micro_batch, gather_dp
+from megarl.trainer.batch import pad_token_id
+from megarl.trainer.passes import gather_dp
+from megarl.trainer.split import dp_share, fitting_micro_batch
 
 
 @dataclass

@@ -3,7 +3,7 @@
 On GPU vLLM refuses to start unless ``gpu_memory_utilization`` × total memory is free, so the
 rollout engine starts before Megatron allocates the models, and goes to sleep right after (its
 pool is not needed until the first generate); each model is moved to its ``setup`` residency
-(:mod:`megarl.config.residency`) right after it is built, so the setup peak holds one model's
+(:mod:`megarl.planner.residency`) right after it is built, so the setup peak holds one model's
 full state. On CPU the order is the same (one code path). The reference policy is built only
 when a KL term is on.
 """
@@ -28,15 +28,14 @@ from megarl.parallel.init import init_distributed
 from megarl.reward import RewardManager
 from megarl.reward.manager import RewardError, reward_inputs
 from megarl.rollout.actor_engine import ActorEngine
-from megarl.rollout.base import RolloutEngine
+from megarl.rollout.base import AheadEngine, RolloutEngine
 from megarl.rollout.vllm_engine import read_eos_token_ids
-from megarl.trainer.actor import PolicyUpdate
 from megarl.trainer.batch import pad_token_id
 from megarl.trainer.console import Console
-from megarl.trainer.critic import ValueUpdate
 from megarl.trainer.residency import applied, settle, settle_engine
 from megarl.trainer.reward_model import RewardModel
 from megarl.trainer.state import TrainerState
+from megarl.trainer.update import PolicyUpdate, ValueUpdate
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -59,9 +58,13 @@ class Run:
     actor: TrainableModel
     ref: BuiltModel | None
     engine: RolloutEngine
+    """What generates: vLLM (here or on ranks of its own) or the actor itself."""
     rewards: RewardManager
     policy: PolicyUpdate
     state: TrainerState = field(default_factory=TrainerState)
+    ahead: AheadEngine | None = None
+    """``engine`` when it runs on ranks of its own and generates ahead of the trainer; None
+    when it shares the training ranks."""
     reshard_plan: Any = None
     """The Megatron → engine weight plan (None when the engine samples from the actor)."""
     critic: TrainableModel | None = None
@@ -73,7 +76,7 @@ class Run:
     reward_model: RewardModel | None = None
     """The learned reward model (``reward_model.enable``); its scores replace the rule scorers."""
     engine_residency: Any = None
-    """What of the rollout engine is awake (:class:`megarl.config.residency.EngineResidency`;
+    """What of the rollout engine is awake (:class:`megarl.planner.residency.EngineResidency`;
     None when the actor generates)."""
     current_phase: str | None = None
     """The residency phase the run is in (:func:`megarl.trainer.residency.enter`)."""
@@ -163,7 +166,7 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
             vllm_engine.tensor_parallel_size,
             rollout_ep=vllm_engine.expert_parallel,
         )
-        if hasattr(vllm_engine, "bind_plan"):  # a remote engine receives the plan with its syncs
+        if isinstance(vllm_engine, AheadEngine):  # it receives the plan with its syncs
             vllm_engine.bind_plan(reshard)
     else:
         engine = ActorEngine(
@@ -192,6 +195,7 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         actor=actor,
         ref=ref,
         engine=engine,
+        ahead=engine if isinstance(engine, AheadEngine) else None,
         rewards=rewards,
         policy=policy_update(cfg, plan),
         reshard_plan=reshard,
@@ -373,13 +377,13 @@ def value_update(cfg: MegarlConfig, plan: BatchPlan) -> ValueUpdate:
 
 def _start_vllm(cfg: MegarlConfig, model_path: str, **overrides: Any):
     """The run's vLLM engine: in this process, or on the rollout ranks of a split launch
-    (:class:`~megarl.rollout.remote_engine.RemoteEngine`, their side :func:`serve_rollout`)."""
-    from megarl.parallel.split_world import current
+    (:class:`~megarl.rollout.remote.engine.RemoteEngine`, their side :func:`serve_rollout`)."""
+    from megarl.rollout.remote.split_world import current
 
     world = current()
     if world is not None and world.role == "train":
-        from megarl.config.batch import stages_weight_updates
-        from megarl.rollout.remote_engine import RemoteEngine
+        from megarl.config.batch_plan import stages_weight_updates
+        from megarl.rollout.remote.engine import RemoteEngine
 
         streams = stages_weight_updates(cfg)
         tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
@@ -401,9 +405,9 @@ def _start_vllm(cfg: MegarlConfig, model_path: str, **overrides: Any):
 def serve_rollout(cfg: MegarlConfig) -> None:
     """A rollout rank of a split launch: start vLLM (never asleep: these devices train nothing)
     and run the training ranks' commands until they stop it."""
-    from megarl.config.batch import stages_weight_updates
-    from megarl.parallel.split_world import current
-    from megarl.rollout.remote_serve import serve
+    from megarl.config.batch_plan import stages_weight_updates
+    from megarl.rollout.remote.serve import serve
+    from megarl.rollout.remote.split_world import current
 
     world = current()
     if world is None or world.role != "rollout":
@@ -430,7 +434,7 @@ def serve_rollout(cfg: MegarlConfig) -> None:
 
     try:
         # staged while generating only when more than one step is asked ahead (the module
-        # docstring of megarl.rollout.remote_serve: one step off loses nothing without it);
+        # docstring of megarl.rollout.remote.serve: one step off loses nothing without it);
         # otherwise the bytes go GPU to GPU over NCCL where each rank has a GPU of its own
         stage = stages_weight_updates(cfg)
         tp = arr.rollout.tensor_model_parallel_size  # staged: each rank its vLLM TP rank's pieces

@@ -1,4 +1,4 @@
-"""What a resumed run needs besides model and optimizer state (the checkpoint issue saves it)."""
+"""What a resumed run needs besides model and optimizer state (saved with every checkpoint)."""
 
 from __future__ import annotations
 

@@ -278,7 +278,7 @@ def test_gpu_moe_rollout_settings_that_hold_validate(monkeypatch):
 
 def test_vllm_on_ranks_of_its_own_validates_at_the_training_world():
     """2 training ranks + 1 rollout rank: validated at the training world (2)."""
-    from megarl.config.batch import rollout_ranks
+    from megarl.config.batch_plan import rollout_ranks
 
     cfg = load_config(GRPO, [f"{ROLL}.nnodes=1", f"{ROLL}.n_gpus_per_node=1",
                              f"{ROLL}.tensor_model_parallel_size=1",
@@ -294,14 +294,12 @@ def test_vllm_on_ranks_of_its_own_validates_at_the_training_world():
 def test_rollout_ranks_hold_whole_vllm_replicas(ranks, tp, placement):
     """Any number of rollout ranks that the rollout TP divides: replicas of TP ranks each, as
     the run's first console line says."""
-    from types import SimpleNamespace
-
     from megarl.trainer.loop import _rollout_placement
 
     cfg = load_config(GRPO, [f"{ROLL}.nnodes=1", f"{ROLL}.n_gpus_per_node={ranks}",
                              f"{ROLL}.tensor_model_parallel_size={tp}"])  # fmt: skip
     validate(cfg, 2)
-    said = _rollout_placement(SimpleNamespace(cfg=cfg, engine=None))
+    said = _rollout_placement(cfg, None, None)
     assert said == f"{placement} rank(s) of its own, on-policy"
 
 
@@ -313,9 +311,7 @@ def test_rollout_ranks_hold_whole_vllm_replicas(ranks, tp, placement):
 def test_the_staleness_threshold_bounds_the_steps_asked_ahead(threshold, ahead, said):
     """verl's share of stale samples, in whole batches (rounded up): the steps whose batches the
     training loop asks for ahead, as the run's first console line says."""
-    from types import SimpleNamespace
-
-    from megarl.config.batch import steps_ahead
+    from megarl.config.batch_plan import steps_ahead
     from megarl.trainer.loop import _rollout_placement
 
     cfg = load_config(GRPO, [f"{ROLL}.nnodes=1", f"{ROLL}.n_gpus_per_node=1",
@@ -323,7 +319,7 @@ def test_the_staleness_threshold_bounds_the_steps_asked_ahead(threshold, ahead, 
                              f"async_training.staleness_threshold={threshold}"])  # fmt: skip
     validate(cfg, 2)
     assert steps_ahead(cfg) == ahead
-    assert _rollout_placement(SimpleNamespace(cfg=cfg, engine=None)).endswith(f"own, {said}")
+    assert _rollout_placement(cfg, None, None).endswith(f"own, {said}")
 
 
 @pytest.mark.parametrize(

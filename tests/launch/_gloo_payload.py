@@ -1,4 +1,4 @@
-"""Stand-in for ``megarl.train`` under the Slurm script: a gloo all-reduce over torchrun's world.
+"""Stand-in for ``megarl.trainer`` under the Slurm script: a gloo all-reduce over torchrun's world.
 
 Prints ``rank R of W: sum S, args ...`` per rank and exits with ``$PAYLOAD_EXIT`` (default 0).
 """

@@ -1,4 +1,4 @@
-"""Stand-in for ``megarl.train`` honouring the stop file: a step every 0.3 s until STOP appears.
+"""Stand-in for ``megarl.trainer`` honouring the stop file: a step every 0.3 s until STOP appears.
 
 It reads the run directory from its own ``--config``/overrides as the trainer will, prints
 ``step N`` per step and, once ``<run dir>/STOP`` exists, ``stopping after step N`` and exit 0.

@@ -94,7 +94,8 @@ def _run_case(spec: dict, case: dict) -> dict:
     from megarl.models.trainable import OptimizerSettings, TrainableModel
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
-    from megarl.trainer.critic import ValueUpdate, global_values, update_critic
+    from megarl.trainer.passes import critic_values
+    from megarl.trainer.update import ValueUpdate, update_critic
 
     layout = ParallelLayout(case["tp"], 1, sequence_parallel=case["sequence_parallel"],
                             expert_model_parallel_size=case.get("ep", 1))  # fmt: skip
@@ -108,7 +109,8 @@ def _run_case(spec: dict, case: dict) -> dict:
     critic = TrainableModel(built, sgd)
     before = _cpu(_hf_weights(critic.chunks, built.dims))
     batch = _rollout(spec)  # tokens, values and returns of the fixed batch
-    values = global_values(critic, batch, spec["micro_batch_size"], None)
+    values = critic_values(critic, batch, micro_batches=spec["micro_batch_size"],
+                           max_token_len=None)  # fmt: skip
     settings = ValueUpdate(
         responses_per_mini_batch=len(batch), micro_batch_size=spec["micro_batch_size"],
         cliprange_value=0.5,

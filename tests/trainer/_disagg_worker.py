@@ -1,6 +1,6 @@
 """Training steps through the trainer's own calls, colocated (world 2) or with vLLM on ranks of
-its own (world 3 or 4: a split launch, megarl.parallel.split_world, whose first 2 ranks train; the
-rollout ranks serve the trainer's commands, megarl.rollout.remote_engine). Rank 0 saves each
+its own (world 3 or 4: a split launch, megarl.rollout.remote.split_world, whose first 2 ranks train; the
+rollout ranks serve the trainer's commands, megarl.rollout.remote.engine). Rank 0 saves each
 step's metrics, responses and rewards, and the actor's final weights (HF names), to
 ``<tmp>/<mode>.pt``:
 
@@ -68,7 +68,7 @@ def main() -> None:
                       f"async_training.staleness_threshold={lag}"]  # fmt: skip
     cfg = resolve_config(load_config([config], overrides))
     if mode.startswith("split"):
-        from megarl.parallel.split_world import split_world
+        from megarl.rollout.remote.split_world import split_world
 
         world = split_world(2)
         if world.role == "rollout":
@@ -106,7 +106,7 @@ def main() -> None:
                     "metrics": metrics,
                     "responses": batch.responses.tolist() if hasattr(batch, "responses") else None,
                     "input_ids": batch.input_ids.tolist(),
-                    "rewards": batch.fields["token_level_rewards"].sum(-1).tolist(),
+                    "rewards": batch.token_level_rewards.sum(-1).tolist(),
                 })  # fmt: skip
             out["weights"] = _hf_weights(run.actor.chunks, run.actor.model.dims)
             from megarl.planner.residency import residency

@@ -38,9 +38,7 @@ def _expected_load(batch, experts: int) -> dict[str, float]:
     """The update's expert load as it should be, from the rollout's routing the update
     replayed: every real position's top-k (an uncaptured one, -1, replayed as experts 0..k-1),
     counted per layer and expert, summarised as max / mean per layer."""
-    from megarl.models.routing import ROLLOUT_ROUTING
-
-    captured = batch.fields[ROLLOUT_ROUTING].long()  # [rows, positions, layers, k]
+    captured = batch.rollout_routing.long()  # [rows, positions, layers, k]
     _, width, layers, k = captured.shape
     real = torch.arange(width)[None, :] < batch.lengths[:, None]
     choice = torch.where(captured < 0, torch.arange(k).expand_as(captured), captured)[real]
@@ -54,7 +52,6 @@ def _expected_load(batch, experts: int) -> dict[str, float]:
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     from megarl.config import load_config
-    from megarl.models.routing import ROUTING
     from megarl.models.tiny import MOE_DEFAULTS
     from megarl.parallel.init import destroy_distributed, init_distributed
     from megarl.trainer.batch import pad_token_id
@@ -83,12 +80,11 @@ def main() -> None:
                     run.actor.chunks, batch, vocab_size=run.vocab_size,
                     temperature=cfg.actor_rollout_ref.rollout.temperature, micro_batches=None,
                 )  # fmt: skip
-                batch.fields.pop(ROUTING, None)
-                _, metrics = recompute_log_probs(run, batch)
+                replayed = recompute_log_probs(run, batch)
                 out[tag] = {
                     "free": _largest_gap(free, batch),
-                    "replayed": _largest_gap(batch.fields["recomputed_log_probs"], batch),
-                    "agreement": metrics["rollout_corr/router_agreement"],
+                    "replayed": _largest_gap(replayed.log_probs, batch),
+                    "agreement": replayed.metrics["rollout_corr/router_agreement"],
                 }
 
             measure("synced")
@@ -96,7 +92,6 @@ def main() -> None:
             measure("perturbed")
             for w, original in saved:
                 w.copy_(original)
-            batch.fields.pop(ROUTING, None)
             out["step"], step_batch = train_step(
                 run, 1, [run.train_data[i] for i in next(run.sampler)]
             )

@@ -111,7 +111,7 @@ def _one_run(spec: dict, run_spec: dict) -> dict:
                     "raw_prompts": [p.raw_prompt for p in prompts],
                     "weights_unchanged": torch.equal(before, _weights_checksums(run.actor.chunks)),
                 }
-                record.update({k: batch.fields[k] for k in KEPT if k in batch.fields})
+                record.update({k: getattr(batch, k) for k in KEPT if getattr(batch, k) is not None})
                 steps.append(record)
             identical = _replicas_identical(run.actor.chunks)
         finally:
@@ -148,9 +148,9 @@ def _learning_run(spec: dict, run_spec: dict) -> dict:
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
-    from megarl.trainer import actor
+    from megarl.trainer import update
 
-    actor.forward_backward = _poisoned_forward_backward(actor.forward_backward)
+    update.forward_backward = _poisoned_forward_backward(update.forward_backward)
     from megarl.parallel.init import destroy_distributed, init_distributed
 
     init_distributed(seed=1)

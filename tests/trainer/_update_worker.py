@@ -1,7 +1,7 @@
 """One actor update on a fixed batch at every layout of one world size (one torchrun launch).
 
 For each layout and case the actor is built from the tiny HF checkpoint, updated once by
-``megarl.trainer.actor.update_policy`` (the product's code path) and its weights are gathered in
+``megarl.trainer.update.update_policy`` (the product's code path) and its weights are gathered in
 HF names; rank 0 saves them with the metrics for the pytest side, which compares them with an
 independent single-process reference (``transformers`` + ``megarl.algo``):
 ``python -m torch.distributed.run --nproc_per_node W _update_worker.py SPEC.json``.
@@ -74,10 +74,10 @@ def _replicas_identical(chunks) -> bool:
 
 
 def _rollout(spec: dict):
-    from megarl.trainer.batch import rollout_tensors
+    from megarl.trainer.batch import rollout_batch
 
     data = torch.load(spec["batch"])
-    batch = rollout_tensors(
+    batch = rollout_batch(
         data["prompts"],
         data["responses"],
         [[0.0] * len(r) for r in data["responses"]],
@@ -87,7 +87,7 @@ def _rollout(spec: dict):
     )
     for name in ("advantages", "old_log_probs", "ref_log_probs", "values", "returns"):
         if name in data:
-            batch.fields[name] = data[name]
+            setattr(batch, name, data[name])
     return batch
 
 
@@ -109,7 +109,7 @@ def _run_case(spec: dict, layout, case: dict, optimizer: str, model: str | None 
     from megarl.models.gpt import MoeSettings
     from megarl.models.trainable import OptimizerSettings, TrainableModel
     from megarl.parallel.layout import ParallelLayout
-    from megarl.trainer.actor import PolicyUpdate, update_policy
+    from megarl.trainer.update import PolicyUpdate, update_policy
 
     tp, pp, vpp, dist_opt, *ep = layout
     # float64 wherever Megatron allows it (its distributed optimizer takes fp32/bf16 only), so
@@ -163,7 +163,7 @@ def _run_case(spec: dict, layout, case: dict, optimizer: str, model: str | None 
     )
     metrics = update_policy(
         actor, _rollout(spec), update, vocab_size=built.dims.vocab_size, seed=0, step=1
-    )
+    ).metrics
     _enter_weight_read(actor)
     return {
         "dtype": str(dtype),
@@ -178,7 +178,7 @@ def _critic_case(spec: dict, layout) -> dict:
     from megarl.models.build import build_model
     from megarl.models.trainable import OptimizerSettings, TrainableModel
     from megarl.parallel.layout import ParallelLayout
-    from megarl.trainer.critic import ValueUpdate, update_critic
+    from megarl.trainer.update import ValueUpdate, update_critic
 
     tp, pp, vpp, _ = layout
     built = build_model(
@@ -208,8 +208,8 @@ def _bf16_case(spec: dict) -> dict:
     from megarl.models.build import build_model
     from megarl.models.trainable import OptimizerSettings, TrainableModel
     from megarl.parallel.layout import ParallelLayout
-    from megarl.trainer.actor import PolicyUpdate, update_policy
     from megarl.trainer.passes import global_log_probs
+    from megarl.trainer.update import PolicyUpdate, update_policy
 
     out = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -237,8 +237,8 @@ def _bf16_case(spec: dict) -> dict:
             # Positive advantages: with group-normalised (mean-zero) ones the policy loss is a
             # small difference of large terms (measured 0.059 in bf16 vs 0.031 in fp32), which
             # compares rounding noise, not the bf16 path.
-            batch.fields["advantages"] = batch.fields["advantages"].abs() + 0.5
-            batch.fields["old_log_probs"] = global_log_probs(
+            batch.advantages = batch.advantages.abs() + 0.5
+            batch.old_log_probs = global_log_probs(
                 actor.chunks,
                 batch,
                 vocab_size=built.dims.vocab_size,
@@ -247,7 +247,7 @@ def _bf16_case(spec: dict) -> dict:
             )[0]
             metrics = update_policy(
                 actor, batch, update, vocab_size=built.dims.vocab_size, seed=0, step=step
-            )
+            ).metrics
             out[name].append(metrics)
             if name == "bf16" and step == 1:
                 out["bf16_step1"] = main_weights.compare()

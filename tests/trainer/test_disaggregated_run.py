@@ -63,7 +63,7 @@ def run(tmp_path_factory) -> dict:
               f"step {STOP_AFTER}", timeout=900)  # fmt: skip
     tree = [psutil.Process(first.pid), *psutil.Process(first.pid).children(recursive=True)]
     rollout = next(p for p in tree
-                   if "megarl.train" in p.cmdline() and p.environ().get("RANK") == "2")  # fmt: skip
+                   if "megarl.trainer" in p.cmdline() and p.environ().get("RANK") == "2")  # fmt: skip
     rollout.send_signal(signal.SIGTERM)
     stopped = first.communicate(timeout=600)
     assert first.returncode == 0, stopped[0][-3000:] + stopped[1][-5000:]

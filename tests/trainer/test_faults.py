@@ -190,7 +190,7 @@ def _stop_rank_1(tiny: dict, run_dir: Path, step: int) -> None:
     _wait_for(lambda: _announced(run_dir, before), "the run to start")
     tree = _tree(proc)
     rank1 = next(
-        p for p in tree if p.environ().get("RANK") == "1" and "megarl.train" in p.cmdline()
+        p for p in tree if p.environ().get("RANK") == "1" and "megarl.trainer" in p.cmdline()
     )
     rank1.send_signal(signal.SIGTERM)
     code, out = _finish(proc)
@@ -249,7 +249,7 @@ def _kill_9_names_it(tiny: dict, run_dir: Path, rank: int, *extra: str) -> None:
     _wait_for(lambda: _announced(run_dir), "the run to start")
     tree = _tree(proc)
     victim = next(
-        p for p in tree if p.environ().get("RANK") == str(rank) and "megarl.train" in p.cmdline()
+        p for p in tree if p.environ().get("RANK") == str(rank) and "megarl.trainer" in p.cmdline()
     )
     victim.kill()
     code, out = _finish(proc)

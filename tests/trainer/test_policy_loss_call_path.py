@@ -1,4 +1,4 @@
-"""The actor's loss through the trainer's own call path (config → `policy_update` → `_loss_fn`):
+"""The actor's loss through the trainer's own call path (config → `policy_update` → `policy_loss`):
 each loss mode's settings reach the loss, and the inputs a loss needs are supplied."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from megarl.algo import get_policy_loss, micro_batch_generator
 from megarl.config import BatchPlan, load_config
-from megarl.trainer.actor import _loss_fn
+from megarl.trainer.losses import Counts, policy_loss
 from megarl.trainer.setup import policy_update
 
 GRPO = Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny_cpu.yaml"
@@ -35,6 +35,22 @@ def _micro_batch(width: int = 6):
     return outputs, mb
 
 
+def _loss(settings, tokens, seqs, outputs, mb, generator=None):
+    """The micro-batch loss as the trainer's update computes it (``megarl.trainer.update``)."""
+    counts = Counts.of(settings.loss_agg_mode, tokens, seqs, settings.loss_scale_factor)
+    return policy_loss(
+        settings,
+        counts,
+        log_prob=outputs["log_probs"],
+        entropy=outputs["entropy"],
+        old_log_prob=mb["old_log_probs"],
+        advantages=mb["advantages"],
+        response_mask=mb["response_mask"],
+        ref_log_prob=mb["ref_log_probs"],
+        generator=generator,
+    )
+
+
 def test_sapo_taus_reach_the_loss():
     outputs, mb = _micro_batch()
     losses = []
@@ -44,7 +60,7 @@ def test_sapo_taus_reach_the_loss():
             f"{ACTOR}.tau_pos={taus[0]}",
             f"{ACTOR}.tau_neg={taus[1]}",
         )
-        _, metrics = _loss_fn(settings, 23.0, 4.0, "old_log_probs")(outputs, mb)
+        _, metrics = _loss(settings, 23.0, 4.0, outputs, mb)
         loss = metrics["pg_loss"]
         want, _ = get_policy_loss("sapo")(
             old_log_prob=mb["old_log_probs"],
@@ -65,9 +81,7 @@ def test_clip_cov_runs_with_the_trainers_generator():
     settings, _ = _settings(
         f"{ACTOR}.policy_loss.loss_mode=clip_cov", f"{ACTOR}.policy_loss.clip_cov_ratio=0.2"
     )
-    loss, metrics = _loss_fn(
-        settings, 23.0, 4.0, "old_log_probs", lambda: micro_batch_generator(1, 2, 0)
-    )(outputs, mb)
+    loss, metrics = _loss(settings, 23.0, 4.0, outputs, mb, lambda: micro_batch_generator(1, 2, 0))
     loss.backward()
     assert torch.isfinite(loss) and outputs["log_probs"].grad is not None
     assert "pg_loss" in metrics
@@ -81,7 +95,7 @@ def test_dr_grpo_normaliser_is_the_response_length_not_the_batch_width():
     assert settings.loss_scale_factor == float(length)
     assert length != 6
     outputs, mb = _micro_batch(width=6)
-    _, metrics = _loss_fn(settings, 23.0, 4.0, "old_log_probs")(outputs, mb)
+    _, metrics = _loss(settings, 23.0, 4.0, outputs, mb)
     want, _ = get_policy_loss("vanilla")(
         old_log_prob=mb["old_log_probs"],
         log_prob=outputs["log_probs"],

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megarl.reward.manager import RewardError
-from megarl.trainer.step import ALLOW_ALL_TIMEOUTS_ENV, _check_timeouts
+from megarl.trainer.scoring import ALLOW_ALL_TIMEOUTS_ENV, check_timeouts
 
 
 def _run(lines: list[str]) -> SimpleNamespace:
@@ -22,14 +22,14 @@ def _scored(*timed_out: bool) -> SimpleNamespace:
 
 def test_half_or_fewer_timeouts_are_quiet_more_warn_and_all_stop(monkeypatch):
     lines: list[str] = []
-    _check_timeouts(_run(lines), _scored(True, True, False, False), step=3)
+    check_timeouts(_run(lines), _scored(True, True, False, False), step=3)
     assert lines == []
-    _check_timeouts(_run(lines), _scored(True, True, True, False), step=3)
+    check_timeouts(_run(lines), _scored(True, True, True, False), step=3)
     expected = "megarl: warning: step 3: 3 of 4 samples' scoring timed out "
     expected += "(reward_model.compute_score_timeout=30 s) and scored 0"
     assert lines == [expected]
     with pytest.raises(RewardError, match=r"4 of 4 samples.*MEGARL_ALLOW_ALL_REWARD_TIMEOUTS=1"):
-        _check_timeouts(_run(lines), _scored(True, True, True, True), step=4)
+        check_timeouts(_run(lines), _scored(True, True, True, True), step=4)
     monkeypatch.setenv(ALLOW_ALL_TIMEOUTS_ENV, "1")
-    _check_timeouts(_run(lines), _scored(True, True, True, True), step=4)
+    check_timeouts(_run(lines), _scored(True, True, True, True), step=4)
     assert len(lines) == 2 and "4 of 4" in lines[1]

@@ -1,73 +1,15 @@
-"""Execute a :class:`~megarl.rollout.reshard.plan.ReshardPlan`: stream buckets into vLLM.
+"""Run a :class:`~megarl.rollout.reshard.plan.ReshardPlan`: stream its buckets into the engine.
 
-Collective over the whole world: every rank calls
-:func:`~megarl.rollout.reshard.megatron_sync.sync_weights` with its own model chunks and the same
-plan. Per bucket:
-
-1. every rank takes a flat buffer for the bucket (``bucket.nbytes``; the previous bucket's when
-   it is large enough, nobody else holds it and the plan's bound allows, else a new one);
-2. the ranks of the owning pipeline stage fill it: each parameter's TP shards are all-gathered
-   (skipped at training TP 1) and rearranged into the Hugging Face layout with strided copies
-   straight into the buffer (vocab-parallel shards are gathered in place); MoE experts are
-   filled by the ranks of the expert-parallel rank holding them (gathered over expert TP), then
-   each EP rank's run of experts is broadcast over the EP group (``bucket.expert_runs``);
-3. with PP > 1 each rank of the other stages receives, from the owner rank of its PP group,
-   only the slices its own vLLM TP rank loads (``bucket.slices[rollout_rank]``), and writes
-   them at their places in its (full-shaped) buffer;
-4. every rank hands the bucket's HF-named views to its engine (``load_weight_chunk``), whose
-   weight loaders narrow out exactly the received rows / columns;
-5. the buffer is released (or kept for the next bucket) before the next bucket is filled.
-
-Why slices, and why this way. Broadcasting whole buckets over the PP groups made every rank
-receive the other stages' full model: for Qwen2.5-72B at TP 8, PP 4 on 8-GPU nodes (one stage
-per node), 110 GB per GPU and 880 GB into each node per sync, where one vLLM TP-8 rank loads
-1/8 of it: sliced, 13.8 GB per GPU and 110 GB per node (``megarl plan reshard`` prints both).
-The alternatives considered:
-
-- *Hand vLLM shard-shaped tensors*: its ``load_weights`` takes full HF tensors and narrows them
-  itself, and on CPU it repacks linear weights, so writing into its parameters directly would
-  tie megarl to vLLM internals that differ per device and version.
-- *vLLM's weight-transfer engines* (NCCL, M×N): GPU-only, cannot be exercised on CPU here.
-- *Slices into a full-shaped local buffer* (chosen): the wire carries only what the rank's vLLM
-  loader reads; local memory stays one bucket (as before) plus one message buffer; the engine
-  contract (HF-named, full-shaped tensors through ``load_weights``) is unchanged. The price is
-  that the plan must mirror vLLM's narrowing rule
-  (:func:`~megarl.rollout.reshard.vllm_layout.rollout_slice`: q/k/v with KV heads replicated
-  when vLLM TP exceeds them, gate/up, o/down by columns, padded vocabulary rows, norms whole;
-  under vLLM expert parallelism a rank's own experts whole and no other expert, which its
-  loader skips). The multi-rank tests fill every element a rank did not receive
-  with NaN before vLLM loads it, so a rule that drifted from vLLM's would poison the log-probs
-  rather than pass silently.
-
-Transport: Megatron numbers ranks TP-first, so the ranks of one PP group (same TP and DP rank,
-one per stage) usually share a vLLM TP rank (rank % vLLM TP): whenever TP × DP × CP, the ranks
-of one stage, is a multiple of the vLLM TP size (e.g. 72B TP 8, PP 4 → vLLM TP 8). Then the
-owner broadcasts that one message over the PP group. Otherwise (e.g. PP 2 on 2 ranks, vLLM TP 2)
-the owner sends each receiver its own message point-to-point, one packing per distinct vLLM TP
-rank. A message that is one contiguous run of the bucket (all of it at vLLM TP 1, or one
-vocabulary shard) travels in place; others are packed into a buffer of ``bucket.pack_numel``.
-
-Extra memory on a rank is therefore one bucket plus, while it is filled, one parameter's
-all-gather buffer on owner ranks or, while it travels, one message buffer (``plan.peak_bytes``),
-whatever the model size. vLLM holds back a module's tensors until the whole module has arrived,
-so the plan keeps modules whole inside a bucket; it may hold the embedding / output layer until
-the update finishes (padded vocabulary rows), which is why those travel alone and why a buffer
-still referenced by anyone is never reused.
-
-Bytes received are counted at the collectives from the buffers passed to them
-(:class:`SyncStats`): ``pipeline_received_bytes`` equals ``plan.received(...).pipeline`` and
-``tp_received_bytes`` the all-gathers' other shards.
-
-Not done (yet): the training-TP all-gather inside the owner stage still assembles full
-parameters on every TP rank (inside a node on GPU clusters; ``RankTraffic.tp_gather``); an
-all-to-all of rollout slices could replace it. The shard-only fast path (training TP == vLLM
-TP, PP 1, no gather) needs a direct write into vLLM's parameters (see above).
-
-Why the layout change is written here as strided copies rather than by calling
-:func:`megarl.models.hf_mapping.megatron_param_to_hf` on a merged tensor: merging and splitting
-allocate two or three full-size temporaries per parameter (7 GiB for a 72B embedding at TP 8);
-:func:`write_hf_from_shards` writes the same result into the bucket with at most the gather
-buffer. Tests check it against ``hf_mapping`` for every partition kind and several TP sizes.
+Collective: every rank calls :func:`stream_buckets` (from Megatron:
+:func:`~megarl.rollout.reshard.megatron_sync.sync_weights`) with its own shards and the same
+plan. Per bucket, one flat buffer: the owning stage's ranks fill it (TP shards all-gathered and
+written in the HF layout by :func:`write_hf_from_shards`; experts by their EP rank, then
+broadcast over the EP group); with PP > 1 each rank of another stage receives only the slices
+its vLLM TP rank loads (:class:`_PipelineRoute`); every rank then hands the bucket's HF-named,
+full-shaped views to the engine. Full-shaped because vLLM's ``load_weights`` takes full HF
+tensors and narrows them itself; only those slices are defined on other stages' ranks, so
+:func:`~megarl.rollout.reshard.vllm_layout.rollout_slice` must mirror vLLM's rule. Extra memory
+per rank: one bucket plus one all-gather or message buffer (``plan.peak_bytes``).
 """
 
 from __future__ import annotations
@@ -107,7 +49,8 @@ __all__ = [
 
 @dataclass
 class SyncStats:
-    """What one sync moved on this rank."""
+    """What one sync moved on this rank. Received bytes are counted from the buffers passed to
+    the collectives, so they equal :meth:`~megarl.rollout.reshard.plan.ReshardPlan.received`."""
 
     buckets: int
     bytes: int
@@ -184,8 +127,9 @@ def write_hf_from_shards(
         out: HF name -> destination tensor of the HF shape (views into a bucket), as named by
             :func:`~megarl.models.hf_mapping.megatron_param_sources`.
 
-    Same result as ``megatron_param_to_hf(name, tp_merge(name, list(shards), dims), dims)``
-    without building the merged tensor.
+    Same result as ``megatron_param_to_hf(name, tp_merge(name, list(shards), dims), dims)``,
+    written as strided copies straight into ``out``: merging and splitting would allocate two or
+    three full-size temporaries per parameter.
     """
     kind = hm.tp_partition_kind(name)
     tp = shards.shape[0]
@@ -383,7 +327,12 @@ def _check_sink(sink: WeightSink, plan: ReshardPlan, rollout_rank: int) -> None:
 
 class _PipelineRoute:
     """How a bucket reaches the other ranks of this rank's PP group: one broadcast when they
-    all load the same vLLM TP rank's slices, else one message per receiver from the owner."""
+    all load the same vLLM TP rank's slices, else one message per receiver from the owner.
+
+    Megatron numbers ranks TP-first, so a PP group shares one vLLM TP rank (``rank % TP_v``)
+    whenever the ranks of one stage (TP × DP × CP) are a multiple of the vLLM TP size. A message
+    that is one contiguous run of the bucket travels in place; others are packed.
+    """
 
     def __init__(
         self,
@@ -460,11 +409,11 @@ class _Buffer:
     """A bucket buffer that is reused for the next bucket only when nothing else references its
     memory any more.
 
-    Fresh host allocations cost page faults (measured: 3.4 GB/s for fresh buckets against 16
-    GB/s reused), but the engine may keep views of a bucket past ``load_weight_chunk`` (vLLM
-    holds a module whose padded rows were not all loaded until the update finishes) and a
-    finished collective may still hold it for a moment; such a buffer is left to them and a new
-    one is allocated. Whether others hold it is read from the storage's reference count.
+    Reuse saves the page faults of a fresh host allocation, but the engine may keep views of a
+    bucket past ``load_weight_chunk`` (vLLM holds a module whose padded rows were not all loaded
+    until the update finishes) and a finished collective may still hold it for a moment; such a
+    buffer is left to them and a new one is allocated. Whether others hold it is read from the
+    storage's reference count.
     """
 
     def __init__(self, tensor: Tensor) -> None:

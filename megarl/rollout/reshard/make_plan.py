@@ -1,7 +1,7 @@
 """Building a :class:`~megarl.rollout.reshard.plan.ReshardPlan` (:func:`make_reshard_plan`):
 Megatron's parameters in module order, each with its owner, TP shards and HF slots, packed into
 buckets of whole modules (a layer's experts one module) with each vLLM TP rank's slices. The
-plan's layout and rules are in :mod:`megarl.rollout.reshard.plan`'s docstring."""
+plan's layout and rules are documented in :mod:`megarl.rollout.reshard.plan`."""
 
 from __future__ import annotations
 

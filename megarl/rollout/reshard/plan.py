@@ -1,47 +1,15 @@
-"""Pure resharding plan: which Megatron parameter lives where, and how it travels to vLLM.
+"""Pure resharding plan: where each Megatron parameter lives and how it travels to vLLM.
 
-Computed from the training layout (TP, PP, VPP), the model dimensions and the rollout TP alone:
-no ``torch.distributed``, no Megatron import, no tensors allocated. Every rank computes the same
-plan (the ordering is deterministic), and :mod:`megarl.rollout.reshard.executor` moves bytes by it.
+Computed from the model dimensions, the training layout (TP, PP, VPP, EP, ETP) and the rollout
+TP alone (no ``torch.distributed``, no Megatron, no tensors) and deterministic, so every rank
+computes the same plan; :mod:`~megarl.rollout.reshard.executor` moves the bytes by it.
 
-Ownership follows Megatron's standard even split (no uneven first/last stages, no embedding or
-loss counted as a layer): with ``P`` pipeline stages and ``V`` virtual chunks per stage, the
-``L`` layers form ``P·V`` equal chunks and chunk ``c = vp_stage·P + pp_rank`` starts at layer
-``c·L/(P·V)``. The embedding lives on (stage 0, chunk 0), the final norm and output layer on
-(stage P-1, chunk V-1). The multi-rank tests check this against Megatron's ``layer_offset``.
-
-A plan is a list of :class:`Bucket` s. A bucket is one flat buffer of at most ``bucket_bytes``
-holding the Hugging Face tensors of whole Megatron *modules* (``linear_qkv`` weight and bias
-travel together, because vLLM holds back a module's tensors until all of them have arrived), all
-owned by one pipeline stage (whose ranks send it to the others of their PP group). A module
-larger than ``bucket_bytes`` forms a bucket of its own: the bound is then that module's size.
-The embedding and the output layer always travel alone: vLLM pads its vocabulary to a multiple
-of 64 rows and, when that leaves rows the checkpoint does not fill, holds the tensor until the
-update is finished, which keeps its whole bucket alive that long.
-
-Mixture-of-Experts: a layer's experts are one module (vLLM's ``FusedMoE`` holds every expert of
-the layer in two tensors and processes them only when all have arrived), so they travel in one
-bucket. Inside a stage the experts are split over expert parallelism (EP: each EP rank holds
-``E/EP`` consecutive experts, Megatron's ``BaseMoELayer`` rule) and each expert over expert TP
-(ETP). The ranks of the expert's EP rank all-gather it over ETP and write it into the bucket;
-then each EP rank's run of experts is broadcast over the EP group (:attr:`Bucket.expert_runs`),
-so that every rank hands its engine the whole layer (vLLM without expert parallelism keeps
-every expert, split along the intermediate dimension over its TP ranks). With vLLM expert
-parallelism (:attr:`ReshardPlan.rollout_ep`) each vLLM rank keeps a run of whole experts
-instead (:func:`~megarl.rollout.reshard.vllm_layout.rollout_expert_range`): its engine still
-gets the whole layer and skips the other experts, and its slices from other stages hold only
-its own experts, whole.
-
-With PP > 1 a bucket crosses stages as *slices*: each rank receives only the rows / columns of
-each HF tensor that its own vLLM TP rank loads (:func:`rollout_slice` in
-:mod:`~megarl.rollout.reshard.vllm_layout`, vLLM's own narrowing rule), not the whole bucket.
-Per bucket and vLLM TP rank the plan lists those pieces (:class:`SlicePiece`); their
-concatenation is the message that rank receives. Norms are replicated (every rank gets them
-whole); KV heads are replicated when the vLLM TP size exceeds them (ranks sharing a head get
-the same rows). :meth:`ReshardPlan.received` gives the bytes one rank receives per sync: its
-slices from the other stages plus, on its own stage, the training-TP all-gather (which still
-moves full parameters inside a stage). The executor's module docstring says why slices travel
-this way.
+A plan is ordered :class:`Bucket` s, each a flat buffer of at most ``bucket_bytes`` holding the
+HF tensors of whole modules of one pipeline stage: vLLM processes a module only once all its
+tensors have arrived (a layer's experts are one module, vLLM's ``FusedMoE``). A larger module is
+a bucket of its own; the embedding and output layer travel alone, as vLLM may hold them until
+the update finishes (padded vocabulary rows). With PP > 1 a rank receives only its vLLM TP
+rank's :class:`SlicePiece` s of other stages' buckets (:func:`rollout_slice`).
 """
 
 from __future__ import annotations
@@ -162,8 +130,9 @@ class ParamTransfer:
     """The Hugging Face tensors it becomes (none for a tied output layer)."""
     itemsize: int
     ep_rank: int | None = None
-    """MoE experts: the expert-parallel rank holding it (``shard_shape`` and ``needs_gather``
-    then refer to expert TP). None: every rank of its stage holds it."""
+    """MoE experts: the expert-parallel rank holding it (each holds ``E/EP`` consecutive
+    experts, Megatron's rule; ``shard_shape`` and ``needs_gather`` then refer to expert TP).
+    None: every rank of its stage holds it."""
 
     @property
     def nbytes(self) -> int:
@@ -200,7 +169,7 @@ class Bucket:
 
     index: int
     pp_rank: int
-    """The stage whose ranks fill it (others receive it by broadcast)."""
+    """The stage whose ranks fill it (the other stages' ranks receive their slices of it)."""
     params: tuple[ParamTransfer, ...]
     numel: int
     """Elements of the flat buffer."""
@@ -238,7 +207,7 @@ class Bucket:
 
     @property
     def scratch_bytes(self) -> int:
-        """Largest per-parameter transient on an owner rank (see ``ParamTransfer.scratch_bytes``)."""
+        """Largest per-parameter transient on an owner rank (``ParamTransfer.scratch_bytes``)."""
         return max((p.scratch_bytes for p in self.params), default=0)
 
     @property
@@ -291,7 +260,9 @@ class ReshardPlan:
     """Megatron parameters that produce no HF tensor (the tied output-layer copy on the last
     stage when PP > 1)."""
     rollout_ep: bool = False
-    """vLLM runs expert parallelism (EP size = its TP size): each rank keeps whole experts."""
+    """vLLM runs expert parallelism (EP size = its TP size): each rank keeps whole experts, its
+    own only; its engine still gets every expert and skips the others, and its slices from
+    other stages hold only its own experts."""
 
     @property
     def itemsize(self) -> int:
@@ -320,8 +291,8 @@ class ReshardPlan:
 
     @property
     def peak_bytes(self) -> int:
-        """Upper bound of a sync's extra memory on any rank: the largest bucket plus its
-        largest per-parameter conversion scratch."""
+        """Upper bound of a sync's extra memory on any rank: the largest
+        :attr:`Bucket.peak_bytes` (a bucket plus its all-gather scratch or message buffer)."""
         return max((b.peak_bytes for b in self.buckets), default=0)
 
     def bytes_per_stage(self) -> list[int]:
@@ -495,7 +466,13 @@ class ReshardPlan:
 def chunk_layer_range(
     dims: ModelDims, layout: ParallelLayout, pp_rank: int, vp_stage: int
 ) -> range:
-    """Global layer indices of model chunk ``vp_stage`` on stage ``pp_rank`` (even split)."""
+    """Global layer indices of model chunk ``vp_stage`` on stage ``pp_rank``.
+
+    Megatron's standard even split (no uneven first/last stages, no embedding or loss counted
+    as a layer): the ``L`` layers form ``P·V`` equal chunks, and chunk ``c = vp_stage·P +
+    pp_rank`` starts at layer ``c·L/(P·V)``. The multi-rank tests check it against Megatron's
+    ``layer_offset``.
+    """
     chunks = layout.pp * layout.vpp
     if dims.num_layers % chunks:
         raise ValueError(
@@ -508,7 +485,9 @@ def chunk_layer_range(
 
 
 def owner_of(mg_name: str, dims: ModelDims, layout: ParallelLayout) -> tuple[int, int]:
-    """(pp_rank, vp_stage) holding the Megatron parameter ``mg_name`` (global index)."""
+    """(pp_rank, vp_stage) holding the Megatron parameter ``mg_name`` (global index): its
+    layer's chunk (:func:`chunk_layer_range`); the embedding on (0, 0), the final norm and
+    output layer on (P-1, V-1)."""
     layer = hm.layer_index(hm.from_te_name(mg_name))
     if layer is None:
         if hm.from_te_name(mg_name) == hm.EMBEDDING:

@@ -1,22 +1,14 @@
-"""One launch, two worlds: training ranks and rollout ranks (disaggregated placement, issue 26).
+"""One launch, two worlds: training ranks and rollout ranks.
 
-torchrun (or Slurm) starts ``W`` processes; the first ``train_size`` train, the others host the
-rollout engines (on one node, after the training ranks; on several, whole nodes, as every node
-runs as many processes and torchrun numbers them node by node). Each side gets its own default
-process group, so that Megatron-Core (which sizes every parallel group from the default group)
-sees only the training ranks and vLLM's
-external launcher only the rollout ranks; ``RANK`` and ``WORLD_SIZE`` are rewritten to the side's
-numbering for the code that reads them (the launch's are kept in ``MEGARL_LAUNCH_RANK`` /
-``MEGARL_LAUNCH_WORLD_SIZE``; ``LOCAL_RANK``, which picks the GPU, is left alone).
-
-The two sides talk over groups built on the launch's rendezvous store under their own prefixes
-(:meth:`SplitWorld.group`): ``bridge`` holds every process. They are plain ``ProcessGroup``
-objects, not registered with ``torch.distributed``: call their methods (``broadcast``, ``send``,
-...) directly, or the helpers here. gloo, except the weights' group between GPUs of their own
-(:meth:`SplitWorld.channels`): NCCL, the buckets going from GPU to GPU.
-
-The store: under torchrun its agent hosts it at ``MASTER_ADDR:MASTER_PORT`` and every process
-connects as a client; otherwise (Slurm) the launch's rank 0 hosts it.
+torchrun (or Slurm) starts ``W`` processes; the first ``train_size`` train and the others host
+the rollout engines (on several nodes, whole nodes: torchrun numbers ranks node by node). Each
+side gets its own default process group, so that Megatron-Core (which sizes every parallel group
+from it) sees only the training ranks and vLLM's external launcher only the rollout ranks;
+``RANK`` and ``WORLD_SIZE`` are rewritten to the side's numbering (the launch's are kept in
+``MEGARL_LAUNCH_RANK`` / ``MEGARL_LAUNCH_WORLD_SIZE``; ``LOCAL_RANK``, which picks the GPU, is
+left alone). The two sides talk over plain ``ProcessGroup`` objects built on the launch's store
+(:meth:`SplitWorld.group`), not registered with ``torch.distributed``: call their methods
+(``broadcast``, ``send``, ...) directly, or the helpers here.
 """
 
 from __future__ import annotations
@@ -98,7 +90,7 @@ class SplitWorld:
         host memory otherwise. Only for a group whose members use it from one thread at a time,
         while no other NCCL work of theirs runs concurrently (NCCL's rule for several
         communicators): the rollout side receives at most one step off on its main thread,
-        between two requests (:mod:`megarl.rollout.remote_serve`). A rollout rank builds its
+        between two requests (:mod:`megarl.rollout.remote.serve`). A rollout rank builds its
         channels once vLLM holds its pool (both sides start meanwhile), so NCCL's buffers and one
         bucket at a time (``megarl plan``'s ``bucket received``) come from the GPU memory vLLM
         leaves (``rollout.gpu_memory_utilization``). A dead peer shows on the gloo groups first;
@@ -192,6 +184,8 @@ def current() -> SplitWorld | None:
 
 
 def _launch_store(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
+    # Under torchrun its agent hosts the store at MASTER_ADDR:MASTER_PORT and every process is a
+    # client; otherwise (Slurm) the launch's rank 0 hosts it.
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     return dist.TCPStore(
         launch.master_addr,

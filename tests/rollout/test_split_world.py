@@ -1,8 +1,8 @@
-"""A split launch (megarl.parallel.split_world): each side its own world, groups between them,
+"""A split launch (megarl.rollout.remote.split_world): each side its own world, groups between them,
 and a rollout side that stops answering makes the training side fail in one line naming it
-within the timeout (megarl.rollout.remote_engine); weight updates from the trainer's
+within the timeout (megarl.rollout.remote.engine); weight updates from the trainer's
 RemoteEngine reach the rollout side's engine whole and in order, over gloo on CPU and over NCCL,
-GPU to GPU, between two GPUs (megarl.rollout.remote_serve)."""
+GPU to GPU, between two GPUs (megarl.rollout.remote.serve)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import ClassVar
 import pytest
 
 from megarl.parallel.spawn import run_local_world
-from megarl.parallel.split_world import distinct_devices
+from megarl.rollout.remote.split_world import distinct_devices
 
 pytestmark = pytest.mark.multirank
 
@@ -28,8 +28,8 @@ def split_rank() -> dict:
     import torch
     import torch.distributed as dist
 
-    from megarl.parallel.split_world import broadcast_object, split_world
-    from megarl.rollout.remote_engine import RemoteEngine, RolloutRanksLost
+    from megarl.rollout.remote.engine import RemoteEngine, RolloutRanksLost
+    from megarl.rollout.remote.split_world import broadcast_object, split_world
 
     world = split_world(2, timeout=timedelta(seconds=3))
     t = torch.ones(1)
@@ -120,9 +120,9 @@ def weights_rank() -> dict:
     from megarl.config.model_dims import ModelDims
     from megarl.models.tiny import tiny_hf_config
     from megarl.parallel.layout import ParallelLayout
-    from megarl.parallel.split_world import split_world
-    from megarl.rollout.remote_engine import RemoteEngine
-    from megarl.rollout.remote_serve import serve
+    from megarl.rollout.remote.engine import RemoteEngine
+    from megarl.rollout.remote.serve import serve
+    from megarl.rollout.remote.split_world import split_world
     from megarl.rollout.reshard.make_plan import make_reshard_plan
 
     world = split_world(1)
@@ -194,11 +194,11 @@ def staged_rank() -> dict:
     from megarl.config.model_dims import ModelDims
     from megarl.models.tiny import tiny_hf_config
     from megarl.parallel.layout import ParallelLayout
-    from megarl.parallel.split_world import broadcast_object, split_world
-    from megarl.rollout.remote_engine import RemoteEngine
+    from megarl.rollout.remote.engine import RemoteEngine
+    from megarl.rollout.remote.split_world import broadcast_object, split_world
+    from megarl.rollout.remote.weights import load_buckets, receive_buckets
     from megarl.rollout.reshard.make_plan import make_reshard_plan
     from megarl.rollout.reshard.plan import slot_pieces
-    from megarl.rollout.reshard.remote import load_buckets, receive_buckets
 
     world = split_world(1)
     dims = ModelDims.from_hf_config(tiny_hf_config("qwen2", num_layers=2))

@@ -1,45 +1,20 @@
-"""A rollout engine on other ranks, seen from the training ranks (disaggregated placement, issue
-26; :mod:`megarl.parallel.split_world`).
+"""The training ranks' handle on vLLM running on rollout ranks of its own (:mod:`.split_world`).
 
-:class:`RemoteEngine` is the :class:`~megarl.rollout.base.RolloutEngine` the trainer holds when
-its vLLM runs on rollout ranks: the trainer's own calls (``generate``, the weight-update session
-of :func:`~megarl.rollout.reshard.sync_weights`) reach
-:func:`~megarl.rollout.remote_serve.serve` on the rollout ranks as commands, so a run is the
-colocated run's steps with the engine elsewhere. The engines look like one replica of vLLM TP 1
-to the trainer (whole tensors reach the first training rank; vLLM narrows them for its own TP).
-It never sleeps: its devices are its own. A batch comes back as the colocated engine returns
-it, with the routing vLLM captured for R3 when that is on.
+:class:`RemoteEngine` turns the trainer's engine calls into commands that
+:func:`~megarl.rollout.remote.serve.serve` runs on the rollout ranks. Only the first training rank
+talks to them, over the three groups of :class:`~megarl.rollout.remote.split_world.Channels`;
+every training rank calls every method, and the others get its results over the training world.
+Commands, broadcast on ``control`` and run by the rollout ranks in the order sent:
 
-The first training rank talks to the rollout ranks over three groups
-(:class:`~megarl.parallel.split_world.Channels`), each in its own order; every training rank
-calls every method, and the others wait for its result on the training world. Commands, on
-``control``:
-
-- ``("generate", version, [(prompts, kwargs, reward), ...])``: for each request in turn, the
-  rollout ranks split the prompts over their vLLM replicas (``rollout.tensor_model_parallel_size``
-  consecutive rollout ranks each, :func:`~megarl.rollout.distribute.generate_on_replicas`: the
-  tokens do not depend on the number of replicas), with weight version ``version`` (the
-  trainer's newest when it asked), gather the batch, score it when ``reward`` asks, and the
-  first rollout rank sends it back on ``replies`` (one reply per request, in order);
-- ``("weights", version, plan)``: the buckets of ``plan`` follow on ``weights``, as
-  :func:`~megarl.rollout.reshard.remote.receive_buckets` takes them; the rollout ranks switch
-  to them between requests (beyond one step off they receive them while they generate);
+- ``("generate", version, [(prompts, kwargs, reward), ...])``: each request in turn, generated
+  over the rollout ranks' vLLM replicas with weight version ``version`` (the trainer's newest
+  when it asked) and scored when ``reward`` is given; the first rollout rank sends one reply per
+  request, in order, on ``replies`` (``{"batch", "scored", "timing"}``);
+- ``("weights", version, plan)``: the buckets of ``plan`` follow on ``weights``
+  (:mod:`.weights`); version ``k`` is the update after ``k`` finished syncs (-1: the weights
+  vLLM started with). The rollout ranks load a version between two requests, never inside one;
 - ``("eos",)``: the engine's EOS token ids come back on ``replies``;
 - ``("stop",)``: ``serve`` returns.
-
-Bounded staleness (:meth:`RemoteEngine.prefetch`): the requests for the next steps go out as
-soon as this step's batch is in, so the rollout ranks generate them, with the weights the
-trainer holds when asking, while this step trains; a later ``generate`` with the same arguments
-returns the batch. With up to ``s`` steps asked ahead, step k's batch comes from the weights
-of step k-1-s (:attr:`RemoteEngine.last_version`: syncs finished before it was asked for, the
-first sync being version 0), and the wait for it is timed. Beyond one step off the weight
-updates do not wait for the batches asked ahead: their bytes stream to the rollout ranks while
-they generate (:attr:`RemoteEngine.streams`). At most one step off an update goes in after the
-batch asked before it: the sync takes that batch in first (the wait is the sync's,
-:attr:`RemoteEngine.sync_waited_s`), so the rollout ranks are known to be alive and idle when
-the bytes go (over NCCL where each rank has a GPU of its own). ReMax's
-greedy batch is asked for with its sampled one, in the same command, so both come from the same
-weights (as colocated, where the engine generates both between two syncs).
 """
 
 from __future__ import annotations
@@ -54,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megarl.parallel.split_world import Channels, broadcast_object, from_rank
 from megarl.rollout.base import CallOrder, RolloutBatch
+from megarl.rollout.remote.split_world import Channels, broadcast_object, from_rank
 
 __all__ = ["RemoteEngine", "RolloutRanksLost"]
 
@@ -79,7 +54,21 @@ class RolloutRanksLost(RuntimeError):
 
 
 class RemoteEngine:
-    """The training ranks' handle on the rollout ranks' engine (see the module docstring)."""
+    """The training ranks' handle on the rollout ranks' engine (protocol: the module docstring).
+
+    To the trainer it is one replica of vLLM TP 1: the resharding plan is made for TP 1, so whole
+    tensors reach the first training rank, and vLLM narrows them for its own TP. It never sleeps:
+    its devices are its own.
+
+    Asking ahead (:meth:`prefetch`): the requests for the next steps go out as soon as this
+    step's batch is in, and the rollout ranks generate them, with the weights the trainer holds
+    when asking, while this step trains; a later :meth:`generate` with the same arguments returns
+    the batch (:attr:`last_version`: the weights that made it). ReMax's greedy batch is asked for
+    in the same command as its sampled one, so both come from the same weights. A weight update
+    with ``streams`` (beyond one step off) goes to the rollout ranks' staging slot while they
+    generate; otherwise the sync first takes in the batches asked before it
+    (:attr:`sync_waited_s`), so the rollout ranks are idle when the bytes go.
+    """
 
     tensor_parallel_size = 1
     """What the resharding plan is made for: whole tensors to the first training rank."""
@@ -104,7 +93,7 @@ class RemoteEngine:
         it are in, which the sync takes first."""
         self.rollout_tp = rollout_tp
         """The rollout ranks' vLLM TP size: streaming, each rank receives only its TP rank's
-        pieces (:func:`~megarl.rollout.reshard.remote.pack_part`)."""
+        pieces (:func:`~megarl.rollout.remote.weights.pack_part`)."""
         self._bucket = 0
         """The next bucket of the update in progress."""
         self.update_bytes = 0
@@ -234,7 +223,7 @@ class RemoteEngine:
 
     def _send_parts(self, named: list[tuple[str, Tensor]]) -> None:
         """Send each rollout rank its vLLM TP rank's pieces of the next bucket (staged there)."""
-        from megarl.rollout.reshard.remote import pack_part
+        from megarl.rollout.remote.weights import pack_part
 
         bucket = self._plan.buckets[self._bucket]
         self._bucket += 1

@@ -1,26 +1,14 @@
-"""Weights from the training ranks to rollout engines on other ranks (disaggregated placement,
-issue 26; :mod:`megarl.parallel.split_world`).
+"""Weight updates from the training ranks to vLLM on rollout ranks of their own.
 
-The training ranks run the resharding plan as for a colocated engine
-(:func:`~megarl.rollout.reshard.sync_weights`: TP all-gathers, pipeline and expert moves) into
-a :class:`~megarl.rollout.remote_engine.RemoteEngine`; the plan is made for vLLM TP 1, so that
-whole tensors reach the first training rank, which broadcasts each bucket, its HF tensors back
-to back, over the ``weights`` group (itself first, then every rollout rank); the other training
-ranks drop theirs. Each rollout rank receives the buckets in plan order and loads them into its
-engine in one weight-update session between two requests:
-
-- straight in, bucket by bucket (at most one step off): whole buckets, broadcast to every
-  rollout rank (vLLM narrows each tensor for its own TP rank, so any rollout TP works), over
-  NCCL, GPU to GPU, when every member of the group has a GPU of its own, over gloo through host
-  memory otherwise (:meth:`~megarl.parallel.split_world.SplitWorld.channels`);
-- or staged (bounded staleness beyond one step): received on a thread of its own into host
-  memory while the engine goes on generating, and loaded when a request asks for that version
-  (:mod:`megarl.rollout.remote_serve`). Each rollout rank then receives only what its vLLM TP
-  rank loads (:func:`~megarl.rollout.reshard.plan.slot_pieces`, the colocated sync's rule; sent
-  to it alone, over gloo), so a staged version takes 1/TP of the model on each; at load time
-  each tensor is whole-shaped again, NaN outside those pieces (vLLM reading one would show).
-
-The plan travels with the command; the rollout side needs no Megatron.
+The training ranks run the resharding plan into a
+:class:`~megarl.rollout.remote.engine.RemoteEngine`; the plan is made for vLLM TP 1, so whole
+HF tensors reach the first training rank (the others drop theirs), which sends each bucket on
+the ``weights`` group. Each rollout rank loads the buckets, in plan order, in one weight-update
+session between two requests: straight in as they arrive (at most one step off; whole buckets
+broadcast to every rollout rank, over NCCL where every member has a GPU of its own, else gloo),
+or staged (beyond one step off; received into host memory while the engine generates, each
+rank sent only its vLLM TP rank's pieces, :func:`pack_part`). The plan travels with the
+``weights`` command, so the rollout side needs no Megatron.
 """
 
 from __future__ import annotations
@@ -30,8 +18,8 @@ from typing import Any
 
 import torch
 
-from megarl.parallel.split_world import HOST, from_rank
 from megarl.rollout.base import WeightSink
+from megarl.rollout.remote.split_world import HOST, from_rank
 from megarl.rollout.reshard.executor import piece_of, slot_view, unpack_pieces
 from megarl.rollout.reshard.plan import Bucket, ReshardPlan, SlicePiece, slot_pieces
 

@@ -1,31 +1,20 @@
-"""The rollout ranks' side of a split launch (disaggregated placement, issue 26): :func:`serve`
-runs the commands of :class:`~megarl.rollout.remote_engine.RemoteEngine` (the protocol is in its
-module docstring) on this rank's part of the rollout ranks' vLLM replicas.
+"""The rollout ranks' side of a split launch: :func:`serve` runs the commands of
+:class:`~megarl.rollout.remote.engine.RemoteEngine` (the protocol is in its module docstring)
+on this rank's share of the rollout ranks' vLLM replicas.
 
-Three threads talk to the training side, one per group of
-:class:`~megarl.parallel.split_world.Channels`, so that none waits behind another:
+Threads, one per group of :class:`~megarl.rollout.remote.split_world.Channels`, so that none
+waits behind another:
 
-- the commands thread receives every command on ``control`` as soon as the trainer sends it
-  and queues it for the main thread (the trainer asking ahead never waits for a generation);
-- with bounded staleness beyond one step (``stage``), the weights thread receives each announced
-  weight version on ``weights`` into a staging slot while the main thread goes on generating
-  with the weights the engine holds (otherwise the main thread loads each update straight into
-  the engine, bucket by bucket, when it reaches its command: no copy of the weights, and one step
-  off loses nothing by it, as the trainer waits for that batch next anyway; the bytes go GPU to
-  GPU over NCCL then, where each rank has a GPU of its own, as nothing else of this process
-  runs on the GPU meanwhile);
-- the replies thread (first rollout rank) sends each reply on ``replies``, in order, when the
-  trainer takes it (the main thread goes on with the next request meanwhile).
+- commands: receives each command on ``control`` as soon as it is sent and queues it for the
+  main thread (the trainer asking ahead never waits for a generation);
+- weights (``stage``, beyond one step off): receives each announced weight version on
+  ``weights`` into the staging slot (:class:`_Staging`) while the main thread generates;
+- replies (first rollout rank): sends each reply on ``replies``, in order.
 
-The main thread runs the queued commands in order: the engine, the replicas' collectives and the
-reward manager stay on it. A request carries the weight version it must be generated with (the
-trainer's newest when it asked); before generating it the main thread loads that version (from
-the slot when staging), between two requests, never inside one. The slot holds one version: the
-weights thread receives the next one once the main thread has loaded or dropped the last one (a
-version no request asks for is dropped when the next is announced), so the rollout side holds at
-most one copy of the weights besides its engine's (each rank only what its vLLM TP rank loads,
-``part``), and a trainer more than a version ahead waits in its weight sync. A thread's error
-(the trainer gone, a timeout) ends :func:`serve` with it.
+The main thread runs the commands in order (the engine, the replicas' collectives and the
+reward manager stay on it) and loads a request's weight version before generating it. Without
+staging it loads each update straight into the engine when it reaches the command: no copy of
+the weights, and one step off loses nothing by it, as the trainer waits for that batch next.
 """
 
 from __future__ import annotations
@@ -35,13 +24,20 @@ import threading
 import time
 from typing import Any
 
-from megarl.parallel.split_world import Channels, broadcast_object
+from megarl.rollout.remote.split_world import Channels, broadcast_object
 
 __all__ = ["serve"]
 
 
 class _Staging:
-    """The staging slot between the weights thread and the main thread."""
+    """The staging slot between the weights thread and the main thread.
+
+    It holds one version: the weights thread receives the next once the main thread has loaded
+    or dropped the last (a version no request asks for is dropped when the next is announced).
+    So the rollout side holds at most one copy of the weights besides its engine's (each rank
+    only what its vLLM TP rank loads), and a trainer more than a version ahead waits in its
+    weight sync.
+    """
 
     def __init__(self) -> None:
         self.todo: queue.Queue = queue.Queue()
@@ -53,7 +49,7 @@ class _Staging:
     def receive_all(self, group: Any, part: Any) -> None:
         """The weights thread: each announced version into the slot once it is free (this
         rank's pieces, ``part``)."""
-        from megarl.rollout.reshard.remote import receive_buckets
+        from megarl.rollout.remote.weights import receive_buckets
 
         while (item := self.todo.get()) is not None:
             version, plan = item
@@ -92,7 +88,8 @@ def serve(
     stage: bool = True,
     part: tuple[int, int] = (1, 0),
 ) -> None:
-    """Run the training ranks' commands on ``engine`` until ``stop`` (see the module docstring).
+    """Run the training ranks' commands on ``engine`` until ``stop`` (see the module docstring);
+    a thread's error (the trainer gone, a timeout) ends it with that error.
 
     ``score(batch, reward)``: scores a generated batch when its request asks for it (every
     rollout rank calls it, as the reward manager is collective); its error goes back as text.
@@ -100,9 +97,9 @@ def serve(
     update goes straight into the engine, bucket by bucket, when the main thread reaches its
     command (no copy of the weights; the trainer's sync waits for the requests before it).
     ``part``: ``(rollout TP, this rank's vLLM TP rank)``: staging, what this rank receives of
-    each update (its pieces only, :func:`~megarl.rollout.reshard.remote.pack_part`).
+    each update (its pieces only, :func:`~megarl.rollout.remote.weights.pack_part`).
     """
-    from megarl.rollout.reshard.remote import load_buckets, receive_buckets
+    from megarl.rollout.remote.weights import load_buckets, receive_buckets
 
     inbox: queue.Queue = queue.Queue()
     """(arrival time, command) in the trainer's order, or (None, error) from a thread."""
