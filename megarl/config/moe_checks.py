@@ -17,6 +17,43 @@ MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 Error = Callable[[str], None]
 
+VERL_MOE_DEFAULTS = {"moe_router_load_balancing_type": "none"}
+"""What verl 0.9.1's Megatron engine sets unless ``override_transformer_config`` says otherwise:
+no load-balancing loss (``moe_aux_loss_coeff`` alone turns nothing on)."""
+
+MEGATRON_SCALED_BALANCING = ("seq_aux_loss", "global_aux_loss")
+"""Load-balancing types whose gradient scale at TP×CP > 1 has not been checked against a
+reference (``aux_loss``'s has: :mod:`megarl.models.router_losses`)."""
+
+
+def moe_overrides(meg) -> dict:
+    """A ``megatron`` section's ``override_transformer_config`` over :data:`VERL_MOE_DEFAULTS`."""
+    return {**VERL_MOE_DEFAULTS, **meg.override_transformer_config}
+
+
+def check_router_losses(prefix: str, meg, error: Error, warn: Error) -> None:
+    """The routers' loss settings of one model (``{prefix}.override_transformer_config``)."""
+    moe = moe_overrides(meg)
+    kinds = moe["moe_router_load_balancing_type"]
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    key = f"{prefix}.override_transformer_config"
+    coeff = moe.get("moe_aux_loss_coeff")
+    if kinds == ["none"] and coeff:
+        warn(
+            f"{key}.moe_aux_loss_coeff={coeff} has no effect: moe_router_load_balancing_type is "
+            "'none' (verl's default); set it to aux_loss to balance the experts' load"
+        )
+    group = meg.tensor_model_parallel_size * meg.context_parallel_size
+    for kind in kinds:
+        if kind in MEGATRON_SCALED_BALANCING and group > 1:
+            error(
+                f"{key}.moe_router_load_balancing_type={kind}: its gradient under sequence or "
+                f"context parallelism ({prefix}.tensor_model_parallel_size x "
+                f"context_parallel_size = {group}) is unverified (Megatron-Core 0.16.1 scales "
+                "its router losses by each rank's slice); use aux_loss (checked exact at any "
+                "layout) or none"
+            )
+
 
 def check_moe(shape: ModelShape | None, key: str, prefix: str, meg, error: Error) -> None:
     """A Mixture-of-Experts model trains with expert parallelism beside TP×PP×DP; Megatron's
@@ -72,8 +109,8 @@ def check_router_replay(cfg, shape: ModelShape | None, error: Error) -> None:
         if meg.router_replay.mode != "disabled":
             error(
                 f"{prefix}.router_replay.mode={meg.router_replay.mode}: routing replay is "
-                f"the actor's setting ({MEG}.router_replay.mode; R3 replays in the "
-                "reference's forward too)"
+                f"the actor's setting ({MEG}.router_replay.mode; the reference routes afresh, "
+                "as verl's)"
             )
     meg = c.actor_rollout_ref.actor.megatron
     mode = meg.router_replay.mode
@@ -102,6 +139,20 @@ def check_router_replay(cfg, shape: ModelShape | None, error: Error) -> None:
             f"{key}: with vLLM's V1 model runner the routing is captured by hooks, which do not "
             f"run inside CUDA graphs; set {ARR}.rollout.enforce_eager=true, or "
             f"{MODEL_RUNNER_ENV}=1 (vLLM's V2 runner returns the routing itself)"
+        )
+    elif mode == "R2" and c.algorithm.rollout_correction.bypass_mode:
+        error(
+            f"{key}: R2 replays the routing the old-log-prob pass records, and "
+            "algorithm.rollout_correction.bypass_mode=true runs no such pass (the update would "
+            "route afresh); use R3 (the rollout's routing) or bypass_mode=false, as verl requires"
+        )
+    elif meg.override_transformer_config.get("moe_expert_capacity_factor") is not None:
+        error(
+            f"{key}: with {MEG}.override_transformer_config.moe_expert_capacity_factor="
+            f"{meg.override_transformer_config['moe_expert_capacity_factor']} the padding and "
+            "never-routed positions replayed onto experts 0..k-1 use up their capacity and "
+            "tokens are dropped differently from the recorded routing; drop the capacity "
+            "factor (dropless) to replay"
         )
     elif meg.recompute_granularity == "full" or (
         meg.recompute_granularity == "selective" and "moe" in meg.recompute_modules

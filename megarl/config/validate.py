@@ -24,7 +24,12 @@ from megarl.config.errors import ConfigError
 from megarl.config.layout_checks import LayoutChecks, fmt_value
 from megarl.config.model_paths import resolve_model_paths
 from megarl.config.model_source import ModelShape, is_remote, resolve_model_shape
-from megarl.config.moe_checks import check_moe, check_rollout_expert_parallel, check_router_replay
+from megarl.config.moe_checks import (
+    check_moe,
+    check_rollout_expert_parallel,
+    check_router_losses,
+    check_router_replay,
+)
 from megarl.config.schema import MegarlConfig
 
 __all__ = ["validate"]
@@ -489,6 +494,8 @@ class _Checks(LayoutChecks):
         self.errors += errors
         self.warnings += warnings
         check_moe(shape, f"{ARR}.model.path", MEG, c.actor_rollout_ref.actor.megatron, self.error)
+        if shape is None or shape.get("num_experts"):
+            check_router_losses(MEG, c.actor_rollout_ref.actor.megatron, self.error, self.warn)
         check_router_replay(c, shape, self.error)
         check_rollout_expert_parallel(c, shape, self.error)
         check_async(c, self.error)

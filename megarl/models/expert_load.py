@@ -33,6 +33,9 @@ class ExpertLoad:
         self.counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
         self._routers = [r for c in chunks for r in routers(c)]
         self._hooks: list = []
+        self.replaying = None
+        """The replaying :class:`~megarl.models.routing.Routing` of the forwards being counted,
+        if any: tokens it routed without a known choice are not counted."""
 
     def __enter__(self) -> Self:
         for router in self._routers:
@@ -51,6 +54,9 @@ class ExpertLoad:
             if padding is not None:
                 padding = self._local(padding, routing_map.shape[0])
                 routing_map = routing_map & ~padding.reshape(-1, 1).to(routing_map.device)
+            unknown = self.replaying.unreplayed.get(id(module)) if self.replaying else None
+            if unknown is not None and unknown.numel() == routing_map.shape[0]:
+                routing_map = routing_map & ~unknown.reshape(-1, 1).to(routing_map.device)
             self.counts[layer] += routing_map.sum(0).to(torch.float64).cpu()
 
         return count

@@ -442,6 +442,10 @@ def build_gpt_chunks(
     vpp = config.virtual_pipeline_model_parallel_size or 1
     rope_factor = llama3_rope_factor(dims)
     spec = layer_spec(dims, transformer_impl)
+    if config.num_moe_experts:
+        from megarl.models import router_losses
+
+        router_losses.install()  # the routers' losses at full strength at any TP×CP
     chunks: list[GPTModel] = []
     for vp_stage in range(vpp):
         vp = vp_stage if vpp > 1 else None

@@ -100,6 +100,11 @@ class Routing:
         self.agree = torch.zeros((), dtype=torch.float64)
         self.tokens = torch.zeros((), dtype=torch.float64)
         self._valid: torch.Tensor | None = None
+        self.unreplayed: dict[int, torch.Tensor] = {}
+        """While a micro-batch replays: ``id(router)`` → its tokens (as the router sees them)
+        whose replayed choice was unknown (R3: the last token of each sequence), routed to
+        experts ``0..k-1`` only to be routed somewhere (:class:`~megarl.models.expert_load.
+        ExpertLoad` leaves them out)."""
 
     # -- storage -------------------------------------------------------------------------------
 
@@ -146,6 +151,7 @@ class Routing:
                 padding_routing(choice.shape[:-1], self.topk, choice.dtype, choice.device),
                 choice,
             )
+            self.unreplayed[id(r)] = self._local(unknown[..., 0]).reshape(-1)
             target = self._local(choice).reshape(-1, self.topk).long()
             r.router_replay.set_target_indices(target)
             r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -165,6 +171,7 @@ class Routing:
             replay.clear_indices()
             replay.clear_router_replay_action()
             replay.__dict__.pop("get_replay_topk", None)
+            self.unreplayed.pop(id(r), None)
         self._valid = None
 
     # -- helpers -------------------------------------------------------------------------------

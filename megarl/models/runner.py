@@ -349,7 +349,7 @@ def _run(
         seq = ids.shape[1]
         pos = torch.arange(seq, device=ids.device)[None, :].expand_as(ids)
         # MoE: padding routes like any token, but stays out of the routers' auxiliary losses.
-        pads = {"padding_mask": pos >= mb["lengths"][:, None]} if moe else {}
+        pads = {"padding_mask": _padding_mask(model, pos >= mb["lengths"][:, None])} if moe else {}
         if aux is not None:
             aux.before()
         if routing is not None:
@@ -391,6 +391,19 @@ def _run(
         aux.add_shares(out.metrics, chunk_list, scale if ddp else float(lengths.sum()))
     out.routing = recorded
     return out
+
+
+def _padding_mask(model: torch.nn.Module, mask: torch.Tensor) -> torch.Tensor:
+    """The routers' padding mask ``[b, s]`` (True: padding) as ``model`` takes it. Under sequence
+    parallelism Megatron 0.16.1 cuts it to the TP rank's slice of the sequence only where it
+    embeds (the first pipeline stage); a later stage gets its slice here."""
+    inner = unwrap(model)
+    if not inner.config.sequence_parallel or inner.pre_process:
+        return mask
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    width = mask.shape[1] // tp
+    start = parallel_state.get_tensor_model_parallel_rank() * width
+    return mask[:, start : start + width]
 
 
 def _sequence_parallel_length(seq: int, config) -> int:
@@ -488,12 +501,15 @@ class _AuxLosses:
         clear_aux_losses_tracker()
 
     def after(self, index: int, tokens: float) -> None:
-        """Add micro-batch ``index``'s values (summed over this chunk's layers) × its tokens."""
+        """Add micro-batch ``index``'s values (summed over this chunk's layers) × its tokens; the
+        z-loss is tracked as its sum over the rank's tokens already
+        (:mod:`megarl.models.router_losses`)."""
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
         for name, entry in get_moe_layer_wise_logging_tracker().items():
             if name in _AUX_LOSS_NAMES:
-                self.sums[name][index] += float(entry["values"].sum()) * tokens
+                weight = 1.0 if name == "z_loss" else tokens
+                self.sums[name][index] += float(entry["values"].sum()) * weight
 
     def add_shares(self, metrics: list[dict], chunks: list, total_tokens: float) -> None:
         """Put each micro-batch's share of the token-weighted mean (over the mini-batch's

@@ -63,10 +63,24 @@ def generate(
         [s.finish_reason == "length" for s in out],
         pad_token_id=pad_token_id,
     )
-    if len(out) and out.samples[0].routing is not None:  # captured for R3
-        width = batch.input_ids.shape[1]
-        batch.rollout_routing = rollout_routing([s.routing for s in out], width)
+    batch.rollout_routing = captured_routing(out, batch.input_ids.shape[1])
     return batch, out
+
+
+def captured_routing(out: RolloutBatch, width: int) -> torch.Tensor | None:
+    """The routing the engine captured for R3, ``[B, width, layers, k]``: every response's, or
+    none (the engine captures none); a response without raises rather than be replayed
+    onto experts 0..k-1."""
+    captured = [s.routing is not None for s in out]
+    if not any(captured):
+        return None
+    if not all(captured):
+        missing = captured.index(False)
+        raise RuntimeError(
+            f"router_replay.mode=R3: the rollout engine returned no routing for response "
+            f"{missing} (prompt {out.samples[missing].prompt_id}) of {len(out)}"
+        )
+    return rollout_routing([s.routing for s in out], width)
 
 
 def prefetch(
@@ -245,18 +259,18 @@ def actor_replay_routing(run, batch: StepBatch) -> torch.Tensor | None:
     pipeline rank (the old-log-prob pass and the update replay them); otherwise None."""
     if run.cfg.actor_rollout_ref.actor.megatron.router_replay.mode != "R3":
         return None
+    if batch.rollout_routing is None:
+        raise RuntimeError(
+            "router_replay.mode=R3: the rollout engine returned no routing for this batch"
+        )
     return Routing(run.actor.chunks, "replay").from_rollout(batch.rollout_routing)
 
 
 def reference_log_probs(run, batch: StepBatch) -> torch.Tensor:
     """The frozen reference's log-probs ``[B, R]``, at the rollout temperature (its parameters on
-    the device by the ``ref`` phase's residency). With ``router_replay.mode=R3`` its routers
-    replay the rollout's choices too."""
+    the device by the ``ref`` phase's residency). Its routers route afresh under routing replay
+    too, as verl's and slime's (the KL is to the reference policy as it would act)."""
     plan = run.plan.ref_log_prob
-    routing = replay = None
-    if run.cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3":
-        routing = Routing(run.ref.chunks, "replay")  # its own pipeline layout's layers
-        replay = routing.from_rollout(batch.rollout_routing)
     log_probs, _, _ = global_log_probs(
         run.ref.chunks,
         batch,
@@ -264,8 +278,6 @@ def reference_log_probs(run, batch: StepBatch) -> torch.Tensor:
         temperature=run.cfg.actor_rollout_ref.rollout.temperature,
         micro_batches=plan.micro_batch_size,
         max_token_len=plan.max_token_len_per_gpu,
-        routing=routing,
-        replay=replay,
     )
     return log_probs
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megarl.config import BatchPlan, ConfigError, MegarlConfig, critic_enabled, ref_used
 from megarl.config.algo_inputs import policy_loss_settings
+from megarl.config.moe_checks import moe_overrides
 from megarl.data import GlobalBatchSampler, PromptDataset, total_training_steps
 from megarl.models.build import BuiltModel, Recompute, build_model
 from megarl.models.gpt import Fusions, MoeSettings
@@ -127,7 +128,7 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
     engine_residency = settle_engine(vllm_engine, cfg) if vllm_engine is not None else None
     meg = arr.actor.megatron
     recompute = Recompute(meg.recompute_granularity, meg.recompute_method, meg.recompute_num_layers)
-    moe = MoeSettings.from_dict(meg.override_transformer_config)  # verl's moe_* knobs
+    moe = MoeSettings.from_dict(moe_overrides(meg))  # verl's moe_* knobs, verl's defaults
     replay = {"moe_enable_routing_replay": True} if meg.router_replay.mode != "disabled" else {}
     actor_model = build_role_model(
         initial_checkpoint(meg),
@@ -137,17 +138,13 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         transformer_impl=meg.transformer_impl,
         recompute=recompute,
         fusions=fusions(meg),
-        moe=MoeSettings.from_dict({**meg.override_transformer_config, **replay}),
+        moe=MoeSettings.from_dict({**moe_overrides(meg), **replay}),
     )
     actor = TrainableModel(actor_model, optimizer_settings(cfg, total))
     settle(actor, cfg, "actor")
     ref = None
     if ref_used(cfg):
-        ref_moe = (
-            moe
-            if meg.router_replay.mode != "R3"
-            else MoeSettings.from_dict({**meg.override_transformer_config, **replay})
-        )  # R3 replays the rollout's routing in the reference's forward too
+        ref_moe = moe  # the reference routes afresh, R3 or not (as verl)
         ref = build_role_model(initial_checkpoint(arr.ref.megatron), model_path, layout,
                                dtype=dtype, transformer_impl=meg.transformer_impl,
                                fusions=fusions(meg), moe=ref_moe)  # fmt: skip
@@ -230,7 +227,7 @@ def _build_critic(cfg: MegarlConfig, layout, model_path: str, dtype, total: int,
         transformer_impl=cfg.actor_rollout_ref.actor.megatron.transformer_impl,
         value_head_seed=cfg.trainer.seed,
         fusions=fusions(critic_cfg.megatron),
-        moe=MoeSettings.from_dict(critic_cfg.megatron.override_transformer_config),
+        moe=MoeSettings.from_dict(moe_overrides(critic_cfg.megatron)),
         recompute=Recompute(
             critic_cfg.megatron.recompute_granularity,
             critic_cfg.megatron.recompute_method,

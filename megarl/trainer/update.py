@@ -218,6 +218,8 @@ def run_update(
             tokens, seqs = count_tokens_and_seqs(batch.response_mask[indices])
             mine = dp_share(indices, dp_rank, dp_size, balance_by)
             routing = Routing(model.chunks, "replay") if replay is not None else None
+            if load is not None:
+                load.replaying = routing
             micro = micro_batches(batch.lengths, indices, dp_rank, dp_size,
                                   micro_batch_size=settings.micro_batch_size,
                                   max_token_len=settings.max_token_len,

@@ -407,6 +407,28 @@ BAD_CONFIGS = [
         [f"{MEG}.router_replay.mode=R2", "is dense"],
     ),
     (
+        "router-replay-r2-in-bypass-mode",
+        MOE_30B,
+        [f"{MEG}.router_replay.mode=R2", "algorithm.rollout_correction.bypass_mode=true"],
+        None,
+        [f"{MEG}.router_replay.mode=R2", "bypass_mode=true", "use R3"],
+    ),
+    (
+        "router-replay-with-a-capacity-factor",
+        MOE_30B,
+        [f"{MEG}.router_replay.mode=R3", f"{ROLL}.enforce_eager=true",
+         f"+{MEG}.override_transformer_config.moe_expert_capacity_factor=1.5"],
+        None,
+        [f"{MEG}.router_replay.mode=R3", "moe_expert_capacity_factor=1.5", "dropless"],
+    ),
+    (
+        "seq-aux-loss-at-tp-4",
+        MOE_30B,
+        [f"+{MEG}.override_transformer_config.moe_router_load_balancing_type=seq_aux_loss"],
+        None,
+        ["moe_router_load_balancing_type=seq_aux_loss", "= 4", "use aux_loss"],
+    ),
+    (
         "router-replay-full-recompute",
         MOE_30B,
         [f"{MEG}.router_replay.mode=R2", f"{MEG}.recompute_granularity=full"],

@@ -54,6 +54,18 @@ def test_kl_loss_and_kl_in_reward_together_warn():
     )
 
 
+def test_an_aux_loss_coefficient_alone_warns_that_it_does_nothing():
+    """verl's Megatron engine sets ``moe_router_load_balancing_type=none`` unless told otherwise,
+    so ``moe_aux_loss_coeff`` alone balances nothing; megarl follows it and says so."""
+    from tests.config._bad_configs import MOE_30B
+
+    otc = f"+{MEG}.override_transformer_config"
+    warnings = validate(load_config(MOE_30B, [f"{otc}.moe_aux_loss_coeff=0.001"]))
+    assert any("moe_aux_loss_coeff=0.001 has no effect" in w for w in warnings), warnings
+    on = [f"{otc}.moe_aux_loss_coeff=0.001", f"{otc}.moe_router_load_balancing_type=aux_loss"]
+    assert not any("moe_aux_loss_coeff" in w for w in validate(load_config(MOE_30B, on)))
+
+
 def test_opt_in_allows_truncated_sampling():
     cfg = load_config(GRPO, [f"{ROLL}.top_p=0.9", f"{ROLL}.allow_non_unit_top_p_top_k=true"])
     validate(cfg)

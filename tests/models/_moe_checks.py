@@ -30,6 +30,14 @@ MOE_LAYOUTS = {
 REPLAY_LAYOUTS = {2: [(1, 1, 2)], 4: [(2, 2, 1)]}
 
 
+# (tp, pp) of the router-loss check (sequence parallel at TP 2).
+ROUTER_LOSS_LAYOUTS = {1: [(1, 1)], 2: [(2, 1)], 4: [(2, 2)]}
+ROUTER_LOSS_COEFFS = {"moe_aux_loss_coeff": 0.5, "moe_z_loss_coeff": 0.25}
+"""Large enough that the routers' gradients are far above float32's rounding."""
+ROUTER_LOSS_MICRO_BATCH = 2
+"""Sequences per micro-batch: the batch's two micro-batches have different token counts."""
+
+
 def layout_key(tp: int, pp: int, ep: int, etp: int | None, dispatcher: str) -> str:
     return f"moe/tp{tp}_pp{pp}_ep{ep}_etp{etp or tp}_{dispatcher}"
 
@@ -90,6 +98,8 @@ def run_moe_checks(spec: dict, world: int, results: dict) -> None:
         _dist_checkpoint_init(spec, results)
     for tp, pp, ep in REPLAY_LAYOUTS.get(world, []):
         results[f"moe/replay_tp{tp}_pp{pp}_ep{ep}"] = _routing_replay(spec, tp, pp, ep)
+    for tp, pp in ROUTER_LOSS_LAYOUTS.get(world, []):
+        results[f"moe/router_losses_tp{tp}_pp{pp}"] = _router_losses(spec, tp, pp)
     results["moe/seconds"] = time.perf_counter() - start  # this launch's added time
 
 
@@ -251,6 +261,51 @@ def _routing_replay(spec: dict, tp: int, pp: int, ep: int) -> dict:
         "logprob_diff_other_micro_batches": diff.item(),
         "expert_load": load.metrics(),
         "expert_load_expected": load_expected,
+    }
+
+
+def _router_losses(spec: dict, tp: int, pp: int) -> dict:
+    """One forward and backward of the tiny Qwen3-MoE (float32, SGD, Megatron DDP) whose only
+    loss is the routers' (load balancing and z-loss; the policy's share is multiplied by 0), in
+    micro-batches of :data:`ROUTER_LOSS_MICRO_BATCH`: every router's weight gradient after
+    ``finalize_model_grads`` (by decoder layer, from every pipeline stage) and the reported
+    ``moe_aux_loss`` / ``moe_z_loss``. The pytest side computes both from transformers' router
+    logits (tests/models/test_moe_models.py)."""
+    from megarl.models.build import build_model
+    from megarl.models.gpt import MoeSettings
+    from megarl.models.routing import routers
+    from megarl.models.runner import SequenceBatch, forward_backward
+    from megarl.models.trainable import OptimizerSettings, TrainableModel
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+
+    if tp > 1:  # sequence parallel on the local spec (tests/trainer/_critic_sp_worker.py)
+        from tests.trainer._critic_sp_worker import _emulate_sp_norm
+
+        _emulate_sp_norm()
+    layout = ParallelLayout(tp, pp, sequence_parallel=tp > 1)
+    init_distributed(layout, seed=1234)
+    moe = MoeSettings.from_dict({"moe_router_load_balancing_type": "aux_loss",
+                                 **ROUTER_LOSS_COEFFS})  # fmt: skip
+    built = build_model(spec["moe_models"]["qwen3_moe"], layout, moe=moe)  # float32: MoE GEMMs
+    sgd = OptimizerSettings(lr=0.0, optimizer="sgd", weight_decay=0.0, clip_grad=0.0,
+                            grad_reduce_in_fp32=False, use_distributed_optimizer=False)  # fmt: skip
+    model = TrainableModel(built, sgd)
+    batch = torch.load(spec["moe_batch"])
+    lengths = batch["lengths"]
+    seqs = SequenceBatch(batch["input_ids"], torch.full_like(lengths, 3), lengths)
+    per_micro = forward_backward(
+        model.chunks, seqs, lambda outputs, mb: (outputs["log_probs"].sum() * 0.0, {}),
+        micro_batches=ROUTER_LOSS_MICRO_BATCH, vocab_size=built.dims.vocab_size,
+    )  # fmt: skip
+    grads = {r.layer_number - 1: r.weight.main_grad.detach().double().cpu()
+             for c in model.chunks for r in routers(c)}  # fmt: skip
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, grads)
+    return {
+        "grads": [g for g in everyone],  # each rank's own: TP peers must agree too
+        "moe_aux_loss": sum(m.get("moe_aux_loss", 0.0) for m in per_micro),
+        "moe_z_loss": sum(m.get("moe_z_loss", 0.0) for m in per_micro),
     }
 
 

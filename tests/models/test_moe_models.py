@@ -109,3 +109,65 @@ def test_routing_replay_routes_every_token_as_recorded(ws2, ws4):
     assert any(k.startswith("moe/replay_") for k in ws2) and any(
         k.startswith("moe/replay_") for k in ws4
     )
+
+
+def _hf_router_losses(path: str, batch: dict) -> tuple[dict[int, torch.Tensor], dict]:
+    """The reference, from transformers' Qwen3-MoE in float64: each micro-batch's load-balancing
+    loss (Switch: E / (k T^2) * sum_i (sum_x p_xi) * (tokens routed to i), over its T real
+    tokens) and z-loss (the mean of logsumexp^2 over them), weighted by T over the batch's real
+    tokens, times the coefficients, summed over layers; the routers' gradients of that, and the
+    two losses per layer, coefficient-free."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models._moe_checks import ROUTER_LOSS_COEFFS, ROUTER_LOSS_MICRO_BATCH
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float64, experts_implementation="eager"
+    )
+    ids, lengths = batch["input_ids"], batch["lengths"]
+    out = hf(ids, output_router_logits=True)
+    b, s = ids.shape
+    real = torch.arange(s)[None, :] < lengths[:, None]  # [b, s]
+    k, total = hf.config.num_experts_per_tok, float(lengths.sum())
+    loss = torch.zeros((), dtype=torch.float64)
+    aux_sum = z_sum = 0.0
+    for logits in out.router_logits:  # one [b * s, E] per layer, batch-major
+        logits = logits.reshape(b, s, -1)
+        for start in range(0, b, ROUTER_LOSS_MICRO_BATCH):
+            rows = slice(start, start + ROUTER_LOSS_MICRO_BATCH)
+            mb = logits[rows][real[rows]]  # [T, E]
+            tokens = mb.shape[0]
+            probs = torch.softmax(mb, dim=-1)
+            routed = torch.zeros_like(probs).scatter(1, probs.topk(k, dim=-1).indices, 1.0)
+            aux = mb.shape[1] / (k * tokens**2) * (probs.sum(0) * routed.sum(0)).sum()
+            z = torch.logsumexp(mb, dim=-1).square().mean()
+            loss = loss + tokens / total * (ROUTER_LOSS_COEFFS["moe_aux_loss_coeff"] * aux
+                                            + ROUTER_LOSS_COEFFS["moe_z_loss_coeff"] * z)  # fmt: skip
+            aux_sum += tokens / total * float(aux.detach())
+            z_sum += tokens / total * float(z.detach())
+    loss.backward()
+    layers = len(out.router_logits)
+    grads = {i: layer.mlp.gate.weight.grad for i, layer in enumerate(hf.model.layers)}
+    return grads, {"moe_aux_loss": aux_sum / layers, "moe_z_loss": z_sum / layers}
+
+
+def test_router_losses_have_their_full_strength_at_every_layout(spec, ws1, ws2, ws4):
+    """The routers' load-balancing and z losses (Megatron's, in megarl's per-token loss mode)
+    give every router the gradient of the batch's token-weighted losses at TP 1, TP 2 (sequence
+    parallel: each rank routes a slice, the slices' real-token counts unequal) and TP 2 x PP 2,
+    as transformers' router logits give it; the reported losses are the same at each layout."""
+    batch = torch.load(spec["moe_batch"])
+    want, metrics = _hf_router_losses(spec["moe_models"]["qwen3_moe"], batch)
+    seen = 0
+    for world, results in ((1, ws1), (2, ws2), (4, ws4)):
+        for key in (k for k in results if k.startswith("moe/router_losses_")):
+            r = results[key]
+            for rank, grads in enumerate(r["grads"]):
+                for layer, got in grads.items():
+                    diff = float((got - want[layer]).abs().max())
+                    assert diff <= 1e-5 * float(want[layer].abs().max()), (key, rank, layer, diff)
+                    seen += 1
+            for name, value in metrics.items():
+                assert r[name] == pytest.approx(value, rel=1e-5), (key, name)
+            print(f"ws{world} {key}: aux {r['moe_aux_loss']:.6f} z {r['moe_z_loss']:.6f}")
+    assert seen == 5 * len(want)  # every rank's routers: L at TP 1, 2 L at TP 2, 4 L / 2 at PP 2

@@ -3,7 +3,7 @@ EP 2, vLLM TP 2 capturing the rollout's routing): ``torchrun ... _replay_worker.
 
 On one rollout, the actor's old log-probs against vLLM's, with and without replay, first with
 the synced weights, then with the actor's routers perturbed so that some tokens route
-differently; then one whole training step (KL loss on: the reference replays too). Rank 0 saves
+differently; then one whole training step (KL loss on: the reference routes afresh). Rank 0 saves
 what it measured to ``<tmp>/replay.pt``."""
 
 from __future__ import annotations
@@ -36,15 +36,17 @@ def _perturbed_routers(chunks, scale: float) -> list[tuple[torch.Tensor, torch.T
 
 def _expected_load(batch, experts: int) -> dict[str, float]:
     """The update's expert load as it should be, from the rollout's routing the update
-    replayed: every real position's top-k (an uncaptured one, -1, replayed as experts 0..k-1),
-    counted per layer and expert, summarised as max / mean per layer."""
+    replayed: every real position's top-k, counted per layer and expert, leaving out the
+    positions nothing was routed at (-1: each sequence's last token, replayed onto experts
+    0..k-1 only to go somewhere), summarised as max / mean per layer."""
     captured = batch.rollout_routing.long()  # [rows, positions, layers, k]
-    _, width, layers, k = captured.shape
+    _, width, layers, _ = captured.shape
     real = torch.arange(width)[None, :] < batch.lengths[:, None]
-    choice = torch.where(captured < 0, torch.arange(k).expand_as(captured), captured)[real]
     ratios = []
     for layer in range(layers):
-        counts = torch.bincount(choice[:, layer].reshape(-1), minlength=experts).double()
+        choice = captured[:, :, layer][real]  # [tokens, k]
+        choice = choice[choice[:, 0] >= 0]
+        counts = torch.bincount(choice.reshape(-1), minlength=experts).double()
         ratios.append(float(counts.max() / counts.mean()))
     return {"mean": sum(ratios) / layers, "max": max(ratios), "layer": ratios.index(max(ratios))}
 

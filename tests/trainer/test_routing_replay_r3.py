@@ -39,7 +39,7 @@ def measured(tmp_path_factory) -> dict:
             f"data.val_files={tmp / 'data' / 'test.parquet'}",
             f"{MEG}.router_replay.mode=R3",
             "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
-            "actor_rollout_ref.actor.use_kl_loss=true",  # the reference replays too
+            "actor_rollout_ref.actor.use_kl_loss=true",  # a reference pass (routing afresh)
             "trainer.val_before_train=false",
         ],
         "tmp": str(tmp),
@@ -84,3 +84,21 @@ def test_the_step_reports_the_expert_load_the_update_routed(measured):
     assert m["actor/expert_load_imbalance_max"] == pytest.approx(expected["max"], rel=1e-9)
     assert m["actor/expert_load_worst_layer"] == expected["layer"]
     assert 1.0 < expected["mean"] < 4.0  # uneven; 4 = E / k: every token on the same k
+
+
+def test_a_response_without_its_routing_stops_the_step():
+    """R3 cannot replay a response whose routing the engine did not return (it would go to
+    experts 0..k-1 with agreement 0): the step fails in one line naming it."""
+    from megarl.rollout.base import RolloutBatch, RolloutSample
+    from megarl.trainer.passes import captured_routing
+
+    def sample(i: int, routing) -> RolloutSample:
+        return RolloutSample(i, 0, [1, 2], [3], [-0.5], "stop", prompt_id=i, routing=routing)
+
+    routed = torch.zeros(3, 2, 2, dtype=torch.int16)
+    assert captured_routing(RolloutBatch([sample(0, None), sample(1, None)]), 3) is None
+    full = captured_routing(RolloutBatch([sample(0, routed), sample(1, routed)]), 3)
+    assert full.shape == (2, 3, 2, 2)
+    with pytest.raises(RuntimeError, match="no routing for response 1 \\(prompt 1\\) of 2"):
+        captured_routing(RolloutBatch([sample(0, routed), sample(1, None)]), 3)
+
