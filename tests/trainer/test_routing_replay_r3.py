@@ -101,4 +101,3 @@ def test_a_response_without_its_routing_stops_the_step():
     assert full.shape == (2, 3, 2, 2)
     with pytest.raises(RuntimeError, match="no routing for response 1 \\(prompt 1\\) of 2"):
         captured_routing(RolloutBatch([sample(0, routed), sample(1, None)]), 3)
-
