@@ -49,11 +49,10 @@ from megarl.config.schema import (
     PolicyLossConfig,
     RefConfig,
     RewardModelConfig,
-    RolloutConfig,
     RolloutCorrectionConfig,
-    SamplingConfig,
     TrainerConfig,
 )
+from megarl.config.schema_rollout import RolloutConfig, SamplingConfig
 from megarl.config.validate import validate
 
 __all__ = [

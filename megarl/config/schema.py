@@ -25,6 +25,8 @@ from megarl.config.schema_data import (
     DataConfig,
     RewardModelConfig,
 )
+from megarl.config.schema_optim import OptimConfig
+from megarl.config.schema_rollout import RolloutConfig
 from megarl.parallel.layout import ParallelLayout
 
 # ---------------------------------------------------------------------------------------------
@@ -85,36 +87,10 @@ class ModelConfig:
     """No effect, as in verl 0.9.1's Megatron workers: recompute is megatron.recompute_granularity."""
     override_config: dict[str, Any] = field(default_factory=dict)
     """Free-form: HF config fields to override (e.g. attention_dropout)."""
+    use_fused_kernels: bool = False
+    """No effect, either value: log-probs and entropy are always computed vocab-parallel in chunks."""
     architecture: ArchitectureConfig = field(default_factory=ArchitectureConfig)
     """(megarl) Expected model shape; checked against config.json, used when it is absent."""
-
-
-@dataclass
-class OptimConfig:
-    """``*.optim.*``: Megatron distributed optimizer and learning-rate schedule."""
-
-    optimizer: Literal["adam", "sgd"] = "adam"
-    """Optimizer (Megatron's names; adam is AdamW with decoupled weight decay)."""
-    lr: float = 1e-6
-    """Peak learning rate."""
-    min_lr: float = 0.0
-    """Final learning rate of a decaying schedule."""
-    weight_decay: float = 0.01
-    """Decoupled weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """Adam beta1, beta2."""
-    clip_grad: float = 1.0
-    """Global gradient-norm clip (0: off)."""
-    lr_warmup_steps: int = -1
-    """Linear warm-up over this many trainer steps; -1: lr_warmup_steps_ratio decides."""
-    lr_warmup_steps_ratio: float = 0.0
-    """Warm-up as a fraction of the total trainer steps (when lr_warmup_steps is -1)."""
-    lr_warmup_init: float = 0.0
-    """Learning rate at the start of the warm-up."""
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
-    """Schedule after warm-up, over trainer.total_training_steps."""
-    use_checkpoint_opt_param_scheduler: bool = False
-    """Resume takes the schedule (lr, warm-up, decay, weight decay) from the checkpoint."""
 
 
 @dataclass
@@ -125,6 +101,8 @@ class CheckpointConfig:
     """Saved parts: model, optimizer, extra (LR scheduler), hf_model (<role>/huggingface)."""
     load_contents: list[str] | None = None
     """Parts loaded on resume (model, optimizer, extra); null: save_contents."""
+    async_save: bool = False
+    """Only false: saves are synchronous (all ranks, then an atomic rename)."""
 
 
 @dataclass
@@ -207,6 +185,12 @@ class MegatronConfig:
     """A Megatron distributed checkpoint (`megarl convert hf-to-megatron`), saved at any TP×PP."""
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
     """Routing replay (MoE actor only)."""
+    seed: int | None = None
+    """Megatron's seed; megarl seeds with trainer.seed, so only unset or equal to it is accepted."""
+    use_mbridge: bool = True
+    """No effect, either value: megarl maps HF weights to Megatron itself (verl: mbridge or not)."""
+    vanilla_mbridge: bool = True
+    """No effect, either value (verl: mbridge or NVIDIA's Megatron-Bridge)."""
 
     def parallel_layout(self) -> ParallelLayout:
         """This section's grid sizes as the one layout type."""
@@ -302,98 +286,18 @@ class ActorConfig:
     """What the actor's checkpoints hold and what a resume loads."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """Parallel layout of the actor; critic and ref default to it."""
-
-
-@dataclass
-class SamplingConfig:
-    """``actor_rollout_ref.rollout.val_kwargs.*`` (megarl's place for validation sampling)."""
-
-    temperature: float = 0.0
-    """Sampling temperature of validation rollouts (ignored when do_sample is false)."""
-    top_p: float = 1.0
-    """Nucleus sampling of validation rollouts."""
-    top_k: int = -1
-    """Top-k of validation rollouts; -1: off."""
-    n: int = 1
-    """Responses per validation prompt."""
-    do_sample: bool = False
-    """Sample (true) or decode greedily (false) during validation."""
-
-
-@dataclass
-class RolloutConfig:
-    """``actor_rollout_ref.rollout.*``: the vLLM engine colocated with training.
-
-    vLLM always reports processed (temperature-scaled) log-probs; how they are used is
-    ``algorithm.rollout_correction``.
-    """
-
-    name: Literal["vllm", "actor"] = "vllm"
-    """Rollout engine: vllm, or (megarl) actor: sample from the Megatron actor itself (tests)."""
-    # verl 0.9.1 accepts only async (its agent-loop rollout servers; sync raises "removed").
-    # Deliberate difference: megarl also takes sync, which older verl scripts pass, and both mean
-    # in-process vLLM generating each step's batch between training phases (on-policy, colocated).
-    mode: Literal["async", "sync"] = "async"
-    """async (verl 0.9.1's only mode) or sync (its older name): colocated, on-policy, per step."""
-    tensor_model_parallel_size: int = 2
-    """vLLM tensor-parallel size (independent of training TP); rollout DP = world / this."""
-    expert_parallel_size: int = 1
-    """vLLM expert parallelism: 1, or the rollout TP size (each rank then holds whole experts)."""
-    nnodes: int = 0
-    """Nodes of rollout-only ranks after the training ranks; 0: vLLM shares the training ranks."""
-    n_gpus_per_node: int | None = None
-    """Rollout-only ranks per node (with nnodes > 0); unset: trainer.n_gpus_per_node."""
-    gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory vLLM may use (weights + KV cache)."""
-    temperature: float = 1.0
-    """Sampling temperature of training rollouts; log-probs are computed at this temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling; < 1 needs allow_non_unit_top_p_top_k."""
-    top_k: int = -1
-    """Top-k sampling; -1 (or 0): off; otherwise needs allow_non_unit_top_p_top_k."""
-    n: int = 1
-    """Responses per prompt (the group size of GRPO and its family)."""
-    do_sample: bool = True
-    """Sample (true) or decode greedily (false)."""
-    prompt_length: int | None = None
-    """Longest prompt vLLM is given; unset: data.max_prompt_length."""
-    response_length: int | None = None
-    """Most tokens generated per response; unset: data.max_response_length."""
-    log_prob_micro_batch_size_per_gpu: int | None = None
-    """Responses per old-log-prob forward pass; unset: actor.ppo_micro_batch_size_per_gpu."""
-    log_prob_use_dynamic_bsz: bool | None = None
-    """Old-log-prob passes packed by token budget; unset: actor.use_dynamic_bsz."""
-    log_prob_max_token_len_per_gpu: int | None = None
-    """Token budget of one old-log-prob micro-batch; unset: actor.ppo_max_token_len_per_gpu."""
-    max_num_seqs: int = 256
-    """vLLM max_num_seqs (concurrent sequences)."""
-    max_num_batched_tokens: int = 8192
-    """vLLM max_num_batched_tokens (tokens per scheduler step)."""
-    enable_chunked_prefill: bool = True
-    """vLLM chunked prefill (off on CPU: vLLM 0.32 fails on a seeded partial prefill)."""
-    enable_prefix_caching: bool = True
-    """vLLM prefix caching (the n samples of a prompt share its KV); off under routing replay R3."""
-    enable_rollout_routing_replay: bool = False
-    """verl's rollout switch for routing replay R3 (megarl: implied by R3; true without it refused)."""
-    free_cache_engine: bool = True
-    """Put vLLM to sleep (free weights and KV cache) while training runs."""
-    max_model_len: int | None = None
-    """(megarl) vLLM max_model_len; null: prompt_length + response_length."""
-    enforce_eager: bool = False
-    """(megarl) vLLM enforce_eager (no CUDA graphs; slower, starts faster)."""
-    kv_cache_memory_bytes: int | None = None
-    """(megarl) vLLM KV-cache size in bytes; overrides gpu_memory_utilization (set it on CPU)."""
-    allow_non_unit_top_p_top_k: bool = False
-    """(megarl) Permit top_p < 1 or top_k > 0 in training rollouts (biased log-probs)."""
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Free-form: extra keyword arguments for vllm.LLM."""
-    val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
-    """(megarl) Sampling settings of validation rollouts."""
+    use_torch_compile: bool = False
+    """Only false: megarl does not torch.compile (verl's default is true)."""
+    use_fused_kernels: bool = False
+    """No effect, either value (as actor_rollout_ref.model.use_fused_kernels)."""
 
 
 @dataclass
 class RefConfig:
     """``actor_rollout_ref.ref.*``: the frozen reference policy (used by KL loss/penalty)."""
+
+    strategy: Literal["megatron"] = "megatron"
+    """Backend; megarl has only Megatron (accepted for verl scripts)."""
 
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Responses per forward pass for ref log-probs; unset: the rollout's."""
@@ -403,6 +307,8 @@ class RefConfig:
     """Token budget of one ref log-prob micro-batch; unset: the rollout's."""
     megatron: MegatronConfig = field(default_factory=lambda: _following_megatron(offload=True))
     """Parallel layout of the reference; sizes follow the actor's and must match it."""
+    use_torch_compile: bool = False
+    """Only false: megarl does not torch.compile (verl's default is true)."""
 
 
 @dataclass
@@ -417,6 +323,10 @@ class ActorRolloutRefConfig:
     """Generation with vLLM."""
     ref: RefConfig = field(default_factory=RefConfig)
     """Reference policy."""
+    hybrid_engine: bool = True
+    """Only true (verl's main_ppo needs it too); vLLM on ranks of its own is rollout.nnodes > 0."""
+    nccl_timeout: float | None = None
+    """Collective timeout in seconds; null: $MEGARL_DIST_TIMEOUT_MINUTES, else 180 minutes."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,6 +366,8 @@ class CriticConfig:
     """Value clip range."""
     loss_agg_mode: LossAggMode | None = None
     """Aggregation of the value loss; unset: the actor's."""
+    nccl_timeout: float | None = None
+    """One timeout per run: unset or equal to actor_rollout_ref.nccl_timeout."""
 
 
 @dataclass
@@ -576,6 +488,9 @@ class TrainerConfig:
 @dataclass
 class MegarlConfig:
     """The whole run."""
+
+    model_engine: str = "megatron"
+    """verl 0.9's training-engine switch; megarl is the Megatron engine: only megatron."""
 
     data: DataConfig = field(default_factory=DataConfig)
     """Datasets and batch size."""

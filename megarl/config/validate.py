@@ -20,6 +20,7 @@ from megarl.config.choices import (
     missing_logger_extras,
 )
 from megarl.config.dist_ckpt_checks import check_dist_checkpoints
+from megarl.config.engine_key_checks import check_engine_keys
 from megarl.config.errors import ConfigError
 from megarl.config.layout_checks import LayoutChecks, fmt_value
 from megarl.config.model_paths import resolve_model_paths
@@ -76,6 +77,7 @@ class _Checks(LayoutChecks):
         self.check_rewards()
         self.check_trainer()
         check_dist_checkpoints(self.cfg, error=self.error, problem=self.problem)
+        check_engine_keys(self.cfg, self.error)
         self.check_not_applied()
         self.check_files()
 

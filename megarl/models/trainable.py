@@ -50,7 +50,8 @@ class OptimizerSettings:
     lr_warmup_init: float = 0.0
     """Learning rate the warm-up starts from (optim.lr_warmup_init)."""
     lr_decay_steps: int = 1
-    """Scheduler steps over which the LR decays (the run's total trainer steps)."""
+    """Scheduler steps over which the LR decays to min_lr (optim.lr_decay_steps, else the run's
+    total trainer steps); held at min_lr after."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """Schedule after warm-up."""
     use_distributed_optimizer: bool = True

@@ -3,8 +3,9 @@
 One process per device; rank, world and master come from torchrun's variables or, when those
 are absent, Slurm's. NCCL on GPU, gloo on CPU, where the emulation layer
 (:mod:`megarl.parallel.emulation`) is switched on before Megatron is touched. The collective
-timeout (:func:`process_group_timeout_minutes`, ``MEGARL_DIST_TIMEOUT_MINUTES``) applies to the
-default group and, through ``distributed_timeout_minutes``, to Megatron's.
+timeout (:func:`process_group_timeout_minutes`: ``actor_rollout_ref.nccl_timeout``, else
+``MEGARL_DIST_TIMEOUT_MINUTES``) applies to the default group and, through
+``distributed_timeout_minutes``, to Megatron's.
 """
 
 from __future__ import annotations
@@ -30,8 +31,14 @@ NCCL watchdog would then kill a healthy job mid-save. The price: a real hang is 
 TIMEOUT_ENV = "MEGARL_DIST_TIMEOUT_MINUTES"
 
 
-def process_group_timeout_minutes() -> int:
-    """``$MEGARL_DIST_TIMEOUT_MINUTES`` (a positive integer), else the default."""
+def process_group_timeout_minutes(nccl_timeout_s: float | None = None) -> float:
+    """The collective timeout in minutes: ``nccl_timeout_s`` seconds when given (verl's
+    ``actor_rollout_ref.nccl_timeout``), else ``$MEGARL_DIST_TIMEOUT_MINUTES`` (a positive
+    integer), else the default."""
+    if nccl_timeout_s is not None:
+        if nccl_timeout_s <= 0:
+            raise ValueError(f"nccl_timeout={nccl_timeout_s} must be a positive number of seconds")
+        return nccl_timeout_s / 60
     value = os.environ.get(TIMEOUT_ENV, "").strip()
     if not value:
         return DEFAULT_TIMEOUT_MINUTES
@@ -93,7 +100,7 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def start_process_group(launch: LaunchEnv, timeout_minutes: int | None = None) -> None:
+def start_process_group(launch: LaunchEnv, timeout_minutes: float | None = None) -> None:
     """Create the default process group for ``launch`` unless one exists: NCCL on GPU, gloo on
     CPU; the rendezvous is ``MASTER_ADDR``/``MASTER_PORT``, set from ``launch`` when unset.
     ``timeout_minutes`` None: :func:`process_group_timeout_minutes`."""
@@ -116,7 +123,7 @@ def init_distributed(
     sizes: ParallelLayout | None = None,
     *,
     seed: int = 1234,
-    timeout_minutes: int | None = None,
+    timeout_minutes: float | None = None,
 ) -> LaunchEnv:
     """Start the default process group and Megatron's parallel state (idempotent for the PG).
 

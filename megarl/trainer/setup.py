@@ -21,11 +21,12 @@ import torch.distributed as dist
 from megarl.config import BatchPlan, ConfigError, MegarlConfig, critic_enabled, ref_used
 from megarl.config.algo_inputs import policy_loss_settings
 from megarl.config.moe_checks import moe_overrides
+from megarl.config.optim_overrides import honoured_overrides
 from megarl.data import GlobalBatchSampler, PromptDataset, total_training_steps
 from megarl.models.build import BuiltModel, Recompute, build_model
 from megarl.models.gpt import Fusions, MoeSettings
 from megarl.models.trainable import OptimizerSettings, TrainableModel
-from megarl.parallel.init import init_distributed
+from megarl.parallel.init import init_distributed, process_group_timeout_minutes
 from megarl.reward import RewardManager
 from megarl.reward.manager import RewardError, reward_inputs
 from megarl.rollout.actor_engine import ActorEngine
@@ -101,7 +102,8 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
     """Initialise the process group and Megatron, then data, engine, models and rewards."""
     arr = cfg.actor_rollout_ref
     layout = arr.actor.megatron.parallel_layout()
-    launch = init_distributed(layout, seed=cfg.trainer.seed)
+    timeout = process_group_timeout_minutes(arr.nccl_timeout)
+    launch = init_distributed(layout, seed=cfg.trainer.seed, timeout_minutes=timeout)
     world = launch.world_size
     plan = BatchPlan.from_config(cfg, world)
     from transformers import AutoTokenizer
@@ -285,28 +287,31 @@ def optimizer_settings(
     """The optimizer and LR schedule from ``actor_rollout_ref.actor.optim`` (or ``critic.optim``).
 
     Warm-up counts trainer steps (verl): ``lr_warmup_steps`` when ≥ 0, else
-    ``lr_warmup_steps_ratio`` × total steps.
+    ``lr_warmup_steps_ratio`` × total steps. The decay runs over ``lr_decay_steps`` (unset: the
+    total steps). ``override_optimizer_config``'s honoured entries win over ``optim.*``.
     """
     optim = cfg.critic.optim if role == "critic" else cfg.actor_rollout_ref.actor.optim
     meg = cfg.critic.megatron if role == "critic" else cfg.actor_rollout_ref.actor.megatron
     warmup = optim.lr_warmup_steps
     if warmup < 0:
         warmup = math.floor(optim.lr_warmup_steps_ratio * total_steps)
+    betas = (optim.betas[0], optim.betas[1])
+    chosen = {"betas": betas, "clip_grad": optim.clip_grad}
+    chosen |= honoured_overrides(optim.override_optimizer_config, betas)  # verl applies them last
     return OptimizerSettings(
         lr=optim.lr,
         optimizer=optim.optimizer,
         min_lr=optim.min_lr,
         weight_decay=optim.weight_decay,
-        betas=(optim.betas[0], optim.betas[1]),
-        clip_grad=optim.clip_grad,
         lr_warmup_steps=warmup,
         lr_warmup_init=optim.lr_warmup_init,
-        lr_decay_steps=total_steps,
+        lr_decay_steps=optim.lr_decay_steps or total_steps,
         lr_decay_style=optim.lr_decay_style,
         use_distributed_optimizer=meg.use_distributed_optimizer,
         overlap_grad_reduce=meg.override_ddp_config.overlap_grad_reduce,
         overlap_param_gather=meg.override_ddp_config.overlap_param_gather,
         ddp_bucket_size=meg.override_ddp_config.bucket_size,
+        **chosen,
     )
 
 

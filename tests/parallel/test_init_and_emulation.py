@@ -108,3 +108,25 @@ def test_gloo_interface_is_the_one_routing_to_the_master():
     chosen = {**multi_node, "GLOO_SOCKET_IFNAME": "ib0"}  # the user's value wins
     assert set_gloo_socket_ifname("127.0.0.1", chosen) == "ib0"
     assert route_interface("no-such-host.invalid") is None
+
+
+def test_nccl_timeout_seconds_win_over_the_variable_and_reach_the_process_group(monkeypatch):
+    """``actor_rollout_ref.nccl_timeout`` is in seconds (verl's unit); given, it is the default
+    group's timeout whatever $MEGARL_DIST_TIMEOUT_MINUTES says."""
+    import datetime
+
+    from megarl.parallel import init
+
+    monkeypatch.setenv("MEGARL_DIST_TIMEOUT_MINUTES", "600")
+    assert init.process_group_timeout_minutes(1800) == 30
+    assert init.process_group_timeout_minutes(None) == 600
+    with pytest.raises(ValueError, match="nccl_timeout=0 must be a positive number of seconds"):
+        init.process_group_timeout_minutes(0)
+    seen = {}
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)  # start_process_group sets them when unset
+    monkeypatch.setattr(init.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(init.dist, "init_process_group", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(init, "set_gloo_socket_ifname", lambda addr: None)
+    init.start_process_group(read_launch_env({}), init.process_group_timeout_minutes(90))
+    assert seen["timeout"] == datetime.timedelta(seconds=90)

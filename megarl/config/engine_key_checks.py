@@ -1,0 +1,97 @@
+"""Checks of verl keys whose value either is megarl's behaviour anyway or asks for something
+megarl does not have: ``model_engine``, ``hybrid_engine``, ``use_torch_compile``,
+``megatron.seed``, ``nccl_timeout``, ``optim.lr_decay_steps``,
+``optim.override_optimizer_config`` and the keys of :data:`ONLY`. Each refusal is one line
+naming the key and the values that work; keys accepted at any value (``use_mbridge``,
+``use_fused_kernels``, ``rollout.calculate_log_probs``, ``optim.total_training_steps``,
+``optim.lr_wsd_*``) say so in their docstrings and are not checked here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from megarl.config.layout_checks import fmt_value
+from megarl.config.loader import get_key
+from megarl.config.optim_overrides import override_problems
+
+Error = Callable[[str], None]
+
+ARR = "actor_rollout_ref"
+_FP32 = ("fp32", "float32", "torch.float32")
+_OPTIMS = (f"{ARR}.actor.optim", "critic.optim")
+ONLY: tuple[tuple[str, tuple[object, ...], str], ...] = (
+    *[(f"{o}.use_precision_aware_optimizer", (False,), "main params and moments are fp32")
+      for o in _OPTIMS],
+    *[(f"{o}.{k}", _FP32, "main gradients and Adam moments are fp32")
+      for o in _OPTIMS for k in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")],
+    *[(f"{o}.use_layer_wise_distributed_optimizer", (False,),
+       "the distributed optimizer shards over data-parallel ranks") for o in _OPTIMS],
+    *[(f"{r}.checkpoint.async_save", (False,), "saves are synchronous")
+      for r in (f"{ARR}.actor", "critic")],
+    (f"{ARR}.rollout.ignore_eos", (False,), "training rollouts stop at EOS"),
+    (f"{ARR}.rollout.over_sample_rate", (0,), "no over-sampling"),
+    (f"{ARR}.rollout.data_parallel_size", (1,),
+     f"each vLLM engine is one TP group (more engines: more ranks or {ARR}.rollout.nnodes)"),
+    (f"{ARR}.rollout.pipeline_model_parallel_size", (1,), "vLLM runs tensor-parallel only"),
+    (f"{ARR}.rollout.multi_stage_wake_up", (False,), "vLLM wakes up in one stage"),
+)  # fmt: skip
+"""(key, the values that work, why): verl keys megarl accepts only at its own behaviour."""
+
+
+def check_engine_keys(cfg, error: Error) -> None:
+    """Report every engine key whose value megarl cannot honour through ``error``."""
+    for key, works, why in ONLY:
+        value = get_key(cfg, key)
+        if value not in works or isinstance(value, bool) != isinstance(works[0], bool):
+            shown = " or ".join(fmt_value(w) for w in works)
+            error(f"{key}={fmt_value(value)}: {why}; use {shown}")
+    arr = cfg.actor_rollout_ref
+    if cfg.model_engine != "megatron":
+        error(
+            f"model_engine={cfg.model_engine}: megarl is the Megatron engine; use "
+            "model_engine=megatron (or leave it out)"
+        )
+    if not arr.hybrid_engine:
+        error(
+            f"{ARR}.hybrid_engine=false: megarl's trainer runs actor, rollout and reference "
+            f"in one engine; use true (vLLM on ranks of its own is {ARR}.rollout.nnodes > 0)"
+        )
+    for key, on in ((f"{ARR}.actor", arr.actor.use_torch_compile),
+                    (f"{ARR}.ref", arr.ref.use_torch_compile)):  # fmt: skip
+        if on:
+            error(f"{key}.use_torch_compile=true: megarl does not torch.compile; use false")
+    seed = cfg.trainer.seed
+    for key, meg in ((f"{ARR}.actor", arr.actor.megatron), (f"{ARR}.ref", arr.ref.megatron),
+                     ("critic", cfg.critic.megatron)):  # fmt: skip
+        if meg.seed is not None and meg.seed != seed:
+            error(
+                f"{key}.megatron.seed={meg.seed}: megarl seeds Megatron with trainer.seed "
+                f"({seed}); use {seed}, leave it unset, or set trainer.seed={meg.seed}"
+            )
+    _check_timeout(cfg, error)
+    for key, optim in ((f"{ARR}.actor.optim", arr.actor.optim), ("critic.optim", cfg.critic.optim)):
+        if optim.lr_decay_steps is not None and optim.lr_decay_steps < 1:
+            error(
+                f"{key}.lr_decay_steps must be a positive number or null, got {optim.lr_decay_steps}"
+            )
+        for problem in override_problems(
+            f"{key}.override_optimizer_config", optim.override_optimizer_config
+        ):
+            error(problem)
+
+
+def _check_timeout(cfg, error: Error) -> None:
+    actor, critic = cfg.actor_rollout_ref.nccl_timeout, cfg.critic.nccl_timeout
+    if actor is not None and actor <= 0:
+        error(f"{ARR}.nccl_timeout must be a positive number of seconds or null, got {actor:g}")
+    if critic is not None and critic != actor:
+        instead = (
+            f"set {ARR}.nccl_timeout={critic:g} instead"
+            if actor is None
+            else f"leave critic.nccl_timeout unset or equal to it ({actor:g})"
+        )
+        error(
+            f"critic.nccl_timeout={critic:g}: megarl has one process-group timeout, "
+            f"{ARR}.nccl_timeout; {instead}"
+        )

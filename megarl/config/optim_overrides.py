@@ -1,0 +1,94 @@
+"""``*.optim.override_optimizer_config``: Megatron ``OptimizerConfig`` fields a verl script sets
+directly (verl applies them after building the config from ``optim.*``, so they win).
+
+Each entry is honoured (:data:`HONOURED`, mapped onto the optimizer megarl builds), accepted at
+the value that is megarl's behaviour anyway (:data:`ONLY`), or refused in one line naming the
+values that work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+HONOURED: dict[str, str] = {
+    "adam_beta1": "Adam beta1 (over optim.betas[0])",
+    "adam_beta2": "Adam beta2 (over optim.betas[1])",
+    "adam_eps": "Adam epsilon",
+    "sgd_momentum": "SGD momentum",
+    "clip_grad": "gradient-norm clip (over optim.clip_grad)",
+}
+"""Entries that change the optimizer megarl builds, with what they set."""
+
+_FP32 = ("fp32", "float32", "torch.float32")
+ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    "decoupled_weight_decay": ((True,), "weight decay is decoupled (AdamW)"),
+    "use_precision_aware_optimizer": ((False,), "main params and moments are fp32"),
+    "main_grads_dtype": (_FP32, "main gradients are fp32"),
+    "main_params_dtype": (_FP32, "main params are fp32"),
+    "exp_avg_dtype": (_FP32, "Adam moments are fp32"),
+    "exp_avg_sq_dtype": (_FP32, "Adam moments are fp32"),
+    "optimizer_cpu_offload": (
+        (False,),
+        (
+            "the optimizer steps on the GPU; megatron.optimizer_offload moves its state to "
+            "CPU between steps"
+        ),
+    ),
+    "overlap_cpu_optimizer_d2h_h2d": ((False,), "no CPU optimizer step"),
+    "use_torch_optimizer_for_cpu_offload": ((False,), "no CPU optimizer step"),
+    "optimizer_offload_fraction": ((0, 0.0), "no CPU optimizer step"),
+}
+"""Entries accepted only at megarl's behaviour: (the values that work, why)."""
+
+
+def override_problems(prefix: str, overrides: dict[str, Any]) -> list[str]:
+    """One line per entry of ``overrides`` (at ``prefix``) megarl cannot apply, each naming the
+    values or entries that work."""
+    problems = []
+    for name, value in overrides.items():
+        key = f"{prefix}.{name}"
+        if name in HONOURED:
+            number = _number(value)
+            if number is None or number < 0:
+                problems.append(f"{key}={value!r} must be a number >= 0")
+        elif name in ONLY:
+            works, why = ONLY[name]
+            if not any(type(value) is type(w) and value == w for w in works) and not (
+                isinstance(value, str) and value in works
+            ):
+                shown = " or ".join(
+                    str(w).lower() if isinstance(w, bool) else str(w) for w in works
+                )
+                problems.append(f"{key}={value!r}: {why}; use {shown}")
+        else:
+            problems.append(
+                f"{key} is not applied by megarl; the entries it honours are "
+                f"{', '.join(HONOURED)} (and {', '.join(ONLY)} at megarl's values)"
+            )
+    return problems
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float (YAML reads ``1e-5`` as a string; verl's OmegaConf as a number)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def honoured_overrides(overrides: dict[str, Any], betas: tuple[float, float]) -> dict[str, Any]:
+    """The :class:`~megarl.models.trainable.OptimizerSettings` fields that ``overrides`` set:
+    ``betas``, ``eps``, ``sgd_momentum``, ``clip_grad`` (only those given)."""
+    out: dict[str, Any] = {}
+    if "adam_beta1" in overrides or "adam_beta2" in overrides:
+        out["betas"] = (
+            float(overrides.get("adam_beta1", betas[0])),
+            float(overrides.get("adam_beta2", betas[1])),
+        )
+    for name, field in (("adam_eps", "eps"), ("sgd_momentum", "sgd_momentum"),
+                        ("clip_grad", "clip_grad")):  # fmt: skip
+        if name in overrides:
+            out[field] = float(overrides[name])
+    return out

@@ -1,0 +1,105 @@
+"""``actor_rollout_ref.rollout.*``: the vLLM engine and its sampling settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class SamplingConfig:
+    """``actor_rollout_ref.rollout.val_kwargs.*`` (megarl's place for validation sampling)."""
+
+    temperature: float = 0.0
+    """Sampling temperature of validation rollouts (ignored when do_sample is false)."""
+    top_p: float = 1.0
+    """Nucleus sampling of validation rollouts."""
+    top_k: int = -1
+    """Top-k of validation rollouts; -1: off."""
+    n: int = 1
+    """Responses per validation prompt."""
+    do_sample: bool = False
+    """Sample (true) or decode greedily (false) during validation."""
+
+
+@dataclass
+class RolloutConfig:
+    """``actor_rollout_ref.rollout.*``: the vLLM engine colocated with training.
+
+    vLLM always reports processed (temperature-scaled) log-probs; how they are used is
+    ``algorithm.rollout_correction``.
+    """
+
+    name: Literal["vllm", "actor"] = "vllm"
+    """Rollout engine: vllm, or (megarl) actor: sample from the Megatron actor itself (tests)."""
+    # verl 0.9.1 accepts only async (its agent-loop rollout servers; sync raises "removed").
+    # Deliberate difference: megarl also takes sync, which older verl scripts pass, and both mean
+    # in-process vLLM generating each step's batch between training phases (on-policy, colocated).
+    mode: Literal["async", "sync"] = "async"
+    """async (verl 0.9.1's only mode) or sync (its older name): colocated, on-policy, per step."""
+    tensor_model_parallel_size: int = 2
+    """vLLM tensor-parallel size (independent of training TP); rollout DP = world / this."""
+    expert_parallel_size: int = 1
+    """vLLM expert parallelism: 1, or the rollout TP size (each rank then holds whole experts)."""
+    nnodes: int = 0
+    """Nodes of rollout-only ranks after the training ranks; 0: vLLM shares the training ranks."""
+    n_gpus_per_node: int | None = None
+    """Rollout-only ranks per node (with nnodes > 0); unset: trainer.n_gpus_per_node."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may use (weights + KV cache)."""
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts; log-probs are computed at this temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling; < 1 needs allow_non_unit_top_p_top_k."""
+    top_k: int = -1
+    """Top-k sampling; -1 (or 0): off; otherwise needs allow_non_unit_top_p_top_k."""
+    n: int = 1
+    """Responses per prompt (the group size of GRPO and its family)."""
+    do_sample: bool = True
+    """Sample (true) or decode greedily (false)."""
+    prompt_length: int | None = None
+    """Longest prompt vLLM is given; unset: data.max_prompt_length."""
+    response_length: int | None = None
+    """Most tokens generated per response; unset: data.max_response_length."""
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Responses per old-log-prob forward pass; unset: actor.ppo_micro_batch_size_per_gpu."""
+    log_prob_use_dynamic_bsz: bool | None = None
+    """Old-log-prob passes packed by token budget; unset: actor.use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """Token budget of one old-log-prob micro-batch; unset: actor.ppo_max_token_len_per_gpu."""
+    max_num_seqs: int = 256
+    """vLLM max_num_seqs (concurrent sequences)."""
+    max_num_batched_tokens: int = 8192
+    """vLLM max_num_batched_tokens (tokens per scheduler step)."""
+    enable_chunked_prefill: bool = True
+    """vLLM chunked prefill (off on CPU: vLLM 0.32 fails on a seeded partial prefill)."""
+    enable_prefix_caching: bool = True
+    """vLLM prefix caching (the n samples of a prompt share its KV); off under routing replay R3."""
+    enable_rollout_routing_replay: bool = False
+    """verl's rollout switch for routing replay R3 (megarl: implied by R3; true without it refused)."""
+    ignore_eos: bool = False
+    """Only false: training rollouts stop at EOS."""
+    over_sample_rate: float = 0.0
+    """Only 0: no over-sampling (every request's response is kept)."""
+    data_parallel_size: int = 1
+    """Only 1: each vLLM engine is one TP group; rollout DP = rollout ranks / rollout TP."""
+    pipeline_model_parallel_size: int = 1
+    """Only 1: vLLM runs tensor-parallel only."""
+    multi_stage_wake_up: bool = False
+    """Only false: vLLM wakes up weights and KV cache in one stage."""
+    calculate_log_probs: bool = False
+    """No effect, either value: vLLM's log-probs of the sampled tokens are always kept."""
+    free_cache_engine: bool = True
+    """Put vLLM to sleep (free weights and KV cache) while training runs."""
+    max_model_len: int | None = None
+    """(megarl) vLLM max_model_len; null: prompt_length + response_length."""
+    enforce_eager: bool = False
+    """(megarl) vLLM enforce_eager (no CUDA graphs; slower, starts faster)."""
+    kv_cache_memory_bytes: int | None = None
+    """(megarl) vLLM KV-cache size in bytes; overrides gpu_memory_utilization (set it on CPU)."""
+    allow_non_unit_top_p_top_k: bool = False
+    """(megarl) Permit top_p < 1 or top_k > 0 in training rollouts (biased log-probs)."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Free-form: extra keyword arguments for vllm.LLM."""
+    val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
+    """(megarl) Sampling settings of validation rollouts."""

@@ -1,0 +1,156 @@
+"""verl keys whose value is megarl's behaviour anyway are accepted; those asking for something
+megarl does not have are refused in one line naming the key and the values that work; the keys
+megarl honours (``nccl_timeout``, ``optim.lr_decay_steps``, ``override_optimizer_config``) reach
+what is built (:func:`megarl.trainer.setup.optimizer_settings`, ``build_run``'s timeout)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.config import ConfigError, load_config, validate
+from tests.config._bad_configs import GRPO
+
+ARR = "actor_rollout_ref"
+OVR = f"+{ARR}.actor.optim.override_optimizer_config"
+
+
+def _problems(overrides: list[str]) -> list[str]:
+    try:
+        validate(load_config(GRPO, overrides), 2)
+    except ConfigError as exc:
+        return exc.problems
+    return []
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model_engine=megatron"],
+        [f"{ARR}.hybrid_engine=True"],
+        [f"{ARR}.rollout.calculate_log_probs=True", f"{ARR}.rollout.calculate_log_probs=False"],
+        [f"{ARR}.actor.use_torch_compile=False", f"{ARR}.ref.use_torch_compile=False"],
+        [f"{ARR}.{r}.megatron.use_mbridge={v}" for r in ("actor", "ref") for v in ("True", "False")]
+        + [f"critic.megatron.vanilla_mbridge={v}" for v in ("True", "False")],
+        [f"{ARR}.model.use_fused_kernels=True", f"{ARR}.actor.use_fused_kernels=True",
+         "critic.model.use_fused_kernels=False"],
+        [f"{ARR}.actor.megatron.seed=42", f"{ARR}.ref.megatron.seed=42", "critic.megatron.seed=42"],
+        ["trainer.seed=7", f"{ARR}.actor.megatron.seed=7"],
+        [f"{ARR}.nccl_timeout=600", "critic.nccl_timeout=600"],
+        [f"{ARR}.actor.optim.lr_decay_steps=100", "critic.optim.lr_decay_steps=50"],
+        [f"{ARR}.actor.optim.{k}=fp32" for k in ("main_grads_dtype", "exp_avg_dtype")]
+        + [f"critic.optim.{k}=False" for k in ("use_precision_aware_optimizer",
+                                               "use_layer_wise_distributed_optimizer")]
+        + [f"{ARR}.actor.optim.total_training_steps=-1", "critic.optim.lr_wsd_decay_steps=5",
+           f"{ARR}.actor.optim.lr_wsd_decay_style=cosine",
+           f"{ARR}.actor.optim.weight_decay_incr_style=constant",
+           f"{ARR}.actor.checkpoint.async_save=False", f"{ARR}.ref.strategy=megatron"],
+        [f"{ARR}.rollout.{k}" for k in ("ignore_eos=False", "over_sample_rate=0",
+         "data_parallel_size=1", "pipeline_model_parallel_size=1", "multi_stage_wake_up=False")],
+        [f"{OVR}.adam_eps=1e-5", f"{OVR}.adam_beta2=0.95", f"{OVR}.use_precision_aware_optimizer=False",
+         f"{OVR}.optimizer_cpu_offload=False", f"{OVR}.main_grads_dtype=fp32"],
+    ],
+)  # fmt: skip
+def test_values_that_are_megarls_behaviour_validate(overrides):
+    assert _problems(overrides) == []
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("model_engine=dp", "model_engine=dp: megarl is the Megatron engine; use model_engine=megatron"),
+        (f"{ARR}.hybrid_engine=False", f"{ARR}.hybrid_engine=false: megarl's trainer runs actor, rollout and reference in one engine; use true"),
+        (f"{ARR}.actor.use_torch_compile=True", f"{ARR}.actor.use_torch_compile=true: megarl does not torch.compile; use false"),
+        (f"{ARR}.ref.use_torch_compile=True", f"{ARR}.ref.use_torch_compile=true: megarl does not torch.compile; use false"),
+        (f"{ARR}.actor.megatron.seed=3", f"{ARR}.actor.megatron.seed=3: megarl seeds Megatron with trainer.seed (42); use 42, leave it unset, or set trainer.seed=3"),
+        ("critic.megatron.seed=3", "critic.megatron.seed=3: megarl seeds Megatron with trainer.seed (42); use 42"),
+        (f"{ARR}.nccl_timeout=0", f"{ARR}.nccl_timeout must be a positive number of seconds or null, got 0"),
+        ("critic.nccl_timeout=60", f"critic.nccl_timeout=60: megarl has one process-group timeout, {ARR}.nccl_timeout; set {ARR}.nccl_timeout=60 instead"),
+        (f"{ARR}.actor.optim.lr_decay_steps=0", f"{ARR}.actor.optim.lr_decay_steps must be a positive number or null, got 0"),
+        (f"{OVR}.optimizer_cpu_offload=True", f"{OVR[1:]}.optimizer_cpu_offload=True: the optimizer steps on the GPU; megatron.optimizer_offload moves its state to CPU between steps; use false"),
+        (f"{OVR}.optimizer_offload_fraction=1", f"{OVR[1:]}.optimizer_offload_fraction=1: no CPU optimizer step; use 0 or 0.0"),
+        (f"{OVR}.use_precision_aware_optimizer=True", "use_precision_aware_optimizer=True: main params and moments are fp32; use false"),
+        (f"{OVR}.exp_avg_dtype=bf16", "exp_avg_dtype='bf16': Adam moments are fp32; use fp32 or float32 or torch.float32"),
+        (f"{ARR}.actor.optim.exp_avg_dtype=bf16", f"{ARR}.actor.optim.exp_avg_dtype=bf16: main gradients and Adam moments are fp32; use fp32 or float32 or torch.float32"),
+        ("critic.optim.use_precision_aware_optimizer=True", "critic.optim.use_precision_aware_optimizer=true: main params and moments are fp32; use false"),
+        ("critic.checkpoint.async_save=True", "critic.checkpoint.async_save=true: saves are synchronous; use false"),
+        (f"{ARR}.rollout.ignore_eos=True", f"{ARR}.rollout.ignore_eos=true: training rollouts stop at EOS; use false"),
+        (f"{ARR}.rollout.over_sample_rate=0.1", f"{ARR}.rollout.over_sample_rate=0.1: no over-sampling; use 0"),
+        (f"{ARR}.rollout.data_parallel_size=2", f"{ARR}.rollout.data_parallel_size=2: each vLLM engine is one TP group"),
+        (f"{ARR}.rollout.pipeline_model_parallel_size=2", f"{ARR}.rollout.pipeline_model_parallel_size=2: vLLM runs tensor-parallel only; use 1"),
+        (f"{ARR}.rollout.multi_stage_wake_up=True", f"{ARR}.rollout.multi_stage_wake_up=true: vLLM wakes up in one stage; use false"),
+        (f"{OVR}.adam_eps=-1", f"{OVR[1:]}.adam_eps=-1 must be a number >= 0"),
+        (f"{OVR}.log_num_zeros_in_grad=True", f"{OVR[1:]}.log_num_zeros_in_grad is not applied by megarl; the entries it honours are adam_beta1, adam_beta2, adam_eps, sgd_momentum, clip_grad"),
+    ],
+)  # fmt: skip
+def test_values_megarl_does_not_have_are_refused_in_one_line(override, expected):
+    problems = _problems([override])
+    assert len(problems) == 1, problems
+    assert expected in problems[0] and "\n" not in problems[0], problems
+
+
+def test_model_engine_is_a_key_not_an_unknown_one_with_a_wrong_hint():
+    """verl 0.9's examples pass model_engine=megatron; before it was "unknown key" with a hint
+    at an unrelated key."""
+    assert load_config(GRPO, ["model_engine=megatron"]).model_engine == "megatron"
+    problems = _problems(["model_engine=fsdp"])
+    expected = "model_engine=fsdp: megarl is the Megatron engine; use model_engine=megatron"
+    assert problems == [f"{expected} (or leave it out)"]
+
+
+def test_lr_decay_steps_and_override_entries_reach_the_optimizer_settings():
+    from megarl.trainer.setup import optimizer_settings
+
+    plain = optimizer_settings(load_config(GRPO), 40)
+    assert plain.lr_decay_steps == 40  # unset: the run's total steps, as verl
+    cfg = load_config(GRPO, [
+        f"{ARR}.actor.optim.lr_decay_steps=10", f"{ARR}.actor.optim.betas=[0.8,0.9]",
+        f"{OVR}.adam_beta2=0.95", f"{OVR}.adam_eps=1e-5", f"{OVR}.clip_grad=0.5",
+        f"{OVR}.sgd_momentum=0.3", "critic.optim.lr_decay_steps=7",
+    ])  # fmt: skip
+    actor = optimizer_settings(cfg, 40)
+    assert actor.lr_decay_steps == 10
+    assert actor.betas == (0.8, 0.95)  # the override wins over optim.betas (verl applies it last)
+    assert (actor.eps, actor.clip_grad, actor.sgd_momentum) == (1e-5, 0.5, 0.3)
+    assert optimizer_settings(cfg, 40, "critic").lr_decay_steps == 7
+    assert optimizer_settings(cfg, 40, "critic").eps == plain.eps  # the actor's override only
+
+
+def test_nccl_timeout_is_the_process_group_timeout_build_run_uses(monkeypatch, tmp_path):
+    """``build_run`` starts the process group with ``actor_rollout_ref.nccl_timeout`` seconds
+    (verl's unit), over $MEGARL_DIST_TIMEOUT_MINUTES; unset, the variable still decides."""
+    from megarl.trainer import setup
+
+    seen: list[float] = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_init(layout, *, seed, timeout_minutes=None):
+        seen.append(timeout_minutes)
+        raise Stop
+
+    monkeypatch.setattr(setup, "init_distributed", fake_init)
+    monkeypatch.setenv("MEGARL_DIST_TIMEOUT_MINUTES", "90")
+    for overrides in ([f"{ARR}.nccl_timeout=1800"], []):
+        with pytest.raises(Stop):
+            setup.build_run(load_config(GRPO, overrides), None, tmp_path)
+    assert seen == [30, 90]
+
+
+def test_a_verl_0_9_script_s_engine_keys_validate_and_a_wrong_engine_is_one_line(capsys):
+    """``megarl config validate`` as a verl 0.9 user runs it: the engine keys every Megatron
+    example passes validate; ``model_engine=dp`` is the one error, on one line."""
+    from megarl import cli
+
+    verl_0_9 = [
+        "model_engine=megatron", f"{ARR}.hybrid_engine=True", f"{ARR}.nccl_timeout=600",
+        f"{ARR}.actor.use_torch_compile=False", f"{ARR}.actor.megatron.use_mbridge=True",
+        f"{ARR}.actor.megatron.vanilla_mbridge=False", f"{ARR}.model.use_fused_kernels=True",
+        f"{ARR}.rollout.calculate_log_probs=True", f"{ARR}.actor.megatron.seed=42",
+        f"{ARR}.actor.optim.lr_decay_steps=200", f"{OVR}.adam_beta2=0.95",
+    ]  # fmt: skip
+    assert cli.main(["config", "validate", "-c", str(GRPO), *verl_0_9]) == 0
+    capsys.readouterr()
+    assert cli.main(["config", "validate", "-c", str(GRPO), *verl_0_9, "model_engine=dp"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "model_engine=dp: megarl is the Megatron engine" in errors[0]
