@@ -20,6 +20,11 @@ Error = Callable[[str], None]
 ARR = "actor_rollout_ref"
 _FP32 = ("fp32", "float32", "torch.float32")
 _OPTIMS = (f"{ARR}.actor.optim", "critic.optim")
+_ROLES = (f"{ARR}.actor", f"{ARR}.ref", "critic")
+_DTYPES = {
+    "bf16": ("bf16", "bfloat16", "torch.bfloat16"),
+    "fp32": ("fp32", "float32", "torch.float32"),
+}
 ONLY: tuple[tuple[str, tuple[object, ...], str], ...] = (
     *[(f"{o}.use_precision_aware_optimizer", (False,), "main params and moments are fp32")
       for o in _OPTIMS],
@@ -35,6 +40,10 @@ ONLY: tuple[tuple[str, tuple[object, ...], str], ...] = (
      f"each vLLM engine is one TP group (more engines: more ranks or {ARR}.rollout.nnodes)"),
     (f"{ARR}.rollout.pipeline_model_parallel_size", (1,), "vLLM runs tensor-parallel only"),
     (f"{ARR}.rollout.multi_stage_wake_up", (False,), "vLLM wakes up in one stage"),
+    *[(f"{r}.megatron.use_megatron_fsdp", (False,),
+       "Megatron DDP with the distributed optimizer") for r in _ROLES],
+    *[(f"{r}.megatron.override_mcore_model_config", ({},),
+       f"TransformerConfig fields go in {r}.megatron.override_transformer_config") for r in _ROLES],
 )  # fmt: skip
 """(key, the values that work, why): verl keys megarl accepts only at its own behaviour."""
 
@@ -70,6 +79,16 @@ def check_engine_keys(cfg, error: Error) -> None:
                 f"({seed}); use {seed}, leave it unset, or set trainer.seed={meg.seed}"
             )
     _check_timeout(cfg, error)
+    dtype = cfg.trainer.dtype
+    for key in [f"{r}.megatron.dtype" for r in _ROLES]:
+        value = get_key(cfg, key)
+        if value is not None and value not in _DTYPES[dtype]:
+            other = next((k for k, names in _DTYPES.items() if value in names), None)
+            instead = f", or set trainer.dtype={other}" if other else ""
+            error(
+                f"{key}={value}: megarl's dtype is trainer.dtype ({dtype}); use "
+                f"{' or '.join(_DTYPES[dtype])} or leave it unset{instead}"
+            )
     for key, optim in ((f"{ARR}.actor.optim", arr.actor.optim), ("critic.optim", cfg.critic.optim)):
         if optim.lr_decay_steps is not None and optim.lr_decay_steps < 1:
             error(

@@ -191,6 +191,12 @@ class MegatronConfig:
     """No effect, either value: megarl maps HF weights to Megatron itself (verl: mbridge or not)."""
     vanilla_mbridge: bool = True
     """No effect, either value (verl: mbridge or NVIDIA's Megatron-Bridge)."""
+    dtype: str | None = None
+    """verl's parameter dtype; megarl's is trainer.dtype: unset or naming it (bfloat16 for bf16)."""
+    use_megatron_fsdp: bool = False
+    """Only false: Megatron DDP with the distributed optimizer."""
+    override_mcore_model_config: dict[str, Any] = field(default_factory=dict)
+    """Only empty: TransformerConfig fields go in override_transformer_config."""
 
     def parallel_layout(self) -> ParallelLayout:
         """This section's grid sizes as the one layout type."""
