@@ -40,6 +40,8 @@ ONLY: tuple[tuple[str, tuple[object, ...], str], ...] = (
      f"each vLLM engine is one TP group (more engines: more ranks or {ARR}.rollout.nnodes)"),
     (f"{ARR}.rollout.pipeline_model_parallel_size", (1,), "vLLM runs tensor-parallel only"),
     (f"{ARR}.rollout.multi_stage_wake_up", (False,), "vLLM wakes up in one stage"),
+    (f"{ARR}.rollout.logprobs_mode", ("processed_logprobs",),
+     "vLLM reports log-probs after temperature scaling"),
     *[(f"{r}.megatron.use_megatron_fsdp", (False,),
        "Megatron DDP with the distributed optimizer") for r in _ROLES],
     *[(f"{r}.megatron.override_mcore_model_config", ({},),
@@ -79,6 +81,14 @@ def check_engine_keys(cfg, error: Error) -> None:
                 f"({seed}); use {seed}, leave it unset, or set trainer.seed={meg.seed}"
             )
     _check_timeout(cfg, error)
+    n = arr.rollout.n
+    for key, given in ((f"{ARR}.actor", arr.actor.rollout_n), (f"{ARR}.ref", arr.ref.rollout_n),
+                       ("critic", cfg.critic.rollout_n)):  # fmt: skip
+        if given is not None and given != n:
+            error(
+                f"{key}.rollout_n={given}: responses per prompt are {ARR}.rollout.n ({n}); "
+                f"use {n} or leave it unset"
+            )
     dtype = cfg.trainer.dtype
     for key in [f"{r}.megatron.dtype" for r in _ROLES]:
         value = get_key(cfg, key)

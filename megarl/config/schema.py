@@ -193,6 +193,10 @@ class MegatronConfig:
     """No effect, either value (verl: mbridge or NVIDIA's Megatron-Bridge)."""
     dtype: str | None = None
     """verl's parameter dtype; megarl's is trainer.dtype: unset or naming it (bfloat16 for bf16)."""
+    entropy_from_logits_with_chunking: bool = False
+    """No effect, either value: the vocab-parallel entropy is always computed in chunks."""
+    entropy_from_logits_chunk_size: int = 2048
+    """No effect, any value (megarl chooses its chunks)."""
     use_megatron_fsdp: bool = False
     """Only false: Megatron DDP with the distributed optimizer."""
     override_mcore_model_config: dict[str, Any] = field(default_factory=dict)
@@ -294,6 +298,12 @@ class ActorConfig:
     """Parallel layout of the actor; critic and ref default to it."""
     use_torch_compile: bool = False
     """Only false: megarl does not torch.compile (verl's default is true)."""
+    entropy_from_logits_with_chunking: bool = False
+    """No effect, either value: the vocab-parallel entropy is always computed in chunks."""
+    entropy_from_logits_chunk_size: int = 2048
+    """No effect, any value (megarl chooses its chunks)."""
+    rollout_n: int | None = None
+    """Only unset or equal to actor_rollout_ref.rollout.n (verl's interpolated default)."""
     use_fused_kernels: bool = False
     """No effect, either value (as actor_rollout_ref.model.use_fused_kernels)."""
 
@@ -315,6 +325,12 @@ class RefConfig:
     """Parallel layout of the reference; sizes follow the actor's and must match it."""
     use_torch_compile: bool = False
     """Only false: megarl does not torch.compile (verl's default is true)."""
+    entropy_from_logits_with_chunking: bool = False
+    """No effect, either value: the vocab-parallel entropy is always computed in chunks."""
+    entropy_from_logits_chunk_size: int = 2048
+    """No effect, any value (megarl chooses its chunks)."""
+    rollout_n: int | None = None
+    """Only unset or equal to actor_rollout_ref.rollout.n (verl's interpolated default)."""
 
 
 @dataclass
@@ -374,6 +390,8 @@ class CriticConfig:
     """Aggregation of the value loss; unset: the actor's."""
     nccl_timeout: float | None = None
     """One timeout per run: unset or equal to actor_rollout_ref.nccl_timeout."""
+    rollout_n: int | None = None
+    """Only unset or equal to actor_rollout_ref.rollout.n (verl's interpolated default)."""
 
 
 @dataclass

@@ -77,6 +77,8 @@ class RolloutConfig:
     """vLLM prefix caching (the n samples of a prompt share its KV); off under routing replay R3."""
     enable_rollout_routing_replay: bool = False
     """verl's rollout switch for routing replay R3 (megarl: implied by R3; true without it refused)."""
+    logprobs_mode: str = "processed_logprobs"
+    """Only processed_logprobs: vLLM reports log-probs after temperature scaling."""
     ignore_eos: bool = False
     """Only false: training rollouts stop at EOS."""
     over_sample_rate: float = 0.0

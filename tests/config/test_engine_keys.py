@@ -48,6 +48,9 @@ def _problems(overrides: list[str]) -> list[str]:
          "critic.megatron.use_megatron_fsdp=False",
          f"{ARR}.actor.megatron.override_mcore_model_config={{}}"],
         [f"{ARR}.actor.megatron.dtype=float32", "critic.megatron.dtype=fp32"],  # the config's fp32
+        [f"{ARR}.actor.entropy_from_logits_with_chunking=True", f"{ARR}.ref.rollout_n=8",
+         f"{ARR}.actor.megatron.entropy_from_logits_chunk_size=512", "critic.rollout_n=8",
+         f"{ARR}.rollout.logprobs_mode=processed_logprobs"],
         [f"{ARR}.rollout.{k}" for k in ("ignore_eos=False", "over_sample_rate=0",
          "data_parallel_size=1", "pipeline_model_parallel_size=1", "multi_stage_wake_up=False")],
         [f"{OVR}.adam_eps=1e-5", f"{OVR}.adam_beta2=0.95", f"{OVR}.use_precision_aware_optimizer=False",
@@ -86,6 +89,8 @@ def test_values_that_are_megarls_behaviour_validate(overrides):
         (f"{ARR}.ref.megatron.dtype=bfloat16", f"{ARR}.ref.megatron.dtype=bfloat16: megarl's dtype is trainer.dtype (fp32); use fp32 or float32 or torch.float32 or leave it unset, or set trainer.dtype=bf16"),
         ("critic.megatron.use_megatron_fsdp=True", "critic.megatron.use_megatron_fsdp=true: Megatron DDP with the distributed optimizer; use false"),
         (f"+{ARR}.ref.megatron.override_mcore_model_config.x=1", f"{ARR}.ref.megatron.override_mcore_model_config={{'x': 1}}: TransformerConfig fields go in {ARR}.ref.megatron.override_transformer_config"),
+        (f"{ARR}.rollout.logprobs_mode=raw_logprobs", f"{ARR}.rollout.logprobs_mode=raw_logprobs: vLLM reports log-probs after temperature scaling; use processed_logprobs"),
+        ("critic.rollout_n=3", f"critic.rollout_n=3: responses per prompt are {ARR}.rollout.n (8); use 8 or leave it unset"),
         (f"{OVR}.adam_eps=-1", f"{OVR[1:]}.adam_eps=-1 must be a number >= 0"),
         (f"{OVR}.log_num_zeros_in_grad=True", f"{OVR[1:]}.log_num_zeros_in_grad is not applied by megarl; the entries it honours are adam_beta1, adam_beta2, adam_eps, sgd_momentum, clip_grad"),
     ],

@@ -87,8 +87,8 @@ def test_verls_names_megarl_uses_are_accepted():
             "unsupported: actor_rollout_ref.actor.optim.muon_momentum (no Muon",
         ),
         (
-            {"actor_rollout_ref": {"rollout": {"logprobs_mode": "raw_logprobs"}}},
-            "unsupported: actor_rollout_ref.rollout.logprobs_mode (vLLM always reports processed",
+            {"actor_rollout_ref": {"rollout": {"layered_summon": True}}},
+            "unsupported: actor_rollout_ref.rollout.layered_summon (weights travel in buckets)",
         ),
     ],
 )
