@@ -104,7 +104,7 @@ STOPPING=0
 request_stop() {
     if [[ $STOPPING == 0 ]]; then
         echo "megarl: $1 received: the trainer stops after this step ($STOP_FILE)"
-        touch "$STOP_FILE"
+        echo "SIG$1 to Slurm job $SLURM_JOB_ID" >"$STOP_FILE" # the trainer's stop line names it
         STOPPING=1
     fi
 }

@@ -1,4 +1,4 @@
-"""The helper processes of Megatron's checkpoint writer, kept from outliving their rank.
+"""Processes kept from outliving whoever started them: Megatron's checkpoint writers, the ranks.
 
 Megatron's ``torch_dist`` save keeps one ``spawn``-context ``multiprocessing.Manager`` per rank
 for its results queue and forks one writer process per file bucket during every save; a rank
@@ -6,6 +6,12 @@ killed by SIGKILL would leave both orphaned, holding the checkpoint files open.
 :func:`start_writer_processes` creates that Manager itself, before Megatron does, and it and
 every process forked during a save (:func:`saving`) get ``PR_SET_PDEATHSIG`` = SIGKILL, so the
 kernel kills them with the rank (Linux only; elsewhere only the orderly shutdown remains).
+
+A rank arms the same signal against torchrun (:func:`megarl.trainer.start`), which can die
+before the rank has run a line; the launcher therefore names torchrun's pid in
+``MEGARL_TORCHRUN_PID`` (a rank started under another parent exits at once), and during the
+pre-flight it adopts orphaned descendants (:func:`adopt_orphans`) so that a refused launch ends
+them and waits for them (:func:`end_children`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+TORCHRUN_PID_ENV = "MEGARL_TORCHRUN_PID"
 TEST_HOOK_ENV = "MEGARL_TEST_SLOW_CHECKPOINT"
 TEST_HOOK_DIR = "test_hooks"
 
@@ -42,6 +50,34 @@ def die_with_parent(parent_pid: int) -> None:
         return
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def adopt_orphans(on: bool) -> None:
+    """Make this process the child subreaper of its descendants (``on``), or stop being it: a
+    descendant whose parent dies then becomes this process's child instead of init's (Linux;
+    elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)
+
+
+def child_pids() -> set[int]:
+    """The pids of this process's children (live or not yet reaped)."""
+    import psutil
+
+    return {p.pid for p in psutil.Process().children()}
+
+
+def end_children(keep: set[int]) -> None:
+    """SIGKILL and reap every child of this process not in ``keep``, until none is left: with
+    :func:`adopt_orphans` on, a killed child's own children become children here in turn."""
+    while pids := child_pids() - keep:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in pids:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
 
 
 def _after_fork_in_child() -> None:

@@ -1,7 +1,8 @@
 """One stop protocol for preemption, time limits and operators.
 
 The first SIGTERM or SIGUSR1 on any rank, or a ``STOP`` file in the run directory (the Slurm
-USR1 trap in launch/_slurm_job.sh writes it), asks the run to stop: the request is all-reduced
+USR1 trap in launch/_slurm_job.sh and ``megarl train`` on a signal write it, with the signal as
+its text, which the stop line gives), asks the run to stop: the request is all-reduced
 once per step (:meth:`StopRequest.agreed`), so every rank finishes the step, saves a checkpoint
 and exits 0 together; the honoured ``STOP`` file is then removed, so a requeued job trains on.
 SIGINT means exit now without saving (``KeyboardInterrupt``). A rank outside the training world
@@ -67,7 +68,7 @@ class StopRequest:
         message = f"megarl: {name} received: stopping after this step with a checkpoint\n"
         if self.relay:
             try:
-                self.stop_file.touch()
+                self.stop_file.write_text(f"{self.reason}\n")  # the training ranks' reason
                 self._relayed = True
                 message = (f"megarl: {name} received on rank {self.rank}: the training ranks stop "
                            "after this step with a checkpoint\n")  # fmt: skip
@@ -78,7 +79,7 @@ class StopRequest:
     def local(self) -> bool:
         """This rank has been asked to stop (a signal, or the STOP file exists)."""
         if self.reason is None and self.stop_file.exists():
-            self.reason = f"{self.stop_file} exists"
+            self.reason = _stop_file_reason(self.stop_file)
         return self.reason is not None
 
     def agreed(self) -> bool:
@@ -98,6 +99,17 @@ class StopRequest:
     def consume_stop_file(self) -> None:
         """Remove the honoured STOP file (rank 0, after the checkpoint is complete)."""
         self.stop_file.unlink(missing_ok=True)
+
+
+def _stop_file_reason(stop_file: Path) -> str:
+    """Why the run stops, from a ``STOP`` file: its first line (which signal, to whom), else
+    that the file exists (an operator's ``touch``)."""
+    try:
+        with open(stop_file, encoding="utf-8", errors="replace") as f:
+            text = " ".join(f.readline(200).split())
+    except OSError:  # removed meanwhile (honoured by another rank): still a request
+        text = ""
+    return text or f"{stop_file} exists"
 
 
 def _flag_device() -> torch.device:

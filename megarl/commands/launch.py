@@ -9,7 +9,11 @@ the outside of the stop protocol, and one line for a failure inside the ranks.
   scoring workers and checkpoint writers (:func:`megarl.trainer.start` arms the ranks'); torchrun
   and the ranks get a ``TMPDIR`` of their own, removed at exit.
 - **Checked while the ranks start.** With ``preflight``, the ranks import and wait at a gate
-  (:mod:`megarl.parallel.gate`) until the checks pass; a problem kills them first.
+  (:mod:`megarl.parallel.gate`) until the checks pass. A problem ends torchrun and its ranks
+  and waits for them: the ranks run in sessions of their own, and one that torchrun started
+  just before it was killed has not armed its parent-death signal yet, so meanwhile this
+  process adopts orphans (:func:`megarl.checkpoint.processes.adopt_orphans`) and kills and
+  reaps each before it returns; a rank that finds its torchrun gone exits at once.
 - **One line.** torchrun's output goes to ``<run dir>/logs/torchrun.log``; a failure is the
   first rank's ``error:`` line (exit 2 for an input error, else 1), a rank killed by a signal is
   named.
@@ -30,6 +34,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from megarl.checkpoint.processes import TORCHRUN_PID_ENV, adopt_orphans, child_pids, end_children
 from megarl.parallel.gate import GATE_ENV, open_gate
 from megarl.tracking.paths import STOP_FILE
 
@@ -38,13 +43,15 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 LOG_NAME = "torchrun.log"
 
 # Started as ``python -c _EXEC_DYING_WITH_PARENT <launcher pid> <argv...>``: set the parent-death
-# signal, then become torchrun (the setting survives exec; no preexec_fn in a threaded parent).
+# signal, then become torchrun (the setting survives exec; no preexec_fn in a threaded parent),
+# telling the ranks its pid: a rank whose parent is not that process exits (megarl.trainer.start).
 _EXEC_DYING_WITH_PARENT = (
     "import ctypes, os, signal, sys\n"
     "if sys.platform.startswith('linux'):\n"
     "    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)\n"
     "    if os.getppid() != int(sys.argv[1]):\n"
     "        os._exit(1)\n"
+    f"os.environ[{TORCHRUN_PID_ENV!r}] = str(os.getpid())\n"
     "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
 )
 _FAILURE = re.compile(
@@ -87,10 +94,13 @@ def run_torchrun(
     *,
     log_path: Path | None = None,
     preflight: Callable[[], str | None] | None = None,
+    training_ranks: int | None = None,
     **popen,
 ) -> int:
     """Run ``command`` (torchrun) as described in the module docstring; its exit status.
     torchrun's output goes to ``log_path`` (default ``<run dir>/logs/torchrun.log``).
+    ``training_ranks``: with vLLM on ranks of its own, how many ranks train (the ones after
+    them are rollout ranks, which a failure line says).
 
     ``preflight`` (the run's checks: the first problem as one line, or None) runs here while the
     ranks start and import; they wait at a gate (:mod:`megarl.parallel.gate`) until it has
@@ -98,7 +108,9 @@ def run_torchrun(
     has done anything (nothing written, not even the log)."""
     scratch, env = scratch_env(env)
     try:
-        return _supervise(command, env, Path(run_dir), log_path, preflight, scratch, popen)
+        return _supervise(
+            command, env, Path(run_dir), log_path, preflight, scratch, training_ranks, popen
+        )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -119,6 +131,7 @@ def _supervise(
     log_path: Path | None,
     preflight: Callable[[], str | None] | None,
     scratch: str,
+    training_ranks: int | None,
     popen: dict,
 ) -> int:
     """:func:`run_torchrun` inside its temporary directory ``scratch`` (the gate's too)."""
@@ -126,8 +139,11 @@ def _supervise(
     stop_file = run_dir / STOP_FILE
     verbose = env.get("MEGARL_VERBOSE", "0") not in ("", "0")
     gate_dir = scratch if preflight is not None else None
+    others: set[int] = set()  # children this process had before: not this launch's
     if gate_dir is not None:
         env = {**env, GATE_ENV: os.path.join(gate_dir, "go")}
+        others = child_pids()
+        adopt_orphans(True)  # until the gate opens or the launch ends (_open_gate)
     else:
         log_path.parent.mkdir(parents=True, exist_ok=True)
     child = subprocess.Popen(
@@ -139,7 +155,7 @@ def _supervise(
     )
     if gate_dir is not None:
         try:
-            problem = _open_gate(child, preflight, gate_dir)
+            problem = _open_gate(child, preflight, gate_dir, others)
         except _Stopped as stopped:
             name = signal.Signals(stopped.signum).name
             print(
@@ -156,7 +172,7 @@ def _supervise(
     def on_signal(signum: int, _frame: object) -> None:
         name = signal.Signals(signum).name
         if not requested:
-            stop_file.touch()
+            stop_file.write_text(f"{name} to megarl train\n")  # the ranks' stop line names it
             note = "the run stops after the step in flight with a checkpoint (again: now, unsaved)"
             os.write(2, f"megarl: {name} received: {note}\n".encode())
         else:
@@ -192,7 +208,7 @@ def _supervise(
         where = f"logs: {log_path.parent}"
         print(f"megarl: stopped at once without saving ({requested[1]}; {where})", file=sys.stderr)
         return 128 + signal.Signals[f"{requested[1]}"].value
-    summary, code = _failure_summary(log_path, errors, code)
+    summary, code = _failure_summary(log_path, errors, code, training_ranks)
     print(summary, file=sys.stderr)
     return code
 
@@ -205,10 +221,11 @@ class _Stopped(BaseException):
         self.signum = signum
 
 
-def _open_gate(child: subprocess.Popen, preflight, gate_dir: str) -> str | None:
+def _open_gate(child: subprocess.Popen, preflight, gate_dir: str, others: set[int]) -> str | None:
     """Run ``preflight`` while ``child`` (torchrun) starts; on a problem (or an exception, Ctrl-C
-    included) kill it and its ranks, else let the ranks through (:mod:`megarl.parallel.gate`).
-    The problem or None."""
+    included) kill it and its ranks and reap them (every child but ``others``, the ones this
+    process had before), else let the ranks through (:mod:`megarl.parallel.gate`). The problem
+    or None."""
     problem: str | None = "the pre-flight did not finish"
 
     def stop(signum: int, _frame: object) -> None:
@@ -223,16 +240,23 @@ def _open_gate(child: subprocess.Popen, preflight, gate_dir: str) -> str | None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if problem is not None:  # the ranks die with torchrun (their parent-death signal)
+        if problem is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.pid, signal.SIGKILL)
             child.wait()
+            # The ranks are orphans now, adopted here: armed ones die of their parent-death
+            # signal, one not yet armed is killed; each is reaped before the launcher returns.
+            end_children(others)
             assert child.stderr is not None
             child.stderr.close()
+        adopt_orphans(False)
 
 
-def _failure_summary(log_path: Path, errors: list[str], code: int) -> tuple[str, int]:
-    """(the one line to print, the exit status) for a failed torchrun."""
+def _failure_summary(
+    log_path: Path, errors: list[str], code: int, training_ranks: int | None = None
+) -> tuple[str, int]:
+    """(the one line to print, the exit status) for a failed torchrun; ``training_ranks``: see
+    :func:`run_torchrun`."""
     text = log_path.read_text(errors="replace")
     failures = list(_FAILURE.finditer(text))
     where = f"logs: {log_path.parent}"
@@ -243,8 +267,12 @@ def _failure_summary(log_path: Path, errors: list[str], code: int) -> tuple[str,
     ]
     if killed:
         f = killed[0]
+        role = ""
+        if training_ranks is not None:  # vLLM on ranks of its own: say which kind died
+            rollout = int(f["rank"]) >= training_ranks
+            role = ", a rollout rank (vLLM)" if rollout else ", a training rank"
         line = (
-            f"error: rank {f['rank']} (pid {f['pid']}) on {f['host']} died of "
+            f"error: rank {f['rank']} (pid {f['pid']}{role}) on {f['host']} died of "
             f"{f['signal'] or _signal_name(-int(f['code']))}; the run ended ({where})"
         )
         return line, 1

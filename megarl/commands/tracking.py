@@ -13,7 +13,7 @@ import argparse
 import sys
 
 EXIT_ERROR = 1
-EXIT_CONFIG_ERROR = 2
+EXIT_INPUT_ERROR = 2
 
 
 def main(argv: list[str]) -> int:
@@ -31,12 +31,13 @@ def main(argv: list[str]) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extras)}")
     from megarl.config import ConfigError
     from megarl.tracking.paths import TrackingError
+    from megarl.tracking.sync import NotSyncable
 
     try:
         return _sync(args) if args.action == "sync" else _run_dir(args, extras)
-    except ConfigError as exc:
+    except (ConfigError, NotSyncable) as exc:  # the input: exit 2, as megarl's other commands
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        return EXIT_INPUT_ERROR
     except (TrackingError, OSError) as exc:
         return _error(exc)
     except Exception as exc:

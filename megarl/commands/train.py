@@ -8,9 +8,10 @@ problem is one line, exit 2, before any rank has done anything. Inside a launche
 (``WORLD_SIZE`` set) it is a rank itself (:func:`megarl.trainer.start`).
 ``MEGARL_TRAIN_MODULE`` replaces the module torchrun runs (``megarl.trainer``).
 
-A Slurm job (``launch/_slurm_job.sh``) runs ``--check`` once, then on every node
-``--rdzv-endpoint HOST:PORT --rdzv-id ID --log-dir DIR``; both get ``--nodes N``, the job's
-nodes, of which ``actor_rollout_ref.rollout.nnodes`` hold only vLLM.
+``--check`` runs the checks alone: the run directory on stdout and, for a run on this machine,
+what would start here. A Slurm job (``launch/_slurm_job.sh``) runs ``--check`` once, then on
+every node ``--rdzv-endpoint HOST:PORT --rdzv-id ID --log-dir DIR``; both get ``--nodes N``, the
+job's nodes, of which ``actor_rollout_ref.rollout.nnodes`` hold only vLLM.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ def main(argv: list[str]) -> int:
         "--verbose", action="store_true", help="show third-party output (vLLM, Megatron) too"
     )
     parser.add_argument(
-        "--check", action="store_true", help="pre-flight only: print the run directory"
-    )
+        "--check", action="store_true",
+        help="pre-flight only: print the run directory (and on one machine what would start)",
+    )  # fmt: skip
     node = parser.add_argument_group("one node of a multi-node launch (launch/_slurm_job.sh)")
     node.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the c10d rendezvous")
     node.add_argument("--rdzv-id", metavar="ID", help="the rendezvous id (the Slurm job id)")
@@ -56,7 +58,9 @@ def main(argv: list[str]) -> int:
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return EXIT_INPUT_ERROR
-    multinode = args.check or args.rdzv_endpoint is not None
+    if args.check:  # one machine unless --nodes (the Slurm job script) or the config says so
+        return _check_only(args.config, overrides, multinode=args.nodes is not None)
+    multinode = args.rdzv_endpoint is not None
     if args.rdzv_endpoint is not None and not (args.rdzv_id and args.log_dir):
         parser.error("--rdzv-endpoint needs --rdzv-id and --log-dir")
     # Every node of a job checks its own files (a node without the data fails here, not in NCCL).
@@ -75,33 +79,79 @@ def main(argv: list[str]) -> int:
         from megarl.config.batch_plan import rollout_ranks
 
         nproc = cfg.trainer.n_gpus_per_node  # training ranks, then any rollout-only ones
-        command = launch.torchrun_command(
-            nproc + rollout_ranks(cfg), module, [*configs, *overrides]
-        )
+        split = rollout_ranks(cfg)
+        command = launch.torchrun_command(nproc + split, module, [*configs, *overrides])
         return launch.run_torchrun(
-            command, env, run_dir_of(cfg), preflight=lambda: _check(cfg, nproc)
-        )
+            command, env, run_dir_of(cfg), preflight=lambda: _check(cfg, nproc),
+            training_ranks=nproc if split else None,
+        )  # fmt: skip
     problem, nproc, run_dir = preflight(args.config, overrides, multinode=multinode)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return EXIT_INPUT_ERROR
-    if args.check:
-        print(run_dir)
-        return 0
+    nodes, rollout_nodes = _nodes(args.config, overrides)
     command = launch.torchrun_command(
         nproc, module, [*configs, *overrides],
-        rendezvous=(_nnodes(args.config, overrides), args.rdzv_endpoint, args.rdzv_id),
+        rendezvous=(nodes, args.rdzv_endpoint, args.rdzv_id),
     )  # fmt: skip
     log_path = Path(args.log_dir) / f"{launch.node_name()}.log"
-    return launch.run_torchrun(command, env, run_dir, log_path=log_path)
+    training = nproc * (nodes - rollout_nodes) if rollout_nodes else None
+    return launch.run_torchrun(command, env, run_dir, log_path=log_path, training_ranks=training)
 
 
-def _nnodes(configs: list[str], overrides: list[str]) -> int:
-    """The launch's nodes: the training ones, then any of vLLM's own."""
+def _check_only(configs: list[str], overrides: list[str], *, multinode: bool) -> int:
+    """``--check``: the pre-flight of the launch the run would get, then its run directory on
+    stdout (the Slurm job script reads it) and, on one machine, what would start there. A
+    config on one node (``trainer.nnodes`` 1, ``actor_rollout_ref.rollout.nnodes`` 0 or 1) is
+    checked as ``megarl train`` launches it here, unless ``multinode`` (``--nodes``)."""
+    cfg, problem = _load(configs, overrides, multinode=True if multinode else None)
+    if cfg is not None:
+        problem = _check(cfg, cfg.trainer.n_gpus_per_node)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
+    print(run_dir_of(cfg))
+    if not _spans_nodes(cfg) and not multinode:
+        print(f"megarl: checked; {_would_start(cfg)}", file=sys.stderr)
+    return 0
+
+
+def _spans_nodes(cfg) -> bool:
+    """The config places the run on several nodes (Slurm, or torchrun on every node)."""
+    return cfg.trainer.nnodes > 1 or cfg.actor_rollout_ref.rollout.nnodes > 1
+
+
+def _would_start(cfg) -> str:
+    """What ``megarl train`` would start on this machine, in words."""
+    from megarl.config.batch_plan import rollout_ranks, steps_ahead
+
+    nproc, roll = cfg.trainer.n_gpus_per_node, cfg.actor_rollout_ref.rollout
+    meg = cfg.actor_rollout_ref.actor.megatron
+    training = (
+        f"{nproc} training rank(s) (TP {meg.tensor_model_parallel_size} × PP "
+        f"{meg.pipeline_model_parallel_size})"
+    )
+    extra = rollout_ranks(cfg)
+    if not extra:
+        where = f"{roll.name} TP {roll.tensor_model_parallel_size} in the training ranks"
+        return f"megarl train would start {nproc} process(es) here: {training}, {where}"
+    ahead = steps_ahead(cfg)
+    off = {0: "on-policy", 1: "one step off"}.get(ahead, f"up to {ahead} steps off")
+    replicas = extra // roll.tensor_model_parallel_size
+    return (
+        f"megarl train would start {nproc + extra} process(es) here: {training}, then {extra} "
+        f"rollout rank(s) of vLLM's own ({replicas} replica(s) of TP "
+        f"{roll.tensor_model_parallel_size}), {off}"
+    )
+
+
+def _nodes(configs: list[str], overrides: list[str]) -> tuple[int, int]:
+    """(the launch's nodes: the training ones, then any of vLLM's own; vLLM's own)."""
     from megarl.config import load_config
 
     cfg = load_config(configs, overrides)
-    return cfg.trainer.nnodes + max(cfg.actor_rollout_ref.rollout.nnodes, 0)
+    rollout = max(cfg.actor_rollout_ref.rollout.nnodes, 0)
+    return cfg.trainer.nnodes + rollout, rollout
 
 
 def _training_nodes(
@@ -133,14 +183,17 @@ def preflight(
     return _check(cfg, nproc), nproc, run_dir_of(cfg)
 
 
-def _load(configs: list[str], overrides: list[str], *, multinode: bool):
-    """(the loaded config, None) or (None, the problem as one line)."""
+def _load(configs: list[str], overrides: list[str], *, multinode: bool | None):
+    """(the loaded config, None) or (None, the problem as one line). ``multinode`` None: as the
+    config places the run (:func:`_spans_nodes`)."""
     from megarl.config import ConfigError, load_config
 
     try:
         cfg = load_config(configs, overrides)
     except ConfigError as exc:
         return None, _line(exc)
+    if multinode is None:
+        multinode = _spans_nodes(cfg)
     roll = cfg.actor_rollout_ref.rollout
     if not multinode and (cfg.trainer.nnodes > 1 or roll.nnodes > 1):
         key = "trainer.nnodes" if cfg.trainer.nnodes > 1 else "actor_rollout_ref.rollout.nnodes"
@@ -199,6 +252,7 @@ def _check_data(cfg) -> str | None:
         return f"actor_rollout_ref.model.{key}={where}: no usable tokenizer ({_line(exc)})"
     splits = ["train"] + (["val"] if cfg.data.val_files else [])
     sources: set[str] = set()
+    first = None
     for split in splits:
         try:
             dataset = PromptDataset.from_config(cfg.data, tokenizer, split, cfg.trainer.seed)
@@ -207,16 +261,34 @@ def _check_data(cfg) -> str | None:
         except Exception as exc:  # noqa: BLE001 -- e.g. the chat template on a malformed message
             return f"data.{split}_files: {type(exc).__name__}: {_line(exc)}"
         sources.update(dataset[i].data_source for i in range(len(dataset)))
+        first = first or dataset[0]
+        if dataset.blank_prompts:
+            print(f"warning: {_blank_prompts(dataset, split)}", file=sys.stderr)
         if split == "train" and len(dataset) < cfg.data.train_batch_size:
             return (
                 f"data.train_files: {len(dataset)} prompt(s) after filtering, fewer than one "
                 f"global batch (data.train_batch_size={cfg.data.train_batch_size})"
             )
-    return _check_reward(cfg, sources)
+    return _check_reward(cfg, sources, first)
 
 
-def _check_reward(cfg, sources: set[str]) -> str | None:
-    """The reward function loads, takes verl's keywords, and routes every ``data_source``."""
+def _blank_prompts(dataset, split: str) -> str:
+    """The warning for prompts without text, naming how many and the first rows."""
+    blank, key = dataset.blank_prompts, f"data.{split}_files"
+    rows: dict[str, list[str]] = {}  # file -> its first rows
+    for where in blank[:5]:
+        name, row = where.removeprefix(f"{key}: ").rsplit(" row ", 1)
+        rows.setdefault(name, []).append(row)
+    listed = "; ".join(f"{name} row(s) {', '.join(r)}" for name, r in rows.items())
+    return (
+        f"{key}: {len(blank)} of {len(dataset)} prompts are empty or whitespace only "
+        f"({listed}{', ...' if len(blank) > 5 else ''}); they train as they are, as in verl"
+    )
+
+
+def _check_reward(cfg, sources: set[str], sample) -> str | None:
+    """The reward function loads, takes verl's keywords, routes every ``data_source``, and
+    returns a usable score for ``sample`` (the first training prompt)."""
     import inspect
 
     from megarl.reward.loader import RewardFunctionError, ScorerSpec, load_scorer
@@ -250,7 +322,31 @@ def _check_reward(cfg, sources: set[str]) -> str | None:
             "cannot be called as fn(data_source=, solution_str=, ground_truth=, extra_info=, "
             f"**custom_reward_function.reward_kwargs) ({_line(exc)})"
         )
-    return None
+    return _check_sample_score(cfg, spec, sample)
+
+
+def _check_sample_score(cfg, spec, sample) -> str | None:
+    """Score an empty response to ``sample`` once, as a rank scores (a scoring worker, the
+    time limit): a result of no usable type (None, a string) is named now rather than after
+    start-up. A function that raises or times out on it passes: real responses differ."""
+    from megarl.reward.pool import ScoringPool
+    from megarl.reward.worker import BadResult
+
+    task = (0, sample.data_source, "", sample.ground_truth, sample.extra_info)
+    try:
+        with ScoringPool(spec, 1, cfg.reward_model.compute_score_timeout) as pool:
+            (outcome,) = pool.score([task])
+    except RuntimeError:  # the worker did not start: the ranks' scoring pools will say why
+        return None
+    bad = f"{BadResult.__name__}: "
+    if outcome.status != "error" or not outcome.message.startswith(bad):
+        return None
+    return (
+        f"custom_reward_function.name={spec.name} in {spec.path} "
+        f"{outcome.message.removeprefix(bad)}, for an empty response to {sample.source} "
+        f"(data_source {sample.data_source!r}); a score is a number or a bool (1.0/0.0), or a "
+        "dict with one under 'score', as in verl"
+    )
 
 
 def _check_numbers(cfg) -> str | None:

@@ -127,6 +127,11 @@ def read_yaml(path: str | os.PathLike, _chain: tuple[Path, ...] = ()) -> dict:
         raise ConfigError(f"{BASE_KEY} inheritance cycle: {cycle}")
     if not path.is_file():
         where = f" (named in {BASE_KEY} of {_chain[-1]})" if _chain else ""
+        if path.is_dir():
+            inside = sorted(p.name for p in path.glob("*.y*ml"))
+            more = ", ..." if len(inside) > 3 else ""
+            hint = f" (it holds {', '.join(inside[:3])}{more})" if inside else ""
+            raise ConfigError(f"{path} is a directory, not a config file{where}{hint}")
         raise ConfigError(f"config file not found: {path}{where}")
     try:
         data = yaml.safe_load(path.read_text())

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megarl.data.tokenize import render_prompts, tokenize_prompts, truncate
+from megarl.data.tokenize import is_blank_prompt, render_prompts, tokenize_prompts, truncate
 
 __all__ = ["DataError", "PromptDataset", "PromptSample", "cap_num_workers"]
 
@@ -179,6 +179,9 @@ class PromptDataset:
         ]
         if not self.samples:
             raise DataError(f"{files_key}: no prompts left (all filtered or the files are empty)")
+        self.blank_prompts = [s.source for s in self.samples if is_blank_prompt(s.raw_prompt)]
+        """Where each prompt without text is (``file row N``): verl trains on them as they are,
+        ``megarl train``'s pre-flight warns."""
 
     @classmethod
     def from_config(cls, data: Any, tokenizer: Any, split: str, seed: int) -> PromptDataset:

@@ -16,6 +16,7 @@ __all__ = [
     "ChatTemplateMissing",
     "PromptTooLong",
     "as_messages",
+    "is_blank_prompt",
     "render_prompts",
     "tokenize_prompts",
     "truncate",
@@ -33,15 +34,36 @@ class ChatTemplateMissing(ValueError):
 
 
 def as_messages(prompt: Any, where: str) -> list[dict[str, Any]]:
-    """The chat messages of a prompt cell: a message list, or a string as one user message."""
+    """The chat messages of a prompt cell: a message list, or a string as one user message.
+    A message without a ``role`` is refused naming ``where`` (the file and row)."""
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     if isinstance(prompt, Sequence) and all(isinstance(m, dict) for m in prompt) and prompt:
         # parquet fills keys that other messages have with None: drop them again
-        return [{k: v for k, v in m.items() if v is not None} for m in prompt]
+        messages = [{k: v for k, v in m.items() if v is not None} for m in prompt]
+        for i, message in enumerate(messages):
+            if "role" not in message:
+                raise ValueError(
+                    f"{where}: message {i} of the prompt has no 'role' (chat messages are "
+                    f"{{'role': ..., 'content': ...}}), got {message!r:.80}"
+                )
+        return messages
     raise ValueError(
         f"{where}: the prompt must be a list of chat messages or a string, got {prompt!r:.80}"
     )
+
+
+def is_blank_prompt(prompt: Any) -> bool:
+    """The prompt cell has no text: an empty or whitespace-only string, or chat messages whose
+    every text content is (verl trains on it as it is)."""
+    if isinstance(prompt, str):
+        return not prompt.strip()
+    if isinstance(prompt, Sequence) and prompt:
+        contents = [m.get("content") for m in prompt if isinstance(m, dict)]
+        return len(contents) == len(prompt) and all(
+            isinstance(c, str | None) and not (c or "").strip() for c in contents
+        )
+    return False
 
 
 def render_prompts(

@@ -25,22 +25,36 @@ __all__ = ["die_with_parent", "normalise_result", "serve", "serve_fd"]
 
 
 class BadResult(TypeError):
-    """A scorer returned neither a number nor a dict with a numeric ``score``."""
+    """A scorer returned neither a number (a bool counts) nor a dict with a numeric ``score``."""
 
 
 def normalise_result(result: Any) -> tuple[float, dict[str, Any]]:
-    """``(score, other fields)`` of a scorer's return value (verl: float, or dict with score)."""
+    """``(score, other fields)`` of a scorer's return value (verl: a number, or a dict with
+    ``score``). A bool (Python's or numpy's) counts as 1.0 / 0.0, as verl's reward tensor
+    takes it."""
     if isinstance(result, dict):
         if "score" not in result:
             raise BadResult(f"returned a dict without 'score' (keys {sorted(result)})")
         score, fields = result["score"], {k: v for k, v in result.items() if k != "score"}
     else:
         score, fields = result, {}
-    if isinstance(score, bool) or not isinstance(score, numbers.Real):
-        raise BadResult(f"returned score {score!r} of type {type(score).__name__}, not a number")
+    if _is_bool(score):
+        return float(bool(score)), fields
+    if not isinstance(score, numbers.Real):
+        raise BadResult(
+            f"returned score {score!r} of type {type(score).__name__}, not a number or a bool"
+        )
     if not math.isfinite(float(score)):
         raise BadResult(f"returned a non-finite score {score!r}")
     return float(score), fields
+
+
+def _is_bool(value: Any) -> bool:
+    """Python's bool, or a numpy bool scalar (no numpy import: a worker stays light)."""
+    dtype = getattr(value, "dtype", None)
+    return isinstance(value, bool) or (
+        getattr(dtype, "kind", None) == "b" and getattr(value, "ndim", None) == 0
+    )
 
 
 def _score_one(fn: Callable[..., Any], spec: ScorerSpec, task: tuple) -> tuple:

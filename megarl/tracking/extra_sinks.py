@@ -37,7 +37,9 @@ class WandbSink:
 
     Offline without an API key, or when the online start fails (upload later with
     ``wandb sync``); ``$WANDB_MODE``, when set, decides. A resumed launch continues the same
-    wandb run (its id is in ``<run dir>/wandb_run.json``; verl starts a new one). wandb's console
+    wandb run (its id is in ``<run dir>/wandb_run.json``; verl starts a new one); wandb ignores
+    a step below the last it holds, so steps a launch resumed from an older checkpoint runs
+    again keep their first values there (wandb's run rewind needs its server). wandb's console
     capture is off: the run's output is in ``<run dir>/logs/``.
     """
 
@@ -106,15 +108,23 @@ class TensorboardSink:
     """Scalars in TensorBoard event files, one tag per metric, at the trainer's step.
 
     In ``$TENSORBOARD_DIR`` as in verl, else ``<run dir>/tensorboard/`` (verl:
-    ``tensorboard_log/<project>/<experiment>`` under the working directory).
+    ``tensorboard_log/<project>/<experiment>`` under the working directory). ``purge_step``
+    (a resumed launch: its checkpoint's step + 1): TensorBoard hides what earlier launches
+    logged from that step on, the steps this launch runs again (verl passes none).
     """
 
-    def __init__(self, run_dir: Path, *, notify: Callable[[str], None] = warn) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        notify: Callable[[str], None] = warn,
+        purge_step: int | None = None,
+    ) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = Path(os.environ.get("TENSORBOARD_DIR") or Path(run_dir) / TENSORBOARD_DIR)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._writer: SummaryWriter | None = SummaryWriter(str(self.log_dir))
+        self._writer: SummaryWriter | None = SummaryWriter(str(self.log_dir), purge_step=purge_step)
         notify(f"TensorBoard event files in {self.log_dir}")
 
     def log_config(self, resolved: dict, yaml_text: str) -> None:

@@ -4,6 +4,7 @@
 
     <run dir>/
         metrics.jsonl      every metric of every step, one JSON object per line (source of truth)
+        metrics.superseded.jsonl   lines of steps a resumed launch ran again (the abandoned run's)
         config/            config.yaml of the first launch, resume-<k>.yaml of later launches
         mlflow_run.json    MLflow state: URI, run id, what has reached the server, final status
         mlflow.db          the default local MLflow store, mlartifacts/ its artifacts
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+SUPERSEDED_METRICS_FILE = "metrics.superseded.jsonl"
 CONFIG_DIR = "config"
 MLFLOW_STATE_FILE = "mlflow_run.json"
 LOCAL_STORE_FILE = "mlflow.db"

@@ -15,8 +15,12 @@ from pathlib import Path
 
 from megarl.tracking import mlflow_ops, names
 from megarl.tracking.mlflow_ops import RunState
-from megarl.tracking.paths import MLFLOW_STATE_FILE, TrackingError
+from megarl.tracking.paths import METRICS_FILE, MLFLOW_STATE_FILE, TrackingError
 from megarl.tracking.sinks import read_metrics
+
+
+class NotSyncable(TrackingError):
+    """The directory given is not a run directory with an MLflow run (an input mistake)."""
 
 
 @dataclass
@@ -44,10 +48,7 @@ def sync_run(run_dir: Path, tracking_uri: str | None = None, *, timeout_s: int =
     run_dir = Path(run_dir)
     state = RunState.load(run_dir)
     if state is None:
-        raise TrackingError(
-            f"{run_dir / MLFLOW_STATE_FILE} does not exist: {run_dir} is not the run directory "
-            "of a run with trainer.logger mlflow"
-        )
+        raise NotSyncable(_not_syncable(run_dir))
     if tracking_uri:
         state.tracking_uri = tracking_uri
     mlflow_ops.configure_http(timeout_s, retries=2)
@@ -76,6 +77,21 @@ def sync_run(run_dir: Path, tracking_uri: str | None = None, *, timeout_s: int =
         state.save(run_dir)
     values = sum(len(m) for _, _, m in missing)
     return SyncReport(state.run_id, state.tracking_uri, values, steps, configs, state.status)
+
+
+def _not_syncable(run_dir: Path) -> str:
+    """Why ``run_dir`` (without ``mlflow_run.json``) has nothing to sync, in one line."""
+    if not run_dir.is_dir():
+        return f"{run_dir}: no such directory"
+    if not (run_dir / METRICS_FILE).exists():
+        return (
+            f"{run_dir} is not a run directory (no {METRICS_FILE}); `megarl tracking run-dir -c "
+            "CONFIG` prints a config's"
+        )
+    return (
+        f"{run_dir / MLFLOW_STATE_FILE} does not exist: {run_dir} is the run directory of a run "
+        "without trainer.logger mlflow, nothing to sync"
+    )
 
 
 def _missing_metrics(

@@ -22,6 +22,7 @@ from megarl.tracking.paths import (
     FAILED_DIR,
     METRICS_FILE,
     MLFLOW_STATE_FILE,
+    SUPERSEDED_METRICS_FILE,
     TENSORBOARD_DIR,
     WANDB_DIR,
     WANDB_STATE_FILE,
@@ -138,6 +139,7 @@ def make_sinks(
     nnodes: int = 1,
     resume_run_id: str | None = None,
     resumed: bool | None = None,
+    resume_step: int | None = None,
     console_write: Callable[[str], None] = print,
     options: SenderOptions | None = None,
     notify: Callable[[str], None] = warn,
@@ -148,8 +150,11 @@ def make_sinks(
     ``extra_sinks.py``); ``metrics.jsonl`` is always written.
     ``resume_run_id``: the MLflow run id in the checkpoint this launch resumes from;
     ``resumed`` (default: ``resume_run_id is not None``): this launch continues the run in
-    ``run_dir`` (the id then falls back to the one in ``mlflow_run.json``). A fresh launch into
-    a run directory that holds an earlier run's files moves them to ``previous/<time>/``.
+    ``run_dir`` (the id then falls back to the one in ``mlflow_run.json``), from the checkpoint
+    of step ``resume_step``: steps an earlier launch logged after it are superseded where a sink
+    allows (``metrics.jsonl``, TensorBoard; MLflow and wandb keep what they were sent, see
+    docs/operations.md). A fresh launch into a run directory that holds an earlier run's files
+    moves them to ``previous/<time>/``.
     Raises ``TrackingError`` for an unknown logger or a multi-node run without a tracking URI.
     """
     run_dir = Path(run_dir).resolve()
@@ -167,7 +172,8 @@ def make_sinks(
             stale.unlink(missing_ok=True)
     if not resumed:
         _archive_previous_run(run_dir)
-    sinks: list[Any] = [JsonlSink(run_dir)]
+        resume_step = None
+    sinks: list[Any] = [JsonlSink(run_dir, resume_step=resume_step, notify=notify)]
     if "console" in loggers:
         sinks.append(ConsoleSink(console_write))
     mlflow = None
@@ -194,7 +200,8 @@ def make_sinks(
     if "tensorboard" in loggers:
         from megarl.tracking.extra_sinks import TensorboardSink
 
-        sinks.append(TensorboardSink(run_dir, notify=notify))
+        purge = None if resume_step is None else resume_step + 1
+        sinks.append(TensorboardSink(run_dir, notify=notify, purge_step=purge))
     return Tracker(sinks, rank=rank, run_dir=run_dir, mlflow=mlflow)
 
 
@@ -222,6 +229,7 @@ def make_tracker(cfg: Any, *, rank: int, world_size: int, **kwargs: Any) -> Trac
 def _archive_previous_run(run_dir: Path) -> None:
     names = (
         METRICS_FILE,
+        SUPERSEDED_METRICS_FILE,
         MLFLOW_STATE_FILE,
         CONFIG_DIR,
         WANDB_STATE_FILE,

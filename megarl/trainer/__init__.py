@@ -36,13 +36,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 def start(config_paths: Sequence[str], overrides: Sequence[str]) -> int:
     """Load and check the config (files and world size included), wait at the launcher's gate,
     then run; returns the exit status."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # started by torchrun: never outlive it
+        from megarl.checkpoint.processes import TORCHRUN_PID_ENV, die_with_parent
+
+        # The kernel's SIGKILL when torchrun dies (kill -9 too). The torchrun ``megarl train``
+        # started is named: if it died before this line (a refused pre-flight), exit now
+        # rather than arm the signal against the process that adopted this one.
+        torchrun = os.environ.pop(TORCHRUN_PID_ENV, "")
+        die_with_parent(int(torchrun) if torchrun.isdigit() else os.getppid())
     from megarl.config import ConfigError, load_config, validate
     from megarl.planner import memory_warnings
 
-    if os.environ.get("TORCHELASTIC_RUN_ID"):  # started by torchrun: never outlive it
-        from megarl.checkpoint.processes import die_with_parent
-
-        die_with_parent(os.getppid())  # the kernel's SIGKILL when torchrun dies (kill -9 too)
     try:
         cfg = load_config(list(config_paths), list(overrides))
         world_size = None

@@ -67,6 +67,7 @@ def run(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
                 console_write=console.print,
                 resume_run_id=run.state.tracking_run_id,
                 resumed=resumed,
+                resume_step=run.state.step,
             )
             tracker.log_config(to_dict(cfg), to_yaml(cfg))
             _announce(run)

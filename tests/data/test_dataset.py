@@ -130,6 +130,23 @@ def test_bad_files_and_rows_are_named(tmp_path, tokenizer):
         PromptDataset(write(tmp_path / "b.parquet", rows), tokenizer)
 
 
+def test_prompts_without_text_are_listed_where_they_are(tmp_path, tokenizer):
+    """Issue 40: empty or whitespace-only prompts (a string, or chat messages with no text) load
+    as verl loads them and are listed by file and row (``megarl train`` warns of them)."""
+    rows = gsm8k_rows(5)
+    rows[1]["prompt"] = [{"role": "system", "content": ""}, {"role": "user", "content": " \n"}]
+    rows[3]["prompt"] = [{"role": "user", "content": ""}]
+    path = write(tmp_path / "e.parquet", rows)
+    assert PromptDataset(path, tokenizer).blank_prompts == [
+        f"data.train_files: {path} row 1",
+        f"data.train_files: {path} row 3",
+    ]
+    strings = [dict(gsm8k_rows(1)[0], prompt=text) for text in ("", "  ", "x")]
+    path = write(tmp_path / "s.parquet", strings)
+    listed = PromptDataset(path, tokenizer, use_chat_template=False).blank_prompts
+    assert [where.rsplit(" ", 1)[1] for where in listed] == ["0", "1"]
+
+
 # -- truncation and the overlong filter, on raw-string rows of known token counts -------------
 
 

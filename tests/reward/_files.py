@@ -16,6 +16,12 @@ def my_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0
         return "not a number"
     if data_source == "plain":
         return 1 if solution_str == ground_truth else 0
+    if data_source == "bool":  # verl counts a bool as 1.0 / 0.0
+        return solution_str == ground_truth
+    if data_source == "numpy bool":
+        import numpy
+
+        return {"score": numpy.bool_(solution_str == ground_truth)}
     return {
         "score": scale * len(solution_str),
         "length": len(solution_str),

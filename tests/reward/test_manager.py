@@ -119,6 +119,13 @@ def test_a_raising_scorer_fails_with_scorer_data_source_and_index(manager, token
     assert "ValueError: cannot parse boom" in message
 
 
+def test_a_bool_score_counts_as_one_or_zero_as_in_verl(manager, tokenizer):
+    """Issue 40: a bool (Python's or numpy's, plain or under "score") was refused."""
+    batch = [sample(tokenizer, text, source, truth="abc") for source in ("bool", "numpy bool")
+             for text in ("abc", "abd")]  # fmt: skip
+    assert manager(batch).scores.tolist() == [1.0, 0.0, 1.0, 0.0]
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

@@ -7,13 +7,14 @@ is the run directory's local SQLite store. No network: wandb must go offline by 
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
 
 from megarl.config import ConfigError, load_config, to_dict, to_yaml, validate
 from megarl.tracking import SenderOptions, make_sinks, sanitize_name
-from megarl.tracking.paths import TENSORBOARD_DIR, WANDB_DIR
+from megarl.tracking.paths import SUPERSEDED_METRICS_FILE, TENSORBOARD_DIR, WANDB_DIR
 from tests.tracking.readers import tensorboard_scalars, wandb_config, wandb_history
 
 KEYS = ["actor/pg_loss", "critic/score/mean", "timing_s/step", "a@b", "a_b"]
@@ -83,6 +84,46 @@ def test_a_resumed_launch_continues_the_wandb_run(tmp_path, no_wandb_key):
     assert len(files) == 2 and files[0].name == files[1].name  # one run id, two launches
     assert {s for _, s in wandb_history(files[1])} == {3}
     assert {s for _, s in tensorboard_scalars(run_dir / TENSORBOARD_DIR)} == {1, 2, 3}
+
+
+def test_a_launch_resumed_from_an_older_checkpoint_supersedes_the_steps_it_runs_again(tmp_path):
+    """Issue 40: steps 1-3 logged, the launch resumed from step 1's checkpoint validates at step
+    1 and runs steps 2-3 again. metrics.jsonl holds each step once (step 1 with its validation
+    merged in, steps 2-3 the new values; the old ones in metrics.superseded.jsonl, which the
+    console says); TensorBoard shows the new values only (purge_step). MLflow and wandb keep
+    what each launch sent (docs/operations.md)."""
+    from megarl.tracking import read_metrics
+
+    def launch(steps, of, **resume) -> list[str]:
+        notes: list[str] = []
+        tracker = make_sinks(["tensorboard"], run_dir, rank=0, world_size=1, project_name="p",
+                             experiment_name="e", notify=notes.append, **resume)  # fmt: skip
+        with tracker:
+            for step in steps:
+                tracker.log_metrics(step, of(step))
+        return notes
+
+    def again(step: int) -> dict[str, float]:
+        return {"val/score/mean": 0.5} if step == 1 else {k: -v for k, v in metrics(step).items()}
+
+    run_dir = tmp_path / "run"
+    launch(STEPS, metrics)
+    notes = launch((1, 2, 3), again, resumed=True, resume_step=1)
+    assert notes[0] == (
+        "step(s) 2-3 ran after the checkpoint of step 1 this launch resumes from and run again: "
+        "their metrics moved from metrics.jsonl to metrics.superseded.jsonl"
+    )
+    new = {1: {**metrics(1), "val/score/mean": 0.5}, 2: again(2), 3: again(3)}
+    assert [(step, m) for step, _, m in read_metrics(run_dir)] == list(new.items())
+    superseded = [json.loads(line) for line in (run_dir / SUPERSEDED_METRICS_FILE).open()]
+    assert [(r["step"], r["metrics"]) for r in superseded] == [(2, metrics(2)), (3, metrics(3))]
+    expected = {(k, s): v for s, m in new.items() for k, v in m.items()}
+    assert tensorboard_scalars(run_dir / TENSORBOARD_DIR) == pytest.approx(expected)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / TENSORBOARD_DIR), size_guidance={"scalars": 0})
+    events.Reload()  # every event of both launches' files, the purged ones left out
+    assert [(e.step, e.value) for e in events.Scalars(KEYS[0])] == [(1, 1.0), (2, -2.0), (3, -3.0)]
 
 
 @pytest.mark.parametrize("logger", ["wandb", "tensorboard"])

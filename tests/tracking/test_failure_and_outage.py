@@ -108,14 +108,27 @@ def test_run_ending_while_server_is_down_is_completed_by_sync(tmp_path, mlflow_s
 
 
 def test_sync_of_a_directory_without_mlflow_names_it(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "megarl.commands.tracking", "sync", str(tmp_path)],
-        env=ENV, check=False, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 1
-    assert done.stderr.strip() == (
-        f"error: {tmp_path}/mlflow_run.json does not exist: {tmp_path} is not the run "
-        "directory of a run with trainer.logger mlflow"
+    """A directory that is not a run, and a run without MLflow, are the input's mistakes: one
+    line each, exit 2 (issue 40: exit 1, as for a server that does not answer)."""
+
+    def sync() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "megarl.cli", "tracking", "sync", str(tmp_path)],
+            env=ENV, check=False, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    done = sync()
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (
+        f"error: {tmp_path} is not a run directory (no metrics.jsonl); `megarl tracking run-dir "
+        "-c CONFIG` prints a config's\n"
+    )
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "time": 0, "metrics": {}}\n')
+    done = sync()
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (
+        f"error: {tmp_path}/mlflow_run.json does not exist: {tmp_path} is the run directory of "
+        "a run without trainer.logger mlflow, nothing to sync\n"
     )
 
 

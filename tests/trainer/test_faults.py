@@ -6,8 +6,9 @@ several checks:
 - the stop diamond (6 launches), PPO with a critic (``gae``, ``ppo_epochs`` 2, adaptive KL in
   the reward, whose coefficient moves every step): an uninterrupted 5-step reference; then one
   run stopped by SIGUSR1 before scoring (step 1), resumed and stopped by SIGTERM while its
-  scorer is scoring (step 2), resumed and stopped by SIGTERM before scoring (step 3), resumed and
-  stopped by SIGTERM to rank 1 alone (step 4), and resumed to the end. Each stop: exit 0, a
+  scorer is scoring (step 2), resumed and stopped by SIGTERM before scoring (step 3), resumed
+  from step 2 (step 3's checkpoint made incomplete) and stopped by SIGTERM to rank 1 alone
+  (step 3 again), and resumed to the end. Each stop: exit 0, a
   checkpoint of the step in flight (the critic's included), the trainer's stop line, no
   traceback, no process of the launch alive (scoring workers included); the launcher's
   acknowledgement for the signals sent to it. The resumed run equals the reference (metrics of
@@ -21,11 +22,18 @@ several checks:
   learning run is stopped and resumed in the middle.)
 
 Scoring is driven by a custom reward file: while ``<root>/hold`` exists each sample touches
-``<root>/hold.scoring`` and takes 0.3 s, so a test can signal in the middle of scoring.
+``<root>/hold.scoring`` and takes 0.3 s, so a test can signal in the middle of scoring. Its
+scores are bools (issue 40: verl counts them as 1.0 / 0.0; they were refused).
+
+Issue 40 in the stop diamond: each stop line names the signal (it said "<run dir>/STOP exists"
+of a file removed at exit); after the fourth launch, which runs step 3 again, ``metrics.jsonl``
+reads each step once (the abandoned step 3 in ``metrics.superseded.jsonl``). ``kill -9`` of the
+rollout rank names it as one.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -36,6 +44,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from megarl.checkpoint.layout import COMPLETE_MARKER
 from tests._run_outputs import read_metrics, rollout_prompts
 from tests.checkpoint.test_trainer_checkpoint import (
     _largest_difference,
@@ -53,10 +62,10 @@ import os, time
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, hold=None, **kw):
     if "raise" in solution_str or (hold and os.path.exists(hold + ".raise")):
         raise ValueError("cannot score " + repr(solution_str[:20]))
-    if hold and os.path.exists(hold):
+    if hold and solution_str and os.path.exists(hold):  # not the pre-flight's empty response
         open(hold + ".scoring", "w").close()
         time.sleep(0.3)
-    return float(len(solution_str) % 3 == 0)
+    return len(solution_str) % 3 == 0  # a bool, which counts as 1.0 / 0.0 as in verl
 """
 LAUNCH_TIMEOUT_S = 600
 PPO = (
@@ -176,7 +185,8 @@ def _stop(tiny: dict, run_dir: Path, sig: signal.Signals, step: int, during_scor
     code, out = _finish(proc)
     assert code == 0, out[-4000:]
     assert f"megarl: {sig.name} received" in out and "Traceback" not in out, out
-    assert f"stopped after step {step}" in out and "error" not in out, out
+    assert f"stopped after step {step} ({sig.name} to megarl train);" in out, out
+    assert "error" not in out and "STOP" not in out, out
     assert "megarl: finished" not in out, out
     _check_saved(run_dir, step)
     assert _survivors(tree, timeout=10) == []
@@ -215,10 +225,16 @@ def test_stops_save_the_step_in_flight_and_the_relaunch_equals_the_uninterrupted
     _stop(tiny, run_dir, signal.SIGUSR1, step=1, during_scoring=False)
     _stop(tiny, run_dir, signal.SIGTERM, step=2, during_scoring=True)
     _stop(tiny, run_dir, signal.SIGTERM, step=3, during_scoring=False)
-    _stop_rank_1(tiny, run_dir, step=4)
+    (run_dir / "global_step_3" / COMPLETE_MARKER).unlink()  # as if its save had not finished
+    _stop_rank_1(tiny, run_dir, step=3)  # resumed from step 2: step 3 again
     code, out = _finish(_start(tiny, run_dir, *PPO))
-    assert code == 0 and f"resumed from {run_dir / 'global_step_4'}" in out, out[-4000:]
+    assert code == 0 and f"resumed from {run_dir / 'global_step_3'}" in out, out[-4000:]
     steps = (1, 2, 3, 4, 5)
+    assert [r["step"] for r in _jsonl(run_dir / "metrics.jsonl")] == list(steps)
+    assert [r["step"] for r in _jsonl(run_dir / "metrics.superseded.jsonl")] == [3]
+    scored = [r for s in steps for r in _jsonl(straight / "rollouts" / f"{s}.jsonl")]
+    assert {r["score"] for r in scored} == {0.0, 1.0}
+    assert all(r["score"] == float(len(r["output"]) % 3 == 0) for r in scored)
     ref, got = read_metrics(straight), read_metrics(run_dir)
     assert "critic/vf_loss" in ref[5]
     coef = "actor/reward_kl_penalty_coeff"
@@ -229,6 +245,10 @@ def test_stops_save_the_step_in_flight_and_the_relaunch_equals_the_uninterrupted
     print(f"stop diamond: metrics {worst:.3g}, weights {weights:.3g}")
     assert worst == 0.0 and weights == 0.0
     assert all(rollout_prompts(straight, s) == rollout_prompts(run_dir, s) for s in steps)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_kill_9_of_the_launcher_leaves_nothing_running(tiny):
@@ -242,9 +262,9 @@ def test_kill_9_of_the_launcher_leaves_nothing_running(tiny):
     assert _survivors(tree, timeout=40) == []
 
 
-def _kill_9_names_it(tiny: dict, run_dir: Path, rank: int, *extra: str) -> None:
-    """Launch, ``kill -9`` rank ``rank`` once the run started: exit 1, one line naming it and
-    SIGKILL, no traceback, nothing of the launch left."""
+def _kill_9_names_it(tiny: dict, run_dir: Path, rank: int, *extra: str, role: str = "") -> None:
+    """Launch, ``kill -9`` rank ``rank`` once the run started: exit 1, one line naming it (and
+    ``role``) and SIGKILL, no traceback, nothing of the launch left."""
     proc = _start(tiny, run_dir, *extra)
     _wait_for(lambda: _announced(run_dir), "the run to start")
     tree = _tree(proc)
@@ -255,7 +275,7 @@ def _kill_9_names_it(tiny: dict, run_dir: Path, rank: int, *extra: str) -> None:
     code, out = _finish(proc)
     lines = [ln for ln in out.splitlines() if ln.startswith("error")]
     assert code == 1 and len(lines) == 1, out[-4000:]
-    assert f"rank {rank} (pid {victim.pid})" in lines[0] and "SIGKILL" in lines[0], lines
+    assert f"rank {rank} (pid {victim.pid}{role})" in lines[0] and "SIGKILL" in lines[0], lines
     assert "Traceback" not in out
     assert _survivors(tree, timeout=40) == []
 
@@ -294,6 +314,9 @@ ONE_STEP_OFF = (
 
 def test_kill_9_of_the_rollout_rank_names_it(tiny):
     """vLLM on a rank of its own, one step off (issue 26): killing that rank ends the run in one
-    line naming it, and nothing of the launch is left."""
+    line naming it as the rollout rank (issue 40), and nothing of the launch is left."""
     run_dir = tiny["root"] / "rollout_rank_killed"
-    _kill_9_names_it(tiny, run_dir, 2, *ONE_STEP_OFF, "trainer.total_training_steps=500")
+    _kill_9_names_it(
+        tiny, run_dir, 2, *ONE_STEP_OFF, "trainer.total_training_steps=500",
+        role=", a rollout rank (vLLM)",
+    )  # fmt: skip

@@ -42,7 +42,9 @@ def tiny(tmp_path_factory) -> dict:
         f.write(b"\xff" * 8)  # the header length: far beyond the file
     files = {"syntax.py": "def compute_score(:\n", "other.py": GOOD.replace("compute", "c"),
              "signature.py": "def compute_score(text):\n    return 0.0\n",
-             "imports.py": "import no_such_module_here\n" + GOOD}  # fmt: skip
+             "imports.py": "import no_such_module_here\n" + GOOD,
+             "returns_none.py": GOOD.replace("return 0.0", "return None"),
+             "raises.py": GOOD.replace("return 0.0", "raise ValueError(solution_str)")}  # fmt: skip
     for name, text in files.items():
         (root / name).write_text(text)
     return {"root": root}
@@ -70,14 +72,28 @@ CASES = [
     ("reward import error", ["custom_reward_function.path={root}/imports.py"], "no_such_module"),
     ("reward function missing", ["custom_reward_function.path={root}/other.py"], "compute_score"),
     ("reward signature", ["custom_reward_function.path={root}/signature.py"], "(text)"),
+    # issue 40: the pre-flight's sample call (an empty response to the first prompt)
+    ("reward returns None", ["custom_reward_function.path={root}/returns_none.py"],
+     "returned score None of type NoneType, not a number or a bool, for an empty response"),
     ("unroutable data_source", ["data.train_files={root}/unroutable.parquet"], "nope/unknown"),
-    ("message without role", ["data.train_files={root}/no_role.parquet"], "data.train_files"),
+    ("message without role", ["data.train_files={root}/no_role.parquet"], "no_role.parquet row 3"),
     ("fewer rows than a batch", ["data.train_files={root}/few.parquet"], "data.train_batch_size"),
     ("lr nan", ["actor_rollout_ref.actor.optim.lr=nan"], "actor_rollout_ref.actor.optim.lr=nan"),
     ("corrupt safetensors", ["actor_rollout_ref.model.path={root}/corrupt"], "model.safetensors"),
     ("missing tokenizer", ["actor_rollout_ref.model.tokenizer_path={root}/none"], "tokenizer_path"),
     ("run dir not creatable", ["trainer.default_local_dir=/proc/megarl/run"], "default_local_dir"),
 ]  # fmt: skip
+
+
+def test_a_reward_function_raising_on_the_preflights_sample_passes(tiny, no_launch, capsys):
+    """Its real responses differ from the pre-flight's empty one: the run is not refused."""
+    root = tiny["root"]
+    with pytest.raises(AssertionError, match="let this through"):
+        train.main(["-c", CONFIG, f"actor_rollout_ref.model.path={root / 'model'}",
+                    f"data.train_files={root / 'data' / 'train.parquet'}",
+                    f"data.val_files={root / 'data' / 'test.parquet'}",
+                    f"trainer.default_local_dir={root / 'run'}",
+                    f"custom_reward_function.path={root / 'raises.py'}"])  # fmt: skip
 
 
 @pytest.mark.parametrize(("overrides", "named"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])

@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.checkpoint.test_trainer_checkpoint import _survivors
 from tests.conftest import REPO, left_behind
 
 CONFIG = "configs/grpo_tiny_cpu.yaml"
@@ -33,9 +34,22 @@ def tiny(tiny_overrides) -> list[str]:
         ),
         ("actor_rollout_ref.actor.ppo_mini_batch_size=3", "ppo_mini_batch_size"),
         ("reward_model.enable=true", "reward_model"),
+        # issue 40: a directory as a config file; a chat message without a role (was jinja's
+        # "'dict object' has no attribute 'role'", naming neither file nor row)
+        ("-c configs", "configs is a directory, not a config file (it holds _base.yaml"),
+        ("data.train_files={no_role}", "no_role.parquet row 3: message 0 of the prompt has no 'role'"),
     ],
-)
-def test_bad_input_is_one_line_and_exit_2(tiny, override, named):
+)  # fmt: skip
+def test_bad_input_is_one_line_and_exit_2(tiny, tmp_path, override, named):
+    if "{no_role}" in override:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        train = next(o.split("=", 1)[1] for o in tiny if o.startswith("data.train_files="))
+        rows = pq.read_table(train).to_pylist()
+        rows[3]["prompt"] = [{"content": "no role here"}]
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / "no_role.parquet")
+        override = override.format(no_role=tmp_path / "no_role.parquet")
     done = subprocess.run(
         [sys.executable, "-m", "megarl.cli", "train", "-c", CONFIG, *tiny, *override.split()],
         cwd=REPO,
@@ -61,7 +75,7 @@ if "RANK" not in os.environ:  # the launcher's pre-flight loads this file: hold 
         raise ImportError("no module named 'sandbox'")
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return 0.0
+    return None if os.path.exists(HOLD + ".none") else 0.0
 """
 
 
@@ -113,6 +127,123 @@ def test_ranks_start_during_the_preflight_and_wait_for_it(tiny, tmp_path):
     assert not (run_dir / "logs").exists() and left_behind(gates) == []
 
 
+TRIES = 6
+
+
+def _held_launch(tiny: list[str], root: Path) -> subprocess.Popen:
+    """``megarl train`` whose pre-flight waits at the reward file (``<root>/hold``) and whose
+    ranks are late (tests/trainer/_late_rank.py: they mark themselves in ``<root>/late`` and
+    arm nothing until their torchrun has died)."""
+    root.mkdir()
+    (root / "late").mkdir()
+    (root / "tmp").mkdir()
+    scorer = root / "scorer.py"
+    scorer.write_text(f"HOLD = {str(root / 'hold')!r}\n" + SLOW_TO_CHECK)
+    env = {**os.environ, "TMPDIR": str(root / "tmp"), "OMP_NUM_THREADS": "1",
+           "MEGARL_TRAIN_MODULE": "tests.trainer._late_rank",
+           "MEGARL_TEST_LATE_RANKS": str(root / "late")}  # fmt: skip
+    env.pop("WORLD_SIZE", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "megarl.cli", "train", "-c", CONFIG, *tiny,
+         "actor_rollout_ref.rollout.name=actor", f"trainer.default_local_dir={root / 'run'}",
+         f"custom_reward_function.path={scorer}"],
+        cwd=REPO, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+
+
+def _held_tree(proc: subprocess.Popen, root: Path) -> list[psutil.Process]:
+    """Once both late ranks have started and the pre-flight waits at the reward file: the
+    launcher and everything it started."""
+    _wait(lambda: len(list((root / "late").iterdir())) == 2, "both ranks started")
+    _wait(lambda: (root / "hold.checking").exists(), "the pre-flight at the reward file")
+    launcher = psutil.Process(proc.pid)
+    tree = [launcher, *launcher.children(recursive=True)]
+    assert len(tree) == 4, [p.cmdline()[:4] for p in tree]  # launcher, torchrun, 2 ranks
+    return tree
+
+
+def test_a_refused_preflight_leaves_no_rank_running(tiny, tmp_path):
+    """Issue 40: ranks that have not armed their parent-death signal when the pre-flight refuses
+    the run (late ranks: a loaded machine) do not outlive ``megarl train``. TRIES refusals, two
+    launches at a time, alternately a reward file that fails to load and a reward function
+    returning None (found by the pre-flight's sample call before anything starts): each is
+    the pre-flight's line, exit 2, and when ``megarl train`` has returned nothing it started
+    runs and its temporary directory is gone. Then ``kill -9`` of the launcher in the middle of
+    the pre-flight: the late ranks exit as soon as they run, their torchrun gone."""
+    for first in range(0, TRIES, 2):
+        pair = [(i, _held_launch(tiny, tmp_path / f"try{i}")) for i in (first, first + 1)]
+        try:
+            for i, proc in pair:
+                root = tmp_path / f"try{i}"
+                tree = _held_tree(proc, root)
+                (root / ("hold.fail" if i % 2 == 0 else "hold.none")).touch()
+                (root / "hold").touch()
+                _, err = proc.communicate(timeout=120)
+                lines = [line for line in err.splitlines() if line.strip()]
+                assert proc.returncode == 2 and len(lines) == 1, (i, err[-3000:])
+                named = "sandbox" if i % 2 == 0 else "returned score None"
+                assert named in lines[0] and lines[0].startswith("error: "), lines
+                assert _survivors(tree, timeout=0) == [], i
+                assert left_behind(root / "tmp") == [], i
+        finally:
+            for _, proc in pair:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+    root, tree = tmp_path / "killed", []
+    proc = _held_launch(tiny, root)
+    try:
+        tree = _held_tree(proc, root)
+        proc.kill()
+        proc.wait()
+        assert _survivors(tree, timeout=15) == []
+    finally:
+        (root / "hold").touch()
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+
+
+SPLIT_HERE = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
+              "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+              "async_training.staleness_threshold=1"]  # fmt: skip
+"""One machine, vLLM on one rank of its own after the 2 training ranks (docs/off-policy.md)."""
+
+
+def test_check_on_one_machine_says_what_would_start_and_warns_of_empty_prompts(tiny, tmp_path):
+    """Issue 40: ``megarl train --check`` of a one-machine split run is checked as ``megarl
+    train`` launches it here (it was refused as a multi-node launch of uneven nodes): exit 0, the run
+    directory on stdout, what would start on stderr. Prompts without text (every other row) are
+    one warning naming how many and the first rows: verl trains on them as they are."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    train = next(o.split("=", 1)[1] for o in tiny if o.startswith("data.train_files="))
+    rows = pq.read_table(train).to_pylist()
+    for i, row in enumerate(rows[::2]):
+        row["prompt"] = [{"role": "user", "content": " \n" * (i % 2)}]  # empty, whitespace
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "half_empty.parquet")
+    done = subprocess.run(
+        [sys.executable, "-m", "megarl.cli", "train", "--check", "-c", CONFIG, *tiny,
+         *SPLIT_HERE, f"data.train_files={tmp_path / 'half_empty.parquet'}",
+         f"trainer.default_local_dir={tmp_path / 'run'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == f"{tmp_path / 'run'}\n"
+    blank = len(rows[::2])
+    warning = (
+        f"warning: data.train_files: {blank} of {len(rows)} prompts are empty or whitespace "
+        f"only ({tmp_path / 'half_empty.parquet'} row(s) 0, 2, 4, 6, 8, ...); they train as "
+        "they are, as in verl"
+    )
+    checked = (
+        "megarl: checked; megarl train would start 3 process(es) here: 2 training rank(s) "
+        "(TP 2 × PP 1), then 1 rollout rank(s) of vLLM's own (1 replica(s) of TP 1), one step "
+        "off"
+    )
+    assert done.stderr.splitlines() == [warning, checked], done.stderr
+
+
 ROLLOUT_NODE = ["actor_rollout_ref.rollout.nnodes=1",
                 "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]  # fmt: skip
 """vLLM on a node of its own (issue 26): the node's ranks hold TP-1 replicas."""
@@ -126,12 +257,17 @@ def test_the_jobs_nodes_less_vllms_are_the_training_nodes(tiny, tmp_path, capsys
     run = [f"trainer.default_local_dir={tmp_path / 'run'}"]
     overrides, problem = train._training_nodes([CONFIG], [*tiny, *ROLLOUT_NODE], 3)
     assert problem is None and overrides[-1] == "trainer.nnodes=2"
-    assert train._nnodes([CONFIG], overrides) == 3
+    assert train._nodes([CONFIG], overrides) == (3, 1)
     assert train.main(["--check", "--nodes", "2", "-c", CONFIG, *tiny, *ROLLOUT_NODE, *run]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "run")
     assert train.main(["--check", "--nodes", "1", "-c", CONFIG, *tiny, *ROLLOUT_NODE, *run]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --nodes 1") and "rollout.nnodes=1" in err and "\n" not in err
+    # a split run of uneven nodes: refused in a job's check as before (issue 40)
+    uneven = [*tiny, *SPLIT_HERE, *run]
+    assert train.main(["--check", "--nodes", "2", "-c", CONFIG, *uneven]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: actor_rollout_ref.rollout.n_gpus_per_node=1: on several nodes")
 
 
 @pytest.mark.parametrize(
