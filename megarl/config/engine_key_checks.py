@@ -42,6 +42,16 @@ ONLY: tuple[tuple[str, tuple[object, ...], str], ...] = (
     (f"{ARR}.rollout.multi_stage_wake_up", (False,), "vLLM wakes up in one stage"),
     (f"{ARR}.rollout.logprobs_mode", ("processed_logprobs",),
      "vLLM reports log-probs after temperature scaling"),
+    *[(f"{m}.{k}", (None,), why) for m in (f"{ARR}.model", "critic.model") for k, why in (
+        ("external_lib", "no custom modelling code is imported"),
+        ("custom_chat_template", "the tokenizer's own chat template is used"))],
+    *[(f"{m}.{k}", (False,), why) for m in (f"{ARR}.model", "critic.model") for k, why in (
+        ("use_shm", "models load from the filesystem"),
+        ("enable_activation_offload", "no activation offloading"),
+        ("use_liger", "no Liger kernels (fusions follow megatron.transformer_impl)"))],
+    ("trainer.default_hdfs_dir", (None,), "checkpoints are local (trainer.default_local_dir)"),
+    ("trainer.del_local_ckpt_after_load", (False,), "checkpoints are kept after a resume"),
+    ("trainer.val_only", (False,), "validation-only runs are not supported yet"),
     *[(f"{r}.megatron.use_megatron_fsdp", (False,),
        "Megatron DDP with the distributed optimizer") for r in _ROLES],
     *[(f"{r}.megatron.override_mcore_model_config", ({},),

@@ -89,6 +89,16 @@ class ModelConfig:
     """Free-form: HF config fields to override (e.g. attention_dropout)."""
     use_fused_kernels: bool = False
     """No effect, either value: log-probs and entropy are always computed vocab-parallel in chunks."""
+    external_lib: str | None = None
+    """Only null: no custom modelling code is imported."""
+    custom_chat_template: str | None = None
+    """Only null: the tokenizer's own chat template is used."""
+    use_shm: bool = False
+    """Only false: models load from the filesystem."""
+    enable_activation_offload: bool = False
+    """Only false: no activation offloading."""
+    use_liger: bool = False
+    """Only false: no Liger kernels (fusions follow megatron.transformer_impl)."""
     architecture: ArchitectureConfig = field(default_factory=ArchitectureConfig)
     """(megarl) Expected model shape; checked against config.json, used when it is absent."""
 
@@ -507,6 +517,12 @@ class TrainerConfig:
     """Keep at most this many actor checkpoints; null: all."""
     max_critic_ckpt_to_keep: int | None = None
     """Keep at most this many critic checkpoints; null: all."""
+    default_hdfs_dir: str | None = None
+    """Only null: checkpoints are local (default_local_dir)."""
+    del_local_ckpt_after_load: bool = False
+    """Only false: checkpoints are kept after a resume loads them."""
+    val_only: bool = False
+    """Only false: validation-only runs are not supported yet."""
 
 
 @dataclass
