@@ -175,3 +175,26 @@ def test_a_verl_0_9_script_s_engine_keys_validate_and_a_wrong_engine_is_one_line
     assert cli.main(["config", "validate", "-c", str(GRPO), *verl_0_9, "model_engine=dp"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(errors) == 1 and "model_engine=dp: megarl is the Megatron engine" in errors[0]
+
+
+def test_lr_decay_steps_and_overrides_reach_megatrons_scheduler_and_optimizer(tmp_path):
+    """On one CPU rank, the actor's TrainableModel built from the config as ``megarl train``
+    builds it: linear decay from 1e-3 over lr_decay_steps=4 of 40 trainer steps, then held at
+    min_lr (0); the override entries are in Megatron's OptimizerConfig."""
+    import json
+    from pathlib import Path
+
+    from megarl.models.tiny import make_tiny_model
+    from tests.conftest import run_torchrun
+
+    model = make_tiny_model(tmp_path / "qwen2", family="qwen2")
+    optim = f"{ARR}.actor.optim"
+    run_torchrun(Path(__file__).with_name("_optimizer_worker.py"), 1, [
+        str(tmp_path / "out.json"), str(model), str(GRPO), f"{optim}.lr=1e-3",
+        f"{optim}.lr_decay_style=linear", f"{optim}.lr_decay_steps=4", f"{optim}.clip_grad=2.0",
+        f"{OVR}.adam_eps=1e-5", f"{OVR}.adam_beta1=0.8", f"{OVR}.clip_grad=0.5",
+    ])  # fmt: skip
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert got["lrs"] == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4, 0.0, 0.0], abs=1e-12)
+    assert (got["adam_eps"], got["adam_beta1"], got["adam_beta2"]) == (1e-5, 0.8, 0.999)
+    assert got["clip_grad"] == 0.5  # the override wins over optim.clip_grad, as in verl
