@@ -88,7 +88,7 @@ def test_two_steps_off_learns(run):
 def test_a_signal_to_the_rollout_rank_stops_both_sides_with_the_step_saved(run):
     out, err = run["stopped"]
     assert run["saved"] >= STOP_AFTER and f"stopped after step {run['saved']}" in out + err
-    assert "STOP exists" in out  # passed on by the rollout rank, which says so in its log
+    assert "(SIGTERM on rank 2)" in out  # passed on by the rollout rank, which says so in its log
     rank2 = (run["run_dir"] / "logs" / "rank2.log").read_text()
     assert "SIGTERM received on rank 2: the training ranks stop after this step" in rank2
     assert "Traceback" not in out + err
