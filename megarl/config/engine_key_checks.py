@@ -42,6 +42,8 @@ ONLY: tuple[tuple[str, tuple[object, ...], str], ...] = (
     (f"{ARR}.rollout.multi_stage_wake_up", (False,), "vLLM wakes up in one stage"),
     (f"{ARR}.rollout.logprobs_mode", ("processed_logprobs",),
      "vLLM reports log-probs after temperature scaling"),
+    (f"{ARR}.rollout.skip_tokenizer_init", (True,),
+     "prompts reach vLLM as token ids and responses leave as token ids"),
     *[(f"{m}.{k}", (None,), why) for m in (f"{ARR}.model", "critic.model") for k, why in (
         ("external_lib", "no custom modelling code is imported"),
         ("custom_chat_template", "the tokenizer's own chat template is used"))],

@@ -79,6 +79,8 @@ class RolloutConfig:
     """verl's rollout switch for routing replay R3 (megarl: implied by R3; true without it refused)."""
     logprobs_mode: str = "processed_logprobs"
     """Only processed_logprobs: vLLM reports log-probs after temperature scaling."""
+    skip_tokenizer_init: bool = True
+    """Only true: prompts reach vLLM as token ids and responses leave as token ids."""
     ignore_eos: bool = False
     """Only false: training rollouts stop at EOS."""
     over_sample_rate: float = 0.0

@@ -98,7 +98,6 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.rollout.disable_log_stats", "vLLM's logs go to a file"),
     ("actor_rollout_ref.rollout.cudagraph_capture_sizes", "use engine_kwargs"),
     ("actor_rollout_ref.rollout.full_determinism", "use engine_kwargs"),
-    ("actor_rollout_ref.rollout.skip_tokenizer_init", "the engine always loads the tokenizer"),
     ("actor_rollout_ref.rollout.scheduling_policy", "use engine_kwargs"),
     ("actor_rollout_ref.rollout.quantization*", "rollout weights are not quantized"),
     ("actor_rollout_ref.rollout.qat", "no quantization-aware training"),

@@ -50,7 +50,7 @@ def _problems(overrides: list[str]) -> list[str]:
         [f"{ARR}.actor.megatron.dtype=float32", "critic.megatron.dtype=fp32"],  # the config's fp32
         [f"{ARR}.actor.entropy_from_logits_with_chunking=True", f"{ARR}.ref.rollout_n=8",
          f"{ARR}.actor.megatron.entropy_from_logits_chunk_size=512", "critic.rollout_n=8",
-         f"{ARR}.rollout.logprobs_mode=processed_logprobs"],
+         f"{ARR}.rollout.logprobs_mode=processed_logprobs", f"{ARR}.rollout.skip_tokenizer_init=True"],
         ["trainer.default_hdfs_dir=null", "trainer.del_local_ckpt_after_load=False",
          "trainer.val_only=False", f"{ARR}.model.external_lib=null", f"{ARR}.model.use_shm=False",
          "critic.model.custom_chat_template=null", f"{ARR}.model.enable_activation_offload=False",
@@ -99,6 +99,7 @@ def test_values_that_are_megarls_behaviour_validate(overrides):
         ("trainer.val_only=True", "trainer.val_only=true: validation-only runs are not supported yet; use false"),
         (f"{ARR}.model.external_lib=my_pkg", f"{ARR}.model.external_lib=my_pkg: no custom modelling code is imported; use null"),
         ("critic.model.enable_activation_offload=True", "critic.model.enable_activation_offload=true: no activation offloading; use false"),
+        (f"{ARR}.rollout.skip_tokenizer_init=False", f"{ARR}.rollout.skip_tokenizer_init=false: prompts reach vLLM as token ids and responses leave as token ids; use true"),
         (f"{OVR}.adam_eps=-1", f"{OVR[1:]}.adam_eps=-1 must be a number >= 0"),
         (f"{OVR}.log_num_zeros_in_grad=True", f"{OVR[1:]}.log_num_zeros_in_grad is not applied by megarl; the entries it honours are adam_beta1, adam_beta2, adam_eps, sgd_momentum, clip_grad"),
     ],
