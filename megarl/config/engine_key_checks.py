@@ -18,13 +18,14 @@ from megarl.config.optim_overrides import override_problems
 Error = Callable[[str], None]
 
 ARR = "actor_rollout_ref"
-_FP32 = ("fp32", "float32", "torch.float32")
 _OPTIMS = (f"{ARR}.actor.optim", "critic.optim")
 _ROLES = (f"{ARR}.actor", f"{ARR}.ref", "critic")
 _DTYPES = {
     "bf16": ("bf16", "bfloat16", "torch.bfloat16"),
     "fp32": ("fp32", "float32", "torch.float32"),
 }
+"""trainer.dtype -> the names verl's dtype keys give it."""
+_FP32 = _DTYPES["fp32"]
 ONLY: tuple[tuple[str, tuple[object, ...], str], ...] = (
     *[(f"{o}.use_precision_aware_optimizer", (False,), "main params and moments are fp32")
       for o in _OPTIMS],
