@@ -12,6 +12,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,9 +44,11 @@ def run(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
     from megarl.config.batch_plan import rollout_ranks, world_size
 
     if rollout_ranks(cfg):  # vLLM on ranks of its own: split the launch first
+        from megarl.parallel.init import process_group_timeout_minutes
         from megarl.rollout.remote.split_world import split_world
 
-        if split_world(world_size(cfg)).role == "rollout":
+        minutes = process_group_timeout_minutes(cfg.actor_rollout_ref.nccl_timeout)
+        if split_world(world_size(cfg), timeout=timedelta(minutes=minutes)).role == "rollout":
             return _serve_rollout(cfg, run_dir, verbose)
     rank = int(os.environ.get("RANK", "0"))
     run: Run | None = None
