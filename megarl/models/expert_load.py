@@ -51,8 +51,7 @@ class ExpertLoad:
         def count(module, args, output) -> None:
             routing_map = output[1].detach()  # [tokens, experts]
             padding = args[1] if len(args) > 1 else None  # [s, b], True: padding
-            if padding is not None:
-                padding = self._local(padding, routing_map.shape[0])
+            if padding is not None:  # the router's own tokens (its sequence slice under SP)
                 routing_map = routing_map & ~padding.reshape(-1, 1).to(routing_map.device)
             unknown = self.replaying.unreplayed.get(id(module)) if self.replaying else None
             if unknown is not None and unknown.numel() == routing_map.shape[0]:
@@ -60,17 +59,6 @@ class ExpertLoad:
             self.counts[layer] += routing_map.sum(0).to(torch.float64).cpu()
 
         return count
-
-    def _local(self, padding: torch.Tensor, tokens: int) -> torch.Tensor:
-        """The padding mask of the tokens this router saw: under sequence parallelism its TP
-        rank's slice of the sequence."""
-        if padding.numel() == tokens:
-            return padding
-        from megatron.core import parallel_state
-
-        rank = parallel_state.get_tensor_model_parallel_rank()
-        part = padding.shape[0] // parallel_state.get_tensor_model_parallel_world_size()
-        return padding[rank * part : (rank + 1) * part]
 
     def metrics(self) -> dict[str, float]:
         """The load summary over every rank (collective: call it on every rank).

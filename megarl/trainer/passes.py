@@ -29,8 +29,9 @@ from megarl.parallel.collectives import all_gather_tensors
 from megarl.parallel.init import device
 from megarl.rollout.base import AheadEngine, RolloutBatch, RolloutEngine
 from megarl.rollout.distribute import generate_distributed
+from megarl.trainer import split
 from megarl.trainer.batch import StepBatch, rollout_batch
-from megarl.trainer.split import dp_share, fitting_micro_batch, micro_batches
+from megarl.trainer.split import dp_share, fitting_micro_batch
 
 
 def generate(
@@ -153,7 +154,11 @@ def global_pass(
     rows = dp_share(everyone, dp_rank, dp_size)
     replaying = kwargs.get("routing") is not None and kwargs["routing"].mode == "replay"
     sequences = batch.sequences(rows, replay=replay if replaying else None)
-    micro: Any = _pass_micro_batches(batch, everyone, rows, micro_batches, max_token_len)
+    if max_token_len is None:  # the configured size, lowered to a divisor of the rows
+        micro: Any = fitting_micro_batch(len(rows), micro_batches or len(rows))
+    else:
+        micro = split.micro_batches(batch.lengths, everyone, dp_rank, dp_size,
+                                    micro_batch_size=None, max_token_len=max_token_len)  # fmt: skip
     routing = None
     if role == "critic":
         outputs = {"values": compute_values(chunks, sequences, micro_batches=micro)}
@@ -169,17 +174,6 @@ def global_pass(
         local = pad_positions(routing, batch.input_ids.shape[1]).int()  # NCCL, gloo: no int16
         gathered[ROUTING] = gather_dp(local, dp_size).to(routing.dtype)
     return gathered
-
-
-def _pass_micro_batches(batch: StepBatch, everyone, rows, size: int | None, max_token_len):
-    """A forward-only pass's micro-batches of this rank's ``rows``: the configured size lowered
-    to a divisor of the rows, or packed to the token budget."""
-    if max_token_len is None:
-        return fitting_micro_batch(len(rows), size or len(rows))
-    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
-    dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-    return micro_batches(batch.lengths, everyone, dp_rank, dp_size, micro_batch_size=None,
-                         max_token_len=max_token_len)  # fmt: skip
 
 
 def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
