@@ -89,6 +89,8 @@ class ModelConfig:
     """Free-form: HF config fields to override (e.g. attention_dropout)."""
     use_fused_kernels: bool = False
     """No effect, either value: log-probs and entropy are always computed vocab-parallel in chunks."""
+    use_remove_padding: bool = True
+    """Pack each micro-batch's sequences into one row without padding (THD); false: right-padded."""
     external_lib: str | None = None
     """Only null: no custom modelling code is imported."""
     custom_chat_template: str | None = None
@@ -211,6 +213,8 @@ class MegatronConfig:
     """Only false: Megatron DDP with the distributed optimizer."""
     override_mcore_model_config: dict[str, Any] = field(default_factory=dict)
     """Only empty: TransformerConfig fields go in override_transformer_config."""
+    use_remove_padding: bool | None = None
+    """verl's engine key for packing; null: the model section's use_remove_padding."""
 
     def parallel_layout(self) -> ParallelLayout:
         """This section's grid sizes as the one layout type."""

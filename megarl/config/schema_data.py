@@ -60,6 +60,8 @@ class RewardModelPathConfig:
 
     path: str | None = None
     """HF Llama/Qwen2 *ForSequenceClassification directory (num_labels=1, with its tokenizer)."""
+    use_remove_padding: bool = True
+    """Pack the scored sequences into one row per micro-batch without padding (THD)."""
 
 
 @dataclass
