@@ -53,6 +53,9 @@ class BuiltModel:
     role: Role
     hf_path: Path | None = None
     meta: dict = field(default_factory=dict)
+    pack: bool = False
+    """Run this model's passes on packed rows (THD, :mod:`megarl.models.packing`; the
+    config's ``use_remove_padding``), else on right-padded ones."""
     _host: dict[int, torch.Tensor] | None = field(default=None, repr=False)
 
     @property

@@ -341,7 +341,8 @@ def layer_spec(dims: ModelDims, transformer_impl: TransformerImpl = "auto"):
     """Megatron layer spec: Transformer Engine's when available/asked for, else the local one.
 
     MoE layers: ``TEGroupedMLP`` (grouped GEMM) on the TE spec, ``SequentialMLP`` (one local
-    ``MLP`` per expert) on the local spec.
+    ``MLP`` per expert) on the local spec. The local spec's core attention is
+    :class:`~megarl.models.attention.PackedDotProductAttention` (packed rows, CP).
     """
     experts = dims.num_experts or None
     if resolve_transformer_impl(transformer_impl) == "transformer_engine":
@@ -350,9 +351,15 @@ def layer_spec(dims: ModelDims, transformer_impl: TransformerImpl = "auto"):
         )
     if experts is not None:
         _define_te_general_gemm()
-    return get_gpt_layer_local_spec(
+    spec = get_gpt_layer_local_spec(
         num_experts=experts, qk_layernorm=dims.qk_norm, normalization="RMSNorm"
     )
+    # Packed rows and context parallelism are TE's on GPU; the local spec gets megarl's exact
+    # emulation of both (Megatron's local attention refuses them).
+    from megarl.models.attention import PackedDotProductAttention
+
+    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return spec
 
 
 def _define_te_general_gemm() -> None:

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from megarl.models.packing import TokenOrder
+
 ROUTING = "routing"
 """The batch field holding the recorded choices (and the micro-batch extra replaying them)."""
 ROLLOUT_ROUTING = "rollout_routing"
@@ -74,8 +76,9 @@ class Routing:
 
     Choices are kept per sequence as ``[rows, layers, positions, k]`` int16: every position
     (prompt too), this pipeline rank's MoE layers in order (all its chunks). A router sees its
-    micro-batch sequence-major (``[s, b]`` flattened), under sequence parallelism only its TP
-    rank's slice. Positions nothing recorded hold experts ``0..k-1`` (padding: causally
+    micro-batch's tokens in the model's order (:class:`~megarl.models.packing.TokenOrder`:
+    sequence-major when right-padded, packed otherwise), its CP rank's share, under sequence
+    parallelism only its TP rank's slice of that. Positions nothing recorded hold experts ``0..k-1`` (padding: causally
     invisible to real tokens). While replaying, each router also counts the real tokens whose
     own top-k set equals the replayed one: ``router_agreement`` (under R3, in the old-log-prob
     forward, ``rollout_corr/router_agreement``: the trainer's routers against vLLM's choices).
@@ -125,8 +128,9 @@ class Routing:
 
     # -- around one micro-batch's forward on one chunk -----------------------------------------
 
-    def before(self, chunk: torch.nn.Module, mb: dict, seq: int) -> None:
-        """Arm the chunk's routers for the micro-batch ``mb`` of ``seq`` positions."""
+    def before(self, chunk: torch.nn.Module, mb: dict, order: TokenOrder) -> None:
+        """Arm the chunk's routers for the micro-batch ``mb``, whose tokens the model sees in
+        ``order`` (right-padded or packed, :class:`~megarl.models.packing.TokenOrder`)."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         index = self._index(chunk)
@@ -135,39 +139,45 @@ class Routing:
                 r.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
             return
         stored = mb[ROUTING]  # [b, layers, width, k]
-        b, width = stored.shape[0], stored.shape[2]
-        valid = torch.arange(seq, device=stored.device)[:, None] < mb["lengths"][None, :]
+        b, width, seq = stored.shape[0], stored.shape[2], order.width
+        local = order.local
+        at = local.clamp(min=0).to(stored.device)
+        real = (local >= 0).to(stored.device) & (at % seq < mb["lengths"][at // seq])
         for i, r in enumerate(self._routers[index]):
-            choice = stored[:, self._offsets[index] + i, : min(seq, width)].transpose(0, 1)
+            grid = stored[:, self._offsets[index] + i, : min(seq, width)]  # [b, ≤seq, k]
             if seq > width:  # positions past every recorded one: padding
-                pad = padding_routing((seq - width, b), self.topk, choice.dtype, choice.device)
-                choice = torch.cat([choice, pad])
+                pad = padding_routing((b, seq - width), self.topk, grid.dtype, grid.device)
+                grid = torch.cat([grid, pad], 1)
+            choice = grid.reshape(b * seq, self.topk)[at]
+            padding = padding_routing(choice.shape[:-1], self.topk, choice.dtype, choice.device)
+            choice = torch.where((local < 0).to(choice.device)[:, None], padding, choice)
             unknown = choice[..., :1] < 0  # nothing routed there (R3: the last token)
             if i == 0:
-                valid = valid & ~unknown[..., 0]
-                self._valid = self._local(valid.reshape(seq, b, 1)).reshape(-1)
-            choice = torch.where(
-                unknown,
-                padding_routing(choice.shape[:-1], self.topk, choice.dtype, choice.device),
-                choice,
-            )
-            self.unreplayed[id(r)] = self._local(unknown[..., 0]).reshape(-1)
-            target = self._local(choice).reshape(-1, self.topk).long()
+                self._valid = self._local(real & ~unknown[..., 0])
+            choice = torch.where(unknown, padding, choice)
+            self.unreplayed[id(r)] = self._local(unknown[..., 0])
+            target = self._local(choice).long()
             r.router_replay.set_target_indices(target)
             r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             self._measure(r.router_replay)
 
-    def after(self, chunk: torch.nn.Module, stored: torch.Tensor | None, rows, seq: int) -> None:
+    def after(
+        self, chunk: torch.nn.Module, stored: torch.Tensor | None, rows, order: TokenOrder
+    ) -> None:
         """Disarm the chunk's routers; when recording, write the choices of the micro-batch's
-        ``rows`` into ``stored``."""
+        ``rows`` (seen in ``order``) into ``stored``."""
         index = self._index(chunk)
+        recording = self.mode == "record" and stored is not None
+        if recording:
+            grid = order.grid.reshape(-1).cpu()
+            kept = (grid >= 0) & (grid % order.width < stored.shape[2])  # type: ignore[union-attr]
+            at_row = rows.cpu()[grid[kept] // order.width]
+            at_pos = grid[kept] % order.width
         for i, r in enumerate(self._routers[index]):
             replay = r.router_replay
-            if self.mode == "record" and stored is not None:
-                chosen = self._full(replay.get_recorded_indices(), seq, len(rows))
-                width = min(seq, stored.shape[2])
-                layer = self._offsets[index] + i
-                stored[rows.cpu(), layer, :width] = chosen[:width].transpose(0, 1).to(stored)
+            if recording:
+                chosen = self._full(replay.get_recorded_indices()).cpu()[kept]
+                stored[at_row, self._offsets[index] + i, at_pos] = chosen.to(stored)  # type: ignore[index]
             replay.clear_indices()
             replay.clear_router_replay_action()
             replay.__dict__.pop("get_replay_topk", None)
@@ -193,26 +203,33 @@ class Routing:
         )
 
     def _local(self, t: torch.Tensor) -> torch.Tensor:
-        """This TP rank's slice of a sequence-major ``[s, ...]`` under sequence parallelism."""
+        """This TP rank's slice of the tokens ``[n, ...]`` (in the model's order) under sequence
+        parallelism."""
         rank, size = self._tp()
         if size == 1:
             return t
         part = t.shape[0] // size
         return t[rank * part : (rank + 1) * part]
 
-    def _full(self, recorded: torch.Tensor, seq: int, b: int) -> torch.Tensor:
-        """A router's recorded ``[tokens, k]`` as ``[seq, b, k]`` (gathered over the TP ranks
-        under sequence parallelism)."""
+    def _full(self, recorded: torch.Tensor) -> torch.Tensor:
+        """A router's recorded ``[tokens, k]`` as every token of the micro-batch in
+        :attr:`TokenOrder.grid`'s order: gathered over the TP ranks under sequence parallelism,
+        then over the context-parallel ranks."""
         from megatron.core import parallel_state
 
-        size = self._tp()[1]
-        local = recorded.reshape(-1, b, self.topk)
-        if size == 1:
-            return local
-        parts = [torch.empty_like(local) for _ in range(size)]
-        group = parallel_state.get_tensor_model_parallel_group()
-        torch.distributed.all_gather(parts, local.contiguous(), group=group)
-        return torch.cat(parts)
+        local = recorded.reshape(-1, self.topk).contiguous()
+        groups = []
+        if self._tp()[1] > 1:
+            groups.append(parallel_state.get_tensor_model_parallel_group())
+        if parallel_state.get_context_parallel_world_size() > 1:
+            groups.append(parallel_state.get_context_parallel_group())
+        for group in groups:
+            parts = [
+                torch.empty_like(local) for _ in range(torch.distributed.get_world_size(group))
+            ]
+            torch.distributed.all_gather(parts, local, group=group)
+            local = torch.cat(parts)
+        return local
 
     def _measure(self, replay) -> None:
         """Make ``replay`` also count, while replaying, the real tokens whose own choice agrees."""

@@ -29,6 +29,13 @@ from megarl.models.logprobs import (
     vocab_parallel_log_probs_and_entropy,
     vocab_parallel_sum_pi_squared,
 )
+from megarl.models.packing import (
+    PackedRows,
+    TokenOrder,
+    gather_over_cp,
+    pack_rows,
+    padded_lengths,
+)
 from megarl.models.routing import Routing
 from megarl.parallel.collectives import all_gather_tensors
 
@@ -195,11 +202,13 @@ def compute_log_probs(
     temperature: float = 1.0,
     sum_pi_squared: bool = False,
     routing: Routing | None = None,
+    pack: bool = False,
 ) -> LogProbs:
     """Log-probs and entropy ``[N, R]`` of every response token (forward only); with
     ``sum_pi_squared`` also sum_v pi(v)^2 at each of those positions (same forward pass); with a
     recording ``routing`` also the MoE routers' choices (``LogProbs.routing``), with a replaying
-    one the routers replay the batch's ``routing`` extra (:mod:`megarl.models.routing`)."""
+    one the routers replay the batch's ``routing`` extra (:mod:`megarl.models.routing`).
+    ``pack``: as :func:`forward_backward`'s."""
     out = _run(
         chunks,
         batch,
@@ -209,26 +218,35 @@ def compute_log_probs(
         temperature=temperature,
         sum_pi_squared=sum_pi_squared,
         routing=routing,
+        pack=pack,
     )
     t = out.tensors
     return LogProbs(t["log_probs"], t["entropy"], t.get("sum_pi_squared"), out.routing)
 
 
 def compute_values(
-    chunks: Sequence[torch.nn.Module], batch: SequenceBatch, *, micro_batches: MicroBatches
+    chunks: Sequence[torch.nn.Module],
+    batch: SequenceBatch,
+    *,
+    micro_batches: MicroBatches,
+    pack: bool = False,
 ) -> torch.Tensor:
     """Critic values ``[N, R]`` of the state before every response token (forward only)."""
-    return _run(chunks, batch, "critic", micro_batches).tensors["values"]
+    return _run(chunks, batch, "critic", micro_batches, pack=pack).tensors["values"]
 
 
 def compute_scores(
-    chunks: Sequence[torch.nn.Module], batch: SequenceBatch, *, micro_batches: MicroBatches
+    chunks: Sequence[torch.nn.Module],
+    batch: SequenceBatch,
+    *,
+    micro_batches: MicroBatches,
+    pack: bool = False,
 ) -> torch.Tensor:
     """Reward-model scores ``[N]``: the scalar head's output at each sequence's last valid token
     (position ``lengths - 1``; ``prompt_lengths`` only need to be in 1..lengths). HF's
     ``*ForSequenceClassification`` takes the last token that is not ``pad_token_id``: the same
     token unless the sequence itself ends in the pad id (forward only)."""
-    return _run(chunks, batch, "reward", micro_batches).tensors["scores"][:, 0]
+    return _run(chunks, batch, "reward", micro_batches, pack=pack).tensors["scores"][:, 0]
 
 
 def forward_backward(
@@ -241,6 +259,7 @@ def forward_backward(
     temperature: float = 1.0,
     keep_outputs: bool = False,
     routing: Routing | None = None,
+    pack: bool = False,
 ):
     """Forward and backward of one mini-batch; returns each micro-batch's metrics (every rank),
     and with ``keep_outputs`` also the outputs ``[N, R]`` (log-probs and entropy, or values) of
@@ -251,7 +270,8 @@ def forward_backward(
     ``loss_fn``, a critic (``vocab_size`` None) ``values``. Scaling: see the module docstring.
     ``routing`` (a replaying :class:`~megarl.models.routing.Routing`): the MoE routers replay
     the choices in the batch's ``routing`` extra (recorded by :func:`compute_log_probs`) and
-    count their agreement.
+    count their agreement. ``pack``: each micro-batch runs as one packed row (THD,
+    :mod:`megarl.models.packing`; needed under context parallelism), outputs as without.
     """
     role = "actor" if vocab_size is not None else "critic"
     out = _run(
@@ -263,6 +283,7 @@ def forward_backward(
         temperature=temperature,
         loss_fn=loss_fn,
         routing=routing,
+        pack=pack,
     )
     return (out.metrics, out.tensors) if keep_outputs else out.metrics
 
@@ -301,9 +322,13 @@ def _run(
     loss_fn: LossFn | None = None,
     sum_pi_squared: bool = False,
     routing: Routing | None = None,
+    pack: bool = False,
 ) -> _RunOutput:
     if bool((batch.prompt_lengths < 1).any()) or bool((batch.lengths < batch.prompt_lengths).any()):
         raise ValueError("need 1 <= prompt_lengths <= lengths for every sequence")
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1 and not pack:
+        raise ValueError(f"context parallelism (CP={cp}) needs packed sequences (pack=True)")
     device = chunks_device(chunks)
     input_ids, prompt_lengths, lengths = (
         t.to(device) for t in (batch.input_ids, batch.prompt_lengths, batch.lengths)
@@ -318,12 +343,13 @@ def _run(
             f"of one size; got sizes {[len(x) for x in rows]}"
         )
     config = unwrap(chunks[0]).config
-    input_ids = _pad_for_sequence_parallel(input_ids, config)
+    if not pack:
+        input_ids = _pad_for_sequence_parallel(input_ids, config)
     micro = []
     for idx in rows:
         # Without variable_seq_lengths (VPP) every micro-batch has the batch's longest length.
         seq = int((lengths[idx] if config.variable_seq_lengths else lengths).max().item())
-        seq = _sequence_parallel_length(seq, config)
+        seq = seq if pack else _sequence_parallel_length(seq, config)
         mb = {
             "input_ids": input_ids[idx, :seq],
             "prompt_lengths": prompt_lengths[idx],
@@ -331,6 +357,12 @@ def _run(
         }
         mb.update({k: v[idx] for k, v in extra.items()})
         micro.append(mb)
+    packed = _pack(micro, config) if pack else None
+    orders = (
+        [p.order for p in packed]
+        if packed is not None
+        else [TokenOrder.padded(len(mb["lengths"]), mb["input_ids"].shape[1]) for mb in micro]
+    )
 
     training = loss_fn is not None
     ddp = _configure_grad_sync(list(chunks), training)
@@ -345,23 +377,32 @@ def _run(
 
     def forward_step(data_iterator, model):
         index, mb = next(data_iterator)
-        ids = mb["input_ids"]
-        seq = ids.shape[1]
-        pos = torch.arange(seq, device=ids.device)[None, :].expand_as(ids)
+        if packed is None:
+            ids = mb["input_ids"]
+            seq = ids.shape[1]
+            pos = torch.arange(seq, device=ids.device)[None, :].expand_as(ids)
+            padding = pos >= mb["lengths"][:, None]
+            inputs = (ids, pos, causal_mask(seq, ids.device))
+            layout = {}
+        else:
+            rows_packed = packed[index]
+            padding = rows_packed.padding
+            inputs = (rows_packed.input_ids, rows_packed.position_ids, None)
+            layout = {"packed_seq_params": rows_packed.params}
         # MoE: padding routes like any token, but stays out of the routers' auxiliary losses.
-        pads = {"padding_mask": _padding_mask(model, pos >= mb["lengths"][:, None])} if moe else {}
+        pads = {"padding_mask": _padding_mask(model, padding)} if moe else {}
         if aux is not None:
             aux.before()
         if routing is not None:
-            routing.before(model, mb, seq)
-        output = model(ids, pos, causal_mask(seq, ids.device), **pads)
+            routing.before(model, mb, orders[index])
+        output = model(*inputs, **layout, **pads)
         if routing is not None:
-            routing.after(model, recorded, rows[index], seq)
+            routing.after(model, recorded, rows[index], orders[index])
         if aux is not None:
             aux.after(index, float(mb["lengths"].sum()))
 
         def loss_func(output_tensor: torch.Tensor):
-            outputs = outputs_of(output_tensor, mb)
+            outputs = outputs_of(output_tensor, mb, packed[index].order if packed else None)
             collected.append({k: v.detach() for k, v in outputs.items()})
             count = mb["lengths"].sum().to(torch.int)
             if not training:
@@ -378,8 +419,12 @@ def _run(
         data_iterator=iterators if len(chunk_list) > 1 else iterators[0],
         model=chunk_list if len(chunk_list) > 1 else chunk_list[0],
         num_microbatches=len(micro),
-        seq_length=_sequence_parallel_length(int(lengths.max().item()), config),
-        micro_batch_size=max(len(x) for x in rows),
+        seq_length=(
+            max(p.length for p in packed)
+            if packed is not None
+            else _sequence_parallel_length(int(lengths.max().item()), config)
+        ),
+        micro_batch_size=1 if packed is not None else max(len(x) for x in rows),
         forward_only=not training,
     )
     names = {"critic": ["values"], "reward": ["scores"]}.get(role, ["log_probs", "entropy"])
@@ -427,14 +472,21 @@ def _output_fn(
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
 
-    def outputs_of(output_tensor: torch.Tensor, mb: dict) -> Outputs:
+    def outputs_of(output_tensor: torch.Tensor, mb: dict, order: TokenOrder | None) -> Outputs:
+        """``order``: the packed row's tokens (None: right-padded ``[b, s]`` rows)."""
+
+        def per_position(values: torch.Tensor) -> torch.Tensor:  # -> [b, s]
+            return values if order is None else order.to_grid(gather_over_cp(values[0]))
+
         if role in ("critic", "reward"):
             values = output_tensor.squeeze(-1)
-            values = values.to(torch.promote_types(values.dtype, torch.float32))
+            values = per_position(values.to(torch.promote_types(values.dtype, torch.float32)))
             if role == "reward":
                 return {"scores": values.gather(1, mb["lengths"][:, None] - 1)}
             return {"values": _gather_response(values, mb["prompt_lengths"], mb["lengths"], r)}
         targets = torch.roll(mb["input_ids"], shifts=-1, dims=1)
+        if order is not None:
+            targets = order.from_grid(targets, 0)[None]
         logp, ent = vocab_parallel_log_probs_and_entropy(
             output_tensor,
             targets,
@@ -443,9 +495,10 @@ def _output_fn(
             vocab_start=tp_rank * output_tensor.shape[-1],
             group=tp_group,
         )
+        plen, lens = mb["prompt_lengths"], mb["lengths"]
         out = {
-            "log_probs": _gather_response(logp, mb["prompt_lengths"], mb["lengths"], r),
-            "entropy": _gather_response(ent, mb["prompt_lengths"], mb["lengths"], r),
+            "log_probs": _gather_response(per_position(logp), plen, lens, r),
+            "entropy": _gather_response(per_position(ent), plen, lens, r),
         }
         if sum_pi_squared:
             sq = vocab_parallel_sum_pi_squared(
@@ -455,10 +508,26 @@ def _output_fn(
                 vocab_start=tp_rank * output_tensor.shape[-1],
                 group=tp_group,
             )
-            out["sum_pi_squared"] = _gather_response(sq, mb["prompt_lengths"], mb["lengths"], r)
+            out["sum_pi_squared"] = _gather_response(per_position(sq), plen, lens, r)
         return out
 
     return outputs_of
+
+
+def _pack(micro: list[dict], config) -> list[PackedRows]:
+    """Each micro-batch as one packed row (:mod:`megarl.models.packing`), every sequence padded
+    to a multiple of 2·CP (under CP), times TP under sequence parallelism; without
+    ``variable_seq_lengths`` (VPP, the allgather dispatcher) every row as long as the longest."""
+    cp = config.context_parallel_size
+    multiple = (2 * cp if cp > 1 else 1) * (
+        config.tensor_model_parallel_size if config.sequence_parallel else 1
+    )
+    total = None
+    if not config.variable_seq_lengths:
+        total = max(sum(padded_lengths(mb["lengths"].tolist(), multiple)) for mb in micro)
+    return [
+        pack_rows(mb["input_ids"], mb["lengths"], multiple=multiple, total=total) for mb in micro
+    ]
 
 
 def _global_token_count(lengths: torch.Tensor, device: torch.device) -> float:

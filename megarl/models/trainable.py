@@ -87,6 +87,11 @@ class TrainableModel:
     Every method is collective over the world (SPMD): call it on every rank.
     """
 
+    @property
+    def pack(self) -> bool:
+        """Run the passes on packed rows (:attr:`BuiltModel.pack`)."""
+        return self.model.pack
+
     def __init__(self, model: BuiltModel, settings: OptimizerSettings) -> None:
         self.model = model
         self.settings = settings

@@ -117,6 +117,7 @@ def global_log_probs(
     sum_pi_squared: bool = False,
     routing: Routing | None = None,
     replay: torch.Tensor | None = None,
+    pack: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Log-probs, entropy and (when asked) sum_v pi^2, ``[B, R]`` for every response token of
     the batch, on every rank. ``routing``: a replaying :class:`Routing`, fed ``replay``."""
@@ -127,6 +128,7 @@ def global_log_probs(
         micro_batches=micro_batches,
         max_token_len=max_token_len,
         replay=replay,
+        pack=pack,
         vocab_size=vocab_size,
         temperature=temperature,
         sum_pi_squared=sum_pi_squared,
@@ -143,13 +145,15 @@ def global_pass(
     micro_batches: int | None,
     max_token_len: int | None = None,
     replay: torch.Tensor | None = None,
+    pack: bool = False,
     **kwargs: Any,
 ) -> dict[str, torch.Tensor]:
     """A forward-only pass over the whole batch: each DP rank computes its contiguous share and
     the shares are all-gathered, so every rank gets every output ``[B, R]`` (and, recording, the
-    ``ROUTING``). A replaying ``routing`` (in ``kwargs``) is fed ``replay``."""
-    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
-    dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    ``ROUTING``). A replaying ``routing`` (in ``kwargs``) is fed ``replay``; ``pack``: packed
+    rows (:mod:`megarl.models.packing`). Context-parallel peers compute the same share."""
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
     everyone = torch.arange(len(batch))
     rows = dp_share(everyone, dp_rank, dp_size)
     replaying = kwargs.get("routing") is not None and kwargs["routing"].mode == "replay"
@@ -158,12 +162,13 @@ def global_pass(
         micro: Any = fitting_micro_batch(len(rows), micro_batches or len(rows))
     else:
         micro = split.micro_batches(batch.lengths, everyone, dp_rank, dp_size,
-                                    micro_batch_size=None, max_token_len=max_token_len)  # fmt: skip
+                                    micro_batch_size=None, max_token_len=max_token_len,
+                                    cp=parallel_state.get_context_parallel_world_size())  # fmt: skip
     routing = None
     if role == "critic":
-        outputs = {"values": compute_values(chunks, sequences, micro_batches=micro)}
+        outputs = {"values": compute_values(chunks, sequences, micro_batches=micro, pack=pack)}
     else:
-        out = compute_log_probs(chunks, sequences, micro_batches=micro, **kwargs)
+        out = compute_log_probs(chunks, sequences, micro_batches=micro, pack=pack, **kwargs)
         outputs = {"log_probs": out.log_probs, "entropy": out.entropy}
         if out.sum_pi_squared is not None:
             outputs["sum_pi_squared"] = out.sum_pi_squared
@@ -186,7 +191,7 @@ def gather_dp(local: torch.Tensor, dp_size: int) -> torch.Tensor:
     """Every DP rank's equal-sized ``local`` rows, concatenated in DP-rank order (on the CPU)."""
     if dp_size == 1:
         return local.cpu()
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    group = parallel_state.get_data_parallel_group()
     return torch.cat(all_gather_tensors(local.to(device()), group)).cpu()
 
 
@@ -234,6 +239,7 @@ def recompute_log_probs(run, batch: StepBatch) -> ActorPass:
         micro_batches=plan.micro_batch_size,
         max_token_len=plan.max_token_len_per_gpu,
         replay=replay,
+        pack=run.actor.pack,
         vocab_size=run.vocab_size,
         temperature=run.cfg.actor_rollout_ref.rollout.temperature,
         sum_pi_squared=run.cfg.actor_rollout_ref.actor.calculate_sum_pi_squared,
@@ -272,6 +278,7 @@ def reference_log_probs(run, batch: StepBatch) -> torch.Tensor:
         temperature=run.cfg.actor_rollout_ref.rollout.temperature,
         micro_batches=plan.micro_batch_size,
         max_token_len=plan.max_token_len_per_gpu,
+        pack=run.ref.pack,
     )
     return log_probs
 
@@ -281,7 +288,7 @@ def critic_values(
 ) -> torch.Tensor:
     """The critic's values ``[B, R]`` of every response token of the batch, on every rank."""
     return global_pass(critic.chunks, batch, "critic", micro_batches=micro_batches,
-                       max_token_len=max_token_len)["values"]  # fmt: skip
+                       max_token_len=max_token_len, pack=critic.pack)["values"]  # fmt: skip
 
 
 @dataclass

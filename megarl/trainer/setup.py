@@ -142,6 +142,7 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         fusions=fusions(meg),
         moe=MoeSettings.from_dict({**moe_overrides(meg), **replay}),
     )
+    actor_model.pack = packs(arr.model, meg)
     actor = TrainableModel(actor_model, optimizer_settings(cfg, total))
     settle(actor, cfg, "actor")
     ref = None
@@ -150,6 +151,7 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         ref = build_role_model(initial_checkpoint(arr.ref.megatron), model_path, layout,
                                dtype=dtype, transformer_impl=meg.transformer_impl,
                                fusions=fusions(meg), moe=ref_moe)  # fmt: skip
+        ref.pack = packs(arr.model, arr.ref.megatron)
         for chunk in ref.chunks:
             chunk.eval()
             chunk.requires_grad_(False)
@@ -236,9 +238,18 @@ def _build_critic(cfg: MegarlConfig, layout, model_path: str, dtype, total: int,
             critic_cfg.megatron.recompute_num_layers,
         ),
     )
+    critic_model.pack = packs(critic_cfg.model, critic_cfg.megatron)
     critic = TrainableModel(critic_model, optimizer_settings(cfg, total, role="critic"))
     settle(critic, cfg, "critic")
     return critic, value_update(cfg, plan)
+
+
+def packs(model_section, megatron_section) -> bool:
+    """Whether a model's passes run on packed rows: its ``megatron.use_remove_padding`` (verl's
+    engine key) when set, else its model section's ``use_remove_padding`` (the reference: the
+    actor's)."""
+    engine = megatron_section.use_remove_padding
+    return bool(model_section.use_remove_padding if engine is None else engine)
 
 
 def build_role_model(ckpt: Path | None, source, layout, **kwargs) -> BuiltModel:

@@ -112,12 +112,18 @@ def micro_batches(
     micro_batch_size: int | None,
     max_token_len: int | None,
     balance: bool = False,
+    cp: int = 1,
 ) -> int | list[torch.Tensor]:
     """This DP rank's micro-batches of its share of ``indices``: the micro-batch size, or with a
     token budget ``max_token_len`` explicit rows of its share, as many on every DP rank (the
-    most any share needs). ``balance``: shares balanced by ``lengths`` (:func:`dp_share`)."""
+    most any share needs). ``balance``: shares balanced by ``lengths`` (:func:`dp_share`).
+
+    ``max_token_len`` is per GPU, verl's ``*_max_token_len_per_gpu``: a micro-batch holds up to
+    ``max_token_len × cp`` tokens, ``cp`` the context-parallel size whose ranks split each
+    sequence (as verl's Megatron workers scale it)."""
     if max_token_len is None:
         return micro_batch_size  # type: ignore[return-value]
+    max_token_len *= cp
     by = lengths if balance else None
     most = max(
         len(token_budget_micro_batches(lengths[dp_share(indices, r, dp_size, by)], max_token_len))

@@ -105,8 +105,8 @@ def update_policy(
     kept: list[torch.Tensor] = []  # the shortcut's one mini-batch's log-probs
     # Clip-Cov draws a random token subset: one generator per micro-batch, seeded by (seed, step,
     # index), the index unique over this step's micro-batches and DP ranks (TP/PP peers share it).
-    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
-    dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
     micro_count = itertools.count()
 
     def generator() -> torch.Generator:
@@ -201,8 +201,8 @@ def run_update(
     it (R2 or R3), and ``router_agreement`` is the share of real tokens whose routers, choosing
     afresh, would have picked the same experts. A MoE model also reports its expert load over
     the first epoch's forwards (each token once: :mod:`megarl.models.expert_load`)."""
-    dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
-    dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
     totals: dict[str, float] = defaultdict(float)
     count = 0
     agreement = torch.zeros(2, dtype=torch.float64)
@@ -223,7 +223,8 @@ def run_update(
             micro = micro_batches(batch.lengths, indices, dp_rank, dp_size,
                                   micro_batch_size=settings.micro_batch_size,
                                   max_token_len=settings.max_token_len,
-                                  balance=settings.balance)  # fmt: skip
+                                  balance=settings.balance,
+                                  cp=parallel_state.get_context_parallel_world_size())  # fmt: skip
             with load if load is not None and epoch == 0 else contextlib.nullcontext():
                 per_micro, outputs = forward_backward(
                     model.chunks,
@@ -234,6 +235,7 @@ def run_update(
                     temperature=temperature,
                     keep_outputs=True,
                     routing=routing,
+                    pack=model.pack,
                 )
             if routing is not None:
                 agreement += torch.stack([routing.agree, routing.tokens])
@@ -263,7 +265,7 @@ def _cutter(width: int) -> Callable[[torch.Tensor | None], torch.Tensor | None]:
 
 def _gather_rows(local: torch.Tensor, rows: torch.Tensor, n: int, width: int) -> torch.Tensor:
     """``[n, width]`` on every rank from each DP rank's ``local`` values of its ``rows``."""
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    group = parallel_state.get_data_parallel_group()
     full = torch.zeros(n, width, dtype=local.dtype, device=device())
     full[rows.to(full.device), : local.shape[1]] = local.to(full.device)[:, :width]
     if dist.get_world_size(group) > 1:
@@ -272,9 +274,10 @@ def _gather_rows(local: torch.Tensor, rows: torch.Tensor, n: int, width: int) ->
 
 
 def _sum_over_dp(values: dict[str, float]) -> dict[str, float]:
-    """Sum per-rank metric shares over the DP (×CP) group (one all-reduce)."""
+    """Sum per-rank metric shares over the DP group (one all-reduce; the context-parallel peers
+    of a DP rank hold the same sequences, so the same metrics)."""
     keys = sorted(values)
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    group = parallel_state.get_data_parallel_group()
     t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device())
     if dist.get_world_size(group) > 1:
         dist.all_reduce(t, group=group)

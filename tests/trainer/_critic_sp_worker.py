@@ -68,7 +68,7 @@ def _cpu(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.cpu() for k, v in weights.items()}
 
 
-def _actor_outputs(spec: dict, layout, batch) -> dict[str, torch.Tensor]:
+def _actor_outputs(spec: dict, layout, batch, pack: bool) -> dict[str, torch.Tensor]:
     """The actor's response log-probs (the trainer's pass) and last-position logits (the actor
     rollout engine's), both of which pad the sequence for sequence parallelism."""
     from megarl.models.build import build_model
@@ -81,7 +81,9 @@ def _actor_outputs(spec: dict, layout, batch) -> dict[str, torch.Tensor]:
     )
     vocab = built.dims.vocab_size
     log_probs = global_pass(built.chunks, batch, "actor", micro_batches=spec["micro_batch_size"],
-                            vocab_size=vocab)["log_probs"]  # fmt: skip
+                            vocab_size=vocab, pack=pack)["log_probs"]  # fmt: skip
+    if layout.cp > 1:  # the rollout engine's pass runs right-padded rows, which CP cannot split
+        return {"log_probs": log_probs.cpu()}
     device = next(built.chunks[0].parameters()).device
     logits = last_position_logits(
         built.chunks, batch.input_ids.to(device), batch.lengths.to(device), vocab
@@ -98,12 +100,14 @@ def _run_case(spec: dict, case: dict) -> dict:
     from megarl.trainer.update import ValueUpdate, update_critic
 
     layout = ParallelLayout(case["tp"], 1, sequence_parallel=case["sequence_parallel"],
+                            context_parallel_size=case.get("cp", 1),
                             expert_model_parallel_size=case.get("ep", 1))  # fmt: skip
     init_distributed(layout, seed=1)
     dtype = getattr(torch, spec["dtype"])
     spec = {**spec, "model": spec[case.get("model", "model")]}
     built = build_model(spec["model"], layout, role="critic", dtype=dtype,
                         transformer_impl=spec["transformer_impl"], value_head_seed=7)  # fmt: skip
+    built.pack = case.get("pack", False)
     sgd = OptimizerSettings(lr=1.0, optimizer="sgd", weight_decay=0.0, clip_grad=0.0,
                             grad_reduce_in_fp32=False, use_distributed_optimizer=False)  # fmt: skip
     critic = TrainableModel(built, sgd)
@@ -117,7 +121,7 @@ def _run_case(spec: dict, case: dict) -> dict:
     )  # fmt: skip
     metrics = update_critic(critic, batch, settings, seed=0, step=1)
     return {
-        **_actor_outputs(spec, layout, batch),
+        **_actor_outputs(spec, layout, batch, built.pack),
         "values": values.cpu(),
         "before": before,
         "after": _cpu(_hf_weights(critic.chunks, built.dims)),

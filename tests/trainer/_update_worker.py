@@ -17,15 +17,31 @@ import torch
 import torch.distributed as dist
 
 LAYOUTS = {
-    1: [(1, 1, None, False)],
-    2: [(2, 1, None, False), (1, 2, None, False), (1, 1, None, False), (1, 2, 2, False)],
-    4: [(2, 1, None, True), (2, 2, None, False)],
+    1: [(1, 1, None, False, 1, False)],
+    2: [
+        (2, 1, None, False, 1, False),
+        (1, 2, None, False, 1, True),
+        (1, 1, None, False, 1, True),
+        (1, 2, 2, False, 1, False),
+        (1, 1, None, False, 2, True),
+    ],
+    4: [(2, 1, None, True, 1, False), (2, 2, None, False, 1, True), (2, 1, None, False, 2, True)],
 }
-"""(TP, PP, VPP, distributed optimizer) per world size; DP is what remains."""
-MOE_LAYOUTS = {2: [(1, 1, None, False, 2)], 4: [(1, 2, None, True, 2)]}
-"""The tiny Qwen3-MoE at (TP, PP, VPP, distributed optimizer, EP): EP 2 (DP 2, expert-DP 1)
-and PP 2 × EP 2 with the distributed optimizer (DP 2, expert-DP 1). MoE at TP > 1 trains only
-with sequence parallelism, which the CPU (local) spec lacks."""
+"""(TP, PP, VPP, distributed optimizer, CP, packed rows) per world size; DP is what remains."""
+MOE_LAYOUTS = {2: [(1, 1, None, False, 2, False)], 4: [(1, 2, None, True, 2, True)]}
+"""The tiny Qwen3-MoE at (TP, PP, VPP, distributed optimizer, EP, packed rows): EP 2 (DP 2,
+expert-DP 1) and PP 2 × EP 2 with the distributed optimizer (DP 2, expert-DP 1), packed. MoE at
+TP > 1 trains only with sequence parallelism, which the CPU (local) spec lacks."""
+
+
+def layout_key(world: int, tp: int, pp: int, vpp, dist_opt: bool, cp: int = 1, pack=False) -> str:
+    """The results' key of a layout, e.g. ``tp2_pp1_vpp1_cp2_dp1_packed``."""
+    cp_part = f"_cp{cp}" if cp > 1 else ""
+    return (
+        f"tp{tp}_pp{pp}_vpp{vpp or 1}{cp_part}_dp{world // (tp * pp * cp)}"
+        + ("_distopt" if dist_opt else "")
+        + ("_packed" if pack else "")
+    )
 
 
 def _hf_weights(chunks, dims) -> dict[str, torch.Tensor]:
@@ -111,7 +127,9 @@ def _run_case(spec: dict, layout, case: dict, optimizer: str, model: str | None 
     from megarl.parallel.layout import ParallelLayout
     from megarl.trainer.update import PolicyUpdate, update_policy
 
-    tp, pp, vpp, dist_opt, *ep = layout
+    tp, pp, vpp, dist_opt, cp_or_ep, pack = layout
+    ep = [cp_or_ep] if model is not None else []
+    cp = 1 if model is not None else cp_or_ep
     # float64 wherever Megatron allows it (its distributed optimizer takes fp32/bf16 only), so
     # that the comparison measures the parallel arithmetic, not fp32 rounding.
     exact = optimizer != "adamw_fp32" and not (optimizer == "adamw" and dist_opt)
@@ -120,10 +138,13 @@ def _run_case(spec: dict, layout, case: dict, optimizer: str, model: str | None 
         dtype = torch.bfloat16
     built = build_model(
         model or spec["model"],
-        ParallelLayout(tp, pp, vpp, expert_model_parallel_size=ep[0] if ep else 1),
+        ParallelLayout(
+            tp, pp, vpp, context_parallel_size=cp, expert_model_parallel_size=ep[0] if ep else 1
+        ),
         dtype=dtype,
         moe=MoeSettings.from_dict(case.get("moe", {})),
     )
+    built.pack = pack
     if optimizer == "sgd":
         settings = OptimizerSettings(
             lr=case.get("lr", 1.0),
@@ -180,11 +201,12 @@ def _critic_case(spec: dict, layout) -> dict:
     from megarl.parallel.layout import ParallelLayout
     from megarl.trainer.update import ValueUpdate, update_critic
 
-    tp, pp, vpp, _ = layout
+    tp, pp, vpp, _, cp, pack = layout
     built = build_model(
-        spec["model"], ParallelLayout(tp, pp, vpp), role="critic", dtype=torch.float64,
-        value_head_seed=spec["value_head_seed"],
+        spec["model"], ParallelLayout(tp, pp, vpp, context_parallel_size=cp), role="critic",
+        dtype=torch.float64, value_head_seed=spec["value_head_seed"],
     )  # fmt: skip
+    built.pack = pack
     critic = TrainableModel(
         built,
         OptimizerSettings(
@@ -341,9 +363,10 @@ def main() -> None:
     world = read_launch_env().world_size
     results: dict = {}
     for layout in MOE_LAYOUTS.get(world, []):
-        tp, pp, vpp, dist_opt, ep = layout
+        tp, pp, vpp, dist_opt, ep, pack = layout
         init_distributed(ParallelLayout(tp, pp, vpp, expert_model_parallel_size=ep), seed=1234)
         key = f"moe_tp{tp}_pp{pp}_ep{ep}_dp{world // (tp * pp)}" + ("_distopt" if dist_opt else "")
+        key += "_packed" if pack else ""
         for case in spec["moe_cases"]:
             if world not in case.get("worlds", (world,)):
                 continue
@@ -351,17 +374,15 @@ def main() -> None:
                 name = f"{key}/{case['name']}/{optimizer}"
                 results[name] = _run_case(spec, layout, case, optimizer, spec["moe_model"])
     for layout in LAYOUTS[world]:
-        tp, pp, vpp, dist_opt = layout
-        init_distributed(ParallelLayout(tp, pp, vpp), seed=1234)
-        key = f"tp{tp}_pp{pp}_vpp{vpp or 1}_dp{world // (tp * pp)}" + (
-            "_distopt" if dist_opt else ""
-        )
+        tp, pp, vpp, dist_opt, cp, pack = layout
+        init_distributed(ParallelLayout(tp, pp, vpp, context_parallel_size=cp), seed=1234)
+        key = layout_key(world, *layout)
         for case in spec["cases"]:
             if vpp and case["dynamic"]:
                 continue  # the interleaved schedule needs equal micro-batches: no token budget
             # SGD always without the distributed optimizer; at (1,1,1) also AdamW in fp32, the
             # like-for-like reference of the distributed optimizer (fp32/bf16 only).
-            extra = ("adamw_fp32",) if layout == (1, 1, None, False) else ()
+            extra = ("adamw_fp32",) if layout == LAYOUTS[1][0] else ()
             for optimizer in case.get("optimizers", ("sgd", "adamw", *extra)):
                 name = f"{key}/{case['name']}/{optimizer}"
                 results[name] = _run_case(spec, layout, case, optimizer)

@@ -89,7 +89,7 @@ MOE_CASES = [
     },
 ]
 """GRPO updates of the tiny Qwen3-MoE at EP 2 (world 2) and PP 2 × EP 2 (world 4)."""
-MOE_LAYOUT_KEYS = {2: ["moe_tp1_pp1_ep2_dp2"], 4: ["moe_tp1_pp2_ep2_dp2_distopt"]}
+MOE_LAYOUT_KEYS = {2: ["moe_tp1_pp1_ep2_dp2"], 4: ["moe_tp1_pp2_ep2_dp2_distopt_packed"]}
 ADAM_EPS = 1e-5
 """Adam's first step moves a weight by lr·g/(|g| + eps), which turns rounding noise in gradients
 near eps into weight differences: with eps 1e-8, single elements of 32768 moved by ~1e-4
@@ -98,9 +98,17 @@ differed by 1.2e-5. eps 1e-5 keeps the comparison well conditioned and still exe
 decay groups (lr·wd·w = 1e-4·w), bias correction and clipping."""
 LAYOUT_KEYS = {
     1: ["tp1_pp1_vpp1_dp1"],
-    2: ["tp2_pp1_vpp1_dp1", "tp1_pp2_vpp1_dp1", "tp1_pp1_vpp1_dp2", "tp1_pp2_vpp2_dp1"],
-    4: ["tp2_pp1_vpp1_dp2_distopt", "tp2_pp2_vpp1_dp1"],
+    2: [
+        "tp2_pp1_vpp1_dp1",
+        "tp1_pp2_vpp1_dp1_packed",
+        "tp1_pp1_vpp1_dp2_packed",
+        "tp1_pp2_vpp2_dp1",
+        "tp1_pp1_vpp1_cp2_dp1_packed",
+    ],
+    4: ["tp2_pp1_vpp1_dp2_distopt", "tp2_pp2_vpp1_dp1_packed", "tp2_pp1_vpp1_cp2_dp1_packed"],
 }
+"""Right-padded and packed rows (``_packed``, :mod:`megarl.models.packing`), context parallelism
+(``_cp2``) packed only."""
 
 
 def _positions(
