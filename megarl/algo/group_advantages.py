@@ -204,12 +204,10 @@ def compute_grpo_passk_outcome_advantage(
 
 
 @ADV_ESTIMATORS.register(
-    # megarl has no algorithm.gdpo_reward_keys yet, so the trainer supplies no reward components:
-    # gdpo normalises the summed reward (verl 0.9.1's trainer requires the keys and refuses gdpo
-    # without them); called directly, the function takes components as below.
     "gdpo",
-    inputs=("token_level_rewards", "response_mask", "index", "norm_adv_by_std_in_grpo"),
-)
+    inputs=("token_level_rewards", "response_mask", "index", "norm_adv_by_std_in_grpo",
+            "reward_components", "gdpo_reward_keys", "gdpo_reward_weights"),
+)  # fmt: skip
 @torch.no_grad()
 def compute_gdpo_outcome_advantage(
     token_level_rewards: torch.Tensor,

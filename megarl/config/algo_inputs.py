@@ -27,6 +27,9 @@ ADVANTAGE_INPUTS_WHEN = {
     "values": "the critic (critic.enable)",
     "sum_pi_squared": f"{ACTOR}.calculate_sum_pi_squared=true",
     "reward_baselines": "algorithm.adv_estimator=remax (the greedy responses' rewards)",
+    "reward_components": "algorithm.adv_estimator=gdpo (the scorer's dict fields)",
+    "gdpo_reward_keys": "algorithm.adv_estimator=gdpo",
+    "gdpo_reward_weights": "algorithm.adv_estimator=gdpo",
 }
 """Inputs the trainer supplies only under a setting, and that setting."""
 
@@ -55,6 +58,8 @@ def advantage_inputs(cfg: MegarlConfig) -> set[str]:
         supplied.add("sum_pi_squared")
     if cfg.algorithm.adv_estimator == "remax":
         supplied.add("reward_baselines")
+    if cfg.algorithm.adv_estimator == "gdpo":
+        supplied.update(("reward_components", "gdpo_reward_keys", "gdpo_reward_weights"))
     return supplied
 
 

@@ -1,5 +1,5 @@
 """Checks of verl keys whose value either is megarl's behaviour anyway or asks for something
-megarl does not have: ``model_engine``, ``hybrid_engine``, ``use_torch_compile``,
+megarl does not have: ``model_engine``, ``use_torch_compile``,
 ``megatron.seed``, ``nccl_timeout``, ``optim.lr_decay_steps``,
 ``optim.override_optimizer_config`` and the keys of :data:`ONLY`. Each refusal is one line
 naming the key and the values that work; keys accepted at any value (``use_mbridge``,
@@ -59,6 +59,26 @@ ONLY: tuple[tuple[str, tuple[object, ...], str], ...] = (
        "Megatron DDP with the distributed optimizer") for r in _ROLES],
     *[(f"{r}.megatron.override_mcore_model_config", ({},),
        f"TransformerConfig fields go in {r}.megatron.override_transformer_config") for r in _ROLES],
+    *[(f"{r}.megatron.forward_only", (False,), "it trains (the reference is forward-only anyway)")
+      for r in (f"{ARR}.actor", "critic")],
+    *[(f"{r}.megatron.dist_checkpointing_prefix", ("",),
+       "checkpoint keys are the model's own, unprefixed") for r in _ROLES],
+    *[(f"{r}.checkpoint.strict", (True,), "a resumed checkpoint must hold every parameter")
+      for r in (f"{ARR}.actor", "critic")],
+    *[(f"{r}.ppo_micro_batch_size", (None,),
+       "global micro-batch sizes are deprecated in verl; set ppo_micro_batch_size_per_gpu")
+      for r in (f"{ARR}.actor", "critic")],
+    *[(f"{r}.log_prob_micro_batch_size", (None,),
+       "global micro-batch sizes are deprecated in verl; set log_prob_micro_batch_size_per_gpu")
+      for r in (f"{ARR}.rollout", f"{ARR}.ref")],
+    (f"{ARR}.rollout.load_format", ("dummy", "auto", "safetensors"),
+     "vLLM starts from model.path's weights and then takes the actor's before generating"),
+    (f"{ARR}.rollout.disable_log_stats", (True,), "vLLM's statistics are not logged"),
+    (f"{ARR}.rollout.quantization", (None,), "rollout weights are not quantized"),
+    (f"{ARR}.rollout.quantization_config_file", (None,), "rollout weights are not quantized"),
+    ("reward.reward_model.enable_resource_pool", (False,),
+     "the reward model runs on Megatron at the actor's layout, on the same ranks"),
+    ("reward.reward_model.nnodes", (0,), "the reward model has no nodes of its own"),
 )  # fmt: skip
 """(key, the values that work, why): verl keys megarl accepts only at its own behaviour."""
 
@@ -76,11 +96,6 @@ def check_engine_keys(cfg, error: Error) -> None:
             f"model_engine={cfg.model_engine}: megarl is the Megatron engine; use "
             "model_engine=megatron (or leave it out)"
         )
-    if not arr.hybrid_engine:
-        error(
-            f"{ARR}.hybrid_engine=false: megarl's trainer runs actor, rollout and reference "
-            f"in one engine; use true (vLLM on ranks of its own is {ARR}.rollout.nnodes > 0)"
-        )
     for key, on in ((f"{ARR}.actor", arr.actor.use_torch_compile),
                     (f"{ARR}.ref", arr.ref.use_torch_compile)):  # fmt: skip
         if on:
@@ -94,6 +109,19 @@ def check_engine_keys(cfg, error: Error) -> None:
                 f"({seed}); use {seed}, leave it unset, or set trainer.seed={meg.seed}"
             )
     _check_timeout(cfg, error)
+    for key, given in ((f"{ARR}.actor", arr.actor.data_loader_seed),
+                       ("critic", cfg.critic.data_loader_seed)):  # fmt: skip
+        if given is not None and given != seed:
+            error(
+                f"{key}.data_loader_seed={given}: megarl's one seed is trainer.seed ({seed}); use "
+                f"{seed}, leave it unset, or set trainer.seed={given}"
+            )
+    for key, model in ((f"{ARR}.model", arr.model), ("critic.model", cfg.critic.model)):
+        if model.hf_config_path not in (None, model.path):
+            error(
+                f"{key}.hf_config_path={model.hf_config_path}: megarl reads config.json from "
+                f"{key}.path ({model.path}); leave it unset or equal to the path"
+            )
     n = arr.rollout.n
     for key, given in ((f"{ARR}.actor", arr.actor.rollout_n), (f"{ARR}.ref", arr.ref.rollout_n),
                        ("critic", cfg.critic.rollout_n)):  # fmt: skip

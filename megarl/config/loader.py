@@ -22,6 +22,7 @@ import yaml
 from megarl.config.errors import ConfigError, close_matches, did_you_mean
 from megarl.config.keys import resolve_follows
 from megarl.config.schema import MegarlConfig
+from megarl.config.spellings import ECHOES, check_echoes, pop_echoes, resolve_spellings
 from megarl.config.verl_keys import unsupported_reason
 
 BASE_KEY = "_base_"
@@ -179,6 +180,9 @@ def apply_override(raw: dict, text: str, errors: list[str]) -> None:
         errors.append(f"override {text!r} has no '=value' (e.g. {key}=1; '~{key}' removes it)")
         return
     parts = key.split(".")
+    if key in ECHOES and prefix != "~":  # checked against trainer.* once built, then dropped
+        _set_path(raw, parts, parse_override_value(value, Any))
+        return
     kind, tp, index = _lookup(parts)
     if kind == "unknown":
         errors.append(unknown_key_message(".".join(parts[: index + 1]), f" in override {text!r}"))
@@ -186,7 +190,12 @@ def apply_override(raw: dict, text: str, errors: list[str]) -> None:
     if prefix == "~":
         _delete_path(raw, parts)
         return
-    if kind == "free" and not prefix and not _has_path(raw, parts):
+    if (
+        kind == "free"
+        and not prefix
+        and not _has_path(raw, parts)
+        and not _in_default(parts, index)
+    ):
         section = ".".join(parts[:index])
         errors.append(
             f"override {text!r}: '{key}' is not in the free-form section '{section}'; "
@@ -289,14 +298,18 @@ def set_key(cfg: Any, key: str, value: Any) -> None:
 
 
 def _from_raw(raw: dict, errors: list[str]) -> MegarlConfig:
+    echoes = pop_echoes(raw)
     cfg = _build(MegarlConfig, raw, "", errors)
     _resolve(cfg, errors)
+    check_echoes(cfg, echoes, errors)
     return cfg
 
 
 def _resolve(cfg: MegarlConfig, errors: list[str]) -> None:
-    """The one place a built config is completed: keys left unset (None) take their sources'
-    values (``FOLLOWS``), then ``${...}`` references are substituted."""
+    """The one place a built config is completed: keys given two ways become one
+    (:mod:`megarl.config.spellings`), keys left unset (None) take their sources' values
+    (``FOLLOWS``), then ``${...}`` references are substituted."""
+    resolve_spellings(cfg, errors)
     resolve_follows(cfg)
     _resolve_interpolations(cfg, errors)
 
@@ -523,6 +536,15 @@ def _show(value: Any) -> str:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
+
+
+def _in_default(parts: list[str], index: int) -> bool:
+    """The free-form field ``parts[:index]`` has the key ``parts`` in its default value (e.g.
+    ``reward.reward_kwargs.overlong_buffer_cfg.enable``, as verl's DAPO config has it)."""
+    owner = MegarlConfig()
+    for part in parts[:index]:
+        owner = getattr(owner, part) if dataclasses.is_dataclass(owner) else None
+    return _has_path(owner, parts[index:])
 
 
 def _has_path(raw: Any, parts: list[str]) -> bool:

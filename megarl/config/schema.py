@@ -23,9 +23,11 @@ from megarl.config.schema_data import (
     AsyncTrainingConfig,
     CustomRewardFunctionConfig,
     DataConfig,
+    FilterGroupsConfig,
     RewardModelConfig,
 )
 from megarl.config.schema_optim import OptimConfig
+from megarl.config.schema_reward import RewardConfig, RolloutResourcesConfig
 from megarl.config.schema_rollout import RolloutConfig
 from megarl.parallel.layout import ParallelLayout
 
@@ -101,6 +103,10 @@ class ModelConfig:
     """Only false: no activation offloading."""
     use_liger: bool = False
     """Only false: no Liger kernels (fusions follow megatron.transformer_impl)."""
+    hf_config_path: str | None = None
+    """Only null or the model path: config.json is read from the model path."""
+    fused_kernel_options: dict[str, Any] = field(default_factory=dict)
+    """Free-form; no effect, any value (fusions follow megatron.transformer_impl)."""
     architecture: ArchitectureConfig = field(default_factory=ArchitectureConfig)
     """(megarl) Expected model shape; checked against config.json, used when it is absent."""
 
@@ -115,6 +121,8 @@ class CheckpointConfig:
     """Parts loaded on resume (model, optimizer, extra); null: save_contents."""
     async_save: bool = False
     """Only false: saves are synchronous (all ranks, then an atomic rename)."""
+    strict: bool = True
+    """Only true: a resumed checkpoint must hold every parameter of the model."""
 
 
 @dataclass
@@ -215,6 +223,14 @@ class MegatronConfig:
     """Only empty: TransformerConfig fields go in override_transformer_config."""
     use_remove_padding: bool | None = None
     """verl's engine key for packing; null: the model section's use_remove_padding."""
+    forward_only: bool = False
+    """verl's per-role flag: actor and critic only false; the reference: either (forward-only)."""
+    dist_checkpointing_prefix: str = ""
+    """Only empty: checkpoint keys are the model's own, unprefixed."""
+    dist_ckpt_optim_fully_reshardable: bool = False
+    """No effect, either value: optimizer checkpoints are always fully reshardable."""
+    distrib_optim_fully_reshardable_mem_efficient: bool = False
+    """No effect, either value: optimizer checkpoints are always fully reshardable."""
 
     def parallel_layout(self) -> ParallelLayout:
         """This section's grid sizes as the one layout type."""
@@ -320,6 +336,10 @@ class ActorConfig:
     """Only unset or equal to actor_rollout_ref.rollout.n (verl's interpolated default)."""
     use_fused_kernels: bool = False
     """No effect, either value (as actor_rollout_ref.model.use_fused_kernels)."""
+    data_loader_seed: int | None = None
+    """Only unset or trainer.seed: megarl's one seed."""
+    ppo_micro_batch_size: int | None = None
+    """Only null: verl's deprecated global micro-batch size; use ppo_micro_batch_size_per_gpu."""
 
 
 @dataclass
@@ -345,6 +365,8 @@ class RefConfig:
     """No effect, any value (megarl chooses its chunks)."""
     rollout_n: int | None = None
     """Only unset or equal to actor_rollout_ref.rollout.n (verl's interpolated default)."""
+    log_prob_micro_batch_size: int | None = None
+    """Only null: verl's deprecated global micro-batch size; use log_prob_micro_batch_size_per_gpu."""
 
 
 @dataclass
@@ -360,7 +382,7 @@ class ActorRolloutRefConfig:
     ref: RefConfig = field(default_factory=RefConfig)
     """Reference policy."""
     hybrid_engine: bool = True
-    """Only true (verl's main_ppo needs it too); vLLM on ranks of its own is rollout.nnodes > 0."""
+    """true; false (the async recipes) only with the rollout's own ranks (rollout.nnodes > 0)."""
     nccl_timeout: float | None = None
     """Collective timeout in seconds; null: $MEGARL_DIST_TIMEOUT_MINUTES, else 180 minutes."""
 
@@ -406,6 +428,10 @@ class CriticConfig:
     """One timeout per run: unset or equal to actor_rollout_ref.nccl_timeout."""
     rollout_n: int | None = None
     """Only unset or equal to actor_rollout_ref.rollout.n (verl's interpolated default)."""
+    data_loader_seed: int | None = None
+    """Only unset or trainer.seed: megarl's one seed."""
+    ppo_micro_batch_size: int | None = None
+    """Only null: verl's deprecated global micro-batch size; use ppo_micro_batch_size_per_gpu."""
 
 
 @dataclass
@@ -463,6 +489,12 @@ class AlgorithmConfig:
     """KL coefficient controller."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Old log-probs (decoupled or bypass) and rollout importance weights."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling: drop groups without variance, generate until the batch is full."""
+    gdpo_reward_keys: list[str] | None = None
+    """gdpo: the reward components (keys of the scorer's returned dict), each normalised alone."""
+    gdpo_reward_weights: list[float] | None = None
+    """gdpo: one weight per gdpo_reward_keys entry; null: 1 each."""
 
 
 @dataclass
@@ -527,6 +559,8 @@ class TrainerConfig:
     """Only false: checkpoints are kept after a resume loads them."""
     val_only: bool = False
     """Only false: validation-only runs are not supported yet."""
+    use_v1: bool = True
+    """No effect, either value: megarl has one trainer (verl: its engine-worker trainer)."""
 
 
 @dataclass
@@ -554,3 +588,7 @@ class MegarlConfig:
     """Run settings."""
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     """Rollout overlapping training (vLLM on ranks of its own)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """verl 0.9's reward section (the same settings as reward_model.* and custom_reward_function.*)."""
+    rollout: RolloutResourcesConfig = field(default_factory=RolloutResourcesConfig)
+    """The async recipes' spelling of actor_rollout_ref.rollout.nnodes / n_gpus_per_node."""

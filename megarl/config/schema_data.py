@@ -24,7 +24,9 @@ class DataConfig:
     max_response_length: int = 512
     """Longest generated response in tokens."""
     train_batch_size: int = 1024
-    """Prompts per training step (responses per step = train_batch_size x rollout.n)."""
+    """Prompts per step (x rollout.n responses); 0: ppo_mini_batch_size x require_batches."""
+    gen_batch_size: int | None = None
+    """Prompts per generation batch with algorithm.filter_groups (DAPO); null: train_batch_size."""
     val_batch_size: int | None = None
     """Prompts per validation batch; null: the whole validation set at once."""
     train_max_samples: int = -1
@@ -99,6 +101,16 @@ class RewardModelConfig:
     """(megarl) Per-sample scoring time limit, s (over it: score 0); code data may need ~110."""
     dump_samples: int = 16
     """(megarl) First samples per step written to the rollout/validation dumps; -1: all."""
+    reward_manager: str | None = None
+    """verl's older spelling of reward.reward_manager.name (naive, dapo, gdpo, prime); null: naive."""
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Free-form: verl's older spelling of reward.reward_kwargs (the DAPO overlong buffer)."""
+    reward_loop_source: str | None = None
+    """verl's older spelling of reward.reward_manager.source (register or importlib)."""
+    reward_loop_module_path: str | None = None
+    """verl's older spelling of reward.reward_manager.module.path."""
+    reward_loop_class_name: str | None = None
+    """verl's older spelling of the class of a user's reward manager (source importlib)."""
 
 
 @dataclass
@@ -124,3 +136,21 @@ class AsyncTrainingConfig:
     """Updates between weight syncs (megarl: 1 only)."""
     partial_rollout: bool = False
     """Interrupt rollouts at a weight sync and resume them after (megarl: false only)."""
+    require_batches: int | None = None
+    """Mini-batches per update with data.train_batch_size=0; null: 1 (verl's default)."""
+
+
+@dataclass
+class FilterGroupsConfig:
+    """``algorithm.filter_groups.*``: DAPO's dynamic sampling. Groups whose ``metric`` is the same
+    for every response (no variance; a group of one is kept) are dropped, and generation batches
+    of ``data.gen_batch_size`` prompts follow until ``data.train_batch_size`` groups are kept."""
+
+    enable: bool = False
+    """Drop zero-variance groups and generate until the training batch is full."""
+    metric: str | None = None
+    """acc, score, seq_reward, seq_final_reward, or a field of the scorer's returned dict."""
+    max_num_gen_batches: int = 0
+    """Generation batches per step before the step fails; <= 0: no limit."""
+    max_inflight_gen_batches: int = 1
+    """Only 1: one generation batch at a time."""

@@ -93,6 +93,18 @@ class RolloutConfig:
     """Only false: vLLM wakes up weights and KV cache in one stage."""
     calculate_log_probs: bool = False
     """No effect, either value: vLLM's log-probs of the sampled tokens are always kept."""
+    log_prob_micro_batch_size: int | None = None
+    """Only null: verl's deprecated global micro-batch size; use log_prob_micro_batch_size_per_gpu."""
+    load_format: str = "dummy"
+    """dummy, auto or safetensors: vLLM starts from model.path, then the actor's weights arrive."""
+    layered_summon: bool = False
+    """No effect, either value (verl: FSDP gathers layer by layer); weights travel in buckets."""
+    disable_log_stats: bool = True
+    """Only true: vLLM's statistics are not logged (its logs go to a file)."""
+    quantization: str | None = None
+    """Only null: rollout weights are not quantized."""
+    quantization_config_file: str | None = None
+    """Only null: rollout weights are not quantized."""
     free_cache_engine: bool = True
     """Put vLLM to sleep (free weights and KV cache) while training runs."""
     max_model_len: int | None = None

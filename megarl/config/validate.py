@@ -31,6 +31,7 @@ from megarl.config.moe_checks import (
     check_router_losses,
     check_router_replay,
 )
+from megarl.config.recipe_checks import check_recipe_keys
 from megarl.config.schema import MegarlConfig
 
 __all__ = ["validate"]
@@ -78,6 +79,7 @@ class _Checks(LayoutChecks):
         self.check_trainer()
         check_dist_checkpoints(self.cfg, error=self.error, problem=self.problem)
         check_engine_keys(self.cfg, self.error)
+        check_recipe_keys(self.cfg, self.error)
         self.check_not_applied()
         self.check_files()
 

@@ -15,15 +15,11 @@ ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
 """Sections that carry a Megatron engine (``megatron``, ``optim``, ``profiler``...)."""
 _MODELS = ("actor_rollout_ref.model", "critic.model")
 _NO_RAY = "megarl runs SPMD under torchrun (no Ray)"
-_NO_DYNAMIC_BSZ_GLOBAL = "global micro-batch sizes (deprecated in verl); use *_per_gpu"
 _DATA = "data option not supported yet"
-_REWARD = (
-    "reward option not supported yet; megarl reads reward_model.* and custom_reward_function.*"
-)
+_REWARD = "reward option not supported yet"
 _RM_ON_MEGATRON = "the reward model runs on Megatron, colocated at the actor's TP×PP layout"
 _MULTIMODAL = "text-only models"
 _LORA = "no LoRA: megarl trains full weights"
-_FUSED = "fused kernels are chosen by transformer_impl"
 _PROFILE = "no profiler integration"
 _OFFLOAD_KEYS = "set param_offload / grad_offload / optimizer_offload"
 
@@ -43,18 +39,14 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     ("distillation", "no on-policy distillation"),
     ("global_profiler", _PROFILE),
     ("skip", "no rollout skipping / replay"),
+    ("reward.sandbox_fusion", "no code sandbox; reward functions run in-process"),
+    ("reward.reward_model.rollout", _RM_ON_MEGATRON),
     ("sandbox_fusion", "no code sandbox; reward functions run in-process"),
-    ("reward", _REWARD),
-    ("algorithm.filter_groups", "no dynamic sampling (DAPO group filtering)"),
     ("algorithm.use_pf_ppo", "no preference-feedback PPO reweighting"),
     ("algorithm.pf_ppo", "no preference-feedback PPO reweighting"),
     # -- engine sections (actor, ref, critic) -----------------------------------------------------
     *_each(ROLES, "profiler", _PROFILE),
-    *_each(ROLES, "checkpoint.strict", "a checkpoint must match the model (other layouts are resharded)"),
     *_each(ROLES, "checkpoint.mbridge_config", "megarl maps HF weights itself"),
-    *_each(ROLES, "data_loader_seed", "the seed is trainer.seed"),
-    *_each(ROLES, "ppo_micro_batch_size", _NO_DYNAMIC_BSZ_GLOBAL),
-    *_each(ROLES, "log_prob_micro_batch_size", _NO_DYNAMIC_BSZ_GLOBAL),
     *_each(ROLES, "shuffle", "responses keep their order (see trainer.balance_batch)"),
     *_each(ROLES, "loss_scale_factor", "set on the actor (loss_scale_factor) only"),
     *_each(ROLES, "qat", "no quantization-aware training"),
@@ -68,36 +60,23 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     *_each(ROLES, "ppo_max_token_len_per_gpu", "the reference uses log_prob_max_token_len_per_gpu"),
     *_each(ROLES, "optim.muon_*", "no Muon optimizer (adam or sgd)"),
     *_each(ROLES, "megatron.router_replay.*_file", "routing is replayed in memory within each step"),
-    *_each(ROLES, "megatron.dist_checkpointing_prefix", "checkpoint keys are the model's own, unprefixed"),
-    *_each(ROLES, "megatron.dist_ckpt_optim_fully_reshardable", "optimizer checkpoints are always fully reshardable"),
-    *_each(ROLES, "megatron.distrib_optim_fully_reshardable_mem_efficient", "optimizer checkpoints are always fully reshardable"),
     *_each(ROLES, "megatron.dynamic_context_parallel", "context parallelism is static"),
     *_each(ROLES, "megatron.max_seqlen_per_dp_cp_rank", "context parallelism is static"),
     *_each(ROLES, "megatron.override_ddp_config", "Megatron's DDP config is megarl's"),
     *_each(ROLES, "megatron.pad_*", "packed sequences are padded to what Megatron needs (TP with SP, 2·CP)"),
-    *_each(ROLES, "megatron.forward_only", "set by the role (the reference is forward-only)"),
     *_each(ROLES, "megatron.qat", "no quantization-aware training"),
     ("actor_rollout_ref.ref.megatron.param_offload", _OFFLOAD_KEYS),
     # -- model sections ----------------------------------------------------------------------------
-    *_each(_MODELS, "hf_config_path", "config.json is read from the model path"),
-    *_each(_MODELS, "fused_kernel_options", _FUSED),
     *_each(_MODELS, "lora*", _LORA),
     *_each(_MODELS, "target_modules", _LORA),
     *_each(_MODELS, "exclude_modules", _LORA),
     *_each(_MODELS, "tiled_mlp", "no tiled MLP"),
     *_each(_MODELS, "mtp", "no multi-token prediction"),
     # -- rollout -------------------------------------------------------------------------------------
-    ("actor_rollout_ref.rollout.dtype", "the dtype is trainer.dtype"),
-    ("actor_rollout_ref.rollout.seed", "the seed is trainer.seed"),
-    ("actor_rollout_ref.rollout.log_prob_micro_batch_size", _NO_DYNAMIC_BSZ_GLOBAL),
-    ("actor_rollout_ref.rollout.load_format", "weights come from the trainer"),
-    ("actor_rollout_ref.rollout.layered_summon", "weights travel in buckets"),
     ("actor_rollout_ref.rollout.checkpoint_engine", "weights travel through megarl's resharding"),
-    ("actor_rollout_ref.rollout.disable_log_stats", "vLLM's logs go to a file"),
     ("actor_rollout_ref.rollout.cudagraph_capture_sizes", "use engine_kwargs"),
     ("actor_rollout_ref.rollout.full_determinism", "use engine_kwargs"),
     ("actor_rollout_ref.rollout.scheduling_policy", "use engine_kwargs"),
-    ("actor_rollout_ref.rollout.quantization*", "rollout weights are not quantized"),
     ("actor_rollout_ref.rollout.qat", "no quantization-aware training"),
     ("actor_rollout_ref.rollout.mtp", "no multi-token prediction"),
     ("actor_rollout_ref.rollout.moe_load_balance_metrics_interval", "no rollout-side MoE load metrics"),
@@ -122,7 +101,6 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     ("trainer.esi_redundant_time", "no elastic-server-instance expiry handling"),
     ("trainer.checkpoint_callback_class", "no checkpoint callbacks"),
     ("trainer.ray_wait_register_center_timeout", _NO_RAY),
-    ("trainer.use_v1", "one trainer: megarl's"),
     ("trainer.v1", "one trainer: megarl's"),
 )  # fmt: skip
 """(pattern, reason) per verl key (or section) megarl does not support."""

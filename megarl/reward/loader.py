@@ -38,14 +38,30 @@ class ScorerSpec:
     """Function name in that file or module (``custom_reward_function.name``)."""
     reward_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of every call (``custom_reward_function.reward_kwargs``)."""
+    manager: str = "naive"
+    """How a worker calls the function and reads its result (``reward.reward_manager.name``):
+    naive and dapo (verl's keywords; a dict's fields kept; dapo and gdpo add ``acc`` for a plain
+    number), gdpo (also ``extra_info['experiment_name']``), prime (verl's positional call; a
+    raise scores 0, a tuple's first entry is the score, no fields)."""
+    experiment_name: str | None = None
+    """``trainer.experiment_name``, which the gdpo manager puts into ``extra_info``."""
 
     @classmethod
-    def from_config(cls, fn_cfg: Any) -> ScorerSpec:
-        """From a ``CustomRewardFunctionConfig`` (or anything with path/name/reward_kwargs)."""
+    def from_config(cls, fn_cfg: Any, run_cfg: Any = None) -> ScorerSpec:
+        """From a ``CustomRewardFunctionConfig`` (or anything with path/name/reward_kwargs);
+        with the whole ``run_cfg``, its reward manager too."""
         path = fn_cfg.path or None
         if path is not None and not Path(path).is_absolute() and _is_file_path(path):
             path = str(Path(path.removeprefix("file://")).expanduser().resolve())
-        return cls(path, fn_cfg.name or "compute_score", dict(fn_cfg.reward_kwargs or {}))
+        manager, experiment = "naive", None
+        if (
+            run_cfg is not None
+            and (run_cfg.reward.reward_manager.source or "register") == "register"
+        ):
+            manager = run_cfg.reward.reward_manager.name or "naive"
+            experiment = run_cfg.trainer.experiment_name
+        return cls(path, fn_cfg.name or "compute_score", dict(fn_cfg.reward_kwargs or {}),
+                   manager, experiment)  # fmt: skip
 
     @property
     def label(self) -> str:

@@ -10,6 +10,7 @@ learned reward model's scores replace the scorers (``model_scores``), as in verl
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections import defaultdict
 from collections.abc import Sequence
@@ -106,8 +107,10 @@ class RewardManager:
         timeout_s: float = 30.0,
         dump_samples: int = 16,
         group: Any = None,
+        overlong: dict[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.overlong = overlong
         self.spec = spec or ScorerSpec()
         load_scorer(self.spec)  # a bad path or name fails here, before any worker starts
         self.dump_samples = dump_samples
@@ -116,15 +119,19 @@ class RewardManager:
 
     @classmethod
     def from_config(cls, cfg: Any, tokenizer: Any, group: Any = None) -> RewardManager:
-        """From a ``MegarlConfig`` (``custom_reward_function.*``, ``reward_model.*``)."""
+        """From a ``MegarlConfig`` (``custom_reward_function.*``, ``reward_model.*``, the reward
+        manager and its ``reward_kwargs``)."""
+        from megarl.config.recipe_checks import overlong_settings
+
         rm = cfg.reward_model
         return cls(
             tokenizer,
-            ScorerSpec.from_config(cfg.custom_reward_function),
+            ScorerSpec.from_config(cfg.custom_reward_function, cfg),
             num_workers=rm.num_workers,
             timeout_s=rm.compute_score_timeout,
             dump_samples=rm.dump_samples,
             group=group,
+            overlong=overlong_settings(cfg),
         )
 
     def close(self) -> None:
@@ -173,6 +180,8 @@ class RewardManager:
         if [o.index for o in by_index] != list(range(len(samples))):
             raise RuntimeError("reward manager: ranks returned a different set of samples")
         self._raise_first_error(by_index, samples)
+        if self.overlong is not None and model_scores is None:
+            by_index = self._shape_overlong(by_index, samples)
         result = self._assemble(by_index, samples, response_width)
         if dump_dir is not None and rank == 0 and self.dump_samples != 0:
             k = len(samples) if self.dump_samples < 0 else min(self.dump_samples, len(samples))
@@ -212,6 +221,29 @@ class RewardManager:
                 f"scorer {self.spec.label} failed on sample {o.index} "
                 f"(data_source={samples[o.index].data_source!r}): {o.message}{more}"
             )
+
+    def _shape_overlong(
+        self, outcomes: list[Outcome], samples: Sequence[RewardInput]
+    ) -> list[Outcome]:
+        """The dapo manager's overlong buffer (:mod:`megarl.reward.overlong`): each score plus
+        its length's penalty; with ``overlong_buffer_cfg.log``, fields ``overlong_reward`` and
+        ``overlong`` (as verl). A reward model's scores are not shaped (verl 0.9.1 scores with
+        the reward model instead of the manager)."""
+        from megarl.reward.overlong import overlong_penalty
+
+        o = self.overlong
+        assert o is not None
+        lengths = torch.tensor([len(s.response_ids) for s in samples])
+        penalties = overlong_penalty(lengths, max_resp_len=o["max_resp_len"],
+                                     buffer_len=o["len"], penalty_factor=o["penalty_factor"])  # fmt: skip
+        shaped = []
+        for outcome, penalty in zip(outcomes, penalties.tolist(), strict=True):
+            fields = dict(outcome.fields or {})
+            if o["log"]:
+                fields.update(overlong_reward=penalty, overlong=penalty < 0)
+            shaped.append(dataclasses.replace(outcome, score=outcome.score + penalty,
+                                              fields=fields))  # fmt: skip
+        return shaped
 
     def _assemble(
         self, outcomes: list[Outcome], samples: Sequence[RewardInput], width: int | None

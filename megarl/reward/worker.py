@@ -59,6 +59,10 @@ def _is_bool(value: Any) -> bool:
 
 def _score_one(fn: Callable[..., Any], spec: ScorerSpec, task: tuple) -> tuple:
     index, data_source, solution_str, ground_truth, extra_info = task
+    if spec.manager == "prime":
+        return ("ok", index, _prime_score(fn, spec, task), {})
+    if spec.manager == "gdpo":  # verl's gdpo manager hands the experiment's name along
+        extra_info = {**(extra_info or {}), "experiment_name": spec.experiment_name}
     try:
         result = fn(
             data_source=data_source,
@@ -71,7 +75,23 @@ def _score_one(fn: Callable[..., Any], spec: ScorerSpec, task: tuple) -> tuple:
     except Exception as exc:  # noqa: BLE001 -- reported to the parent, which fails the step
         first_line = (str(exc).strip().splitlines() or [""])[0]
         return ("error", index, f"{type(exc).__name__}: {first_line}")
+    if spec.manager in ("dapo", "gdpo") and not isinstance(result, dict):
+        fields = {"acc": score}  # verl's dapo and gdpo managers: a plain score is also "acc"
     return ("ok", index, score, fields)
+
+
+def _prime_score(fn: Callable[..., Any], spec: ScorerSpec, task: tuple) -> float:
+    """verl's prime manager: ``fn(data_source, solution_str, ground_truth, extra_info)``
+    positionally; a raise (or an unusable result) scores 0; a number or bool is the score,
+    otherwise the result's first entry."""
+    _, data_source, solution_str, ground_truth, extra_info = task
+    try:
+        result = fn(data_source, solution_str, ground_truth, extra_info, **spec.reward_kwargs)
+        if isinstance(result, int | float | bool) or _is_bool(result):
+            return float(result)
+        return float(result[0])
+    except Exception:  # noqa: BLE001 -- verl's prime manager scores a failed row 0
+        return 0.0
 
 
 def serve_fd(fd: int, spec_json: str) -> None:

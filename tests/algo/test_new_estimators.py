@@ -75,7 +75,8 @@ def test_gdpo_single_reward_fallback_is_whitened_grpo():
     rewards[:, 0] = torch.randn(8, generator=g)
     adv, _ = compute_advantage(
         "gdpo", token_level_rewards=rewards, response_mask=MASK, index=INDEX,
-        norm_adv_by_std_in_grpo=True,
+        norm_adv_by_std_in_grpo=True, reward_components=None, gdpo_reward_keys=None,
+        gdpo_reward_weights=None,
     )  # fmt: skip
     grpo, _ = compute_grpo_outcome_advantage(rewards, MASK, INDEX)
     mask = MASK.bool().clone()

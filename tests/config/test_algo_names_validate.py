@@ -14,7 +14,7 @@ GRPO = Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny_cpu.yaml"
 ACTOR = "actor_rollout_ref.actor"
 
 ACCEPTED = [
-    ["algorithm.adv_estimator=gdpo"],
+    ["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc,format]"],
     ["algorithm.adv_estimator=optimal_token_baseline", f"{ACTOR}.calculate_sum_pi_squared=true"],
     ["algorithm.adv_estimator=tir_optimal_token_baseline",
      f"{ACTOR}.calculate_sum_pi_squared=true"],
@@ -41,7 +41,8 @@ def test_new_names_are_accepted(overrides):
 
 def test_the_command_line_accepts_them(capsys):
     args = ["config", "validate", "--config", str(GRPO), "--world-size", "2",
-            f"{ACTOR}.policy_loss.loss_mode=cispo", "algorithm.adv_estimator=gdpo"]  # fmt: skip
+            f"{ACTOR}.policy_loss.loss_mode=cispo", "algorithm.adv_estimator=gdpo",
+            "algorithm.gdpo_reward_keys=[acc]"]  # fmt: skip
     assert main(args) == 0
 
 
@@ -84,6 +85,7 @@ _NEEDS = {
     "optimal_token_baseline": [f"{ACTOR}.calculate_sum_pi_squared=true"],
     "tir_optimal_token_baseline": [f"{ACTOR}.calculate_sum_pi_squared=true"],
     "dro": [f"{ACTOR}.policy_loss.dro_beta=0.1"],
+    "gdpo": ["algorithm.gdpo_reward_keys=[acc]"],
 }
 
 

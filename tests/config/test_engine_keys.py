@@ -69,7 +69,7 @@ def test_values_that_are_megarls_behaviour_validate(overrides):
     ("override", "expected"),
     [
         ("model_engine=dp", "model_engine=dp: megarl is the Megatron engine; use model_engine=megatron"),
-        (f"{ARR}.hybrid_engine=False", f"{ARR}.hybrid_engine=false: megarl's trainer runs actor, rollout and reference in one engine; use true"),
+        (f"{ARR}.hybrid_engine=False", f"{ARR}.hybrid_engine=false (verl's async recipes) needs the rollout's own ranks: set rollout.nnodes (or actor_rollout_ref.rollout.nnodes) > 0, or hybrid_engine=true"),
         (f"{ARR}.actor.use_torch_compile=True", f"{ARR}.actor.use_torch_compile=true: megarl does not torch.compile; use false"),
         (f"{ARR}.ref.use_torch_compile=True", f"{ARR}.ref.use_torch_compile=true: megarl does not torch.compile; use false"),
         (f"{ARR}.actor.megatron.seed=3", f"{ARR}.actor.megatron.seed=3: megarl seeds Megatron with trainer.seed (42); use 42, leave it unset, or set trainer.seed=3"),

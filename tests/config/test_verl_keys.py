@@ -87,8 +87,8 @@ def test_verls_names_megarl_uses_are_accepted():
             "unsupported: actor_rollout_ref.actor.optim.muon_momentum (no Muon",
         ),
         (
-            {"actor_rollout_ref": {"rollout": {"layered_summon": True}}},
-            "unsupported: actor_rollout_ref.rollout.layered_summon (weights travel in buckets)",
+            {"actor_rollout_ref": {"rollout": {"checkpoint_engine": {"backend": "nccl"}}}},
+            "unsupported: actor_rollout_ref.rollout.checkpoint_engine (weights travel",
         ),
     ],
 )
@@ -102,8 +102,10 @@ def test_unsupported_keys_in_a_file_name_the_key_and_the_reason(raw, needle):
 def test_unsupported_keys_on_the_command_line(tmp_path):
     (tmp_path / "empty.yaml").write_text("")
     with pytest.raises(ConfigError) as info:
-        load_config(tmp_path / "empty.yaml", ["actor_rollout_ref.rollout.seed=3"])
-    assert str(info.value).startswith("unsupported: actor_rollout_ref.rollout.seed in override")
+        load_config(tmp_path / "empty.yaml", ["actor_rollout_ref.rollout.full_determinism=true"])
+    assert str(info.value).startswith(
+        "unsupported: actor_rollout_ref.rollout.full_determinism in override"
+    )
 
 
 def test_a_typo_is_still_unknown():
