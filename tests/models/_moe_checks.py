@@ -164,6 +164,9 @@ def _routing_replay(spec: dict, tp: int, pp: int, ep: int) -> dict:
        (computed here from the hooked input and weight) is A's;
     D. the original weights, replaying A at 1 sequence a micro-batch (other padding, other
        token order): log-probs equal A's (a mis-sliced replay would move them).
+    E. packed rows (THD), the original weights: recording routes every real token as A, the
+       log-probs equal A's; with B's perturbed routers, replaying A on packed rows gives C's
+       log-probs (a replay mapped to the wrong tokens would move them).
     """
     from megatron.core import parallel_state
 
@@ -203,11 +206,11 @@ def _routing_replay(spec: dict, tp: int, pp: int, ep: int) -> dict:
 
     hooks = [r.register_forward_hook(hook) for r in mine]
 
-    def run(seqs: SequenceBatch, micro: int, routing=None):
+    def run(seqs: SequenceBatch, micro: int, routing=None, pack: bool = False):
         maps.clear()
         own.clear()
         out = compute_log_probs(chunks, seqs, vocab_size=built.dims.vocab_size,
-                                micro_batches=micro, routing=routing)  # fmt: skip
+                                micro_batches=micro, routing=routing, pack=pack)  # fmt: skip
         return out, list(maps)
 
     record = Routing(chunks, "record")
@@ -223,12 +226,14 @@ def _routing_replay(spec: dict, tp: int, pp: int, ep: int) -> dict:
             r.weight.add_((torch.randn(r.weight.shape, generator=g) * r.weight.std()).to(r.weight))
     _, b_maps = run(plain, 2)
     replay = Routing(chunks, "replay")
-    _, c_maps = run(replayed, 2, replay)
+    c_out, c_maps = run(replayed, 2, replay)
     c_own = list(own)
+    e_replayed, _ = run(replayed, 2, Routing(chunks, "replay"), pack=True)
     with torch.no_grad():
         for r, w in zip(mine, originals, strict=True):
             r.weight.copy_(w)
     d_out, _ = run(replayed, 1, Routing(chunks, "replay"))
+    e_recorded, _ = run(plain, 2, Routing(chunks, "record"), pack=True)
     for h in hooks:
         h.remove()
 
@@ -250,7 +255,17 @@ def _routing_replay(spec: dict, tp: int, pp: int, ep: int) -> dict:
               len(a_maps), same_c]  # fmt: skip
     counts = torch.tensor(counts, dtype=torch.float64)
     dist.all_reduce(counts)
-    diff = (d_out.log_probs - recorded.log_probs).abs().max().reshape(1)
+    real_positions = torch.arange(recorded.routing.shape[2])[None, :] < lengths[:, None]
+    packed_routing_same = torch.equal(
+        e_recorded.routing.transpose(1, 2)[real_positions],
+        recorded.routing.transpose(1, 2)[real_positions],
+    )
+    diff = torch.tensor([
+        (d_out.log_probs - recorded.log_probs).abs().max(),
+        (e_recorded.log_probs - recorded.log_probs).abs().max(),
+        (e_replayed.log_probs - c_out.log_probs).abs().max(),
+        float(not packed_routing_same),
+    ], dtype=torch.float64)  # fmt: skip
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return {
         "routed_as_recorded_without_replay": counts[0].item() / max(counts[1].item(), 1.0),
@@ -258,7 +273,10 @@ def _routing_replay(spec: dict, tp: int, pp: int, ep: int) -> dict:
         "agreement_seen": counts[6].item() / max(counts[1].item(), 1.0),
         "replay_equals_recorded": counts[4].item() == dist.get_world_size(),
         "router_calls": counts[5].item(),
-        "logprob_diff_other_micro_batches": diff.item(),
+        "logprob_diff_other_micro_batches": diff[0].item(),
+        "packed_logprob_diff": diff[1].item(),
+        "packed_replay_logprob_diff": diff[2].item(),
+        "packed_routing_as_recorded": diff[3].item() == 0.0,
         "expert_load": load.metrics(),
         "expert_load_expected": load_expected,
     }

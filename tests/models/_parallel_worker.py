@@ -23,6 +23,46 @@ def _layouts(world: int) -> list[tuple[int, int, int | None]]:
     }[world]
 
 
+PACKING_LAYOUTS = {
+    1: [(1, 1, None, 1)],
+    2: [(2, 1, None, 1), (1, 2, None, 1), (1, 2, 2, 1), (1, 1, None, 2)],
+    4: [(2, 2, None, 1), (2, 1, None, 2), (1, 2, None, 2)],
+}
+"""(TP, PP, VPP, CP) of the packed-row checks (context parallelism only with packed rows)."""
+
+
+def _packing_checks(spec: dict, layout, results: dict) -> None:
+    """The tiny Qwen2 actor's log-probs and entropy of the packing batch at one layout, packed
+    (uneven micro-batches, or two of three under VPP) and, without CP, right-padded; the
+    critic's values likewise. Every rank returns them."""
+    from megarl.models.build import build_model
+    from megarl.models.runner import SequenceBatch, compute_log_probs, compute_values
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+
+    tp, pp, vpp, cp = layout
+    batch = torch.load(spec["packing_batch"])
+    seqs = SequenceBatch(batch["input_ids"], batch["prompt_lengths"], batch["lengths"])
+    micro = [torch.tensor([0, 3, 5]), torch.tensor([1, 2, 4])]
+    if not vpp:
+        micro = [torch.tensor([0, 3]), torch.tensor([1, 2, 4, 5])]
+    parallel = ParallelLayout(tp, pp, vpp, context_parallel_size=cp)
+    init_distributed(parallel, seed=1234)
+    path = spec["models"]["qwen2"]
+    built = build_model(path, parallel)
+    r = {}
+    for pack in (True, False) if cp == 1 else (True,):
+        out = compute_log_probs(built.chunks, seqs, vocab_size=built.dims.vocab_size,
+                                micro_batches=micro, temperature=0.7, pack=pack)  # fmt: skip
+        name = "packed" if pack else "padded"
+        r[f"{name}/log_probs"], r[f"{name}/entropy"] = out.log_probs, out.entropy
+    critic = build_model(path, parallel, role="critic", value_head_seed=7)
+    for pack in (True, False) if cp == 1 else (True,):
+        name = "packed" if pack else "padded"
+        r[f"{name}/values"] = compute_values(critic.chunks, seqs, micro_batches=micro, pack=pack)
+    results[f"packing/tp{tp}_pp{pp}_vpp{vpp or 1}_cp{cp}"] = r
+
+
 def _max_all(x: float) -> float:
     t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -319,6 +359,8 @@ def main() -> None:
 
     world = read_launch_env().world_size
     results: dict = {}
+    for layout in PACKING_LAYOUTS[world]:
+        _packing_checks(spec, layout, results)
     for layout in _layouts(world):
         _model_checks(spec, layout, results)
         if world == 2:  # reward models at TP=2, PP=2 and PP=2×VPP=2

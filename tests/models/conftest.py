@@ -54,10 +54,34 @@ def spec(tmp_path_factory) -> dict:
             torch.save(hf(ids).logits, Path(path) / "ref_logits.pt")
         paths[name] = str(path)
     spec = {"models": paths, "batch": str(tmp / "batch.pt"), "tmp": str(tmp)}
+    spec.update(_packing_batch(tmp, g, paths["qwen2"]))
     spec.update(_reward_models(tmp, g))
     spec.update(_moe_models(tmp, g))
     (tmp / "spec.json").write_text(json.dumps(spec))
     return spec
+
+
+PACKING_BATCH = {"prompt_lengths": [12, 3, 4, 2, 1, 6], "lengths": [13, 7, 11, 5, 2, 13]}
+"""Responses of 1, 4, 7, 3, 1 and 7 tokens: one-token responses, lengths that are multiples of
+nothing in particular (packed rows pad each to 2·CP)."""
+
+
+def _packing_batch(tmp: Path, g: torch.Generator, qwen2: str) -> dict:
+    """A batch for the packed-row checks and HF's (unpadded, one sequence at a time) logits of
+    the tiny Qwen2 on it."""
+    from transformers import AutoModelForCausalLM
+
+    lengths = torch.tensor(PACKING_BATCH["lengths"])
+    ids = torch.randint(0, 1000, (len(lengths), int(lengths.max())), generator=g)
+    hf = AutoModelForCausalLM.from_pretrained(qwen2, dtype=torch.float32)
+    with torch.no_grad():
+        logits = torch.zeros(*ids.shape, hf.config.vocab_size)
+        for i, n in enumerate(lengths.tolist()):
+            logits[i, :n] = hf(ids[i : i + 1, :n]).logits[0]
+    batch = {"input_ids": ids, "prompt_lengths": torch.tensor(PACKING_BATCH["prompt_lengths"]),
+             "lengths": lengths, "hf_logits": logits}  # fmt: skip
+    torch.save(batch, tmp / "packing_batch.pt")
+    return {"packing_batch": str(tmp / "packing_batch.pt")}
 
 
 def _reward_models(tmp: Path, g: torch.Generator) -> dict:

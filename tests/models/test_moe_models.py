@@ -92,7 +92,8 @@ def test_routing_replay_routes_every_token_as_recorded(ws2, ws4):
     of the routers' logits recomputed from their inputs, and a replay at another micro-batching
     leaves log-probs as recorded. The expert load counted meanwhile (hooks on the routers,
     padding left out, sequence-parallel slices added up) equals the one computed from the
-    recorded routing."""
+    recorded routing. On packed rows (THD) the record is the same for every real token and a
+    replay gives the right-padded replay's log-probs."""
     for world, results in ((2, ws2), (4, ws4)):
         for key in (k for k in results if k.startswith("moe/replay_")):
             r = results[key]
@@ -103,6 +104,9 @@ def test_routing_replay_routes_every_token_as_recorded(ws2, ws4):
             assert r["agreement_counted"] == pytest.approx(r["agreement_seen"], abs=1e-12), r
             assert r["agreement_counted"] < 1.0, (key, r)
             assert r["logprob_diff_other_micro_batches"] <= 1e-5, (key, r)
+            assert r["packed_routing_as_recorded"], (key, r)  # R2's record on packed rows
+            assert r["packed_logprob_diff"] <= 1e-5, (key, r)
+            assert r["packed_replay_logprob_diff"] <= 1e-5, (key, r)  # replayed on packed rows
             expected = r["expert_load_expected"]  # the same, from the recorded routing
             assert {k: r["expert_load"][k] for k in expected} == pytest.approx(expected, rel=1e-9)
             assert 0.0 <= r["expert_load"]["expert_load_idle"] < 1.0

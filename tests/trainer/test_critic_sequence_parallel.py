@@ -110,7 +110,8 @@ def test_critic_layouts_and_emulated_sequence_parallel_agree_on_cpu(tmp_path):
              {"name": "tp2_sp_packed", "tp": 2, "sequence_parallel": True, "pack": True},
              {"name": "cp2_packed", "tp": 1, "cp": 2, **packed},
              {"name": "moe_ep1", "ep": 1, **moe}, {"name": "moe_ep2", "ep": 2, **moe},
-             {"name": "moe_ep2_packed", "ep": 2, **moe, "pack": True}]  # fmt: skip
+             {"name": "moe_ep2_packed", "ep": 2, **moe, "pack": True},
+             {"name": "moe_cp2_packed", "ep": 1, "cp": 2, **moe, "pack": True}]  # fmt: skip
     out = _run(tmp_path, cases, dtype="float64", transformer_impl="local", emulate_sp_norm=True)
     assert out["tp2_sp"]["sequence_parallel"] and out["tp2_sp_packed"]["sequence_parallel"]
     _assert_same_critic(out["tp1"], out["tp2"], rtol=1e-6)
@@ -123,3 +124,4 @@ def test_critic_layouts_and_emulated_sequence_parallel_agree_on_cpu(tmp_path):
     assert "critic/expert_load_imbalance" in out["moe_ep1"]["metrics"]
     _assert_same_critic(out["moe_ep1"], out["moe_ep2"], rtol=1e-6)
     _assert_same_critic(out["moe_ep1"], out["moe_ep2_packed"], rtol=1e-6)
+    _assert_same_critic(out["moe_ep1"], out["moe_cp2_packed"], rtol=1e-6)
