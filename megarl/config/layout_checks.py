@@ -89,14 +89,25 @@ class LayoutChecks:
                 "use local or auto"
             )
         if meg.context_parallel_size > 1:
-            # The runner does not split sequences over CP ranks: the trainer would treat them as
-            # data-parallel ranks holding different sequences while TE's CP attention exchanges
-            # their keys/values, i.e. silently wrong attention.
-            self.error(
-                f"{prefix}.context_parallel_size={meg.context_parallel_size} is not supported "
-                "yet (sequences are not split across context-parallel ranks); use 1"
-            )
+            self.check_context_parallel_packing(prefix, meg)
         return ok
+
+    def check_context_parallel_packing(self, prefix: str, meg: MegatronConfig) -> None:
+        """Context parallelism splits packed rows: every model at that layout must pack."""
+        arr = self.cfg.actor_rollout_ref
+        cp = f"{prefix}.context_parallel_size={meg.context_parallel_size}"
+        sections = [("actor_rollout_ref", arr.model, arr.actor.megatron),
+                    ("actor_rollout_ref.ref", arr.model, arr.ref.megatron),
+                    ("critic", self.cfg.critic.model, self.cfg.critic.megatron)]  # fmt: skip
+        for role, model, engine in sections:
+            if engine.use_remove_padding is False:
+                self.error(f"{cp} splits packed sequences: {role}.megatron.use_remove_padding "
+                           "must be true (or unset)")  # fmt: skip
+            elif engine.use_remove_padding is None and not model.use_remove_padding:
+                key = "critic.model" if role == "critic" else "actor_rollout_ref.model"
+                if role != "actor_rollout_ref.ref":
+                    self.error(f"{cp} splits packed sequences: {key}.use_remove_padding "
+                               "must be true")  # fmt: skip
 
     def check_recompute(self, prefix: str, meg: MegatronConfig) -> None:
         gran, method, layers = (
