@@ -114,6 +114,21 @@ def _check_filter_groups(cfg, error: Error) -> None:
             "algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric ("
             f"{', '.join(FILTER_METRICS)}, or a field of your reward function's returned dict)"
         )
+    if rollout_ranks(cfg):
+        error(
+            "algorithm.filter_groups.enable=true with vLLM on ranks of its own "
+            f"({ARR}.rollout.nnodes > 0) is not built yet; dynamic sampling runs colocated"
+        )
+    if cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3":
+        error(
+            "algorithm.filter_groups.enable=true with router_replay.mode=R3 is not built yet "
+            "(the kept groups' rollout routing is not joined); use R2 or disabled"
+        )
+    if cfg.algorithm.use_kl_in_reward and fg.metric == "seq_final_reward":
+        error(
+            "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward: "
+            "megarl applies the KL penalty after filtering; use seq_reward or acc"
+        )
     if cfg.algorithm.adv_estimator == "remax":
         error(
             "algorithm.filter_groups.enable=true with algorithm.adv_estimator=remax: the greedy "

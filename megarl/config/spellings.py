@@ -98,6 +98,38 @@ def resolve_spellings(cfg: MegarlConfig, errors: list[str]) -> None:
             _set(cfg, old, copy.deepcopy(value))
         _set(cfg, new, copy.deepcopy(_get(cfg, old)))
     _resolve_async_batch(cfg, errors)
+    _resolve_transformer_overrides(cfg, errors)
+
+
+RECOMPUTE = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+NO_EFFECT = ("use_flash_attn",)
+"""override_transformer_config entries with no effect in megarl (the attention kernel follows
+megatron.transformer_impl)."""
+
+
+def _resolve_transformer_overrides(cfg: MegarlConfig, errors: list[str]) -> None:
+    """verl's ``megatron.override_transformer_config.recompute_*`` are megarl's
+    ``megatron.recompute_*`` keys: moved there (one setting given both ways with different
+    values is refused); ``use_flash_attn`` is dropped (no effect)."""
+    roles = (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.megatron),
+             ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.megatron),
+             ("critic", cfg.critic.megatron))  # fmt: skip
+    for role, meg in roles:
+        overrides = meg.override_transformer_config
+        for key in NO_EFFECT:
+            overrides.pop(key, None)
+        for key in RECOMPUTE:
+            if key not in overrides:
+                continue
+            value, mine = overrides.pop(key), getattr(meg, key)
+            if mine is not None and mine != value:
+                errors.append(
+                    f"{role}.megatron.override_transformer_config.{key}={_show(value)} and "
+                    f"{role}.megatron.{key}={_show(mine)} are one setting given two values; "
+                    "give one of them"
+                )
+                continue
+            setattr(meg, key, value)
 
 
 def _resolve_dicts(cfg, new: str, old: str, default_new: dict, errors: list[str]) -> None:

@@ -37,6 +37,12 @@ from megarl.config.schema import MegarlConfig
 __all__ = ["validate"]
 
 
+def _zero_dropout(key: str, value) -> bool:
+    """An HF ``override_config`` entry megarl's models already satisfy: a dropout of 0 (the
+    families megarl builds train without dropout)."""
+    return ("dropout" in key or "pdrop" in key) and value in (0, 0.0)
+
+
 def validate(
     cfg: MegarlConfig,
     world_size: int | None = None,
@@ -95,8 +101,9 @@ class _Checks(LayoutChecks):
         ]
         refused: list[tuple[str, bool, str]] = [
             *[
-                (f"{k}.override_config", bool(m.override_config),
-                 "the model is built from config.json as is")
+                (f"{k}.override_config", any(not _zero_dropout(key, value)
+                                             for key, value in m.override_config.items()),
+                 "the model is built from config.json as is; only dropouts of 0 are accepted")
                 for k, m in models
             ],
             *[

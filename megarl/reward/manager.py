@@ -313,3 +313,39 @@ def _metrics(
                 metrics[f"{prefix}/{name}/mean"] = values[has].mean().item()
     metrics["reward/timeouts"] = float(timed_out.sum().item())
     return metrics
+
+
+def result_rows(
+    parts: Sequence[tuple[RewardResult, Sequence[int]]],
+    sources: Sequence[str],
+    lengths: Sequence[int],
+    width: int,
+) -> RewardResult:
+    """The rows ``rows`` of each ``(result, rows)`` in turn, as one result whose responses come
+    from ``sources`` with ``lengths`` valid tokens, ``width`` wide (DAPO's dynamic sampling
+    joins the groups it keeps from several generation batches)."""
+    names = sorted({k for result, _ in parts for k in result.fields})
+    extras = sorted({k for result, _ in parts for k in result.extra})
+    scores, timed_out, per_sample = [], [], []
+    fields: dict[str, list[torch.Tensor]] = {k: [] for k in names}
+    extra: dict[str, list[Any]] = {k: [] for k in extras}
+    for result, rows in parts:
+        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        scores.append(result.scores[idx])
+        timed_out.append(result.timed_out[idx])
+        for k in names:
+            values = result.fields.get(k, torch.zeros_like(result.scores))
+            fields[k].append(values[idx])
+        for k in extras:
+            values = result.extra.get(k, [None] * len(result.scores))
+            extra[k].extend(values[i] for i in rows)
+        per_sample.extend({k: 1 for k in result.fields} for _ in rows)
+    all_scores = torch.cat(scores) if scores else torch.zeros(0)
+    joined = {k: torch.cat(v) for k, v in fields.items()}
+    out_timed = torch.cat(timed_out) if timed_out else torch.zeros(0, dtype=torch.bool)
+    token_rewards = torch.zeros(len(all_scores), width, dtype=torch.float32)
+    for i, length in enumerate(lengths):
+        if length > 0:
+            token_rewards[i, length - 1] = all_scores[i]
+    metrics = _metrics(list(sources), all_scores, per_sample, joined, out_timed)
+    return RewardResult(token_rewards, all_scores, joined, extra, out_timed, metrics)

@@ -61,6 +61,7 @@ def run(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
             from megarl.trainer.step import first_sync, validate
 
             run = build_run(cfg, console, run_dir)
+            _sample_generation_batches(run)
             resumed = _resume(run)
             first_sync(run)
             tracker = make_tracker(
@@ -164,15 +165,22 @@ def _train_steps(
             prompts = [run.train_data[i] for i in next(run.sampler)]
             return prompts, run.sampler.state_dict()
 
+        drawn: dict = {}
+
+        def more() -> list:  # dynamic sampling's next generation batch: saved as drawn
+            prompts, drawn["state"] = draw()
+            return prompts
+
         for step in range(run.state.step + 1, run.total_steps + 1):
             prompts, sampler_state = queued.popleft() if queued else draw()
             asks = []
             while len(queued) < ahead and step + len(queued) < run.total_steps:
                 queued.append(draw())
                 asks.append((step + len(queued), queued[-1][0]))
-            metrics, _ = train_step(run, step, prompts, asks)
+            drawn["state"] = sampler_state
+            metrics, _ = train_step(run, step, prompts, asks, more=more)
             run.state.step = step
-            run.state.sampler = sampler_state
+            run.state.sampler = drawn["state"]  # after the last generation batch it drew
             run.state.save_kl_coef(run.kl_ctrl)
             skipped = metrics.get("actor/skipped_steps", 0.0)
             run.state.consecutive_skips = run.state.consecutive_skips + 1 if skipped else 0
@@ -237,6 +245,23 @@ def _saved_models(run: Run) -> list:
             )
         )
     return saved
+
+
+def _sample_generation_batches(run: Run) -> None:
+    """DAPO's dynamic sampling draws generation batches of ``data.gen_batch_size`` prompts, and
+    an epoch counts them (verl's dataloader batch is gen_batch_size): the run's sampler and step
+    count follow. (The lead may move this into ``setup.build_run``.)"""
+    from megarl.data import GlobalBatchSampler, total_training_steps
+
+    cfg = run.cfg
+    size = cfg.data.gen_batch_size
+    if not cfg.algorithm.filter_groups.enable or size in (None, cfg.data.train_batch_size):
+        return
+    seed = cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed
+    run.sampler = GlobalBatchSampler(len(run.train_data), size, seed=seed, shuffle=cfg.data.shuffle)
+    run.total_steps = total_training_steps(
+        run.sampler.batches_per_epoch, cfg.trainer.total_epochs, cfg.trainer.total_training_steps
+    )
 
 
 def _warn(run: Run) -> Callable[[str], None]:

@@ -7,14 +7,17 @@ function reads as the step's data flow.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from megarl.algo import compute_advantage
 from megarl.data import PromptSample
-from megarl.trainer.batch import StepBatch, pad_token_id
+from megarl.reward import RewardResult
+from megarl.reward.manager import RewardError, result_rows
+from megarl.trainer.batch import StepBatch, pad_token_id, rollout_batch
 from megarl.trainer.metrics import Timer, step_metrics
 from megarl.trainer.passes import (
     actor_replay_routing,
@@ -38,11 +41,14 @@ def train_step(
     step: int,
     prompts: Sequence[PromptSample],
     ahead: Sequence[tuple[int, Sequence[PromptSample]]] = (),
+    more: Callable[[], Sequence[PromptSample]] | None = None,
 ) -> tuple[dict[str, float], StepBatch]:
     """Run training step ``step`` (1-based) on the global prompt batch ``prompts``; returns its
     metrics and the step's batch (identical on every rank). ``ahead`` (an engine on ranks of its
     own only): ``(later step, its prompts)`` to ask for as soon as this step's batch is in, so
-    that their generation overlaps training (with the weights this step starts from)."""
+    that their generation overlaps training (with the weights this step starts from). ``more``
+    (DAPO's dynamic sampling): the next generation batch's prompts, drawn when the groups kept
+    so far do not fill ``data.train_batch_size``."""
     cfg = run.cfg
     timer, start = Timer(), time.perf_counter()
     metrics: dict[str, float] = {}
@@ -72,7 +78,13 @@ def train_step(
         prescored = run.ahead.prescored if run.ahead is not None else None
         scored = score(run, prompts, samples, batch, step, dump=cfg.trainer.rollout_data_dir,
                        prescored=prescored)  # fmt: skip
-        batch.token_level_scores = batch.token_level_rewards = scored.token_level_rewards
+    if cfg.algorithm.filter_groups.enable:
+        assert more is not None, "dynamic sampling draws its generation batches with more()"
+        batch, samples, prompts, scored, kept = fill_with_groups(
+            run, step, prompts, batch, samples, scored, more, timer
+        )
+        metrics.update(kept)
+    batch.token_level_scores = batch.token_level_rewards = scored.token_level_rewards
 
     # Old log-probs: recomputed by the actor (decoupled), or, with one mini-batch and one epoch
     # and nothing needing them earlier, taken from the update's own forward (verl's shortcut).
@@ -110,7 +122,9 @@ def train_step(
             batch.reward_baselines = greedy_baselines(run, prompts, *greedy, step)
 
     with timer("adv"):  # over the global batch: the same at every layout
-        batch.advantages, batch.returns = advantages(run, batch)
+        batch.advantages, batch.returns = advantages(run, batch, scored)
+    if cfg.algorithm.adv_estimator == "gdpo":
+        metrics.update(gdpo_metrics(cfg.algorithm.gdpo_reward_keys, scored))
 
     if run.critic is not None:
         enter(run, "update_critic", step=step)
@@ -152,9 +166,12 @@ def train_step(
     return metrics, batch
 
 
-def advantages(run: Run, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def advantages(
+    run: Run, batch: StepBatch, scored: RewardResult | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(advantages, returns)`` of ``algorithm.adv_estimator`` over the global batch, from the
-    inputs it declares (:mod:`megarl.config.algo_inputs`; validation checked it gets them)."""
+    inputs it declares (:mod:`megarl.config.algo_inputs`; validation checked it gets them);
+    gdpo's reward components are the fields of ``scored`` (the scorer's returned dicts)."""
     cfg = run.cfg
     supplied = {
         "token_level_rewards": batch.token_level_rewards,
@@ -172,7 +189,131 @@ def advantages(run: Run, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         "reward_baselines": batch.reward_baselines,
     }
     supplied.update({k: v for k, v in when.items() if v is not None})
+    if cfg.algorithm.adv_estimator == "gdpo":
+        keys = cfg.algorithm.gdpo_reward_keys
+        supplied.update(reward_components=gdpo_components(keys, scored), gdpo_reward_keys=keys,
+                        gdpo_reward_weights=cfg.algorithm.gdpo_reward_weights)  # fmt: skip
     return compute_advantage(cfg.algorithm.adv_estimator, **supplied)
+
+
+def gdpo_components(keys: Sequence[str], scored: RewardResult | None) -> dict[str, torch.Tensor]:
+    """GDPO's reward components ``{key: [B]}``: the numeric fields of the reward function's
+    returned dicts (verl: its non_tensor_batch); a key the function does not return is one line."""
+    fields = scored.fields if scored is not None else {}
+    missing = [k for k in keys if k not in fields]
+    if missing:
+        have = ", ".join(sorted(fields)) or "none: it returns a plain score"
+        raise RewardError(
+            f"algorithm.gdpo_reward_keys {missing}: not among the numeric fields the reward "
+            f"function returns ({have}); return a dict with a number under each key"
+        )
+    return {k: fields[k] for k in keys}
+
+
+def gdpo_metrics(keys: Sequence[str], scored: RewardResult) -> dict[str, float]:
+    """verl's ``gdpo/<key>/{mean,std,max,min}`` (population std) of each component."""
+    out = {}
+    for key in keys:
+        v = scored.fields[key].double()
+        out.update({f"gdpo/{key}/mean": float(v.mean()), f"gdpo/{key}/std": float(v.std(correction=0)),
+                    f"gdpo/{key}/max": float(v.max()), f"gdpo/{key}/min": float(v.min())})  # fmt: skip
+    return out
+
+
+def filter_metric(metric: str, scored: RewardResult) -> torch.Tensor:
+    """Each response's value of ``algorithm.filter_groups.metric`` ``[B]``: seq_reward and
+    seq_final_reward are the score (no KL in the reward with dynamic sampling), acc the
+    scorer's ``acc`` field (a plain score, as verl's managers record it), score the score,
+    anything else a numeric field of the scorer's dict."""
+    if metric in scored.fields:
+        return scored.fields[metric]
+    if metric in ("seq_reward", "seq_final_reward", "score") or (
+        metric == "acc" and not scored.fields
+    ):
+        return scored.scores
+    have = ", ".join(sorted(scored.fields)) or "none: it returns a plain score"
+    raise RewardError(
+        f"algorithm.filter_groups.metric={metric}: not a numeric field the reward function "
+        f"returns ({have}); use seq_reward, acc, or one of those"
+    )
+
+
+def fill_with_groups(run: Run, step: int, prompts, batch: StepBatch, samples, scored, more, timer):
+    """DAPO's dynamic sampling (verl-recipe's DAPO trainer): keep the groups whose filter
+    metric varies (or that hold one response), generate and score ``more()`` prompts until
+    ``data.train_batch_size`` groups are kept, and train on the first that many. Past
+    ``filter_groups.max_num_gen_batches`` (> 0) generation batches the step fails, as in verl.
+    Returns the step's ``(batch, samples, prompts, scored, metrics)``."""
+    from megarl.algo.filter_groups import kept_group_rows
+
+    cfg = run.cfg
+    fg, want = cfg.algorithm.filter_groups, cfg.data.train_batch_size
+    parts, generated, kept_groups, gen_batches = [], 0, 0, 1
+    while True:
+        keep = kept_group_rows(filter_metric(fg.metric, scored), batch.prompt_ids)
+        rows = torch.nonzero(keep).flatten().tolist()
+        groups = sorted({int(batch.prompt_ids[r]) for r in rows})
+        generated += len(set(batch.prompt_ids.tolist()))
+        kept_groups += len(groups)
+        parts.append((prompts, samples, scored, rows))
+        if kept_groups >= want:
+            break
+        if 0 < fg.max_num_gen_batches <= gen_batches:
+            raise RuntimeError(
+                f"dynamic sampling: {gen_batches} generation batches kept {kept_groups} of the "
+                f"data.train_batch_size={want} groups (algorithm.filter_groups."
+                f"max_num_gen_batches={fg.max_num_gen_batches}); the data may be too hard or too "
+                "easy; max_num_gen_batches=0 keeps generating"
+            )
+        gen_batches += 1
+        prompts = list(more())
+        enter(run, "generate", step=step)
+        with timer("gen"):
+            batch, samples = generate(
+                run.engine, prompts, n=cfg.actor_rollout_ref.rollout.n,
+                sampling=training_sampling(run), seed=cfg.trainer.seed + gen_batches - 1,
+                step=step, pad_token_id=pad_token_id(run.tokenizer),
+            )  # fmt: skip
+        enter(run, "reward", step=step)
+        with timer("reward"):
+            scored = score(run, prompts, samples, batch, step, dump=None)
+    batch, samples, prompts, scored = _join_groups(run, parts, want)
+    metrics = {
+        "train/num_gen_batches": float(gen_batches),
+        "dynamic_sampling/generated_groups": float(generated),
+        "dynamic_sampling/kept_groups": float(kept_groups),
+        "dynamic_sampling/dropped_groups": float(generated - kept_groups),
+    }
+    return batch, samples, prompts, scored, metrics
+
+
+def _join_groups(run: Run, parts, want: int):
+    """The first ``want`` kept groups of the generation batches ``parts`` (``(prompts,
+    samples, scored, kept rows)`` each) as one step batch, groups renumbered 0..want-1."""
+    new_prompts, new_samples, picks = [], [], []
+    for prompts, samples, scored, rows in parts:
+        taken = []
+        for r in rows:
+            s = samples.samples[r]
+            if s.sample_index == 0:
+                if len(new_prompts) == want:
+                    break
+                new_prompts.append(prompts[s.prompt_index])
+            pid = len(new_prompts) - 1
+            new_samples.append(dataclasses.replace(s, prompt_index=pid, prompt_id=pid))
+            taken.append(r)
+        picks.append((scored, taken))
+    batch = rollout_batch(
+        [s.prompt_token_ids for s in new_samples], [s.response_token_ids for s in new_samples],
+        [s.response_logprobs for s in new_samples], [s.prompt_id for s in new_samples],
+        [s.finish_reason == "length" for s in new_samples], pad_token_id=pad_token_id(run.tokenizer),
+    )  # fmt: skip
+    samples = dataclasses.replace(parts[0][1], samples=new_samples)
+    scored = result_rows(
+        picks, [new_prompts[s.prompt_index].data_source for s in new_samples],
+        [len(s.response_token_ids) for s in new_samples], batch.response_mask.shape[1],
+    )  # fmt: skip
+    return batch, samples, new_prompts, scored
 
 
 def staleness_metrics(run: Run) -> dict[str, float]:

@@ -194,3 +194,22 @@ def test_estimators_run_through_compute_advantage_with_a_trainer_batch():
     for name in ("gdpo", "optimal_token_baseline", "tir_optimal_token_baseline"):
         adv, returns = compute_advantage(name, **batch)
         assert adv.shape == returns.shape == (8, 5) and torch.isfinite(adv).all()
+
+
+def test_gdpo_two_components_by_hand():
+    """Two components, weights 1 and 0.5, one response position each. Groups: A = rows 0-2,
+    B = rows 3-4 (acc has no variance there), C = row 5 (a group of one: 0, megarl's rule).
+    acc A [1,0,0]: mean 1/3, unbiased std sqrt(1/3) -> [1.1547, -0.57735, -0.57735]; B 0.
+    fmt A [1,1,1] -> 0; B [0,1]: std sqrt(1/2) -> [-0.70711, 0.70711], weighted 0.5.
+    Sum [1.1547, -0.57735, -0.57735, -0.35355, 0.35355]: mean 0, unbiased var 2.25/4, std 0.75;
+    whitened: the sum / 0.75."""
+    index = torch.tensor([0, 0, 0, 1, 1, 2])
+    acc = torch.tensor([1.0, 0, 0, 1, 1, 1])
+    fmt = torch.tensor([1.0, 1, 1, 0, 1, 0])
+    adv, _ = compute_gdpo_outcome_advantage(
+        torch.zeros(6, 1), torch.ones(6, 1), index,
+        reward_components={"acc": acc, "fmt": fmt}, gdpo_reward_keys=["acc", "fmt"],
+        gdpo_reward_weights=[1.0, 0.5],
+    )  # fmt: skip
+    expected = [1.539601, -0.769800, -0.769800, -0.471405, 0.471405, 0.0]
+    torch.testing.assert_close(adv[:, 0], torch.tensor(expected), atol=2e-5, rtol=0)
