@@ -7,8 +7,8 @@ layer_spec`): right-padded micro-batches go through Megatron's own code unchange
 attends causally within each sequence (block-diagonal causal), and under context parallelism
 each rank's queries attend to the keys and values of every CP rank (all-gathered, differentiable:
 the gradients of the others' keys and values go back to them) with the chunk-aware causal mask
-of :func:`megarl.models.packing.thd_coordinates`. Exact, not fast: the scores are dense
-``[heads, local tokens, all tokens]``.
+of :func:`megarl.models.packing.thd_coordinates`. Exact; each sequence's scores are computed
+alone (``[heads, its queries, its keys]``), so packing saves the padding's compute here too.
 """
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ class _GatherOverContextParallel(torch.autograd.Function):
         return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n]
 
 
-def packed_causal_mask(params, cp_size: int, cp_rank: int, device) -> torch.Tensor:
-    """``[1, 1, local tokens, all tokens]`` (True: masked) of a packed row under ``params``: a
-    query sees the keys of its own sequence at its position or before; keys are every CP rank's
-    tokens in rank order (what the CP all-gather returns)."""
+def sequence_blocks(params, cp_size: int, cp_rank: int):
+    """Per packed sequence (under ``params``): the indices of its queries among this rank's
+    tokens, of its keys among every CP rank's tokens (rank order, as the CP all-gather returns
+    them), and its causal mask ``[1, 1, queries, keys]`` (True: masked; a query sees the keys
+    of its sequence at its position or before)."""
     cu = (
         params.cu_seqlens_q_padded
         if params.cu_seqlens_q_padded is not None
@@ -54,10 +55,15 @@ def packed_causal_mask(params, cp_size: int, cp_rank: int, device) -> torch.Tens
     cu = cu.cpu()
     q_seq, q_pos = thd_coordinates(cu, cp_size, cp_rank)
     keys = [thd_coordinates(cu, cp_size, r) for r in range(cp_size)]
-    k_seq = torch.cat([s for s, _ in keys])
-    k_pos = torch.cat([p for _, p in keys])
-    allowed = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
-    return (~allowed)[None, None].to(device)
+    k_seq = torch.cat([seq for seq, _ in keys])
+    k_pos = torch.cat([pos for _, pos in keys])
+    for seq in range(len(cu) - 1):
+        queries = (q_seq == seq).nonzero().squeeze(1)
+        if queries.numel() == 0:
+            continue
+        keys_of = (k_seq == seq).nonzero().squeeze(1)
+        masked = k_pos[keys_of][None, :] > q_pos[queries][:, None]
+        yield queries, keys_of, masked[None, None]
 
 
 class PackedDotProductAttention(DotProductAttention):
@@ -94,6 +100,14 @@ class PackedDotProductAttention(DotProductAttention):
         if self.cp_size > 1:
             key = _GatherOverContextParallel.apply(key)
             value = _GatherOverContextParallel.apply(value)
-        mask = packed_causal_mask(packed_seq_params, self.cp_size, cp_rank, query.device)
-        out = super().forward(query, key, value, mask, attn_mask_type, attention_bias, None)
-        return out.squeeze(1)  # [tokens, heads·dim]
+        # One sequence at a time: the cost is the sum of the squared lengths, not the square of
+        # the row's length.
+        outputs, order = [], []
+        for queries, keys_of, mask in sequence_blocks(packed_seq_params, self.cp_size, cp_rank):
+            on = query.device
+            q = query.index_select(0, queries.to(on))
+            k, v = (t.index_select(0, keys_of.to(on)) for t in (key, value))
+            outputs.append(super().forward(q, k, v, mask.to(on), attn_mask_type, attention_bias))
+            order.append(queries)
+        back = torch.argsort(torch.cat(order)).to(query.device)  # to the row's token order
+        return torch.cat(outputs).index_select(0, back).squeeze(1)  # [tokens, heads·dim]

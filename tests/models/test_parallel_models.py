@@ -86,6 +86,12 @@ def _hf_outputs(batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Te
     return lp, ent, mask.bool()
 
 
+def _within(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    """fp32, the same model on other GEMM shapes: 1e-5, plus 1e-6 of the value (this random
+    model's log-probs reach -19 at temperature 0.7, where an fp32 ulp is 1.9e-6)."""
+    return bool(((got - ref).abs() <= 1e-5 + 1e-6 * ref.abs()).all())
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_packed_rows_match_padded_and_transformers(world, request, ws1, spec):
     """Packed rows (THD) at TP 1/2, PP 1/2, VPP 2 and CP 2 (TP 2 × CP 2, PP 2 × CP 2 at world
@@ -104,9 +110,9 @@ def test_packed_rows_match_padded_and_transformers(world, request, ws1, spec):
         assert (r["packed/log_probs"] - lp_ref).abs().max() <= 1e-4, key
         assert (r["packed/entropy"] - ent_ref).abs().max() <= 1e-4, key
         for name in ("log_probs", "entropy", "values"):
-            assert (r[f"packed/{name}"] - base[f"padded/{name}"]).abs().max() <= 1e-5, (key, name)
+            assert _within(r[f"packed/{name}"], base[f"padded/{name}"]), (key, name)
             if f"padded/{name}" in r:  # the same layout right-padded
-                assert (r[f"packed/{name}"] - r[f"padded/{name}"]).abs().max() <= 1e-5, (key, name)
+                assert _within(r[f"packed/{name}"], r[f"padded/{name}"]), (key, name)
             assert torch.all(r[f"packed/{name}"][~mask] == 0), (key, name)
         assert base["padded/values"][mask].abs().min() > 0
     assert any("_cp2" in k for k in keys) or world == 1
@@ -153,6 +159,12 @@ def _hf_outputs(batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Te
     return lp, ent, mask.bool()
 
 
+def _within(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    """fp32, the same model on other GEMM shapes: 1e-5, plus 1e-6 of the value (this random
+    model's log-probs reach -19 at temperature 0.7, where an fp32 ulp is 1.9e-6)."""
+    return bool(((got - ref).abs() <= 1e-5 + 1e-6 * ref.abs()).all())
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_packed_rows_match_padded_and_transformers(world, request, ws1, spec):
     """Packed rows (THD) at TP 1/2, PP 1/2, VPP 2 and CP 2 (TP 2 × CP 2, PP 2 × CP 2 at world
@@ -171,9 +183,9 @@ def test_packed_rows_match_padded_and_transformers(world, request, ws1, spec):
         assert (r["packed/log_probs"] - lp_ref).abs().max() <= 1e-4, key
         assert (r["packed/entropy"] - ent_ref).abs().max() <= 1e-4, key
         for name in ("log_probs", "entropy", "values"):
-            assert (r[f"packed/{name}"] - base[f"padded/{name}"]).abs().max() <= 1e-5, (key, name)
+            assert _within(r[f"packed/{name}"], base[f"padded/{name}"]), (key, name)
             if f"padded/{name}" in r:  # the same layout right-padded
-                assert (r[f"packed/{name}"] - r[f"padded/{name}"]).abs().max() <= 1e-5, (key, name)
+                assert _within(r[f"packed/{name}"], r[f"padded/{name}"]), (key, name)
             assert torch.all(r[f"packed/{name}"][~mask] == 0), (key, name)
         assert base["padded/values"][mask].abs().min() > 0
     assert any("_cp2" in k for k in keys) or world == 1
@@ -209,6 +221,12 @@ def _hf_outputs(batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Te
     return lp, ent, mask.bool()
 
 
+def _within(got: torch.Tensor, ref: torch.Tensor) -> bool:
+    """fp32, the same model on other GEMM shapes: 1e-5, plus 1e-6 of the value (this random
+    model's log-probs reach -19 at temperature 0.7, where an fp32 ulp is 1.9e-6)."""
+    return bool(((got - ref).abs() <= 1e-5 + 1e-6 * ref.abs()).all())
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_packed_rows_match_padded_and_transformers(world, request, ws1, spec):
     """Packed rows (THD) at TP 1/2, PP 1/2, VPP 2 and CP 2 (TP 2 × CP 2, PP 2 × CP 2 at world
@@ -227,9 +245,9 @@ def test_packed_rows_match_padded_and_transformers(world, request, ws1, spec):
         assert (r["packed/log_probs"] - lp_ref).abs().max() <= 1e-4, key
         assert (r["packed/entropy"] - ent_ref).abs().max() <= 1e-4, key
         for name in ("log_probs", "entropy", "values"):
-            assert (r[f"packed/{name}"] - base[f"padded/{name}"]).abs().max() <= 1e-5, (key, name)
+            assert _within(r[f"packed/{name}"], base[f"padded/{name}"]), (key, name)
             if f"padded/{name}" in r:  # the same layout right-padded
-                assert (r[f"packed/{name}"] - r[f"padded/{name}"]).abs().max() <= 1e-5, (key, name)
+                assert _within(r[f"packed/{name}"], r[f"padded/{name}"]), (key, name)
             assert torch.all(r[f"packed/{name}"][~mask] == 0), (key, name)
         assert base["padded/values"][mask].abs().min() > 0
     assert any("_cp2" in k for k in keys) or world == 1
