@@ -180,11 +180,13 @@ BAD_CONFIGS = [
         [f"{MEG}.transformer_impl=transformer_engine", "trainer.device=cpu"],
     ),
     (
-        "context-parallel-with-local-spec",
+        "context-parallel-without-packing",
         GRPO,
-        [f"{MEG}.context_parallel_size=2", f"{MEG}.tensor_model_parallel_size=1"],
+        [f"{MEG}.context_parallel_size=2", f"{MEG}.tensor_model_parallel_size=1",
+         "actor_rollout_ref.model.use_remove_padding=false"],
         None,
-        [f"{MEG}.context_parallel_size=2", "not supported"],
+        [f"{MEG}.context_parallel_size=2", "splits packed sequences",
+         "actor_rollout_ref.model.use_remove_padding"],
     ),
     (
         "dynamic-bsz-with-vpp-refused-before-rollout",
