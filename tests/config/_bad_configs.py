@@ -206,11 +206,12 @@ BAD_CONFIGS = [
         ["algorithm.rollout_correction.rollout_is=token", "loss_mode=gspo", "no IS weights"],
     ),
     (
-        "context-parallel-refused-on-gpu-too",
+        "context-parallel-on-gpu-without-packing",
         GRPO_7B,
-        [f"{MEG}.context_parallel_size=2", f"{MEG}.tensor_model_parallel_size=2"],
+        [f"{MEG}.context_parallel_size=2", f"{MEG}.tensor_model_parallel_size=2",
+         f"{MEG}.use_remove_padding=false"],
         None,
-        [f"{MEG}.context_parallel_size=2", "not supported", "use 1"],
+        [f"{MEG}.context_parallel_size=2", f"{MEG}.use_remove_padding must be true"],
     ),
     (
         "expert-parallel-on-dense-model",
