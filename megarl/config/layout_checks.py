@@ -96,18 +96,17 @@ class LayoutChecks:
         """Context parallelism splits packed rows: every model at that layout must pack."""
         arr = self.cfg.actor_rollout_ref
         cp = f"{prefix}.context_parallel_size={meg.context_parallel_size}"
-        sections = [("actor_rollout_ref", arr.model, arr.actor.megatron),
-                    ("actor_rollout_ref.ref", arr.model, arr.ref.megatron),
-                    ("critic", self.cfg.critic.model, self.cfg.critic.megatron)]  # fmt: skip
-        for role, model, engine in sections:
+        sections = [("actor_rollout_ref.actor", "actor_rollout_ref.model", arr.model, arr.actor.megatron),
+                    ("actor_rollout_ref.ref", "actor_rollout_ref.model", arr.model, arr.ref.megatron),
+                    ("critic", "critic.model", self.cfg.critic.model, self.cfg.critic.megatron)]  # fmt: skip
+        problems: dict[str, None] = {}  # the reference follows the actor's model section
+        for role, model_key, model, engine in sections:
             if engine.use_remove_padding is False:
-                self.error(f"{cp} splits packed sequences: {role}.megatron.use_remove_padding "
-                           "must be true (or unset)")  # fmt: skip
+                problems[f"{role}.megatron.use_remove_padding must be true (or unset)"] = None
             elif engine.use_remove_padding is None and not model.use_remove_padding:
-                key = "critic.model" if role == "critic" else "actor_rollout_ref.model"
-                if role != "actor_rollout_ref.ref":
-                    self.error(f"{cp} splits packed sequences: {key}.use_remove_padding "
-                               "must be true")  # fmt: skip
+                problems[f"{model_key}.use_remove_padding must be true"] = None
+        for problem in problems:
+            self.error(f"{cp} splits packed sequences: {problem}")
 
     def check_recompute(self, prefix: str, meg: MegatronConfig) -> None:
         gran, method, layers = (
