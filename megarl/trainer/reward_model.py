@@ -56,6 +56,7 @@ class RewardModel:
         transformer_impl = cfg.actor_rollout_ref.actor.megatron.transformer_impl
         built = build_model(path, layout, role="reward", dtype=dtype,
                             transformer_impl=transformer_impl)  # fmt: skip
+        built.pack = rm.model.use_remove_padding
         for chunk in built.chunks:
             chunk.eval()
             chunk.requires_grad_(False)
@@ -82,15 +83,15 @@ class RewardModel:
     def score(self, raw_prompts: Sequence[Any], responses: Sequence[Sequence[int]]) -> torch.Tensor:
         """Scores ``[B]`` float32 of the global batch, on every rank (collective)."""
         sequences = self.input_ids(raw_prompts, responses)
-        dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-        dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+        dp_size = parallel_state.get_data_parallel_world_size()  # CP peers score the same rows
+        dp_rank = parallel_state.get_data_parallel_rank()
         n = len(sequences)
         padded = -(-n // dp_size) * dp_size  # every DP rank takes an equal share: repeat the last
         rows = dp_share(torch.arange(padded).clamp(max=n - 1), dp_rank, dp_size).tolist()
         batch = self._batch([sequences[i] for i in rows])
         micro = fitting_micro_batch(len(rows), self.micro_batch_size or len(rows))
         self.reload()
-        local = compute_scores(self.model.chunks, batch, micro_batches=micro)
+        local = compute_scores(self.model.chunks, batch, micro_batches=micro, pack=self.model.pack)
         self.offload()
         return gather_dp(local[:, None].float(), dp_size)[:n, 0]
 

@@ -193,8 +193,10 @@ def _reward_model_checks(spec: dict, layout, results: dict) -> None:
         init_distributed(ParallelLayout(tp, pp, vpp), seed=1234)
         chunks = build_model(path, ParallelLayout(tp, pp, vpp), role="reward").chunks
         sequences = SequenceBatch(batch["input_ids"], lengths.clone(), lengths)
-        scores = compute_scores(chunks, sequences, micro_batches=2)
-        results[f"tp{tp}_pp{pp}_vpp{vpp or 1}/{name}"] = {"scores": scores}
+        results[f"tp{tp}_pp{pp}_vpp{vpp or 1}/{name}"] = {
+            "scores": compute_scores(chunks, sequences, micro_batches=2),
+            "packed_scores": compute_scores(chunks, sequences, micro_batches=2, pack=True),
+        }
 
 
 def _actor_engine_check(chunks, dims) -> dict:

@@ -256,10 +256,12 @@ def test_packed_rows_match_padded_and_transformers(world, request, ws1, spec):
 @pytest.mark.parametrize("key", ["tp2_pp1_vpp1", "tp1_pp2_vpp1", "tp1_pp2_vpp2"])
 def test_reward_model_scores_match_hf_sequence_classification(key, ws2, spec):
     """Llama/Qwen2 ``*ForSequenceClassification`` on Megatron (TP=2, PP=2, PP=2×VPP=2) score a
-    right-padded batch of different lengths as transformers does (fp32)."""
+    right-padded batch of different lengths as transformers does (fp32), right-padded and
+    packed (THD)."""
     for name in REWARD_MODELS:
         ref = torch.load(Path(spec["reward_models"][name]) / "ref_scores.pt")
-        scores = ws2[f"{key}/{name}"]["scores"]
-        assert scores.shape == ref.shape == (4,)
         assert ref.abs().min() > 1e-3 and len(set(ref.tolist())) == 4  # distinct, non-zero
-        assert (scores - ref).abs().max() <= 1e-4, (key, name, scores, ref)
+        for kind in ("scores", "packed_scores"):
+            scores = ws2[f"{key}/{name}"][kind]
+            assert scores.shape == ref.shape == (4,)
+            assert (scores - ref).abs().max() <= 1e-4, (key, name, kind, scores, ref)
