@@ -294,7 +294,7 @@ def _check_reward(cfg, sources: set[str], sample) -> str | None:
     from megarl.reward.loader import RewardFunctionError, ScorerSpec, load_scorer
     from megarl.reward.scorers import UnsupportedDataSource, scorer_module_for
 
-    spec = ScorerSpec.from_config(cfg.custom_reward_function)
+    spec = ScorerSpec.from_config(cfg.custom_reward_function, cfg)
     if spec.path is None:
         if cfg.reward_model.enable:
             return None
@@ -310,17 +310,24 @@ def _check_reward(cfg, sources: set[str], sample) -> str | None:
         return _line(exc)
     except Exception as exc:  # noqa: BLE001 -- the user's file: syntax, import, anything
         return f"custom_reward_function.path={spec.path}: cannot load it ({type(exc).__name__}: {_line(exc)})"
+    prime = spec.manager == "prime"  # verl's prime manager calls it positionally
     try:
         signature = inspect.signature(fn)
-        signature.bind(
-            data_source="", solution_str="", ground_truth=None, extra_info=None,
-            **spec.reward_kwargs,
-        )  # fmt: skip
+        if prime:
+            signature.bind("", "", None, None, **spec.reward_kwargs)
+        else:
+            signature.bind(
+                data_source="", solution_str="", ground_truth=None, extra_info=None,
+                **spec.reward_kwargs,
+            )  # fmt: skip
     except (TypeError, ValueError) as exc:
+        call = (
+            "fn(data_source, solution_str, ground_truth, extra_info, " if prime
+            else "fn(data_source=, solution_str=, ground_truth=, extra_info=, "
+        )  # fmt: skip
         return (
             f"custom_reward_function.name={spec.name}: {spec.name}{signature} in {spec.path} "
-            "cannot be called as fn(data_source=, solution_str=, ground_truth=, extra_info=, "
-            f"**custom_reward_function.reward_kwargs) ({_line(exc)})"
+            f"cannot be called as {call}**custom_reward_function.reward_kwargs) ({_line(exc)})"
         )
     return _check_sample_score(cfg, spec, sample)
 
@@ -338,6 +345,18 @@ def _check_sample_score(cfg, spec, sample) -> str | None:
             (outcome,) = pool.score([task])
     except RuntimeError:  # the worker did not start: the ranks' scoring pools will say why
         return None
+    keys = cfg.algorithm.gdpo_reward_keys if cfg.algorithm.adv_estimator == "gdpo" else None
+    if outcome.status == "ok" and keys:
+        fields = outcome.fields or {}
+        numeric = sorted(k for k, v in fields.items() if isinstance(v, int | float))
+        missing = [k for k in keys if k not in numeric]
+        if missing:  # the step's line (megarl.trainer.step.gdpo_components), before start-up
+            return (
+                f"algorithm.gdpo_reward_keys {missing}: not among the numeric fields "
+                f"custom_reward_function.name={spec.name} in {spec.path} returns for "
+                f"{sample.source} ({', '.join(numeric) or 'none: a plain score'}); return a "
+                "dict with a number under each key"
+            )
     bad = f"{BadResult.__name__}: "
     if outcome.status != "error" or not outcome.message.startswith(bad):
         return None

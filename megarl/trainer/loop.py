@@ -61,7 +61,6 @@ def run(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
             from megarl.trainer.step import first_sync, validate
 
             run = build_run(cfg, console, run_dir)
-            _sample_generation_batches(run)
             resumed = _resume(run)
             first_sync(run)
             tracker = make_tracker(
@@ -245,23 +244,6 @@ def _saved_models(run: Run) -> list:
             )
         )
     return saved
-
-
-def _sample_generation_batches(run: Run) -> None:
-    """DAPO's dynamic sampling draws generation batches of ``data.gen_batch_size`` prompts, and
-    an epoch counts them (verl's dataloader batch is gen_batch_size): the run's sampler and step
-    count follow. (The lead may move this into ``setup.build_run``.)"""
-    from megarl.data import GlobalBatchSampler, total_training_steps
-
-    cfg = run.cfg
-    size = cfg.data.gen_batch_size
-    if not cfg.algorithm.filter_groups.enable or size in (None, cfg.data.train_batch_size):
-        return
-    seed = cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed
-    run.sampler = GlobalBatchSampler(len(run.train_data), size, seed=seed, shuffle=cfg.data.shuffle)
-    run.total_steps = total_training_steps(
-        run.sampler.batches_per_epoch, cfg.trainer.total_epochs, cfg.trainer.total_training_steps
-    )
 
 
 def _warn(run: Run) -> Callable[[str], None]:

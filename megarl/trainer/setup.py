@@ -117,8 +117,13 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         if cfg.data.val_files and (cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train)
         else None
     )
+    # DAPO's dynamic sampling draws generation batches of data.gen_batch_size prompts, and an
+    # epoch counts them (verl's dataloader batch is gen_batch_size): so do the step count and
+    # the LR schedule built from it.
+    dynamic = cfg.algorithm.filter_groups.enable and cfg.data.gen_batch_size
+    prompts_per_draw = cfg.data.gen_batch_size if dynamic else cfg.data.train_batch_size
     sampler = GlobalBatchSampler(
-        len(train_data), cfg.data.train_batch_size, seed=data_seed, shuffle=cfg.data.shuffle
+        len(train_data), prompts_per_draw, seed=data_seed, shuffle=cfg.data.shuffle
     )
     total = total_training_steps(
         sampler.batches_per_epoch, cfg.trainer.total_epochs, cfg.trainer.total_training_steps

@@ -44,7 +44,9 @@ def tiny(tmp_path_factory) -> dict:
              "signature.py": "def compute_score(text):\n    return 0.0\n",
              "imports.py": "import no_such_module_here\n" + GOOD,
              "returns_none.py": GOOD.replace("return 0.0", "return None"),
-             "raises.py": GOOD.replace("return 0.0", "raise ValueError(solution_str)")}  # fmt: skip
+             "raises.py": GOOD.replace("return 0.0", "raise ValueError(solution_str)"),
+             "components.py": GOOD.replace("return 0.0", "return {'score': 0.0, 'fmt': 1}"),
+             "positional.py": "def compute_score(source, text, truth, info):\n    return 0.0\n"}  # fmt: skip
     for name, text in files.items():
         (root / name).write_text(text)
     return {"root": root}
@@ -75,6 +77,13 @@ CASES = [
     # issue 40: the pre-flight's sample call (an empty response to the first prompt)
     ("reward returns None", ["custom_reward_function.path={root}/returns_none.py"],
      "returned score None of type NoneType, not a number or a bool, for an empty response"),
+    # GDPO's components are the reward function's dict fields: one missing is named up front
+    ("gdpo component missing", ["custom_reward_function.path={root}/components.py",
+                                "algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[fmt,acc]"],
+     "algorithm.gdpo_reward_keys ['acc']: not among the numeric fields"),
+    ("reward signature (prime: positional)", ["custom_reward_function.path={root}/signature.py",
+                                              "reward.reward_manager.name=prime"],
+     "cannot be called as fn(data_source, solution_str, ground_truth, extra_info, "),
     ("unroutable data_source", ["data.train_files={root}/unroutable.parquet"], "nope/unknown"),
     ("message without role", ["data.train_files={root}/no_role.parquet"], "no_role.parquet row 3"),
     ("fewer rows than a batch", ["data.train_files={root}/few.parquet"], "data.train_batch_size"),
@@ -94,6 +103,17 @@ def test_a_reward_function_raising_on_the_preflights_sample_passes(tiny, no_laun
                     f"data.val_files={root / 'data' / 'test.parquet'}",
                     f"trainer.default_local_dir={root / 'run'}",
                     f"custom_reward_function.path={root / 'raises.py'}"])  # fmt: skip
+
+
+def test_the_prime_manager_calls_positionally(tiny, no_launch):
+    """Other parameter names than verl's keywords pass under prime (it calls positionally)."""
+    root = tiny["root"]
+    with pytest.raises(AssertionError, match="let this through"):
+        train.main(["-c", CONFIG, f"actor_rollout_ref.model.path={root / 'model'}",
+                    f"data.train_files={root / 'data' / 'train.parquet'}",
+                    f"data.val_files={root / 'data' / 'test.parquet'}",
+                    f"trainer.default_local_dir={root / 'run'}", "reward.reward_manager.name=prime",
+                    f"custom_reward_function.path={root / 'positional.py'}"])  # fmt: skip
 
 
 @pytest.mark.parametrize(("overrides", "named"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
