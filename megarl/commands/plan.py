@@ -105,8 +105,9 @@ def render(plan: MemoryPlan, proposals: list[Proposal], source: str) -> str:
             f"(reserve {c.reserve_gib:g} GiB)"
         ),
         (
-            f"training TP {lay.tp} × PP {lay.pp} × VPP {lay.vpp} → DP "
-            f"{lay.data_parallel_size(c.world)}"
+            f"training TP {lay.tp} × PP {lay.pp} × VPP {lay.vpp}"
+            + (f" × CP {lay.cp}" if lay.cp > 1 else "")
+            + f" → DP {lay.data_parallel_size(c.world)}"
         ),
     ]
     if plan.rollout_gpus:

@@ -344,10 +344,15 @@ class _Builder:
         key = f"{prefix}.{budget_name}"
         d = self.cfg.data
         longest = d.max_prompt_length + d.max_response_length
-        if budget < longest:
+        # Per GPU: a micro-batch holds budget × CP tokens, each sequence split over the CP ranks
+        # (verl's Megatron workers scale the budget so).
+        cp = self.cfg.actor_rollout_ref.actor.megatron.context_parallel_size
+        if budget * cp < longest:
+            times_cp = f" × context_parallel_size {cp}" if cp > 1 else ""
             self.errors.append(
-                f"{key}={budget} is below the longest sequence, data.max_prompt_length + "
-                f"data.max_response_length = {longest}, which could then fit no micro-batch"
+                f"{key}={budget}{times_cp} is below the longest sequence, "
+                f"data.max_prompt_length + data.max_response_length = {longest}, which could "
+                "then fit no micro-batch"
             )
             return None
         if responses % dp:

@@ -124,12 +124,13 @@ def _edge_bytes_per_token(
 def logprob_working_bytes(
     dims: ModelDims, layout: ParallelLayout, micro_batch: int, seq_len: int, dtype: str
 ) -> int:
-    """``e·b·s·V/t + 20·b·min(s, 1024)·V/t``: logits' gradient plus five fp32 chunks."""
+    """``e·b·s·V/(t·c) + 20·b·min(s/c, 1024)·V/t``: logits' gradient plus five fp32 chunks, of
+    this rank's ``b·s/c`` tokens (``c``: CP, each rank holds ``1/c`` of every sequence)."""
     local_vocab = padded_vocab_size(dims.vocab_size, layout.tp) // layout.tp
-    e = ITEMSIZE[dtype]
+    e, cp = ITEMSIZE[dtype], layout.cp
     return int(
-        e * micro_batch * seq_len * local_vocab
-        + 20 * micro_batch * min(seq_len, LOGPROB_CHUNK) * local_vocab
+        e * micro_batch * seq_len * local_vocab / cp
+        + 20 * micro_batch * min(seq_len / cp, LOGPROB_CHUNK) * local_vocab
     )
 
 
@@ -159,9 +160,10 @@ def training_activations(
     Recomputation: ``full``/``uniform`` over ``n`` layers keeps only the input of every group of
     ``n`` layers (``e·h/σ`` per token) and recomputes one group at a time in the backward pass
     (the working set); ``full``/``block`` recomputes the first ``n`` layers of every chunk and
-    keeps the rest; ``selective`` drops the attention core.
+    keeps the rest; ``selective`` drops the attention core. Context parallelism: each rank holds
+    ``1/CP`` of every sequence's tokens (whose queries still see all ``s`` keys).
     """
-    tokens = micro_batch * seq_len
+    tokens = micro_batch * seq_len / layout.cp
     per_chunk = dims.num_layers // (layout.pp * layout.vpp)
     selective = recompute.granularity == "selective"
     full_layer = layer_bytes_per_token(dims, layout, seq_len, dtype, impl, selective=selective)
@@ -207,8 +209,8 @@ def forward_activations(
     role: Role = "actor",
 ) -> Activations:
     """Forward-only pass (log-probs, values): nothing is saved; one layer's tensors plus the
-    last stage's outputs and the log-prob working set are transient."""
-    tokens = micro_batch * seq_len
+    last stage's outputs and the log-prob working set are transient (``1/CP`` of the tokens)."""
+    tokens = micro_batch * seq_len / layout.cp
     layer = tokens * layer_bytes_per_token(dims, layout, seq_len, dtype, impl)
     edge = tokens * _edge_bytes_per_token(dims, layout, dtype, role, False, True)
     work = (

@@ -299,7 +299,9 @@ def model_state(
     if pp_rank is None:
         stages = [model_state(dims, layout, world, role, opt, pp_rank=r) for r in range(layout.pp)]
         return max(stages, key=lambda s: s.total)
-    dp = layout.data_parallel_size(world)
+    # Megatron's DDP reduces gradients, and its distributed optimizer shards, over DP × CP (the
+    # context-parallel peers hold the same parameters); the experts' group already spans CP.
+    dp = layout.data_parallel_size(world) * layout.cp
     total = experts = ModelState(0, 0, 0, 0)
     for vp_stage in range(layout.vpp):
         slots = chunk_params(dims, layout, pp_rank, vp_stage, role)

@@ -196,12 +196,19 @@ def _assumptions(cfg: MegarlConfig, meg: MegatronConfig) -> OptimizerAssumptions
     )
 
 
-def _tokens(p: PassBatches, seq: int) -> tuple[int, int]:
-    """(micro-batch sequences, sequence length) of a pass (a token budget: one packed row)."""
+def _tokens(p: PassBatches, seq: int, cp: int = 1) -> tuple[int, int]:
+    """(micro-batch sequences, sequence length) of a pass; a token budget is per GPU, a packed
+    row of ``budget × CP`` tokens (verl's meaning)."""
     if p.micro_batch_size is not None:
         return p.micro_batch_size, seq
-    budget = p.max_token_len_per_gpu or seq
+    budget = (p.max_token_len_per_gpu or seq) * cp
     return max(1, budget // seq), seq
+
+
+def _per_cp(cfg) -> str:
+    """How a term's label says its tokens are split over context parallelism."""
+    cp = cfg.actor_rollout_ref.actor.megatron.context_parallel_size
+    return f", /CP {cp}" if cp > 1 else ""
 
 
 @functools.lru_cache(maxsize=64)
@@ -308,7 +315,8 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
             "are not modelled"
         ),
         f"layer spec: {impl}; sequence length {seq} = max_prompt_length + max_response_length",
-        f"gradient buffers in fp32 (grad_reduce_in_fp32), {'distributed' if arr.actor.megatron.use_distributed_optimizer else 'plain'} optimizer over DP {layout.data_parallel_size(world)}",
+        f"gradient buffers in fp32 (grad_reduce_in_fp32), {'distributed' if arr.actor.megatron.use_distributed_optimizer else 'plain'} optimizer over DP {layout.data_parallel_size(world)}"
+        + (f" × CP {layout.cp} (Megatron shards over both)" if layout.cp > 1 else ""),
         (
             "residency by phase: megarl/planner/residency.py (what the trainer applies); the reward "
             "model and the checkpoint save's optimizer gather are not modelled"
@@ -439,14 +447,14 @@ def _forward_terms(cfg, dims, role: str, p: PassBatches | None, seq: int) -> tup
     """A forward-only pass's activations (one layer, the logits, the log-prob working set)."""
     if p is None:
         return ()
-    b, s = _tokens(p, seq)
+    b, s = _tokens(p, seq, cfg.actor_rollout_ref.actor.megatron.context_parallel_size)
     act = forward_activations(
         dims, cfg.actor_rollout_ref.actor.megatron.parallel_layout(), micro_batch=b, seq_len=s,
         dtype=cfg.trainer.dtype, impl=_impl(cfg, cfg.actor_rollout_ref.actor.megatron),
         role="critic" if role == "critic" else "actor",
     )  # fmt: skip
     return (
-        Term(f"forward activations, {p.name} (b={b}, s={s})", act.peak,
+        Term(f"forward activations, {p.name} (b={b}, s={s}{_per_cp(cfg)})", act.peak,
              "one layer + logits + log-prob working set"),
     )  # fmt: skip
 
@@ -457,7 +465,7 @@ def _update_terms(cfg, dims, role: str, p: PassBatches | None, seq: int) -> tupl
         return ()
     arr = cfg.actor_rollout_ref
     meg = cfg.critic.megatron if role == "critic" else arr.actor.megatron
-    b, s = _tokens(p, seq)
+    b, s = _tokens(p, seq, arr.actor.megatron.context_parallel_size)
     act = training_activations(
         dims, arr.actor.megatron.parallel_layout(), micro_batch=b, seq_len=s,
         micro_batches=p.micro_batches_per_rank or 1, dtype=cfg.trainer.dtype,
@@ -466,7 +474,7 @@ def _update_terms(cfg, dims, role: str, p: PassBatches | None, seq: int) -> tupl
                             meg.recompute_num_layers),
     )  # fmt: skip
     return (
-        Term(f"{role} saved activations (b={b}, s={s})", act.saved,
+        Term(f"{role} saved activations (b={b}, s={s}{_per_cp(cfg)})", act.saved,
              "in-flight micro-batches × layers × bytes/token"),
         Term(f"{role} recompute + log-prob working set", act.working,
              "one recomputed group; e·b·s·V/t + 20·b·1024·V/t"),

@@ -16,6 +16,7 @@ INTENDED_WORLD_SIZE = {
     "grpo_qwen2_5_7b.yaml": 8,
     "grpo_qwen3_30b_a3b.yaml": 16,
     "ppo_qwen2_5_32b.yaml": 32,
+    "grpo_qwen2_5_32b_longcot.yaml": 32,
     "ppo_qwen2_5_72b.yaml": 64,
 }
 RUNNABLE = sorted(p.name for p in CONFIGS.glob("*.yaml") if not p.name.startswith("_"))
