@@ -414,6 +414,24 @@ def test_update_equals_single_process_reference(setup, references, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_critic_update_is_the_same_at_every_layout(setup, world):
+    """The critic's SGD update (lr 1, float64: the weight change is the reduced gradient) and
+    its metrics at every layout of the world, packed and at CP 2 included, equal (1,1,1)'s
+    right-padded one (whose values and gradients tests/models and the critic SP test check)."""
+    base = _results(setup, 1)[f"{LAYOUT_KEYS[1][0]}/critic"]
+    results = _results(setup, world)
+    for layout in LAYOUT_KEYS[world]:
+        got = results[f"{layout}/critic"]
+        assert set(got["weights"]) == set(base["weights"])
+        for name, w in base["weights"].items():
+            # float64 updates, compared as the fp32 copies the worker returns: 1e-7 is a few
+            # fp32 ulps of these weights; a wrong gradient moves them by ~its size (lr 1)
+            assert float((got["weights"][name] - w).abs().max()) <= 1e-7, (layout, name)
+        for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm"):
+            assert got["metrics"][key] == pytest.approx(base["metrics"][key], rel=1e-6), (layout, key)
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_moe_update_equals_single_process_reference(setup, moe_references, world):
     """The tiny Qwen3-MoE's GRPO update at EP 2 and PP 2 × EP 2 (distributed optimizer) equals
     the single-process reference: weights, the loss metrics, the grad norm (experts' gradients
