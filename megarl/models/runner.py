@@ -134,26 +134,44 @@ def forward_logits(
     chunks: Sequence[torch.nn.Module],
     micro_batches: Sequence[torch.Tensor],
     keep: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+    lengths: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor] | None:
     """Forward-only pass of token-id micro-batches ``[b, s]`` through Megatron's pipeline schedule.
 
     On the last pipeline stage returns, per micro-batch in order, ``keep(index, logits)`` of its
     vocab-parallel logits ``[b, s, V/TP]`` (the logits themselves when ``keep`` is None),
-    detached; None on the other stages. Sequences are right-padded (causal mask only). The
-    interleaved (VPP) schedule wants a multiple of PP micro-batches of one shape.
+    detached; None on the other stages. Sequences are right-padded (causal mask only); under
+    context parallelism they run packed, which needs each micro-batch's ``lengths`` (the logits
+    are gathered over CP, 0 past each length). The interleaved (VPP) schedule wants a multiple
+    of PP micro-batches of one shape.
     """
     kept: list[torch.Tensor] = []
     config = unwrap(chunks[0]).config
+    packed = None
+    if parallel_state.get_context_parallel_world_size() > 1:
+        if lengths is None:
+            raise ValueError("context parallelism packs the rows: pass each micro-batch's lengths")
+        rows = [
+            {"input_ids": ids, "lengths": n} for ids, n in zip(micro_batches, lengths, strict=True)
+        ]
+        packed = _pack(rows, config)
+    numbered = list(enumerate(micro_batches))
 
     def step(data_iterator, model):
-        ids = next(data_iterator)
+        index, ids = next(data_iterator)
         width = ids.shape[1]
-        ids = _pad_for_sequence_parallel(ids, config)
-        seq = ids.shape[1]
-        positions = torch.arange(seq, device=ids.device)[None].expand_as(ids)
-        output = model(ids, positions, causal_mask(seq, ids.device))
+        if packed is not None:
+            rows = packed[index]
+            output = model(rows.input_ids, rows.position_ids, None, packed_seq_params=rows.params)
+        else:
+            ids = _pad_for_sequence_parallel(ids, config)
+            seq = ids.shape[1]
+            positions = torch.arange(seq, device=ids.device)[None].expand_as(ids)
+            output = model(ids, positions, causal_mask(seq, ids.device))
 
         def loss_func(logits: torch.Tensor):
+            if packed is not None:
+                logits = packed[index].order.to_grid(gather_over_cp(logits[0]))
             logits = logits[:, :width]  # without the sequence-parallel padding
             kept.append((logits if keep is None else keep(len(kept), logits)).detach())
             return logits.sum() * 0.0, torch.ones((), dtype=torch.int), {}
@@ -163,11 +181,15 @@ def forward_logits(
     interleaved = len(chunks) > 1
     get_forward_backward_func()(
         forward_step_func=step,
-        data_iterator=[iter(micro_batches) for _ in chunks] if interleaved else iter(micro_batches),
+        data_iterator=[iter(numbered) for _ in chunks] if interleaved else iter(numbered),
         model=list(chunks) if interleaved else chunks[0],
         num_microbatches=len(micro_batches),
-        seq_length=_sequence_parallel_length(max(mb.shape[1] for mb in micro_batches), config),
-        micro_batch_size=micro_batches[0].shape[0],
+        seq_length=(
+            max(p.length for p in packed)
+            if packed is not None
+            else _sequence_parallel_length(max(mb.shape[1] for mb in micro_batches), config)
+        ),
+        micro_batch_size=1 if packed is not None else micro_batches[0].shape[0],
         forward_only=True,
     )
     return kept if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else None

@@ -49,7 +49,7 @@ def last_position_logits(
         idx = (last[index].to(logits.device) - 1)[:, None, None].expand(-1, 1, logits.shape[-1])
         return logits.gather(1, idx).squeeze(1)
 
-    kept = forward_logits(chunks, input_ids[:, :seq].split(mb_size), keep)
+    kept = forward_logits(chunks, input_ids[:, :seq].split(mb_size), keep, lengths=last)
     device = input_ids.device
     if kept is not None:
         full = gather_vocab(torch.cat(kept)[:n], vocab_size).contiguous()

@@ -293,7 +293,11 @@ def _announce(run: Run) -> None:
     run.console.print(
         f"megarl: {cfg.algorithm.adv_estimator} on {cfg.actor_rollout_ref.model.path}, "
         f"{run.world_size} rank(s), TP {meg.tensor_model_parallel_size} × PP "
-        f"{meg.pipeline_model_parallel_size} × DP {run.plan.data_parallel_size}, rollout "
+        f"{meg.pipeline_model_parallel_size}"
+        + (f" × CP {meg.context_parallel_size}" if meg.context_parallel_size > 1 else "")
+        + f" × DP {run.plan.data_parallel_size}"
+        + (", packed" if run.actor.pack else ", right-padded")
+        + ", rollout "
         f"{cfg.actor_rollout_ref.rollout.name} TP {_rollout_placement(cfg, run.engine, run.ahead)}; "
         f"{run.total_steps} steps of "
         f"{run.plan.responses_per_step} responses; logs in {run.console.log_path.parent}"

@@ -266,6 +266,24 @@ def test_resume_at_tp1_pp2_continues_exactly_under_the_checkpoint_lr(tiny, refer
     assert "using the checkpoint's" in out and got["actor/lr"] == 1e-4
 
 
+def test_resume_at_cp2_continues_exactly(tiny, reference):
+    """Context parallelism shards no weights: the TP 2 checkpoint resumes at TP 1 × CP 2
+    (packed rows split over both ranks; the optimizer state resharded over DP × CP) and step 3
+    is the uninterrupted run's."""
+    run_dir = _from_step_2(reference, tiny["root"] / "cp2")
+    (run_dir / "STOP").write_text("")  # stop (with a checkpoint) after the first step
+    out = _run(
+        tiny,
+        run_dir,
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+        "actor_rollout_ref.actor.megatron.context_parallel_size=2",
+    )
+    assert "stopped after step 3" in out and f"resumed from {run_dir / 'global_step_2'}" in out
+    worst = _largest_difference(read_metrics(reference)[3], read_metrics(run_dir)[3])
+    print(f"cp2: step 3 differs by {worst:.3g}")
+    assert worst <= 1e-5
+
+
 def test_sigint_exits_without_saving_and_the_last_checkpoint_loads_at_dp2(tiny, reference):
     run_dir = _from_step_2(reference, tiny["root"] / "sigint")
     # A changed lr: the config wins (default policy), named; step 3 runs with it. The step-4
