@@ -92,3 +92,27 @@ def test_te_spec_turns_the_fusions_on(te_model):
     assert config.transformer_impl == "transformer_engine"
     assert config.bias_activation_fusion and config.apply_rope_fusion
     assert config.gradient_accumulation_fusion == apex_fused_wgrad_available()
+
+
+def test_te_packed_rows_match_padded_rows(te_model):
+    """Transformer Engine's fused attention in THD format (packed rows, each sequence padded to
+    what Megatron needs) gives the right-padded pass's log-probs and entropy: bf16, so within
+    the same relative bound as the logits above; one-token responses and odd lengths included."""
+    from megarl.models.runner import SequenceBatch, compute_log_probs
+
+    _, dims, chunks = te_model
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.tensor([13, 7, 11, 5, 2, 13])
+    prompts = torch.tensor([12, 3, 4, 2, 1, 6])
+    ids = torch.randint(0, dims.vocab_size, (6, 13), generator=g)
+    batch = SequenceBatch(ids, prompts, lengths)
+    micro = [torch.tensor([0, 3]), torch.tensor([1, 2, 4, 5])]
+    out = {
+        pack: compute_log_probs(
+            chunks, batch, vocab_size=dims.vocab_size, micro_batches=micro, pack=pack
+        )
+        for pack in (False, True)
+    }
+    scale = out[False].log_probs.abs().max()
+    assert (out[True].log_probs - out[False].log_probs).abs().max() <= 0.05 * scale
+    assert (out[True].entropy - out[False].entropy).abs().max() <= 0.05 * out[False].entropy.max()

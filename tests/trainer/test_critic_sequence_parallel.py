@@ -92,13 +92,19 @@ def _assert_same_critic(ref: dict, other: dict, *, rtol: float) -> None:
 def test_critic_sequence_parallel_equals_no_sp_on_gpu(tmp_path):
     te = importlib.util.find_spec("transformer_engine") is not None
     cases = [{"name": "tp2", "tp": 2, "sequence_parallel": False},
-             {"name": "tp2_sp", "tp": 2, "sequence_parallel": True}]  # fmt: skip
+             {"name": "tp2_sp", "tp": 2, "sequence_parallel": True},
+             {"name": "tp2_sp_packed", "tp": 2, "sequence_parallel": True, "pack": True},
+             {"name": "cp2_packed", "tp": 1, "cp": 2, "sequence_parallel": False, "pack": True}]  # fmt: skip
     # Without Transformer Engine the local spec runs SP on GPU the way the CPU test runs it.
     out = _run(tmp_path, cases, dtype="float32",
                transformer_impl="transformer_engine" if te else "local", emulate_sp_norm=not te)  # fmt: skip
     assert out["tp2_sp"]["sequence_parallel"] and not out["tp2"]["sequence_parallel"]
     # fp32: SP changes where partial sums meet (norm weight gradients), not what is summed.
     _assert_same_critic(out["tp2"], out["tp2_sp"], rtol=1e-4)
+    # Packed rows (TE's THD attention) and context parallelism (TE's CP attention, cp_comm_type
+    # p2p by default): the same values, log-probs and gradients.
+    _assert_same_critic(out["tp2"], out["tp2_sp_packed"], rtol=1e-4)
+    _assert_same_critic(out["tp2"], out["cp2_packed"], rtol=1e-4)
 
 
 def test_critic_layouts_and_emulated_sequence_parallel_agree_on_cpu(tmp_path):
