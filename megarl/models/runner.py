@@ -6,12 +6,16 @@ response's end are 0 (:func:`response_mask`), and every rank returns them.
 
 The loss-scaling contract (implemented only in :func:`forward_backward`): Megatron runs with
 ``calculate_per_token_loss``, so its schedule does not divide by the micro-batch count, DDP sums
-gradients over DP, and ``finalize_model_grads`` divides them by the sum of the counts the loss
-functions return. megarl's loss function returns the micro-batch's *share* of the mini-batch loss
-(``agg_loss`` with the whole mini-batch's counts); the runner multiplies it by ``G``, the
-mini-batch's unpadded tokens summed over DP×CP, and reports the micro-batch's token count, so
-Megatron divides by exactly ``G``: the gradient is the mini-batch loss's however the batch is
-split. Without Megatron DDP the share is back-propagated unscaled and not reduced over DP.
+gradients over DP×CP, and ``finalize_model_grads`` divides them by the sum of the counts the
+loss functions return over DP×CP. megarl's loss function returns the micro-batch's *share* of
+the mini-batch loss (``agg_loss`` with the whole mini-batch's counts); the runner multiplies it
+by ``G``, the mini-batch's unpadded tokens summed over DP, and reports the unpadded tokens this
+rank holds of the micro-batch (under context parallelism its CP share), so Megatron divides by
+exactly ``G``: the gradient is the mini-batch loss's however the batch is split. Context
+parallelism: each CP peer computes the whole share from outputs gathered over CP with only its
+own tokens live, so the peers' gradients add up to the share's once; the MoE routers' losses,
+which each rank attaches for its own tokens, add up alike. Without Megatron DDP the share is
+back-propagated unscaled and not reduced over DP.
 """
 
 from __future__ import annotations
@@ -426,7 +430,10 @@ def _run(
         def loss_func(output_tensor: torch.Tensor):
             outputs = outputs_of(output_tensor, mb, packed[index].order if packed else None)
             collected.append({k: v.detach() for k, v in outputs.items()})
-            count = mb["lengths"].sum().to(torch.int)
+            if packed is None:
+                count = mb["lengths"].sum().to(torch.int)
+            else:  # this CP rank's unpadded tokens (all of them without CP)
+                count = (packed[index].order.local >= 0).sum().to(torch.int)
             if not training:
                 return output_tensor.sum() * 0.0, count, {}
             share, metrics = loss_fn(outputs, mb)  # type: ignore[misc]
@@ -553,10 +560,10 @@ def _pack(micro: list[dict], config) -> list[PackedRows]:
 
 
 def _global_token_count(lengths: torch.Tensor, device: torch.device) -> float:
-    """Tokens (without padding) of the mini-batch summed over the DP×CP group (Megatron's
-    divisor)."""
+    """Tokens (without padding) of the mini-batch summed over DP (Megatron's divisor: the counts
+    it sums over DP×CP add up to it, each CP rank reporting its share)."""
     total = lengths.sum().to(torch.float64).reshape(1).to(device)
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    group = parallel_state.get_data_parallel_group()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return float(total.item())

@@ -31,7 +31,8 @@ REPLAY_LAYOUTS = {2: [(1, 1, 2)], 4: [(2, 2, 1)]}
 
 
 # (tp, pp) of the router-loss check (sequence parallel at TP 2).
-ROUTER_LOSS_LAYOUTS = {1: [(1, 1)], 2: [(2, 1)], 4: [(2, 2)]}
+ROUTER_LOSS_LAYOUTS = {1: [(1, 1, 1)], 2: [(2, 1, 1), (1, 1, 2)], 4: [(2, 2, 1)]}
+"""(TP, PP, CP); context parallelism runs packed rows."""
 ROUTER_LOSS_COEFFS = {"moe_aux_loss_coeff": 0.5, "moe_z_loss_coeff": 0.25}
 """Large enough that the routers' gradients are far above float32's rounding."""
 ROUTER_LOSS_MICRO_BATCH = 2
@@ -98,8 +99,8 @@ def run_moe_checks(spec: dict, world: int, results: dict) -> None:
         _dist_checkpoint_init(spec, results)
     for tp, pp, ep in REPLAY_LAYOUTS.get(world, []):
         results[f"moe/replay_tp{tp}_pp{pp}_ep{ep}"] = _routing_replay(spec, tp, pp, ep)
-    for tp, pp in ROUTER_LOSS_LAYOUTS.get(world, []):
-        results[f"moe/router_losses_tp{tp}_pp{pp}"] = _router_losses(spec, tp, pp)
+    for tp, pp, cp in ROUTER_LOSS_LAYOUTS.get(world, []):
+        results[f"moe/router_losses_tp{tp}_pp{pp}_cp{cp}"] = _router_losses(spec, tp, pp, cp)
     results["moe/seconds"] = time.perf_counter() - start  # this launch's added time
 
 
@@ -282,7 +283,7 @@ def _routing_replay(spec: dict, tp: int, pp: int, ep: int) -> dict:
     }
 
 
-def _router_losses(spec: dict, tp: int, pp: int) -> dict:
+def _router_losses(spec: dict, tp: int, pp: int, cp: int = 1) -> dict:
     """One forward and backward of the tiny Qwen3-MoE (float32, SGD, Megatron DDP) whose only
     loss is the routers' (load balancing and z-loss; the policy's share is multiplied by 0), in
     micro-batches of :data:`ROUTER_LOSS_MICRO_BATCH`: every router's weight gradient after
@@ -301,7 +302,7 @@ def _router_losses(spec: dict, tp: int, pp: int) -> dict:
         from tests.trainer._critic_sp_worker import _emulate_sp_norm
 
         _emulate_sp_norm()
-    layout = ParallelLayout(tp, pp, sequence_parallel=tp > 1)
+    layout = ParallelLayout(tp, pp, sequence_parallel=tp > 1, context_parallel_size=cp)
     init_distributed(layout, seed=1234)
     moe = MoeSettings.from_dict({"moe_router_load_balancing_type": "aux_loss",
                                  **ROUTER_LOSS_COEFFS})  # fmt: skip
@@ -314,7 +315,7 @@ def _router_losses(spec: dict, tp: int, pp: int) -> dict:
     seqs = SequenceBatch(batch["input_ids"], torch.full_like(lengths, 3), lengths)
     per_micro = forward_backward(
         model.chunks, seqs, lambda outputs, mb: (outputs["log_probs"].sum() * 0.0, {}),
-        micro_batches=ROUTER_LOSS_MICRO_BATCH, vocab_size=built.dims.vocab_size,
+        micro_batches=ROUTER_LOSS_MICRO_BATCH, vocab_size=built.dims.vocab_size, pack=cp > 1,
     )  # fmt: skip
     grads = {r.layer_number - 1: r.weight.main_grad.detach().double().cpu()
              for c in model.chunks for r in routers(c)}  # fmt: skip

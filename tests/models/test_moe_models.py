@@ -158,8 +158,9 @@ def _hf_router_losses(path: str, batch: dict) -> tuple[dict[int, torch.Tensor], 
 def test_router_losses_have_their_full_strength_at_every_layout(spec, ws1, ws2, ws4):
     """The routers' load-balancing and z losses (Megatron's, in megarl's per-token loss mode)
     give every router the gradient of the batch's token-weighted losses at TP 1, TP 2 (sequence
-    parallel: each rank routes a slice, the slices' real-token counts unequal) and TP 2 x PP 2,
-    as transformers' router logits give it; the reported losses are the same at each layout."""
+    parallel: each rank routes a slice, the slices' real-token counts unequal), CP 2 (packed
+    rows, each rank routing its chunks) and TP 2 x PP 2, as transformers' router logits give it;
+    the reported losses are the same at each layout."""
     batch = torch.load(spec["moe_batch"])
     want, metrics = _hf_router_losses(spec["moe_models"]["qwen3_moe"], batch)
     seen = 0
@@ -174,4 +175,4 @@ def test_router_losses_have_their_full_strength_at_every_layout(spec, ws1, ws2, 
             for name, value in metrics.items():
                 assert r[name] == pytest.approx(value, rel=1e-5), (key, name)
             print(f"ws{world} {key}: aux {r['moe_aux_loss']:.6f} z {r['moe_z_loss']:.6f}")
-    assert seen == 5 * len(want)  # every rank's routers: L at TP 1, 2 L at TP 2, 4 L / 2 at PP 2
+    assert seen == 7 * len(want)  # every rank's: L at TP 1, 2 L at TP 2 and CP 2, 4 L / 2 at PP 2
