@@ -71,10 +71,24 @@ ALL_OFFLOADS = [
 ]  # fmt: skip
 
 
-def _estimator_overrides(name: str) -> list[str]:
+GDPO_SCORER = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
+    "    return {'score': 0.1 + (len(solution_str) % 7) / 10,\n"
+    "            'length': (len(solution_str) % 5) / 4,\n"
+    "            'digits': float(sum(c.isdigit() for c in solution_str) % 3)}\n"
+)
+"""GDPO's reward components come from the function's dict (verl: its non_tensor_batch)."""
+
+
+def _estimator_overrides(name: str, tmp: Path) -> list[str]:
     extra = [f"algorithm.adv_estimator={name}"]
     if name.endswith("optimal_token_baseline"):
         extra.append("actor_rollout_ref.actor.calculate_sum_pi_squared=true")
+    if name == "gdpo":
+        (tmp / "gdpo_reward.py").write_text(GDPO_SCORER)
+        extra += [f"custom_reward_function.path={tmp / 'gdpo_reward.py'}",
+                  "algorithm.gdpo_reward_keys=[length,digits]",
+                  "algorithm.gdpo_reward_weights=[1.0,0.5]"]  # fmt: skip
     return extra
 
 
@@ -104,7 +118,7 @@ def spec(tmp_path_factory) -> dict:
     make_tiny_model(tmp / "model", family="qwen2", seed=3)
     assert data.main(["synth", "--out", str(tmp / "data"), "--train-size", "64"]) == 0
     runs = [
-        {"name": name, "overrides": _estimator_overrides(name), "steps": 2, "worlds": [1, 2]}
+        {"name": name, "overrides": _estimator_overrides(name, tmp), "steps": 2, "worlds": [1, 2]}
         for name in ESTIMATORS
     ]
     runs.append({"name": "nan", "overrides": [], "steps": 2, "poison_step": 1, "worlds": [2]})
