@@ -26,10 +26,14 @@ def check_async(cfg, error: Error) -> None:
     if a.trigger_parameter_sync_step != 1:
         error(
             f"async_training.trigger_parameter_sync_step={a.trigger_parameter_sync_step}: "
-            "megarl syncs the weights after every update (1)"
+            "megarl syncs the weights after every update (several updates between syncs are not "
+            "built yet); use 1"
         )
     if a.partial_rollout:
-        error("async_training.partial_rollout=true: megarl finishes every rollout it started")
+        error(
+            "async_training.partial_rollout=true: megarl finishes every rollout it started "
+            "(no partial rollouts yet); use false"
+        )
     if a.staleness_threshold < 0:
         error(f"async_training.staleness_threshold must be >= 0, got {a.staleness_threshold}")
     if not ranks:

@@ -27,8 +27,6 @@ _DTYPES = {
 """trainer.dtype -> the names verl's dtype keys give it."""
 _FP32 = _DTYPES["fp32"]
 ONLY: tuple[tuple[str, tuple[object, ...], str], ...] = (
-    *[(f"{o}.use_precision_aware_optimizer", (False,), "main params and moments are fp32")
-      for o in _OPTIMS],
     *[(f"{o}.{k}", _FP32, "main gradients and Adam moments are fp32")
       for o in _OPTIMS for k in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")],
     *[(f"{o}.use_layer_wise_distributed_optimizer", (False,),

@@ -22,7 +22,6 @@ HONOURED: dict[str, str] = {
 _FP32 = ("fp32", "float32", "torch.float32")
 ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "decoupled_weight_decay": ((True,), "weight decay is decoupled (AdamW)"),
-    "use_precision_aware_optimizer": ((False,), "main params and moments are fp32"),
     "main_grads_dtype": (_FP32, "main gradients are fp32"),
     "main_params_dtype": (_FP32, "main params are fp32"),
     "exp_avg_dtype": (_FP32, "Adam moments are fp32"),
@@ -30,15 +29,23 @@ ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "optimizer_cpu_offload": (
         (False,),
         (
-            "the optimizer steps on the GPU; megatron.optimizer_offload moves its state to "
-            "CPU between steps"
+            "no CPU optimizer step: the optimizer steps on the GPU; "
+            "megatron.optimizer_offload=true moves its state to CPU between steps"
         ),
     ),
-    "overlap_cpu_optimizer_d2h_h2d": ((False,), "no CPU optimizer step"),
-    "use_torch_optimizer_for_cpu_offload": ((False,), "no CPU optimizer step"),
-    "optimizer_offload_fraction": ((0, 0.0), "no CPU optimizer step"),
 }
 """Entries accepted only at megarl's behaviour: (the values that work, why)."""
+
+NO_EFFECT: dict[str, str] = {
+    "use_precision_aware_optimizer": (
+        "with the fp32 dtypes above (the only ones accepted) Megatron's precision-aware Adam "
+        "keeps fp32 main params and moments, as megarl's does"
+    ),
+    "optimizer_offload_fraction": "read by Megatron only with optimizer_cpu_offload",
+    "overlap_cpu_optimizer_d2h_h2d": "read by Megatron only with optimizer_cpu_offload",
+    "use_torch_optimizer_for_cpu_offload": "read by Megatron only with optimizer_cpu_offload",
+}
+"""Entries accepted at any value, with no effect in megarl (why)."""
 
 
 def override_problems(prefix: str, overrides: dict[str, Any]) -> list[str]:
@@ -47,6 +54,8 @@ def override_problems(prefix: str, overrides: dict[str, Any]) -> list[str]:
     problems = []
     for name, value in overrides.items():
         key = f"{prefix}.{name}"
+        if name in NO_EFFECT:
+            continue
         if name in HONOURED:
             number = _number(value)
             if number is None or number < 0:
@@ -63,7 +72,8 @@ def override_problems(prefix: str, overrides: dict[str, Any]) -> list[str]:
         else:
             problems.append(
                 f"{key} is not applied by megarl; the entries it honours are "
-                f"{', '.join(HONOURED)} (and {', '.join(ONLY)} at megarl's values)"
+                f"{', '.join(HONOURED)} (and {', '.join(ONLY)} at megarl's values; "
+                f"{', '.join(NO_EFFECT)} at any)"
             )
     return problems
 

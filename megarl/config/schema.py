@@ -524,7 +524,7 @@ class TrainerConfig:
     tracking_uri: str | None = None
     """(megarl) MLflow URI; null: $MLFLOW_TRACKING_URI, else SQLite in the run dir (1 node only)."""
     log_val_generations: int = 0
-    """Validation generations to log per validation."""
+    """Validation samples (verl's choice) appended per validation to <run dir>/val_generations.jsonl."""
     rollout_data_dir: str | None = None
     """Directory of per-step JSON-lines dumps of scored rollouts; null: none."""
     validation_data_dir: str | None = None

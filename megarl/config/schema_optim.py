@@ -46,7 +46,7 @@ class OptimConfig:
     lr_wsd_decay_steps: int | None = None
     """No effect, any value (WSD schedule only)."""
     use_precision_aware_optimizer: bool = False
-    """Only false: main params and Adam moments are fp32."""
+    """No effect, either value: at the fp32 dtypes below it keeps fp32 main params and moments."""
     main_grads_dtype: str = "fp32"
     """Only fp32 (main gradients are fp32)."""
     exp_avg_dtype: str = "fp32"

@@ -99,18 +99,25 @@ def resolve_spellings(cfg: MegarlConfig, errors: list[str]) -> None:
         _set(cfg, new, copy.deepcopy(_get(cfg, old)))
     _resolve_async_batch(cfg, errors)
     _resolve_transformer_overrides(cfg, errors)
+    _resolve_model_config_overrides(cfg, errors)
 
 
 RECOMPUTE = ("recompute_granularity", "recompute_method", "recompute_num_layers")
-NO_EFFECT = ("use_flash_attn",)
-"""override_transformer_config entries with no effect in megarl (the attention kernel follows
-megatron.transformer_impl)."""
+FUSIONS = ("apply_rope_fusion", "bias_activation_fusion", "gradient_accumulation_fusion",
+           "deallocate_pipeline_outputs")  # fmt: skip
+"""override_transformer_config entries that are megarl's own ``megatron.*`` keys (each applied
+where the layer spec allows it: :class:`megarl.models.gpt.Fusions`)."""
+NO_EFFECT = ("use_flash_attn", "masked_softmax_fusion", "persist_layer_norm", "bias_dropout_fusion")
+"""override_transformer_config entries with no effect in megarl: the attention kernel follows
+megatron.transformer_impl; Transformer Engine's attention and norms are fused themselves (the
+first three select apex kernels of Megatron's local spec, which megarl keeps plain); the
+families megarl builds have no dropout, so fusing bias-dropout-add changes no number."""
 
 
 def _resolve_transformer_overrides(cfg: MegarlConfig, errors: list[str]) -> None:
-    """verl's ``megatron.override_transformer_config.recompute_*`` are megarl's
-    ``megatron.recompute_*`` keys: moved there (one setting given both ways with different
-    values is refused); ``use_flash_attn`` is dropped (no effect)."""
+    """verl's ``megatron.override_transformer_config.recompute_*`` and the :data:`FUSIONS` are
+    megarl's ``megatron.*`` keys of the same names: moved there (one setting given both ways
+    with different values is refused); the :data:`NO_EFFECT` entries are dropped."""
     roles = (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.megatron),
              ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.megatron),
              ("critic", cfg.critic.megatron))  # fmt: skip
@@ -118,11 +125,12 @@ def _resolve_transformer_overrides(cfg: MegarlConfig, errors: list[str]) -> None
         overrides = meg.override_transformer_config
         for key in NO_EFFECT:
             overrides.pop(key, None)
-        for key in RECOMPUTE:
+        fresh = type(meg)()
+        for key in (*RECOMPUTE, *FUSIONS):
             if key not in overrides:
                 continue
             value, mine = overrides.pop(key), getattr(meg, key)
-            if mine is not None and mine != value:
+            if mine != getattr(fresh, key) and mine != value:
                 errors.append(
                     f"{role}.megatron.override_transformer_config.{key}={_show(value)} and "
                     f"{role}.megatron.{key}={_show(mine)} are one setting given two values; "
@@ -130,6 +138,28 @@ def _resolve_transformer_overrides(cfg: MegarlConfig, errors: list[str]) -> None
                 )
                 continue
             setattr(meg, key, value)
+
+
+def _resolve_model_config_overrides(cfg: MegarlConfig, errors: list[str]) -> None:
+    """``model.override_config.model_config.*`` (verl's Megatron spelling, as in its fully-async
+    scripts) is ``model.override_config.*``: verl reads the ``model_config`` entry instead of the
+    whole dict when there is one; megarl merges it in (one field given both ways with different
+    values is refused)."""
+    for key, model in (("actor_rollout_ref.model", cfg.actor_rollout_ref.model),
+                       ("critic.model", cfg.critic.model)):  # fmt: skip
+        inner = model.override_config.get("model_config")
+        if not isinstance(inner, dict):
+            continue
+        del model.override_config["model_config"]
+        for name, value in inner.items():
+            if name in model.override_config and model.override_config[name] != value:
+                errors.append(
+                    f"{key}.override_config.model_config.{name}={_show(value)} and "
+                    f"{key}.override_config.{name}={_show(model.override_config[name])} are one "
+                    "setting given two values; give one of them"
+                )
+                continue
+            model.override_config[name] = value
 
 
 def _resolve_dicts(cfg, new: str, old: str, default_new: dict, errors: list[str]) -> None:

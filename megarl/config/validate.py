@@ -89,6 +89,32 @@ class _Checks(LayoutChecks):
         self.check_not_applied()
         self.check_files()
 
+    def check_override_config(self, key: str, overrides: dict) -> None:
+        """HF config overrides megarl's models already satisfy: dropouts of 0, and a
+        ``max_position_embeddings`` covering the sequence budget (the families megarl builds
+        use RoPE, whose positions no table bounds; verl's scripts raise it so that its own
+        check of ``rollout.max_model_len`` passes). Anything else is refused in one line."""
+        c = self.cfg
+        budget = max(c.data.max_prompt_length + c.data.max_response_length,
+                     c.actor_rollout_ref.rollout.max_model_len or 0)  # fmt: skip
+        for name, value in overrides.items():
+            if _zero_dropout(name, value):
+                continue
+            if name == "max_position_embeddings":
+                if not isinstance(value, int) or isinstance(value, bool) or value < budget:
+                    self.error(
+                        f"{key}.override_config.max_position_embeddings={fmt_value(value)} is "
+                        f"below the sequence budget (data.max_prompt_length + "
+                        f"data.max_response_length, or rollout.max_model_len) = {budget}; use "
+                        f"{budget} or more, or leave it out"
+                    )
+                continue
+            self.error(
+                f"{key}.override_config.{name}={fmt_value(value)}: the model is built from "
+                "config.json as is; only dropouts of 0 and max_position_embeddings >= the "
+                "sequence budget are accepted"
+            )
+
     # -- keys megarl reads but does not apply yet: refused rather than silently ignored --------
     def check_not_applied(self) -> None:
         c = self.cfg
@@ -99,13 +125,9 @@ class _Checks(LayoutChecks):
             ("actor_rollout_ref.ref.megatron", arr.ref.megatron),
             ("critic.megatron", c.critic.megatron),
         ]
+        for k, m in models:
+            self.check_override_config(k, m.override_config)
         refused: list[tuple[str, bool, str]] = [
-            *[
-                (f"{k}.override_config", any(not _zero_dropout(key, value)
-                                             for key, value in m.override_config.items()),
-                 "the model is built from config.json as is; only dropouts of 0 are accepted")
-                for k, m in models
-            ],
             *[
                 (f"{k}.trust_remote_code", m.trust_remote_code, "only built-in architectures load")
                 for k, m in models
@@ -122,8 +144,6 @@ class _Checks(LayoutChecks):
                  "selective recompute covers core_attn only")
                 for k, m in megatrons
             ],
-            ("trainer.log_val_generations", c.trainer.log_val_generations > 0,
-             "validation generations are not logged"),
             ("data.val_batch_size", c.data.val_batch_size is not None,
              "validation runs the whole set in one batch"),
         ]  # fmt: skip

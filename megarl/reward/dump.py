@@ -17,7 +17,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from megarl.reward.manager import RewardInput, RewardResult
 
-__all__ = ["write_dump"]
+__all__ = ["pick_val_generations", "write_dump", "write_val_generations"]
+
+VAL_GENERATIONS = "val_generations.jsonl"
+"""The run directory's file of ``trainer.log_val_generations`` samples, a line per validation."""
 
 
 def _plain(value: Any) -> Any:
@@ -63,3 +66,28 @@ def write_dump(
                 row.setdefault(name, _plain(values[i]))
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return path
+
+
+def pick_val_generations(
+    inputs: Sequence[str], outputs: Sequence[str], scores: Sequence[float], count: int
+) -> list[tuple[str, str, float]]:
+    """verl's choice of ``trainer.log_val_generations`` samples: (input, output, score) sorted
+    by input, shuffled by ``numpy.random.RandomState(42)``, the first ``count``; the same
+    samples at every validation of a run while the inputs do not change."""
+    import numpy as np
+
+    samples = sorted(zip(inputs, outputs, scores, strict=True), key=lambda x: x[0])
+    np.random.RandomState(42).shuffle(samples)
+    return samples[:count]
+
+
+def write_val_generations(
+    run_dir: Path, step: int, samples: Sequence[tuple[str, str, float]]
+) -> None:
+    """Append one line ``{"step", "samples": [{"input", "output", "score"}, ...]}`` to the run
+    directory's :data:`VAL_GENERATIONS` (verl logs the same samples as a table to wandb,
+    MLflow or TensorBoard)."""
+    line = {"step": step, "samples": [{"input": i, "output": o, "score": _plain(float(s))}
+                                      for i, o, s in samples]}  # fmt: skip
+    with (Path(run_dir) / VAL_GENERATIONS).open("a") as f:
+        f.write(json.dumps(line) + "\n")

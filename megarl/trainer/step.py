@@ -352,12 +352,27 @@ def validate(run: Run, step: int) -> dict[str, float]:
         pad_token_id=pad_token_id(run.tokenizer),
     )
     scored = score(run, prompts, samples, batch, step, dump=cfg.trainer.validation_data_dir)
+    if cfg.trainer.log_val_generations > 0 and run.rank == 0:
+        log_val_generations(run, samples, scored.scores.tolist(), step)
     sources = [prompts[s.prompt_index].data_source for s in samples]
     metrics = {"val/score/mean": float(scored.scores.mean())}
     for source in sorted(set(sources)):
         rows = torch.tensor([s == source for s in sources])
         metrics[f"val-core/{source}/reward/mean@{val.n}"] = float(scored.scores[rows].mean())
     return metrics
+
+
+def log_val_generations(run: Run, samples, scores: list[float], step: int) -> None:
+    """``trainer.log_val_generations``: verl's choice of validation samples (prompt and response
+    decoded without special tokens, as verl's) appended to the run directory's
+    ``val_generations.jsonl``."""
+    from megarl.reward.dump import pick_val_generations, write_val_generations
+
+    decode = run.tokenizer.decode
+    inputs = [decode(s.prompt_token_ids, skip_special_tokens=True) for s in samples]
+    outputs = [decode(s.response_token_ids, skip_special_tokens=True) for s in samples]
+    chosen = pick_val_generations(inputs, outputs, scores, run.cfg.trainer.log_val_generations)
+    write_val_generations(run.run_dir, step, chosen)
 
 
 def ask_ahead(run: Run, prompts: Sequence[PromptSample], step: int) -> None:

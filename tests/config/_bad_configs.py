@@ -501,7 +501,7 @@ BAD_CONFIGS = [
         GRPO,
         ["async_training.trigger_parameter_sync_step=2"],
         None,
-        ["async_training.trigger_parameter_sync_step=2", "after every update (1)"],
+        ["async_training.trigger_parameter_sync_step=2", "after every update", "use 1"],
     ),
     (
         "router-replay-on-the-reference",

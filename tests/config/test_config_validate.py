@@ -223,13 +223,11 @@ def test_check_paths_turns_missing_files_into_errors(hf_model, tmp_path):
 
 # Keys megarl reads but does not apply (yet): each refused in one line naming it, never ignored.
 NOT_APPLIED = [
-    ("actor_rollout_ref.model.override_config", "actor_rollout_ref.model.override_config={attention_dropout: 0.1}"),
     ("critic.model.trust_remote_code", "critic.model.trust_remote_code=true"),
     ("actor_rollout_ref.model.trust_remote_code", "actor_rollout_ref.model.trust_remote_code=true"),
     (f"{MEG}.override_transformer_config", f"{MEG}.override_transformer_config={{attention_dropout: 0.1}}"),
     ("critic.megatron.override_transformer_config", "critic.megatron.override_transformer_config={hidden_dropout: 0.1}"),
     (f"{MEG}.recompute_modules", f"{MEG}.recompute_modules=[mlp]"),
-    ("trainer.log_val_generations", "trainer.log_val_generations=4"),
     ("data.val_batch_size", "data.val_batch_size=8"),
 ]  # fmt: skip
 

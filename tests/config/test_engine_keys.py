@@ -59,6 +59,10 @@ def _problems(overrides: list[str]) -> list[str]:
          "data_parallel_size=1", "pipeline_model_parallel_size=1", "multi_stage_wake_up=False")],
         [f"{OVR}.adam_eps=1e-5", f"{OVR}.adam_beta2=0.95", f"{OVR}.use_precision_aware_optimizer=False",
          f"{OVR}.optimizer_cpu_offload=False", f"{OVR}.main_grads_dtype=fp32"],
+        # verl's fully-async MoE script without its CPU optimizer: with fp32 dtypes the
+        # precision-aware Adam is megarl's; the offload knobs act only with optimizer_cpu_offload
+        [f"{OVR}.use_precision_aware_optimizer=True", f"{OVR}.optimizer_offload_fraction=1.",
+         f"{OVR}.overlap_cpu_optimizer_d2h_h2d=True", "critic.optim.use_precision_aware_optimizer=True"],
     ],
 )  # fmt: skip
 def test_values_that_are_megarls_behaviour_validate(overrides):
@@ -77,12 +81,9 @@ def test_values_that_are_megarls_behaviour_validate(overrides):
         (f"{ARR}.nccl_timeout=0", f"{ARR}.nccl_timeout must be a positive number of seconds or null, got 0"),
         ("critic.nccl_timeout=60", f"critic.nccl_timeout=60: megarl has one process-group timeout, {ARR}.nccl_timeout; set {ARR}.nccl_timeout=60 instead"),
         (f"{ARR}.actor.optim.lr_decay_steps=0", f"{ARR}.actor.optim.lr_decay_steps must be a positive number or null, got 0"),
-        (f"{OVR}.optimizer_cpu_offload=True", f"{OVR[1:]}.optimizer_cpu_offload=True: the optimizer steps on the GPU; megatron.optimizer_offload moves its state to CPU between steps; use false"),
-        (f"{OVR}.optimizer_offload_fraction=1", f"{OVR[1:]}.optimizer_offload_fraction=1: no CPU optimizer step; use 0 or 0.0"),
-        (f"{OVR}.use_precision_aware_optimizer=True", "use_precision_aware_optimizer=True: main params and moments are fp32; use false"),
+        (f"{OVR}.optimizer_cpu_offload=True", f"{OVR[1:]}.optimizer_cpu_offload=True: no CPU optimizer step: the optimizer steps on the GPU; megatron.optimizer_offload=true moves its state to CPU between steps; use false"),
         (f"{OVR}.exp_avg_dtype=bf16", "exp_avg_dtype='bf16': Adam moments are fp32; use fp32 or float32 or torch.float32"),
         (f"{ARR}.actor.optim.exp_avg_dtype=bf16", f"{ARR}.actor.optim.exp_avg_dtype=bf16: main gradients and Adam moments are fp32; use fp32 or float32 or torch.float32"),
-        ("critic.optim.use_precision_aware_optimizer=True", "critic.optim.use_precision_aware_optimizer=true: main params and moments are fp32; use false"),
         ("critic.checkpoint.async_save=True", "critic.checkpoint.async_save=true: saves are synchronous; use false"),
         (f"{ARR}.rollout.ignore_eos=True", f"{ARR}.rollout.ignore_eos=true: training rollouts stop at EOS; use false"),
         (f"{ARR}.rollout.over_sample_rate=0.1", f"{ARR}.rollout.over_sample_rate=0.1: no over-sampling; use 0"),
@@ -199,3 +200,67 @@ def test_lr_decay_steps_and_overrides_reach_megatrons_scheduler_and_optimizer(tm
     assert got["lrs"] == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4, 0.0, 0.0], abs=1e-12)
     assert (got["adam_eps"], got["adam_beta1"], got["adam_beta2"]) == (1e-5, 0.8, 0.999)
     assert got["clip_grad"] == 0.5  # the override wins over optim.clip_grad, as in verl
+
+
+MODEL_OVR = f"+{ARR}.model.override_config"
+MEG_OVR = f"+{ARR}.actor.megatron.override_transformer_config"
+
+
+def test_verls_max_position_embeddings_is_accepted_when_it_covers_the_sequence_budget():
+    """verl's one-step-off and fully-async scripts raise ``max_position_embeddings`` (the
+    latter under ``model_config``, verl's Megatron spelling) to pass verl's own
+    ``max_model_len`` check; megarl's RoPE families have no position table, so a value covering
+    prompt + response (128 + 16 here) is megarl's behaviour; below it, one line naming the
+    values that work."""
+    assert _problems([f"{MODEL_OVR}.max_position_embeddings=144"]) == []
+    assert _problems([f"{MODEL_OVR}.model_config.max_position_embeddings=32768",
+                      f"{MODEL_OVR}.attention_dropout=0."]) == []  # fmt: skip
+    cfg = load_config(GRPO, [f"{MODEL_OVR}.model_config.max_position_embeddings=32768"])
+    assert cfg.actor_rollout_ref.model.override_config == {"max_position_embeddings": 32768}
+    assert _problems([f"{MODEL_OVR}.model_config.max_position_embeddings=143"]) == [
+        (
+            f"{ARR}.model.override_config.max_position_embeddings=143 is below the sequence budget "
+            "(data.max_prompt_length + data.max_response_length, or rollout.max_model_len) = 144; "
+            "use 144 or more, or leave it out"
+        )
+    ]
+    assert _problems([f"{MODEL_OVR}.rope_theta=1e6"]) == [
+        (
+            f"{ARR}.model.override_config.rope_theta=1e6: the model is built from config.json "
+            "as is; only dropouts of 0 and max_position_embeddings >= the sequence budget are accepted"
+        )
+    ]
+    with pytest.raises(ConfigError, match="one setting given two values"):
+        load_config(GRPO, [f"{MODEL_OVR}.model_config.max_position_embeddings=4096",
+                           f"{MODEL_OVR}.max_position_embeddings=2048"])  # fmt: skip
+
+
+def test_verls_fusion_overrides_are_megarls_megatron_keys_or_have_no_effect():
+    """The fully-async MoE script's ``override_transformer_config`` fusions: the four megarl has
+    as ``megatron.*`` keys move there (given both ways with different values: one line); the
+    apex-kernel and bias-dropout ones have no effect (TE fuses its attention and norms; no
+    dropout in these families) and are dropped; anything else is still refused."""
+    fusions = ["apply_rope_fusion", "bias_activation_fusion", "gradient_accumulation_fusion",
+               "deallocate_pipeline_outputs"]  # fmt: skip
+    none = ["masked_softmax_fusion", "persist_layer_norm", "bias_dropout_fusion"]
+    cfg = load_config(
+        GRPO,
+        [f"{MEG_OVR}.{k}=False" for k in fusions]
+        + [f"{MEG_OVR}.{k}=True" for k in none]
+        + [f"{MEG_OVR}.moe_router_dtype=fp32"],
+    )
+    meg = cfg.actor_rollout_ref.actor.megatron
+    assert [getattr(meg, k) for k in fusions] == [False] * 4
+    assert meg.override_transformer_config == {"moe_router_dtype": "fp32"}
+    with pytest.raises(ConfigError) as err:
+        load_config(GRPO, [f"{MEG_OVR}.apply_rope_fusion=True",
+                           f"{ARR}.actor.megatron.apply_rope_fusion=False"])  # fmt: skip
+    assert err.value.problems == [
+        (
+            f"{ARR}.actor.megatron.override_transformer_config.apply_rope_fusion=true and "
+            f"{ARR}.actor.megatron.apply_rope_fusion=false are one setting given two values; "
+            "give one of them"
+        )
+    ]
+    problems = _problems([f"{MEG_OVR}.hidden_dropout=0.1"])
+    assert len(problems) == 1 and "override_transformer_config" in problems[0], problems

@@ -1,9 +1,11 @@
-"""verl's own Megatron example scripts (the dense ones and Qwen3-30B-A3B's MoE one), their
-override lists unchanged (tests/config/verl_examples/: only model paths, the MoE script's
-distributed checkpoint and data files replaced by tiny local ones), validate with
-``megarl config validate`` on verl's defaults (no config file, as verl's
-``--config-name=ppo_megatron_trainer``); one GRPO and one PPO list, with the layout and batch
-sizes reduced to two CPU ranks, train two steps through ``megarl train``."""
+"""verl's own Megatron example scripts (the dense ones, Qwen3-30B-A3B's MoE one, verl-recipe's
+DAPO, verl 0.9's one-step-off and fully-async recipes), their override lists unchanged
+(tests/config/verl_examples/: only model paths, the MoE script's distributed checkpoint and data
+files replaced by tiny local ones), validate with ``megarl config validate`` on verl's defaults
+(no config file, as verl's ``--config-name=ppo_megatron_trainer``), except the features
+megarl does not have yet (:data:`REFUSED`), each refused in exactly one line naming its key;
+one GRPO and one PPO list, with the layout and batch sizes reduced to two CPU ranks, train two
+steps through ``megarl train``."""
 
 from __future__ import annotations
 
@@ -20,6 +22,21 @@ from tests.conftest import REPO
 
 EXAMPLES = Path(__file__).parent / "verl_examples"
 SCRIPTS = sorted(p.stem for p in EXAMPLES.glob("*.txt"))
+REFUSED = {
+    "fully_async_grpo_qwen3moe-30b-a3b_math_megatron_96_32": [
+        "async_training.trigger_parameter_sync_step=4",  # several updates between syncs
+        "async_training.partial_rollout=true",  # partial rollouts
+        "actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=True",
+    ],
+}
+"""Script -> the refusals it gets (the start of each line): features megarl does not have yet."""
+KNOWN_BUG = {
+    "one_step_off_dapo_qwen2-7b_math_megatron_4_12": (
+        "megarl/config/batch_plan.py (not this issue's file) splits data.train_batch_size over "
+        "the training world's rollout TP groups although vLLM runs on rollout.* ranks of its own "
+        "(the remote engine splits prompts unevenly over its replicas anyway)"
+    ),
+}
 # Two CPU ranks instead of 8 or 16 GPUs, a tiny batch and short responses; nothing else changes.
 TWO_RANKS = {
     "trainer.device": "cpu",  # verl's default is cuda: refused by megarl train without a GPU
@@ -71,12 +88,26 @@ def overrides(script: str, files: dict[str, str]) -> list[str]:
     return text.splitlines()
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize(
+    "script",
+    [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BUG[s]))
+     if s in KNOWN_BUG else s for s in SCRIPTS],
+)  # fmt: skip
 def test_verls_example_overrides_validate_unchanged(script, files, capsys):
     code = cli.main(["config", "validate", *overrides(script, files)])
     out, err = capsys.readouterr()
-    assert code == 0, err
-    assert out.startswith("ok: ") and "error" not in err, (out, err)
+    if script not in REFUSED:
+        assert code == 0, err
+        assert out.startswith("ok: ") and "error" not in err, (out, err)
+        return
+    assert code == 2 and not out, (out, err)
+    first, *rest = err.strip().splitlines()
+    lines = [line.strip().removeprefix("- ") for line in rest] if rest else [first]
+    lines = [line.removeprefix("error: ") for line in lines]
+    expected = REFUSED[script]
+    assert len(lines) == len(expected), err  # one line per refusal, nothing else
+    for start in expected:
+        assert sum(line.startswith(start + ":") for line in lines) == 1, (start, err)
 
 
 @pytest.mark.slow
