@@ -1,0 +1,119 @@
+"""``PythonTool``: a code interpreter that runs the model's Python in the code scorer's isolated
+child processes (:func:`megarl.reward.scorers.code_runner.run_program`: a fresh interpreter in
+a temporary directory and its own process group, address-space and CPU rlimits, a minimal
+environment, killed as a whole after the run).
+
+It takes the place of verl's ``SandboxFusionTool`` (``verl.tools.sandbox_fusion_tools``, which
+sends code to a Sandbox Fusion service; verl 0.9.1 no longer ships it) and reads the same config
+keys: ``default_timeout`` (s, 30), ``memory_limit_mb`` (1024), ``num_workers`` (programs running
+at once in this process, 10), ``default_language`` (only ``python``). ``sandbox_fusion_url``,
+``rate_limit`` and ``enable_global_rate_limit`` are accepted and unused (no service).
+
+``execute({"code": ..., "timeout"?: s, "language"?: ...})`` answers with the program's stdout
+followed by the traceback of an uncaught exception (Sandbox Fusion: stdout + stderr); a program
+past its limit answers ``Execution timed out after <t> s`` (Sandbox Fusion: ``no stdout here``).
+The step reward is None (no reward recorded, as verl) and ``calc_reward`` 0.0. Differences: the
+model's ``timeout`` is capped at ``default_timeout`` (verl lets the model raise it); the code
+runs in a fresh namespace under the code scorer's harness, which sets destructive ``os`` and
+``shutil`` functions to None and blocks importing ``subprocess``, ``ctypes``, ``resource`` and
+``psutil`` (verl's reliability guard). This is isolation against accidents, not a security
+sandbox against hostile code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from megarl.reward.scorers.code_runner import run_program
+from megarl.tools.base_tool import BaseTool
+from megarl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+
+__all__ = ["DEFAULT_SCHEMA", "PythonTool"]
+
+DEFAULT_SCHEMA = OpenAIFunctionToolSchema.model_validate(
+    {
+        "type": "function",
+        "function": {
+            "name": "code_interpreter",
+            "description": "A tool for executing code.",
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {"type": "string", "description": "The code to execute."}},
+                "required": ["code"],
+            },
+        },
+    }
+)
+"""verl's example schema (``sandbox_fusion_tool_config.yaml``), used when the config gives none."""
+
+# Runs the model's code as __main__ and prints an uncaught exception's traceback (without this
+# wrapper's frame) to stdout, where the code runner collects output; stderr is discarded there.
+_WRAPPER = """\
+import sys as _megarl_sys, traceback as _megarl_tb
+try:
+    exec(compile({source!r}, "<code>", "exec"), {{"__name__": "__main__", "__builtins__": __builtins__}})
+except SystemExit:
+    pass
+except BaseException as _megarl_exc:
+    _megarl_sys.stdout.flush()
+    _megarl_tb.print_exception(type(_megarl_exc), _megarl_exc, _megarl_exc.__traceback__.tb_next,
+                               file=_megarl_sys.stdout)
+"""
+
+
+class PythonTool(BaseTool):
+    """Runs Python code in a time- and memory-limited child process."""
+
+    def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema | None = None):
+        super().__init__(config, tool_schema)
+        self.default_timeout = float(config.get("default_timeout", 30))
+        self.memory_limit_mb = int(config.get("memory_limit_mb", 1024))
+        self.default_language = config.get("default_language", "python")
+        if self.default_language != "python":
+            raise ValueError(f"default_language={self.default_language!r}: only 'python' runs")
+        if self.default_timeout <= 0 or self.memory_limit_mb <= 0:
+            raise ValueError("default_timeout and memory_limit_mb must be positive")
+        # a threading semaphore: the runs happen in worker threads, and it is not tied to one
+        # event loop
+        self._slots = threading.BoundedSemaphore(int(config.get("num_workers", 10)))
+
+    def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
+        return getattr(self, "tool_schema", None) or DEFAULT_SCHEMA
+
+    def run_code(self, code: str, timeout_s: float) -> str:
+        """Run ``code`` (blocking) and return what the model is shown."""
+        with self._slots:
+            run = run_program(
+                _WRAPPER.format(source=code), "", fn_name=None, timeout_s=timeout_s,
+                memory_limit_mb=self.memory_limit_mb,
+            )  # fmt: skip
+        if run.status == "timeout":
+            return f"Execution timed out after {timeout_s:g} s"
+        if run.status != "ok":  # the wrapper catches the program's errors: the child itself died
+            return f"Execution failed ({run.status.replace('_', ' ')}): out of memory or killed"
+        return run.output
+
+    async def execute(
+        self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
+    ) -> tuple[ToolResponse, None, dict]:
+        code = parameters.get("code", "")
+        if not isinstance(code, str):
+            code = str(code)
+        language = parameters.get("language", self.default_language)
+        if language != "python":
+            return (
+                ToolResponse(text=f"Unsupported language {language!r}: only python runs"),
+                None,
+                {},
+            )
+        try:
+            timeout_s = min(
+                float(parameters.get("timeout", self.default_timeout)), self.default_timeout
+            )
+        except (TypeError, ValueError):
+            timeout_s = self.default_timeout
+        timeout_s = max(timeout_s, 0.1)
+        text = await asyncio.to_thread(self.run_code, code, timeout_s)
+        return ToolResponse(text=text), None, {}
