@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megarl"
 LAYERS: dict[str, int] = {
     **dict.fromkeys(("algo", "config", "parallel"), 0),
     **dict.fromkeys(("models", "planner"), 1),
-    **dict.fromkeys(("checkpoint", "rollout", "data", "reward", "tracking"), 2),
+    **dict.fromkeys(("checkpoint", "rollout", "data", "reward", "tracking", "tools"), 2),
     "trainer": 3,
     **dict.fromkeys(("commands", "cli", "train"), 4),
 }
@@ -99,6 +99,7 @@ USER_NAMED_IMPORTS = {
     "megarl/reward/loader.py": "custom_reward_function.path as a dotted module",
     "megarl/config/choices.py": "trainer.logger's optional extras, found without importing them",
     "megarl/parallel/import_hooks.py": "PathFinder.find_spec for the two modules it wraps",
+    "megarl/tools/registry.py": "tool and interaction class_name as a dotted path",
 }
 
 
