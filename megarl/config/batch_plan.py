@@ -104,7 +104,8 @@ class BatchPlan:
     data_parallel_size: int
     """Training DP: world / (TP × PP × CP) of the actor."""
     rollout_data_parallel_size: int
-    """vLLM engines: world / rollout TP (each generates for train_batch_size / this prompts)."""
+    """vLLM engines: world / rollout TP (each generates for train_batch_size / this prompts), or
+    with vLLM on ranks of its own, those ranks / rollout TP."""
     actor: PassBatches
     """The actor's PPO update (per epoch)."""
     old_log_prob: PassBatches
@@ -186,10 +187,13 @@ class _Builder:
         layout = self.meg.parallel_layout()
         mp = layout.model_parallel_size()
         rtp = r.tensor_model_parallel_size
-        if mp < 1 or rtp < 1 or self.world % mp or self.world % rtp:
+        own = rollout_ranks(c)  # vLLM on ranks of its own: its engines, not the training world's
+        if mp < 1 or rtp < 1 or self.world % mp or (own or self.world) % rtp:
             return None  # reported by the layout checks
-        dp, rollout_dp = self.world // mp, self.world // rtp
-        if tb % rollout_dp:
+        dp, rollout_dp = self.world // mp, (own or self.world) // rtp
+        # The engines on ranks of their own take the prompts as they come (uneven shares are
+        # fine); colocated engines each generate for an equal share of the batch.
+        if not own and tb % rollout_dp:
             self.errors.append(
                 f"data.train_batch_size={tb} prompts do not split evenly over {rollout_dp} vLLM "
                 f"engines (world {self.world} / {ROLL}.tensor_model_parallel_size={rtp})"
