@@ -41,8 +41,10 @@ def test_verl_cp2_overrides_validate_unchanged():
 def test_context_parallel_without_packing_is_refused_naming_the_key():
     problems = _problems([*VERL_CP2[1:3], f"{ARR}.model.use_remove_padding=false"])
     assert problems == [
-        f"{ARR}.actor.megatron.context_parallel_size=2 splits packed sequences: "
-        f"{ARR}.model.use_remove_padding must be true"
+        (
+            f"{ARR}.actor.megatron.context_parallel_size=2 splits packed sequences: "
+            f"{ARR}.model.use_remove_padding must be true"
+        )
     ]
     problems = _problems([*VERL_CP2[1:3], f"{ARR}.ref.megatron.use_remove_padding=false"])
     assert len(problems) == 1 and f"{ARR}.ref.megatron.use_remove_padding" in problems[0]
