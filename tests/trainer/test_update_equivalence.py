@@ -428,7 +428,10 @@ def test_critic_update_is_the_same_at_every_layout(setup, world):
             # fp32 ulps of these weights; a wrong gradient moves them by ~its size (lr 1)
             assert float((got["weights"][name] - w).abs().max()) <= 1e-7, (layout, name)
         for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm"):
-            assert got["metrics"][key] == pytest.approx(base["metrics"][key], rel=1e-6), (layout, key)
+            assert got["metrics"][key] == pytest.approx(base["metrics"][key], rel=1e-6), (
+                layout,
+                key,
+            )
 
 
 @pytest.mark.parametrize("world", [2, 4])
