@@ -43,12 +43,8 @@ def _check_manager(cfg, error: Error) -> None:
         return
     if not m.module.path:
         error(f"{MANAGER}.source=importlib needs {MANAGER}.module.path (the file of your class)")
-        return
-    error(
-        f"{MANAGER}.source=importlib: a reward manager class of your own is not supported yet; "
-        f"use {MANAGER}.source=register with name {', '.join(REWARD_MANAGERS)} (a scoring "
-        "function of your own goes in reward.custom_reward_function.path)"
-    )
+    elif not (m.name or m.module.name):
+        error(f"{MANAGER}.source=importlib needs {MANAGER}.name (your class's name, as verl)")
 
 
 def overlong_settings(cfg) -> dict | None:

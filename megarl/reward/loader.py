@@ -45,6 +45,14 @@ class ScorerSpec:
     raise scores 0, a tuple's first entry is the score, no fields)."""
     experiment_name: str | None = None
     """``trainer.experiment_name``, which the gdpo manager puts into ``extra_info``."""
+    manager_path: str | None = None
+    """With ``manager`` importlib: the file or module of the user's manager class."""
+    manager_class: str | None = None
+    """With ``manager`` importlib: the class's name there."""
+    tokenizer_path: str | None = None
+    """With ``manager`` importlib: the tokenizer the class is given (the actor's)."""
+    config: Mapping[str, Any] | None = None
+    """With ``manager`` importlib: the resolved config the class is given (nested dicts)."""
 
     @classmethod
     def from_config(cls, fn_cfg: Any, run_cfg: Any = None) -> ScorerSpec:
@@ -53,15 +61,32 @@ class ScorerSpec:
         path = fn_cfg.path or None
         if path is not None and not Path(path).is_absolute() and _is_file_path(path):
             path = str(Path(path.removeprefix("file://")).expanduser().resolve())
-        manager, experiment = "naive", None
+        manager, experiment, user = "naive", None, {}
         if (
             run_cfg is not None
             and (run_cfg.reward.reward_manager.source or "register") == "register"
         ):
             manager = run_cfg.reward.reward_manager.name or "naive"
             experiment = run_cfg.trainer.experiment_name
+        elif run_cfg is not None:  # importlib: a class of the user's (megarl.reward.user_manager)
+            from megarl.config.loader import to_dict
+
+            m, model = run_cfg.reward.reward_manager, run_cfg.actor_rollout_ref.model
+            manager_path = m.module.path
+            if (
+                manager_path
+                and not Path(manager_path).is_absolute()
+                and _is_file_path(manager_path)
+            ):
+                manager_path = str(
+                    Path(manager_path.removeprefix("file://")).expanduser().resolve()
+                )
+            manager = "importlib"
+            user = {"manager_path": manager_path, "manager_class": m.name or m.module.name,
+                    "tokenizer_path": model.tokenizer_path or model.path,
+                    "config": to_dict(run_cfg)}  # fmt: skip
         return cls(path, fn_cfg.name or "compute_score", dict(fn_cfg.reward_kwargs or {}),
-                   manager, experiment)  # fmt: skip
+                   manager, experiment, **user)  # fmt: skip
 
     @property
     def label(self) -> str:
@@ -110,6 +135,21 @@ def _load_module(dotted: str) -> ModuleType:
         raise RewardFunctionError(
             f"custom_reward_function.path={dotted!r} cannot be imported: {exc}"
         ) from exc
+
+
+def load_object(path: str, name: str | None, key: str) -> Any:
+    """``name`` from the file or module ``path`` (as ``custom_reward_function.path`` is read);
+    ``key`` names the config key in errors."""
+    if path.startswith("pkg://"):
+        module = _load_module(path.removeprefix("pkg://").replace("/", "."))
+    elif _is_file_path(path):
+        module = _load_file(path)
+    else:
+        module = _load_module(path)
+    found = getattr(module, name or "", None)
+    if found is None:
+        raise RewardFunctionError(f"{key}={path!r} has nothing named {name!r}")
+    return found
 
 
 def load_scorer(spec: ScorerSpec) -> Callable[..., Any]:

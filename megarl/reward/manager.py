@@ -45,6 +45,8 @@ class RewardInput:
     """The prompt's ``extra_info``."""
     prompt: str = ""
     """Prompt text, for the dump only."""
+    prompt_ids: Sequence[int] = ()
+    """Prompt token ids (a user's reward manager class reads them, as verl's ``prompts``)."""
 
 
 @dataclass
@@ -78,6 +80,7 @@ def reward_inputs(
             ground_truth=prompts[s.prompt_index].ground_truth,
             extra_info=prompts[s.prompt_index].extra_info,
             prompt=tokenizer.decode(s.prompt_token_ids, skip_special_tokens=False),
+            prompt_ids=s.prompt_token_ids,
         )
         for s in samples
     ]
@@ -193,8 +196,10 @@ class RewardManager:
         self, samples: Sequence[RewardInput], rank: int, world: int
     ) -> list[Outcome]:
         """Rank ``rank`` scores every ``world``-th sample; every rank gets every outcome."""
+        ids = self.spec.manager == "importlib"  # a user's manager class reads token ids
         mine = [
             (i, s.data_source, self.decode(s), s.ground_truth, s.extra_info)
+            + ((list(s.prompt_ids), list(s.response_ids)) if ids else ())
             for i, s in enumerate(samples)
             if i % world == rank
         ]

@@ -57,8 +57,16 @@ def _is_bool(value: Any) -> bool:
     )
 
 
-def _score_one(fn: Callable[..., Any], spec: ScorerSpec, task: tuple) -> tuple:
-    index, data_source, solution_str, ground_truth, extra_info = task
+def _score_one(fn: Callable[..., Any], spec: ScorerSpec, task: tuple, user=None) -> tuple:
+    index, data_source, solution_str, ground_truth, extra_info = task[:5]
+    if user is not None:  # a manager class of the user's: its run_single scores the sample
+        try:
+            reward_score, extra = user.score(task)
+            score, fields = normalise_result({**extra, "score": reward_score})
+        except Exception as exc:  # noqa: BLE001 -- reported to the parent, which fails the step
+            first_line = (str(exc).strip().splitlines() or [""])[0]
+            return ("error", index, f"{type(exc).__name__}: {first_line}")
+        return ("ok", index, score, fields)
     if spec.manager == "prime":
         return ("ok", index, _prime_score(fn, spec, task), {})
     if spec.manager == "gdpo":  # verl's gdpo manager hands the experiment's name along
@@ -102,8 +110,13 @@ def serve_fd(fd: int, spec_json: str) -> None:
 def serve(conn: Connection, spec: ScorerSpec) -> None:
     """Load the scorer, report ``("ready",)`` (or ``("failed", why)`` and stop), then serve
     scoring requests on ``conn`` until ``None`` arrives or the parent goes away."""
+    user = None
     try:
         fn = load_scorer(spec)
+        if spec.manager == "importlib":
+            from megarl.reward.user_manager import UserManager
+
+            user = UserManager(spec, fn)
     except Exception as exc:  # noqa: BLE001 -- reported to the parent, which stops the pool
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
@@ -115,7 +128,7 @@ def serve(conn: Connection, spec: ScorerSpec) -> None:
             return
         if task is None:
             return
-        reply = _score_one(fn, spec, task)
+        reply = _score_one(fn, spec, task, user)
         try:
             conn.send(reply)
         except Exception as exc:  # noqa: BLE001 -- e.g. a field that cannot be pickled
