@@ -30,13 +30,6 @@ REFUSED = {
     ],
 }
 """Script -> the refusals it gets (the start of each line): features megarl does not have yet."""
-KNOWN_BUG = {
-    "one_step_off_dapo_qwen2-7b_math_megatron_4_12": (
-        "megarl/config/batch_plan.py (not this issue's file) splits data.train_batch_size over "
-        "the training world's rollout TP groups although vLLM runs on rollout.* ranks of its own "
-        "(the remote engine splits prompts unevenly over its replicas anyway)"
-    ),
-}
 # Two CPU ranks instead of 8 or 16 GPUs, a tiny batch and short responses; nothing else changes.
 TWO_RANKS = {
     "trainer.device": "cpu",  # verl's default is cuda: refused by megarl train without a GPU
@@ -88,11 +81,7 @@ def overrides(script: str, files: dict[str, str]) -> list[str]:
     return text.splitlines()
 
 
-@pytest.mark.parametrize(
-    "script",
-    [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BUG[s]))
-     if s in KNOWN_BUG else s for s in SCRIPTS],
-)  # fmt: skip
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_verls_example_overrides_validate_unchanged(script, files, capsys):
     code = cli.main(["config", "validate", *overrides(script, files)])
     out, err = capsys.readouterr()
