@@ -220,9 +220,11 @@ def _critic_case(spec: dict, layout) -> dict:
         micro_batch_size=spec["micro_batch_size"],
         cliprange_value=spec["cliprange_value"],
     )
+    before_head = _hf_weights(critic.chunks, built.dims)["score.weight"]
     metrics = update_critic(critic, batch, settings, seed=0, step=1)
     _enter_weight_read(critic)
-    return {"weights": _hf_weights(critic.chunks, built.dims), "metrics": metrics}
+    return {"weights": _hf_weights(critic.chunks, built.dims), "metrics": metrics,
+            "before_head": before_head}  # fmt: skip
 
 
 def _bf16_case(spec: dict) -> dict:

@@ -413,6 +413,57 @@ def test_update_equals_single_process_reference(setup, references, world):
     assert not failures, "\n".join(failures + ["--- all:"] + rows)
 
 
+def reference_critic_update(spec: dict, data: dict) -> tuple[dict, float]:
+    """The critic's SGD update (lr 1) as one process computes it in float64: transformers'
+    decoder, the value head megarl seeds (``ValueHead``'s draw), per mini-batch the clipped value
+    loss over the whole mini-batch (token-mean), backward, step. Returns the weights (HF names,
+    the head as ``score.weight``) and the mean ``vf_loss``."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.algo.value_loss import compute_value_loss
+    from megarl.models.gpt import ValueHead
+
+    hf = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float64)
+    head = ValueHead(hf.config.hidden_size, torch.float64, seed=spec["value_head_seed"])
+    params = {
+        **{f"model.{n}": p for n, p in hf.model.named_parameters()},
+        "score.weight": head.weight,
+    }
+    opt = torch.optim.SGD(params.values(), lr=1.0)
+    width, losses = data["mask"].shape[1], []
+    for rows in torch.arange(len(data["responses"])).split(spec["responses_per_mini_batch"]):
+        ids, plen, lens = data["ids"][rows], data["plen"][rows], data["lens"][rows]
+        hidden = hf.model(ids).last_hidden_state
+        values = head(hidden)[0].squeeze(-1)  # [b, S]: the value of the state after each token
+        pos, mask = _positions(plen, lens, width)
+        vpreds = values.gather(1, pos.clamp(max=ids.shape[1] - 1)) * mask
+        loss, _ = compute_value_loss(
+            vpreds, data["returns"][rows].double(), data["values"][rows].double(), mask.double(),
+            cliprange_value=spec["cliprange_value"], loss_agg_mode="token-mean",
+        )  # fmt: skip
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    weights = {n: p.detach().float().clone() for n, p in params.items()}
+    return _checkpoint_names(weights), sum(losses) / len(losses)
+
+
+def test_critic_update_equals_single_process_reference(setup):
+    """PPO's critic update at (1,1,1) (SGD, lr 1, float64) equals the plain single-process one
+    on the same batch: every weight, the head included, and ``vf_loss``; the other layouts (packed
+    and CP 2 among them) equal (1,1,1)'s (the next test)."""
+    spec, data = setup
+    got = _results(setup, 1)[f"{LAYOUT_KEYS[1][0]}/critic"]
+    want, vf_loss = reference_critic_update(spec, data)
+    assert set(got["weights"]) == set(want)
+    for name, w in want.items():
+        # float64 on both sides, as the actor's (1e-5: Megatron's RoPE frequencies are fp32)
+        assert float((got["weights"][name] - w).abs().max()) <= 1e-5, name
+    assert got["metrics"]["critic/vf_loss"] == pytest.approx(vf_loss, rel=1e-6)
+    assert float((want["score.weight"] - got["before_head"]).abs().max()) > 1e-3  # it moved
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_critic_update_is_the_same_at_every_layout(setup, world):
     """The critic's SGD update (lr 1, float64: the weight change is the reduced gradient) and
