@@ -25,9 +25,21 @@ def tiny(tiny_overrides, tmp_path) -> list[str]:
     return [*tiny_overrides, f"trainer.default_local_dir={tmp_path / 'run'}"]
 
 
-def test_torchrun_local_passes_config_and_overrides_to_2_ranks(tiny):
-    """Through ``megarl train`` (its pre-flight passes: real tiny files) to torchrun's ranks."""
-    env = {**ENV, "MEGARL_TRAIN_MODULE": "tests.launch._gloo_payload"}
+def emulate_gpus(directory, count: int) -> str:
+    """A ``PATH`` whose ``nvidia-smi -L`` lists ``count`` GPUs, as on an 8-GPU node."""
+    smi = directory / "nvidia-smi"
+    lines = "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(count))
+    smi.write_text(f"#!/bin/sh\n{lines}")
+    smi.chmod(0o755)
+    return f"{directory}{os.pathsep}{os.environ['PATH']}"
+
+
+def test_torchrun_local_passes_config_and_overrides_to_2_ranks(tiny, tmp_path):
+    """Through ``megarl train`` (its pre-flight passes: real tiny files) to torchrun's ranks; a
+    node of 8 GPUs (emulated ``nvidia-smi``) with ``CUDA_VISIBLE_DEVICES=5,7`` starts 2 ranks,
+    one per GPU torch sees (not 8 sharing them)."""
+    env = {**ENV, "MEGARL_TRAIN_MODULE": "tests.launch._gloo_payload",
+           "PATH": emulate_gpus(tmp_path, 8), "CUDA_VISIBLE_DEVICES": "5,7"}  # fmt: skip
     done = subprocess.run(
         ["launch/torchrun_local.sh", "configs/grpo_tiny_cpu.yaml", *tiny, "trainer.seed=7"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False,

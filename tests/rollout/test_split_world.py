@@ -18,10 +18,11 @@ pytestmark = pytest.mark.multirank
 
 
 def split_rank() -> dict:
-    """3 ranks: 2 training, 1 rollout. Each side all-reduces in its own world; the bridge
-    carries an object from the rollout rank; then the first training rank asks the rollout side
-    for its EOS ids twice through a RemoteEngine: the rollout rank answers the first time, then
-    stops answering (it sleeps)."""
+    """3 ranks: 2 training, 1 rollout, each rank told it is a node of its own
+    (``LOCAL_WORLD_SIZE=1``). Each side all-reduces in its own world; the bridge carries an
+    object from the rollout rank; then the first training rank asks the rollout side for its EOS
+    ids twice through a RemoteEngine: the rollout rank answers the first time, then stops
+    answering (it sleeps)."""
     import os
     from datetime import timedelta
 
@@ -31,11 +32,14 @@ def split_rank() -> dict:
     from megarl.rollout.remote.engine import RemoteEngine, RolloutRanksLost
     from megarl.rollout.remote.split_world import broadcast_object, split_world
 
+    os.environ.pop("GLOO_SOCKET_IFNAME", None)
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # three "nodes": gloo's interface must be chosen
     world = split_world(2, timeout=timedelta(seconds=3))
     t = torch.ones(1)
     dist.all_reduce(t)
     out = {"role": world.role, "side": [dist.get_rank(), dist.get_world_size(), t.item()],
            "env": [os.environ["RANK"], os.environ["WORLD_SIZE"]],
+           "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
            "bridge": broadcast_object(world.bridge, "from rollout" if world.rank == 2 else None, 2)}  # fmt: skip
     channels = world.channels(nccl_weights=True)  # no GPUs here: gloo
     out["weights_device"] = None if channels is None else str(channels.weights_device)
@@ -68,6 +72,12 @@ def test_each_side_has_its_own_world_and_the_bridge_joins_them(results):
     assert {r["bridge"] for r in results} == {"from rollout"}
     assert results[0]["eos"] == results[1]["eos"] == [7]
     assert [r["weights_device"] for r in results] == ["cpu", None, "cpu"]
+
+
+def test_on_several_nodes_gloo_uses_the_interface_routing_to_the_master(results):
+    """As the colocated launch does (tests/parallel/test_init_and_emulation.py): the master is
+    127.0.0.1 here, so every rank of the split launch names the loopback interface."""
+    assert [r["gloo_ifname"] for r in results] == ["lo", "lo", "lo"]
 
 
 def test_a_rollout_side_that_stops_answering_is_one_line_naming_it(results):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megarl.parallel.emulation import enable_cpu_emulation
 from megarl.parallel.init import LaunchEnv, process_group_timeout_minutes, read_launch_env
+from megarl.parallel.network import set_gloo_socket_ifname
 
 __all__ = [
     "Channels",
@@ -141,8 +142,15 @@ def split_world(train_size: int, *, timeout: timedelta | None = None) -> SplitWo
     """Split this launch into its first ``train_size`` ranks (training) and the rest (rollout),
     each side with its own default process group (NCCL on GPU for training, gloo otherwise);
     raises ``ValueError`` naming the sizes when a side would be empty. ``timeout``: how long a
-    collective waits for its peers (default :func:`process_group_timeout_minutes`)."""
+    collective waits for its peers (default :func:`process_group_timeout_minutes`).
+
+    On several nodes ``GLOO_SOCKET_IFNAME`` is set first (unless the user set it), as the
+    colocated launch does (:func:`megarl.parallel.network.set_gloo_socket_ifname`): the bridge
+    and the rollout side are gloo groups across nodes, and gloo's own pick of an interface may be
+    one the other nodes cannot reach (a hang at the first group). It reads the launch's
+    ``WORLD_SIZE``, so it runs before the sides rewrite it."""
     launch = read_launch_env()
+    set_gloo_socket_ifname(launch.master_addr)
     if not 0 < train_size < launch.world_size:
         raise ValueError(
             f"{train_size} training ranks out of {launch.world_size}: both training and rollout "
