@@ -3,8 +3,10 @@ one-line warning of validation when it does not (:func:`memory_warnings`).
 
 Each phase sums the state its residency keeps on the device (:mod:`megarl.planner.residency`,
 the schedule the trainer applies) and that phase's transient memory, term by term with the
-formula. A phase fits when its total is at most the GPU memory less a reserve (default 4 GiB)
-for what the plan does not itemise: the CUDA context, NCCL buffers, allocator fragmentation.
+formula; NCCL's communicators and what a sleeping vLLM keeps are terms of every phase. A phase
+fits when its total is at most the GPU memory less a reserve (default 4 GiB) for what the plan
+does not itemise: the CUDA context and allocator fragmentation. The GPU memory is the device's
+own total where CUDA runs (:func:`gpu_memory_gib`), else an H100's as CUDA reports it.
 """
 
 from __future__ import annotations
@@ -54,7 +56,17 @@ from megarl.planner.residency import (
 BUCKET_BYTES = 1 << 30
 """The resharding executor's bucket limit (``DEFAULT_BUCKET_BYTES``)."""
 CUDA_GRAPH_BYTES = GIB // 2
-"""vLLM's CUDA graphs when ``enforce_eager`` is false (an estimate; vLLM logs the real size)."""
+"""vLLM's CUDA graphs when ``enforce_eager`` is false (an estimate; vLLM logs the real size).
+vLLM 0.32 captures them outside its sleep pool unless ``sleep_mode_offload_cudagraph`` is set
+(``vllm/compilation/cudagraph_pool.py``): they stay on the GPU while vLLM sleeps, at any level."""
+NCCL_COMMUNICATOR_BYTES = GIB // 2
+"""GPU memory of one NCCL communicator of two or more ranks: its buffers, allocated outside
+PyTorch's allocator when the communicator is made (megarl connects every Megatron group at
+set-up: ``megarl.parallel.init.connect_groups``) and kept for the run. An estimate, not measured
+here (no GPU): NCCL sizes them as channels × peers × ``NCCL_BUFFSIZE`` (4 MiB) per protocol;
+NVIDIA/nccl#964 measured 544-688 MB per communicator after one all-reduce on 4 A100s over
+NVLink; NVLS (H100 with NVSwitch) adds more (``NCCL_NVLS_ENABLE=0`` trades it for bandwidth).
+``tools/gpu_check.py``'s memory section shows the difference on a GPU."""
 
 
 @dataclass(frozen=True)
@@ -63,10 +75,10 @@ class Cluster:
 
     nodes: int
     gpus_per_node: int
-    gpu_memory_gib: float = 80.0
-    """Memory of one GPU (H100: 80)."""
+    gpu_memory_gib: float = 79.2
+    """Memory of one GPU as CUDA reports it (an H100 80GB: about 79.2 GiB)."""
     reserve_gib: float = 4.0
-    """Kept free: CUDA context, NCCL buffers, fragmentation."""
+    """Kept free: CUDA context, fragmentation (NCCL's buffers are terms of their own)."""
 
     @property
     def world(self) -> int:
@@ -272,17 +284,23 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
         transient["sync"] += (Term("bucket sent to the rollout ranks", bucket,
                                    "the first training rank's copy for NCCL: one bucket"),)  # fmt: skip
     phases, most_offloaded = [], 0
+    graphs = kv["cuda_graph_bytes"]
+    training_comms = nccl_communicators(cfg, world)
+    if nccl:  # the first training rank's end of the weights' group
+        training_comms["weights"] = own + 1
+    comms = (_nccl_term(training_comms),)
     for name, placed in schedule(cfg).items():
         resident = _resident_terms(placed, models)
-        phases.append(
-            Phase(name, (*resident, *_engine_terms(placed, pool, vllm), *transient.get(name, ())))
-        )
+        engine = _engine_terms(placed, pool, vllm, graphs)
+        phases.append(Phase(name, (*resident, *engine, *comms, *transient.get(name, ()))))
         most_offloaded = max(most_offloaded, _in_host_memory(placed, models))
     if own and engine_is_vllm(cfg):  # vLLM on GPUs of its own: its pool, and a bucket coming in
         received = (
             (Term("bucket received", bucket, "one bucket at a time, over NCCL"),) if nccl else ()
         )
-        phases.append(Phase("rollout ranks", (*_engine_terms(OWN_GPUS, pool, vllm), *received)))
+        own_comms = _nccl_term(rollout_rank_communicators(cfg, nccl))
+        engine = _engine_terms(OWN_GPUS, pool, vllm, graphs)
+        phases.append(Phase("rollout ranks", (*engine, own_comms, *received)))
     level1 = bool(cfg.trainer.skip_weight_sync_steps) and arr.rollout.free_cache_engine
     part = vllm_weight_bytes(
         dims, arr.rollout.tensor_model_parallel_size, ITEMSIZE[cfg.trainer.dtype]
@@ -321,7 +339,12 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
             "residency by phase: megarl/planner/residency.py (what the trainer applies); the reward "
             "model and the checkpoint save's optimizer gather are not modelled"
         ),
-        f"reserve {cluster.reserve_gib:g} GiB per GPU for CUDA context, NCCL and fragmentation",
+        f"reserve {cluster.reserve_gib:g} GiB per GPU for the CUDA context and fragmentation",
+        (
+            f"NCCL: {NCCL_COMMUNICATOR_BYTES / GIB:g} GiB per communicator of >= 2 ranks (an "
+            "estimate; NVLS adds more); vLLM asleep keeps its CUDA graphs "
+            f"({graphs / GIB:g} GiB estimated)"
+        ),
     )
     if dims.is_moe:
         per_rank = dims.num_experts // layout.ep
@@ -381,15 +404,64 @@ def _in_host_memory(placed: Residency, models: dict[str, _Model]) -> int:
     return total
 
 
-def _engine_terms(placed: Residency, pool: int, weights: int) -> list[Term]:
+def _engine_terms(placed: Residency, pool: int, weights: int, graphs: int) -> list[Term]:
+    """vLLM on this GPU: its pool awake (CUDA graphs included: vLLM sizes the KV cache after
+    them), else its weights and its CUDA graphs, which no sleep level frees."""
     engine = placed.engine
     if engine is None:
         return []
     if engine.kv_cache:
         return [Term("vLLM pool", pool, "gpu_memory_utilization × G (weights, activations, KV)")]
+    kept = Term("vLLM CUDA graphs", graphs, "kept while asleep (0 with enforce_eager)")
     if engine.weights:
-        return [Term("vLLM weights (awake)", weights, "vLLM weights per rank")]
-    return [Term("vLLM asleep", 0, "level 2 (or 1 before a skipped sync): nothing on the GPU")]
+        return [Term("vLLM weights (awake)", weights, "vLLM weights per rank"), kept]
+    return [Term("vLLM asleep", 0, "level 2 (or 1 before a skipped sync): weights, KV freed"), kept]
+
+
+def nccl_communicators(cfg: MegarlConfig, world: int) -> dict[str, int]:
+    """The NCCL communicators of two or more ranks a training GPU holds, by group, with their
+    sizes (``world``: the training ranks): the world's, Megatron's groups (each a communicator of its own, connected at set-up:
+    ``megarl.parallel.init.GROUPS``; the DP × CP group DDP reduces over when CP > 1) and, with
+    vLLM colocated at TP > 1, vLLM's TP group (its torch group and its PyNccl communicator).
+    Groups of one rank are left out (no peers, no buffers)."""
+    lay = cfg.actor_rollout_ref.actor.megatron.parallel_layout()
+    dp = lay.data_parallel_size(world)
+    sizes = {
+        "world": world,
+        "TP×PP": lay.tp * lay.pp,
+        "TP": lay.tp,
+        "PP": lay.pp,
+        "DP": dp,
+        "CP": lay.cp,
+        "DP×CP": dp * lay.cp if lay.cp > 1 else 1,
+        "embedding": 2 if lay.pp > 1 else 1,
+        "EP": lay.ep,
+        "expert TP": lay.etp,
+        "expert DP": lay.expert_data_parallel_size(world),
+    }
+    roll = cfg.actor_rollout_ref.rollout
+    if engine_on_training_ranks(cfg) and engine_is_vllm(cfg):
+        sizes["vLLM TP"] = sizes["vLLM TP (PyNccl)"] = roll.tensor_model_parallel_size
+    return {name: size for name, size in sizes.items() if size > 1}
+
+
+def rollout_rank_communicators(cfg: MegarlConfig, nccl_weights: bool) -> dict[str, int]:
+    """A rollout rank's NCCL communicators (vLLM on GPUs of its own): vLLM's TP group (two, as
+    colocated) and the weights' group from the first training rank when it is NCCL."""
+    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    sizes = {"vLLM TP": tp, "vLLM TP (PyNccl)": tp}
+    if nccl_weights:
+        sizes["weights"] = rollout_ranks(cfg) + 1
+    return {name: size for name, size in sizes.items() if size > 1}
+
+
+def _nccl_term(comms: dict[str, int]) -> Term:
+    groups = ", ".join(f"{name} {size}" for name, size in comms.items()) or "none"
+    return Term(
+        "NCCL communicators",
+        len(comms) * NCCL_COMMUNICATOR_BYTES,
+        f"{len(comms)} × {NCCL_COMMUNICATOR_BYTES / GIB:g} GiB (groups of >= 2 ranks: {groups})",
+    )
 
 
 OWN_GPUS = Residency({}, EngineResidency(weights=True, kv_cache=True))
@@ -499,14 +571,26 @@ def _bucket_bytes(cfg, dims) -> int:
     return max(BUCKET_BYTES, layer_experts_bytes(dims, ITEMSIZE[cfg.trainer.dtype]))
 
 
-DEFAULT_GPU_MEMORY_GIB = 80.0
-"""GPU memory ``megarl config validate`` assumes (H100-80GB); ``megarl plan --gpu-memory``."""
+DEFAULT_GPU_MEMORY_GIB = 79.2
+"""GPU memory assumed where no GPU answers: an H100 80GB's total as CUDA reports it (about
+79.2 GiB, not 80: part of the 80 GB is the driver's); ``megarl plan --gpu-memory`` overrides."""
+
+
+def gpu_memory_gib(default: float = DEFAULT_GPU_MEMORY_GIB) -> float:
+    """This machine's GPU memory in GiB as CUDA reports it (device 0), or ``default`` where
+    CUDA does not run (a CPU machine, a login node)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return default
+    return torch.cuda.get_device_properties(0).total_memory / GIB
 
 
 def memory_warnings(cfg: MegarlConfig, world: int | None = None) -> list[str]:
     """One warning when ``cfg`` (already valid: :func:`megarl.config.validate`) does not fit on
-    80 GiB GPUs at ``world`` ranks (default nnodes x n_gpus_per_node); none on CPU or when the
-    model's shape is unknown (no config.json, preset or complete architecture)."""
+    this machine's GPUs (:func:`gpu_memory_gib`: on a login node an H100's) at ``world`` ranks
+    (default nnodes x n_gpus_per_node); none on CPU or when the model's shape is unknown (no
+    config.json, preset or complete architecture)."""
     from megarl.config.errors import ConfigError
     from megarl.planner.model_presets import resolve_hf_config
 
@@ -518,12 +602,8 @@ def memory_warnings(cfg: MegarlConfig, world: int | None = None) -> list[str]:
         dims = ModelDims.from_hf_config(hf)
     except (OSError, ValueError):
         return []
-    gpus = cfg.trainer.n_gpus_per_node
-    cluster = (
-        Cluster(world // gpus, gpus, DEFAULT_GPU_MEMORY_GIB)
-        if world % gpus == 0
-        else Cluster(1, world, DEFAULT_GPU_MEMORY_GIB)
-    )
+    gpus, gib = cfg.trainer.n_gpus_per_node, gpu_memory_gib()
+    cluster = Cluster(world // gpus, gpus, gib) if world % gpus == 0 else Cluster(1, world, gib)
     try:
         plan = plan_memory(cfg, dims, cluster)
     except ConfigError:
@@ -535,8 +615,8 @@ def memory_warnings(cfg: MegarlConfig, world: int | None = None) -> list[str]:
         bad.append("rollout: no room left for vLLM's KV cache")
     return [
         (
-            f"memory: does not fit on {DEFAULT_GPU_MEMORY_GIB:g} GiB GPUs ({cluster.usable_bytes / GIB:g} "
-            f"GiB usable per GPU): {', '.join(bad)}; `megarl plan --config ...` shows the terms and "
+            f"memory: does not fit on {gib:.3g} GiB GPUs ({cluster.usable_bytes / GIB:.3g} GiB "
+            f"usable per GPU): {', '.join(bad)}; `megarl plan --config ...` shows the terms and "
             "layouts that fit"
         )
     ]
