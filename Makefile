@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv venv-gpu test test-fast demo demo-convert lint clean
+.PHONY: venv venv-gpu wheelhouse wheelhouse-wheels test test-fast demo demo-convert lint clean
 
 venv: $(STAMP)
 
@@ -26,27 +26,86 @@ $(STAMP): pyproject.toml requirements/cpu-lock.txt
 	$(BIN)/python -W ignore::UserWarning -c "import megatron.core, vllm, transformers, mlflow, megarl"
 	touch $(STAMP)
 
-# GPU environment (CUDA 13 toolkit with nvcc and cuDNN headers on the machine; README, "GPU
-# install") in its own $(GPU_VENV), pinned by requirements/gpu.txt (each pin's reason is there).
-# Order matters: CUDA torch first; then megarl and vLLM; then Transformer Engine's PyTorch
-# extension, compiled against that torch with --no-build-isolation (an isolated build brings its
-# own torch, and the extension then fails to import: ABI mismatch). The last line fails loudly
-# when TE does not import, with its reason.
+# GPU environment in its own $(GPU_VENV), pinned by requirements/gpu.txt (each pin's reason is
+# there; docs/install.md, "GPU"). Python 3.11 to 3.14 (the pins: vLLM 0.32.0 needs >= 3.11, < 3.15);
+# GPU_PY is PY when given, else the first of python3.11, python3.12 (NGC's PyTorch containers,
+# Ubuntu 24.04), python3.13 on PATH. Order matters: CUDA torch first; then megarl and vLLM; then
+# Transformer Engine's PyTorch extension, compiled against that torch with --no-build-isolation
+# (an isolated build brings its own torch, and the extension then fails to import: ABI
+# mismatch; its setup.py imports `wheel`, hence wheel in the first step). Each preflight is one
+# line, before anything is downloaded or built (tools/gpu_preflight.py): the Python; the CUDA 13
+# toolkit (nvcc 13.x, cudnn.h) where TE is compiled here; after torch, that it sees a GPU (a
+# driver too old for CUDA 13 is named). NO_GPU=1 skips only that last check (checking a
+# wheelhouse on a machine without a GPU). The last line fails loudly when TE does not import.
+#
+# WHEELHOUSE=DIR (a folder from `make wheelhouse`): every step installs from that folder alone:
+# --no-index, and none of the machine's pip configuration (a find-links of its own could offer
+# another torch build); TE's extension comes prebuilt from it, so the node needs no toolkit.
+GPU_PY ?= $(if $(filter command line environment,$(origin PY)),$(PY),$(firstword $(shell command -v python3.11 python3.12 python3.13 2>/dev/null) python3))
 GPU_VENV ?= .venv-gpu
 GPU_BIN := $(GPU_VENV)/bin
 GPU_STAMP := $(GPU_VENV)/.installed
-GPU_PIP := $(GPU_BIN)/pip install --disable-pip-version-check -q -c requirements/gpu.txt
+WHEELHOUSE ?=
+NO_GPU ?=
+ifneq ($(WHEELHOUSE),)
+GPU_SOURCE := --no-index --find-links $(abspath $(WHEELHOUSE))
+GPU_ENV := env -u PIP_FIND_LINKS -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL PIP_CONFIG_FILE=/dev/null
+endif
+GPU_PIP := $(GPU_ENV) $(GPU_BIN)/pip install --disable-pip-version-check -q $(GPU_SOURCE) -c requirements/gpu.txt
+# What each step installs (tests/test_gpu_install.py runs the steps with small stand-ins).
+GPU_TORCH := 'setuptools>=68' pip wheel torch
+GPU_STACK := -e '.[test]' vllm
+GPU_TE := 'transformer-engine[pytorch,core-cu13]'
+GPU_CHECK := from megarl.models.gpt import resolve_transformer_impl as r; r('transformer_engine', cuda=True); import megatron.core, vllm, mlflow, megarl
+# Without a GPU, TE's PyTorch extension is not imported (it needs the driver): it must be there.
+GPU_CHECK_NO_GPU := import importlib.metadata as m; m.version('transformer-engine-torch'); import megatron.core, vllm, mlflow, megarl
+# TE 2.9 looks for libnvrtc and libcublas where CUDA 12's wheels put them (nvidia/<lib>/lib), not
+# in CUDA 13's nvidia/cu13/lib; without a toolkit on the node (CUDA_HOME, /usr/local/cuda) the
+# import fails (docs/install.md): the check points CUDA_PATH at the wheels' folder unless set.
+GPU_CUDA_PATH = $${CUDA_PATH:-$$(ls -d $(GPU_VENV)/lib/python3*/site-packages/nvidia/cu13 2>/dev/null | head -1)}
 
 venv-gpu: $(GPU_STAMP)
 
 $(GPU_STAMP): pyproject.toml requirements/gpu.txt
-	test -x $(GPU_BIN)/python || $(PY) -m venv $(GPU_VENV)
-	$(GPU_PIP) 'setuptools>=61' pip torch
-	$(GPU_BIN)/python -c "import sys, torch; sys.exit(None if torch.version.cuda else 'torch ' + torch.__version__ + ' is a CPU build; venv-gpu needs the CUDA wheel from PyPI')"
-	$(GPU_PIP) -e '.[test]' vllm
-	$(GPU_PIP) --no-build-isolation 'transformer-engine[pytorch,core-cu13]'
-	$(GPU_BIN)/python -W ignore::UserWarning -c "from megarl.models.gpt import resolve_transformer_impl as r; r('transformer_engine', cuda=True); import megatron.core, vllm, mlflow, megarl"
+	$(GPU_PY) tools/gpu_preflight.py before $(if $(WHEELHOUSE),--wheelhouse $(WHEELHOUSE),--build-te)
+	test -x $(GPU_BIN)/python || $(GPU_PY) -m venv $(GPU_VENV)
+	$(GPU_PIP) $(GPU_TORCH)
+	$(GPU_BIN)/python -W ignore::UserWarning tools/gpu_preflight.py cuda $(if $(NO_GPU),--no-gpu)
+	$(GPU_PIP) $(GPU_STACK)
+	$(GPU_PIP) --no-build-isolation $(GPU_TE)
+	CUDA_PATH=$(GPU_CUDA_PATH) $(GPU_BIN)/python -W ignore::UserWarning -c "$(if $(NO_GPU),$(GPU_CHECK_NO_GPU),$(GPU_CHECK))"
 	touch $(GPU_STAMP)
+
+# One folder with every wheel of the GPU environment, for nodes without internet: run it where
+# the index is reachable, on the cluster's OS and Python (GPU_PY / PY), with the CUDA 13 toolkit
+# (the preflight refuses in one line otherwise: TE's extension is compiled here, once). No GPU
+# needed. wheelhouse-wheels alone downloads the rest (no toolkit needed). Then, on the node:
+#   make venv-gpu WHEELHOUSE=DIR
+# The build venv inside DIR is removed at the end; PYTHON names the Python the folder is for.
+# The index is PyPI or PIP_INDEX_URL; pip's configuration files and PIP_FIND_LINKS are not read
+# (a find-links can hold torch's CPU wheel, whose 2.13.0+cpu satisfies torch==2.13.0 and wins).
+WH_VENV = $(WHEELHOUSE)/.build-venv
+WH_PIP = env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null $(WH_VENV)/bin/pip --disable-pip-version-check -q
+WH_LOCAL = --no-index --find-links $(abspath $(WHEELHOUSE)) -c requirements/gpu.txt
+WH_STACK := '.[test]' vllm 'transformer-engine[core-cu13]'
+
+wheelhouse-wheels:
+	@test -n "$(WHEELHOUSE)" || { echo "usage: make wheelhouse WHEELHOUSE=DIR [PY=python3.12]" >&2; exit 2; }
+	$(GPU_PY) tools/gpu_preflight.py before
+	mkdir -p $(WHEELHOUSE)
+	test -x $(WH_VENV)/bin/python || $(GPU_PY) -m venv $(WH_VENV)
+	$(WH_PIP) wheel -w $(WHEELHOUSE) -c requirements/gpu.txt $(GPU_TORCH) $(WH_STACK)
+	rm -f $(WHEELHOUSE)/megarl-*.whl
+	$(WH_VENV)/bin/python -c "import sys; print('%d.%d' % sys.version_info[:2])" > $(WHEELHOUSE)/PYTHON
+
+wheelhouse:
+	@test -n "$(WHEELHOUSE)" || { echo "usage: make wheelhouse WHEELHOUSE=DIR [PY=python3.12]" >&2; exit 2; }
+	$(GPU_PY) tools/gpu_preflight.py before --build-te
+	$(MAKE) --no-print-directory wheelhouse-wheels
+	$(WH_PIP) install $(WH_LOCAL) $(GPU_TORCH)
+	$(WH_PIP) wheel --no-build-isolation -w $(WHEELHOUSE) -c requirements/gpu.txt transformer-engine-torch
+	rm -rf $(WH_VENV)
+	du -sh $(WHEELHOUSE)
 
 # The whole suite, as two pytest sessions at once over the two halves of tests/ (why, and how
 # to rerun one: tools/run_tests.py). A lane that collects no test (pytest's exit 5) fails it.
