@@ -81,9 +81,12 @@ def test_the_memory_section_has_the_plans_phases(check):
 
 def test_the_overlap_run_trains_one_step_off_with_vllm_on_a_rank_of_its_own(check):
     """Step 1 generated with the synced weights (vLLM agrees with the actor), step 2 with the
-    weights before step 1's update: the disaggregated path the first GPU will run."""
+    weights before step 1's update: the disaggregated path the first GPU will run, on one
+    (emulated) device for its two processes, the rollout process's LOCAL_RANK mapped onto it."""
     overlap = check[1]["sections"]["overlap"]
     assert overlap["status"] == "ok", overlap.get("why")
+    assert overlap["devices"] == 1 and overlap["processes"] == 2
+    assert overlap["local_rank_mapped"] == "1 -> 0"
     assert overlap["steps"] == 2 and overlap["staleness"] == [0.0, 1.0]
     assert overlap["logprob_diff_first"] <= 1e-4
     assert overlap["step_s"] > 0 and overlap["sync_s"] > 0

@@ -22,11 +22,15 @@ error, and the others still run):
   itself (``rollout.name=actor``, short responses): the GPU trainer without vLLM's figures;
 - ``memory``: each phase's measured peak against ``megarl plan`` for the same config;
 - ``overlap``: the ``train`` run's config one step off with vLLM on a rank of its own (issue 26:
-  2 processes, 1 training and 1 rollout; on one GPU both share it, vLLM taking its
-  ``gpu_memory_utilization``): the staleness of each step, vLLM's agreement after the first
-  sync, the step time, each side's wait and the weight update's seconds.
+  2 processes, 1 training and 1 rollout; on one GPU both share GPU 0, the rollout process's
+  ``LOCAL_RANK`` mapped to 0 for vLLM, which takes its ``gpu_memory_utilization``; ``--device
+  cpu`` runs it the same way with one emulated device): the staleness of each step, vLLM's
+  agreement after the first sync, the step time, each side's wait and the weight update's
+  seconds. Skipped, with the reason, where vLLM does not import.
 
-Prints the table and writes ``<out>/gpu_check.json``; exits 1 when a section failed.
+Prints the table and writes ``<out>/gpu_check.json``; exits 1 when a section failed (a skipped
+section does not fail it: on one GPU, or without vLLM or Transformer Engine, it exits 0 when
+everything it could run passed).
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ TRAIN_CONFIG = str(REPO / "configs" / "grpo_tiny_cpu.yaml")
 """The config the ``train`` and ``overlap`` runs override."""
 SECTIONS = ("stack", "logits", "gpu_tests", "train", "overlap")
 """What ``--sections`` can pick (``train`` brings its ``memory`` row)."""
+NO_VLLM_OVERLAP = "vLLM does not import here: the overlap run puts vLLM on a rank of its own"
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 """Dense bf16 peak by device name (SXM parts), for MFU."""
 
@@ -155,8 +160,12 @@ def main(argv: list[str] | None = None) -> int:
             lambda k=key: _memory(sections[k], paths[train_model], cuda)
         )
     if "overlap" in wanted:
-        sections["overlap"] = _section(
-            lambda: _overlap(paths[train_model], train_model, out / "overlap", cuda, args.steps)
+        sections["overlap"] = (
+            _section(
+                lambda: _overlap(paths[train_model], train_model, out / "overlap", cuda, args.steps)
+            )
+            if rollout == "vllm"
+            else {"status": "skipped", "why": NO_VLLM_OVERLAP}
         )
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     _print_table(report)
@@ -367,13 +376,21 @@ def _train(model: str, shape: str, run_dir: Path, cuda: bool, runner: str | None
 def _overlap(model: str, shape: str, run_dir: Path, cuda: bool, steps: int) -> dict:
     """The ``train`` run's config, one step off with vLLM on a rank of its own (module
     docstring)."""
+    import torch
+
+    from megarl.rollout.remote.split_world import EMULATED_DEVICES_ENV
+
     overrides = [
         *_train_overrides(model, shape, run_dir, _data(run_dir), cuda, steps),
         "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
         "async_training.staleness_threshold=1",
     ]  # fmt: skip
-    metrics, log = _run_train(overrides, run_dir, {}, nproc=2)
+    # On CPU, one emulated device for the two processes: the mapping a one-GPU machine needs.
+    devices = torch.cuda.device_count() if cuda else 1
+    env = {} if cuda else {EMULATED_DEVICES_ENV: "1"}
+    metrics, log = _run_train(overrides, run_dir, env, nproc=2)
     link = re.search(r"weights over (\w+)", log)  # NCCL needs a GPU per process
+    shared = re.search(r"LOCAL_RANK (\d+) -> (\d+) \(shared\)", log)
     later = metrics[1:] or metrics
 
     def med(key: str) -> float | None:
@@ -387,6 +404,8 @@ def _overlap(model: str, shape: str, run_dir: Path, cuda: bool, steps: int) -> d
         "rollout_idle_s": med("async/rollout_idle_s"), "sync_s": med("timing_s/update_weights"),
         "sync_wait_rollout_s": med("async/sync_wait_rollout_s"),
         "weights_link": link.group(1) if link else None,
+        "devices": devices, "processes": 2,
+        "local_rank_mapped": f"{shared.group(1)} -> {shared.group(2)}" if shared else None,
     }  # fmt: skip
 
 
@@ -519,8 +538,9 @@ def _print_table(report: dict) -> None:
                   "update_tflops", "update_mfu", "sync_s", "sync_gbps", "copy_gbps",
                   "gen_tokens_per_s"),
         "gpu_tests": ("summary", "failed", "not_collected"),
-        "overlap": ("steps", "staleness", "logprob_diff_first", "step_s", "wait_rollout_s",
-                    "rollout_idle_s", "sync_s", "sync_wait_rollout_s", "weights_link"),
+        "overlap": ("devices", "processes", "local_rank_mapped", "steps", "staleness",
+                    "logprob_diff_first", "step_s", "wait_rollout_s", "rollout_idle_s", "sync_s",
+                    "sync_wait_rollout_s", "weights_link"),
     }  # fmt: skip
     for name, section in report["sections"].items():
         status = section.get("status", "ok")

@@ -34,12 +34,14 @@ def split_rank() -> dict:
 
     os.environ.pop("GLOO_SOCKET_IFNAME", None)
     os.environ["LOCAL_WORLD_SIZE"] = "1"  # three "nodes": gloo's interface must be chosen
+    os.environ["MEGARL_EMULATED_DEVICES"] = "2"  # two GPUs for the three processes
     world = split_world(2, timeout=timedelta(seconds=3))
     t = torch.ones(1)
     dist.all_reduce(t)
     out = {"role": world.role, "side": [dist.get_rank(), dist.get_world_size(), t.item()],
            "env": [os.environ["RANK"], os.environ["WORLD_SIZE"]],
            "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+           "local_rank": os.environ["LOCAL_RANK"],
            "bridge": broadcast_object(world.bridge, "from rollout" if world.rank == 2 else None, 2)}  # fmt: skip
     channels = world.channels(nccl_weights=True)  # no GPUs here: gloo
     out["weights_device"] = None if channels is None else str(channels.weights_device)
@@ -78,6 +80,12 @@ def test_on_several_nodes_gloo_uses_the_interface_routing_to_the_master(results)
     """As the colocated launch does (tests/parallel/test_init_and_emulation.py): the master is
     127.0.0.1 here, so every rank of the split launch names the loopback interface."""
     assert [r["gloo_ifname"] for r in results] == ["lo", "lo", "lo"]
+
+
+def test_more_processes_than_gpus_share_them_with_local_rank_mapped(results):
+    """Two (emulated) GPUs for three processes: the third takes GPU 0 and its LOCAL_RANK says
+    so, as vLLM's external launcher reads it (one GPU: tools/gpu_check.py's overlap section)."""
+    assert [r["local_rank"] for r in results] == ["0", "1", "0"]
 
 
 def test_a_rollout_side_that_stops_answering_is_one_line_naming_it(results):

@@ -6,7 +6,10 @@ side gets its own default process group, so that Megatron-Core (which sizes ever
 from it) sees only the training ranks and vLLM's external launcher only the rollout ranks;
 ``RANK`` and ``WORLD_SIZE`` are rewritten to the side's numbering (the launch's are kept in
 ``MEGARL_LAUNCH_RANK`` / ``MEGARL_LAUNCH_WORLD_SIZE``; ``LOCAL_RANK``, which picks the GPU, is
-left alone). The two sides talk over plain ``ProcessGroup`` objects built on the launch's store
+left alone unless the node has fewer GPUs than processes: then the processes share them round
+robin and ``LOCAL_RANK`` becomes the GPU's index, because vLLM's external launcher takes its
+device from it and asserts ``local_rank < device_count``; on one GPU, 1 training + 1 rollout
+process both use GPU 0, as ``tools/gpu_check.py``'s overlap section does). The two sides talk over plain ``ProcessGroup`` objects built on the launch's store
 (:meth:`SplitWorld.group`), not registered with ``torch.distributed``: call their methods
 (``broadcast``, ``send``, ...) directly, or the helpers here.
 """
@@ -31,6 +34,7 @@ __all__ = [
     "SplitWorld",
     "broadcast_object",
     "current",
+    "device_count",
     "distinct_devices",
     "from_rank",
     "split_world",
@@ -39,6 +43,10 @@ __all__ = [
 Role = Literal["train", "rollout"]
 HOST = torch.device("cpu")
 """Where gloo's buckets live."""
+EMULATED_DEVICES_ENV = "MEGARL_EMULATED_DEVICES"
+"""CPU only: the number of devices the split launch maps ``LOCAL_RANK`` onto, as on a node with
+that many GPUs (``tools/gpu_check.py --device cpu`` runs its overlap section with 1); unset: no
+mapping on CPU."""
 
 
 @dataclass
@@ -162,8 +170,14 @@ def split_world(train_size: int, *, timeout: timedelta | None = None) -> SplitWo
     sub_rank = launch.rank if role == "train" else launch.rank - train_size
     sub_size = train_size if role == "train" else launch.world_size - train_size
     on_gpu = torch.cuda.is_available()
+    devices = device_count()
+    if devices and launch.local_rank >= devices:  # more processes than GPUs: share them
+        local = launch.local_rank % devices
+        print(f"megarl: launch rank {launch.rank}: {devices} device(s) on this node for more "
+              f"processes: LOCAL_RANK {launch.local_rank} -> {local} (shared)", flush=True)  # fmt: skip
+        os.environ["LOCAL_RANK"] = str(local)
     if on_gpu:
-        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(launch.local_rank % devices)
     else:
         enable_cpu_emulation()
     os.environ["MEGARL_LAUNCH_RANK"] = str(launch.rank)
@@ -181,6 +195,13 @@ def split_world(train_size: int, *, timeout: timedelta | None = None) -> SplitWo
     global _CURRENT
     _CURRENT = world
     return world
+
+
+def device_count() -> int:
+    """The GPUs this process sees, or on CPU :data:`EMULATED_DEVICES_ENV` (0: not emulated)."""
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return int(os.environ.get(EMULATED_DEVICES_ENV, "0"))
 
 
 _CURRENT: SplitWorld | None = None
