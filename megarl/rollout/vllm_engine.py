@@ -132,6 +132,9 @@ def engine_args_from_config(
     ``tensor_parallel_size``, ``max_model_len`` defaults to ``prompt_length + response_length``
     and ``dtype`` (``trainer.dtype``) is translated to vLLM's spelling. Sampling settings
     (temperature, n, ...) are not engine settings: they go to :meth:`VLLMEngine.generate`.
+    ``load_weights`` is False: the trainer's first sync (``megarl.trainer.step.first_sync``)
+    gives the engine the actor's weights before anything generates, so vLLM does not read the
+    checkpoint at start (every rank would read all of it, to be overwritten).
     """
     if rollout.name != "vllm":
         raise ValueError(f"rollout.name={rollout.name!r} is not vllm")
@@ -157,6 +160,7 @@ def engine_args_from_config(
         "max_num_batched_tokens": rollout.max_num_batched_tokens,
         "max_num_seqs": rollout.max_num_seqs,
         "expert_parallel": rollout.expert_parallel_size > 1,
+        "load_weights": False,
         "engine_kwargs": dict(rollout.engine_kwargs),
     }
 
@@ -198,6 +202,10 @@ class VLLMEngine:
             :attr:`RolloutSample.routing <megarl.rollout.base.RolloutSample.routing>`, from one
             of :mod:`megarl.rollout.routing_capture`'s two sources (:attr:`routing_source`).
         expert_parallel: vLLM expert parallelism (EP = this engine's TP size; GPU only).
+        load_weights: read the checkpoint's weights at start. False: vLLM's ``dummy`` load format
+            (random weights; only ``config.json`` and the generation config are read), for a
+            caller that loads weights into the engine before its first generate, as the
+            trainer's first sync does (:meth:`from_config`).
     """
 
     def __init__(
@@ -222,6 +230,7 @@ class VLLMEngine:
         eos_token_ids: Sequence[int] | None = None,
         capture_routing: bool = False,
         expert_parallel: bool = False,
+        load_weights: bool = True,
     ) -> None:
         on_gpu = torch.cuda.is_available()
         if expert_parallel and not on_gpu:
@@ -297,6 +306,7 @@ class VLLMEngine:
             "max_num_seqs": max_num_seqs,
             "enable_expert_parallel": expert_parallel or None,
             "enable_return_routed_experts": self.routing_source == "aux" or None,
+            "load_format": None if load_weights else "dummy",
         }
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         kwargs.update(engine_kwargs or {})

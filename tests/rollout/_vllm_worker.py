@@ -145,6 +145,7 @@ def main() -> None:
             "enforce_eager": cfg.model_config.enforce_eager,
             "tensor_parallel_size": cfg.parallel_config.tensor_parallel_size,
             "kv_cache_memory_bytes": cfg.cache_config.kv_cache_memory_bytes,
+            "load_format": str(cfg.load_config.load_format),
         }
         return engine
 
@@ -199,7 +200,22 @@ def main() -> None:
     dist.barrier()
 
     # ---- B: TP_v=2, rollout DP 1, built from the config; weight updates ---------------------
-    engine = make_from_config(tiny, "tp2")
+    # The trainer's way reads no checkpoint: it starts from a copy of the model directory
+    # without its weights file; the first sync (as the trainer's first_sync) brings them.
+    bare = args.out / "tiny_without_weights"
+    if rank == 0:
+        bare.mkdir()
+        for item in tiny.iterdir():
+            if item.suffix != ".safetensors":
+                shutil.copy(item, bare / item.name)
+    dist.barrier()
+    engine = make_from_config(bare, "tp2")
+    from safetensors.torch import load_file
+
+    timed(
+        "tp2_first_sync",
+        lambda: update_weights(engine, load_file(str(tiny / "model.safetensors")).items()),
+    )
     from megarl.rollout.vllm_process import cpu_shared_memory
 
     out["meta"]["shm"] = [(str(path), path.exists()) for path in cpu_shared_memory()]
@@ -218,8 +234,6 @@ def main() -> None:
     rec["tp2_zero_lm_head"] = record(run(n=1))
     # Back to the original weights, one tensor per chunk in shuffled order (modules split
     # across chunks), then the very first call again.
-    from safetensors.torch import load_file
-
     original = sorted(load_file(str(tiny / "model.safetensors")).items())
     random.Random(0).shuffle(original)
     engine.begin_weight_update()
