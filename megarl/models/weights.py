@@ -1,8 +1,8 @@
 """Move weights between a Hugging Face safetensors directory and sharded Megatron model chunks.
 
-Loading: every rank reads (lazily) only the HF tensors its own parameters need, builds each full
-Megatron parameter with :mod:`megarl.models.hf_mapping` and keeps its TP (for experts: expert-TP)
-shard. Exporting: each parameter is all-gathered over its TP group and converted on TP rank 0;
+Loading: every rank reads (lazily) only the HF tensors its own parameters need and of those only
+the rows or columns of its TP (for experts: expert-TP) shard, as safetensors slices
+(:func:`read_tp_shard`): a rank of TP t reads about 1/t of its layers' weights, not all of them. Exporting: each parameter is all-gathered over its TP group and converted on TP rank 0;
 every pipeline stage (and each expert-parallel rank, for its experts) writes its own safetensors
 file, so no rank holds the whole model, and global rank 0 writes the index, config and tokenizer.
 """
@@ -65,6 +65,8 @@ class HFCheckpointReader:
                     self._file_of.update({k: f for k in handle.keys()})  # noqa: SIM118 - safe_open is not iterable
         self._stack = ExitStack()
         self._handles: dict[Path, object] = {}
+        self.bytes_read = 0
+        """Bytes of tensors read so far (whole tensors and slices)."""
 
     def names(self) -> list[str]:
         return list(self._file_of)
@@ -72,13 +74,28 @@ class HFCheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         if name not in self._file_of:
             raise KeyError(f"tensor {name!r} not found in {self.path}")
         f = self._file_of[name]
         if f not in self._handles:
             self._handles[f] = self._stack.enter_context(safe_open(f, framework="pt"))
-        return self._handles[f].get_tensor(name)  # type: ignore[attr-defined]
+        return self._handles[f]
+
+    def _count(self, t: torch.Tensor) -> torch.Tensor:
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._count(self._handle(name).get_tensor(name))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """``name``'s elements ``start:stop`` along ``dim`` (0 or 1), read alone from the file."""
+        part = self._handle(name).get_slice(name)
+        return self._count(part[start:stop] if dim == 0 else part[:, start:stop])
 
     def close(self) -> None:
         self._stack.close()
@@ -143,15 +160,54 @@ def load_hf_weights(
                 if VALUE_HEAD_HF_NAME in reader:
                     param.copy_(reader.get(VALUE_HEAD_HF_NAME).reshape(param.shape))
                 continue
-            full = hm.hf_to_megatron_param(global_name, reader.get, dims)
             tp_size, tp_rank = tp_group_of(global_name)
-            shard = hm.tp_split(global_name, full, tp_size, tp_rank, dims)
+            shard = read_tp_shard(reader, global_name, dims, tp_size, tp_rank)
             if shard.shape != param.shape:
                 raise ValueError(
                     f"{global_name}: shard shape {tuple(shard.shape)} != parameter shape "
                     f"{tuple(param.shape)} (TP={tp_size})"
                 )
             param.copy_(shard.to(param.dtype))
+
+
+def read_tp_shard(
+    reader: HFCheckpointReader, mg_name: str, dims: ModelDims, tp_size: int, tp_rank: int
+) -> torch.Tensor:
+    """TP rank ``tp_rank``'s shard of the Megatron parameter ``mg_name`` (global name), equal to
+    ``hm.tp_split(hm.hf_to_megatron_param(mg_name, reader.get, dims), ...)`` but reading from
+    the checkpoint only what the shard holds: row-parallel weights their columns, ``linear_fc1``
+    its gate and up rows, the vocabulary-parallel ones their rows (the padding made here), and
+    ``linear_qkv`` its KV groups' q, k and v rows (TP dividing the groups). Replicated
+    parameters, and ``linear_qkv`` with TP above the KV-group count (a rank holds part of a
+    group), are read whole."""
+    kind = hm.tp_partition_kind(mg_name)
+    if tp_size == 1 or kind == "replicated":
+        return hm.hf_to_megatron_param(mg_name, reader.get, dims)
+    names = hm.megatron_param_sources(mg_name, dims)
+    shape = hm.megatron_param_shape(mg_name, dims)
+    lo, hi = tp_rank * shape[0] // tp_size, (tp_rank + 1) * shape[0] // tp_size
+    if kind == "row" and shape[1] % tp_size == 0:
+        cols = shape[1] // tp_size
+        return reader.get_slice(names[0], 1, tp_rank * cols, (tp_rank + 1) * cols)
+    if kind == "fc1" and shape[0] % (2 * tp_size) == 0:
+        rows = shape[0] // 2 // tp_size
+        gate, up = (reader.get_slice(n, 0, tp_rank * rows, (tp_rank + 1) * rows) for n in names)
+        return hm.gate_up_to_fc1(gate, up)
+    if kind == "vocab" and shape[0] % tp_size == 0:
+        vocab = reader.shape(names[0])[0]
+        if vocab != dims.vocab_size:
+            raise ValueError(f"{names[0]}: {vocab} rows != vocab_size {dims.vocab_size}")
+        part = reader.get_slice(names[0], 0, min(lo, vocab), min(hi, vocab))
+        return torch.cat([part, part.new_zeros(hi - lo - part.shape[0], *part.shape[1:])])
+    groups = dims.num_query_groups
+    if kind == "column" and groups % tp_size == 0:
+        first, count, d = tp_rank * groups // tp_size, groups // tp_size, dims.head_dim
+        q_rows = dims.heads_per_group * d
+        q = reader.get_slice(names[0], 0, first * q_rows, (first + count) * q_rows)
+        k, v = (reader.get_slice(n, 0, first * d, (first + count) * d) for n in names[1:])
+        return hm.qkv_separate_to_megatron(q, k, v, dims)
+    full = hm.hf_to_megatron_param(mg_name, reader.get, dims)
+    return hm.tp_split(mg_name, full, tp_size, tp_rank, dims)
 
 
 def gather_tp(global_name: str, shard: torch.Tensor, dims: ModelDims) -> torch.Tensor:
