@@ -45,7 +45,12 @@ _LAYOUT_KEYS = {
 def _parser() -> OneLineParser:
     p = OneLineParser(prog="megarl plan", description="Will a config fit on its GPUs?")
     p.add_argument("--config", "-c", action="append", default=[], help="megarl YAML config")
-    p.add_argument("--gpu-memory", type=positive_float, default=80.0, help="GiB per GPU (80)")
+    p.add_argument(
+        "--gpu-memory",
+        type=positive_float,
+        default=None,
+        help="GiB per GPU (default: this GPU's, else 79.2, an H100 as CUDA reports it)",
+    )
     p.add_argument("--reserve", type=positive_float, default=4.0, help="GiB kept free (4)")
     p.add_argument("--nodes", type=positive_int, help="nodes (default trainer.nnodes)")
     p.add_argument("--gpus-per-node", type=positive_int, help="default trainer.n_gpus_per_node")
@@ -67,8 +72,11 @@ def build(args) -> tuple[MemoryPlan, list[Proposal], str]:
     nodes = args.nodes or cfg.trainer.nnodes
     gpus = args.gpus_per_node or cfg.trainer.n_gpus_per_node
     cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node = nodes, gpus
-    cluster = Cluster(nodes, gpus, args.gpu_memory, args.reserve)
-    if args.reserve >= args.gpu_memory:
+    from megarl.planner.memory_plan import gpu_memory_gib
+
+    gpu_memory = args.gpu_memory or gpu_memory_gib()
+    cluster = Cluster(nodes, gpus, gpu_memory, args.reserve)
+    if args.reserve >= gpu_memory:
         raise InputError(f"--reserve {args.reserve:g} GiB leaves nothing of --gpu-memory")
     validate(cfg, cluster.world)  # a ConfigError names the keys
     if args.model:

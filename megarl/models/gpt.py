@@ -60,7 +60,8 @@ def transformer_engine_available() -> bool:
 @functools.cache
 def apex_fused_wgrad_available() -> bool:
     """True when apex's ``fused_weight_gradient_mlp_cuda`` imports: Megatron's own linears (the
-    output layer) need it for ``gradient_accumulation_fusion`` (TE's linears bring their own)."""
+    output layer) need it for ``gradient_accumulation_fusion``, and the one flag turns the fusion
+    off for every linear, Transformer Engine's included, when it is missing."""
 
     def do_import() -> None:
         import fused_weight_gradient_mlp_cuda  # noqa: F401
