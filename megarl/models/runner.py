@@ -40,6 +40,7 @@ from megarl.models.packing import (
     pack_rows,
     padded_lengths,
 )
+from megarl.models.router_losses import AuxLosses
 from megarl.models.routing import Routing
 from megarl.parallel.collectives import all_gather_tensors
 
@@ -396,7 +397,7 @@ def _run(
     collected: list[Outputs] = []
     outputs_of = _output_fn(role, r, vocab_size, temperature, sum_pi_squared)
     moe = bool(config.num_moe_experts)
-    aux = _AuxLosses(len(micro)) if moe and training else None
+    aux = AuxLosses(len(micro)) if moe and training else None
     recorded = None
     if routing is not None and routing.mode == "record":
         recorded = routing.empty(n, input_ids.shape[1])
@@ -567,75 +568,6 @@ def _global_token_count(lengths: torch.Tensor, device: torch.device) -> float:
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return float(total.item())
-
-
-_AUX_LOSS_NAMES = {
-    "load_balancing_loss": "moe_aux_loss",
-    "seq_load_balancing_loss": "moe_seq_aux_loss",
-    "global_load_balancing_loss": "moe_global_aux_loss",
-    "z_loss": "moe_z_loss",
-}
-"""Megatron's aux-loss tracker names -> megarl's metric names."""
-
-
-class _AuxLosses:
-    """The MoE routers' auxiliary losses of each micro-batch of one pass, read from Megatron's
-    aux-loss tracker around each forward of a model chunk (the tracker holds per layer the
-    coefficient-free values its routers added; names as Megatron's router logs them).
-
-    Megatron computes them (``moe_aux_loss_coeff``, z-loss) per micro-batch over its unpadded
-    tokens and, under ``calculate_per_token_loss``, weights each by that token count: the
-    objective is their token-weighted mean over the mini-batch. They are reported as
-    ``moe_aux_loss``, ``moe_z_loss``, ...: coefficient-free, averaged over the MoE layers, as
-    per-micro-batch shares that sum to that mean.
-    """
-
-    def __init__(self, micro_batches: int) -> None:
-        self.sums: dict[str, list[float]] = {k: [0.0] * micro_batches for k in _AUX_LOSS_NAMES}
-
-    def before(self) -> None:
-        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
-
-        clear_aux_losses_tracker()
-
-    def after(self, index: int, tokens: float) -> None:
-        """Add micro-batch ``index``'s values (summed over this chunk's layers) × its tokens; the
-        z-loss is tracked as its sum over the rank's tokens already
-        (:mod:`megarl.models.router_losses`)."""
-        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
-        for name, entry in get_moe_layer_wise_logging_tracker().items():
-            if name in _AUX_LOSS_NAMES:
-                weight = 1.0 if name == "z_loss" else tokens
-                self.sums[name][index] += float(entry["values"].sum()) * weight
-
-    def add_shares(self, metrics: list[dict], chunks: list, total_tokens: float) -> None:
-        """Put each micro-batch's share of the token-weighted mean (over the mini-batch's
-        ``total_tokens``, per MoE layer) into its metrics; summed over the pipeline stages and
-        tensor×context-parallel ranks (whose routers each add a part, Megatron's reduction)."""
-        from megatron.core.transformer.moe.router import Router
-
-        keys = list(_AUX_LOSS_NAMES)  # the same on every rank: the tensor is reduced
-        t = torch.tensor(
-            [self.sums[k][i] for k in keys for i in range(len(metrics))]
-            + [sum(isinstance(m, Router) for c in chunks for m in c.modules())],
-            dtype=torch.float64,
-            device=chunks_device(chunks),
-        )
-        for group in (
-            parallel_state.get_pipeline_model_parallel_group(),
-            parallel_state.get_tensor_and_context_parallel_group(),
-        ):
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(t, group=group)
-        values, layers = t[:-1].view(len(keys), len(metrics)).tolist(), float(t[-1])
-        # Every TP×CP rank of a stage holds the same routers: count each stage's once.
-        layers /= parallel_state.get_tensor_and_context_parallel_world_size()
-        for k, row in zip(keys, values, strict=True):
-            if not any(row):
-                continue  # that loss is off
-            for m, value in zip(metrics, row, strict=True):
-                m[_AUX_LOSS_NAMES[k]] = value / (total_tokens * layers)
 
 
 def _configure_grad_sync(chunks: list[torch.nn.Module], training: bool) -> bool:
