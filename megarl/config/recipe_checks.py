@@ -110,11 +110,6 @@ def _check_filter_groups(cfg, error: Error) -> None:
             "algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric ("
             f"{', '.join(FILTER_METRICS)}, or a field of your reward function's returned dict)"
         )
-    if rollout_ranks(cfg):
-        error(
-            "algorithm.filter_groups.enable=true with vLLM on ranks of its own "
-            f"({ARR}.rollout.nnodes > 0) is not built yet; dynamic sampling runs colocated"
-        )
     if cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3":
         error(
             "algorithm.filter_groups.enable=true with router_replay.mode=R3 is not built yet "

@@ -7,6 +7,7 @@ reward function), 1 otherwise.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -137,7 +138,7 @@ def _train_steps(
     from tqdm import tqdm
 
     from megarl.config.batch_plan import steps_ahead
-    from megarl.trainer.step import train_step, validate
+    from megarl.trainer.step import ask_ahead, train_step, validate
 
     cfg = run.cfg
     bar = tqdm(
@@ -155,10 +156,14 @@ def _train_steps(
         limit = cfg.trainer.max_consecutive_skipped_steps
         # vLLM on ranks of its own, s steps off: each step asks for the batches of the steps up
         # to s after it as soon as its own is in. The sampler is drawn ahead, but the state
-        # saved is the one after this step's own batch: a resumed run generates the batches
-        # asked ahead again rather than skip them.
+        # saved is the one after the last batch this step consumed: a resumed run generates the
+        # batches asked ahead again rather than skip them. Dynamic sampling takes its extra
+        # generation batches from the same queue (more()), so batches asked ahead are numbered
+        # in the order drawn (the number is the request's, for its seeds and its dump file);
+        # without it, the number of a step's batch is the step.
         ahead = steps_ahead(cfg) if run.ahead is not None else 0
-        queued: deque[tuple[list, dict]] = deque()  # (prompts, the sampler's state after them)
+        queued: deque[tuple[list, dict, int]] = deque()  # (prompts, sampler state after, number)
+        numbers = itertools.count(run.state.step + 1)
 
         def draw() -> tuple[list, dict]:
             prompts = [run.train_data[i] for i in next(run.sampler)]
@@ -166,18 +171,33 @@ def _train_steps(
 
         drawn: dict = {}
 
-        def more() -> list:  # dynamic sampling's next generation batch: saved as drawn
-            prompts, drawn["state"] = draw()
-            return prompts
-
-        for step in range(run.state.step + 1, run.total_steps + 1):
-            prompts, sampler_state = queued.popleft() if queued else draw()
+        def refill(step: int) -> list[tuple[int, list]]:  # (number, prompts) to ask for now
             asks = []
             while len(queued) < ahead and step + len(queued) < run.total_steps:
-                queued.append(draw())
-                asks.append((step + len(queued), queued[-1][0]))
-            drawn["state"] = sampler_state
-            metrics, _ = train_step(run, step, prompts, asks, more=more)
+                queued.append((*draw(), next(numbers)))
+                asks.append((queued[-1][2], queued[-1][0]))
+            return asks
+
+        def more() -> tuple[list, int | None]:
+            """Dynamic sampling's next generation batch, and its number when it was asked
+            ahead; the state saved is the sampler's after it."""
+            if not queued:
+                prompts, drawn["state"] = draw()
+                return prompts, None
+            prompts, drawn["state"], number = queued.popleft()
+            for later, later_prompts in refill(drawn["step"]):
+                ask_ahead(run, later_prompts, later)
+            return prompts, number
+
+        for step in range(run.state.step + 1, run.total_steps + 1):
+            if queued:
+                prompts, sampler_state, number = queued.popleft()
+            else:  # colocated, the first step of a launch, or none asked (the last steps)
+                prompts, sampler_state = draw()
+                number = next(numbers) if ahead else step
+            asks = refill(step)
+            drawn["state"], drawn["step"] = sampler_state, step
+            metrics, _ = train_step(run, step, prompts, asks, more=more, label=number)
             run.state.step = step
             run.state.sampler = drawn["state"]  # after the last generation batch it drew
             run.state.save_kl_coef(run.kl_ctrl)

@@ -41,14 +41,18 @@ def train_step(
     step: int,
     prompts: Sequence[PromptSample],
     ahead: Sequence[tuple[int, Sequence[PromptSample]]] = (),
-    more: Callable[[], Sequence[PromptSample]] | None = None,
+    more: Callable[[], tuple[Sequence[PromptSample], int | None]] | None = None,
+    label: int | None = None,
 ) -> tuple[dict[str, float], StepBatch]:
     """Run training step ``step`` (1-based) on the global prompt batch ``prompts``; returns its
     metrics and the step's batch (identical on every rank). ``ahead`` (an engine on ranks of its
     own only): ``(later step, its prompts)`` to ask for as soon as this step's batch is in, so
     that their generation overlaps training (with the weights this step starts from). ``more``
     (DAPO's dynamic sampling): the next generation batch's prompts, drawn when the groups kept
-    so far do not fill ``data.train_batch_size``."""
+    so far do not fill ``data.train_batch_size``, and the label it was asked ahead under (None:
+    not asked). ``label``: the number this batch was asked ahead under (default ``step``);
+    with dynamic sampling on an engine of its own, generation batches, not steps, are numbered
+    (:func:`fill_with_groups`)."""
     cfg = run.cfg
     timer, start = Timer(), time.perf_counter()
     metrics: dict[str, float] = {}
@@ -61,7 +65,7 @@ def train_step(
             n=cfg.actor_rollout_ref.rollout.n,
             sampling=training_sampling(run),
             seed=cfg.trainer.seed,
-            step=step,
+            step=step if label is None else label,
             pad_token_id=pad_token_id(run.tokenizer),
         )
     if run.ahead is not None:
@@ -243,12 +247,17 @@ def fill_with_groups(run: Run, step: int, prompts, batch: StepBatch, samples, sc
     metric varies (or that hold one response), generate and score ``more()`` prompts until
     ``data.train_batch_size`` groups are kept, and train on the first that many. Past
     ``filter_groups.max_num_gen_batches`` (> 0) generation batches the step fails, as in verl.
+    With an engine on ranks of its own asked ahead, ``more()`` hands over the batch asked
+    ahead next (generated meanwhile, with the weights of its request) and asks for another:
+    the steps consume one stream of generation batches, in the sampler's order, so the state a
+    checkpoint saves (after the last batch consumed) resumes without skipping a prompt.
     Returns the step's ``(batch, samples, prompts, scored, metrics)``."""
     from megarl.algo.filter_groups import kept_group_rows
 
     cfg = run.cfg
     fg, want = cfg.algorithm.filter_groups, cfg.data.train_batch_size
     parts, generated, kept_groups, gen_batches = [], 0, 0, 1
+    staleness = [] if run.ahead is None else [run.ahead.version - run.ahead.last_version]
     while True:
         keep = kept_group_rows(filter_metric(fg.metric, scored), batch.prompt_ids)
         rows = torch.nonzero(keep).flatten().tolist()
@@ -266,17 +275,23 @@ def fill_with_groups(run: Run, step: int, prompts, batch: StepBatch, samples, sc
                 "easy; max_num_gen_batches=0 keeps generating"
             )
         gen_batches += 1
-        prompts = list(more())
+        prompts, label = more()
+        # asked ahead: the request's own seed and number; else one seed per generation batch
+        seed = cfg.trainer.seed + (gen_batches - 1 if label is None else 0)
         enter(run, "generate", step=step)
         with timer("gen"):
             batch, samples = generate(
                 run.engine, prompts, n=cfg.actor_rollout_ref.rollout.n,
-                sampling=training_sampling(run), seed=cfg.trainer.seed + gen_batches - 1,
-                step=step, pad_token_id=pad_token_id(run.tokenizer),
+                sampling=training_sampling(run), seed=seed,
+                step=step if label is None else label, pad_token_id=pad_token_id(run.tokenizer),
             )  # fmt: skip
+        prescored = None
+        if run.ahead is not None:
+            staleness.append(run.ahead.version - run.ahead.last_version)
+            prescored = run.ahead.prescored
         enter(run, "reward", step=step)
         with timer("reward"):
-            scored = score(run, prompts, samples, batch, step, dump=None)
+            scored = score(run, prompts, samples, batch, step, dump=None, prescored=prescored)
     batch, samples, prompts, scored = _join_groups(run, parts, want)
     metrics = {
         "train/num_gen_batches": float(gen_batches),
@@ -284,6 +299,9 @@ def fill_with_groups(run: Run, step: int, prompts, batch: StepBatch, samples, sc
         "dynamic_sampling/kept_groups": float(kept_groups),
         "dynamic_sampling/dropped_groups": float(generated - kept_groups),
     }
+    if staleness:  # over the generation batches the step consumed
+        metrics["async/staleness_max"] = float(max(staleness))
+        metrics["async/staleness_mean"] = sum(staleness) / len(staleness)
     return batch, samples, prompts, scored, metrics
 
 

@@ -75,7 +75,7 @@ def _run(max_batches=0):
                            "algorithm.filter_groups.enable=true",
                            "algorithm.filter_groups.metric=acc",
                            f"algorithm.filter_groups.max_num_gen_batches={max_batches}"])  # fmt: skip
-    return SimpleNamespace(cfg=cfg, engine=None, tokenizer=None)
+    return SimpleNamespace(cfg=cfg, engine=None, tokenizer=None, ahead=None)
 
 
 def _first(script):
@@ -88,7 +88,7 @@ def test_dropped_groups_extra_batches_and_a_full_training_batch(scripted):
     prompts, batch, samples, scored = _first(scripted)
     drawn = iter([scripted.prompts(1), scripted.prompts(2)])
     batch, samples, prompts, scored, metrics = step_module.fill_with_groups(
-        _run(), 1, prompts, batch, samples, scored, lambda: next(drawn), Timer()
+        _run(), 1, prompts, batch, samples, scored, lambda: (next(drawn), None), Timer()
     )
     assert [p.name for p in prompts] == ["C", "D", "G"]  # the first 3 kept groups
     assert batch.prompt_ids.tolist() == [0, 0, 1, 1, 2, 2] and len(samples) == 6
@@ -113,7 +113,7 @@ def test_past_max_num_gen_batches_the_step_fails_in_one_line(scripted):
     with pytest.raises(RuntimeError, match="2 generation batches kept 2 of the "
                        "data.train_batch_size=3 groups"):  # fmt: skip
         step_module.fill_with_groups(_run(max_batches=2), 1, prompts, batch, samples, scored,
-                                     lambda: next(drawn), Timer())  # fmt: skip
+                                     lambda: (next(drawn), None), Timer())  # fmt: skip
 
 
 def test_gdpo_components_come_from_the_scorers_dict_and_a_missing_key_is_one_line():
