@@ -110,11 +110,6 @@ def _check_filter_groups(cfg, error: Error) -> None:
             "algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric ("
             f"{', '.join(FILTER_METRICS)}, or a field of your reward function's returned dict)"
         )
-    if cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3":
-        error(
-            "algorithm.filter_groups.enable=true with router_replay.mode=R3 is not built yet "
-            "(the kept groups' rollout routing is not joined); use R2 or disabled"
-        )
     if cfg.algorithm.use_kl_in_reward and fg.metric == "seq_final_reward":
         error(
             "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward: "

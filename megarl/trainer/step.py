@@ -21,6 +21,7 @@ from megarl.trainer.batch import StepBatch, pad_token_id, rollout_batch
 from megarl.trainer.metrics import Timer, step_metrics
 from megarl.trainer.passes import (
     actor_replay_routing,
+    captured_routing,
     correct_for_rollout,
     critic_values,
     generate,
@@ -307,7 +308,8 @@ def fill_with_groups(run: Run, step: int, prompts, batch: StepBatch, samples, sc
 
 def _join_groups(run: Run, parts, want: int):
     """The first ``want`` kept groups of the generation batches ``parts`` (``(prompts,
-    samples, scored, kept rows)`` each) as one step batch, groups renumbered 0..want-1."""
+    samples, scored, kept rows)`` each) as one step batch, groups renumbered 0..want-1, with
+    the routing the engine captured for each kept response (R3)."""
     new_prompts, new_samples, picks = [], [], []
     for prompts, samples, scored, rows in parts:
         taken = []
@@ -327,6 +329,7 @@ def _join_groups(run: Run, parts, want: int):
         [s.finish_reason == "length" for s in new_samples], pad_token_id=pad_token_id(run.tokenizer),
     )  # fmt: skip
     samples = dataclasses.replace(parts[0][1], samples=new_samples)
+    batch.rollout_routing = captured_routing(samples, batch.input_ids.shape[1])  # R3: theirs
     scored = result_rows(
         picks, [new_prompts[s.prompt_index].data_source for s in new_samples],
         [len(s.response_token_ids) for s in new_samples], batch.response_mask.shape[1],

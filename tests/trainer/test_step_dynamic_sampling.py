@@ -25,6 +25,9 @@ BATCHES = [
 ]
 
 
+ROUTE = {name: k for k, name in enumerate(sorted(n for b in BATCHES for n in b))}
+
+
 class Script:
     def __init__(self):
         self.next = 1  # the step's own batch (0) is generated before fill_with_groups
@@ -37,8 +40,10 @@ class Script:
         for i, p in enumerate(prompts):
             for j in range(n):
                 resp = [10 + i, 20 + j] if j else [10 + i]  # varied lengths
+                # R3: the routing "captured", one expert per position naming the response
+                routing = torch.full((2 + len(resp), 1, 1), ROUTE[prompts[i].name] * 10 + j)
                 samples.append(RolloutSample(i, j, [1, 2], resp, [0.0] * len(resp), "stop",
-                                             prompt_id=i))  # fmt: skip
+                                             prompt_id=i, routing=routing.numpy()))  # fmt: skip
         out = RolloutBatch(samples, n)
         batch = rollout_batch([s.prompt_token_ids for s in samples],
                               [s.response_token_ids for s in samples],
@@ -94,6 +99,12 @@ def test_dropped_groups_extra_batches_and_a_full_training_batch(scripted):
     assert batch.prompt_ids.tolist() == [0, 0, 1, 1, 2, 2] and len(samples) == 6
     assert scored.scores.tolist() == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
     assert scored.fields["acc"].tolist() == scored.scores.tolist()
+    # R3: each kept response's captured routing, -1 past its end
+    routes = batch.rollout_routing[:, :, 0, 0]
+    for row, (name, j) in enumerate([("C", 0), ("C", 1), ("D", 0), ("D", 1), ("G", 0), ("G", 1)]):
+        end = 2 + (2 if j else 1)
+        assert routes[row, :end].tolist() == [ROUTE[name] * 10 + j] * end, row
+        assert (routes[row, end:] == -1).all(), row
     # each score sits on its response's last token in the joined batch
     lengths = batch.response_mask.sum(1).long()
     assert lengths.tolist() == [1, 2, 1, 2, 1, 2]
