@@ -32,8 +32,13 @@ REPO = Path(__file__).resolve().parents[1]
 LANE_1 = ("tests/trainer", "tests/config", "tests/planner", "tests/tracking", "tests/reward")
 
 
+DURATIONS = 20
+"""Each lane ends with its slowest tests (setup, call, teardown each), so that a CI log says
+where the suite's time goes when a new test must be paid for."""
+
+
 def _pytest(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-q", "-ra", *args]
+    return [sys.executable, "-m", "pytest", "-q", "-ra", f"--durations={DURATIONS}", *args]
 
 
 def main(argv: list[str]) -> int:
