@@ -1,18 +1,22 @@
-"""Skip three third-party imports that cost every megarl process seconds and give it nothing.
+"""Skip three third-party imports that cost every megarl process seconds and give it nothing,
+and let Transformer Engine find CUDA 13's libraries where pip put them.
 
 Every launch starts the launcher, torchrun and one process per rank, each importing Torch,
 Megatron-Core and transformers. ``megarl/__init__.py`` calls :func:`install` (this module imports
 nothing itself, so the CLI's fast paths stay torch-free); from then on a meta-path finder wraps
 the ``exec_module`` of a few named modules: Megatron's JIT fuser without CUDA, scikit-learn under
-transformers' assisted generation, wandb under Megatron's inference engine and timers (see each
-wrapper). Nothing else about those imports changes.
+transformers' assisted generation, wandb under Megatron's inference engine and timers, and
+``CUDA_PATH`` before Transformer Engine loads (see each wrapper). Nothing else about those
+imports changes.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
+from pathlib import Path
 from collections.abc import Callable
 from types import ModuleType
 
@@ -71,10 +75,26 @@ def _without_wandb(exec_module: Callable[[ModuleType], None], module: ModuleType
             del sys.modules["wandb"]
 
 
+def _cuda_path_for_te(exec_module: Callable[[ModuleType], None], module: ModuleType) -> None:
+    """Transformer Engine 2.9 loads ``libnvrtc`` and ``libcublas`` from ``$CUDA_PATH``, else
+    from where CUDA 12's pip wheels put them (``nvidia/<lib>/lib``), not from CUDA 13's
+    ``nvidia/cu13/lib``: on a node with the driver only (no toolkit) ``import megatron.core``
+    then fails. When ``CUDA_PATH`` is unset and a ``nvidia/cu13/lib`` folder is on
+    ``sys.path``, ``CUDA_PATH`` points at it (docs/install.md); a ``CUDA_PATH`` set is kept."""
+    if not os.environ.get("CUDA_PATH"):
+        for entry in sys.path:
+            wheels = Path(entry or ".") / "nvidia" / "cu13"
+            if (wheels / "lib").is_dir():
+                os.environ["CUDA_PATH"] = str(wheels)
+                break
+    exec_module(module)
+
+
 _AROUND: dict[str, Callable[[Callable[[ModuleType], None], ModuleType], None]] = {
     _JIT: _fuser_off_without_cuda,
     _CANDIDATES: _without_sklearn,
     **dict.fromkeys(_MEGATRON_WANDB, _without_wandb),
+    "transformer_engine": _cuda_path_for_te,
 }
 """module name -> how to run its ``exec_module``."""
 

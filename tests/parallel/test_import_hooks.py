@@ -45,3 +45,34 @@ def test_no_fuser_compile_no_sklearn_and_no_wandb_import_without_cuda():
     assert lines[2:] == [
         "sklearn False", "sklearn importable", "wandb False None", "wandb importable"
     ]  # fmt: skip
+
+
+TE_PROBE = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import megarl
+import transformer_engine
+print(os.environ.get("CUDA_PATH"))
+"""
+
+
+def test_transformer_engine_finds_the_cuda_13_wheels_when_cuda_path_is_unset(tmp_path):
+    """A stand-in ``transformer_engine`` package (TE needs CUDA to install) beside pip's
+    ``nvidia/cu13/lib``: importing it through megarl sets ``CUDA_PATH`` to that folder when
+    unset, keeps one that is set, and sets none without the folder."""
+    (tmp_path / "transformer_engine").mkdir()
+    (tmp_path / "transformer_engine" / "__init__.py").write_text("")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "CUDA_PATH"}
+
+    def imported(**extra: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", TE_PROBE, str(tmp_path)], cwd=REPO, env={**env, **extra},
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip()
+
+    assert imported() == "None"
+    (tmp_path / "nvidia" / "cu13" / "lib").mkdir(parents=True)
+    assert imported() == str(tmp_path / "nvidia" / "cu13")
+    assert imported(CUDA_PATH="/opt/cuda") == "/opt/cuda"
