@@ -23,6 +23,43 @@ class SamplingConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """``actor_rollout_ref.rollout.multi_turn.*``: multi-turn rollouts with tool calls and
+    interactions (verl 0.9.1's names; :mod:`megarl.rollout.multi_turn`, docs/tools.md)."""
+
+    enable: bool = False
+    """Alternate model turns with tool / interaction turns (verl's tool agent loop)."""
+    max_assistant_turns: int | None = None
+    """Most model turns per trajectory; unset: no limit (the response budget ends it)."""
+    max_user_turns: int | None = None
+    """Most tool / interaction turns per trajectory; unset: no limit."""
+    max_parallel_calls: int = 1
+    """Calls of one model turn that run (the first ones; the rest get no answer)."""
+    max_tool_response_length: int = 256
+    """Characters of a tool's answer kept (truncated beyond, with a marker)."""
+    tool_response_truncate_side: Literal["left", "middle", "right"] = "middle"
+    """Which part of a long tool answer is dropped: left keeps the end, right the start."""
+    tool_config_path: str | None = None
+    """verl's tool config YAML (tools with class_name, config, tool_schema)."""
+    function_tool_path: str | None = None
+    """A Python file of @function_tool functions (schemas from signature and docstring)."""
+    interaction_config_path: str | None = None
+    """verl's interaction config YAML (scripted user turns)."""
+    format: str = "hermes"
+    """Tool-call format of the model's text (hermes: <tool_call>{...}</tool_call>)."""
+    tokenization_sanity_check_mode: Literal["strict", "ignore_strippable", "disable"] = "strict"
+    """Check every trajectory's ids against a re-rendering of its messages (a warning and the
+    multi_turn/tokenization_mismatches metric when they differ)."""
+    use_inference_chat_template: bool = False
+    """verl's switch for Qwen3's thinking-stripping template; only false is built."""
+    num_repeat_rollouts: int | None = None
+    """verl's (SGLang-only) repeat count; only unset is accepted."""
+    tool_call_timeout_s: float | None = 60.0
+    """(megarl) Seconds one call may run (create + execute) before it is answered as timed out;
+    null: no limit (verl has none)."""
+
+
+@dataclass
 class RolloutConfig:
     """``actor_rollout_ref.rollout.*``: the vLLM engine colocated with training.
 
@@ -119,3 +156,5 @@ class RolloutConfig:
     """Free-form: extra keyword arguments for vllm.LLM."""
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
     """(megarl) Sampling settings of validation rollouts."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn rollouts with tools and interactions (verl's names)."""

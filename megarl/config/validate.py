@@ -31,6 +31,7 @@ from megarl.config.moe_checks import (
     check_router_losses,
     check_router_replay,
 )
+from megarl.config.multi_turn_checks import check_multi_turn
 from megarl.config.recipe_checks import check_recipe_keys
 from megarl.config.schema import MegarlConfig
 
@@ -86,6 +87,7 @@ class _Checks(LayoutChecks):
         check_dist_checkpoints(self.cfg, error=self.error, problem=self.problem)
         check_engine_keys(self.cfg, self.error)
         check_recipe_keys(self.cfg, self.error)
+        check_multi_turn(self.cfg, self.error, self.problem)
         self.check_not_applied()
         self.check_files()
 

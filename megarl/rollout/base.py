@@ -59,11 +59,24 @@ class RolloutSample:
     """With routing capture on, the MoE experts each position of prompt + response was routed
     to: int16 ``[positions, layers, k]``, -1 for dense layers and the last generated token
     (:mod:`megarl.rollout.routing_capture`); otherwise None."""
+    response_mask: list[int] | None = field(default=None, kw_only=True)
+    """Multi-turn responses: 1 on the model's tokens, 0 on tool and user turns' tokens (their
+    log-probs are 0); None: every response token is the model's."""
+    extra: dict[str, Any] | None = field(default=None, kw_only=True)
+    """Multi-turn responses: ``num_turns``, ``tool_rewards``, ``turn_scores``
+    (:func:`megarl.rollout.multi_turn.rollout_samples`); None otherwise."""
 
     def __post_init__(self) -> None:
         if len(self.response_logprobs) != len(self.response_token_ids):
             raise ValueError(
                 f"{len(self.response_logprobs)} log-probs for "
+                f"{len(self.response_token_ids)} response tokens"
+            )
+        if self.response_mask is not None and len(self.response_mask) != len(
+            self.response_token_ids
+        ):
+            raise ValueError(
+                f"a response mask of {len(self.response_mask)} for "
                 f"{len(self.response_token_ids)} response tokens"
             )
 
@@ -75,6 +88,8 @@ class RolloutBatch:
     samples: list[RolloutSample] = field(default_factory=list)
     n: int = 1
     """Responses per prompt."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """What the rollout measured (multi-turn: turns, tool calls, errors, tool seconds)."""
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -113,7 +128,8 @@ class RolloutBatch:
 
     def padded_responses(self, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
         """Right-padded responses: ``token_ids [B, T]`` (long), ``logprobs [B, T]`` (float32),
-        ``mask [B, T]`` (bool, True on real tokens); ``T`` = longest response (at least 1)."""
+        ``mask [B, T]`` (bool, True on real tokens that are the model's: a multi-turn sample's tool
+        and user tokens are False); ``T`` = longest response (at least 1)."""
         b = len(self.samples)
         t = max([len(s.response_token_ids) for s in self.samples] + [1])
         ids = torch.full((b, t), pad_token_id, dtype=torch.long)
@@ -123,7 +139,9 @@ class RolloutBatch:
             k = len(s.response_token_ids)
             ids[i, :k] = torch.tensor(s.response_token_ids, dtype=torch.long)
             logprobs[i, :k] = torch.tensor(s.response_logprobs, dtype=torch.float32)
-            mask[i, :k] = True
+            mask[i, :k] = (
+                True if s.response_mask is None else torch.tensor(s.response_mask, dtype=torch.bool)
+            )
         return ids, logprobs, mask
 
 

@@ -36,7 +36,8 @@ class StepBatch:
     lengths: torch.Tensor
     """``[B]`` prompt + response lengths."""
     response_mask: torch.Tensor
-    """``[B, R]`` float 1/0: real response tokens (EOS included; a truncated response has none)."""
+    """``[B, R]`` float 1/0: the model's response tokens (EOS included; a truncated response has
+    none; 0 on a multi-turn response's tool and user tokens)."""
     prompt_ids: torch.Tensor
     """``[B]`` global prompt id of each response (the group of GRPO and its family)."""
     rollout_log_probs: torch.Tensor
@@ -124,8 +125,13 @@ def rollout_batch(
     truncated: Sequence[bool],
     *,
     pad_token_id: int,
+    token_masks: Sequence[Sequence[int] | None] | None = None,
 ) -> StepBatch:
-    """Right-padded tensors of B (prompt, response) pairs (an empty response gets mask 0)."""
+    """Right-padded tensors of B (prompt, response) pairs (an empty response gets mask 0).
+
+    ``token_masks``: per response, None (every token is the model's) or 1/0 per token, 0 on the
+    tool and user turns of a multi-turn response: ``response_mask`` is 0 there, so every loss,
+    KL, entropy and aggregation leaves those tokens out."""
     b = len(prompts)
     seq = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     width = max([len(r) for r in responses] + [1])
@@ -134,7 +140,8 @@ def rollout_batch(
     logp = torch.zeros(b, width)
     for i, (p, r, lp) in enumerate(zip(prompts, responses, log_probs, strict=True)):
         input_ids[i, : len(p) + len(r)] = torch.tensor([*p, *r], dtype=torch.long)
-        mask[i, : len(r)] = 1.0
+        own = None if token_masks is None else token_masks[i]
+        mask[i, : len(r)] = 1.0 if own is None else torch.tensor(own, dtype=torch.float32)
         logp[i, : len(r)] = torch.tensor(lp, dtype=torch.float32)
     plen = torch.tensor([len(p) for p in prompts])
     return StepBatch(

@@ -29,6 +29,7 @@ from megarl.parallel.collectives import all_gather_tensors
 from megarl.parallel.init import device
 from megarl.rollout.base import AheadEngine, RolloutBatch, RolloutEngine
 from megarl.rollout.distribute import generate_distributed
+from megarl.rollout.multi_turn import MultiTurnRollout, rollout_samples
 from megarl.trainer import split
 from megarl.trainer.batch import StepBatch, rollout_batch
 from megarl.trainer.split import dp_share, fitting_micro_batch
@@ -43,19 +44,31 @@ def generate(
     seed: int,
     step: int,
     pad_token_id: int,
+    multi_turn: MultiTurnRollout | None = None,
 ) -> tuple[StepBatch, RolloutBatch]:
     """``n`` responses to each prompt, prompt-major, as the step's batch on every rank (with the
-    rollout's routing when the engine captured it, for R3)."""
-    out = generate_distributed(
-        engine,
-        [list(p.prompt_ids) for p in prompts],
-        dp_rank=0,
-        dp_size=1,
-        n=n,
-        seed=seed,
-        step=step,
-        **sampling,
-    )
+    rollout's routing when the engine captured it, for R3).
+
+    Multi-turn (``multi_turn``, else the engine's ``multi_turn`` attribute when set: a
+    :class:`~megarl.rollout.multi_turn.MultiTurnRollout`): each response is a trajectory of model
+    and tool/user turns, and ``response_mask`` is 1 on the model's tokens only; the rollout
+    batch's ``metrics`` carry the turn and tool-call counts."""
+    multi_turn = multi_turn or getattr(engine, "multi_turn", None)
+    if multi_turn is not None:
+        trajs = multi_turn.generate(engine, prompts, n=n, sampling=sampling, seed=seed, step=step)
+        out = rollout_samples(trajs, n)
+        out.metrics = dict(multi_turn.last_metrics)
+    else:
+        out = generate_distributed(
+            engine,
+            [list(p.prompt_ids) for p in prompts],
+            dp_rank=0,
+            dp_size=1,
+            n=n,
+            seed=seed,
+            step=step,
+            **sampling,
+        )
     batch = rollout_batch(
         [s.prompt_token_ids for s in out],
         [s.response_token_ids for s in out],
@@ -63,6 +76,7 @@ def generate(
         [s.prompt_id for s in out],
         [s.finish_reason == "length" for s in out],
         pad_token_id=pad_token_id,
+        token_masks=[s.response_mask for s in out],
     )
     batch.rollout_routing = captured_routing(out, batch.input_ids.shape[1])
     return batch, out

@@ -1,0 +1,616 @@
+"""Multi-turn rollouts: model turns alternate with tool and interaction turns (verl 0.9.1's tool
+agent loop, batched), kept as token ids from start to end.
+
+Each trajectory starts from its prompt's chat messages rendered with the tools' schemas. Then,
+per turn, every active trajectory generates together in **one** ``generate`` call (all of them
+batched, one request each); each model turn's sampled ids and vLLM's log-probs are kept as they
+are. A turn whose text holds tool calls (``multi_turn.format``) gets a tool turn
+(:func:`megarl.tools.runner.run_tool_calls`: concurrent, time-limited, truncated, every failure
+an error message); a turn without calls gets an interaction turn when an interaction is
+configured, else the trajectory ends. It also ends when the response budget
+(``data.max_response_length`` counted over all turns, as verl), ``max_assistant_turns`` or
+``max_user_turns`` runs out, and (as verl) before a tool or user turn that would fill the budget,
+so that the last turn is the model's.
+
+Token in, token out: a tool or user turn's ids are the chat template's delta, the ids of the
+conversation rendered with the new messages (and the generation prompt) past the ids held so
+far; model text is never re-tokenised. Where the rendering of the conversation so far does not
+start with the ids held (a model turn whose text re-tokenises differently), the delta is the
+difference of the two renderings (verl's way) and the trajectory fails the sanity check
+(``tokenization_sanity_check_mode``: the whole conversation re-rendered against the ids held).
+
+The result per trajectory (:class:`Trajectory`): response ids, log-probs (0 on tool and user
+tokens), a per-token mask (1 on model tokens), turn counts, every call's outcome, step rewards
+and interaction scores. :func:`rollout_samples` turns them into the trainer's
+:class:`~megarl.rollout.base.RolloutSample` list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from megarl.rollout.base import RolloutBatch, RolloutSample, request_seed
+from megarl.tools.parser import parse_tool_calls
+from megarl.tools.runner import ToolCallError, ToolCallResult, run_tool_calls
+
+__all__ = [
+    "MultiTurnSettings",
+    "Trajectory",
+    "TrajectoryPrompt",
+    "multi_turn_metrics",
+    "rollout_samples",
+    "run_multi_turn",
+]
+
+logger = logging.getLogger(__name__)
+
+GenerateFn = Callable[..., RolloutBatch]
+"""``generate(prompts, *, prompt_ids, max_tokens, seed)`` → one response per prompt, in order
+(:meth:`RolloutEngine.generate <megarl.rollout.base.RolloutEngine.generate>` with ``n=1``)."""
+
+
+@dataclass
+class MultiTurnSettings:
+    """What the loop needs of ``actor_rollout_ref.rollout.multi_turn`` and the data section."""
+
+    response_length: int
+    """``data.max_response_length``: tokens of all turns together (model, tool and user)."""
+    max_assistant_turns: int | None = None
+    max_user_turns: int | None = None
+    max_parallel_calls: int = 1
+    max_tool_response_length: int = 256
+    tool_response_truncate_side: str = "middle"
+    format: str = "hermes"
+    tokenization_sanity_check_mode: str = "strict"
+    tool_call_timeout_s: float | None = 60.0
+    max_model_len: int | None = None
+    """The engine's context limit: one turn's max_tokens never asks past it."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, multi_turn: Any, *, response_length: int, **extra: Any):
+        """From a :class:`~megarl.config.schema_rollout.MultiTurnConfig`."""
+        names = (
+            "max_assistant_turns", "max_user_turns", "max_parallel_calls",
+            "max_tool_response_length", "tool_response_truncate_side", "format",
+            "tokenization_sanity_check_mode", "tool_call_timeout_s",
+        )  # fmt: skip
+        return cls(
+            response_length=response_length,
+            **{n: getattr(multi_turn, n) for n in names},
+            **extra,
+        )
+
+
+@dataclass
+class TrajectoryPrompt:
+    """One prompt of the step: its chat messages and the dataset's per-sample arguments."""
+
+    messages: list[dict[str, Any]]
+    prompt_id: int
+    """Global id of the prompt (GRPO's group)."""
+    tools_kwargs: dict[str, Any] = field(default_factory=dict)
+    """``extra_info.tools_kwargs``: per tool name, ``create_kwargs`` (and others)."""
+    interaction_kwargs: dict[str, Any] | None = None
+    """``extra_info.interaction_kwargs`` (its ``name`` picks the interaction)."""
+    prompt_ids: list[int] | None = None
+    """Token ids to start from; None: the messages rendered with the tools' schemas."""
+
+
+@dataclass
+class Trajectory:
+    """One multi-turn response: every turn's ids back to back."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_id: int
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    response_logprobs: list[float] = field(default_factory=list)
+    """vLLM's log-probs on model tokens, 0.0 on tool and user tokens."""
+    response_mask: list[int] = field(default_factory=list)
+    """1 on the model's tokens, 0 on tool and user tokens."""
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """The conversation: the prompt's messages, then each turn's."""
+    assistant_turns: int = 0
+    user_turns: int = 0
+    """Tool turns and interaction turns."""
+    tool_results: list[ToolCallResult] = field(default_factory=list)
+    tool_rewards: list[float] = field(default_factory=list)
+    """Step rewards ``execute`` returned (not None), in call order."""
+    turn_scores: list[float] = field(default_factory=list)
+    """Interaction scores, one per interaction turn."""
+    finish_reason: str = "stop"
+    """``stop``: the last model turn ended on a stop token; ``length``: it was cut."""
+    tokenization_ok: bool | None = None
+    """The sanity check's verdict (None: disabled)."""
+    drifted_turns: int = 0
+    """Tool/user turns whose delta came from renderings alone (ids held ≠ re-rendering)."""
+    done: bool = False
+    prompt_messages: int = 0
+    """How many of ``messages`` are the prompt's."""
+    last_turn_len: int = 0
+    """Tokens of the last model turn."""
+    """How many of ``messages`` are the prompt's."""
+
+    @property
+    def num_turns(self) -> int:
+        """verl's ``num_turns``: user + assistant turns + 1 (the prompt)."""
+        return self.assistant_turns + self.user_turns + 1
+
+
+# -- rendering -------------------------------------------------------------------------------
+
+
+class _Renderer:
+    """The chat template as the loop uses it: render messages (with the tools' schemas) to ids."""
+
+    def __init__(self, tokenizer: Any, tool_schemas: list[dict] | None, kwargs: dict[str, Any]):
+        self.tokenizer = tokenizer
+        self.tools = tool_schemas or None
+        self.kwargs = {
+            k: v
+            for k, v in kwargs.items()
+            if k not in ("tokenize", "return_dict", "return_tensors", "add_generation_prompt")
+        }
+
+    def text(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tools=self.tools,
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
+            **self.kwargs,
+        )
+
+    def ids(self, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
+        text = self.text(messages, generation_prompt)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def _turn_delta(
+    render: _Renderer, traj: Trajectory, new: list[dict[str, Any]]
+) -> tuple[list[int], bool]:
+    """The ids of the messages ``new`` appended to ``traj`` (with the generation prompt), and
+    whether they are the exact template delta past the ids held."""
+    held = traj.prompt_ids + traj.response_ids
+    after = render.ids(traj.messages + new, True)
+    if after[: len(held)] == held:
+        return after[len(held) :], True
+    before = render.ids(traj.messages, False)
+    if after[: len(before)] != before:  # a template that rewrites history: the text's delta
+        text = render.text(traj.messages + new, True)[len(render.text(traj.messages, False)) :]
+        return list(render.tokenizer(text, add_special_tokens=False)["input_ids"]), False
+    return after[len(before) :], False
+
+
+def _sanity_check(render: _Renderer, traj: Trajectory, mode: str) -> bool | None:
+    """verl's ``tokenization_sanity_check_mode``: the ids held must be the start of the whole
+    conversation re-rendered (the template may close the last turn after them). ``strict``:
+    exactly; ``ignore_strippable``: up to whitespace; ``disable``: not checked (None)."""
+    if mode == "disable":
+        return None
+    full = render.ids(traj.messages, False)
+    start = render.ids(traj.messages[: traj.prompt_messages], True)
+    ok = full[: len(start)] == start and full[len(start) :][: len(traj.response_ids)] == (
+        traj.response_ids
+    )
+    if not ok and mode == "ignore_strippable":
+        held = re.sub(r"\s+", "", render.decode(traj.response_ids))
+        again = re.sub(r"\s+", "", render.decode(full[len(start) :]))
+        ok = again.startswith(held)
+    if not ok:
+        logger.warning(
+            "multi-turn: trajectory of prompt %d sample %d: its token ids differ from the "
+            "re-rendered conversation (tokenization_sanity_check_mode=%s)",
+            traj.prompt_id, traj.sample_index, mode,
+        )  # fmt: skip
+    return ok
+
+
+# -- the loop --------------------------------------------------------------------------------
+
+
+def _model_message(render: _Renderer, ids: Sequence[int], stops: set[int]) -> dict[str, Any]:
+    body = list(ids[:-1]) if ids and ids[-1] in stops else list(ids)
+    return {
+        "role": "assistant",
+        "content": render.tokenizer.decode(body, skip_special_tokens=False),
+    }
+
+
+_Session = tuple[Any, str, dict]
+"""An interaction's instance for one trajectory: (interaction, instance id, its kwargs)."""
+
+
+def _start(
+    prompts: Sequence[TrajectoryPrompt], n: int, render: _Renderer, interactions: Mapping
+) -> tuple[list[Trajectory], dict[int, _Session]]:
+    out, sessions = [], {}
+    for p, prompt in enumerate(prompts):
+        ids = prompt.prompt_ids
+        if ids is None:
+            ids = render.ids(prompt.messages, True)
+        for s in range(n):
+            traj = Trajectory(p, s, prompt.prompt_id, list(ids), messages=list(prompt.messages))
+            traj.prompt_messages = len(prompt.messages)
+            if interactions and prompt.interaction_kwargs is not None:
+                kwargs = dict(prompt.interaction_kwargs)
+                name = kwargs.get("name", "gsm8k")
+                if name not in interactions:
+                    raise ValueError(
+                        f"prompt {prompt.prompt_id}: interaction_kwargs.name={name!r} is not in "
+                        f"interaction_config_path (has {sorted(interactions)})"
+                    )
+                sessions[len(out)] = (interactions[name], "", kwargs)
+            out.append(traj)
+    return out, sessions
+
+
+async def _start_interactions(sessions: dict[int, _Session]) -> None:
+    async def one(i: int) -> None:
+        interaction, _, kwargs = sessions[i]
+        sessions[i] = (interaction, await interaction.start_interaction(None, **kwargs), kwargs)
+
+    await asyncio.gather(*(one(i) for i in list(sessions)))
+
+
+async def _finish_interactions(sessions: dict[int, _Session]) -> None:
+    await asyncio.gather(*(s[0].finalize_interaction(s[1]) for s in sessions.values()))
+
+
+def _model_turn(
+    generate: GenerateFn,
+    active: list[Trajectory],
+    settings: MultiTurnSettings,
+    *,
+    seed: int,
+    step: int,
+    turn: int,
+    stops: set[int],
+) -> None:
+    """One batched generate for every active trajectory; each keeps at most its budget."""
+    contexts = [t.prompt_ids + t.response_ids for t in active]
+    budgets = [settings.response_length - len(t.response_ids) for t in active]
+    max_tokens = max(budgets)
+    if settings.max_model_len is not None:
+        max_tokens = min(max_tokens, min(settings.max_model_len - len(c) for c in contexts))
+    batch = generate(
+        contexts,
+        prompt_ids=[t.prompt_index * 1_000_003 + t.sample_index for t in active],
+        max_tokens=max(max_tokens, 1),
+        seed=request_seed(seed, step, turn, -1),
+    )
+    for t, sample, budget in zip(active, batch.samples, budgets, strict=True):
+        ids = list(sample.response_token_ids)[:budget]
+        logprobs = list(sample.response_logprobs)[: len(ids)]
+        cut = len(ids) < len(sample.response_token_ids) or sample.finish_reason == "length"
+        t.finish_reason = "length" if cut and not (ids and ids[-1] in stops) else "stop"
+        t.response_ids += ids
+        t.response_logprobs += logprobs
+        t.response_mask += [1] * len(ids)
+        t.last_turn_len = len(ids)
+        t.assistant_turns += 1
+
+
+def _append(traj: Trajectory, ids: list[int], messages: list[dict[str, Any]]) -> None:
+    traj.response_ids += ids
+    traj.response_logprobs += [0.0] * len(ids)
+    traj.response_mask += [0] * len(ids)
+    traj.messages += messages
+    traj.user_turns += 1
+
+
+async def _env_turn(
+    traj: Trajectory,
+    prompt: TrajectoryPrompt,
+    render: _Renderer,
+    tools: Mapping[str, Any],
+    settings: MultiTurnSettings,
+    stops: set[int],
+    session: _Session | None,
+) -> None:
+    """After a model turn: stop, or run its calls / the interaction and append that turn."""
+    s = settings
+    turn_ids = traj.response_ids[len(traj.response_ids) - traj.last_turn_len :]
+    last = _model_message(render, turn_ids, stops)
+    over = (
+        len(traj.response_ids) >= s.response_length
+        or (s.max_assistant_turns and traj.assistant_turns >= s.max_assistant_turns)
+        or (s.max_user_turns and traj.user_turns >= s.max_user_turns)
+    )
+    traj.messages.append(last)
+    if over:
+        traj.done = True
+        return
+    calls = parse_tool_calls(last["content"], s.format).calls if tools else []
+    if calls:
+        results = await run_tool_calls(
+            calls,
+            tools,
+            tools_kwargs=prompt.tools_kwargs,
+            timeout_s=s.tool_call_timeout_s,
+            max_parallel_calls=s.max_parallel_calls,
+            max_tool_response_length=s.max_tool_response_length,
+            tool_response_truncate_side=s.tool_response_truncate_side,
+        )
+        traj.tool_results += results
+        traj.tool_rewards += [r.reward for r in results if r.reward is not None and not r.error]
+        new = [{"role": "tool", "content": r.text} for r in results]
+    elif session is not None:
+        interaction, instance, kwargs = session
+        terminate, text, score, _ = await interaction.generate_response(
+            instance, list(traj.messages), **kwargs
+        )
+        traj.turn_scores.append(float(score))
+        if terminate:  # megarl: no trailing user turn that no model turn answers
+            traj.done = True
+            return
+        new = [{"role": "user", "content": text}]
+    else:
+        traj.done = True
+        return
+    ids, exact = _turn_delta(render, traj, new)
+    if len(traj.response_ids) + len(ids) >= s.response_length:
+        traj.done = True  # as verl: the last turn stays the model's
+        return
+    traj.drifted_turns += not exact
+    _append(traj, ids, new)
+
+
+def run_multi_turn(
+    generate: GenerateFn,
+    prompts: Sequence[TrajectoryPrompt],
+    *,
+    n: int,
+    tokenizer: Any,
+    tools: Mapping[str, Any],
+    interactions: Mapping[str, Any] | None = None,
+    settings: MultiTurnSettings,
+    seed: int,
+    step: int,
+    stop_token_ids: Sequence[int],
+    run_env: Callable[[Callable[[], Any]], Any] | None = None,
+) -> list[Trajectory]:
+    """``n`` multi-turn trajectories per prompt, prompt-major.
+
+    ``generate``: see :data:`GenerateFn` (every rank of a distributed run calls it together);
+    ``tools``: name → tool (:func:`megarl.tools.registry.load_all_tools`); ``interactions``:
+    name → interaction; ``stop_token_ids``: the ids that end a model turn (the engine's EOS
+    ids); ``run_env``: runs the tool/interaction turns (a callable taking a function of no
+    arguments and returning its result; the trainer runs them on rank 0 and broadcasts the
+    trajectories, so every rank holds the same ones). Seeds: turn ``t`` of trajectory
+    ``(p, s)`` is sampled with a seed drawn from ``(seed, step, t)`` and ``(p, s)``.
+    """
+    schemas = [_schema(t) for t in tools.values()] if tools else None
+    render = _Renderer(tokenizer, schemas, settings.chat_template_kwargs)
+    stops = set(stop_token_ids)
+    interactions = interactions or {}
+    trajs, sessions = _start(prompts, n, render, interactions)
+    run_env = run_env or (lambda fn: fn())
+    if sessions:
+        run_env(lambda: asyncio.run(_start_interactions(sessions)))
+    turn = 0
+    while True:
+        for t in trajs:
+            t.done = t.done or len(t.response_ids) >= settings.response_length
+        active = [i for i, t in enumerate(trajs) if not t.done]
+        if not active:
+            break
+        _model_turn(
+            generate, [trajs[i] for i in active], settings,
+            seed=seed, step=step, turn=turn, stops=stops,
+        )  # fmt: skip
+        turn += 1
+
+        def env_turn(active=active) -> list[Trajectory]:
+            async def all_turns() -> None:
+                await asyncio.gather(
+                    *(
+                        _env_turn(
+                            trajs[i],
+                            prompts[trajs[i].prompt_index],
+                            render,
+                            tools,
+                            settings,
+                            stops,
+                            sessions.get(i),
+                        )
+                        for i in active
+                    )
+                )
+
+            asyncio.run(all_turns())
+            return trajs
+
+        trajs[:] = run_env(env_turn)
+
+    def finish() -> list[Trajectory]:
+        asyncio.run(_finish_interactions(sessions))
+        for t in trajs:
+            t.tokenization_ok = _sanity_check(render, t, settings.tokenization_sanity_check_mode)
+        return trajs
+
+    trajs[:] = run_env(finish)
+    return trajs
+
+
+def _schema(tool: Any) -> dict:
+    schema = getattr(tool, "tool_schema", None)
+    return schema.model_dump(exclude_unset=True, exclude_none=True) if schema else {}
+
+
+# -- into the trainer ------------------------------------------------------------------------
+
+
+def rollout_samples(trajs: Sequence[Trajectory], n: int) -> RolloutBatch:
+    """The trajectories as the trainer's rollout batch, with each sample's per-token mask and
+    its multi-turn record (``extra``: turns, tool rewards, interaction scores)."""
+    samples = [
+        RolloutSample(
+            t.prompt_index,
+            t.sample_index,
+            t.prompt_ids,
+            t.response_ids,
+            t.response_logprobs,
+            "length" if t.finish_reason == "length" else "stop",
+            prompt_id=t.prompt_id,
+            response_mask=list(t.response_mask),
+            extra={
+                "num_turns": t.num_turns,
+                "tool_rewards": list(t.tool_rewards),
+                "turn_scores": list(t.turn_scores),
+            },
+        )
+        for t in trajs
+    ]
+    return RolloutBatch(samples, n)
+
+
+def multi_turn_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """The step's multi-turn metrics: turns and calls per trajectory, errors by kind, tool
+    seconds, tokenisation mismatches."""
+    if not trajs:
+        return {}
+    b = len(trajs)
+    results = [r for t in trajs for r in t.tool_results]
+    out = {
+        "multi_turn/num_turns/mean": sum(t.num_turns for t in trajs) / b,
+        "multi_turn/num_turns/max": float(max(t.num_turns for t in trajs)),
+        "multi_turn/assistant_turns/mean": sum(t.assistant_turns for t in trajs) / b,
+        "multi_turn/tool_calls/mean": len(results) / b,
+        "multi_turn/tool_calls/total": float(len(results)),
+        "multi_turn/tool_errors/total": float(
+            sum(r.error is not ToolCallError.NONE for r in results)
+        ),
+        "multi_turn/tool_seconds/total": float(sum(r.seconds for r in results)),
+        "multi_turn/tool_success_rate": (
+            sum(r.error is ToolCallError.NONE for r in results) / len(results) if results else 0.0
+        ),
+        "multi_turn/tokenization_mismatches": float(sum(t.tokenization_ok is False for t in trajs)),
+    }
+    for kind in ToolCallError:
+        if kind is not ToolCallError.NONE:
+            out[f"multi_turn/tool_errors/{kind.value}"] = float(
+                sum(r.error is kind for r in results)
+            )
+    return out
+
+
+# -- the trainer's entry ---------------------------------------------------------------------
+
+
+def _on_rank0(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on rank 0 only and give every rank its result (tools run once per step, and
+    every rank holds the same trajectories); ``fn`` alone when not distributed."""
+    import torch.distributed as dist
+
+    from megarl.rollout.distribute import object_group
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return fn()
+    box = [fn() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=object_group())
+    return box[0]
+
+
+def _messages(raw_prompt: Any) -> list[dict[str, Any]]:
+    if isinstance(raw_prompt, str):
+        return [{"role": "user", "content": raw_prompt}]
+    return [{k: v for k, v in dict(m).items() if v is not None} for m in raw_prompt]
+
+
+@dataclass
+class MultiTurnRollout:
+    """What the trainer's generation pass needs for multi-turn rollouts (built once per run by
+    :meth:`from_config`; :func:`megarl.trainer.passes.generate` calls :meth:`generate`)."""
+
+    tokenizer: Any
+    tools: dict[str, Any]
+    interactions: dict[str, Any]
+    settings: MultiTurnSettings
+    stop_token_ids: list[int]
+    last_metrics: dict[str, float] = field(default_factory=dict)
+    """The last :meth:`generate`'s :func:`multi_turn_metrics`."""
+
+    @classmethod
+    def from_config(cls, cfg: Any, tokenizer: Any, stop_token_ids: Sequence[int]):
+        """From the whole config: ``actor_rollout_ref.rollout.multi_turn`` (tools, interactions,
+        limits), ``data.max_response_length``, the engine's context limit."""
+        from megarl.tools.interactions.registry import load_interactions
+        from megarl.tools.registry import load_all_tools
+
+        rollout = cfg.actor_rollout_ref.rollout
+        mt = rollout.multi_turn
+        response = rollout.response_length or cfg.data.max_response_length
+        prompt = rollout.prompt_length or cfg.data.max_prompt_length
+        settings = MultiTurnSettings.from_config(
+            mt,
+            response_length=response,
+            max_model_len=rollout.max_model_len or prompt + response,
+            chat_template_kwargs=dict(getattr(cfg.data, "apply_chat_template_kwargs", {}) or {}),
+        )
+        return cls(
+            tokenizer,
+            load_all_tools(mt.tool_config_path, mt.function_tool_path),
+            load_interactions(mt.interaction_config_path) if mt.interaction_config_path else {},
+            settings,
+            list(stop_token_ids),
+        )
+
+    def generate(
+        self,
+        engine: Any,
+        prompts: Sequence[Any],
+        *,
+        n: int,
+        sampling: dict[str, Any],
+        seed: int,
+        step: int,
+    ) -> list[Trajectory]:
+        """``n`` trajectories per prompt (``PromptSample``s: ``raw_prompt``, ``extra_info``),
+        the model turns on every rollout replica (every rank calls this together)."""
+        import torch.distributed as dist
+
+        from megarl.rollout.distribute import generate_on_replicas
+
+        sampling = {k: v for k, v in sampling.items() if k != "max_tokens"}
+
+        def turn(contexts, *, prompt_ids, max_tokens, seed):
+            kw = dict(n=1, max_tokens=max_tokens, seed=seed, step=step, **sampling)
+            if dist.is_initialized():
+                return generate_on_replicas(engine, contexts, prompt_ids=prompt_ids, **kw)
+            return engine.generate(contexts, prompt_ids=prompt_ids, **kw)
+
+        requests = [
+            TrajectoryPrompt(
+                _messages(p.raw_prompt),
+                i,
+                tools_kwargs=dict((p.extra_info or {}).get("tools_kwargs") or {}),
+                interaction_kwargs=(p.extra_info or {}).get("interaction_kwargs"),
+            )
+            for i, p in enumerate(prompts)
+        ]
+        trajs = run_multi_turn(
+            turn,
+            requests,
+            n=n,
+            tokenizer=self.tokenizer,
+            tools=self.tools,
+            interactions=self.interactions,
+            settings=self.settings,
+            seed=seed,
+            step=step,
+            stop_token_ids=self.stop_token_ids,
+            run_env=_on_rank0,
+        )
+        self.last_metrics = multi_turn_metrics(trajs)
+        return trajs
