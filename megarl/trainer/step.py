@@ -69,6 +69,7 @@ def train_step(
             step=step if label is None else label,
             pad_token_id=pad_token_id(run.tokenizer),
         )
+    metrics.update(samples.metrics)  # multi-turn: turns, tool calls and their outcomes
     if run.ahead is not None:
         metrics.update(staleness_metrics(run))
     greedy = None
@@ -327,6 +328,7 @@ def _join_groups(run: Run, parts, want: int):
         [s.prompt_token_ids for s in new_samples], [s.response_token_ids for s in new_samples],
         [s.response_logprobs for s in new_samples], [s.prompt_id for s in new_samples],
         [s.finish_reason == "length" for s in new_samples], pad_token_id=pad_token_id(run.tokenizer),
+        token_masks=[s.response_mask for s in new_samples],  # multi-turn: the model's tokens
     )  # fmt: skip
     samples = dataclasses.replace(parts[0][1], samples=new_samples)
     batch.rollout_routing = captured_routing(samples, batch.input_ids.shape[1])  # R3: theirs
