@@ -343,7 +343,9 @@ async def _env_turn(
             tool_response_truncate_side=s.tool_response_truncate_side,
         )
         traj.tool_results += results
-        traj.tool_rewards += [r.reward for r in results if r.reward is not None and not r.error]
+        traj.tool_rewards += [
+            r.reward for r in results if r.reward is not None and r.error is ToolCallError.NONE
+        ]
         new = [{"role": "tool", "content": r.text} for r in results]
     elif session is not None:
         interaction, instance, kwargs = session
