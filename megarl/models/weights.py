@@ -26,6 +26,7 @@ from megarl.config.model_dims import ModelDims, read_hf_config
 from megarl.models import hf_mapping as hm
 from megarl.models import moe_mapping as mm
 from megarl.models.gpt import ValueHead, layer_offset, unwrap
+from megarl.models.lora import ADAPTER_MARK
 from megarl.parallel.collectives import all_gather_tensors
 
 VALUE_HEAD_HF_NAME = "score.weight"
@@ -113,6 +114,7 @@ def local_global_names(
     """(chunk index, local name, global Megatron name, parameter) for this rank's parameters.
 
     Global names carry global layer indices and, for MoE experts, global expert indices.
+    LoRA adapters' parameters (:mod:`megarl.models.lora`) are not base weights and are skipped.
     """
     for i, chunk in enumerate(chunks):
         model = unwrap(chunk)
@@ -123,6 +125,8 @@ def local_global_names(
             ep_rank = parallel_state.get_expert_model_parallel_rank()
             local_experts = experts // parallel_state.get_expert_model_parallel_world_size()
         for name, param in model.named_parameters():
+            if ADAPTER_MARK in f".{name}":
+                continue
             global_name = hm.megatron_name_to_global(hm.from_te_name(name), offset)
             if experts:
                 global_name = mm.expert_name_to_global(global_name, ep_rank, local_experts)

@@ -1,0 +1,320 @@
+"""LoRA adapters on Megatron-Core's tensor-parallel linears (local and TE specs' dense linears).
+
+An adapter adds ``scaling · B(A(x))`` (``scaling = alpha / rank``) to a linear's output. It is
+attached as an extra submodule ``<linear>.lora`` (parameters ``<linear>.lora.A`` ``[r, in]`` and
+``<linear>.lora.B`` ``[out, r]``) plus a forward hook, so every base parameter keeps its name and
+the code that walks base names (HF mapping, weight sync, conversion) is unchanged; it skips the
+adapter names (:func:`is_adapter_param`).
+
+Sharding follows the base weight, so that no activation of the base width is communicated:
+
+- column-parallel (``linear_qkv``, ``linear_fc1``): A replicated, B split by output rows exactly
+  as the base weight (the interleaved QKV groups, ``[gate shard; up shard]``: one B row per base
+  row). The input is replicated, so ``h = A x`` is too; ``h`` passes through
+  ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce of its gradient), which
+  makes A's gradient (and the input's) the sum over every rank's B shard.
+- row-parallel (``linear_proj``, ``linear_fc2``): A split over TP by input columns (as the base
+  weight), ``h = reduce_from_tensor_model_parallel_region(A_t x_t)`` (the all-reduce of an
+  ``r``-wide activation), B replicated; the output is added after the base all-reduce.
+
+Initial values are drawn for the full (unsharded) tensors from a generator seeded by the seed and
+the parameter's global name, then sliced: the same adapters at every TP×PP layout. B starts at
+zero (verl's ``lora_B_init_method=zero``), so step 0 equals the base model.
+
+:func:`adapters_disabled` switches every adapter of some chunks off (the reference policy: the
+base model, verl's ``ref_in_actor``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    set_tensor_model_parallel_attributes,
+)
+
+from megarl.models import hf_mapping as hm
+from megarl.models.gpt import layer_offset, unwrap
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""Megatron linear names adapters can target (verl's default: all four)."""
+
+INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
+"""verl's (Megatron-Bridge's) ``lora_A_init_method`` / ``lora_B_init_method`` values."""
+
+ADAPTER_MARK = ".lora."
+"""Substring of every adapter parameter's name."""
+
+
+class LoraError(ValueError):
+    """An adapter setting megarl does not build, said in one line."""
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """What to attach: verl's ``actor_rollout_ref.model.lora.*`` in megarl's types."""
+
+    rank: int
+    """Adapter rank ``r`` (verl ``lora.rank``)."""
+    alpha: float = 32.0
+    """Scaling numerator: outputs are scaled by ``alpha / rank``."""
+    dropout: float = 0.0
+    """Dropout probability on the adapter path (training mode only)."""
+    dropout_position: Literal["pre", "post"] = "pre"
+    """``pre``: dropout on the adapter's input; ``post``: on its output (verl's names)."""
+    target_modules: tuple[str, ...] = LORA_TARGETS
+    """Megatron linear names that get adapters."""
+    exclude_modules: tuple[str, ...] = ()
+    """Linear names, or module-path substrings, that do not (applied after ``target_modules``)."""
+    a_init: str = "xavier"
+    """Initialisation of A (:data:`INIT_METHODS`)."""
+    b_init: str = "zero"
+    """Initialisation of B; ``zero`` keeps step 0 equal to the base model."""
+    seed: int = 0
+    """Seed of the initial values (together with each parameter's global name)."""
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def check(self) -> None:
+        """Raise :class:`LoraError` naming the first setting that cannot be built."""
+        if self.rank <= 0:
+            raise LoraError(f"lora.rank must be > 0 to attach adapters, not {self.rank}")
+        bad = [t for t in self.target_modules if t not in LORA_TARGETS]
+        if bad:
+            raise LoraError(
+                f"lora.target_modules {bad} are not Megatron linears megarl adapts "
+                f"(choose from {list(LORA_TARGETS)})"
+            )
+        for what, method in (
+            ("lora_A_init_method", self.a_init),
+            ("lora_B_init_method", self.b_init),
+        ):
+            if method not in INIT_METHODS:
+                raise LoraError(f"lora.{what}={method!r}: choose from {list(INIT_METHODS)}")
+        if self.dropout_position not in ("pre", "post"):
+            raise LoraError(
+                f"lora.dropout_position must be pre or post, not {self.dropout_position!r}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise LoraError(f"lora.dropout must be in [0, 1), not {self.dropout}")
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether a (local or global) parameter name is an adapter's."""
+    return ADAPTER_MARK in f".{name}"
+
+
+def _init_full(
+    method: str, shape: tuple[int, int], fan_in: int, fan_out: int, seed: int, name: str
+):
+    """The full initial tensor of one adapter parameter, the same on every rank and layout."""
+    if method == "zero":
+        return torch.zeros(shape)
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    if method == "xavier":  # xavier_normal_ on the [fan_out, fan_in] matrix
+        std = math.sqrt(2.0 / (fan_in + fan_out))
+    elif method == "kaiming":  # kaiming_uniform_(a=sqrt(5)), nn.Linear's default
+        bound = 1.0 / math.sqrt(fan_in)
+        return (torch.rand(shape, generator=g) * 2 - 1) * bound
+    else:  # normal
+        std = 0.02
+    return torch.randn(shape, generator=g) * std
+
+
+class LoraAdapter(torch.nn.Module):
+    """The adapter of one parallel linear: ``A`` ``[r, in_local]``, ``B`` ``[out_local, r]``.
+
+    ``parallel`` is ``column`` or ``row`` (the base linear's kind); :meth:`forward` maps the base
+    linear's input to the addend of its output.
+    """
+
+    def __init__(
+        self,
+        parallel: Literal["column", "row"],
+        a: torch.Tensor,
+        b: torch.Tensor,
+        settings: LoraSettings,
+        *,
+        tp_size: int,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.scaling = settings.scaling
+        self.dropout = settings.dropout
+        self.dropout_position = settings.dropout_position
+        self.enabled = True
+        self.A = torch.nn.Parameter(a)
+        self.B = torch.nn.Parameter(b)
+        # Megatron's attributes: which parameters are TP shards (grad norm counts each once).
+        if parallel == "column":
+            set_tensor_model_parallel_attributes(self.A, False, 0, 1)
+            set_tensor_model_parallel_attributes(self.B, tp_size > 1, 0, 1)
+        else:
+            set_tensor_model_parallel_attributes(self.A, tp_size > 1, 1, 1)
+            set_tensor_model_parallel_attributes(self.B, False, 0, 1)
+
+    def _drop(self, x: torch.Tensor, *, sharded: bool) -> torch.Tensor:
+        if not (self.training and self.dropout > 0):
+            return x
+        if sharded:  # a TP-sharded activation: each rank its own mask (Megatron's TP RNG)
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return torch.nn.functional.dropout(x, self.dropout, True)
+        return torch.nn.functional.dropout(x, self.dropout, True)  # same mask on every TP rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.A.dtype)
+        if self.dropout_position == "pre":
+            x = self._drop(x, sharded=self.parallel == "row")
+        h = torch.nn.functional.linear(x, self.A)
+        if self.parallel == "column":
+            h = tensor_parallel.copy_to_tensor_model_parallel_region(h)
+        else:
+            h = tensor_parallel.reduce_from_tensor_model_parallel_region(h)
+        y = torch.nn.functional.linear(h, self.B) * self.scaling
+        if self.dropout_position == "post":
+            y = self._drop(y, sharded=self.parallel == "column")
+        return y
+
+
+def _add_adapter_output(module: torch.nn.Module, args: tuple, output):
+    """Forward hook of an adapted linear: its output plus the adapter's (when enabled)."""
+    adapter = module.lora
+    if not adapter.enabled:
+        return output
+    out, bias = output
+    return out + adapter(args[0]).to(out.dtype), bias
+
+
+def _targeted(path: str, settings: LoraSettings) -> bool:
+    leaf = path.rsplit(".", 1)[-1]
+    if leaf not in settings.target_modules:
+        return False
+    return not any(ex == leaf or ex in path for ex in settings.exclude_modules)
+
+
+def attach_adapters(chunks: Sequence[torch.nn.Module], settings: LoraSettings) -> int:
+    """Attach an adapter to every targeted linear of this rank's chunks; returns how many.
+
+    Base parameters stay as they are (the caller freezes them: :func:`freeze_base`). Expert
+    linears of MoE layers and sequence parallelism are refused in one line.
+    """
+    settings.check()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    count = 0
+    for chunk in chunks:
+        model = unwrap(chunk)
+        if model.config.num_moe_experts:
+            raise LoraError(
+                "LoRA on MoE models is not built: adapters on Megatron's expert linears "
+                "(SequentialMLP/GroupedMLP) are not attached by megarl yet"
+            )
+        if model.config.sequence_parallel and tp_size > 1:
+            raise LoraError("LoRA with sequence_parallel is not built: set sequence_parallel=false")
+        offset = layer_offset(model.config, model.vp_stage)
+        targets = [(p, m) for p, m in model.named_modules() if _targeted(p, settings)]
+        for path, linear in targets:
+            global_name = hm.megatron_name_to_global(f"{path}.weight", offset)
+            dtype = linear.weight.dtype
+            if isinstance(linear, ColumnParallelLinear):
+                kind, in_f, out_f = "column", linear.input_size, linear.output_size
+            elif isinstance(linear, RowParallelLinear):
+                kind, in_f, out_f = "row", linear.input_size, linear.output_size
+            else:
+                raise LoraError(f"{path} is a {type(linear).__name__}, not a parallel linear")
+            a = _init_full(settings.a_init, (settings.rank, in_f), in_f, settings.rank,
+                           settings.seed, global_name + ".A")  # fmt: skip
+            b = _init_full(settings.b_init, (out_f, settings.rank), settings.rank, out_f,
+                           settings.seed, global_name + ".B")  # fmt: skip
+            a, b = shard_adapter(kind, global_name, a, b, tp_size, tp_rank)
+            linear.lora = LoraAdapter(
+                kind, a.to(dtype).contiguous(), b.to(dtype).contiguous(), settings, tp_size=tp_size
+            )
+            linear.register_forward_hook(_add_adapter_output)
+            count += 1
+    return count
+
+
+def shard_adapter(
+    kind: str, base_name: str, a: torch.Tensor, b: torch.Tensor, tp_size: int, tp_rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This TP rank's (A, B) from the full ones: the base weight's split (``hm.tp_split`` of
+    the base name) on B's rows (column) or A's columns (row); the other one replicated."""
+    if tp_size == 1:
+        return a, b
+    if kind == "column":
+        return a, _split_rows_like(base_name, b, tp_size, tp_rank)
+    return torch.chunk(a, tp_size, dim=1)[tp_rank], b
+
+
+def _split_rows_like(base_name: str, b: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
+    if hm.tp_partition_kind(base_name) == "fc1":
+        gate, up = torch.chunk(b, 2, dim=0)
+        return torch.cat([torch.chunk(gate, tp_size)[tp_rank], torch.chunk(up, tp_size)[tp_rank]])
+    return torch.chunk(b, tp_size, dim=0)[tp_rank]
+
+
+def merge_adapter_shards(kind: str, base_name: str, a_shards, b_shards) -> tuple:
+    """Inverse of :func:`shard_adapter`: the full (A, B) from every TP rank's shards."""
+    if len(a_shards) == 1:
+        return a_shards[0], b_shards[0]
+    if kind == "row":
+        return torch.cat(list(a_shards), dim=1), b_shards[0]
+    if hm.tp_partition_kind(base_name) == "fc1":
+        gates, ups = zip(*(torch.chunk(s, 2, dim=0) for s in b_shards), strict=True)
+        return a_shards[0], torch.cat([*gates, *ups])
+    return a_shards[0], torch.cat(list(b_shards))
+
+
+def adapted_linears(
+    chunks: Sequence[torch.nn.Module],
+) -> Iterator[tuple[int, str, torch.nn.Module]]:
+    """(chunk index, global base weight name, linear) of every adapted linear of this rank."""
+    for i, chunk in enumerate(chunks):
+        model = unwrap(chunk)
+        offset = layer_offset(model.config, model.vp_stage)
+        for path, module in model.named_modules():
+            if isinstance(getattr(module, "lora", None), LoraAdapter):
+                yield i, hm.megatron_name_to_global(f"{path}.weight", offset), module
+
+
+def has_adapters(chunks: Sequence[torch.nn.Module]) -> bool:
+    return any(True for _ in adapted_linears(chunks))
+
+
+def adapter_parameters(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Parameter]:
+    return [p for _, _, lin in adapted_linears(chunks) for p in (lin.lora.A, lin.lora.B)]
+
+
+def freeze_base(chunks: Sequence[torch.nn.Module]) -> None:
+    """Every parameter but the adapters' stops requiring gradients (no grads, no optimizer
+    state for them: Megatron's DDP and optimizer only take parameters that require grads)."""
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            p.requires_grad_(is_adapter_param(name))
+
+
+@contextlib.contextmanager
+def adapters_disabled(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Run ``chunks`` as the base model (every adapter off) inside the block."""
+    linears = [lin for _, _, lin in adapted_linears(chunks)]
+    before = [lin.lora.enabled for lin in linears]
+    for lin in linears:
+        lin.lora.enabled = False
+    try:
+        yield
+    finally:
+        for lin, was in zip(linears, before, strict=True):
+            lin.lora.enabled = was

@@ -1,0 +1,109 @@
+"""LoRA adapters between megarl's Megatron layout and PEFT's HF-named adapter folder.
+
+Megatron fuses q/k/v into ``linear_qkv`` and gate/up into ``linear_fc1``; one adapter on the
+fused linear has one A and a B over the fused rows. In PEFT's per-projection form that is the
+same A on ``q_proj``, ``k_proj`` and ``v_proj`` (``gate_proj``, ``up_proj``) and B split by rows
+the way the base weight is (:func:`megarl.models.hf_mapping.megatron_param_to_hf` applied to B,
+whose rows are the base weight's rows): ``B_q A x``, ``B_k A x``, ``B_v A x`` are exactly the
+fused adapter's output rows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megarl.config.model_dims import ModelDims
+from megarl.models import hf_mapping as hm
+from megarl.models.lora import LoraSettings, adapted_linears, merge_adapter_shards
+from megarl.parallel.collectives import all_gather_tensors
+
+PEFT_PREFIX = "base_model.model."
+"""PEFT's prefix of a ``PeftModelForCausalLM``'s adapter keys."""
+
+
+def full_adapters(
+    chunks: Sequence[torch.nn.Module],
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{global base weight name: (full A, full B)} of this rank's pipeline stage (TP-gathered;
+    collective over the TP group)."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    group = parallel_state.get_tensor_model_parallel_group()
+    out = {}
+    for _, name, linear in adapted_linears(chunks):
+        a, b = linear.lora.A.detach(), linear.lora.B.detach()
+        if tp > 1:
+            a_shards, b_shards = all_gather_tensors(a, group), all_gather_tensors(b, group)
+        else:
+            a_shards, b_shards = [a], [b]
+        out[name] = merge_adapter_shards(linear.lora.parallel, name, a_shards, b_shards)
+    return out
+
+
+def adapters_to_hf(
+    adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], dims: ModelDims
+) -> dict[str, torch.Tensor]:
+    """Full Megatron adapters -> PEFT state dict (``base_model.model.<module>.lora_A.weight``)."""
+    out: dict[str, torch.Tensor] = {}
+    for base_name, (a, b) in adapters.items():
+        bs = hm.megatron_param_to_hf(base_name, b, dims)  # B's rows are the base weight's rows
+        for hf_weight, b_part in bs.items():
+            module = hf_weight.removesuffix(".weight")
+            out[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a.clone()  # one copy per projection
+            out[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b_part.contiguous()
+    return out
+
+
+def _hf_target_modules(state: dict[str, torch.Tensor]) -> list[str]:
+    return sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in state})
+
+
+def export_peft_adapter(
+    chunks: Sequence[torch.nn.Module],
+    dims: ModelDims,
+    settings: LoraSettings,
+    out_dir: str | Path,
+    *,
+    base_model: str | None = None,
+) -> Path | None:
+    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` (PEFT's LoRA format) from
+    every rank's adapters (collective over all ranks; rank 0 writes and returns the folder)."""
+    from safetensors.torch import save_file
+
+    mine = full_adapters(chunks)
+    first_copy = (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+    )
+    boxes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(boxes, {k: (a.cpu(), b.cpu()) for k, (a, b) in mine.items()}
+                           if first_copy else {})  # fmt: skip
+    if dist.get_rank() != 0:
+        return None
+    merged: dict = {}
+    for box in boxes:
+        merged.update(box)
+    state = adapters_to_hf(merged, dims)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": settings.rank,
+        "lora_alpha": settings.alpha,
+        "lora_dropout": settings.dropout,
+        "target_modules": _hf_target_modules(state),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

@@ -1,0 +1,133 @@
+"""Every multi-rank LoRA check in one 4-rank torchrun launch (TP1/PP1, TP2, PP2, TP2×PP2).
+
+For each layout the tiny Qwen2 actor gets adapters on all four linears with random non-zero A
+and B (the same full tensors at every layout, :func:`megarl.models.lora.attach_adapters`), then
+rank 0 records: the full-vocabulary logits, the logits with the adapters off, the gradients of a
+fixed weighted sum of the response log-probs with respect to the adapters (full, Megatron
+names), that the base weights got no gradient, and a PEFT export folder. The pytest side
+(``test_lora_models.py``) compares them to HF transformers + ``peft``.
+``python -m torch.distributed.run --nproc_per_node 4 _lora_worker.py SPEC.json``
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+
+
+def _full_logits(chunks, ids: torch.Tensor) -> torch.Tensor | None:
+    """``[N, S, padded V]`` logits on every rank of the last stage (gathered over TP)."""
+    from megatron.core import parallel_state
+
+    from megarl.models.runner import forward_logits
+    from megarl.parallel.collectives import all_gather_tensors
+
+    kept = forward_logits(chunks, list(ids.split(2)))
+    if kept is None:
+        return None
+    local = torch.cat(kept)
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return local
+    return torch.cat(
+        all_gather_tensors(local, parallel_state.get_tensor_model_parallel_group()), -1
+    )
+
+
+def _on_rank0(value):
+    """``value`` from the first rank that has one (all ranks call)."""
+    boxes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(boxes, value)
+    return next((b for b in boxes if b is not None), None)
+
+
+def _adapter_grads(chunks) -> dict:
+    """{global base name: (full dA, full dB)} over every pipeline stage."""
+    from megatron.core import parallel_state
+
+    from megarl.models.lora import adapted_linears, merge_adapter_shards
+    from megarl.parallel.collectives import all_gather_tensors
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    group = parallel_state.get_tensor_model_parallel_group()
+    mine = {}
+    for _, name, lin in adapted_linears(chunks):
+        ga, gb = lin.lora.A.grad, lin.lora.B.grad
+        sa = all_gather_tensors(ga, group) if tp > 1 else [ga]
+        sb = all_gather_tensors(gb, group) if tp > 1 else [gb]
+        mine[name] = merge_adapter_shards(lin.lora.parallel, name, sa, sb)
+    boxes: list = [None] * dist.get_world_size()
+    keep = parallel_state.get_tensor_model_parallel_rank() == 0
+    dist.all_gather_object(boxes, mine if keep else {})
+    out: dict = {}
+    for b in boxes:
+        out.update(b)
+    return out
+
+
+def _layout_checks(spec: dict, tp: int, pp: int, results: dict) -> None:
+    from megarl.models.build import build_model
+    from megarl.models.lora import LoraSettings, adapters_disabled, attach_adapters, freeze_base
+    from megarl.models.lora_peft import export_peft_adapter
+    from megarl.models.runner import SequenceBatch, forward_backward
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+
+    layout = ParallelLayout(tp, pp, None)
+    init_distributed(layout, seed=1234)
+    built = build_model(spec["model"], layout)
+    chunks, dims = built.chunks, built.dims
+    settings = LoraSettings(**spec["lora"])
+    n = attach_adapters(chunks, settings)
+    freeze_base(chunks)
+    batch = torch.load(spec["batch"])
+    ids = batch["input_ids"]
+    r: dict = {"adapters_here": n}
+    for c in chunks:
+        c.eval()
+    r["logits"] = _on_rank0(_full_logits(chunks, ids))
+    with adapters_disabled(chunks):
+        r["logits_off"] = _on_rank0(_full_logits(chunks, ids))
+    for c in chunks:
+        c.train()
+
+    def loss_fn(outputs, mb):
+        return (outputs["log_probs"] * mb["w"]).sum(), {}
+
+    seqs = SequenceBatch(ids, batch["prompt_lengths"], batch["lengths"], extra={"w": batch["w"]})
+    forward_backward(chunks, seqs, loss_fn, micro_batches=2, vocab_size=dims.vocab_size)
+    r["grads"] = _adapter_grads(chunks)
+    base_grads = [p.grad is not None for c in chunks for name, p in c.named_parameters()
+                  if ".lora." not in name]  # fmt: skip
+    r["base_grads"] = _on_rank0(sum(base_grads))
+    key = f"tp{tp}_pp{pp}"
+    export_peft_adapter(chunks, dims, settings, Path(spec["tmp"]) / f"peft_{key}",
+                        base_model=spec["model"])  # fmt: skip
+    results[key] = r
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    from megarl.parallel.init import destroy_distributed, read_launch_env
+
+    world = read_launch_env().world_size
+    assert world == 4, world
+    results: dict = {}
+    for tp, pp in LAYOUTS:
+        _layout_checks(spec, tp, pp, results)
+    if dist.get_rank() == 0:
+        torch.save(results, Path(spec["tmp"]) / "lora_results.pt")
+    dist.barrier()
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    from tests._worker_exit import exit_now
+
+    main()
+    exit_now()

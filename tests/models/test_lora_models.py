@@ -1,0 +1,145 @@
+"""LoRA on the Megatron actor against HF transformers + ``peft`` at TP1/PP1, TP2, PP2, TP2×PP2.
+
+One 4-rank launch (``_lora_worker.py``) runs every layout; each layout exports its adapters as
+a PEFT folder, which ``peft.PeftModel.from_pretrained`` loads onto the HF base model: its logits
+are the reference for the Megatron logits of that layout, and the gradients of the same loss
+through the PEFT model are the reference for the adapters' gradients.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_torchrun
+
+pytestmark = pytest.mark.multirank
+
+WORKER = Path(__file__).with_name("_lora_worker.py")
+LAYOUTS = ["tp1_pp1", "tp2_pp1", "tp1_pp2", "tp2_pp2"]
+LORA = {"rank": 4, "alpha": 16.0, "a_init": "xavier", "b_init": "normal", "seed": 5}
+"""Random non-zero A and B: the adapters change the logits (B zero would hide a wrong B)."""
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> dict:
+    from megarl.models.tiny import make_tiny_model
+
+    tmp = tmp_path_factory.mktemp("lora")
+    model = make_tiny_model(tmp / "qwen2", "qwen2", seed=21)  # q/k/v biases, 2 KV groups of 2
+    g = torch.Generator().manual_seed(3)
+    lengths, plen = torch.tensor([14, 9, 7, 12]), torch.tensor([3, 6, 2, 5])
+    batch = {
+        "input_ids": torch.randint(0, 1000, (4, 14), generator=g),
+        "prompt_lengths": plen,
+        "lengths": lengths,
+        "w": torch.randn(4, int((lengths - plen).max()), generator=g),
+    }
+    torch.save(batch, tmp / "batch.pt")
+    spec = {"model": str(model), "batch": str(tmp / "batch.pt"), "tmp": str(tmp), "lora": LORA}
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    run_torchrun(WORKER, 4, [str(tmp / "spec.json")])
+    results = torch.load(tmp / "lora_results.pt", weights_only=False)
+    return {"spec": spec, "batch": batch, "results": results}
+
+
+def _hf_base(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def _response_log_probs(logits: torch.Tensor, batch: dict) -> torch.Tensor:
+    ids, plen, lens = batch["input_ids"], batch["prompt_lengths"], batch["lengths"]
+    logp = torch.log_softmax(logits, dim=-1)
+    out = torch.zeros_like(batch["w"])
+    for i in range(len(ids)):
+        for k in range(int(lens[i] - plen[i])):
+            t = int(plen[i]) + k
+            out[i, k] = logp[i, t - 1, ids[i, t]]
+    return out
+
+
+@pytest.fixture(scope="module")
+def peft_reference(lora_run) -> dict:
+    """Per layout: the PEFT model's logits with that layout's exported adapters; for TP1/PP1
+    also its adapter gradients of the worker's loss."""
+    from peft import PeftModel
+
+    spec, batch = lora_run["spec"], lora_run["batch"]
+    ref: dict = {"base": None}
+    for key in LAYOUTS:
+        model = PeftModel.from_pretrained(
+            _hf_base(spec["model"]), str(Path(spec["tmp"]) / f"peft_{key}"), is_trainable=True
+        )
+        model.train()  # dropout 0: train mode only turns on autograd bookkeeping
+        logits = model(batch["input_ids"]).logits
+        ref[key] = logits.detach()
+        if key == "tp1_pp1":
+            (_response_log_probs(logits, batch) * batch["w"]).sum().backward()
+            ref["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if "lora_" in n}
+            with torch.no_grad(), model.disable_adapter():
+                ref["base"] = model(batch["input_ids"]).logits
+    return ref
+
+
+def test_logits_equal_hf_peft_at_every_layout(lora_run, peft_reference):
+    vocab = peft_reference["base"].shape[-1]
+    for key in LAYOUTS:
+        got = lora_run["results"][key]["logits"][..., :vocab]
+        assert (got - peft_reference[key]).abs().max() <= 1e-4, key
+        # the adapters matter: far from the base model's logits
+        assert (got - peft_reference["base"]).abs().max() > 1e-2, key
+
+
+def test_exports_agree_across_layouts(lora_run, peft_reference):
+    """Every layout exported the same adapters (same logits through PEFT as TP1/PP1)."""
+    for key in LAYOUTS[1:]:
+        assert (peft_reference[key] - peft_reference["tp1_pp1"]).abs().max() <= 1e-5, key
+
+
+def test_adapters_off_is_the_base_model(lora_run, peft_reference):
+    vocab = peft_reference["base"].shape[-1]
+    for key in LAYOUTS:
+        off = lora_run["results"][key]["logits_off"][..., :vocab]
+        assert (off - peft_reference["base"]).abs().max() <= 1e-4, key
+
+
+def _megatron_grads_as_peft(grads: dict, dims) -> dict:
+    from megarl.models.lora_peft import adapters_to_hf
+
+    return adapters_to_hf(grads, dims)
+
+
+def test_adapter_grads_equal_peft_and_base_frozen(lora_run, peft_reference):
+    """dA of a fused linear is the sum of PEFT's dA over q/k/v (gate/up): they share one A."""
+    from megarl.config.model_dims import ModelDims, read_hf_config
+
+    dims = ModelDims.from_hf_config(read_hf_config(lora_run["spec"]["model"]))
+    ref = peft_reference["grads"]
+    for key in LAYOUTS:
+        r = lora_run["results"][key]
+        assert r["base_grads"] == 0, key
+        got = _megatron_grads_as_peft(r["grads"], dims)
+        assert len(got) == len(ref), key
+        for name, g in got.items():
+            peft_name = name.replace(".weight", ".default.weight")
+            if ".lora_B." in name:
+                want = ref[peft_name]
+            else:  # shared A: sum the per-projection gradients of the same fused linear
+                module = name.split(".lora_A.")[0]
+                siblings = _fused_siblings(module)
+                want = sum(ref[f"{m}.lora_A.default.weight"] for m in siblings)
+            assert (g - want).abs().max() <= 1e-4 * max(1.0, want.abs().max().item()), (key, name)
+
+
+def _fused_siblings(module: str) -> list[str]:
+    head, leaf = module.rsplit(".", 1)
+    if leaf in ("q_proj", "k_proj", "v_proj"):
+        return [f"{head}.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+    if leaf in ("gate_proj", "up_proj"):
+        return [f"{head}.{p}" for p in ("gate_proj", "up_proj")]
+    return [module]
