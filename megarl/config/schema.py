@@ -73,6 +73,50 @@ class ArchitectureConfig:
 
 
 @dataclass
+class LoraConfig:
+    """``actor_rollout_ref.model.lora.*`` (verl's Megatron LoRA keys): adapters on the actor's
+    linears (:mod:`megarl.models.lora`, docs/lora.md); ``rank`` 0 trains full weights."""
+
+    type: str = "lora"
+    """Only lora (one adapter per fused linear); canonical_lora, vlm_lora, dora are refused."""
+    rank: int = 0
+    """Adapter rank; 0: no adapters."""
+    alpha: float = 32
+    """Adapter outputs are scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout probability on the adapter path."""
+    dropout_position: str = "pre"
+    """pre: dropout on the adapter's input; post: on its output."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    )
+    """Megatron linears that get adapters (of linear_qkv, linear_proj, linear_fc1, linear_fc2)."""
+    exclude_modules: list[str] = field(default_factory=list)
+    """With target_modules empty (as verl requires): every linear but these."""
+    lora_A_init_method: str = "xavier"
+    """Initialisation of A: xavier, kaiming, normal or zero."""
+    lora_B_init_method: str = "zero"
+    """Initialisation of B (zero: step 0 equals the base model)."""
+    merge: bool = False
+    """true: weight syncs send base + adapters merged; false (verl's default): adapter-only
+    sync, not built yet (refused)."""
+    adapter_path: str | None = None
+    """Start from a saved adapter; not built yet (refused when set)."""
+    a2a_experimental: bool = False
+    """Only false: no all-to-all adapter communication."""
+    dtype: str | None = None
+    """Only null: adapters take the model's dtype."""
+    fully_sharded_loras: bool = False
+    """vLLM's fully_sharded_loras; no effect with merge=true."""
+    freeze_vision_model: bool = True
+    """No effect: text models only."""
+    freeze_vision_projection: bool = True
+    """No effect: text models only."""
+    freeze_language_model: bool = True
+    """No effect: text models only (the base is always frozen)."""
+
+
+@dataclass
 class ModelConfig:
     """``actor_rollout_ref.model.*`` and ``critic.model.*``: which Hugging Face model to load."""
 
@@ -109,6 +153,8 @@ class ModelConfig:
     """Free-form; no effect, any value (fusions follow megatron.transformer_impl)."""
     architecture: ArchitectureConfig = field(default_factory=ArchitectureConfig)
     """(megarl) Expected model shape; checked against config.json, used when it is absent."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (actor only; the critic's must keep rank 0)."""
 
 
 @dataclass

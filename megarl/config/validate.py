@@ -23,6 +23,7 @@ from megarl.config.dist_ckpt_checks import check_dist_checkpoints
 from megarl.config.engine_key_checks import check_engine_keys
 from megarl.config.errors import ConfigError
 from megarl.config.layout_checks import LayoutChecks, fmt_value
+from megarl.config.lora_checks import check_lora
 from megarl.config.model_paths import resolve_model_paths
 from megarl.config.model_source import ModelShape, is_remote, resolve_model_shape
 from megarl.config.moe_checks import (
@@ -88,6 +89,7 @@ class _Checks(LayoutChecks):
         check_engine_keys(self.cfg, self.error)
         check_recipe_keys(self.cfg, self.error)
         check_multi_turn(self.cfg, self.error, self.problem)
+        check_lora(self.cfg, self.error)
         self.check_not_applied()
         self.check_files()
 

@@ -19,7 +19,8 @@ _DATA = "data option not supported yet"
 _REWARD = "reward option not supported yet"
 _RM_ON_MEGATRON = "the reward model runs on Megatron, colocated at the actor's TP×PP layout"
 _MULTIMODAL = "text-only models"
-_LORA = "no LoRA: megarl trains full weights"
+_LORA = "no LoRA on the critic: it trains full weights (LoRA: actor_rollout_ref.model.lora.*)"
+_FSDP_LORA = "verl's FSDP LoRA key; megarl takes the Megatron ones: actor_rollout_ref.model.lora.*"
 _PROFILE = "no profiler integration"
 _OFFLOAD_KEYS = "set param_offload / grad_offload / optimizer_offload"
 
@@ -67,9 +68,10 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     *_each(ROLES, "megatron.qat", "no quantization-aware training"),
     ("actor_rollout_ref.ref.megatron.param_offload", _OFFLOAD_KEYS),
     # -- model sections ----------------------------------------------------------------------------
-    *_each(_MODELS, "lora*", _LORA),
-    *_each(_MODELS, "target_modules", _LORA),
-    *_each(_MODELS, "exclude_modules", _LORA),
+    ("critic.model.lora*", _LORA),
+    *_each(_MODELS, "lora_*", _FSDP_LORA),
+    *_each(_MODELS, "target_modules", _FSDP_LORA),
+    *_each(_MODELS, "exclude_modules", _FSDP_LORA),
     *_each(_MODELS, "tiled_mlp", "no tiled MLP"),
     *_each(_MODELS, "mtp", "no multi-token prediction"),
     # -- rollout -------------------------------------------------------------------------------------

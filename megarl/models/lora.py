@@ -86,6 +86,22 @@ class LoraSettings:
     def scaling(self) -> float:
         return self.alpha / self.rank
 
+    @classmethod
+    def from_config(cls, lora, *, seed: int = 0) -> LoraSettings:
+        """From ``actor_rollout_ref.model.lora`` (:class:`megarl.config.schema.LoraConfig`);
+        ``target_modules`` empty means every linear but ``exclude_modules`` (as verl)."""
+        return cls(
+            rank=int(lora.rank),
+            alpha=float(lora.alpha),
+            dropout=float(lora.dropout),
+            dropout_position=lora.dropout_position,
+            target_modules=tuple(lora.target_modules or LORA_TARGETS),
+            exclude_modules=tuple(lora.exclude_modules),
+            a_init=lora.lora_A_init_method,
+            b_init=lora.lora_B_init_method,
+            seed=seed,
+        )
+
     def check(self) -> None:
         """Raise :class:`LoraError` naming the first setting that cannot be built."""
         if self.rank <= 0:
@@ -233,7 +249,10 @@ def attach_adapters(chunks: Sequence[torch.nn.Module], settings: LoraSettings) -
             elif isinstance(linear, RowParallelLinear):
                 kind, in_f, out_f = "row", linear.input_size, linear.output_size
             else:
-                raise LoraError(f"{path} is a {type(linear).__name__}, not a parallel linear")
+                raise LoraError(
+                    f"LoRA on {type(linear).__name__} ({path}) is not built: adapters attach to "
+                    "the local spec's parallel linears (megatron.transformer_impl=local)"
+                )
             a = _init_full(settings.a_init, (settings.rank, in_f), in_f, settings.rank,
                            settings.seed, global_name + ".A")  # fmt: skip
             b = _init_full(settings.b_init, (out_f, settings.rank), settings.rank, out_f,
@@ -318,3 +337,52 @@ def adapters_disabled(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
     finally:
         for lin, was in zip(linears, before, strict=True):
             lin.lora.enabled = was
+
+
+@torch.no_grad()
+def merged_weights(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """{global base weight name: this rank's shard of ``W + scaling · B A``} of every enabled
+    adapter (both sharded factors give the merged shard: column ``B_t A``, row ``B A_t``);
+    computed in fp32, returned in the weight's dtype (what ``lora.merge=true`` syncs)."""
+    out = {}
+    for _, name, linear in adapted_linears(chunks):
+        lora = linear.lora
+        if not lora.enabled:
+            continue
+        delta = (lora.B.float() @ lora.A.float()) * lora.scaling
+        out[name] = (linear.weight.float() + delta).to(linear.weight.dtype)
+    return out
+
+
+class AdaptersOff(torch.nn.Module):
+    """One model chunk run with every adapter off: the base model (the reference policy when
+    LoRA is on, verl's ``ref_in_actor``). Holds the chunk as ``module``, so Megatron's schedule
+    (``set_input_tensor``) and megarl's ``unwrap`` reach the model through it."""
+
+    def __init__(self, chunk: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = chunk
+
+    def forward(self, *args, **kwargs):
+        with adapters_disabled([self.module]):
+            return self.module(*args, **kwargs)
+
+
+class BaseModelView:
+    """The actor's chunks seen as the base model: what :class:`~megarl.models.build.BuiltModel`
+    offers the reference passes (``chunks``, ``pack``, ``dims``), with no parameters of its own.
+    Its residency is the actor's (the planner declares no separate reference model)."""
+
+    shares_actor = True
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+        self.chunks = [AdaptersOff(c) for c in actor.chunks]
+
+    @property
+    def pack(self) -> bool:
+        return self.actor.pack
+
+    @property
+    def dims(self):
+        return self.actor.model.dims

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megarl.config.batch_plan import critic_enabled, ref_used, rollout_ranks
+from megarl.config.lora_checks import lora_enabled
 from megarl.config.schema import MegarlConfig
 
 PHASES = (
@@ -84,12 +85,13 @@ class Offloads:
 
 
 def model_offloads(cfg: MegarlConfig) -> dict[str, Offloads]:
-    """The offload switches of every model the run builds (actor; critic, ref when used)."""
+    """The offload switches of every model the run builds (actor; critic, ref when used and not
+    the actor with its LoRA adapters off)."""
     arr = cfg.actor_rollout_ref
     out = {"actor": _offloads(arr.actor.megatron)}
     if critic_enabled(cfg):
         out["critic"] = _offloads(cfg.critic.megatron)
-    if ref_used(cfg):
+    if ref_used(cfg) and not lora_enabled(cfg):
         out["ref"] = Offloads(bool(arr.ref.megatron.param_offload), False, False)
     return out
 
@@ -112,7 +114,7 @@ def phases_of(cfg: MegarlConfig) -> tuple[str, ...]:
     or ``update_critic`` without a critic)."""
     roles = model_offloads(cfg)
     skip = set()
-    if "ref" not in roles:
+    if not ref_used(cfg):
         skip.add("ref")
     if "critic" not in roles:
         skip |= {"values", "update_critic"}
@@ -130,6 +132,8 @@ def residency(cfg: MegarlConfig, phase: str) -> Residency:
     computes, trains = _COMPUTES.get(phase), _TRAINS.get(phase)
     if phase == "generate" and not engine_is_vllm(cfg):
         computes = "actor"  # the actor samples itself
+    if phase == "ref" and lora_enabled(cfg):
+        computes = "actor"  # the reference is the actor with its adapters off
     models = {}
     for role, off in model_offloads(cfg).items():
         trainable = role != "ref"

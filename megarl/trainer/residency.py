@@ -107,8 +107,8 @@ def _models(run: Any) -> dict[str, Any]:
     out = {"actor": run.actor}
     if run.critic is not None:
         out["critic"] = run.critic
-    if run.ref is not None:
-        out["ref"] = run.ref
+    if run.ref is not None and not getattr(run.ref, "shares_actor", False):
+        out["ref"] = run.ref  # (LoRA's reference is the actor's chunks: no state of its own)
     return out
 
 

@@ -25,6 +25,7 @@ from megarl.config.optim_overrides import honoured_overrides
 from megarl.data import GlobalBatchSampler, PromptDataset, total_training_steps
 from megarl.models.build import BuiltModel, Recompute, build_model
 from megarl.models.gpt import Fusions, MoeSettings
+from megarl.models.lora import BaseModelView, LoraSettings, attach_adapters, freeze_base
 from megarl.models.trainable import OptimizerSettings, TrainableModel
 from megarl.parallel.init import init_distributed, process_group_timeout_minutes
 from megarl.reward import RewardManager
@@ -58,7 +59,8 @@ class Run:
     total_steps: int
     plan: BatchPlan
     actor: TrainableModel
-    ref: BuiltModel | None
+    ref: BuiltModel | BaseModelView | None
+    """The reference policy: a frozen model, or the actor with its LoRA adapters off."""
     engine: RolloutEngine
     """What generates: vLLM (here or on ranks of its own) or the actor itself."""
     rewards: RewardManager
@@ -148,10 +150,18 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         moe=MoeSettings.from_dict({**moe_overrides(meg), **replay}),
     )
     actor_model.pack = packs(arr.model, meg)
+    lora = arr.model.lora.rank > 0
+    if lora:  # adapters before DDP and the optimizer: only they get buffers and state
+        settings = LoraSettings.from_config(arr.model.lora, seed=cfg.trainer.seed)
+        attach_adapters(actor_model.chunks, settings)
+        freeze_base(actor_model.chunks)
+        actor_model.meta["lora"] = settings
     actor = TrainableModel(actor_model, optimizer_settings(cfg, total))
     settle(actor, cfg, "actor")
     ref = None
-    if ref_used(cfg):
+    if ref_used(cfg) and lora:  # verl's ref_in_actor: the base model is the actor, adapters off
+        ref = BaseModelView(actor)
+    elif ref_used(cfg):
         ref_moe = moe  # the reference routes afresh, R3 or not (as verl)
         ref = build_role_model(initial_checkpoint(arr.ref.megatron), model_path, layout,
                                dtype=dtype, transformer_impl=meg.transformer_impl,

@@ -12,6 +12,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 INTENDED_WORLD_SIZE = {
     "grpo_tiny_cpu.yaml": 2,
     "grpo_moe_tiny_cpu.yaml": 2,
+    "grpo_lora_tiny_cpu.yaml": 2,
     "ppo_tiny_cpu.yaml": 2,
     "grpo_qwen2_5_7b.yaml": 8,
     "grpo_qwen3_30b_a3b.yaml": 16,

@@ -120,6 +120,9 @@ def sync_weights(
             f"PP={pp}, EP={ep}, ETP={etp}"
         )
     params, pp_rank, ep_rank = local_params_for_plan(chunks, plan)
+    from megarl.models.lora import merged_weights
+
+    params.update(merged_weights(chunks))  # LoRA (lora.merge=true): W + scaling·B·A shards
     experts = plan.dims.num_experts > 0
     stats = stream_buckets(
         params,

@@ -1,0 +1,69 @@
+"""Checks of ``actor_rollout_ref.model.lora.*`` (LoRA adapters on the actor,
+:mod:`megarl.models.lora`), each problem one line naming its key."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from megarl.config.layout_checks import fmt_value
+
+__all__ = ["LORA_TARGETS", "check_lora"]
+
+Error = Callable[[str], None]
+
+L = "actor_rollout_ref.model.lora"
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""Megatron linears megarl adapts (``megarl.models.lora.LORA_TARGETS``)."""
+INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
+
+
+def check_lora(cfg, error: Error) -> None:
+    """Report what megarl cannot do with the LoRA settings through ``error``."""
+    lora = cfg.actor_rollout_ref.model.lora
+    if isinstance(lora.rank, bool) or lora.rank < 0:
+        error(f"{L}.rank={fmt_value(lora.rank)} must be >= 0 (0: no adapters)")
+        return
+    if lora.rank == 0:
+        return
+    if lora.type != "lora":
+        error(
+            f"{L}.type={fmt_value(lora.type)} is not built; use lora (one adapter per fused linear)"
+        )
+    bad = [t for t in lora.target_modules if t not in LORA_TARGETS]
+    if bad:
+        error(f"{L}.target_modules {bad} are not linears megarl adapts: {list(LORA_TARGETS)}")
+    if lora.exclude_modules and lora.target_modules:
+        error(f"{L}.exclude_modules needs target_modules=[] (as verl: every linear but those)")
+    for key in ("lora_A_init_method", "lora_B_init_method"):
+        if getattr(lora, key) not in INIT_METHODS:
+            error(f"{L}.{key}={fmt_value(getattr(lora, key))}: use one of {list(INIT_METHODS)}")
+    if lora.dropout_position not in ("pre", "post"):
+        error(f"{L}.dropout_position={fmt_value(lora.dropout_position)} must be pre or post")
+    if not 0.0 <= lora.dropout < 1.0:
+        error(f"{L}.dropout={fmt_value(lora.dropout)} must be in [0, 1)")
+    if not lora.merge:
+        error(
+            f"{L}.merge=false (adapter-only sync to vLLM) is not built: set {L}.merge=true "
+            "(merged weights are synced)"
+        )
+    if lora.adapter_path is not None:
+        error(f"{L}.adapter_path is not built: adapters start from their init methods")
+    if lora.a2a_experimental:
+        error(f"{L}.a2a_experimental=true is not built; use false")
+    if lora.dtype is not None:
+        error(f"{L}.dtype is not built: adapters take the actor's dtype; leave it null")
+    meg = cfg.actor_rollout_ref.actor.megatron
+    if meg.transformer_impl == "transformer_engine":
+        error(
+            f"LoRA on Transformer Engine's linears is not built: set megatron.transformer_impl=local ({L}.rank > 0)"
+        )
+    if meg.sequence_parallel and meg.tensor_model_parallel_size > 1:
+        error(
+            f"LoRA with actor megatron.sequence_parallel=true is not built; set it false ({L}.rank > 0)"
+        )
+
+
+def lora_enabled(cfg) -> bool:
+    """The actor trains LoRA adapters (``actor_rollout_ref.model.lora.rank`` > 0): the reference
+    is then the actor with its adapters off, not a model of its own."""
+    return cfg.actor_rollout_ref.model.lora.rank > 0

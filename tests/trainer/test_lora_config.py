@@ -1,0 +1,60 @@
+"""``actor_rollout_ref.model.lora.*``: verl's Megatron LoRA keys are read; what megarl does not
+build is refused in one line naming the key; the settings reach the adapters as given."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megarl.config import ConfigError, load_config, validate
+from megarl.config.verl_keys import unsupported_reason
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+LORA_TINY = CONFIGS / "grpo_lora_tiny_cpu.yaml"
+L = "actor_rollout_ref.model.lora"
+
+
+def test_lora_tiny_config_validates_with_verl_names():
+    cfg = load_config(LORA_TINY, [f"{L}.dropout=0.05", f"{L}.dropout_position=post",
+                                  f"{L}.lora_A_init_method=kaiming"])  # fmt: skip
+    validate(cfg, 2)
+    from megarl.models.lora import LoraSettings
+
+    s = LoraSettings.from_config(cfg.actor_rollout_ref.model.lora, seed=3)
+    assert (s.rank, s.alpha, s.scaling, s.dropout, s.dropout_position, s.a_init, s.b_init) == (
+        16, 32.0, 2.0, 0.05, "post", "kaiming", "zero")  # fmt: skip
+    # verl: target_modules [] with exclude_modules = every linear but those
+    cfg = load_config(LORA_TINY, [f"{L}.target_modules=[]", f"{L}.exclude_modules=[linear_fc2]"])
+    validate(cfg, 2)
+    s = LoraSettings.from_config(cfg.actor_rollout_ref.model.lora)
+    assert s.target_modules == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    assert s.exclude_modules == ("linear_fc2",)
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        (f"{L}.merge=false", f"{L}.merge=false (adapter-only sync"),
+        (f"{L}.type=dora", f"{L}.type=dora is not built"),
+        (f"{L}.target_modules=[linear_q]", "are not linears megarl adapts"),
+        (f"{L}.exclude_modules=[linear_fc2]", "needs target_modules=[]"),
+        (f"{L}.adapter_path=/x", f"{L}.adapter_path is not built"),
+        (f"{L}.lora_B_init_method=ones", f"{L}.lora_B_init_method=ones"),
+        (f"{L}.dropout_position=middle", "must be pre or post"),
+        ("actor_rollout_ref.actor.megatron.sequence_parallel=true", "sequence_parallel=true is not built"),
+    ],
+)  # fmt: skip
+def test_what_is_not_built_is_refused_in_one_line(override, says):
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(LORA_TINY, [override]), 2)
+    problems = [p for p in info.value.problems if "lora" in p.lower()]
+    assert len(problems) == 1 and says in problems[0] and "\n" not in problems[0], problems
+
+
+def test_fsdp_and_critic_lora_keys_are_refused():
+    assert "actor_rollout_ref.model.lora.*" in unsupported_reason(
+        "actor_rollout_ref.model.lora_rank"
+    )
+    assert "critic" in unsupported_reason("critic.model.lora.rank")
+    assert unsupported_reason(f"{L}.rank") is None
