@@ -1,0 +1,121 @@
+"""One GRPO actor update with LoRA adapters on a fixed batch, at TP 2, PP 2 and DP 2 with the
+distributed optimizer (one 2-rank launch; ``test_lora_update.py`` holds the reference).
+
+The actor is built as the trainer builds it (adapters attached, base frozen, then Megatron DDP
+and optimizer) and updated by ``megarl.trainer.update.update_policy``; rank 0 saves the adapters
+before and after (full, PEFT names), the base weights after (HF names), the metrics, and the
+reference policy's log-probs (the actor's chunks with adapters off, ``BaseModelView``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tests.trainer._update_worker import _enter_weight_read, _hf_weights, _rollout
+
+LAYOUTS = [(2, 1, False), (1, 2, False), (1, 1, True)]
+"""(TP, PP, distributed optimizer); DP is what remains of 2 ranks."""
+
+
+def _adapters_as_peft(chunks, dims) -> dict[str, torch.Tensor]:
+    from megatron.core import parallel_state
+
+    from megarl.models.lora_peft import adapters_to_hf, full_adapters
+
+    mine = {k: (a.double(), b.double()) for k, (a, b) in full_adapters(chunks).items()}
+    boxes: list = [None] * dist.get_world_size()
+    keep = parallel_state.get_tensor_model_parallel_rank() == 0
+    dist.all_gather_object(boxes, mine if keep else {})
+    merged: dict = {}
+    for b in boxes:
+        merged.update(b)
+    return adapters_to_hf(merged, dims)
+
+
+def _case(spec: dict, tp: int, pp: int, dist_opt: bool, optimizer: str) -> dict:
+    from megarl.models.build import build_model
+    from megarl.models.lora import BaseModelView, LoraSettings, attach_adapters, freeze_base
+    from megarl.models.trainable import OptimizerSettings, TrainableModel, _leaf_optimizers
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.trainer.passes import global_log_probs
+    from megarl.trainer.update import PolicyUpdate, update_policy
+
+    init_distributed(ParallelLayout(tp, pp, None), seed=1234)
+    dtype = torch.float32 if dist_opt else torch.float64  # Megatron's dist. optimizer: fp32/bf16
+    built = build_model(spec["model"], ParallelLayout(tp, pp, None), dtype=dtype)
+    attach_adapters(built.chunks, LoraSettings(**spec["lora"]))
+    freeze_base(built.chunks)
+    before = _adapters_as_peft(built.chunks, built.dims)
+    if optimizer == "sgd":
+        settings = OptimizerSettings(lr=spec["sgd_lr"], optimizer="sgd", weight_decay=0.0,
+                                     clip_grad=0.0, use_distributed_optimizer=False,
+                                     grad_reduce_in_fp32=False)  # fmt: skip
+    else:
+        settings = OptimizerSettings(lr=1e-3, weight_decay=0.1, eps=spec["adam_eps"],
+                                     clip_grad=1.0, grad_reduce_in_fp32=dtype != torch.float64,
+                                     use_distributed_optimizer=dist_opt)  # fmt: skip
+    actor = TrainableModel(built, settings)
+    trainable = sum(p.numel() for c in actor.chunks for p in c.parameters() if p.requires_grad)
+    # what the optimizer steps: every parameter of its groups (main copies of this rank's shard)
+    stepped = sum(p.numel() for o in _leaf_optimizers(actor.optimizer)
+                  for g in o.param_groups for p in g["params"])  # fmt: skip
+    batch = _rollout(spec)
+    ref = BaseModelView(actor)
+    ref_lp, _, _ = global_log_probs(ref.chunks, batch, vocab_size=built.dims.vocab_size,
+                                    temperature=spec["temperature"], micro_batches=4,
+                                    max_token_len=None, pack=ref.pack)  # fmt: skip
+    update = PolicyUpdate(
+        responses_per_mini_batch=spec["responses_per_mini_batch"],
+        micro_batch_size=spec["micro_batch_size"],
+        max_token_len=None,
+        loss_agg_mode="token-mean",
+        entropy_coeff=spec["entropy_coeff"],
+        use_kl_loss=True,
+        kl_loss_coef=spec["kl_loss_coef"],
+        kl_loss_type="low_var_kl",
+        temperature=spec["temperature"],
+        policy_loss_kwargs=spec["clip"],
+    )
+    metrics = update_policy(actor, batch, update, vocab_size=built.dims.vocab_size, seed=0,
+                            step=1).metrics  # fmt: skip
+    _enter_weight_read(actor)
+    return {
+        "dtype": str(dtype),
+        "before": before,
+        "after": _adapters_as_peft(actor.chunks, built.dims),
+        "base": _hf_weights(actor.chunks, built.dims),
+        "metrics": metrics,
+        "ref_log_probs": ref_lp,
+        "trainable_local": trainable,
+        "optimizer_numel": stepped,
+        "base_numel_local": sum(p.numel() for c in actor.chunks for p in c.parameters())
+        - trainable,
+    }
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    from megarl.parallel.init import destroy_distributed
+
+    results: dict = {}
+    for tp, pp, dist_opt in LAYOUTS:
+        key = f"tp{tp}_pp{pp}" + ("_dp2_distopt" if dist_opt else "")
+        for optimizer in ("adamw",) if dist_opt else ("sgd", "adamw"):
+            results[f"{key}/{optimizer}"] = _case(spec, tp, pp, dist_opt, optimizer)
+    if dist.get_rank() == 0:
+        torch.save(results, Path(spec["tmp"]) / "lora_update.pt")
+    dist.barrier()
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    from tests._worker_exit import exit_now
+
+    main()
+    exit_now()

@@ -1,0 +1,175 @@
+"""A GRPO actor update with LoRA equals a single-process reference at TP 2, PP 2 and DP 2 (the
+distributed optimizer); the base weights come out bit-identical; the reference policy (the
+actor's chunks with adapters off) is the base model.
+
+The reference is HF transformers + ``peft`` in float64, loaded with the worker's initial adapters
+(random non-zero A and B, so both get gradients from the first mini-batch), with the shared A of
+each fused Megatron linear tied across q/k/v (gate/up) — one parameter, whose gradient is the
+sum, as Megatron's fused adapter has — then the plain loop of ``test_update_equivalence``:
+per mini-batch, full forward, verl's loss, backward, optimizer step, over the adapters only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_torchrun
+from tests.trainer.test_update_equivalence import (
+    ADAM_EPS,
+    LOCAL_COUNTS,
+    SPEC,
+    _actor_outputs,
+    setup,  # noqa: F401 - the fixed batch and tiny model, a fixture shared with that module
+)
+
+WORKER = Path(__file__).with_name("_lora_update_worker.py")
+pytestmark = pytest.mark.multirank
+
+LORA = {"rank": 4, "alpha": 8.0, "a_init": "xavier", "b_init": "normal", "seed": 9}
+SGD_LR = 0.5
+
+
+@pytest.fixture(scope="module")
+def lora_results(setup):  # noqa: F811
+    spec, _ = setup
+    spec = {**spec, "lora": LORA, "sgd_lr": SGD_LR, "tmp": spec["tmp"]}
+    path = Path(spec["tmp"]) / "lora_spec.json"
+    path.write_text(json.dumps(spec))
+    run_torchrun(WORKER, 2, [str(path)])
+    return torch.load(Path(spec["tmp"]) / "lora_update.pt", weights_only=False)
+
+
+def _peft_model(base: str, adapters: dict[str, torch.Tensor], tmp: Path):
+    """HF float64 + peft with ``adapters`` (PEFT names), A tied within each fused linear."""
+    from peft import PeftModel
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp / "initial_adapter"
+    folder.mkdir(exist_ok=True)
+    save_file(
+        {k: v.contiguous() for k, v in adapters.items()}, folder / "adapter_model.safetensors"
+    )
+    targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in adapters})
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA["rank"],
+        "lora_alpha": LORA["alpha"], "lora_dropout": 0.0, "target_modules": targets,
+        "bias": "none"}))  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64)
+    model = PeftModel.from_pretrained(hf, str(folder), is_trainable=True)
+    model.double()
+    for layer in model.base_model.model.model.layers:
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj"))):  # fmt: skip
+            shared = getattr(parent, names[0]).lora_A["default"].weight
+            for n in names[1:]:
+                getattr(parent, n).lora_A["default"].weight = shared
+    return model
+
+
+def _reference(spec: dict, data: dict, before: dict, optimizer: str):
+    from megarl.algo import agg_loss, compute_policy_loss, kl_penalty
+
+    model = _peft_model(spec["model"], before, Path(spec["tmp"]))
+    params = [p for p in model.parameters() if p.requires_grad]  # unique (tied A once)
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=SGD_LR)
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=ADAM_EPS,
+                                weight_decay=0.1)  # fmt: skip
+    width = data["mask"].shape[1]
+    for rows in torch.arange(len(data["responses"])).split(SPEC["responses_per_mini_batch"]):
+        logp, entropy, mask = _actor_outputs(model, data["ids"][rows], data["plen"][rows],
+                                             data["lens"][rows], width, SPEC["temperature"])  # fmt: skip
+        pg, _ = compute_policy_loss(
+            "vanilla", old_log_prob=data["old_log_probs"][rows].double(), log_prob=logp,
+            advantages=data["advantages"][rows].double(), response_mask=mask,
+            loss_agg_mode="token-mean", loss_scale_factor=None, **SPEC["clip"], **LOCAL_COUNTS,
+        )  # fmt: skip
+        kl = agg_loss(kl_penalty(logp, data["ref_log_probs"][rows].double(), "low_var_kl"),
+                      mask, "token-mean")  # fmt: skip
+        ent = agg_loss(entropy, mask, "token-mean")
+        loss = pg - SPEC["entropy_coeff"] * ent + SPEC["kl_loss_coef"] * kl
+        opt.zero_grad()
+        loss.backward()
+        if optimizer == "adamw":
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+    return {
+        n.replace(".default.weight", ".weight"): p.detach().clone()
+        for n, p in model.named_parameters()
+        if "lora_" in n
+    } | _tied_names(model)
+
+
+def _tied_names(model) -> dict[str, torch.Tensor]:
+    """named_parameters lists a tied A once: every projection's A under its own name."""
+    out = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
+            out[f"{name}.lora_A.weight"] = module.lora_A["default"].weight.detach().clone()
+    return out
+
+
+LAYOUTS = [
+    "tp2_pp1/sgd",
+    "tp2_pp1/adamw",
+    "tp1_pp2/sgd",
+    "tp1_pp2/adamw",
+    "tp1_pp1_dp2_distopt/adamw",
+]
+
+
+def test_lora_update_equals_single_process_reference(setup, lora_results):  # noqa: F811
+    spec, data = setup
+    first = lora_results["tp2_pp1/sgd"]["before"]
+    for key in LAYOUTS:  # every layout starts from the same adapters
+        r = lora_results[key]
+        assert all(torch.equal(r["before"][n].double(), first[n]) for n in first), key
+    refs = {opt: _reference(spec, data, first, opt) for opt in ("sgd", "adamw")}
+    for key in LAYOUTS:
+        r, ref = lora_results[key], refs[key.split("/")[1]]
+        # as test_update_equivalence: float64 within 1e-5 (Megatron's float64 path keeps some
+        # fp32 arithmetic), the distributed optimizer's fp32 within 3e-5
+        tol = 1e-5 if r["dtype"] == "torch.float64" else 3e-5
+        assert set(r["after"]) == set(ref), key
+        moved = max(float((ref[n] - first[n]).abs().max()) for n in ref)
+        assert moved > 1e-4, key  # the update did move the adapters
+        worst = max(float((r["after"][n].double() - ref[n]).abs().max()) for n in ref)
+        print(f"{key}: adapters moved {moved:.2e}, max difference {worst:.2e}")
+        assert worst <= tol, (key, worst)
+        assert math.isfinite(r["metrics"]["actor/grad_norm"])
+
+
+def test_base_weights_bit_identical_and_only_adapters_stepped(setup, lora_results):  # noqa: F811
+    from safetensors.torch import load_file
+
+    spec, _ = setup
+    original = load_file(str(Path(spec["model"]) / "model.safetensors"))
+    for key in LAYOUTS:
+        r = lora_results[key]
+        dtype = getattr(torch, r["dtype"].removeprefix("torch."))
+        for name, w in r["base"].items():
+            # fp32 file -> model dtype -> float for the result: exact both ways
+            assert torch.equal(w, original[name].to(dtype).float()), (key, name)
+        assert r["optimizer_numel"] <= r["trainable_local"] < r["base_numel_local"] / 10, key
+
+
+def test_reference_policy_is_the_base_model(setup, lora_results):  # noqa: F811
+    """``BaseModelView``'s log-probs (adapters off, random non-zero adapters on) = HF base."""
+    from transformers import AutoModelForCausalLM
+
+    spec, data = setup
+    hf = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float64)
+    with torch.no_grad():
+        logp, _, mask = _actor_outputs(hf, data["ids"], data["plen"], data["lens"],
+                                       data["mask"].shape[1], SPEC["temperature"])  # fmt: skip
+    for key in LAYOUTS:
+        got = lora_results[key]["ref_log_probs"].double()
+        tol = 1e-5 if lora_results[key]["dtype"] == "torch.float64" else 1e-4
+        assert float(((got - logp) * mask).abs().max()) <= tol, key
