@@ -28,8 +28,10 @@ base model, verl's ``ref_in_actor``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
+import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -262,8 +264,44 @@ def attach_adapters(chunks: Sequence[torch.nn.Module], settings: LoraSettings) -
                 kind, a.to(dtype).contiguous(), b.to(dtype).contiguous(), settings, tp_size=tp_size
             )
             linear.register_forward_hook(_add_adapter_output)
+            fc1 = kind == "column" and hm.tp_partition_kind(global_name) == "fc1"
+            linear.sharded_state_dict = types.MethodType(
+                functools.partial(_sharded_state_dict_with_adapter, fc1=fc1), linear
+            )
             count += 1
     return count
+
+
+def _sharded_state_dict_with_adapter(
+    linear,
+    prefix: str = "",
+    sharded_offsets: tuple = (),
+    metadata: dict | None = None,
+    *,
+    fc1: bool = False,
+) -> dict:
+    """The linear's own sharded state dict with its adapter's tensors sharded as the base weight
+    (Megatron's would save them as replicated): column B by rows (``linear_fc1``'s through the
+    gate/up factory, as its weight), row A by columns; so a checkpoint loads at any layout."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+    from megatron.core.transformer.utils import (
+        ensure_metadata_has_dp_cp_group,
+        make_sharded_tensors_for_checkpoint,
+    )
+
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    out = type(linear).sharded_state_dict(linear, prefix, sharded_offsets, metadata)
+    lora = linear.lora
+    axis = {"lora.B": 0} if lora.parallel == "column" else {"lora.A": 1}
+    out.update(make_sharded_tensors_for_checkpoint(
+        {"lora.A": lora.A, "lora.B": lora.B}, prefix, axis, sharded_offsets,
+        tp_group=linear.tp_group, dp_cp_group=metadata["dp_cp_group"],
+    ))  # fmt: skip
+    if fc1:
+        key = f"{prefix}lora.B"
+        singleton = metadata.get("singleton_local_shards", False)
+        out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets, singleton)
+    return out
 
 
 def shard_adapter(

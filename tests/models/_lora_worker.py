@@ -109,6 +109,20 @@ def _layout_checks(spec: dict, tp: int, pp: int, results: dict) -> None:
     export_peft_adapter(chunks, dims, settings, Path(spec["tmp"]) / f"peft_{key}",
                         base_model=spec["model"])  # fmt: skip
     results[key] = r
+    ckpt = Path(spec["tmp"]) / "ckpt_tp2_pp1"
+    if key == "tp2_pp1":
+        from megarl.checkpoint.dist_ckpt import save_model_checkpoint
+
+        save_model_checkpoint(chunks, ckpt)
+    if key == "tp1_pp2":  # TP 2's checkpoint loaded at PP 2 into adapters of another seed
+        from dataclasses import replace
+
+        from megarl.checkpoint.dist_ckpt import load_model_checkpoint
+
+        other = build_model(spec["model"], layout)
+        attach_adapters(other.chunks, replace(settings, seed=settings.seed + 1))
+        load_model_checkpoint(other.chunks, ckpt)
+        export_peft_adapter(other.chunks, dims, settings, Path(spec["tmp"]) / "peft_loaded")
 
 
 def main() -> None:
