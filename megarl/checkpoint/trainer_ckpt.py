@@ -136,6 +136,10 @@ def save_checkpoint(
     return final, time.perf_counter() - start
 
 
+LORA_ADAPTER_DIR = "lora_adapter"
+"""Beside ``huggingface/`` in a LoRA actor's final save: the adapters as a PEFT folder."""
+
+
 def _save_model(saved: SavedModel, path: Path, step: int, *, with_hf: bool) -> None:
     from megarl.config.model_dims import read_hf_config
 
@@ -180,6 +184,12 @@ def _save_model(saved: SavedModel, path: Path, step: int, *, with_hf: bool) -> N
             dtype_name=dtype,
             side_dir=Path(saved.model_path).expanduser(),
         )
+        lora = model.model.meta.get("lora")
+        if lora is not None:  # LoRA: the export above is merged; the adapters alone for peft
+            from megarl.models.lora_peft import export_peft_adapter
+
+            export_peft_adapter(model.chunks, model.model.dims, lora, path / LORA_ADAPTER_DIR,
+                                base_model=str(saved.model_path))  # fmt: skip
 
 
 def load_checkpoint(ckpt: Path, models: Sequence[SavedModel], warn: Warn) -> dict:

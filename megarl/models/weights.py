@@ -229,7 +229,11 @@ def gather_tp(global_name: str, shard: torch.Tensor, dims: ModelDims) -> torch.T
 
 
 def iter_full_hf_tensors(
-    chunks: Sequence[torch.nn.Module], dims: ModelDims, *, with_expert_flag: bool = False
+    chunks: Sequence[torch.nn.Module],
+    dims: ModelDims,
+    *,
+    with_expert_flag: bool = False,
+    merge_adapters: bool = True,
 ) -> Iterator[tuple]:
     """HF-named full tensors of this rank's pipeline stage (TP-gathered; collective over TP,
     and over expert TP for experts).
@@ -237,9 +241,15 @@ def iter_full_hf_tensors(
     Every TP rank of the stage yields the same tensors; MoE experts are this rank's
     expert-parallel share. The tied output-layer copy on the last stage is skipped (the
     embedding carries it); a critic's value head comes as ``score.weight``. With
-    ``with_expert_flag`` each item is ``(name, tensor, is_expert)``.
+    ``with_expert_flag`` each item is ``(name, tensor, is_expert)``. LoRA adapters
+    (:mod:`megarl.models.lora`) are merged into their weights (``W + scaling·B·A``: the policy
+    the actor is) unless ``merge_adapters`` is False (the base weights).
     """
+    from megarl.models.lora import merged_weights
+
+    merged = merged_weights(chunks) if merge_adapters else {}
     for i, _local, global_name, param in local_global_names(chunks):
+        param = merged.get(global_name, param)
         expert = mm.is_expert_param(global_name)
         if global_name == hm.OUTPUT_LAYER and isinstance(unwrap(chunks[i]).output_layer, ValueHead):
             items = [(VALUE_HEAD_HF_NAME, param.detach())]

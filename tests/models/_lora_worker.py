@@ -109,6 +109,11 @@ def _layout_checks(spec: dict, tp: int, pp: int, results: dict) -> None:
     export_peft_adapter(chunks, dims, settings, Path(spec["tmp"]) / f"peft_{key}",
                         base_model=spec["model"])  # fmt: skip
     results[key] = r
+    if key == "tp2_pp2":  # the HF export merges the adapters (the policy the actor is)
+        from megarl.models.weights import export_hf_weights
+
+        export_hf_weights(chunks, Path(spec["tmp"]) / "merged_tp2_pp2", dims,
+                          source_dir=spec["model"])  # fmt: skip
     ckpt = Path(spec["tmp"]) / "ckpt_tp2_pp1"
     if key == "tp2_pp1":
         from megarl.checkpoint.dist_ckpt import save_model_checkpoint

@@ -156,3 +156,15 @@ def test_checkpoint_at_tp2_loads_at_pp2(lora_run):
     loaded = load_file(str(tmp / "peft_loaded" / "adapter_model.safetensors"))
     assert saved.keys() == loaded.keys()
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+
+
+def test_hf_export_is_the_merged_policy(lora_run, peft_reference):
+    """``export_hf_weights`` at TP 2 × PP 2 writes ``W + scaling·B·A``: transformers loads it
+    with the logits of the base + adapters."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(lora_run["spec"]["tmp"]) / "merged_tp2_pp2"
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(lora_run["batch"]["input_ids"]).logits
+    assert (logits - peft_reference["tp1_pp1"]).abs().max() <= 1e-4

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.trainer._update_worker import _enter_weight_read, _hf_weights, _rollout
+from tests.trainer._update_worker import _enter_weight_read, _rollout
 
 LAYOUTS = [(2, 1, False), (1, 2, False), (1, 1, True)]
 """(TP, PP, distributed optimizer); DP is what remains of 2 ranks."""
@@ -35,6 +35,17 @@ def _adapters_as_peft(chunks, dims) -> dict[str, torch.Tensor]:
     for b in boxes:
         merged.update(b)
     return adapters_to_hf(merged, dims)
+
+
+def _base_weights(chunks, dims) -> dict[str, torch.Tensor]:
+    """The base weights (adapters not merged), TP-merged, HF names, gathered to every rank."""
+    from megarl.models.weights import holds_first_copy, iter_full_hf_tensors
+
+    local = {n: t.detach().float().clone() for n, t, expert in iter_full_hf_tensors(
+        chunks, dims, with_expert_flag=True, merge_adapters=False) if holds_first_copy(expert)}  # fmt: skip
+    boxes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(boxes, local)
+    return {k: v for box in boxes for k, v in box.items()}
 
 
 def _case(spec: dict, tp: int, pp: int, dist_opt: bool, optimizer: str) -> dict:
@@ -89,7 +100,7 @@ def _case(spec: dict, tp: int, pp: int, dist_opt: bool, optimizer: str) -> dict:
         "dtype": str(dtype),
         "before": before,
         "after": _adapters_as_peft(actor.chunks, built.dims),
-        "base": _hf_weights(actor.chunks, built.dims),
+        "base": _base_weights(actor.chunks, built.dims),
         "metrics": metrics,
         "ref_log_probs": ref_lp,
         "trainable_local": trainable,
