@@ -116,6 +116,23 @@ def moe_mlp_params(dims: ModelDims, layout: ParallelLayout, prefix: str) -> list
     return out
 
 
+def lora_params(dims: ModelDims, slots: list[ParamSlot], rank: int) -> list[ParamSlot]:
+    """The LoRA adapters of a chunk's dense linears on a TP rank (:mod:`megarl.models.lora`):
+    column-parallel (``linear_qkv``, ``linear_fc1``) A ``r × h`` replicated, B ``rows/t × r``;
+    row-parallel (``linear_proj``, ``linear_fc2``) A ``r × cols/t``, B ``h × r``."""
+    h, out = dims.hidden_size, []
+    for s in slots:
+        if s.expert or "shared_experts" in s.name:
+            continue
+        if s.name.endswith(("linear_qkv.weight", "linear_fc1.weight")):
+            out += [ParamSlot(s.name + ".lora.A", rank * h),
+                    ParamSlot(s.name + ".lora.B", s.numel // h * rank)]  # fmt: skip
+        elif s.name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            out += [ParamSlot(s.name + ".lora.A", rank * (s.numel // h)),
+                    ParamSlot(s.name + ".lora.B", h * rank)]  # fmt: skip
+    return out
+
+
 @dataclass(frozen=True)
 class GradBuffer:
     """Megatron's contiguous parameter/gradient buffer of one chunk (``_ParamAndGradBuffer``)."""
@@ -201,6 +218,9 @@ class OptimizerAssumptions:
     """``fused``: TE FusedAdam (GPU, no per-tensor step); ``torch``: torch.optim.Adam (CPU)."""
     impl: Literal["local", "transformer_engine"] = "transformer_engine"
     """Layer spec (local on CPU, Transformer Engine on GPU); both hold the same parameters."""
+    lora_rank: int = 0
+    """LoRA adapters' rank on every dense linear (0: full weights): the base then holds
+    parameters only, the adapters (:func:`lora_params`) parameters, gradients and optimizer."""
 
 
 @dataclass(frozen=True)
@@ -305,7 +325,12 @@ def model_state(
     total = experts = ModelState(0, 0, 0, 0)
     for vp_stage in range(layout.vpp):
         slots = chunk_params(dims, layout, pp_rank, vp_stage, role)
-        if dims.is_moe and layout.ep > 1:
+        if opt.lora_rank > 0 and role == "actor":  # frozen base + trained adapters
+            base, _ = _buffers_state(slots, dp, dp_rank, "ref", opt)
+            adapters = lora_params(dims, slots, opt.lora_rank)
+            trained, _ = _buffers_state(adapters, dp, dp_rank, role, opt)
+            total = total + base + trained
+        elif dims.is_moe and layout.ep > 1:
             dense, _ = _buffers_state([s for s in slots if not s.expert], dp, dp_rank, role, opt)
             edp = layout.expert_data_parallel_size(world)
             routed = [s for s in slots if s.expert]

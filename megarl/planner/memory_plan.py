@@ -24,6 +24,7 @@ from megarl.config.batch_plan import (
     stages_weight_updates,
     world_size,
 )
+from megarl.config.lora_checks import lora_enabled
 from megarl.config.model_dims import ModelDims, padded_vocab_size
 from megarl.config.schema import MegarlConfig, MegatronConfig
 from megarl.parallel.layout import ParallelLayout
@@ -244,12 +245,14 @@ def _models(cfg: MegarlConfig, dims: ModelDims, world: int) -> list[_Model]:
     roles = [("actor", arr.actor.megatron, arr.actor.optim.optimizer)]
     if critic_enabled(cfg):
         roles.append(("critic", cfg.critic.megatron, cfg.critic.optim.optimizer))
+    lora = arr.model.lora.rank if lora_enabled(cfg) else 0
     for role, meg, optimizer in roles:
         opt = _assumptions(cfg, meg)
-        opt = OptimizerAssumptions(**{**opt.__dict__, "optimizer": optimizer})
+        rank = lora if role == "actor" else 0
+        opt = OptimizerAssumptions(**{**opt.__dict__, "optimizer": optimizer, "lora_rank": rank})
         state = _state(dims, layout, world, role, opt)
         out.append(_Model(role, state))
-    if ref_used(cfg):
+    if ref_used(cfg) and not lora:  # LoRA: the reference is the actor with adapters off
         meg = arr.ref.megatron
         state = _state(dims, layout, world, "ref", _assumptions(cfg, meg))
         out.append(_Model("ref", state))
