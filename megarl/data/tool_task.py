@@ -2,8 +2,9 @@
 only a calculator call gets the reward.
 
 A prompt is one chat message ``what is {a} plus {b} ?`` with ``a, b`` of ``digits`` digits (6 by
-default). The reward (:func:`compute_score`, a ``custom_reward_function``) is per-digit credit of
-the last assistant turn's number against the sum (1.0 only for the exact sum). A warm-started
+default). The reward (:func:`compute_score`, a ``custom_reward_function``) is half the credit of the
+call's operands and half the per-digit credit of the final answer when the tool answered the
+exact sum; nothing without a call. A warm-started
 tiny model (:func:`warm_start_conversations`, :mod:`megarl.tools.warm_start`) has seen the
 format: call ``calculator`` with ``a+b``, then answer with the tool's result.
 """
@@ -25,6 +26,8 @@ __all__ = [
 
 DATA_SOURCE = "megarl/tool_sum"
 _LEADING = re.compile(r"\s*([0-9]+)")
+_EXPRESSION = re.compile(r'"expression":\s*"([^"]*)"')
+_TOOL_TURN = re.compile(r"(?:^|\n)tool\n(.*?)\nassistant\n", re.DOTALL)
 
 
 def _question(rng: random.Random, digits: int) -> tuple[int, int]:
@@ -45,7 +48,7 @@ def make_tool_rows(n: int, *, split: str, seed: int, digits: int = 6) -> list[di
                 "prompt": [{"role": "user", "content": f"what is {a} plus {b} ?"}],
                 "ability": "tool_arithmetic",
                 "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-                "extra_info": {"split": split, "index": i},
+                "extra_info": {"split": split, "index": i, "a": a, "b": b},
             }
         )
     return rows
@@ -93,16 +96,40 @@ def final_answer(solution_str: str) -> str:
     return solution_str.rsplit("assistant\n", 1)[-1]
 
 
+def tool_answers(solution_str: str) -> list[str]:
+    """The tool turns' texts of a decoded multi-turn response (``...tool\n<text>\nassistant\n``)."""
+    return [m.strip() for m in _TOOL_TURN.findall(solution_str)]
+
+
+def _credit(answer: str, truth: str) -> float:
+    """The share of ``truth``'s characters ``answer`` has in place, over the longer of the two."""
+    right = sum(x == y for x, y in zip(answer, truth, strict=False))
+    return right / max(len(answer), len(truth), 1)
+
+
 def compute_score(
     data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None, **_: Any
 ) -> dict[str, float]:
-    """Per-digit credit of the last assistant turn's leading number: the share of the sum's
-    digits it has in place, over the longer of the two (1.0 only for the exact sum; a tiny
-    model cannot get far without copying the calculator's answer). ``acc``: exact or not."""
-    match = _LEADING.match(final_answer(solution_str))
+    """Half for the call, half for the answer, and nothing without a call:
+
+    - 0.5 × the character credit of the last call's ``expression`` against ``a+b`` (the
+      operands from ``extra_info``; 0 when the response has no expression);
+    - 0.5 × the per-digit credit of the last assistant turn's number, only when a calculator
+      turn answered the exact sum (the answer must come from the tool).
+
+    A direct answer, even right, gets 0: a tiny model would collect digit credit by guessing.
+    ``acc``: the final answer is the exact sum; ``tool_ok``: a tool turn held it."""
     truth = str(ground_truth)
-    if not match:
-        return {"score": 0.0, "acc": 0.0}
-    answer = match.group(1)
-    right = sum(x == y for x, y in zip(answer, truth, strict=False))
-    return {"score": right / max(len(answer), len(truth)), "acc": float(answer == truth)}
+    info = extra_info or {}
+    expressions = _EXPRESSION.findall(solution_str)
+    call = (
+        _credit(expressions[-1], f"{info['a']}+{info['b']}") if expressions and "a" in info else 0.0
+    )
+    tool_ok = truth in tool_answers(solution_str)
+    match = _LEADING.match(final_answer(solution_str))
+    answer = match.group(1) if match else ""
+    return {
+        "score": 0.5 * call + (0.5 * _credit(answer, truth) if tool_ok else 0.0),
+        "acc": float(answer == truth),
+        "tool_ok": float(tool_ok),
+    }

@@ -1,5 +1,5 @@
 """The tool task ``megarl/tool_sum``: rows in verl's schema, warm-start conversations whose
-tool turns are the calculator's own answers, and per-digit credit of the final answer only."""
+tool turns are the calculator's own answers, and a reward only a call earns."""
 
 from __future__ import annotations
 
@@ -37,12 +37,23 @@ def test_warm_start_tool_turns_are_what_the_calculator_answers():
         assert conv[3]["content"] == result.text
 
 
-def test_only_the_last_assistant_turn_is_scored():
-    """The tool turn holds the exact sum; only the model's own final answer counts."""
-    response = "calculator call\ntool\n1059889\nassistant\n1095889"
-    assert compute_score(DATA_SOURCE, response, "1059889") == {"score": 5 / 7, "acc": 0.0}
-    assert compute_score(DATA_SOURCE, "tool\n1059889\nassistant\n1059889", "1059889") == {
-        "score": 1.0, "acc": 1.0,
+def test_only_a_call_earns_and_the_answer_counts_when_the_tool_gave_the_sum():
+    """Half for the call's operands (character credit against ``a+b``), half for the final
+    answer's digits, the latter only when a tool turn held the exact sum; a direct answer,
+    even right, gets 0."""
+    info = {"a": 636022, "b": 423895}  # sum 1059917
+
+    def response(expression: str, tool: str, final: str) -> str:
+        call = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}'
+        return f"{call}</tool_call>\ntool\n{tool}\nassistant\n{final}"
+
+    exact = compute_score(DATA_SOURCE, response("636022+423895", "1059917", "1059917"),
+                          "1059917", info)  # fmt: skip
+    assert exact == {"score": 1.0, "acc": 1.0, "tool_ok": 1.0}
+    half_answer = response("636022+423895", "1059917", "1059000")
+    assert compute_score(DATA_SOURCE, half_answer, "1059917", info)["score"] == 0.5 + 0.5 * 4 / 7
+    miscopied = response("636064+423825", "1059889", "1059917")  # 10 of 13 characters
+    assert compute_score(DATA_SOURCE, miscopied, "1059917", info) == {
+        "score": 0.5 * 10 / 13, "acc": 1.0, "tool_ok": 0.0,
     }  # fmt: skip
-    assert compute_score(DATA_SOURCE, "tool\n1059889\nassistant\nno", "1059889")["score"] == 0.0
-    assert compute_score(DATA_SOURCE, "assistant\n10598890", "1059889")["score"] == 7 / 8
+    assert compute_score(DATA_SOURCE, "1059917", "1059917", info)["score"] == 0.0
