@@ -1,9 +1,10 @@
 """``configs/grpo_lora_tiny_cpu.yaml`` learns, and what it writes is the policy it trained.
 
-Real runs (2 ranks, actor TP 2 with rank-16 adapters, vLLM TP 2 fed merged weights): 10 steps
-validating before and after, and the same with lr 0 for 2 steps validating at 0 and 2 (σ of the
-initial reward from three evaluations, as test_grpo_learning). The final save's PEFT folder
-loaded onto the HF base by ``peft`` gives the logits of its merged HF export.
+Real runs (2 ranks, actor TP 2 with rank-16 adapters, vLLM TP 2 fed merged weights): 6 steps
+validating before and after (saving at 3 and 6), the same with lr 0 for 2 steps validating at
+0 and 2 (σ of the initial reward from three evaluations, as test_grpo_learning), and a run
+resumed from the first one's step-3 checkpoint (adapters, their optimizer state). The final
+save's PEFT folder loaded onto the HF base by ``peft`` gives the logits of its merged HF export.
 """
 
 from __future__ import annotations
@@ -40,23 +41,27 @@ def _quickstart(out: Path, run: str, *overrides: str) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_quickstart")
-    main = _quickstart(out, "main", "trainer.total_training_steps=10", "trainer.test_freq=10",
-                       "trainer.save_freq=10")  # fmt: skip
+    main = _quickstart(out, "main", "trainer.total_training_steps=6", "trainer.test_freq=6",
+                       "trainer.save_freq=3")  # fmt: skip
+    resumed = _quickstart(out, "resumed", "trainer.total_training_steps=6",
+                          "trainer.test_freq=6", "trainer.save_freq=6",
+                          "trainer.resume_mode=resume_path",
+                          f"trainer.resume_from_path={main / 'global_step_3'}")  # fmt: skip
     frozen = _quickstart(out, "lr0", "actor_rollout_ref.actor.optim.lr=0",
                          "trainer.total_training_steps=2", "trainer.test_freq=2",
                          "trainer.save_freq=-1")  # fmt: skip
-    return {"main": main, "frozen": frozen, "model": out / "tiny-qwen2"}
+    return {"main": main, "frozen": frozen, "resumed": resumed, "model": out / "tiny-qwen2"}
 
 
 def test_lora_run_learns_and_vllm_follows_the_adapters(runs):
     main, frozen = read_metrics(runs["main"]), read_metrics(runs["frozen"])
     r0 = main[0]["val/score/mean"]
     sigma = statistics.pstdev([r0, frozen[0]["val/score/mean"], frozen[2]["val/score/mean"]])
-    final = main[10]["val/score/mean"]
+    final = main[6]["val/score/mean"]
     print(f"r0={r0:.4f} sigma={sigma:.4g} final={final:.4f} gain={final - r0:.4f}")
     assert final - r0 >= max(0.15, 3 * sigma)
     # every step's rollout came from vLLM holding the merged weights of the actor's policy
-    for step in range(1, 11):
+    for step in range(1, 7):
         assert main[step]["rollout/logprob_diff_max"] <= 1e-4, step
 
 
@@ -64,7 +69,7 @@ def test_saved_adapter_on_the_base_is_the_merged_export(runs):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    actor = runs["main"] / "global_step_10" / "actor"
+    actor = runs["main"] / "global_step_6" / "actor"
     ids = torch.randint(10, 900, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         merged = AutoModelForCausalLM.from_pretrained(actor / "huggingface", dtype=torch.float32)
@@ -74,3 +79,21 @@ def test_saved_adapter_on_the_base_is_the_merged_export(runs):
         want, got = peft(ids).logits, merged(ids).logits
     assert (got - want).abs().max() <= 1e-4
     assert (got - base_logits).abs().max() > 1e-2  # training moved the policy off the base
+
+
+def test_resume_from_a_lora_checkpoint_continues_the_same_run(runs):
+    """Steps 4-6 resumed from step 3's checkpoint equal the uninterrupted run's (metrics
+    within 1e-5, as test_dapo_runs' resume), and so do the final adapters."""
+    from safetensors.torch import load_file
+
+    main, resumed = read_metrics(runs["main"]), read_metrics(runs["resumed"])
+    assert "actor/pg_loss" not in resumed.get(3, {}) and "actor/pg_loss" in resumed[4]
+    for step in range(4, 7):
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean"):
+            assert resumed[step][key] == pytest.approx(main[step][key], abs=1e-5), (step, key)
+    a, b = (load_file(str(runs[r] / "global_step_6" / "actor" / "lora_adapter" /
+                          "adapter_model.safetensors")) for r in ("main", "resumed"))  # fmt: skip
+    assert a.keys() == b.keys()
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    print(f"resumed adapters differ by at most {worst:.3g}")
+    assert worst <= 1e-5
