@@ -130,6 +130,23 @@ def _layout_checks(spec: dict, tp: int, pp: int, results: dict) -> None:
         export_peft_adapter(other.chunks, dims, settings, Path(spec["tmp"]) / "peft_loaded")
 
 
+def _moe_refusal(spec: dict) -> str | None:
+    """attach_adapters' one-line refusal on a MoE model (None if it attached)."""
+    from megarl.models.build import build_model
+    from megarl.models.lora import LoraError, LoraSettings, attach_adapters
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+
+    layout = ParallelLayout(1, 1, None)
+    init_distributed(layout, seed=1234)
+    built = build_model(spec["moe_model"], layout)
+    try:
+        attach_adapters(built.chunks, LoraSettings(rank=4))
+    except LoraError as exc:
+        return str(exc)
+    return None
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     from megarl.parallel.init import destroy_distributed, read_launch_env
@@ -139,6 +156,7 @@ def main() -> None:
     results: dict = {}
     for tp, pp in LAYOUTS:
         _layout_checks(spec, tp, pp, results)
+    results["moe_refusal"] = _moe_refusal(spec)
     if dist.get_rank() == 0:
         torch.save(results, Path(spec["tmp"]) / "lora_results.pt")
     dist.barrier()

@@ -39,7 +39,9 @@ def lora_run(tmp_path_factory) -> dict:
         "w": torch.randn(4, int((lengths - plen).max()), generator=g),
     }
     torch.save(batch, tmp / "batch.pt")
-    spec = {"model": str(model), "batch": str(tmp / "batch.pt"), "tmp": str(tmp), "lora": LORA}
+    moe = make_tiny_model(tmp / "qwen3_moe", "qwen3_moe", num_layers=2, seed=22)
+    spec = {"model": str(model), "batch": str(tmp / "batch.pt"), "tmp": str(tmp), "lora": LORA,
+            "moe_model": str(moe)}  # fmt: skip
     (tmp / "spec.json").write_text(json.dumps(spec))
     run_torchrun(WORKER, 4, [str(tmp / "spec.json")])
     results = torch.load(tmp / "lora_results.pt", weights_only=False)
@@ -168,3 +170,8 @@ def test_hf_export_is_the_merged_policy(lora_run, peft_reference):
     with torch.no_grad():
         logits = hf(lora_run["batch"]["input_ids"]).logits
     assert (logits - peft_reference["tp1_pp1"]).abs().max() <= 1e-4
+
+
+def test_moe_expert_linears_are_refused_in_one_line(lora_run):
+    said = lora_run["results"]["moe_refusal"]
+    assert said is not None and "\n" not in said and "MoE" in said, said
