@@ -58,3 +58,21 @@ def test_fsdp_and_critic_lora_keys_are_refused():
     )
     assert "critic" in unsupported_reason("critic.model.lora.rank")
     assert unsupported_reason(f"{L}.rank") is None
+
+
+VERL_LORA = Path(__file__).parent / "data" / "verl_grpo_qwen2-7b_math_megatron_lora.txt"
+"""verl's examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh as an override list (data
+paths dropped, its shell variables' values filled in)."""
+
+
+def test_verls_megatron_lora_example_validates_but_for_two_one_line_refusals(capsys):
+    from megarl import cli
+
+    example = VERL_LORA.read_text().splitlines()
+    assert cli.main(["config", "validate", *example]) == 2
+    lines = [x.strip() for x in capsys.readouterr().err.strip().splitlines()[1:]]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"- {L}.merge=false (adapter-only sync to vLLM) is not built")
+    assert lines[1].startswith("- LoRA with actor megatron.sequence_parallel=true is not built")
+    fixed = [f"{L}.merge=true", "actor_rollout_ref.actor.megatron.sequence_parallel=false"]
+    assert cli.main(["config", "validate", *example, *fixed]) == 0
