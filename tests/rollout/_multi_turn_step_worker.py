@@ -1,4 +1,5 @@
-"""One trainer step on multi-turn rollouts (torchrun, 1 process): the warm-started tiny Qwen2 of
+"""One trainer step on multi-turn rollouts (torchrun, 2 ranks: actor TP 2, vLLM TP 2 in the same
+ranks; tools run on rank 0 and the trajectories are broadcast): the warm-started tiny Qwen2 of
 ``_multi_turn_worker.py``, tools from a verl-style tool config file, Megatron actor + colocated
 vLLM, ``first_sync`` then ``train_step``. Records the step's batch and metrics for
 test_multi_turn_step.py.
@@ -9,10 +10,13 @@ does not attach it yet; everything after that is the trainer's own code.
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -38,8 +42,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 """
 
 
-def prepare(out: Path) -> list[str]:
-    """Model, data, tool config and reward file; the config overrides that use them."""
+def prepare(out: Path) -> None:
+    """Model, data, tool config and reward file."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -68,16 +72,20 @@ def prepare(out: Path) -> list[str]:
     pq.write_table(pa.Table.from_pylist(rows), out / "train.parquet")
     (out / "tools.yaml").write_text(TOOLS_YAML)
     (out / "score.py").write_text(SCORE)
+
+
+def overrides(out: Path) -> list[str]:
+    """The config overrides that use what :func:`prepare` wrote (world 2: TP 2, one engine)."""
     return [
-        f"actor_rollout_ref.model.path={model}",
+        f"actor_rollout_ref.model.path={out / 'tiny'}",
         f"data.train_files={out / 'train.parquet'}",
         f"data.val_files={out / 'train.parquet'}",
         "data.train_batch_size=4",
         "data.max_prompt_length=64",
         "data.max_response_length=256",
         "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
@@ -88,14 +96,19 @@ def prepare(out: Path) -> list[str]:
         f"custom_reward_function.path={out / 'score.py'}",
         "custom_reward_function.name=compute_score",
         "algorithm.adv_estimator=reinforce_plus_plus",  # GRPO: identical samples, advantage 0
-        "trainer.n_gpus_per_node=1",
+        "trainer.n_gpus_per_node=2",
         f"trainer.default_local_dir={out / 'ckpt'}",
     ]
 
 
 def main() -> None:
     out = Path(sys.argv[1])
-    overrides = prepare(out)
+    done = out / "prepared"
+    if os.environ.get("RANK", "0") == "0":
+        prepare(out)
+        done.touch()
+    while not done.exists():  # the other rank waits for rank 0's model and files
+        time.sleep(0.2)
     from megarl.config import load_config
     from megarl.parallel.init import destroy_distributed, init_distributed
     from megarl.rollout.multi_turn import MultiTurnRollout
@@ -104,10 +117,11 @@ def main() -> None:
     from megarl.trainer.step import first_sync, train_step
 
     init_distributed(seed=1)
+    rank = dist.get_rank()
     cfg = load_config(
-        [str(Path(__file__).resolve().parents[2] / "configs/_tiny_cpu.yaml")], overrides
+        [str(Path(__file__).resolve().parents[2] / "configs/_tiny_cpu.yaml")], overrides(out)
     )
-    with Console(out / "logs", rank=0) as console:
+    with Console(out / "logs", rank=rank) as console:
         run = build_run(cfg, console, out / "run")
         try:
             run.engine.multi_turn = MultiTurnRollout.from_config(
@@ -131,7 +145,9 @@ def main() -> None:
         "scores": batch.token_level_scores,
         "raw_prompts": [p.raw_prompt for p in prompts],
     }
-    torch.save(record, out / "step.pt")
+    if rank == 0:
+        torch.save(record, out / "step.pt")
+    dist.barrier()
     destroy_distributed()
 
 

@@ -1,5 +1,5 @@
-"""A trainer step on multi-turn rollouts (torchrun, 1 process, Megatron actor + colocated vLLM;
-``_multi_turn_step_worker.py``, ~40 s): tools from a verl-style tool config, the step's batch
+"""A trainer step on multi-turn rollouts (torchrun, 2 ranks: Megatron actor TP 2 + colocated vLLM TP 2;
+``_multi_turn_step_worker.py``, ~55 s): tools from a verl-style tool config, the step's batch
 and metrics checked against a token-level parse of the conversation's own ids."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def step(tmp_path_factory) -> dict:
         "OMP_NUM_THREADS": "1",
         "TORCHDYNAMO_DISABLE": "1",
     }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(WORKER), str(out)]  # fmt: skip
     log = out / "worker.log"
     with log.open("w") as f:
