@@ -11,6 +11,7 @@ always saved and loaded. Every function here is collective: call it on every ran
 from __future__ import annotations
 
 import copy
+import dataclasses
 import shutil
 import socket
 import time
@@ -171,6 +172,9 @@ def _save_model(saved: SavedModel, path: Path, step: int, *, with_hf: bool) -> N
             step=step,
             contents=list(saved.save_contents),
         )
+        lora = model.model.meta.get("lora")
+        if lora is not None:  # what megarl convert needs to rebuild (and merge) the adapters
+            meta["lora"] = dataclasses.asdict(lora)
         write_json(path / META_FILE, meta)
         if "extra" in saved.save_contents:
             write_json(path / EXTRA_STATE_FILE, {"scheduler": model.scheduler.state_dict()})

@@ -376,6 +376,20 @@ def _build_chunks(hf_path: Path | None, cfg: dict, args: argparse.Namespace, dty
     return built.dims, built.chunks
 
 
+def _attach_saved_adapters(chunks, meta: dict) -> None:
+    """A LoRA actor's checkpoint (``meta["lora"]``) holds adapters: attach them before the load
+    so that they are read, and the HF export merges them (the trained policy, not the base)."""
+    if not meta.get("lora"):
+        return
+    from megarl.models.lora import LoraSettings, attach_adapters
+
+    settings = meta["lora"]
+    for key in ("target_modules", "exclude_modules"):
+        settings[key] = tuple(settings[key])
+    _log(f"the checkpoint holds LoRA adapters (rank {settings['rank']}): merging them")
+    attach_adapters(chunks, LoraSettings(**settings))
+
+
 def run_hf_to_megatron(args: argparse.Namespace) -> int:
     """Load the HF directory into a model at ``--tp/--pp/--vpp`` and save a dist checkpoint."""
     from megarl.checkpoint.dist_ckpt import save_model_checkpoint
@@ -418,6 +432,7 @@ def run_megatron_to_hf(args: argparse.Namespace) -> int:
     out_dtype = DTYPE_NAMES.get(args.dtype) or stored
     _log(f"loading {ckpt} ({stored}, TP={args.tp} PP={args.pp}) ...")
     dims, chunks = _build_chunks(None, cfg, args, stored)
+    _attach_saved_adapters(chunks, meta)
     load_model_checkpoint(chunks, ckpt)
     _log(f"writing HF safetensors ({out_dtype}) to {args.out} ...")
     out = export_hf(
@@ -483,6 +498,7 @@ def verify_logits(args: argparse.Namespace, *, ckpt: Path, hf_path: Path) -> int
     common = v.coarser_dtype(meta.get("dtype") or _config_dtype(cfg), safetensors_dtype(hf_path))
     _log(f"verifying {ckpt} against {hf_path} (float32 compute, weights as {common}) ...")
     dims, chunks = _build_chunks(None, cfg, args, "float32")
+    _attach_saved_adapters(chunks, meta)
     load_model_checkpoint(chunks, ckpt)
     v.round_params([p for c in chunks for p in c.parameters()], common)
     seqs = v.verify_inputs(dims.vocab_size, args.num_sequences, args.seq_len, args.seed)

@@ -97,3 +97,26 @@ def test_resume_from_a_lora_checkpoint_continues_the_same_run(runs):
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     print(f"resumed adapters differ by at most {worst:.3g}")
     assert worst <= 1e-5
+
+
+def test_convert_merges_the_checkpoints_adapters(runs, tmp_path):
+    """``megarl convert megatron-to-hf`` of the LoRA actor's checkpoint (its meta names the
+    adapters) writes the merged policy: the final save's HF export, not the base."""
+    from safetensors.torch import load_file
+
+    actor = runs["main"] / "global_step_6" / "actor"
+    done = subprocess.run(
+        [sys.executable, "-m", "megarl.cli", "convert", "megatron-to-hf", "--ckpt", str(actor),
+         "--out", str(tmp_path / "hf"), "--tp", "2", "--verify"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "holds LoRA adapters" in done.stdout + done.stderr
+    exported = {}
+    for f in (actor / "huggingface").glob("*.safetensors"):
+        exported.update(load_file(str(f)))
+    converted = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        converted.update(load_file(str(f)))
+    assert converted.keys() == exported.keys()
+    assert max(float((converted[k] - exported[k]).abs().max()) for k in exported) <= 1e-6
