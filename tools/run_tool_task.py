@@ -1,7 +1,6 @@
 """GRPO on the tool task (``megarl/tool_sum``) with multi-turn rollouts: greedy validation
-before and after, per-step tool-call metrics. Attaches the multi-turn loop to the engine itself
-(the trainer's set-up does not yet), then runs the trainer's own first_sync / train_step /
-validate.
+before and after, per-step tool-call metrics: the trainer's own build_run (which attaches the
+multi-turn loop to the engine), first_sync, train_step and validate.
 
 python -m torch.distributed.run --standalone --nproc_per_node 1 tools/run_tool_task.py \
     --task outputs/tool-task [--steps 20] [key=value ...]
@@ -46,6 +45,7 @@ def overrides(task: Path, out: Path, steps: int) -> list[str]:
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64",
         "actor_rollout_ref.actor.optim.lr=1.0e-4",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={out / 'tools.yaml'}",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
         f"custom_reward_function.path={REPO / 'megarl/data/tool_task.py'}",
@@ -72,7 +72,6 @@ def main() -> None:
 
     from megarl.config import load_config
     from megarl.parallel.init import destroy_distributed, init_distributed
-    from megarl.rollout.multi_turn import MultiTurnRollout
     from megarl.trainer.console import Console
     from megarl.trainer.setup import build_run
     from megarl.trainer.step import first_sync, train_step, validate
@@ -85,9 +84,6 @@ def main() -> None:
     with Console(out / "logs", rank=0) as console:
         run = build_run(cfg, console, out / "run")
         try:
-            run.engine.multi_turn = MultiTurnRollout.from_config(
-                cfg, run.tokenizer, run.engine.eos_token_ids
-            )
             first_sync(run)
             before = validate(run, 0)
             start = time.perf_counter()

@@ -49,12 +49,6 @@ def check_multi_turn(cfg, error: Error, problem: Error) -> None:
             f"{MT}.enable=true needs {MT}.tool_config_path, function_tool_path or "
             "interaction_config_path (without tools or interactions a rollout is one turn)"
         )
-    # The loop and the batch are built; megarl/trainer/setup.py does not attach the loop to the
-    # engine yet (engine.multi_turn = MultiTurnRollout.from_config(...)): refused until it does.
-    error(
-        f"{MT}.enable=true: the multi-turn loop (megarl.rollout.multi_turn) is built but the "
-        "trainer does not start it yet"
-    )
     if arr.rollout.nnodes > 0:
         error(
             f"{MT}.enable=true with vLLM on ranks of its own (actor_rollout_ref.rollout.nnodes"

@@ -192,6 +192,10 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
             pad_token_id=pad_token_id(tokenizer),
         )
         reshard = None
+    if arr.rollout.multi_turn.enable:  # each response a trajectory of model and tool turns
+        from megarl.rollout.multi_turn import MultiTurnRollout
+
+        engine.multi_turn = MultiTurnRollout.from_config(cfg, tokenizer, engine.eos_token_ids)
     critic, values = _build_critic(cfg, layout, model_path, dtype, total, plan)
     kl_ctrl = _kl_controller(cfg)
     reward_model = RewardModel.from_config(cfg, layout, dtype, tokenizer)

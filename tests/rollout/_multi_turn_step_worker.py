@@ -4,8 +4,8 @@ ranks; tools run on rank 0 and the trajectories are broadcast): the warm-started
 vLLM, ``first_sync`` then ``train_step``. Records the step's batch and metrics for
 test_multi_turn_step.py.
 
-The loop is attached to the engine here (``engine.multi_turn``) because the trainer's set-up
-does not attach it yet; everything after that is the trainer's own code.
+``build_run`` attaches the loop to the engine (``engine.multi_turn``) as ``megarl train`` does;
+everything is the trainer's own code.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def overrides(out: Path) -> list[str]:
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
         "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={out / 'tools.yaml'}",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=4",
         "actor_rollout_ref.rollout.multi_turn.tool_call_timeout_s=0.5",
@@ -111,7 +112,6 @@ def main() -> None:
         time.sleep(0.2)
     from megarl.config import load_config
     from megarl.parallel.init import destroy_distributed, init_distributed
-    from megarl.rollout.multi_turn import MultiTurnRollout
     from megarl.trainer.console import Console
     from megarl.trainer.setup import build_run
     from megarl.trainer.step import first_sync, train_step
@@ -124,9 +124,6 @@ def main() -> None:
     with Console(out / "logs", rank=rank) as console:
         run = build_run(cfg, console, out / "run")
         try:
-            run.engine.multi_turn = MultiTurnRollout.from_config(
-                cfg, run.tokenizer, run.engine.eos_token_ids
-            )
             first_sync(run)
             prompts = [run.train_data[i] for i in next(run.sampler)]
             metrics, batch = train_step(run, 1, prompts)

@@ -48,7 +48,6 @@ def test_disabled_settings_validate(tmp_path):
         ([f"{MT}.use_inference_chat_template=true"], "use_inference_chat_template=true"),
         ([f"{MT}.num_repeat_rollouts=2"], "num_repeat_rollouts"),
         ([f"{MT}.enable=true", "actor_rollout_ref.rollout.nnodes=1"], "vLLM on ranks of its own"),
-        ([f"{MT}.enable=true"], "trainer does not start it yet"),
     ],
 )
 def test_refusals_name_the_key_in_one_line(tmp_path, overrides, expected):
@@ -64,3 +63,69 @@ def test_enable_without_tools_or_interactions_is_refused():
 def test_a_missing_tool_file_is_named(tmp_path):
     cfg = load_config(GRPO, [f"{MT}.interaction_config_path={tmp_path / 'nope.yaml'}"])
     assert any("nope.yaml" in w and "does not exist" in w for w in validate(cfg, 2))
+
+
+# verl's GSM8K tool-agent example: examples/sglang_multiturn/config/gsm8k_multiturn_grpo.yaml
+# (its keys as overrides, on verl's defaults as `megarl config validate` reads them without a
+# config file) with rollout.name=vllm, and its tool config
+# (config/tool_config/gsm8k_tool_config.yaml, verl 0.9's class path), data and model local.
+GSM8K_TOOL_CONFIG = """\
+tools:
+  - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
+    config: {}
+    tool_schema:
+      type: "function"
+      function:
+        name: "calc_gsm8k_reward"
+        description: "A tool for calculating the reward of gsm8k. (1.0 if your answer is correct, 0.0 if your answer is incorrect)"
+        parameters:
+          type: "object"
+          properties:
+            answer:
+              type: "string"
+              description: "The model's answer to the GSM8K math problem, must be a digits"
+          required: ["answer"]
+"""
+
+
+def test_verls_gsm8k_tool_agent_example_validates(tmp_path, capsys):
+    from megarl import cli
+    from megarl.commands import data
+    from megarl.models.tiny import make_tiny_model
+
+    make_tiny_model(tmp_path / "model", family="qwen2")
+    assert data.main(["synth", "--out", str(tmp_path / "data"), "--train-size", "8"]) == 0
+    (tmp_path / "gsm8k_tool_config.yaml").write_text(GSM8K_TOOL_CONFIG)
+    example = [  # the config's keys
+        "data.max_prompt_length=1024", "data.max_response_length=1024",
+        "data.train_batch_size=256", "data.return_raw_chat=True",
+        "actor_rollout_ref.hybrid_engine=True", "actor_rollout_ref.rollout.name=vllm",
+        f"{MT}.enable=True", f"{MT}.max_assistant_turns=5",
+        # run_qwen2.5-3b_gsm8k_tool_agent_mlflow.sh's, less its FSDP offload and trace keys
+        "algorithm.adv_estimator=grpo", "data.train_batch_size=1",
+        "data.filter_overlong_prompts=False", "data.truncation='left'",
+        "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.gpu_memory_utilization=0.75",
+        "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
+        "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0",
+        "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.save_freq=-1",
+        "trainer.test_freq=20", "trainer.total_training_steps=2", "trainer.total_epochs=15",
+        f"{MT}.tool_config_path={tmp_path / 'gsm8k_tool_config.yaml'}",
+        f"actor_rollout_ref.model.path={tmp_path / 'model'}",
+        f"data.train_files={tmp_path / 'data' / 'train.parquet'}",
+        f"data.val_files={tmp_path / 'data' / 'test.parquet'}",
+    ]  # fmt: skip
+    capsys.readouterr()
+    code = cli.main(["config", "validate", *example])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.startswith("ok: ") and "error" not in err, (out, err)
+    # the checks ran: the same example with a format megarl does not parse is refused
+    assert cli.main(["config", "validate", *example, f"{MT}.format=gpt-oss"]) == 2
