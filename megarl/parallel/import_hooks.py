@@ -16,8 +16,8 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 _JIT = "megatron.core.jit"

@@ -28,7 +28,9 @@ def tiny(tiny_overrides, tmp_path) -> list[str]:
 def emulate_gpus(directory, count: int) -> str:
     """A ``PATH`` whose ``nvidia-smi -L`` lists ``count`` GPUs, as on an 8-GPU node."""
     smi = directory / "nvidia-smi"
-    lines = "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(count))
+    lines = "".join(
+        f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(count)
+    )
     smi.write_text(f"#!/bin/sh\n{lines}")
     smi.chmod(0o755)
     return f"{directory}{os.pathsep}{os.environ['PATH']}"

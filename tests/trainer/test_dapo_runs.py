@@ -116,8 +116,18 @@ def split(runs) -> Path:
     spec = json.loads((runs / "spec.json").read_text())
     tmp = runs / "split_launch"
     spec["tmp"] = str(tmp)
-    spec["overrides"] = [o for o in spec["overrides"] if not o.startswith(("trainer.total_training",
-                         "actor_rollout_ref.rollout.name", "trainer.val_before", "trainer.test_freq"))]
+    spec["overrides"] = [
+        o
+        for o in spec["overrides"]
+        if not o.startswith(
+            (
+                "trainer.total_training",
+                "actor_rollout_ref.rollout.name",
+                "trainer.val_before",
+                "trainer.test_freq",
+            )
+        )
+    ]
     spec["overrides"] += [
         "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.nnodes=1",
         "actor_rollout_ref.rollout.n_gpus_per_node=1", "async_training.staleness_threshold=1",
@@ -222,8 +232,10 @@ def test_dapo_learns_the_task(runs):
     m = read_metrics(runs / "learns")
     gain = m[LEARN_STEPS]["val/score/mean"] - m[0]["val/score/mean"]
     acc = [m[s]["reward/megarl/digit_sum/acc/mean"] for s in range(1, LEARN_STEPS + 1)]
-    print(f"val {m[0]['val/score/mean']:.3f} -> {m[LEARN_STEPS]['val/score/mean']:.3f}; acc "
-          f"{sum(acc[:5]) / 5:.3f} -> {sum(acc[-5:]) / 5:.3f}")
+    print(
+        f"val {m[0]['val/score/mean']:.3f} -> {m[LEARN_STEPS]['val/score/mean']:.3f}; acc "
+        f"{sum(acc[:5]) / 5:.3f} -> {sum(acc[-5:]) / 5:.3f}"
+    )
     assert gain >= 0.2
     assert sum(acc[-5:]) / 5 >= sum(acc[:5]) / 5 + 0.1
 

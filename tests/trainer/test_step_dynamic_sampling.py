@@ -41,7 +41,7 @@ class Script:
             for j in range(n):
                 resp = [10 + i, 20 + j] if j else [10 + i]  # varied lengths
                 # R3: the routing "captured", one expert per position naming the response
-                routing = torch.full((2 + len(resp), 1, 1), ROUTE[prompts[i].name] * 10 + j)
+                routing = torch.full((2 + len(resp), 1, 1), ROUTE[p.name] * 10 + j)
                 samples.append(RolloutSample(i, j, [1, 2], resp, [0.0] * len(resp), "stop",
                                              prompt_id=i, routing=routing.numpy()))  # fmt: skip
         out = RolloutBatch(samples, n)
