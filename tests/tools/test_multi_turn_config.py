@@ -67,25 +67,8 @@ def test_a_missing_tool_file_is_named(tmp_path):
 
 # verl's GSM8K tool-agent example: examples/sglang_multiturn/config/gsm8k_multiturn_grpo.yaml
 # (its keys as overrides, on verl's defaults as `megarl config validate` reads them without a
-# config file) with rollout.name=vllm, and its tool config
-# (config/tool_config/gsm8k_tool_config.yaml, verl 0.9's class path), data and model local.
-GSM8K_TOOL_CONFIG = """\
-tools:
-  - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
-    config: {}
-    tool_schema:
-      type: "function"
-      function:
-        name: "calc_gsm8k_reward"
-        description: "A tool for calculating the reward of gsm8k. (1.0 if your answer is correct, 0.0 if your answer is incorrect)"
-        parameters:
-          type: "object"
-          properties:
-            answer:
-              type: "string"
-              description: "The model's answer to the GSM8K math problem, must be a digits"
-          required: ["answer"]
-"""
+# config file) with rollout.name=vllm, and its tool config (test_registry's copy of verl 0.9's
+# gsm8k_tool_config.yaml), data and model local.
 
 
 def test_verls_gsm8k_tool_agent_example_validates(tmp_path, capsys):
@@ -95,7 +78,9 @@ def test_verls_gsm8k_tool_agent_example_validates(tmp_path, capsys):
 
     make_tiny_model(tmp_path / "model", family="qwen2")
     assert data.main(["synth", "--out", str(tmp_path / "data"), "--train-size", "8"]) == 0
-    (tmp_path / "gsm8k_tool_config.yaml").write_text(GSM8K_TOOL_CONFIG)
+    from tests.tools.test_registry import VERL_GSM8K_TOOL_CONFIG
+
+    (tmp_path / "gsm8k_tool_config.yaml").write_text(VERL_GSM8K_TOOL_CONFIG)
     example = [  # the config's keys
         "data.max_prompt_length=1024", "data.max_response_length=1024",
         "data.train_batch_size=256", "data.return_raw_chat=True",
