@@ -98,8 +98,7 @@ class LoraConfig:
     lora_B_init_method: str = "zero"
     """Initialisation of B (zero: step 0 equals the base model)."""
     merge: bool = False
-    """true: weight syncs send base + adapters merged; false (verl's default): adapter-only
-    sync, not built yet (refused)."""
+    """true: syncs send base + adapters merged; false (verl's default, adapter-only): refused."""
     adapter_path: str | None = None
     """Start from a saved adapter; not built yet (refused when set)."""
     a2a_experimental: bool = False

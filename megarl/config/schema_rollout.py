@@ -48,15 +48,13 @@ class MultiTurnConfig:
     format: str = "hermes"
     """Tool-call format of the model's text (hermes: <tool_call>{...}</tool_call>)."""
     tokenization_sanity_check_mode: Literal["strict", "ignore_strippable", "disable"] = "strict"
-    """Check every trajectory's ids against a re-rendering of its messages (a warning and the
-    multi_turn/tokenization_mismatches metric when they differ)."""
+    """Check each trajectory's ids against a re-rendering (mismatches: a warning, a metric)."""
     use_inference_chat_template: bool = False
     """verl's switch for Qwen3's thinking-stripping template; only false is built."""
     num_repeat_rollouts: int | None = None
     """verl's (SGLang-only) repeat count; only unset is accepted."""
     tool_call_timeout_s: float | None = 60.0
-    """(megarl) Seconds one call may run (create + execute) before it is answered as timed out;
-    null: no limit (verl has none)."""
+    """(megarl) Seconds one call may run (create + execute) before it times out; null: none."""
 
 
 @dataclass
