@@ -22,7 +22,8 @@ difference of the two renderings (verl's way) and the trajectory fails the sanit
 The result per trajectory (:class:`Trajectory`): response ids, log-probs (0 on tool and user
 tokens), a per-token mask (1 on model tokens), turn counts, every call's outcome, step rewards
 and interaction scores. :func:`rollout_samples` turns them into the trainer's
-:class:`~megarl.rollout.base.RolloutSample` list.
+:class:`~megarl.rollout.base.RolloutSample` list; :mod:`megarl.rollout.multi_turn_rollout` runs the
+loop in the trainer.
 """
 
 from __future__ import annotations
@@ -136,7 +137,6 @@ class Trajectory:
     """How many of ``messages`` are the prompt's."""
     last_turn_len: int = 0
     """Tokens of the last model turn."""
-    """How many of ``messages`` are the prompt's."""
 
     @property
     def num_turns(self) -> int:
@@ -505,114 +505,3 @@ def multi_turn_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
                 sum(r.error is kind for r in results)
             )
     return out
-
-
-# -- the trainer's entry ---------------------------------------------------------------------
-
-
-def _on_rank0(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on rank 0 only and give every rank its result (tools run once per step, and
-    every rank holds the same trajectories); ``fn`` alone when not distributed."""
-    import torch.distributed as dist
-
-    from megarl.rollout.distribute import object_group
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return fn()
-    box = [fn() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=object_group())
-    return box[0]
-
-
-def _messages(raw_prompt: Any) -> list[dict[str, Any]]:
-    if isinstance(raw_prompt, str):
-        return [{"role": "user", "content": raw_prompt}]
-    return [{k: v for k, v in dict(m).items() if v is not None} for m in raw_prompt]
-
-
-@dataclass
-class MultiTurnRollout:
-    """What the trainer's generation pass needs for multi-turn rollouts (built once per run by
-    :meth:`from_config`; :func:`megarl.trainer.passes.generate` calls :meth:`generate`)."""
-
-    tokenizer: Any
-    tools: dict[str, Any]
-    interactions: dict[str, Any]
-    settings: MultiTurnSettings
-    stop_token_ids: list[int]
-    last_metrics: dict[str, float] = field(default_factory=dict)
-    """The last :meth:`generate`'s :func:`multi_turn_metrics`."""
-
-    @classmethod
-    def from_config(cls, cfg: Any, tokenizer: Any, stop_token_ids: Sequence[int]):
-        """From the whole config: ``actor_rollout_ref.rollout.multi_turn`` (tools, interactions,
-        limits), ``data.max_response_length``, the engine's context limit."""
-        from megarl.tools.interactions.registry import load_interactions
-        from megarl.tools.registry import load_all_tools
-
-        rollout = cfg.actor_rollout_ref.rollout
-        mt = rollout.multi_turn
-        response = rollout.response_length or cfg.data.max_response_length
-        prompt = rollout.prompt_length or cfg.data.max_prompt_length
-        settings = MultiTurnSettings.from_config(
-            mt,
-            response_length=response,
-            max_model_len=rollout.max_model_len or prompt + response,
-            chat_template_kwargs=dict(getattr(cfg.data, "apply_chat_template_kwargs", {}) or {}),
-        )
-        return cls(
-            tokenizer,
-            load_all_tools(mt.tool_config_path, mt.function_tool_path),
-            load_interactions(mt.interaction_config_path) if mt.interaction_config_path else {},
-            settings,
-            list(stop_token_ids),
-        )
-
-    def generate(
-        self,
-        engine: Any,
-        prompts: Sequence[Any],
-        *,
-        n: int,
-        sampling: dict[str, Any],
-        seed: int,
-        step: int,
-    ) -> list[Trajectory]:
-        """``n`` trajectories per prompt (``PromptSample``s: ``raw_prompt``, ``extra_info``),
-        the model turns on every rollout replica (every rank calls this together)."""
-        import torch.distributed as dist
-
-        from megarl.rollout.distribute import generate_on_replicas
-
-        sampling = {k: v for k, v in sampling.items() if k != "max_tokens"}
-
-        def turn(contexts, *, prompt_ids, max_tokens, seed):
-            kw = dict(n=1, max_tokens=max_tokens, seed=seed, step=step, **sampling)
-            if dist.is_initialized():
-                return generate_on_replicas(engine, contexts, prompt_ids=prompt_ids, **kw)
-            return engine.generate(contexts, prompt_ids=prompt_ids, **kw)
-
-        requests = [
-            TrajectoryPrompt(
-                _messages(p.raw_prompt),
-                i,
-                tools_kwargs=dict((p.extra_info or {}).get("tools_kwargs") or {}),
-                interaction_kwargs=(p.extra_info or {}).get("interaction_kwargs"),
-            )
-            for i, p in enumerate(prompts)
-        ]
-        trajs = run_multi_turn(
-            turn,
-            requests,
-            n=n,
-            tokenizer=self.tokenizer,
-            tools=self.tools,
-            interactions=self.interactions,
-            settings=self.settings,
-            seed=seed,
-            step=step,
-            stop_token_ids=self.stop_token_ids,
-            run_env=_on_rank0,
-        )
-        self.last_metrics = multi_turn_metrics(trajs)
-        return trajs

@@ -29,7 +29,8 @@ from megarl.parallel.collectives import all_gather_tensors
 from megarl.parallel.init import device
 from megarl.rollout.base import AheadEngine, RolloutBatch, RolloutEngine
 from megarl.rollout.distribute import generate_distributed
-from megarl.rollout.multi_turn import MultiTurnRollout, rollout_samples
+from megarl.rollout.multi_turn import rollout_samples
+from megarl.rollout.multi_turn_rollout import MultiTurnRollout
 from megarl.trainer import split
 from megarl.trainer.batch import StepBatch, rollout_batch
 from megarl.trainer.split import dp_share, fitting_micro_batch
@@ -50,7 +51,7 @@ def generate(
     rollout's routing when the engine captured it, for R3).
 
     Multi-turn (``multi_turn``, else the engine's ``multi_turn`` attribute when set: a
-    :class:`~megarl.rollout.multi_turn.MultiTurnRollout`): each response is a trajectory of model
+    :class:`~megarl.rollout.multi_turn_rollout.MultiTurnRollout`): each response is a trajectory of model
     and tool/user turns, and ``response_mask`` is 1 on the model's tokens only; the rollout
     batch's ``metrics`` carry the turn and tool-call counts."""
     multi_turn = multi_turn or getattr(engine, "multi_turn", None)

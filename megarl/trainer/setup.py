@@ -193,7 +193,7 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         )
         reshard = None
     if arr.rollout.multi_turn.enable:  # each response a trajectory of model and tool turns
-        from megarl.rollout.multi_turn import MultiTurnRollout
+        from megarl.rollout.multi_turn_rollout import MultiTurnRollout
 
         engine.multi_turn = MultiTurnRollout.from_config(cfg, tokenizer, engine.eos_token_ids)
     critic, values = _build_critic(cfg, layout, model_path, dtype, total, plan)
