@@ -25,14 +25,14 @@ from megarl.config.optim_overrides import honoured_overrides
 from megarl.data import GlobalBatchSampler, PromptDataset, total_training_steps
 from megarl.models.build import BuiltModel, Recompute, build_model
 from megarl.models.gpt import Fusions, MoeSettings
-from megarl.models.lora import BaseModelView, LoraSettings, attach_adapters, freeze_base
+from megarl.models.lora import BaseModelView, LoraError, LoraSettings, attach_adapters, freeze_base
 from megarl.models.trainable import OptimizerSettings, TrainableModel
 from megarl.parallel.init import init_distributed, process_group_timeout_minutes
 from megarl.reward import RewardManager
 from megarl.reward.manager import RewardError, reward_inputs
 from megarl.rollout.actor_engine import ActorEngine
 from megarl.rollout.base import AheadEngine, RolloutEngine
-from megarl.rollout.vllm_engine import read_eos_token_ids
+from megarl.rollout.vllm_engine import adapter_engine_args, read_eos_token_ids
 from megarl.trainer.batch import pad_token_id
 from megarl.trainer.console import Console
 from megarl.trainer.residency import applied, settle, settle_engine
@@ -133,7 +133,10 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
 
     dtype = DTYPES[cfg.trainer.dtype]
     engine_from_vllm = arr.rollout.name == "vllm"
-    vllm_engine = _start_vllm(cfg, model_path) if engine_from_vllm else None
+    adapter_args = adapter_engine_args(arr.model.lora)  # lora.merge=false: vLLM's LoRA layers
+    vllm_engine = _start_vllm(cfg, model_path, **adapter_args) if engine_from_vllm else None
+    if adapter_args and not getattr(vllm_engine, "lora_adapter_sync", True):  # a split launch
+        raise LoraError("lora.merge=false needs the colocated vLLM engine: set lora.merge=true")
     engine_residency = settle_engine(vllm_engine, cfg) if vllm_engine is not None else None
     meg = arr.actor.megatron
     recompute = Recompute(meg.recompute_granularity, meg.recompute_method, meg.recompute_num_layers)

@@ -163,7 +163,9 @@ def train_step(
     with timer("update_weights"):
         enter(run, "sync", step=step)  # vLLM's weights awake, its KV cache at the next generate
         if step not in cfg.trainer.skip_weight_sync_steps:
-            sync_engine(run)
+            synced = sync_engine(run)
+            if synced is not None:  # bytes handed to vLLM per rank (LoRA merge=false: adapters)
+                metrics["sync/bytes"] = float(synced.bytes)
             if run.ahead is not None:  # of it, waiting for the batch asked before
                 metrics["async/sync_wait_rollout_s"] = run.ahead.sync_waited_s
                 metrics["async/update_weights_bytes"] = float(run.ahead.update_bytes)
@@ -448,13 +450,14 @@ def first_sync(run: Run) -> None:
     sync_engine(run)
 
 
-def sync_engine(run: Run) -> None:
-    """Push the actor's weights into the rollout engine (nothing to do when it is the actor)."""
+def sync_engine(run: Run):
+    """Push the actor's weights into the rollout engine (nothing to do when it is the actor);
+    the sync's ``SyncStats`` or None."""
     if run.reshard_plan is None:
-        return
+        return None
     from megarl.rollout.reshard import sync_weights
 
-    sync_weights(run.actor.chunks, run.reshard_plan, run.engine)
+    return sync_weights(run.actor.chunks, run.reshard_plan, run.engine)
 
 
 def training_sampling(run: Run) -> dict[str, float | int]:
