@@ -3,9 +3,10 @@
 ``dist_checkpointing`` stores each tensor under its global key with its global shape, so a
 checkpoint saved at one TP×PP(×VPP) loads at any other; chunks are stored as ``model{i}`` with
 global layer indices, so the nesting does not tie a checkpoint to a VPP size. The ``torch_dist``
-save starts a ``spawn``-context ``multiprocessing.Manager`` whose child re-imports the launching
-script: every entry point must keep its work under ``if __name__ == "__main__":`` (and
-``psutil`` must be installed) or the save hangs.
+save's results queue is a thread queue
+(:func:`megarl.checkpoint.processes.use_thread_results_queue`), not the ``spawn``-context
+Manager Megatron would start, whose child re-imports the launching script (3 s per save, and a
+hang where an entry point does its work outside ``if __name__ == "__main__":``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from megarl.checkpoint.meta import META_FILE, read_checkpoint_meta
+from megarl.checkpoint.processes import use_thread_results_queue
 from megarl.models.gpt import unwrap
 
 __all__ = [
@@ -83,6 +85,7 @@ def save_model_checkpoint(
     dist.barrier()
     if os.environ.get(HOLD_SAVE_ENV):
         _hold_writers(Path(os.environ[HOLD_SAVE_ENV]))
+    use_thread_results_queue()
     dist_checkpointing.save(_sharded_state_dict(chunks), str(path))
     # Written after the shards: Megatron treats extra files in the directory before a save as
     # the remains of an incomplete checkpoint.

@@ -1,11 +1,15 @@
 """Processes kept from outliving whoever started them: Megatron's checkpoint writers, the ranks.
 
-Megatron's ``torch_dist`` save keeps one ``spawn``-context ``multiprocessing.Manager`` per rank
-for its results queue and forks one writer process per file bucket during every save; a rank
-killed by SIGKILL would leave both orphaned, holding the checkpoint files open.
-:func:`start_writer_processes` creates that Manager itself, before Megatron does, and it and
-every process forked during a save (:func:`saving`) get ``PR_SET_PDEATHSIG`` = SIGKILL, so the
-kernel kills them with the rank (Linux only; elsewhere only the orderly shutdown remains).
+Megatron's ``torch_dist`` save forks one writer process per file bucket during every save; a
+rank killed by SIGKILL would leave them orphaned, holding the checkpoint files open. Every
+process forked during a save (:func:`saving`) gets ``PR_SET_PDEATHSIG`` = SIGKILL, so the kernel
+kills it with the rank (Linux only; elsewhere only the orderly shutdown remains). The writers'
+results reach the rank through a queue: Megatron makes a ``spawn``-context
+``multiprocessing.Manager`` for it, a process that re-imports the rank's main module (about 3 s
+of a tiny run's 3.5 s save, per rank, on 2 cores) and must itself be kept from outliving the
+rank. Saves here are synchronous (``checkpoint.async_save`` is refused): the queue is put to and
+read by the rank's own thread, so :func:`start_writer_processes` gives Megatron a plain
+``queue.Queue`` before it makes its Manager.
 
 A rank arms the same signal against torchrun (:func:`megarl.trainer.start`), which can die
 before the rank has run a line; the launcher therefore names torchrun's pid in
@@ -18,13 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import multiprocessing as mp
 import os
+import queue
 import signal
 import sys
 import time
 from collections.abc import Iterator
-from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
@@ -33,7 +36,6 @@ TORCHRUN_PID_ENV = "MEGARL_TORCHRUN_PID"
 TEST_HOOK_ENV = "MEGARL_TEST_SLOW_CHECKPOINT"
 TEST_HOOK_DIR = "test_hooks"
 
-_manager = None
 _fork_hook_installed = False
 _saving = False
 _writer_delay_s = 0.0
@@ -88,40 +90,30 @@ def _after_fork_in_child() -> None:
 
 
 def start_writer_processes() -> None:
-    """Create the writer's results-queue Manager (dying with this rank); idempotent."""
-    global _manager, _fork_hook_installed
+    """Arm the forked writers' death signal and give Megatron a thread queue for their results
+    (no Manager process); idempotent."""
+    global _fork_hook_installed
     if not _fork_hook_installed:
         os.register_at_fork(after_in_child=_after_fork_in_child)
         _fork_hook_installed = True
-    if _manager is not None:
-        return
+    use_thread_results_queue()
+
+
+def use_thread_results_queue() -> None:
+    """Megatron's write-results queue as a ``queue.Queue``: a synchronous save puts to it and
+    reads it in this thread (``write_preloaded_data_multiproc`` runs here; its forked workers
+    answer on a queue of their own). Every megarl save calls this first."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if filesystem_async._results_queue is not None:
-        return  # Megatron made its own already (a save before the trainer's)
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
-    filesystem_async._results_queue = manager.Queue()
-    _manager = manager
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def stop_writer_processes() -> None:
-    """Shut the Manager down (end of the run); a later save starts a new one."""
-    global _manager
-    if _manager is None:
-        return
+    """Drop the results queue (end of the run); a later save makes a new one."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     filesystem_async._results_queue = None
-    with contextlib.suppress(Exception):
-        _manager.shutdown()
-    _manager = None
-
-
-def writer_pids() -> list[int]:
-    """PID of this rank's Manager process (for tests and diagnostics)."""
-    process = getattr(_manager, "_process", None)
-    return [process.pid] if process is not None and process.pid else []
 
 
 @contextlib.contextmanager
