@@ -41,11 +41,6 @@ def check_lora(cfg, error: Error) -> None:
         error(f"{L}.dropout_position={fmt_value(lora.dropout_position)} must be pre or post")
     if not 0.0 <= lora.dropout < 1.0:
         error(f"{L}.dropout={fmt_value(lora.dropout)} must be in [0, 1)")
-    if not lora.merge:
-        error(
-            f"{L}.merge=false (adapter-only sync to vLLM) is not built: set {L}.merge=true "
-            "(merged weights are synced)"
-        )
     if lora.adapter_path is not None:
         error(f"{L}.adapter_path is not built: adapters start from their init methods")
     if lora.a2a_experimental:

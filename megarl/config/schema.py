@@ -98,7 +98,7 @@ class LoraConfig:
     lora_B_init_method: str = "zero"
     """Initialisation of B (zero: step 0 equals the base model)."""
     merge: bool = False
-    """true: syncs send base + adapters merged; false (verl's default, adapter-only): refused."""
+    """true: syncs send base + adapters merged; false (verl's default): the base once, then adapters."""
     adapter_path: str | None = None
     """Start from a saved adapter; not built yet (refused when set)."""
     a2a_experimental: bool = False
@@ -106,7 +106,7 @@ class LoraConfig:
     dtype: str | None = None
     """Only null: adapters take the model's dtype."""
     fully_sharded_loras: bool = False
-    """vLLM's fully_sharded_loras; no effect with merge=true."""
+    """vLLM's fully_sharded_loras (merge=false only)."""
     freeze_vision_model: bool = True
     """No effect: text models only."""
     freeze_vision_projection: bool = True

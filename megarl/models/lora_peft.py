@@ -59,6 +59,32 @@ def adapters_to_hf(
     return out
 
 
+def every_stage_adapters(
+    chunks: Sequence[torch.nn.Module], dims: ModelDims
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """The whole model's adapters in PEFT form on every rank, with their ``adapter_config``
+    fields (``r``, ``lora_alpha``, ``target_modules``): what an adapter-only sync hands vLLM.
+    Collective: TP all-gather, then each stage's adapters all-gathered over PP (small: the
+    adapters only)."""
+    mine = full_adapters(chunks)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        boxes: list = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(boxes, {k: (a.cpu(), b.cpu()) for k, (a, b) in mine.items()},
+                               group=parallel_state.get_pipeline_model_parallel_group())  # fmt: skip
+        mine = {k: v for box in boxes for k, v in box.items()}
+    state = adapters_to_hf(mine, dims)
+    (_, _, linear) = next(iter(adapted_linears(chunks)))
+    rank = int(linear.lora.A.shape[0])
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": linear.lora.scaling * rank,
+        "target_modules": _hf_target_modules(state),
+        "bias": "none",
+    }
+    return state, config
+
+
 def _hf_target_modules(state: dict[str, torch.Tensor]) -> list[str]:
     return sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in state})
 

@@ -161,7 +161,11 @@ def schedule(cfg: MegarlConfig) -> dict[str, Residency]:
 def sleep_level(cfg: MegarlConfig, next_step: int | None) -> int:
     """vLLM's sleep level until its next wake: 2 when that wake updates the weights (``next_step``
     None: the first wake after start, which always syncs), 1 when step ``next_step`` keeps them
-    (``trainer.skip_weight_sync_steps``)."""
+    (``trainer.skip_weight_sync_steps``) or the base it holds (LoRA with ``merge=false``: only
+    the adapters follow)."""
+    lora = cfg.actor_rollout_ref.model.lora
+    if next_step is not None and lora.rank > 0 and not lora.merge:
+        return 1
     if next_step is None or next_step not in cfg.trainer.skip_weight_sync_steps:
         return 2
     return 1

@@ -50,6 +50,29 @@ DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
 
 SLEEP_TAGS = ("weights", "kv_cache")
 
+LORA_INT_ID = 123
+"""vLLM id of the actor's adapter (``lora.merge=false``), verl's ``VLLM_LORA_INT_ID``."""
+LORA_NAME = "123"
+"""Its name (verl's ``VLLM_LORA_NAME``)."""
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM 0.32 accepts (``vllm.config.lora.MaxLoRARanks``)."""
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of ``rank``."""
+    for allowed in VLLM_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"lora.rank={rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+
+
+def adapter_engine_args(lora) -> dict[str, Any]:
+    """:class:`VLLMEngine` arguments for ``actor_rollout_ref.model.lora``: adapter-only syncs
+    (``rank`` > 0 with ``merge=false``) need vLLM's LoRA layers; otherwise none."""
+    if lora.rank <= 0 or lora.merge:
+        return {}
+    return {"lora_rank": int(lora.rank), "fully_sharded_loras": bool(lora.fully_sharded_loras)}
+
 
 def read_eos_token_ids(model_path: str | Path) -> list[int]:
     """EOS ids of an HF checkpoint: ``generation_config.json`` first, then ``config.json``.
@@ -206,6 +229,10 @@ class VLLMEngine:
             (random weights; only ``config.json`` and the generation config are read), for a
             caller that loads weights into the engine before its first generate, as the
             trainer's first sync does (:meth:`from_config`).
+        lora_rank: > 0 starts vLLM with its LoRA layers (``enable_lora``, one adapter): the
+            actor's adapters then arrive alone (:meth:`load_adapter`, ``lora.merge=false``) and
+            every request carries them.
+        fully_sharded_loras: vLLM's ``fully_sharded_loras`` (with ``lora_rank``).
     """
 
     def __init__(
@@ -231,6 +258,8 @@ class VLLMEngine:
         capture_routing: bool = False,
         expert_parallel: bool = False,
         load_weights: bool = True,
+        lora_rank: int = 0,
+        fully_sharded_loras: bool = False,
     ) -> None:
         on_gpu = torch.cuda.is_available()
         if expert_parallel and not on_gpu:
@@ -254,6 +283,14 @@ class VLLMEngine:
         self._sleep_enabled = free_cache_engine and on_gpu
         self._sleeping: set[str] = set()
         self._order = CallOrder()
+        self.lora_rank = lora_rank
+        self.lora_adapter_sync = lora_rank > 0
+        """Adapter-only syncs: :func:`megarl.rollout.reshard.sync_weights` sends the base once,
+        then the adapters alone (:meth:`load_adapter`)."""
+        self.base_loaded = load_weights
+        """The engine holds the checkpoint's (base) weights: read at start, or a finished weight
+        update since the last ``sleep(level=2)``."""
+        self._lora_request: Any = None
         self._moe_blocks_loaded: set[str] = set()
         """MoE blocks whose experts the open weight update loaded (repacked at its end:
         :func:`megarl.rollout.vllm_worker_ops.repack_cpu_experts`)."""
@@ -307,6 +344,10 @@ class VLLMEngine:
             "enable_expert_parallel": expert_parallel or None,
             "enable_return_routed_experts": self.routing_source == "aux" or None,
             "load_format": None if load_weights else "dummy",
+            "enable_lora": lora_rank > 0 or None,
+            "max_lora_rank": vllm_max_lora_rank(lora_rank) if lora_rank > 0 else None,
+            "max_loras": 1 if lora_rank > 0 else None,
+            "fully_sharded_loras": fully_sharded_loras if lora_rank > 0 else None,
         }
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         kwargs.update(engine_kwargs or {})
@@ -389,7 +430,9 @@ class VLLMEngine:
         if self.routing_source == "hooks":
             self._llm.collective_rpc(routing_capture.clear)
         with preserve_rng_state():
-            outputs = self._llm.generate(requests, params, use_tqdm=False)
+            outputs = self._llm.generate(
+                requests, params, use_tqdm=False, lora_request=self._lora_request
+            )
         samples = [
             _sample_from_output(out, prompts[p], p, s, ids[p])
             for (p, s), out in zip(keys, outputs, strict=True)
@@ -475,6 +518,29 @@ class VLLMEngine:
             )
         self._llm.reset_prefix_cache()
         self._order.finish_update()
+        self.base_loaded = True
+
+    def load_adapter(self, tensors: dict[str, Tensor], peft_config: dict[str, Any]) -> int:
+        """Replace the engine's LoRA adapter (``lora_rank`` > 0) with ``tensors``: PEFT-named
+        (``base_model.model.<module>.lora_A.weight``), full-shaped (vLLM slices each TP rank's
+        part), on every rank; ``peft_config`` as PEFT's ``adapter_config.json`` (``r``,
+        ``lora_alpha``, ``target_modules``). From here every request carries it; cached
+        prefixes are dropped. Returns the bytes handed to vLLM."""
+        if not self.lora_adapter_sync:
+            raise RuntimeError("load_adapter: the engine was started without lora_rank")
+        if self._order.updating:
+            raise RuntimeError("load_adapter during an open weight update (finish it first)")
+        if not self.base_loaded:
+            raise RuntimeError("load_adapter before the base weights: sync the full model first")
+        from vllm.lora.request import LoRARequest
+
+        self.wake_up(["weights"])
+        self._llm.collective_rpc(
+            wops.load_lora_adapter, args=(LORA_INT_ID, tensors, dict(peft_config))
+        )
+        self._lora_request = LoRARequest(LORA_NAME, LORA_INT_ID, "megarl-in-memory")
+        self._llm.reset_prefix_cache()
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     # ------------------------------------------------------------------ memory
 
@@ -486,6 +552,8 @@ class VLLMEngine:
         full weight update must follow before generating again.
         """
         self._order.sleep(level)
+        if level == 2:
+            self.base_loaded = False
         if not self._sleep_enabled or self._sleeping:
             return
         self._llm.sleep(level=level)

@@ -97,3 +97,39 @@ def repack_cpu_experts(worker: Any, blocks: Sequence[str]) -> None:
                     "updates of such a model are not supported on CPU"
                 )
             experts.process_weights_after_loading(module)
+
+
+def load_lora_adapter(
+    worker: Any, lora_id: int, tensors: dict[str, Tensor], peft_config: dict[str, Any]
+) -> bool:
+    """Register PEFT-named full adapter tensors as vLLM LoRA adapter ``lora_id``, replacing the
+    one of that id (``lora.merge=false``).
+
+    vLLM's own path (``WorkerLoRAManager._load_adapter``) reads a folder; this builds the same
+    ``LoRAModel`` from tensors in memory. Each TP rank's LoRA layers slice the full tensors
+    themselves when the adapter is activated (``set_lora``). The tensors are copied first: vLLM
+    scales B in place while building the model (``LoRAModel.optimize``), and in-process the
+    caller's tensors would be the very same objects.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = worker.model_runner.lora_manager
+    adapters = manager._adapter_manager
+    helper = PEFTHelper.from_dict(dict(peft_config))
+    helper.validate_legal(manager.lora_config)
+    mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
+    with set_current_vllm_config(worker.vllm_config):
+        lora = LoRAModel.from_lora_tensors(
+            lora_id,
+            {name: t.detach().clone() for name, t in tensors.items()},
+            helper,
+            device="cpu",
+            dtype=manager.lora_config.lora_dtype,
+            model_vocab_size=manager.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(adapters.model, "lora_skip_prefixes", None),
+        )
+        adapters.remove_adapter(lora_id)  # deactivates it: the next batch copies the new one in
+        return adapters.add_adapter(lora)

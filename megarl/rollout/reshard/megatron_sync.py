@@ -4,6 +4,8 @@ parameters checked against it, and the sync itself (:func:`sync_weights`), which
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Sequence
 
 import torch
@@ -119,10 +121,14 @@ def sync_weights(
             f"plan is for TP={lay.tp}, PP={lay.pp}, EP={lay.ep}, ETP={lay.etp}; running TP={tp}, "
             f"PP={pp}, EP={ep}, ETP={etp}"
         )
-    params, pp_rank, ep_rank = local_params_for_plan(chunks, plan)
-    from megarl.models.lora import merged_weights
+    from megarl.models.lora import has_adapters, merged_weights
 
-    params.update(merged_weights(chunks))  # LoRA (lora.merge=true): W + scaling·B·A shards
+    adapter_only = getattr(sink, "lora_adapter_sync", False) and has_adapters(chunks)
+    if adapter_only and sink.base_loaded:  # lora.merge=false: the base is there, send adapters
+        return sync_adapters(chunks, plan, sink)
+    params, pp_rank, ep_rank = local_params_for_plan(chunks, plan)
+    if not adapter_only:  # LoRA with lora.merge=true: W + scaling·B·A shards
+        params.update(merged_weights(chunks))
     experts = plan.dims.num_experts > 0
     stats = stream_buckets(
         params,
@@ -138,4 +144,21 @@ def sync_weights(
         ),
         fill_unsent=fill_unsent,
     )
+    if adapter_only:  # the first sync (or after sleep level 2): the base, then the adapters
+        more = sync_adapters(chunks, plan, sink)
+        stats = dataclasses.replace(
+            stats, bytes=stats.bytes + more.bytes, seconds=stats.seconds + more.seconds
+        )
     return stats
+
+
+def sync_adapters(chunks: Sequence[torch.nn.Module], plan: ReshardPlan, sink) -> SyncStats:
+    """``lora.merge=false`` after the base went once: every rank hands the engine the whole
+    model's adapters in PEFT form (:meth:`~megarl.rollout.vllm_engine.VLLMEngine.load_adapter`;
+    collective). ``bytes``: the adapter tensors handed over (a full sync's counts the model)."""
+    from megarl.models.lora_peft import every_stage_adapters
+
+    start = time.perf_counter()
+    state, config = every_stage_adapters(chunks, plan.dims)
+    sent = sink.load_adapter(state, config)
+    return SyncStats(buckets=0, bytes=sent, gathered_bytes=0, seconds=time.perf_counter() - start)
