@@ -78,12 +78,28 @@ def reward_inputs(
             data_source=prompts[s.prompt_index].data_source,
             response_ids=s.response_token_ids,
             ground_truth=prompts[s.prompt_index].ground_truth,
-            extra_info=prompts[s.prompt_index].extra_info,
+            extra_info=_extra_info(prompts[s.prompt_index].extra_info, getattr(s, "extra", None)),
             prompt=tokenizer.decode(s.prompt_token_ids, skip_special_tokens=False),
             prompt_ids=s.prompt_token_ids,
         )
         for s in samples
     ]
+
+
+def _extra_info(extra_info: dict | None, rollout: dict | None) -> dict | None:
+    """The scorer's ``extra_info``: the prompt's, and for a multi-turn response (``rollout``:
+    its sample's ``extra``) what verl 0.9.1's reward managers add to it: the agent loop's
+    ``tool_rewards`` and ``turn_scores`` (interaction scores), ``num_turns``, and
+    ``rollout_reward_scores`` (``{}``: verl's tool agent loop sets none)."""
+    if rollout is None:
+        return extra_info
+    return {
+        **(extra_info or {}),
+        "turn_scores": list(rollout.get("turn_scores", [])),
+        "tool_rewards": list(rollout.get("tool_rewards", [])),
+        "num_turns": rollout.get("num_turns"),
+        "rollout_reward_scores": {},
+    }
 
 
 def _rank_and_world(group: Any) -> tuple[int, int]:

@@ -123,7 +123,7 @@ class Trajectory:
     """Tool turns and interaction turns."""
     tool_results: list[ToolCallResult] = field(default_factory=list)
     tool_rewards: list[float] = field(default_factory=list)
-    """Step rewards ``execute`` returned (not None), in call order."""
+    """Step rewards ``execute`` returned (not None; 0.0 for a failed call), in call order."""
     turn_scores: list[float] = field(default_factory=list)
     """Interaction scores, one per interaction turn."""
     finish_reason: str = "stop"
@@ -343,8 +343,12 @@ async def _env_turn(
             tool_response_truncate_side=s.tool_response_truncate_side,
         )
         traj.tool_results += results
+        # As verl's tool agent loop: every executed call's step reward, 0.0 for one that failed
+        # (raised, timed out, unknown tool); a call that could not be read is no call in verl.
         traj.tool_rewards += [
-            r.reward for r in results if r.reward is not None and r.error is ToolCallError.NONE
+            r.reward
+            for r in results
+            if r.reward is not None and r.error is not ToolCallError.MALFORMED
         ]
         new = [{"role": "tool", "content": r.text} for r in results]
     elif session is not None:

@@ -1,7 +1,9 @@
-"""Multi-turn rollouts with real vLLM on CPU: a tiny Qwen2 warm-started to call tools
-(``_multi_turn_worker.py``, one process, ~40 s) runs the loop; the tests check its records
+"""Multi-turn rollouts and training with real vLLM on CPU, in one launch (torchrun, 2 ranks:
+Megatron actor TP 2 + colocated vLLM TP 2; ``_multi_turn_launch.py``): a tiny Qwen2 warm-started
+to call tools runs the loop, a trainer step and a resumed step. The tests check its records
 against independent references: the chat template's own rendering of each conversation, the
-assistant spans of that rendering, and transformers' log-probs."""
+assistant spans of that rendering, transformers' log-probs, a token-level parse of the
+conversation's own ids, and the same step run without interruption."""
 
 from __future__ import annotations
 
@@ -13,20 +15,22 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.multirank,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed"),
 ]
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("_multi_turn_worker.py")
+WORKER = Path(__file__).with_name("_multi_turn_launch.py")
 LOGPROB_TOL = 1e-4
 EOT = 3  # <|im_end|> of the tiny tokenizer
 
 
 @pytest.fixture(scope="module")
-def record(tmp_path_factory) -> dict:
+def launch(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("multi_turn")
     env = {
         **os.environ,
@@ -35,18 +39,36 @@ def record(tmp_path_factory) -> dict:
         "OMP_NUM_THREADS": "1",
         "TORCHDYNAMO_DISABLE": "1",
     }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(WORKER), str(out)]  # fmt: skip
     log = out / "worker.log"
     with log.open("w") as f:
         rc = subprocess.run(
-            [sys.executable, str(WORKER), f"--out={out}"], check=False, env=env, stdout=f,
-            stderr=subprocess.STDOUT, timeout=600,
-        ).returncode  # fmt: skip
-    if rc != 0:
+            cmd, check=False, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=900
+        ).returncode
+    if rc != 0 or not (out / "resume.pt").exists():
         tail = "\n".join(log.read_text().splitlines()[-60:])
-        pytest.fail(f"multi-turn worker failed (rc={rc}):\n{tail}")
-    rec = json.loads((out / "record.json").read_text())
-    rec["model"] = out / "tiny"
+        pytest.fail(f"multi-turn launch failed (rc={rc}):\n{tail}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def record(launch) -> dict:
+    rec = json.loads((launch / "record.json").read_text())
+    rec["model"] = launch / "tiny"
     return rec
+
+
+@pytest.fixture(scope="module")
+def step(launch) -> dict:
+    record = torch.load(launch / "step.pt", weights_only=False)
+    record["model"] = launch / "tiny"
+    return record
+
+
+@pytest.fixture(scope="module")
+def resumed(launch) -> dict:
+    return torch.load(launch / "resume.pt", weights_only=False)
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +159,109 @@ def test_vllm_log_probs_equal_transformers_on_model_tokens(record):
         # The reference tells tokens apart: transformers' log-probs of the tool turns' tokens,
         # which the model was never taught, are far from 0 (a shifted position would show).
         assert min(r for r, m in zip(t["hf_logprobs"], t["mask"]) if not m) < -1.0
+
+
+def _model_positions(tokenizer, response: list[int]) -> list[int]:
+    """1/0 per response token from the ids alone: the model writes from the response's start
+    to its end-of-turn token, and again after each ``<|im_start|>assistant\\n`` header."""
+    header = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    out, model = [], True
+    for k, tok in enumerate(response):
+        out.append(int(model))
+        if model and tok == eot:
+            model = False
+        elif not model and response[max(0, k + 1 - len(header)) : k + 1] == header:
+            model = True
+    return out
+
+
+def test_actor_log_probs_equal_vllm_on_model_tokens(step):
+    """After the first sync the actor's recomputed log-probs equal vLLM's on every model token
+    within 1e-4 (the step's consistency metric, over model tokens only); tool tokens carry none."""
+    mask = step["response_mask"]
+    assert step["metrics"]["rollout/logprob_diff_max"] <= 1e-4
+    diff = (step["old_log_probs"] - step["rollout_log_probs"]).abs() * mask
+    assert float(diff.max()) <= 1e-4
+    assert float((step["rollout_log_probs"] * (1 - mask)).abs().max()) == 0.0
+    # without the mask, tool tokens would be compared too: the actor's log-probs there are not 0
+    assert float((step["old_log_probs"] * (1 - mask)).abs().max()) > 1.0
+
+
+def test_response_mask_is_the_model_tokens_of_each_row(step):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(step["model"]))
+    mask = step["response_mask"]
+    for row in range(mask.shape[0]):
+        p, n = int(step["prompt_lengths"][row]), int(step["lengths"][row])
+        response = step["input_ids"][row, p:n].tolist()
+        want = _model_positions(tokenizer, response)
+        assert mask[row, : n - p].tolist() == [float(m) for m in want]
+        assert float(mask[row, n - p :].abs().sum()) == 0.0
+        assert 0 < sum(want) < len(want)
+
+
+def test_tool_tokens_get_no_advantage_and_the_score_sits_on_the_last_model_token(step):
+    """REINFORCE++ advantages are 0 on tool tokens (so the policy loss has nothing there); the
+    reward (the answer 84 in the response) sits on each response's last token, a model token."""
+    mask, adv, scores = step["response_mask"], step["advantages"], step["scores"]
+    assert float((adv * (1 - mask)).abs().sum()) == 0.0
+    assert float((adv * mask).abs().sum()) > 0.0
+    lengths = step["lengths"] - step["prompt_lengths"]
+    for row in range(mask.shape[0]):
+        last = int(lengths[row]) - 1
+        assert mask[row, last] == 1.0
+        assert scores[row].nonzero().flatten().tolist() in ([], [last])
+    add = [i for i, p in enumerate(step["raw_prompts"]) if p[0]["content"].startswith("add")]
+    rows = [2 * i + s for i in add for s in range(2)]
+    assert [float(scores[r].sum()) for r in rows] == [1.0, 1.0]
+
+
+def test_multi_turn_metrics(step):
+    m = step["multi_turn"]
+    assert m["multi_turn/tool_calls/total"] == 10.0  # add: 2 each, the others 1 each, n = 2
+    assert [m[f"multi_turn/tool_errors/{k}"] for k in ("raised", "timeout", "malformed")] == [
+        2.0, 2.0, 2.0,
+    ]  # fmt: skip
+    assert m["multi_turn/num_turns/max"] == 6.0
+    assert m["multi_turn/tokenization_mismatches"] == 0.0
+
+
+def test_the_reward_function_gets_verls_multi_turn_extra_info(step):
+    """The scorer's ``extra_info`` holds the prompt's fields and what verl's reward managers add
+    for an agent loop's response: ``num_turns``, ``tool_rewards`` (one per executed call, the
+    calculator's 0.0 and 0.0 for a raising or timed-out call; none for the malformed one, no call
+    in verl), ``turn_scores`` (no interaction: none) and ``rollout_reward_scores`` ({})."""
+    m, mt = step["metrics"], step["multi_turn"]
+    assert m["reward/mt/num_turns/mean"] == pytest.approx(mt["multi_turn/num_turns/mean"])
+    # add: 2 calls, boom 1, wait 1, oops 0 (malformed); n = 2 of each
+    assert m["reward/mt/tool_rewards/mean"] == pytest.approx(1.0)
+    assert m["reward/mt/turn_scores/mean"] == 0.0
+    assert m["reward/mt/no_rollout_reward_scores/mean"] == 1.0
+    assert m["reward/mt/index_kept/mean"] == 1.0
+
+
+TIMING = ("timing_s/", "timing_per_token_ms/", "perf/", "multi_turn/tool_seconds/")
+"""Wall-clock metrics: the only ones a resumed step may differ in."""
+
+
+def test_a_step_resumed_from_a_checkpoint_equals_the_uninterrupted_one(resumed):
+    """Step 2 after loading step 1's checkpoint (weights, optimizer, sampler, KL state; the
+    engine synced from it) equals step 2 run straight after step 1, bit for bit: its prompts,
+    rollouts (multi-turn trajectories, masks, vLLM's log-probs), advantages, every metric but
+    the clocks, and the weights after the update."""
+    first, second = resumed["runs"]
+    assert first["prompts"] == second["prompts"]
+    for name, tensor in first["batch"].items():
+        assert torch.equal(tensor, second["batch"][name]), name
+    keys = [k for k in first["metrics"] if not k.startswith(TIMING)]
+    assert "multi_turn/tool_calls/total" in keys and "actor/pg_loss" in keys
+    different = {
+        k: (first["metrics"][k], second["metrics"].get(k))
+        for k in keys
+        if first["metrics"][k] != second["metrics"].get(k)
+    }
+    assert not different
+    assert resumed["weight_diff_max"] == 0.0
+    assert float(first["batch"]["advantages"].abs().sum()) > 0  # the step did learn something

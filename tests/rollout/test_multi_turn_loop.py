@@ -138,3 +138,43 @@ def test_a_turn_that_re_tokenises_differently_fails_the_sanity_check(tokenizer):
         assert t.tokenization_ok is ok
         assert t.drifted_turns == 1
         assert t.response_ids[: len(odd)] == odd  # the model's ids are kept as sampled
+
+
+class _RewardingCalculator(CalculatorTool):
+    """The calculator with a step reward of 0.25 per call; ``1/0`` raises."""
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        if parameters.get("expression") == "1/0":
+            raise ZeroDivisionError("division by zero")
+        response, _, metrics = await super().execute(instance_id, parameters, **kwargs)
+        return response, 0.25, metrics
+
+
+def test_tool_rewards_reach_the_reward_functions_extra_info(tokenizer):
+    """As verl: every executed call's step reward, 0.0 for one that raised, none for a call that
+    could not be read; the scorer's ``extra_info`` gets them with ``turn_scores``,
+    ``num_turns`` and ``rollout_reward_scores`` ({}) on top of the prompt's own fields."""
+    from megarl.data import PromptSample
+    from megarl.reward.manager import reward_inputs
+
+    raising = CALL.replace("6*7", "1/0")
+    malformed = '<tool_call>{"name": calculator}</tool_call>'
+    calls: list = []
+    generate, stops = scripted(tokenizer, [CALL, raising, malformed, "It is 42."], calls)
+    (t,) = run_multi_turn(
+        generate, [TrajectoryPrompt([{"role": "user", "content": "x"}], 0)], n=1,
+        tokenizer=tokenizer, tools={"calculator": _RewardingCalculator({}, None)},
+        settings=MultiTurnSettings(response_length=400), seed=0, step=0, stop_token_ids=stops,
+    )  # fmt: skip
+    assert [r.error.value for r in t.tool_results] == ["none", "raised", "malformed"]
+    assert t.tool_rewards == [0.25, 0.0]
+    batch = rollout_samples([t], 1)
+    prompt = PromptSample(0, [1], "x", "src", "42", extra_info={"index": 7, "tools_kwargs": {}})
+    (scored,) = reward_inputs(tokenizer, [prompt], batch.samples)
+    assert scored.extra_info == {
+        "index": 7, "tools_kwargs": {}, "turn_scores": [], "tool_rewards": [0.25, 0.0],
+        "num_turns": 8, "rollout_reward_scores": {},
+    }  # fmt: skip
+    assert prompt.extra_info == {"index": 7, "tools_kwargs": {}}  # the prompt's own is kept
+    single = RolloutSample(0, 0, [1], [5, 3], [-0.1, -0.1], "stop", prompt_id=0)
+    assert reward_inputs(tokenizer, [prompt], [single])[0].extra_info is prompt.extra_info
