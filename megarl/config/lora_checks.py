@@ -41,8 +41,6 @@ def check_lora(cfg, error: Error) -> None:
         error(f"{L}.dropout_position={fmt_value(lora.dropout_position)} must be pre or post")
     if not 0.0 <= lora.dropout < 1.0:
         error(f"{L}.dropout={fmt_value(lora.dropout)} must be in [0, 1)")
-    if lora.adapter_path is not None:
-        error(f"{L}.adapter_path is not built: adapters start from their init methods")
     if lora.a2a_experimental:
         error(f"{L}.a2a_experimental=true is not built; use false")
     if lora.dtype is not None:

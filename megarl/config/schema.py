@@ -100,7 +100,7 @@ class LoraConfig:
     merge: bool = False
     """true: syncs send base + adapters merged; false (verl's default): the base once, then adapters."""
     adapter_path: str | None = None
-    """Start from a saved adapter; not built yet (refused when set)."""
+    """Start from a saved PEFT adapter folder (adapter_config.json + adapter_model.safetensors)."""
     a2a_experimental: bool = False
     """Only false: no all-to-all adapter communication."""
     dtype: str | None = None

@@ -133,3 +133,74 @@ def export_peft_adapter(
     }
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def load_peft_adapter(
+    chunks: Sequence[torch.nn.Module], dims: ModelDims, settings: LoraSettings, folder: str | Path
+) -> int:
+    """Set this rank's adapters from a PEFT folder (``adapter_config.json`` +
+    ``adapter_model.safetensors``, as :func:`export_peft_adapter` writes; verl's
+    ``lora.adapter_path``); returns how many linears were set.
+
+    Each fused linear takes B as the projections' B rows joined the way the base weight is
+    (interleaved q/k/v groups, ``[gate; up]``) and their A, which must be one tensor: megarl's
+    fused adapters share A (a PEFT adapter with separate q/k/v A's is refused). Raises
+    :class:`~megarl.models.lora.LoraError` in one line naming what does not fit.
+    """
+    from safetensors.torch import load_file
+
+    from megarl.models.lora import LoraError, shard_adapter
+
+    folder = Path(folder).expanduser()
+    config_file, weights = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not (config_file.is_file() and weights.is_file()):
+        raise LoraError(f"lora.adapter_path={folder}: no adapter_config.json and "
+                        "adapter_model.safetensors there")  # fmt: skip
+    config = json.loads(config_file.read_text())
+    if int(config.get("r", -1)) != settings.rank or float(config.get("lora_alpha", -1)) != float(
+        settings.alpha
+    ):
+        raise LoraError(
+            f"lora.adapter_path={folder}: r={config.get('r')}, lora_alpha="
+            f"{config.get('lora_alpha')} where lora.rank={settings.rank}, alpha={settings.alpha}"
+        )
+    state = {k.replace(".default.", "."): v for k, v in load_file(str(weights)).items()}
+    used: set[str] = set()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    count = 0
+    for _, name, linear in adapted_linears(chunks):
+        modules = [s.removesuffix(".weight") for s in hm.megatron_param_sources(name, dims)]
+        keys = [(f"{PEFT_PREFIX}{m}.lora_A.weight", f"{PEFT_PREFIX}{m}.lora_B.weight")
+                for m in modules]  # fmt: skip
+        absent = [k for pair in keys for k in pair if k not in state]
+        if absent:
+            raise LoraError(f"lora.adapter_path={folder} has no {absent[0]}")
+        a_parts = [state[a] for a, _ in keys]
+        b_parts = [state[b] for _, b in keys]
+        if any(not torch.equal(a, a_parts[0]) for a in a_parts[1:]):
+            raise LoraError(
+                f"lora.adapter_path={folder}: {modules} have different lora_A; megarl's fused "
+                f"{name.rsplit('.', 2)[-2]} adapter shares one A (type=lora)"
+            )
+        if len(b_parts) == 3:
+            b = hm.qkv_separate_to_megatron(*b_parts, dims)
+        elif len(b_parts) == 2:
+            b = hm.gate_up_to_fc1(*b_parts)
+        else:
+            (b,) = b_parts
+        a, b = shard_adapter(linear.lora.parallel, name, a_parts[0], b, tp, tp_rank)
+        with torch.no_grad():
+            linear.lora.A.copy_(a)
+            linear.lora.B.copy_(b)
+        used.update(k for pair in keys for k in pair)
+        count += 1
+    extra = sorted({_leaf(k) for k in state} - {_leaf(k) for k in used}) if count else []
+    if extra:
+        raise LoraError(f"lora.adapter_path={folder} adapts {extra}, which lora.target_modules "
+                        "leave out")  # fmt: skip
+    return count
+
+
+def _leaf(peft_key: str) -> str:
+    return peft_key.split(".lora_")[0].rsplit(".", 1)[-1]

@@ -26,6 +26,7 @@ from megarl.data import GlobalBatchSampler, PromptDataset, total_training_steps
 from megarl.models.build import BuiltModel, Recompute, build_model
 from megarl.models.gpt import Fusions, MoeSettings
 from megarl.models.lora import BaseModelView, LoraError, LoraSettings, attach_adapters, freeze_base
+from megarl.models.lora_peft import load_peft_adapter
 from megarl.models.trainable import OptimizerSettings, TrainableModel
 from megarl.parallel.init import init_distributed, process_group_timeout_minutes
 from megarl.reward import RewardManager
@@ -157,6 +158,10 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
     if lora:  # adapters before DDP and the optimizer: only they get buffers and state
         settings = LoraSettings.from_config(arr.model.lora, seed=cfg.trainer.seed)
         attach_adapters(actor_model.chunks, settings)
+        if arr.model.lora.adapter_path:  # verl's: start from a saved (PEFT) adapter
+            load_peft_adapter(
+                actor_model.chunks, actor_model.dims, settings, arr.model.lora.adapter_path
+            )
         freeze_base(actor_model.chunks)
         actor_model.meta["lora"] = settings
     actor = TrainableModel(actor_model, optimizer_settings(cfg, total))
