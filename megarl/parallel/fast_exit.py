@@ -16,12 +16,18 @@ import sys
 import threading
 from typing import NoReturn
 
+exiting = False
+"""True once :func:`exit_process` runs the ``atexit`` handlers: a handler may then skip work
+that only matters to a process going on (freeing memory)."""
+
 
 def exit_process(code: int | None) -> NoReturn:
     """Exit with ``code`` (None: 0) as described in the module docstring."""
+    global exiting
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
+    exiting = True
     atexit._run_exitfuncs()  # the interpreter's own exit step, run here
     for stream in (sys.stdout, sys.stderr):
         try:
