@@ -63,10 +63,16 @@ def _hold_writers(marker_dir: Path) -> None:
     FileSystemWriterAsync.write_preloaded_data = staticmethod(held_write)
 
 
-def _sharded_state_dict(chunks: Sequence[torch.nn.Module], skip: tuple[str, ...] = ()) -> dict:
+def _sharded_state_dict(
+    chunks: Sequence[torch.nn.Module], skip: tuple[str, ...] = (), *, adapters_only: bool = False
+) -> dict:
+    from megarl.models.lora import is_adapter_param
+
     return {
         f"model{i}": {
-            k: v for k, v in unwrap(c).sharded_state_dict().items() if not k.startswith(skip)
+            k: v
+            for k, v in unwrap(c).sharded_state_dict().items()
+            if not k.startswith(skip) and (is_adapter_param(k) or not adapters_only)
         }
         for i, c in enumerate(chunks)
     }
@@ -96,13 +102,18 @@ def save_model_checkpoint(
 
 
 def load_model_checkpoint(
-    chunks: Sequence[torch.nn.Module], ckpt_dir: str | Path, *, skip: tuple[str, ...] = ()
+    chunks: Sequence[torch.nn.Module],
+    ckpt_dir: str | Path,
+    *,
+    skip: tuple[str, ...] = (),
+    adapters_only: bool = False,
 ) -> None:
     """Load ``ckpt_dir`` (saved at any parallel layout) into this rank's ``chunks``.
 
     ``skip``: prefixes of state-dict keys left as they are (the critic's value head, when its
     initial weights come from an actor's checkpoint); tensors of the checkpoint that the model
-    does not ask for are ignored, as Megatron ignores them.
+    does not ask for are ignored, as Megatron ignores them. ``adapters_only``: read the LoRA
+    adapters alone (a LoRA actor's checkpoint holds no base; ``chunks`` carry it already).
 
     Raises :class:`CheckpointError` naming the directory when it is not a checkpoint or a shard
     cannot be read, :class:`CheckpointMismatchError` naming keys when it holds another model.
@@ -114,13 +125,16 @@ def load_model_checkpoint(
     if not (path / "metadata.json").exists():
         raise CheckpointError(f"not a Megatron distributed checkpoint (no metadata.json): {path}")
     try:
-        state = dist_checkpointing.load(_sharded_state_dict(chunks, skip), str(path))
+        wanted = _sharded_state_dict(chunks, skip, adapters_only=adapters_only)
+        state = dist_checkpointing.load(wanted, str(path))
     # torch's CheckpointException is a BaseException: it escapes `except Exception`
     except (CheckpointException, CheckpointingException) as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {_first_failure(exc)}") from None
     for i, chunk in enumerate(chunks):
         missing, unexpected = unwrap(chunk).load_state_dict(state[f"model{i}"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state") and not k.startswith(skip)]
+        if adapters_only:
+            missing = [k for k in missing if k in wanted[f"model{i}"]]
         if missing or unexpected:
             raise CheckpointMismatchError(
                 f"checkpoint {path} does not match the model: missing {missing[:5]}, "

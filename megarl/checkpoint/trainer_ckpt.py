@@ -140,6 +140,11 @@ def save_checkpoint(
 LORA_ADAPTER_DIR = "lora_adapter"
 """Beside ``huggingface/`` in a LoRA actor's final save: the adapters as a PEFT folder."""
 
+MODEL_HOLDS_ADAPTERS = "lora_adapters"
+"""``megarl_meta.json``'s ``model_holds`` of a LoRA actor's checkpoint: its model tensors are
+the adapters only; the base is the HF checkpoint at ``source`` (verl's Megatron LoRA saves
+adapters only too)."""
+
 
 def _save_model(saved: SavedModel, path: Path, step: int, *, with_hf: bool) -> None:
     from megarl.config.model_dims import read_hf_config
@@ -152,6 +157,9 @@ def _save_model(saved: SavedModel, path: Path, step: int, *, with_hf: bool) -> N
         state = model.sharded_state_dict()
     else:
         state = {"model": model.model_sharded_state_dict()}
+    lora = model.model.meta.get("lora")
+    if lora is not None:  # the adapters (and their optimizer state); the base stays at its path
+        state["model"] = adapters_only(state["model"])
     dist_checkpointing.save(state, str(path))
     hf_config = read_hf_config(Path(saved.model_path).expanduser())
     dtype = str(model.model.config.params_dtype).removeprefix("torch.")
@@ -172,9 +180,9 @@ def _save_model(saved: SavedModel, path: Path, step: int, *, with_hf: bool) -> N
             step=step,
             contents=list(saved.save_contents),
         )
-        lora = model.model.meta.get("lora")
         if lora is not None:  # what megarl convert needs to rebuild (and merge) the adapters
             meta["lora"] = dataclasses.asdict(lora)
+            meta["model_holds"] = MODEL_HOLDS_ADAPTERS  # the base: meta["source"]
         write_json(path / META_FILE, meta)
         if "extra" in saved.save_contents:
             write_json(path / EXTRA_STATE_FILE, {"scheduler": model.scheduler.state_dict()})
@@ -188,7 +196,6 @@ def _save_model(saved: SavedModel, path: Path, step: int, *, with_hf: bool) -> N
             dtype_name=dtype,
             side_dir=Path(saved.model_path).expanduser(),
         )
-        lora = model.model.meta.get("lora")
         if lora is not None:  # LoRA: the export above is merged; the adapters alone for peft
             from megarl.models.lora_peft import export_peft_adapter
 
@@ -210,6 +217,7 @@ def _load_model(saved: SavedModel, path: Path, warn: Warn) -> None:
     meta = read_json(path / META_FILE)
     stored = set(meta.get("contents", ("model", "optimizer", "extra")))
     wanted = set(saved.load_contents)
+    lora = model.model.meta.get("lora") is not None  # the adapters come from the checkpoint
     for part in sorted((wanted & {"optimizer", "extra"}) - stored):
         warn(f"resume: {path} holds no {part} (save_contents); it starts fresh")
     if "optimizer" in wanted & stored:
@@ -217,8 +225,11 @@ def _load_model(saved: SavedModel, path: Path, warn: Warn) -> None:
             {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
             for group in param_groups(model.optimizer)
         ]
-        state = dist_checkpointing.load(model.sharded_state_dict(is_loading=True), str(path))
-        model.load_sharded_state_dict(state)
+        wanted_state = model.sharded_state_dict(is_loading=True)
+        if lora:
+            wanted_state["model"] = adapters_only(wanted_state["model"])
+        state = dist_checkpointing.load(wanted_state, str(path))
+        model.load_sharded_state_dict(state)  # (not strict: a LoRA base stays as loaded)
         restore_group_hyperparameters(
             model.optimizer,
             configured,
@@ -227,8 +238,11 @@ def _load_model(saved: SavedModel, path: Path, warn: Warn) -> None:
             warn=warn,
         )
     else:
-        state = dist_checkpointing.load({"model": model.model_sharded_state_dict()}, str(path))
-        _load_weights_only(model, state["model"], path)
+        wanted_model = model.model_sharded_state_dict()
+        if lora:
+            wanted_model = adapters_only(wanted_model)
+        state = dist_checkpointing.load({"model": wanted_model}, str(path))
+        _load_weights_only(model, state["model"], path, adapters=lora)
         model.reload_model_params()  # the optimizer's main parameters follow the loaded weights
     if "extra" in wanted & stored:
         extra = read_json(path / EXTRA_STATE_FILE)
@@ -241,10 +255,23 @@ def _load_model(saved: SavedModel, path: Path, warn: Warn) -> None:
         )
 
 
-def _load_weights_only(model: TrainableModel, state: dict, path: Path) -> None:
+def adapters_only(model_state: dict) -> dict:
+    """A LoRA actor's ``{"model0": {key: sharded tensor}, ...}`` cut to its adapters' keys."""
+    from megarl.models.lora import is_adapter_param
+
+    return {c: {k: v for k, v in d.items() if is_adapter_param(k)} for c, d in model_state.items()}
+
+
+def _load_weights_only(
+    model: TrainableModel, state: dict, path: Path, *, adapters: bool = False
+) -> None:
+    from megarl.models.lora import is_adapter_param
+
     for i, chunk in enumerate(model.chunks):
         missing, unexpected = unwrap(chunk).load_state_dict(state[f"model{i}"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
+        if adapters:  # the base weights are the ones loaded from the model path
+            missing = [k for k in missing if is_adapter_param(k)]
         if missing or unexpected:
             raise CheckpointError(
                 f"checkpoint {path} does not match the model: missing {missing[:5]}, "

@@ -390,6 +390,22 @@ def _attach_saved_adapters(chunks, meta: dict) -> None:
     attach_adapters(chunks, LoraSettings(**settings))
 
 
+def _load_checkpoint_chunks(ckpt: Path, meta: dict, cfg: dict, args, dtype_name: str):
+    """(dims, chunks) holding the checkpoint's model. A LoRA actor's checkpoint holds only its
+    adapters (``model_holds``): the base comes from the HF checkpoint it was trained on
+    (``source``), then the adapters from ``ckpt``."""
+    from megarl.checkpoint.dist_ckpt import load_model_checkpoint
+
+    adapters_only = meta.get("model_holds") == "lora_adapters"
+    base = Path(meta["source"]).expanduser() if adapters_only else None
+    if base is not None and not base.is_dir():
+        raise ConvertError(f"{ckpt} holds LoRA adapters only; their base {base} is not there")
+    dims, chunks = _build_chunks(base, cfg, args, dtype_name)
+    _attach_saved_adapters(chunks, meta)
+    load_model_checkpoint(chunks, ckpt, adapters_only=adapters_only)
+    return dims, chunks
+
+
 def run_hf_to_megatron(args: argparse.Namespace) -> int:
     """Load the HF directory into a model at ``--tp/--pp/--vpp`` and save a dist checkpoint."""
     from megarl.checkpoint.dist_ckpt import save_model_checkpoint
@@ -420,7 +436,6 @@ def run_hf_to_megatron(args: argparse.Namespace) -> int:
 def run_megatron_to_hf(args: argparse.Namespace) -> int:
     """Load the dist checkpoint at ``--tp/--pp/--vpp`` and write an HF directory (from the
     checkpoint alone: it holds ``megarl_meta.json`` and the HF side files in ``hf_files/``)."""
-    from megarl.checkpoint.dist_ckpt import load_model_checkpoint
     from megarl.checkpoint.hf_export import export_hf
     from megarl.checkpoint.meta import read_checkpoint_meta
 
@@ -431,9 +446,7 @@ def run_megatron_to_hf(args: argparse.Namespace) -> int:
     stored = meta.get("dtype") or _config_dtype(cfg)
     out_dtype = DTYPE_NAMES.get(args.dtype) or stored
     _log(f"loading {ckpt} ({stored}, TP={args.tp} PP={args.pp}) ...")
-    dims, chunks = _build_chunks(None, cfg, args, stored)
-    _attach_saved_adapters(chunks, meta)
-    load_model_checkpoint(chunks, ckpt)
+    dims, chunks = _load_checkpoint_chunks(ckpt, meta, cfg, args, stored)
     _log(f"writing HF safetensors ({out_dtype}) to {args.out} ...")
     out = export_hf(
         chunks,
@@ -488,7 +501,6 @@ def safetensors_dtype(hf_path: str | Path) -> str:
 def verify_logits(args: argparse.Namespace, *, ckpt: Path, hf_path: Path) -> int:
     """Compare the checkpoint's logits (Megatron, at ``--tp/--pp/--vpp``) with the HF model's
     (:mod:`megarl.models.verify`); prints the outcome on rank 0 and returns the exit status."""
-    from megarl.checkpoint.dist_ckpt import load_model_checkpoint
     from megarl.checkpoint.meta import read_checkpoint_meta
     from megarl.models import verify as v
 
@@ -497,9 +509,7 @@ def verify_logits(args: argparse.Namespace, *, ckpt: Path, hf_path: Path) -> int
     cfg, _ = _ckpt_hf_config(ckpt, meta, args.hf_config)
     common = v.coarser_dtype(meta.get("dtype") or _config_dtype(cfg), safetensors_dtype(hf_path))
     _log(f"verifying {ckpt} against {hf_path} (float32 compute, weights as {common}) ...")
-    dims, chunks = _build_chunks(None, cfg, args, "float32")
-    _attach_saved_adapters(chunks, meta)
-    load_model_checkpoint(chunks, ckpt)
+    dims, chunks = _load_checkpoint_chunks(ckpt, meta, cfg, args, "float32")
     v.round_params([p for c in chunks for p in c.parameters()], common)
     seqs = v.verify_inputs(dims.vocab_size, args.num_sequences, args.seq_len, args.seed)
     logits = v.megatron_logits(chunks, seqs, dims.vocab_size)

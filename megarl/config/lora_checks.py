@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from megarl.config.layout_checks import fmt_value
 
@@ -15,6 +16,7 @@ L = "actor_rollout_ref.model.lora"
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """Megatron linears megarl adapts (``megarl.models.lora.LORA_TARGETS``)."""
 INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
+PEFT_CONFIG = "adapter_config.json"
 
 
 def check_lora(cfg, error: Error) -> None:
@@ -41,6 +43,10 @@ def check_lora(cfg, error: Error) -> None:
         error(f"{L}.dropout_position={fmt_value(lora.dropout_position)} must be pre or post")
     if not 0.0 <= lora.dropout < 1.0:
         error(f"{L}.dropout={fmt_value(lora.dropout)} must be in [0, 1)")
+    if lora.adapter_path and not (Path(lora.adapter_path).expanduser() / PEFT_CONFIG).is_file():
+        error(
+            f"{L}.adapter_path={lora.adapter_path} holds no {PEFT_CONFIG} (a PEFT adapter folder)"
+        )
     if lora.a2a_experimental:
         error(f"{L}.a2a_experimental=true is not built; use false")
     if lora.dtype is not None:

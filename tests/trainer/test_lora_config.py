@@ -38,7 +38,7 @@ def test_lora_tiny_config_validates_with_verl_names():
         (f"{L}.type=dora", f"{L}.type=dora is not built"),
         (f"{L}.target_modules=[linear_q]", "are not linears megarl adapts"),
         (f"{L}.exclude_modules=[linear_fc2]", "needs target_modules=[]"),
-        (f"{L}.adapter_path=/x", f"{L}.adapter_path is not built"),
+        (f"{L}.adapter_path=/x", f"{L}.adapter_path=/x holds no adapter_config.json"),
         (f"{L}.lora_B_init_method=ones", f"{L}.lora_B_init_method=ones"),
         (f"{L}.dropout_position=middle", "must be pre or post"),
         ("actor_rollout_ref.actor.megatron.sequence_parallel=true", "sequence_parallel=true is not built"),

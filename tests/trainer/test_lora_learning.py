@@ -1,10 +1,12 @@
 """``configs/grpo_lora_tiny_cpu.yaml`` learns, and what it writes is the policy it trained.
 
-Real runs (2 ranks, actor TP 2 with rank-16 adapters, vLLM TP 2 fed merged weights): 6 steps
-validating before and after (saving at 3 and 6), the same with lr 0 for 2 steps validating at
-0 and 2 (σ of the initial reward from three evaluations, as test_grpo_learning), and a run
-resumed from the first one's step-3 checkpoint (adapters, their optimizer state). The final
-save's PEFT folder loaded onto the HF base by ``peft`` gives the logits of its merged HF export.
+Real runs (2 ranks, actor TP 2 with rank-16 adapters, vLLM TP 2): 6 steps validating before and
+after (saving at 3 and 6) with adapter-only syncs (``lora.merge=false``: the base once, then the
+adapters as a vLLM LoRA adapter), the same with lr 0 for 2 steps validating at 0 and 2 (σ of the
+initial reward from three evaluations, as test_grpo_learning), and a run resumed from the first
+one's step-3 checkpoint (adapters, their optimizer state; the base from the model path) syncing
+merged weights (``lora.merge=true``). The final save's PEFT folder loaded onto the HF base by
+``peft`` gives the logits of its merged HF export.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def runs(tmp_path_factory):
     resumed = _quickstart(out, "resumed", "trainer.total_training_steps=6",
                           "trainer.test_freq=6", "trainer.save_freq=6",
                           "trainer.resume_mode=resume_path",
-                          f"trainer.resume_from_path={main / 'global_step_3'}")  # fmt: skip
+                          f"trainer.resume_from_path={main / 'global_step_3'}",
+                          "actor_rollout_ref.model.lora.merge=true")  # fmt: skip
     frozen = _quickstart(out, "lr0", "actor_rollout_ref.actor.optim.lr=0",
                          "trainer.total_training_steps=2", "trainer.test_freq=2",
                          "trainer.save_freq=-1")  # fmt: skip
@@ -60,9 +63,51 @@ def test_lora_run_learns_and_vllm_follows_the_adapters(runs):
     final = main[6]["val/score/mean"]
     print(f"r0={r0:.4f} sigma={sigma:.4g} final={final:.4f} gain={final - r0:.4f}")
     assert final - r0 >= max(0.15, 3 * sigma)
-    # every step's rollout came from vLLM holding the merged weights of the actor's policy
+    # every step's rollout came from vLLM holding the actor's policy: the base and the adapters
+    # (merge=false) in the main run, merged weights in the resumed run's steps 4-6
+    resumed = read_metrics(runs["resumed"])
     for step in range(1, 7):
         assert main[step]["rollout/logprob_diff_max"] <= 1e-4, step
+    for step in range(4, 7):
+        assert resumed[step]["rollout/logprob_diff_max"] <= 1e-4, step
+
+
+def _tensor_bytes(*files: Path) -> int:
+    from safetensors.torch import load_file
+
+    return sum(t.numel() * t.element_size() for f in files for t in load_file(str(f)).values())
+
+
+def test_adapter_only_syncs_send_the_adapters(runs):
+    """merge=false: each step's sync hands vLLM the PEFT adapter's bytes (the saved folder's
+    tensors), far below the model's (15 % at this tiny width, about 1 % for a 7B model at rank
+    32); the merged syncs of the resumed run send the model's."""
+    main, resumed = read_metrics(runs["main"]), read_metrics(runs["resumed"])
+    adapter = _tensor_bytes(runs["main"] / "global_step_6" / "actor" / "lora_adapter" /
+                            "adapter_model.safetensors")  # fmt: skip
+    model = _tensor_bytes(*runs["model"].glob("*.safetensors"))
+    print(f"sync/bytes: adapters {adapter}, model {model} ({adapter / model:.3f})")
+    for step in range(1, 7):
+        assert main[step]["sync/bytes"] == adapter, step
+    for step in range(4, 7):  # the model's tensors (embedding and output padded to 1024 rows)
+        assert model <= resumed[step]["sync/bytes"] <= 1.01 * model, step
+    assert adapter < 0.2 * model
+
+
+def test_a_lora_checkpoint_holds_the_adapters_alone(runs):
+    """Model tensors of the step-3 checkpoint: the adapters only (the base stays at the model
+    path; resuming from it is checked below), so it is smaller than the base itself."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    actor = runs["main"] / "global_step_3" / "actor"
+    keys = list(FileSystemReader(str(actor)).read_metadata().state_dict_metadata)
+    model_keys = [k for k in keys if not k.startswith("optimizer.")]
+    assert model_keys and all(".lora." in k for k in model_keys), model_keys[:5]
+    assert not [k for k in keys if "linear_qkv.weight" in k or "word_embeddings" in k]
+    on_disk = sum(f.stat().st_size for f in actor.glob("*.distcp"))
+    model = sum(f.stat().st_size for f in runs["model"].glob("*.safetensors"))
+    print(f"LoRA checkpoint: {on_disk} bytes of shards (base model: {model})")
+    assert on_disk < model
 
 
 def test_saved_adapter_on_the_base_is_the_merged_export(runs):
