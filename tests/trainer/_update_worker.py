@@ -89,10 +89,13 @@ def _replicas_identical(chunks) -> bool:
     return same
 
 
-def _rollout(spec: dict):
+def _rollout(spec: dict, case: dict | None = None):
+    """The fixed batch; a ``multi_turn`` case's with its tool turns (``response_mask`` 0 there)
+    and the advantages computed on that mask."""
     from megarl.trainer.batch import rollout_batch
 
     data = torch.load(spec["batch"])
+    multi_turn = bool(case and case.get("multi_turn"))
     batch = rollout_batch(
         data["prompts"],
         data["responses"],
@@ -100,10 +103,13 @@ def _rollout(spec: dict):
         data["prompt_ids"],
         [False] * len(data["responses"]),
         pad_token_id=0,
+        token_masks=data["token_masks"] if multi_turn else None,
     )
     for name in ("advantages", "old_log_probs", "ref_log_probs", "values", "returns"):
         if name in data:
             setattr(batch, name, data[name])
+    if multi_turn:
+        batch.advantages = data["mt_advantages"]
     return batch
 
 
@@ -183,7 +189,7 @@ def _run_case(spec: dict, layout, case: dict, optimizer: str, model: str | None 
         policy_loss_kwargs=spec["clip"],
     )
     metrics = update_policy(
-        actor, _rollout(spec), update, vocab_size=built.dims.vocab_size, seed=0, step=1
+        actor, _rollout(spec, case), update, vocab_size=built.dims.vocab_size, seed=0, step=1
     ).metrics
     _enter_weight_read(actor)
     return {
@@ -382,6 +388,8 @@ def main() -> None:
         for case in spec["cases"]:
             if vpp and case["dynamic"]:
                 continue  # the interleaved schedule needs equal micro-batches: no token budget
+            if key not in case.get("layouts", [key]):
+                continue
             # SGD always without the distributed optimizer; at (1,1,1) also AdamW in fp32, the
             # like-for-like reference of the distributed optimizer (fp32/bf16 only).
             extra = ("adamw_fp32",) if layout == LAYOUTS[1][0] else ()
