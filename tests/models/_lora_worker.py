@@ -114,6 +114,8 @@ def _layout_checks(spec: dict, tp: int, pp: int, results: dict) -> None:
 
         export_hf_weights(chunks, Path(spec["tmp"]) / "merged_tp2_pp2", dims,
                           source_dir=spec["model"])  # fmt: skip
+    if key == "tp2_pp2":  # lora.adapter_path: TP1/PP1's export loaded into adapters of another seed
+        _adapter_path_checks(spec, layout, settings, ids, r)
     ckpt = Path(spec["tmp"]) / "ckpt_tp2_pp1"
     if key == "tp2_pp1":
         from megarl.checkpoint.dist_ckpt import save_model_checkpoint
@@ -128,6 +130,43 @@ def _layout_checks(spec: dict, tp: int, pp: int, results: dict) -> None:
         attach_adapters(other.chunks, replace(settings, seed=settings.seed + 1))
         load_model_checkpoint(other.chunks, ckpt)
         export_peft_adapter(other.chunks, dims, settings, Path(spec["tmp"]) / "peft_loaded")
+
+
+def _adapter_path_checks(spec: dict, layout, settings, ids: torch.Tensor, r: dict) -> None:
+    """``load_peft_adapter`` of TP1/PP1's PEFT export at this layout: its logits; and the one
+    line refusing a PEFT folder whose q/k/v A's differ."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file, save_file
+
+    from megarl.models.build import build_model
+    from megarl.models.lora import LoraError, attach_adapters
+    from megarl.models.lora_peft import load_peft_adapter
+
+    tmp = Path(spec["tmp"])
+    other = build_model(spec["model"], layout)
+    attach_adapters(other.chunks, replace(settings, seed=settings.seed + 7))
+    load_peft_adapter(other.chunks, other.dims, settings, tmp / "peft_tp1_pp1")
+    for c in other.chunks:
+        c.eval()
+    r["logits_from_peft"] = _on_rank0(_full_logits(other.chunks, ids))
+    untied = tmp / "peft_untied"
+    if dist.get_rank() == 0:
+        untied.mkdir(exist_ok=True)
+        state = load_file(str(tmp / "peft_tp1_pp1" / "adapter_model.safetensors"))
+        key = next(k for k in state if "k_proj.lora_A" in k)
+        state[key] = state[key] + 1.0
+        save_file(state, str(untied / "adapter_model.safetensors"))
+        (untied / "adapter_config.json").write_text(
+            (tmp / "peft_tp1_pp1" / "adapter_config.json").read_text()
+        )
+    dist.barrier()
+    try:
+        load_peft_adapter(other.chunks, other.dims, settings, untied)
+        said = None
+    except LoraError as exc:
+        said = str(exc)
+    r["untied_refusal"] = _on_rank0(said)
 
 
 def _moe_refusal(spec: dict) -> str | None:

@@ -172,6 +172,20 @@ def test_hf_export_is_the_merged_policy(lora_run, peft_reference):
     assert (logits - peft_reference["tp1_pp1"]).abs().max() <= 1e-4
 
 
+def test_adapter_path_loads_an_exported_adapter(lora_run, peft_reference):
+    """``lora.adapter_path``: TP1/PP1's PEFT export loaded at TP 2 × PP 2 (over adapters of
+    another seed) gives the logits of the same adapters at this layout (every layout started
+    from the same full tensors: the same arithmetic) and HF + peft's; a PEFT adapter whose q/k/v
+    A's differ (not one fused adapter) is refused in one line."""
+    vocab = peft_reference["base"].shape[-1]
+    r = lora_run["results"]["tp2_pp2"]
+    got = r["logits_from_peft"][..., :vocab]
+    assert (got - r["logits"][..., :vocab]).abs().max() <= 1e-6
+    assert (got - peft_reference["tp1_pp1"]).abs().max() <= 1e-4
+    said = r["untied_refusal"]
+    assert said is not None and "\n" not in said and "different lora_A" in said, said
+
+
 def test_moe_expert_linears_are_refused_in_one_line(lora_run):
     said = lora_run["results"]["moe_refusal"]
     assert said is not None and "\n" not in said and "MoE" in said, said
