@@ -242,6 +242,7 @@ def _check_data(cfg) -> str | None:
     from transformers import AutoTokenizer
 
     from megarl.data import PromptDataset
+    from megarl.rollout.multi_turn_rollout import prompt_tool_schemas
 
     model = cfg.actor_rollout_ref.model
     where = Path(model.tokenizer_path or model.path).expanduser()
@@ -255,7 +256,8 @@ def _check_data(cfg) -> str | None:
     first = None
     for split in splits:
         try:
-            dataset = PromptDataset.from_config(cfg.data, tokenizer, split, cfg.trainer.seed)
+            tools = prompt_tool_schemas(cfg)
+            dataset = PromptDataset.from_config(cfg.data, tokenizer, split, cfg.trainer.seed, tools)
         except (ValueError, OSError) as exc:
             return _line(exc)
         except Exception as exc:  # noqa: BLE001 -- e.g. the chat template on a malformed message

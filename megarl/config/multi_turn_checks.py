@@ -42,6 +42,10 @@ def check_multi_turn(cfg, error: Error, problem: Error) -> None:
         path = getattr(mt, key)
         if path and not Path(path).expanduser().is_file():
             problem(f"{MT}.{key}={path!r} does not exist")
+    for key in ("tool_config_path", "function_tool_path"):  # the prompt filter's tools
+        path = getattr(cfg.data, key)
+        if path and not Path(path).expanduser().is_file():
+            problem(f"data.{key}={path!r} does not exist")
     if not mt.enable:
         return
     if not (mt.tool_config_path or mt.function_tool_path or mt.interaction_config_path):

@@ -49,6 +49,10 @@ class DataConfig:
     """verl's key; inert as in verl 0.9.1, whose dataset reads it and never uses it (any value)."""
     use_chat_template: bool = True
     """(megarl) Render prompts with the chat template; false: tokenise plain-string prompts as is."""
+    tool_config_path: str | None = None
+    """Tools whose schemas the template gets when filter_overlong_prompts counts; null: the rollout's."""
+    function_tool_path: str | None = None
+    """Function tools the filter counts with, as tool_config_path; null: the rollout's."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -103,7 +103,9 @@ class PromptDataset:
     keeps that many rows (with ``shuffle`` a choice without replacement by numpy's
     ``default_rng(seed)``, as verl, so the same rows; else the first ones);
     ``filter_overlong_prompts`` then drops prompts longer than ``max_prompt_length`` (counted and
-    reported once), and longer prompts that remain are cut by ``truncation``.
+    reported once; with ``tool_schemas``, counted as the chat template renders them with those
+    tools, as verl's ``data.tool_config_path``), and longer prompts that remain are cut by
+    ``truncation``.
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class PromptDataset:
         shuffle: bool = True,
         seed: int | None = 0,
         num_workers: int = 0,
+        tool_schemas: list[dict[str, Any]] | None = None,
     ) -> None:
         files = [files] if isinstance(files, str) else list(files)
         if not files:
@@ -150,7 +153,15 @@ class PromptDataset:
         ids = tokenize_prompts(tokenizer, texts)
         self.num_filtered = 0
         if filter_overlong_prompts:
-            keep_rows = [i for i, t in enumerate(ids) if len(t) <= max_prompt_length]
+            counted = ids
+            if tool_schemas and use_chat_template:  # verl's RLHFDataset: counted with the tools
+                with_tools = {**(chat_template_kwargs or {}), "tools": tool_schemas}
+                texts_with_tools = render_prompts(
+                    tokenizer, [row[prompt_key] for row in rows], wheres,
+                    chat_template_kwargs=with_tools,
+                )  # fmt: skip
+                counted = tokenize_prompts(tokenizer, texts_with_tools)
+            keep_rows = [i for i, t in enumerate(counted) if len(t) <= max_prompt_length]
             self.num_filtered = len(rows) - len(keep_rows)
             if self.num_filtered:
                 log.warning(
@@ -184,9 +195,17 @@ class PromptDataset:
         ``megarl train``'s pre-flight warns."""
 
     @classmethod
-    def from_config(cls, data: Any, tokenizer: Any, split: str, seed: int) -> PromptDataset:
+    def from_config(
+        cls,
+        data: Any,
+        tokenizer: Any,
+        split: str,
+        seed: int,
+        tool_schemas: list[dict[str, Any]] | None = None,
+    ) -> PromptDataset:
         """The ``train`` or ``val`` split of a ``DataConfig``; ``seed``: ``data.seed`` or
-        ``trainer.seed``."""
+        ``trainer.seed``; ``tool_schemas``: the tools ``filter_overlong_prompts`` counts a prompt
+        with (:func:`megarl.rollout.multi_turn_rollout.prompt_tool_schemas`)."""
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         return cls(
@@ -204,6 +223,7 @@ class PromptDataset:
             shuffle=data.shuffle,
             seed=data.seed if data.seed is not None else seed,
             num_workers=cap_num_workers(data.dataloader_num_workers),
+            tool_schemas=tool_schemas,
         )
 
     def __len__(self) -> int:

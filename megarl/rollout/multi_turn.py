@@ -46,6 +46,7 @@ __all__ = [
     "multi_turn_metrics",
     "rollout_samples",
     "run_multi_turn",
+    "tool_schema",
 ]
 
 logger = logging.getLogger(__name__)
@@ -396,7 +397,7 @@ def run_multi_turn(
     trajectories, so every rank holds the same ones). Seeds: turn ``t`` of trajectory
     ``(p, s)`` is sampled with a seed drawn from ``(seed, step, t)`` and ``(p, s)``.
     """
-    schemas = [_schema(t) for t in tools.values()] if tools else None
+    schemas = [tool_schema(t) for t in tools.values()] if tools else None
     render = _Renderer(tokenizer, schemas, settings.chat_template_kwargs)
     stops = set(stop_token_ids)
     interactions = interactions or {}
@@ -449,7 +450,8 @@ def run_multi_turn(
     return trajs
 
 
-def _schema(tool: Any) -> dict:
+def tool_schema(tool: Any) -> dict:
+    """A tool's OpenAI schema as the chat template gets it (verl's ``model_dump``)."""
     schema = getattr(tool, "tool_schema", None)
     return schema.model_dump(exclude_unset=True, exclude_none=True) if schema else {}
 

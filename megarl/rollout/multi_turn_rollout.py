@@ -18,7 +18,7 @@ from megarl.rollout.multi_turn import (
     run_multi_turn,
 )
 
-__all__ = ["MultiTurnRollout", "on_rank0"]
+__all__ = ["MultiTurnRollout", "on_rank0", "prompt_tool_schemas"]
 
 
 def on_rank0(fn: Callable[[], Any]) -> Any:
@@ -127,3 +127,19 @@ class MultiTurnRollout:
         )
         self.last_metrics = multi_turn_metrics(trajs)
         return trajs
+
+
+def prompt_tool_schemas(cfg: Any) -> list[dict] | None:
+    """The tools' schemas ``data.filter_overlong_prompts`` counts a prompt with, as verl's
+    ``RLHFDataset``: those of ``data.tool_config_path`` and ``data.function_tool_path``, each
+    by default the rollout's ``multi_turn`` one (verl's ``oc.select`` default); None when the
+    filter is off or no tools are set (the tools are built here, as verl's dataset builds them)."""
+    from megarl.rollout.multi_turn import tool_schema
+    from megarl.tools.registry import load_all_tools
+
+    data, mt = cfg.data, cfg.actor_rollout_ref.rollout.multi_turn
+    paths = (data.tool_config_path or mt.tool_config_path,
+             data.function_tool_path or mt.function_tool_path)  # fmt: skip
+    if not data.filter_overlong_prompts or not any(paths):
+        return None
+    return [tool_schema(t) for t in load_all_tools(*paths).values()] or None

@@ -33,6 +33,7 @@ from megarl.reward import RewardManager
 from megarl.reward.manager import RewardError, reward_inputs
 from megarl.rollout.actor_engine import ActorEngine
 from megarl.rollout.base import AheadEngine, RolloutEngine
+from megarl.rollout.multi_turn_rollout import prompt_tool_schemas
 from megarl.rollout.vllm_engine import adapter_engine_args, read_eos_token_ids
 from megarl.trainer.batch import pad_token_id
 from megarl.trainer.console import Console
@@ -114,9 +115,10 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
     model_path = str(Path(arr.model.path).expanduser())
     tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or model_path)
     data_seed = cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed
-    train_data = PromptDataset.from_config(cfg.data, tokenizer, "train", cfg.trainer.seed)
+    tools = prompt_tool_schemas(cfg)  # data.tool_config_path: the filter counts with them
+    train_data = PromptDataset.from_config(cfg.data, tokenizer, "train", cfg.trainer.seed, tools)
     val_data = (
-        PromptDataset.from_config(cfg.data, tokenizer, "val", cfg.trainer.seed)
+        PromptDataset.from_config(cfg.data, tokenizer, "val", cfg.trainer.seed, tools)
         if cfg.data.val_files and (cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train)
         else None
     )
