@@ -58,8 +58,3 @@ def check_multi_turn(cfg, error: Error, problem: Error) -> None:
             f"{MT}.enable=true with vLLM on ranks of its own (actor_rollout_ref.rollout.nnodes"
             f"={arr.rollout.nnodes}) is not built yet; use nnodes=0 (colocated)"
         )
-    if arr.actor.megatron.router_replay.mode == "R3":
-        error(
-            f"{MT}.enable=true with router_replay.mode=R3 is not built yet (the routing of "
-            "tool tokens is not captured); use R2 or disabled"
-        )

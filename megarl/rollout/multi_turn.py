@@ -138,6 +138,10 @@ class Trajectory:
     """How many of ``messages`` are the prompt's."""
     last_turn_len: int = 0
     """Tokens of the last model turn."""
+    routing: Any = None
+    """With routing capture on (R3): the experts of each position of prompt + response, each
+    from the first request that ran it through the model (a model token's from its own turn, a
+    tool or user token's from the next turn's prefill); ``[positions, layers, k]``; else None."""
 
     @property
     def num_turns(self) -> int:
@@ -295,11 +299,28 @@ def _model_turn(
         logprobs = list(sample.response_logprobs)[: len(ids)]
         cut = len(ids) < len(sample.response_token_ids) or sample.finish_reason == "length"
         t.finish_reason = "length" if cut and not (ids and ids[-1] in stops) else "stop"
+        if sample.routing is not None:
+            t.routing = _compose_routing(
+                t.routing, sample.routing, len(t.prompt_ids) + len(t.response_ids) + len(ids)
+            )
         t.response_ids += ids
         t.response_logprobs += logprobs
         t.response_mask += [1] * len(ids)
         t.last_turn_len = len(ids)
         t.assistant_turns += 1
+
+
+def _compose_routing(held: Any, new: Any, length: int) -> Any:
+    """The trajectory's routing after a model turn: ``held`` (the earlier requests') kept for the
+    positions they ran, i.e. all but their last, which was sampled and never run; ``new`` (this
+    request's: its context prefilled, its tokens decoded) for the rest, up to ``length``."""
+    import numpy as np
+
+    new = np.asarray(new)[:length]
+    if held is None:
+        return new
+    ran = len(held) - 1
+    return np.concatenate([held[:ran], new[ran:]])
 
 
 def _append(traj: Trajectory, ids: list[int], messages: list[dict[str, Any]]) -> None:
@@ -471,6 +492,7 @@ def rollout_samples(trajs: Sequence[Trajectory], n: int) -> RolloutBatch:
             t.response_logprobs,
             "length" if t.finish_reason == "length" else "stop",
             prompt_id=t.prompt_id,
+            routing=t.routing,
             response_mask=list(t.response_mask),
             extra={
                 "num_turns": t.num_turns,

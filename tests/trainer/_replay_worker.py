@@ -3,7 +3,8 @@ EP 2, vLLM TP 2 capturing the rollout's routing): ``torchrun ... _replay_worker.
 
 On one rollout, the actor's old log-probs against vLLM's, with and without replay, first with
 the synced weights, then with the actor's routers perturbed so that some tokens route
-differently; then one whole training step (KL loss on: the reference routes afresh). Rank 0 saves
+differently; then one whole training step (KL loss on: the reference routes afresh); then the
+same two measurements on multi-turn rollouts (model turns and interaction turns). Rank 0 saves
 what it measured to ``<tmp>/replay.pt``."""
 
 from __future__ import annotations
@@ -51,6 +52,49 @@ def _expected_load(batch, experts: int) -> dict[str, float]:
     return {"mean": sum(ratios) / layers, "max": max(ratios), "layer": ratios.index(max(ratios))}
 
 
+MT_RESPONSE_LENGTH = 200
+"""The multi-turn case's budget over all turns (the interaction's feedback is some 40 tokens);
+the spec sets the engine's ``max_model_len`` to hold it."""
+STOPS = list(range(100, 200))
+"""Token ids that end a model turn of the multi-turn case: the random model samples one about
+every tenth token, so each trajectory has several short turns."""
+
+
+def _multi_turn_batch(run, cfg, generate, pad: int):
+    """Multi-turn rollouts (issue 43) of the random MoE: each model turn ends at one of
+    ``STOPS``, verl's GSM8K interaction answers it (a user turn, response_mask 0), up to 3 model
+    turns; the loop composes each trajectory's routing from its turns' requests."""
+    import dataclasses
+
+    from megarl.rollout.multi_turn import MultiTurnSettings
+    from megarl.rollout.multi_turn_rollout import MultiTurnRollout
+    from megarl.tools.interactions.gsm8k_interaction import Gsm8kInteraction
+    from megarl.trainer.step import training_sampling
+
+    kwargs = {"interaction_kwargs": {"name": "gsm8k", "ground_truth": "7"}}
+    prompts = [dataclasses.replace(run.train_data[i], extra_info=kwargs) for i in next(run.sampler)]
+    settings = MultiTurnSettings(
+        response_length=MT_RESPONSE_LENGTH, max_assistant_turns=3,
+        max_model_len=cfg.actor_rollout_ref.rollout.max_model_len,
+    )  # fmt: skip
+    rollout = MultiTurnRollout(
+        run.tokenizer, {}, {"gsm8k": Gsm8kInteraction({"name": "gsm8k"})}, settings,
+        [*run.engine.eos_token_ids, *STOPS],
+    )  # fmt: skip
+    batch, _ = generate(
+        run.engine, prompts, n=cfg.actor_rollout_ref.rollout.n,
+        sampling={**training_sampling(run), "stop_token_ids": STOPS}, seed=cfg.trainer.seed,
+        step=2, pad_token_id=pad, multi_turn=rollout,
+    )  # fmt: skip
+    width = batch.response_mask.shape[1]
+    valid = torch.arange(width)[None] < (batch.lengths - batch.prompt_lengths)[:, None]
+    return batch, {
+        **rollout.last_metrics,
+        "user_tokens": float((valid & (batch.response_mask == 0)).sum()),
+        "model_tokens": float(batch.response_mask.sum()),
+    }
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     from megarl.config import load_config
@@ -77,7 +121,7 @@ def main() -> None:
                 pad_token_id=pad_token_id(run.tokenizer),
             )  # fmt: skip
 
-            def measure(tag: str) -> None:
+            def measure(tag: str, batch=batch) -> None:
                 free, _, _ = global_log_probs(
                     run.actor.chunks, batch, vocab_size=run.vocab_size,
                     temperature=cfg.actor_rollout_ref.rollout.temperature, micro_batches=None,
@@ -98,6 +142,15 @@ def main() -> None:
                 run, 1, [run.train_data[i] for i in next(run.sampler)]
             )
             out["expected_load"] = _expected_load(step_batch, MOE_DEFAULTS["num_experts"])
+            # multi-turn with R3, after the step's sync: replayed, then with perturbed routers
+            mt_batch, out["mt_rollout"] = _multi_turn_batch(
+                run, cfg, generate, pad_token_id(run.tokenizer)
+            )
+            measure("mt_synced", mt_batch)
+            saved = _perturbed_routers(run.actor.chunks, spec["scale"])
+            measure("mt_perturbed", mt_batch)
+            for w, original in saved:
+                w.copy_(original)
         finally:
             run.rewards.close()
     if dist.get_rank() == 0:

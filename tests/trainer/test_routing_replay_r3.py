@@ -41,6 +41,7 @@ def measured(tmp_path_factory) -> dict:
             "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
             "actor_rollout_ref.actor.use_kl_loss=true",  # a reference pass (routing afresh)
             "trainer.val_before_train=false",
+            "actor_rollout_ref.rollout.max_model_len=384",  # the multi-turn case's turns
         ],
         "tmp": str(tmp),
         "scale": SCALE,
@@ -63,6 +64,21 @@ def test_replay_keeps_the_rollouts_routing_when_the_routers_differ(measured):
     left."""
     perturbed = measured["perturbed"]
     print(perturbed)
+    assert perturbed["agreement"] < 0.999
+    assert perturbed["free"] > 10 * perturbed["replayed"], perturbed
+
+
+def test_multi_turn_rollouts_replay_each_tokens_own_routing(measured):
+    """Multi-turn trajectories (model turns, user turns from verl's GSM8K interaction): the
+    routing of each position comes from the request that first ran it (a model token's from its
+    own turn); replayed, the actor's log-probs equal vLLM's on every model token, and with
+    perturbed routers replay keeps them close where routing afresh moves them far."""
+    rollout, synced, perturbed = (measured[k] for k in ("mt_rollout", "mt_synced", "mt_perturbed"))
+    print(rollout, synced, perturbed)
+    assert rollout["multi_turn/assistant_turns/mean"] > 1.5
+    assert rollout["user_tokens"] > 0 and rollout["model_tokens"] > 0
+    assert synced["agreement"] >= 0.999
+    assert synced["replayed"] <= 1e-4
     assert perturbed["agreement"] < 0.999
     assert perturbed["free"] > 10 * perturbed["replayed"], perturbed
 
