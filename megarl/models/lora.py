@@ -45,6 +45,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 
 from megarl.models import hf_mapping as hm
+from megarl.models import moe_mapping as mm
 from megarl.models.gpt import layer_offset, unwrap
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -169,6 +170,8 @@ class LoraAdapter(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.parallel = parallel
+        self.tp_size = tp_size
+        """Ranks splitting the base linear (expert linears: expert TP, which must be 1)."""
         self.scaling = settings.scaling
         self.dropout = settings.dropout
         self.dropout_position = settings.dropout_position
@@ -196,7 +199,9 @@ class LoraAdapter(torch.nn.Module):
         if self.dropout_position == "pre":
             x = self._drop(x, sharded=self.parallel == "row")
         h = torch.nn.functional.linear(x, self.A)
-        if self.parallel == "column":
+        if self.tp_size == 1:  # TP 1, or an expert linear (expert TP 1): nothing to communicate
+            pass
+        elif self.parallel == "column":
             h = tensor_parallel.copy_to_tensor_model_parallel_region(h)
         else:
             h = tensor_parallel.reduce_from_tensor_model_parallel_region(h)
@@ -222,11 +227,43 @@ def _targeted(path: str, settings: LoraSettings) -> bool:
     return not any(ex == leaf or ex in path for ex in settings.exclude_modules)
 
 
-def attach_adapters(chunks: Sequence[torch.nn.Module], settings: LoraSettings) -> int:
+def _check_experts(config, allow_experts: bool) -> None:
+    if not config.num_moe_experts:
+        return
+    if not allow_experts:
+        raise LoraError(
+            "LoRA on MoE models is not built for training: adapters on Megatron's expert "
+            "linears attach (local spec) but their sync, export and checkpoints are not verified"
+        )
+    if config.moe_grouped_gemm:
+        raise LoraError(
+            "LoRA on grouped-GEMM experts is not built: use the local spec's SequentialMLP"
+        )
+    if parallel_state.get_expert_tensor_parallel_world_size() > 1:
+        raise LoraError("LoRA on MoE experts with expert_tensor_parallel_size > 1 is not built")
+
+
+def _global_name(path: str, offset: int, config) -> str:
+    """Global Megatron name of ``path``'s weight: global layer and (experts) expert index."""
+    name = hm.megatron_name_to_global(f"{path}.weight", offset)
+    if config.num_moe_experts and mm.is_expert_param(name):
+        local = config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+        name = mm.expert_name_to_global(
+            name, parallel_state.get_expert_model_parallel_rank(), local
+        )
+    return name
+
+
+def attach_adapters(
+    chunks: Sequence[torch.nn.Module], settings: LoraSettings, *, allow_experts: bool = False
+) -> int:
     """Attach an adapter to every targeted linear of this rank's chunks; returns how many.
 
-    Base parameters stay as they are (the caller freezes them: :func:`freeze_base`). Expert
-    linears of MoE layers and sequence parallelism are refused in one line.
+    Base parameters stay as they are (the caller freezes them: :func:`freeze_base`). Sequence
+    parallelism is refused in one line, and so are MoE models unless ``allow_experts``: then
+    the expert linears of the local spec's ``SequentialMLP`` get adapters too (expert TP 1: not
+    split; their parameters marked expert-parallel, as the base's), initialised from their
+    global expert index. The trainer does not allow them yet.
     """
     settings.check()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -234,17 +271,14 @@ def attach_adapters(chunks: Sequence[torch.nn.Module], settings: LoraSettings) -
     count = 0
     for chunk in chunks:
         model = unwrap(chunk)
-        if model.config.num_moe_experts:
-            raise LoraError(
-                "LoRA on MoE models is not built: adapters on Megatron's expert linears "
-                "(SequentialMLP/GroupedMLP) are not attached by megarl yet"
-            )
+        _check_experts(model.config, allow_experts)
         if model.config.sequence_parallel and tp_size > 1:
             raise LoraError("LoRA with sequence_parallel is not built: set sequence_parallel=false")
         offset = layer_offset(model.config, model.vp_stage)
         targets = [(p, m) for p, m in model.named_modules() if _targeted(p, settings)]
         for path, linear in targets:
-            global_name = hm.megatron_name_to_global(f"{path}.weight", offset)
+            global_name = _global_name(path, offset, model.config)
+            expert = mm.is_expert_param(global_name)
             dtype = linear.weight.dtype
             if isinstance(linear, ColumnParallelLinear):
                 kind, in_f, out_f = "column", linear.input_size, linear.output_size
@@ -259,12 +293,16 @@ def attach_adapters(chunks: Sequence[torch.nn.Module], settings: LoraSettings) -
                            settings.seed, global_name + ".A")  # fmt: skip
             b = _init_full(settings.b_init, (out_f, settings.rank), settings.rank, out_f,
                            settings.seed, global_name + ".B")  # fmt: skip
-            a, b = shard_adapter(kind, global_name, a, b, tp_size, tp_rank)
+            split = 1 if expert else tp_size
+            a, b = shard_adapter(kind, global_name, a, b, split, tp_rank)
             linear.lora = LoraAdapter(
-                kind, a.to(dtype).contiguous(), b.to(dtype).contiguous(), settings, tp_size=tp_size
+                kind, a.to(dtype).contiguous(), b.to(dtype).contiguous(), settings, tp_size=split
             )
+            if expert:  # reduced over the expert data-parallel group, as the expert weights
+                for p in (linear.lora.A, linear.lora.B):
+                    p.allreduce = False
             linear.register_forward_hook(_add_adapter_output)
-            fc1 = kind == "column" and hm.tp_partition_kind(global_name) == "fc1"
+            fc1 = kind == "column" and path.endswith("linear_fc1")
             linear.sharded_state_dict = types.MethodType(
                 functools.partial(_sharded_state_dict_with_adapter, fc1=fc1), linear
             )
@@ -344,7 +382,7 @@ def adapted_linears(
         offset = layer_offset(model.config, model.vp_stage)
         for path, module in model.named_modules():
             if isinstance(getattr(module, "lora", None), LoraAdapter):
-                yield i, hm.megatron_name_to_global(f"{path}.weight", offset), module
+                yield i, _global_name(path, offset, model.config), module
 
 
 def has_adapters(chunks: Sequence[torch.nn.Module]) -> bool:

@@ -37,7 +37,7 @@ def full_adapters(
     out = {}
     for _, name, linear in adapted_linears(chunks):
         a, b = linear.lora.A.detach(), linear.lora.B.detach()
-        if tp > 1:
+        if tp > 1 and linear.lora.tp_size > 1:  # (expert linears are not TP-split)
             a_shards, b_shards = all_gather_tensors(a, group), all_gather_tensors(b, group)
         else:
             a_shards, b_shards = [a], [b]

@@ -169,21 +169,35 @@ def _adapter_path_checks(spec: dict, layout, settings, ids: torch.Tensor, r: dic
     r["untied_refusal"] = _on_rank0(said)
 
 
-def _moe_refusal(spec: dict) -> str | None:
-    """attach_adapters' one-line refusal on a MoE model (None if it attached)."""
+def _moe_checks(spec: dict, results: dict) -> None:
+    """The tiny Qwen3-MoE at TP 1 × EP 2: attach_adapters' one-line refusal (the trainer's
+    call), then with ``allow_experts`` adapters on attention and every expert's linears: the
+    logits with random non-zero adapters and the full adapters by global name."""
     from megarl.models.build import build_model
     from megarl.models.lora import LoraError, LoraSettings, attach_adapters
+    from megarl.models.lora_peft import full_adapters
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
 
-    layout = ParallelLayout(1, 1, None)
+    layout = ParallelLayout(1, 1, None, expert_model_parallel_size=2)
     init_distributed(layout, seed=1234)
     built = build_model(spec["moe_model"], layout)
     try:
         attach_adapters(built.chunks, LoraSettings(rank=4))
+        results["moe_refusal"] = None
     except LoraError as exc:
-        return str(exc)
-    return None
+        results["moe_refusal"] = str(exc)
+    settings = LoraSettings(**spec["lora"])
+    n = attach_adapters(built.chunks, settings, allow_experts=True)
+    for c in built.chunks:
+        c.eval()
+    ids = torch.load(spec["batch"])["input_ids"]
+    logits = _on_rank0(_full_logits(built.chunks, ids))
+    boxes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(boxes, {k: (a.clone(), b.clone())
+                                   for k, (a, b) in full_adapters(built.chunks).items()})  # fmt: skip
+    adapters = {k: v for box in boxes for k, v in box.items()}
+    results["moe"] = {"logits": logits, "adapters": adapters, "attached_here": n}
 
 
 def main() -> None:
@@ -195,7 +209,7 @@ def main() -> None:
     results: dict = {}
     for tp, pp in LAYOUTS:
         _layout_checks(spec, tp, pp, results)
-    results["moe_refusal"] = _moe_refusal(spec)
+    _moe_checks(spec, results)
     if dist.get_rank() == 0:
         torch.save(results, Path(spec["tmp"]) / "lora_results.pt")
     dist.barrier()

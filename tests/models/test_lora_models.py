@@ -186,6 +186,64 @@ def test_adapter_path_loads_an_exported_adapter(lora_run, peft_reference):
     assert said is not None and "\n" not in said and "different lora_A" in said, said
 
 
-def test_moe_expert_linears_are_refused_in_one_line(lora_run):
+def test_moe_lora_is_refused_for_training_in_one_line(lora_run):
     said = lora_run["results"]["moe_refusal"]
     assert said is not None and "\n" not in said and "MoE" in said, said
+
+
+def _peft_moe_model(path: str, adapters: dict, lora: dict):
+    """HF Qwen3-MoE + ``peft`` with megarl's adapters: q/k/v/o through ``target_modules``
+    (PEFT form of the fused linear_qkv), each layer's fused expert parameters through
+    ``target_parameters`` (peft's ``ParamWrapper``: A ``[E·r, in]`` read as ``(E, r, in)``, B
+    ``[out, r·E]`` read as ``(out, r, E)``)."""
+    import re
+
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora.layer import ParamWrapper
+
+    from megarl.config.model_dims import ModelDims, read_hf_config
+    from megarl.models.lora_peft import adapters_to_hf
+
+    dims = ModelDims.from_hf_config(read_hf_config(path))
+    config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"],
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+    model = get_peft_model(_hf_base(path), config)
+    attention = {k: v for k, v in adapters.items() if ".experts." not in k}
+    state = {k.replace(".weight", ".default.weight"): v
+             for k, v in adapters_to_hf(attention, dims).items()}  # fmt: skip
+    missing, _ = model.load_state_dict(state, strict=False)
+    assert not [k for k in missing if ".lora_" in k and ".experts" not in k]
+    seen = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, ParamWrapper):
+            continue
+        layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
+        which = "linear_fc1" if module.parameter_name == "gate_up_proj" else "linear_fc2"
+        pairs = [adapters[f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{which}.weight"]
+                 for e in range(dims.num_experts)]  # fmt: skip
+        with torch.no_grad():
+            module.lora_A["default"].weight.copy_(torch.cat([a for a, _ in pairs]))
+            module.lora_B["default"].weight.copy_(
+                torch.stack([b for _, b in pairs], dim=-1).flatten(1)
+            )
+        seen += 1
+    assert seen == 2 * dims.num_layers
+    return model
+
+
+def test_moe_expert_adapters_equal_hf_peft(lora_run):
+    """Adapters on attention and on every expert's fc1/fc2 (local spec's SequentialMLP) at
+    EP 2 (each rank half the experts): logits = HF + peft (target_parameters on the fused
+    expert weights) within 1e-4, and far from the base model's."""
+    spec, moe = lora_run["spec"], lora_run["results"]["moe"]
+    ids = lora_run["batch"]["input_ids"]
+    model = _peft_moe_model(spec["moe_model"], moe["adapters"], spec["lora"])
+    with torch.no_grad():
+        want = model(ids).logits
+        with model.disable_adapter():
+            base = model(ids).logits
+    got = moe["logits"][..., : want.shape[-1]]
+    print(f"MoE LoRA logits vs HF + peft: {(got - want).abs().max():.3g}")
+    assert (got - want).abs().max() <= 1e-4
+    assert (got - base).abs().max() > 1e-2
