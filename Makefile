@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv venv-gpu wheelhouse wheelhouse-wheels test test-fast demo demo-convert lint clean
+.PHONY: venv venv-gpu wheelhouse wheelhouse-wheels test test-fast demo demo-tools demo-convert lint clean
 
 venv: $(STAMP)
 
@@ -118,6 +118,11 @@ test-fast: venv
 # The main job: a tiny GRPO run on CPU (makes the tiny model and data when missing).
 demo: venv
 	$(BIN)/python -m megarl.commands.quickstart
+
+# Multi-turn tool rollouts: a tiny model warm-started to call a calculator learns to use it
+# (makes the task and the model when missing; docs/tools.md).
+demo-tools: venv
+	$(BIN)/python tools/run_tool_task.py
 
 # Conversion round trip and a Megatron -> vLLM weight sync, without training.
 demo-convert: venv

@@ -50,10 +50,18 @@ def warm_start_chat(
     lr: float = 3e-3,
     seed: int = 0,
     end_of_turn_token: str = "<|im_end|>",
+    batch_size: int | None = None,
+    lr_decay: bool = False,
+    threads: int | None = None,
 ) -> float:
-    """Train ``model_dir`` in place on ``conversations`` (full batch, fp32) and make
+    """Train ``model_dir`` in place on ``conversations`` (fp32 Adam) and make
     ``end_of_turn_token`` its first EOS id. Returns the last step's loss (mean over assistant
-    tokens)."""
+    tokens).
+
+    ``batch_size``: step ``s`` takes conversations ``s*batch_size ...`` in order, cycling (None:
+    all of them every step); ``lr_decay``: the rate falls linearly to 0 over the steps;
+    ``threads``: torch threads while training (1 is fastest for a tiny model on shared cores;
+    None keeps torch's)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -74,12 +82,25 @@ def warm_start_chat(
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, (lambda s: 1 - s / steps) if lr_decay else (lambda s: 1.0)
+    )
+    size = batch_size or len(rows)
     loss = torch.tensor(0.0)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-        loss.backward()
-        optimizer.step()
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or old_threads)
+    try:
+        for step in range(steps):
+            pick = [(step * size + k) % len(rows) for k in range(size)]
+            used = int(attention[pick].sum(1).max())  # no step pays for the longest row's pad
+            optimizer.zero_grad()
+            loss = model(input_ids=input_ids[pick, :used], attention_mask=attention[pick, :used],
+                         labels=labels[pick, :used]).loss  # fmt: skip
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+    finally:
+        torch.set_num_threads(old_threads)
     model.eval()
     model.save_pretrained(str(model_dir))
     for name in ("config.json", "generation_config.json"):
