@@ -419,6 +419,51 @@ def vllm_suite(models: Path, world: int) -> dict:
         engine.shutdown()
         del chunks
         gc.collect()
+    if world == 2:
+        t = time.perf_counter()
+        out["lora"] = lora_adapter_cases(models)
+        out["timings"]["lora_s"] = time.perf_counter() - t
+    return out
+
+
+def lora_adapter_cases(models: Path) -> dict:
+    """``lora.merge=false`` at 2 ranks, vLLM TP 2 with its LoRA layers (base read from disk):
+    Megatron PP 2 with random non-zero adapters (the sync sends the adapters alone, each stage's
+    gathered over PP), then TP 2 with other adapters and a perturbed base after ``sleep(2)``
+    (the sync sends the base, then the adapters). vLLM's log-probs vs the actor's after each."""
+    from megarl.models.lora import LoraSettings, attach_adapters
+    from megarl.models.lora_peft import every_stage_adapters
+    from megarl.rollout.consistency import rollout_logprob_consistency
+    from megarl.rollout.reshard import plan_for_chunks, sync_weights
+    from megarl.rollout.vllm_engine import VLLMEngine
+
+    path, out = str(models / "tiny"), {}
+    dims, chunks = build(path, 1, 2, None)
+    engine = VLLMEngine(path, tensor_parallel_size=2, seed=0, max_model_len=64, dtype="float32",
+                        kv_cache_memory_bytes=16 << 20, max_num_seqs=16, lora_rank=4)  # fmt: skip
+    for i, layout in enumerate([(1, 2, None), (2, 1, None)]):
+        if i:
+            del chunks
+            gc.collect()
+            dims, chunks = build(path, *layout)
+            perturb(chunks, dims, 300)
+            engine.sleep(level=2)  # vLLM's base is stale: the next sync sends it again
+        attach_adapters(chunks, LoraSettings(rank=4, alpha=8.0, b_init="normal", seed=i))
+        before = engine.generate(PROMPTS, **SAMPLING) if not i else None
+        plan = plan_for_chunks(chunks, dims, 2, bucket_bytes=256 << 10)
+        stats = sync_weights(chunks, plan, engine)
+        after = engine.generate(PROMPTS, **SAMPLING)
+        state, _ = every_stage_adapters(chunks, dims)
+        out[case_key("lora", layout, 2)] = {
+            "before": before and rollout_logprob_consistency(
+                chunks, before, vocab_size=dims.vocab_size, temperature=T),
+            "after": rollout_logprob_consistency(
+                chunks, after, vocab_size=dims.vocab_size, temperature=T),
+            "sync_bytes": stats.bytes,
+            "adapter_bytes": sum(t.numel() * t.element_size() for t in state.values()),
+            "model_bytes": sum(b.nbytes for b in plan.buckets),
+        }  # fmt: skip
+    engine.shutdown()
     return out
 
 

@@ -19,6 +19,8 @@ Multi-rank (``_reshard_worker.py``, one torchrun launch per suite):
   not receive set to NaN), generate the same prompts and seeds again; vLLM's log-probs vs the
   actor's runner at T = 0.7; bytes received per rank = plan = wire meter, ~1/vLLM TP of the
   other stages at PP 2 (point to point at 2 ranks, one broadcast per PP group at 4 ranks).
+  At 2 ranks also ``lora.merge=false`` (vLLM TP 2 with LoRA layers): an adapter-only sync from
+  PP 2, then base and adapters from TP 2 after ``sleep(2)``.
 
 The engine-protocol conformance test runs in these launches too: on an ``ActorEngine`` in
 ``layouts`` and on the vLLM TP 1 engine in ``vllm`` (one check function for both engines).
@@ -427,6 +429,26 @@ def test_vllm_logprobs_match_actor_after_sync(vllm_runs, models, world, case):
             assert b["logprobs"][0] != pytest.approx(a["logprobs"][0], abs=1e-6), where
         assert any(b["response"] != a["response"] for b, a in zip(before, after)), where
         assert c["buckets"] > 3
+
+
+@pytest.mark.vllm
+@pytest.mark.multirank
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed")
+def test_vllm_follows_lora_adapter_only_syncs(vllm_runs, models):
+    """``lora.merge=false`` (vLLM TP 2 with LoRA layers): after an adapter-only sync from
+    Megatron PP 2 (each stage's adapters gathered over PP; vLLM slices them per TP rank) and
+    after a base-and-adapters sync from TP 2 (``sleep(2)`` dropped the base), vLLM's log-probs
+    equal the actor's within 1e-4 on every rank; before the first sync they do not. Bytes: the
+    adapters alone, then the plan's buckets plus the adapters."""
+    ranks = _vllm(vllm_runs, models, 2)
+    print(f"LoRA cases: {ranks[0]['timings']['lora_s']:.1f} s")
+    for rank in ranks:
+        pp2, tp2 = (rank["lora"][k] for k in ("lora_vtp2_tp1_pp2_vpp1", "lora_vtp2_tp2_pp1_vpp1"))
+        for c in (pp2, tp2):
+            assert c["after"]["rollout/logprob_diff_max"] <= LOGPROB_TOL, (rank["rank"], c)
+        assert pp2["before"]["rollout/logprob_diff_mean"] > 1e-2, pp2["before"]
+        assert pp2["sync_bytes"] == pp2["adapter_bytes"] < pp2["model_bytes"] / 5
+        assert tp2["sync_bytes"] == tp2["model_bytes"] + tp2["adapter_bytes"]
 
 
 @pytest.mark.vllm
