@@ -73,10 +73,8 @@ def warm_start_chat(
     pad = tokenizer.pad_token_id or 0
     input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
     for r, (ids, mask) in enumerate(rows):
         input_ids[r, : len(ids)] = torch.tensor(ids)
-        attention[r, : len(ids)] = 1
         labels[r, : len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -86,17 +84,27 @@ def warm_start_chat(
         optimizer, (lambda s: 1 - s / steps) if lr_decay else (lambda s: 1.0)
     )
     size = batch_size or len(rows)
+    lengths = [len(ids) for ids, _ in rows]
     loss = torch.tensor(0.0)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads or old_threads)
     try:
         for step in range(steps):
             pick = [(step * size + k) % len(rows) for k in range(size)]
-            used = int(attention[pick].sum(1).max())  # no step pays for the longest row's pad
+            # Rows of one length run together, unpadded; the loss is the mean over the step's
+            # assistant tokens, as one padded batch's would be.
+            groups: dict[int, list[int]] = {}
+            for r in pick:
+                groups.setdefault(lengths[r], []).append(r)
+            counts = {n: int((labels[g, 1:n] != -100).sum()) for n, g in groups.items()}
+            total = sum(counts.values())
             optimizer.zero_grad()
-            loss = model(input_ids=input_ids[pick, :used], attention_mask=attention[pick, :used],
-                         labels=labels[pick, :used]).loss  # fmt: skip
-            loss.backward()
+            loss = torch.tensor(0.0)
+            for n, group in groups.items():
+                part = model(input_ids=input_ids[group, :n], labels=labels[group, :n]).loss
+                part = part * (counts[n] / total)
+                part.backward()
+                loss = loss + part.detach()
             optimizer.step()
             schedule.step()
     finally:

@@ -46,6 +46,7 @@ def test_validation_with_tools_rises_past_the_bar(run):
     metrics, stdout = run
     before, after = metrics[0]["val/score/mean"], metrics[10]["val/score/mean"]
     print(f"validation {before:.3f} -> {after:.3f}")
+    print(*(line for line in stdout.splitlines() if "warm start" in line))
     assert after - before >= max(0.15, 3 * SIGMA_LR0)
     assert "megarl: warm start" in stdout  # the model was made and warm-started here
 
