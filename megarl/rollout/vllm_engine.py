@@ -27,6 +27,7 @@ from megarl.config.dtypes import dtype_name
 from megarl.rollout import routing_capture
 from megarl.rollout import vllm_worker_ops as wops
 from megarl.rollout.base import CallOrder, RolloutBatch, RolloutSample, request_seed
+from megarl.rollout.vllm_lora import LORA_INT_ID, LORA_NAME, adapter_engine_args, lora_engine_kwargs
 from megarl.rollout.vllm_process import (
     MODEL_RUNNER_ENV,
     ensure_process_group,
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "VLLMEngine",
+    "adapter_engine_args",
     "engine_args_from_config",
     "read_eos_token_ids",
     "resolve_eos_token_ids",
@@ -49,29 +51,6 @@ DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
 """KV cache per rank on CPU when none is given (256 MiB: ~130k tokens of the tiny test models)."""
 
 SLEEP_TAGS = ("weights", "kv_cache")
-
-LORA_INT_ID = 123
-"""vLLM id of the actor's adapter (``lora.merge=false``), verl's ``VLLM_LORA_INT_ID``."""
-LORA_NAME = "123"
-"""Its name (verl's ``VLLM_LORA_NAME``)."""
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The ``max_lora_rank`` values vLLM 0.32 accepts (``vllm.config.lora.MaxLoRARanks``)."""
-
-
-def vllm_max_lora_rank(rank: int) -> int:
-    """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of ``rank``."""
-    for allowed in VLLM_LORA_RANKS:
-        if rank <= allowed:
-            return allowed
-    raise ValueError(f"lora.rank={rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
-
-
-def adapter_engine_args(lora) -> dict[str, Any]:
-    """:class:`VLLMEngine` arguments for ``actor_rollout_ref.model.lora``: adapter-only syncs
-    (``rank`` > 0 with ``merge=false``) need vLLM's LoRA layers; otherwise none."""
-    if lora.rank <= 0 or lora.merge:
-        return {}
-    return {"lora_rank": int(lora.rank), "fully_sharded_loras": bool(lora.fully_sharded_loras)}
 
 
 def read_eos_token_ids(model_path: str | Path) -> list[int]:
@@ -344,11 +323,8 @@ class VLLMEngine:
             "enable_expert_parallel": expert_parallel or None,
             "enable_return_routed_experts": self.routing_source == "aux" or None,
             "load_format": None if load_weights else "dummy",
-            "enable_lora": lora_rank > 0 or None,
-            "max_lora_rank": vllm_max_lora_rank(lora_rank) if lora_rank > 0 else None,
-            "max_loras": 1 if lora_rank > 0 else None,
-            "fully_sharded_loras": fully_sharded_loras if lora_rank > 0 else None,
         }
+        optional.update(lora_engine_kwargs(lora_rank, fully_sharded_loras))
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         kwargs.update(engine_kwargs or {})
         self._llm = start_llm(self.model_path, kwargs)
