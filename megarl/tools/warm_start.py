@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["assistant_token_mask", "warm_start_chat"]
+__all__ = ["assistant_token_mask", "backward_by_length", "warm_start_chat"]
 
 
 def assistant_token_mask(
@@ -42,6 +42,27 @@ def assistant_token_mask(
     return full, mask
 
 
+def backward_by_length(
+    model: Any, input_ids: Any, labels: Any, lengths: Sequence[int], pick: Sequence[int]
+) -> float:
+    """Backward of the mean loss over the labelled tokens of rows ``pick`` (right-padded
+    ``input_ids`` / ``labels``, -100 where unlabelled; ``lengths`` per row): rows of one length
+    run together, unpadded, each group's loss weighted by its share of the labelled tokens, so
+    the gradient is one padded batch's. Returns the loss."""
+    groups: dict[int, list[int]] = {}
+    for r in pick:
+        groups.setdefault(lengths[r], []).append(r)
+    counts = {n: int((labels[g, 1:n] != -100).sum()) for n, g in groups.items()}
+    total = sum(counts.values())
+    loss = 0.0
+    for n, group in groups.items():
+        part = model(input_ids=input_ids[group, :n], labels=labels[group, :n]).loss
+        part = part * (counts[n] / total)
+        part.backward()
+        loss += float(part.detach())
+    return loss
+
+
 def warm_start_chat(
     model_dir: str | Path,
     conversations: Sequence[list[dict[str, Any]]],
@@ -51,7 +72,6 @@ def warm_start_chat(
     seed: int = 0,
     end_of_turn_token: str = "<|im_end|>",
     batch_size: int | None = None,
-    lr_decay: bool = False,
     threads: int | None = None,
 ) -> float:
     """Train ``model_dir`` in place on ``conversations`` (fp32 Adam) and make
@@ -59,8 +79,7 @@ def warm_start_chat(
     tokens).
 
     ``batch_size``: step ``s`` takes conversations ``s*batch_size ...`` in order, cycling (None:
-    all of them every step); ``lr_decay``: the rate falls linearly to 0 over the steps;
-    ``threads``: torch threads while training (1 is fastest for a tiny model on shared cores;
+    all of them every step); ``threads``: torch threads while training (1 is fastest for a tiny model on shared cores;
     None keeps torch's)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -80,33 +99,17 @@ def warm_start_chat(
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, (lambda s: 1 - s / steps) if lr_decay else (lambda s: 1.0)
-    )
     size = batch_size or len(rows)
     lengths = [len(ids) for ids, _ in rows]
-    loss = torch.tensor(0.0)
+    loss = 0.0
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads or old_threads)
     try:
         for step in range(steps):
             pick = [(step * size + k) % len(rows) for k in range(size)]
-            # Rows of one length run together, unpadded; the loss is the mean over the step's
-            # assistant tokens, as one padded batch's would be.
-            groups: dict[int, list[int]] = {}
-            for r in pick:
-                groups.setdefault(lengths[r], []).append(r)
-            counts = {n: int((labels[g, 1:n] != -100).sum()) for n, g in groups.items()}
-            total = sum(counts.values())
             optimizer.zero_grad()
-            loss = torch.tensor(0.0)
-            for n, group in groups.items():
-                part = model(input_ids=input_ids[group, :n], labels=labels[group, :n]).loss
-                part = part * (counts[n] / total)
-                part.backward()
-                loss = loss + part.detach()
+            loss = backward_by_length(model, input_ids, labels, lengths, pick)
             optimizer.step()
-            schedule.step()
     finally:
         torch.set_num_threads(old_threads)
     model.eval()
@@ -118,4 +121,4 @@ def warm_start_chat(
         old = old if isinstance(old, list) else [] if old is None else [old]
         cfg["eos_token_id"] = [eot, *[i for i in old if i != eot]]
         path.write_text(json.dumps(cfg, indent=2) + "\n")
-    return float(loss.item())
+    return loss

@@ -61,3 +61,38 @@ def test_only_a_call_earns_and_the_answer_counts_when_the_tool_gave_the_product(
     assert score(response("37*53", "1961", "2146")) == {"score": 0.0, "acc": 1.0, "tool_ok": 0.0}
     assert score("2146") == {"score": 0.0, "acc": 1.0, "tool_ok": 0.0}
     assert score("about 2146")["score"] == 0.0
+
+
+def test_warm_start_step_by_length_is_the_padded_batchs_gradient(tmp_path):
+    """Rows of a step grouped by length and run unpadded give the loss and the gradient of one
+    right-padded batch (attention mask, -100 labels) within 1e-5: the same arithmetic."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megarl.models.tiny import make_tiny_model
+    from megarl.tools.warm_start import assistant_token_mask, backward_by_length
+
+    path = make_tiny_model(tmp_path / "tiny", "qwen2", seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rows = [assistant_token_mask(tokenizer, c, eot) for c in warm_start_conversations(16)]
+    lengths = [len(ids) for ids, _ in rows]
+    assert len(set(lengths)) == 2  # calls and guesses
+    width = max(lengths)
+    ids = torch.full((16, width), 1)
+    labels = torch.full((16, width), -100)
+    for r, (row, mask) in enumerate(rows):
+        ids[r, : len(row)] = torch.tensor(row)
+        labels[r, : len(row)] = torch.tensor([t if m else -100 for t, m in zip(row, mask)])
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    pick = [3, 0, 7, 12, 5, 9]
+    assert len({lengths[r] for r in pick}) == 2
+    loss = backward_by_length(model, ids, labels, lengths, pick)
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    attention = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    want = model(input_ids=ids[pick], attention_mask=attention[pick], labels=labels[pick]).loss
+    want.backward()
+    assert abs(loss - want.item()) <= 1e-5
+    for got, p in zip(grads, model.parameters(), strict=True):
+        assert (got - p.grad).abs().max() <= 1e-5
