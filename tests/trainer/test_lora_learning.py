@@ -2,8 +2,9 @@
 
 Real runs (2 ranks, actor TP 2 with rank-16 adapters, vLLM TP 2): 6 steps validating before and
 after (saving at 3 and 6) with adapter-only syncs (``lora.merge=false``: the base once, then the
-adapters as a vLLM LoRA adapter), the same with lr 0 for 2 steps validating at 0 and 2 (σ of the
-initial reward from three evaluations, as test_grpo_learning), and a run resumed from the first
+adapters as a vLLM LoRA adapter), 2 steps at lr 0 from its final adapters (``lora.adapter_path``:
+its PEFT export) validating at 0 and 2 (σ from three evaluations of those adapters, as
+test_grpo_learning does of the initial weights), and a run resumed from the first
 one's step-3 checkpoint (adapters, their optimizer state; the base from the model path) syncing
 merged weights (``lora.merge=true``). The final save's PEFT folder loaded onto the HF base by
 ``peft`` gives the logits of its merged HF export.
@@ -24,6 +25,7 @@ from tests._run_outputs import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "grpo_lora_tiny_cpu.yaml"
+PEFT_EXPORT = Path("global_step_6") / "actor" / "lora_adapter"  # the main run's final save
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.multirank]
 
 
@@ -50,17 +52,22 @@ def runs(tmp_path_factory):
                           "trainer.resume_mode=resume_path",
                           f"trainer.resume_from_path={main / 'global_step_3'}",
                           "actor_rollout_ref.model.lora.merge=true")  # fmt: skip
+    # the lr-0 control starts from the main run's final adapters (lora.adapter_path: the PEFT
+    # folder its final save exported), so it also checks that path through the trainer
     frozen = _quickstart(out, "lr0", "actor_rollout_ref.actor.optim.lr=0",
                          "trainer.total_training_steps=2", "trainer.test_freq=2",
-                         "trainer.save_freq=-1")  # fmt: skip
+                         "trainer.save_freq=-1",
+                         f"actor_rollout_ref.model.lora.adapter_path={main / PEFT_EXPORT}")  # fmt: skip
     return {"main": main, "frozen": frozen, "resumed": resumed, "model": out / "tiny-qwen2"}
 
 
 def test_lora_run_learns_and_vllm_follows_the_adapters(runs):
     main, frozen = read_metrics(runs["main"]), read_metrics(runs["frozen"])
-    r0 = main[0]["val/score/mean"]
-    sigma = statistics.pstdev([r0, frozen[0]["val/score/mean"], frozen[2]["val/score/mean"]])
-    final = main[6]["val/score/mean"]
+    r0, final = main[0]["val/score/mean"], main[6]["val/score/mean"]
+    # three evaluations of the final adapters: the main run's own, and the lr-0 run's (loaded
+    # from its PEFT export by lora.adapter_path) before and after its two steps
+    assert frozen[0]["val/score/mean"] == final
+    sigma = statistics.pstdev([final, frozen[0]["val/score/mean"], frozen[2]["val/score/mean"]])
     print(f"r0={r0:.4f} sigma={sigma:.4g} final={final:.4f} gain={final - r0:.4f}")
     assert final - r0 >= max(0.15, 3 * sigma)
     # every step's rollout came from vLLM holding the actor's policy: the base and the adapters
