@@ -4,8 +4,8 @@ where only a calculator call gets the reward.
 A prompt is one chat message ``what is {a} times {b} ?`` with ``a, b`` in ``[32, 99]`` (the
 product always has 4 digits). The reward (:func:`compute_score`, a ``custom_reward_function``)
 is 0.5 when a calculator turn answered the exact product (the call copied both operands) plus
-0.5 when the final answer is that product too; nothing without such a call, so a guess, even a
-right one, earns nothing.
+0.5 × the share of the final answer's digits right (the copy of the tool's result); nothing
+without such a call, so a guess, even a right one, earns nothing.
 
 The warm start (:func:`warm_start_conversations`, :mod:`megarl.tools.warm_start`) leaves RL
 room on purpose: 3 in 8 of its conversations call ``calculator`` with ``a*b`` and answer with
@@ -120,18 +120,27 @@ def tool_answers(solution_str: str) -> list[str]:
     return [m.strip() for m in _TOOL_TURN.findall(solution_str)]
 
 
+def _digit_credit(answer: str, truth: str) -> float:
+    """The share of ``truth``'s digits ``answer`` has in place, over the longer of the two."""
+    right = sum(x == y for x, y in zip(answer, truth, strict=False))
+    return right / max(len(answer), len(truth), 1)
+
+
 def compute_score(
     data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None, **_: Any
 ) -> dict[str, float]:
-    """0.5 when a tool turn held the exact product (``tool_ok``), plus 0.5 when, besides, the
-    last assistant turn's leading number is it (``acc`` alone: the final answer is right, with
-    or without the tool). A direct answer, even right, gets 0: only the calculator knows."""
+    """0.5 when a tool turn held the exact product (``tool_ok``), plus 0.5 × the per-digit
+    credit of the last assistant turn's leading number (``digits``) when it did. A direct
+    answer, even right, gets 0: only the calculator knows. ``acc``: the final answer is the
+    product (with or without the tool)."""
     truth = str(ground_truth)
     tool_ok = truth in tool_answers(solution_str)
     match = _LEADING.match(final_answer(solution_str))
-    acc = bool(match) and match.group(1) == truth
+    answer = match.group(1) if match else ""
+    digits = _digit_credit(answer, truth)
     return {
-        "score": 0.5 * tool_ok + 0.5 * (tool_ok and acc),
-        "acc": float(acc),
+        "score": 0.5 * tool_ok + 0.5 * digits * tool_ok,
+        "acc": float(answer == truth),
         "tool_ok": float(tool_ok),
+        "digits": digits,
     }

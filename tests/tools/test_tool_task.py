@@ -47,8 +47,8 @@ def test_warm_start_calls_three_in_eight_and_the_tool_turns_are_the_calculators(
 
 
 def test_only_a_call_earns_and_the_answer_counts_when_the_tool_gave_the_product():
-    """0.5 for a tool turn holding the exact product, 0.5 more for the final answer; a
-    direct answer, even right, gets 0."""
+    """0.5 for a tool turn holding the exact product, 0.5 x the final answer's digits in place
+    then; a direct answer, even right, gets 0."""
 
     def response(expression: str, tool: str, final: str) -> str:
         call = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}'
@@ -56,10 +56,16 @@ def test_only_a_call_earns_and_the_answer_counts_when_the_tool_gave_the_product(
 
     truth = "2146"  # 37 * 58
     score = lambda text: compute_score(DATA_SOURCE, text, truth, {"a": 37, "b": 58})
-    assert score(response("37*58", "2146", "2146")) == {"score": 1.0, "acc": 1.0, "tool_ok": 1.0}
-    assert score(response("37*58", "2146", "2140")) == {"score": 0.5, "acc": 0.0, "tool_ok": 1.0}
-    assert score(response("37*53", "1961", "2146")) == {"score": 0.0, "acc": 1.0, "tool_ok": 0.0}
-    assert score("2146") == {"score": 0.0, "acc": 1.0, "tool_ok": 0.0}
+    right = {"score": 1.0, "acc": 1.0, "tool_ok": 1.0, "digits": 1.0}
+    assert score(response("37*58", "2146", "2146")) == right
+    assert score(response("37*58", "2146", "2140")) == {
+        "score": 0.5 + 0.5 * 3 / 4, "acc": 0.0, "tool_ok": 1.0, "digits": 3 / 4,
+    }  # fmt: skip
+    assert score(response("37*58", "2146", "21460"))["digits"] == 4 / 5  # over the longer
+    assert score(response("37*53", "1961", "2146")) == {
+        "score": 0.0, "acc": 1.0, "tool_ok": 0.0, "digits": 1.0,
+    }  # fmt: skip
+    assert score("2146") == {"score": 0.0, "acc": 1.0, "tool_ok": 0.0, "digits": 1.0}
     assert score("about 2146")["score"] == 0.0
 
 
