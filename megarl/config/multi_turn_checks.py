@@ -53,8 +53,3 @@ def check_multi_turn(cfg, error: Error, problem: Error) -> None:
             f"{MT}.enable=true needs {MT}.tool_config_path, function_tool_path or "
             "interaction_config_path (without tools or interactions a rollout is one turn)"
         )
-    if arr.rollout.nnodes > 0:
-        error(
-            f"{MT}.enable=true with vLLM on ranks of its own (actor_rollout_ref.rollout.nnodes"
-            f"={arr.rollout.nnodes}) is not built yet; use nnodes=0 (colocated)"
-        )

@@ -2,6 +2,13 @@
 the config (tools, interactions, limits), runs :func:`megarl.rollout.multi_turn.run_multi_turn`
 with the model turns on every rollout replica and the tool/interaction turns on rank 0 (the
 trajectories broadcast, so every rank holds the same ones).
+
+With vLLM on ranks of its own (:class:`~megarl.rollout.remote.engine.RemoteEngine`, whose
+``runs_multi_turn`` is True) the rollout ranks run the whole loop, tools included: the trainer
+sends the step's :class:`~megarl.rollout.multi_turn.TrajectoryPrompt` list (raw messages and
+``extra_info``'s arguments) with ``multi_turn=True`` in the request (:meth:`remote_request`),
+the rollout ranks run :meth:`serve` (their default group is the rollout ranks' own world, so
+``on_rank0`` is the first rollout rank) and the trajectories come back, asked ahead or not.
 """
 
 from __future__ import annotations
@@ -91,6 +98,64 @@ class MultiTurnRollout:
     ) -> list[Trajectory]:
         """``n`` trajectories per prompt (``PromptSample``s: ``raw_prompt``, ``extra_info``),
         the model turns on every rollout replica (every rank calls this together)."""
+        requests = self.requests(prompts)
+        if getattr(engine, "runs_multi_turn", False):  # the rollout ranks run the loop
+            payload, kwargs = self.remote_request(requests, n=n, sampling=sampling, seed=seed,
+                                                  step=step)  # fmt: skip
+            trajs = engine.generate(payload, **kwargs)
+            self.last_metrics = multi_turn_metrics(trajs)
+            return trajs
+        return self.run(engine, requests, n=n, sampling=sampling, seed=seed, step=step)
+
+    @staticmethod
+    def requests(prompts: Sequence[Any]) -> list[TrajectoryPrompt]:
+        """The loop's prompts of the step's ``PromptSample``s (raw messages, ``extra_info``)."""
+        return [
+            TrajectoryPrompt(
+                _messages(p.raw_prompt),
+                i,
+                tools_kwargs=dict((p.extra_info or {}).get("tools_kwargs") or {}),
+                interaction_kwargs=(p.extra_info or {}).get("interaction_kwargs"),
+            )
+            for i, p in enumerate(prompts)
+        ]
+
+    @staticmethod
+    def remote_request(
+        requests: list[TrajectoryPrompt], *, n: int, sampling: dict[str, Any], seed: int, step: int
+    ) -> tuple[list[TrajectoryPrompt], dict[str, Any]]:
+        """``(prompts, kwargs)`` of the request the rollout ranks answer with :meth:`serve`
+        (``RemoteEngine.generate`` and ``prefetch`` take it as a token request's)."""
+        return requests, {"multi_turn": True, "n": n, "seed": seed, "step": step, **sampling}
+
+    def prefetch(self, engine: Any, prompts: Sequence[Any], asked: Sequence[tuple], *,
+                 seed: int, step: int) -> None:  # fmt: skip
+        """Ask the rollout ranks ahead for the trajectories later :meth:`generate` calls with
+        these arguments take, one request per ``(n, sampling, reward)`` of ``asked``."""
+        requests = self.requests(prompts)
+        engine.prefetch([
+            (*self.remote_request(requests, n=n, sampling=sampling, seed=seed, step=step), reward)
+            for n, sampling, reward in asked
+        ])  # fmt: skip
+
+    def serve(self, engine: Any, requests: list[TrajectoryPrompt], kwargs: dict[str, Any]):
+        """The rollout ranks' side of a :meth:`remote_request` (every rollout rank calls it)."""
+        kwargs = {k: v for k, v in kwargs.items() if k != "multi_turn"}
+        n, seed, step = kwargs.pop("n"), kwargs.pop("seed"), kwargs.pop("step")
+        return self.run(engine, requests, n=n, sampling=kwargs, seed=seed, step=step)
+
+    def run(
+        self,
+        engine: Any,
+        requests: list[TrajectoryPrompt],
+        *,
+        n: int,
+        sampling: dict[str, Any],
+        seed: int,
+        step: int,
+    ) -> list[Trajectory]:
+        """The loop on this process's ranks: the model turns on every replica of the default
+        group's ranks, the tool/interaction turns on its rank 0."""
         import torch.distributed as dist
 
         from megarl.rollout.distribute import generate_on_replicas
@@ -103,15 +168,6 @@ class MultiTurnRollout:
                 return generate_on_replicas(engine, contexts, prompt_ids=prompt_ids, **kw)
             return engine.generate(contexts, prompt_ids=prompt_ids, **kw)
 
-        requests = [
-            TrajectoryPrompt(
-                _messages(p.raw_prompt),
-                i,
-                tools_kwargs=dict((p.extra_info or {}).get("tools_kwargs") or {}),
-                interaction_kwargs=(p.extra_info or {}).get("interaction_kwargs"),
-            )
-            for i, p in enumerate(prompts)
-        ]
         trajs = run_multi_turn(
             turn,
             requests,

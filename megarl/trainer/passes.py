@@ -110,7 +110,11 @@ def prefetch(
     """Ask an engine on other ranks for the batches later :func:`generate` calls with these
     arguments take, one per request ``(n, sampling, reward)``: the requests that
     :func:`~megarl.rollout.distribute.generate_distributed` makes of the engine's one replica
-    (a later request that differs is asked for anew)."""
+    (a later request that differs is asked for anew); multi-turn: the loop's requests."""
+    multi_turn = getattr(engine, "multi_turn", None)
+    if multi_turn is not None:
+        multi_turn.prefetch(engine, prompts, requests, seed=seed, step=step)
+        return
     tokens = [list(p.prompt_ids) for p in prompts]
     ids = list(range(len(prompts)))
     engine.prefetch(

@@ -461,6 +461,11 @@ def serve_rollout(cfg: MegarlConfig) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or model_path)
     rewards = RewardManager.from_config(cfg, tokenizer)  # spread over the rollout ranks
+    multi_turn = None
+    if arr.rollout.multi_turn.enable:  # the whole loop, tools included, runs on these ranks
+        from megarl.rollout.multi_turn_rollout import MultiTurnRollout
+
+        multi_turn = MultiTurnRollout.from_config(cfg, tokenizer, engine.eos_token_ids)
 
     def score(batch, reward: dict):
         """Score a prefetched batch as the trainer would (its rollout dump included); a scorer's
@@ -481,7 +486,7 @@ def serve_rollout(cfg: MegarlConfig) -> None:
         stage = stages_weight_updates(cfg)
         tp = arr.rollout.tensor_model_parallel_size  # staged: each rank its vLLM TP rank's pieces
         serve(engine, world.channels(nccl_weights=not stage), score, stage=stage,
-              part=(tp, engine.tp_rank))  # fmt: skip
+              part=(tp, engine.tp_rank), multi_turn=multi_turn)  # fmt: skip
     finally:
         rewards.close()
         engine.shutdown()

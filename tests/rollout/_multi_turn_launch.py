@@ -11,6 +11,11 @@ test_multi_turn.py:
 3. resume: the run saves step 1, runs step 2, loads the step-1 checkpoint, syncs and runs step 2
    again; both step 2s (metrics, batch, weights) go to ``resume.pt``.
 
+``_multi_turn_launch.py OUT split`` (after the launch above, on its files): a split launch, 1
+training rank (Megatron TP 1) and 1 rollout rank (vLLM TP 1) running the whole loop, tools
+included, one step ahead (``async_training.staleness_threshold=1``): step 1 (asking for step 2's
+trajectories as soon as its own are in) and step 2 (taking them) go to ``split.pt``.
+
 The warm-started tiny Qwen2 (``_multi_turn_scripts.py``), tools from a verl-style tool config
 file, ``build_run`` attaching the loop as ``megarl train`` does: everything is the trainer's code.
 """
@@ -237,8 +242,70 @@ def resume_record(run, out: Path) -> None:
         torch.save({"runs": runs, "weight_diff_max": float(box)}, out / "resume.pt")
 
 
+SPLIT = [
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+    "trainer.n_gpus_per_node=1",
+    "actor_rollout_ref.rollout.nnodes=1",
+    "actor_rollout_ref.rollout.n_gpus_per_node=1",
+    "async_training.staleness_threshold=1",
+]
+"""The split launch's overrides (after :func:`overrides`)."""
+
+
+def _step_record(run, metrics, batch, prompts) -> dict:
+    return {
+        "metrics": metrics,
+        "multi_turn": run.engine.multi_turn.last_metrics,
+        "response_mask": batch.response_mask,
+        "rollout_log_probs": batch.rollout_log_probs,
+        "old_log_probs": batch.old_log_probs,
+        "input_ids": batch.input_ids,
+        "prompt_lengths": batch.prompt_lengths,
+        "lengths": batch.lengths,
+        "advantages": batch.advantages,
+        "scores": batch.token_level_scores,
+        "raw_prompts": [p.raw_prompt for p in prompts],
+    }
+
+
+def split_main(out: Path) -> None:
+    """The split launch (module docstring): rank 0 trains, rank 1 serves."""
+    from megarl.config import load_config
+    from megarl.config.loader import resolve_config
+    from megarl.parallel.init import destroy_distributed
+    from megarl.rollout.remote.split_world import split_world
+    from megarl.trainer.console import Console
+    from megarl.trainer.setup import build_run, serve_rollout
+    from megarl.trainer.step import first_sync, train_step
+
+    config = Path(__file__).resolve().parents[2] / "configs/_tiny_cpu.yaml"
+    cfg = resolve_config(load_config([str(config)], overrides(out) + SPLIT))
+    if split_world(1).role == "rollout":
+        serve_rollout(cfg)
+        return
+    with Console(out / "split_logs", rank=0) as console:
+        run = build_run(cfg, console, out / "split_run")
+        try:
+            first_sync(run)
+            first, second = ([run.train_data[i] for i in next(run.sampler)] for _ in range(2))
+            records = []
+            for step, prompts, ahead in ((1, first, [(2, second)]), (2, second, [])):
+                metrics, batch = train_step(run, step, prompts, ahead)
+                records.append(_step_record(run, metrics, batch, prompts))
+                records[-1]["version"] = (run.ahead.last_version, run.ahead.version)
+            torch.save(records, out / "split.pt")
+        finally:
+            run.rewards.close()
+            run.engine.shutdown()
+    destroy_distributed()
+
+
 def main() -> None:
     out = Path(sys.argv[1])
+    if sys.argv[2:] == ["split"]:
+        split_main(out)
+        return
     done = out / "prepared"
     if os.environ.get("RANK", "0") == "0":
         prepare(out)
@@ -263,19 +330,7 @@ def main() -> None:
             loop_record(run, out)
             prompts = [run.train_data[i] for i in next(run.sampler)]
             metrics, batch = train_step(run, 1, prompts)
-            record = {
-                "metrics": metrics,
-                "multi_turn": run.engine.multi_turn.last_metrics,
-                "response_mask": batch.response_mask,
-                "rollout_log_probs": batch.rollout_log_probs,
-                "old_log_probs": batch.old_log_probs,
-                "input_ids": batch.input_ids,
-                "prompt_lengths": batch.prompt_lengths,
-                "lengths": batch.lengths,
-                "advantages": batch.advantages,
-                "scores": batch.token_level_scores,
-                "raw_prompts": [p.raw_prompt for p in prompts],
-            }
+            record = _step_record(run, metrics, batch, prompts)
             if rank == 0:
                 torch.save(record, out / "step.pt")
             resume_record(run, out)

@@ -3,7 +3,9 @@ Megatron actor TP 2 + colocated vLLM TP 2; ``_multi_turn_launch.py``): a tiny Qw
 to call tools runs the loop, a trainer step and a resumed step. The tests check its records
 against independent references: the chat template's own rendering of each conversation, the
 assistant spans of that rendering, transformers' log-probs, a token-level parse of the
-conversation's own ids, and the same step run without interruption."""
+conversation's own ids, and the same step run without interruption. A second launch on its files
+(``_multi_turn_launch.py OUT split``: 1 training rank, 1 vLLM rank running the whole loop one
+step ahead) must give the colocated step's trajectories."""
 
 from __future__ import annotations
 
@@ -69,6 +71,32 @@ def step(launch) -> dict:
 @pytest.fixture(scope="module")
 def resumed(launch) -> dict:
     return torch.load(launch / "resume.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def split(launch) -> list[dict]:
+    """The split launch's steps 1 and 2 (on the colocated launch's model and data)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "OMP_NUM_THREADS": "1",
+        "TORCHDYNAMO_DISABLE": "1",
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(WORKER), str(launch), "split"]  # fmt: skip
+    log = launch / "split.log"
+    with log.open("w") as f:
+        rc = subprocess.run(
+            cmd, check=False, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=900
+        ).returncode
+    if rc != 0 or not (launch / "split.pt").exists():
+        tail = "\n".join(log.read_text().splitlines()[-60:])
+        pytest.fail(f"split multi-turn launch failed (rc={rc}):\n{tail}")
+    records = torch.load(launch / "split.pt", weights_only=False)
+    for r in records:
+        r["model"] = launch / "tiny"
+    return records
 
 
 @pytest.fixture(scope="module")
@@ -265,3 +293,50 @@ def test_a_step_resumed_from_a_checkpoint_equals_the_uninterrupted_one(resumed):
     assert not different
     assert resumed["weight_diff_max"] == 0.0
     assert float(first["batch"]["advantages"].abs().sum()) > 0  # the step did learn something
+
+
+def test_vllm_on_a_rank_of_its_own_gives_the_colocated_trajectories(step, split):
+    """Split launch, step 1 (the rollout rank ran the loop, tools included, with the weights the
+    colocated step 1 had): the same prompts, token ids, per-token masks, scores (tool rewards in
+    ``extra_info`` included), advantages and multi-turn metrics as the colocated run (vLLM TP 2
+    there, TP 1 here: log-probs within 1e-4); the actor's log-probs equal vLLM's on its model
+    tokens within 1e-4."""
+    one = split[0]
+    assert one["raw_prompts"] == step["raw_prompts"]
+    for name in ("input_ids", "response_mask", "scores", "prompt_lengths", "lengths"):
+        assert torch.equal(one[name], step[name]), name
+    for name in ("rollout_log_probs", "old_log_probs", "advantages"):
+        assert float((one[name] - step[name]).abs().max()) <= LOGPROB_TOL, name
+    clocks = "multi_turn/tool_seconds/"
+    assert {k: v for k, v in one["multi_turn"].items() if not k.startswith(clocks)} == {
+        k: v for k, v in step["multi_turn"].items() if not k.startswith(clocks)
+    }
+    assert one["multi_turn"]["multi_turn/tool_calls/total"] == 10.0
+    for key in ("reward/mt/tool_rewards/mean", "reward/mt/num_turns/mean"):
+        assert one["metrics"][key] == step["metrics"][key], key
+    mask = one["response_mask"]
+    assert one["metrics"]["rollout/logprob_diff_max"] <= LOGPROB_TOL
+    assert float(((one["old_log_probs"] - one["rollout_log_probs"]).abs() * mask).max()) <= 1e-4
+    assert one["version"] == (0, 1)  # generated with the first sync's weights, then updated
+
+
+def test_vllm_on_a_rank_of_its_own_runs_the_next_step_ahead_on_the_model_tokens(split):
+    """Split launch, step 2: its trajectories were asked for as soon as step 1's were in and
+    generated with the weights step 1 started from (version 0; the trainer holds 2 after it); the
+    mask covers exactly each row's model tokens, the tool calls went on, and the update gives
+    advantage to model tokens only."""
+    from transformers import AutoTokenizer
+
+    two = split[1]
+    assert two["version"] == (0, 2)
+    assert two["metrics"]["async/staleness_max"] == 1.0
+    tokenizer = AutoTokenizer.from_pretrained(str(two["model"]))
+    mask, adv = two["response_mask"], two["advantages"]
+    for row in range(mask.shape[0]):
+        p, n = int(two["prompt_lengths"][row]), int(two["lengths"][row])
+        want = _model_positions(tokenizer, two["input_ids"][row, p:n].tolist())
+        assert mask[row, : n - p].tolist() == [float(m) for m in want]
+        assert float(mask[row, n - p :].abs().sum()) == 0.0
+    assert two["multi_turn"]["multi_turn/tool_calls/total"] > 0
+    assert two["multi_turn"]["multi_turn/tokenization_mismatches"] == 0.0
+    assert float((adv * (1 - mask)).abs().sum()) == 0.0 and float((adv * mask).abs().sum()) > 0

@@ -9,7 +9,10 @@ Commands, broadcast on ``control`` and run by the rollout ranks in the order sen
 - ``("generate", version, [(prompts, kwargs, reward), ...])``: each request in turn, generated
   over the rollout ranks' vLLM replicas with weight version ``version`` (the trainer's newest
   when it asked) and scored when ``reward`` is given; the first rollout rank sends one reply per
-  request, in order, on ``replies`` (``{"batch", "scored", "timing"}``);
+  request, in order, on ``replies`` (``{"batch", "scored", "timing"}``); a request whose kwargs
+  hold ``multi_turn=True`` carries the step's ``TrajectoryPrompt`` list instead of token ids and
+  gets the trajectories back as its ``batch`` (the whole multi-turn loop, tools included, runs
+  on the rollout ranks: :class:`~megarl.rollout.multi_turn_rollout.MultiTurnRollout`);
 - ``("weights", version, plan)``: the buckets of ``plan`` follow on ``weights``
   (:mod:`.weights`); version ``k`` is the update after ``k`` finished syncs (-1: the weights
   vLLM started with). The rollout ranks load a version between two requests, never inside one;
@@ -73,6 +76,8 @@ class RemoteEngine:
     tensor_parallel_size = 1
     """What the resharding plan is made for: whole tensors to the first training rank."""
     expert_parallel = False
+    runs_multi_turn = True
+    """Multi-turn rollouts run whole on the rollout ranks (``MultiTurnRollout.remote_request``)."""
     dp_rank = 0
     dp_size = 1
 

@@ -87,6 +87,7 @@ def serve(
     *,
     stage: bool = True,
     part: tuple[int, int] = (1, 0),
+    multi_turn: Any = None,
 ) -> None:
     """Run the training ranks' commands on ``engine`` until ``stop`` (see the module docstring);
     a thread's error (the trainer gone, a timeout) ends it with that error.
@@ -98,6 +99,8 @@ def serve(
     command (no copy of the weights; the trainer's sync waits for the requests before it).
     ``part``: ``(rollout TP, this rank's vLLM TP rank)``: staging, what this rank receives of
     each update (its pieces only, :func:`~megarl.rollout.remote.weights.pack_part`).
+    ``multi_turn``: the run's :class:`~megarl.rollout.multi_turn_rollout.MultiTurnRollout`, which
+    answers the requests marked ``multi_turn`` (the whole loop, tools included, on these ranks).
     """
     from megarl.rollout.remote.weights import load_buckets, receive_buckets
 
@@ -167,7 +170,7 @@ def serve(
                     held = version
                 loaded = time.perf_counter() - loading
                 for prompts, kwargs, reward in requests:  # one reply each, in order
-                    reply = _generate(engine, prompts, kwargs, reward, score)
+                    reply = _generate(engine, prompts, kwargs, reward, score, multi_turn)
                     reply["timing"].update(idle=idle, update_weights=loaded)
                     _reply(outbox, reply)
                     idle = loaded = 0.0
@@ -183,13 +186,24 @@ def _reply(outbox: queue.Queue | None, reply: Any) -> None:
         outbox.put(reply)
 
 
-def _generate(engine: Any, prompts: list, kwargs: dict, reward: dict | None, score: Any) -> dict:
+def _generate(
+    engine: Any, prompts: list, kwargs: dict, reward: dict | None, score: Any, multi_turn: Any
+) -> dict:
     """One request of a ``generate`` command: the batch, its scores when asked (a result, or
-    an error's one line: the scorer's own, or this one) and the seconds spent."""
+    an error's one line: the scorer's own, or this one) and the seconds spent. A multi-turn
+    request (``multi_turn`` in ``kwargs``) gets its trajectories back as the ``batch``, scored as
+    the trainer's rollout batch of them."""
     from megarl.rollout.distribute import generate_on_replicas
+    from megarl.rollout.multi_turn import rollout_samples
 
     start = time.perf_counter()
-    batch = generate_on_replicas(engine, prompts, **kwargs)
+    if kwargs.get("multi_turn"):
+        if multi_turn is None:
+            raise RuntimeError("a multi-turn request reached rollout ranks without multi_turn")
+        reply_batch = multi_turn.serve(engine, prompts, kwargs)
+        batch = rollout_samples(reply_batch, kwargs["n"])
+    else:
+        reply_batch = batch = generate_on_replicas(engine, prompts, **kwargs)
     generated = time.perf_counter()
     scored = None
     if reward is not None and score is not None:
@@ -198,4 +212,4 @@ def _generate(engine: Any, prompts: list, kwargs: dict, reward: dict | None, sco
         except Exception as exc:  # noqa: BLE001 -- the trainer raises it, in one line
             scored = f"{type(exc).__name__}: {exc}"
     timing = {"generate": generated - start, "score": time.perf_counter() - generated}
-    return {"batch": batch, "scored": scored, "timing": timing}
+    return {"batch": reply_batch, "scored": scored, "timing": timing}
