@@ -66,5 +66,7 @@ def test_the_model_calls_the_tool_more_and_more_often_successfully(run):
     assert mean("multi_turn/tool_calls/mean", late) >= 0.9
     assert mean("multi_turn/tool_success_rate", early) >= 0.8  # the format is there at once
     ok_early, ok_late = mean(f"{SOURCE}/tool_ok/mean", early), mean(f"{SOURCE}/tool_ok/mean", late)
-    print(f"successful calls per trajectory {ok_early:.3f} -> {ok_late:.3f}")
+    digits = mean(f"{SOURCE}/digits/mean", early), mean(f"{SOURCE}/digits/mean", late)
+    print(f"successful calls per trajectory {ok_early:.3f} -> {ok_late:.3f}, "
+          f"final answer's digits {digits[0]:.3f} -> {digits[1]:.3f}")  # fmt: skip
     assert ok_late - ok_early >= 0.2
