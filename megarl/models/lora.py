@@ -17,6 +17,18 @@ Sharding follows the base weight, so that no activation of the base width is com
   weight), ``h = reduce_from_tensor_model_parallel_region(A_t x_t)`` (the all-reduce of an
   ``r``-wide activation), B replicated; the output is added after the base all-reduce.
 
+With sequence parallelism (TP > 1) the activations outside the linears are split along the
+sequence, and the adapter follows the base linear's communication at width ``r``:
+
+- column-parallel: the input is the rank's sequence part ``[s/tp, b, in]``; ``h = A x`` of that
+  part goes through ``gather_from_sequence_parallel_region`` (all-gather forward, reduce-scatter
+  of its gradient) to ``[s, b, r]`` before the B shard. A's gradient then covers this rank's
+  sequence part only: A is marked ``sequence_parallel`` so ``finalize_model_grads`` all-reduces it
+  over TP (as Megatron does for the norms under sequence parallelism).
+- row-parallel: the partial ``A_t x_t`` ``[s, b, r]`` goes through
+  ``reduce_scatter_to_sequence_parallel_region`` to ``[s/tp, b, r]``, matching the base output's
+  reduce-scatter; B (replicated) sees this rank's sequence part: marked ``sequence_parallel``.
+
 Initial values are drawn for the full (unsharded) tensors from a generator seeded by the seed and
 the parameter's global name, then sliced: the same adapters at every TP×PP layout. B starts at
 zero (verl's ``lora_B_init_method=zero``), so step 0 equals the base model.
@@ -167,11 +179,15 @@ class LoraAdapter(torch.nn.Module):
         settings: LoraSettings,
         *,
         tp_size: int,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.parallel = parallel
         self.tp_size = tp_size
         """Ranks splitting the base linear (expert linears: expert TP, which must be 1)."""
+        self.sequence_parallel = sequence_parallel and tp_size > 1
+        """The base linear runs Megatron's sequence parallelism (its input or output is split
+        along the sequence over TP)."""
         self.scaling = settings.scaling
         self.dropout = settings.dropout
         self.dropout_position = settings.dropout_position
@@ -185,6 +201,9 @@ class LoraAdapter(torch.nn.Module):
         else:
             set_tensor_model_parallel_attributes(self.A, tp_size > 1, 1, 1)
             set_tensor_model_parallel_attributes(self.B, False, 0, 1)
+        if self.sequence_parallel:  # the replicated factor's gradient: this sequence part's
+            replicated = self.A if parallel == "column" else self.B
+            replicated.sequence_parallel = True  # summed over TP by finalize_model_grads
 
     def _drop(self, x: torch.Tensor, *, sharded: bool) -> torch.Tensor:
         if not (self.training and self.dropout > 0):
@@ -196,18 +215,23 @@ class LoraAdapter(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.A.dtype)
+        sp = self.sequence_parallel  # then the column input and the row output are TP-sharded
         if self.dropout_position == "pre":
-            x = self._drop(x, sharded=self.parallel == "row")
+            x = self._drop(x, sharded=self.parallel == "row" or sp)
         h = torch.nn.functional.linear(x, self.A)
         if self.tp_size == 1:  # TP 1, or an expert linear (expert TP 1): nothing to communicate
             pass
+        elif self.parallel == "column" and sp:
+            h = tensor_parallel.gather_from_sequence_parallel_region(h)
         elif self.parallel == "column":
             h = tensor_parallel.copy_to_tensor_model_parallel_region(h)
+        elif sp:
+            h = tensor_parallel.reduce_scatter_to_sequence_parallel_region(h)
         else:
             h = tensor_parallel.reduce_from_tensor_model_parallel_region(h)
         y = torch.nn.functional.linear(h, self.B) * self.scaling
         if self.dropout_position == "post":
-            y = self._drop(y, sharded=self.parallel == "column")
+            y = self._drop(y, sharded=self.parallel == "column" or sp)
         return y
 
 
@@ -259,8 +283,9 @@ def attach_adapters(
 ) -> int:
     """Attach an adapter to every targeted linear of this rank's chunks; returns how many.
 
-    Base parameters stay as they are (the caller freezes them: :func:`freeze_base`). Sequence
-    parallelism is refused in one line, and so are MoE models unless ``allow_experts``: then
+    Base parameters stay as they are (the caller freezes them: :func:`freeze_base`). Under
+    sequence parallelism each adapter follows its linear's (module docstring). MoE models are
+    refused in one line unless ``allow_experts``: then
     the expert linears of the local spec's ``SequentialMLP`` get adapters too (expert TP 1: not
     split; their parameters marked expert-parallel, as the base's), initialised from their
     global expert index. The trainer does not allow them yet.
@@ -272,8 +297,6 @@ def attach_adapters(
     for chunk in chunks:
         model = unwrap(chunk)
         _check_experts(model.config, allow_experts)
-        if model.config.sequence_parallel and tp_size > 1:
-            raise LoraError("LoRA with sequence_parallel is not built: set sequence_parallel=false")
         offset = layer_offset(model.config, model.vp_stage)
         targets = [(p, m) for p, m in model.named_modules() if _targeted(p, settings)]
         for path, linear in targets:
@@ -295,9 +318,9 @@ def attach_adapters(
                            settings.seed, global_name + ".B")  # fmt: skip
             split = 1 if expert else tp_size
             a, b = shard_adapter(kind, global_name, a, b, split, tp_rank)
-            linear.lora = LoraAdapter(
-                kind, a.to(dtype).contiguous(), b.to(dtype).contiguous(), settings, tp_size=split
-            )
+            sp = bool(getattr(linear, "sequence_parallel", False)) and not expert
+            linear.lora = LoraAdapter(kind, a.to(dtype).contiguous(), b.to(dtype).contiguous(),
+                                      settings, tp_size=split, sequence_parallel=sp)  # fmt: skip
             if expert:  # reduced over the expert data-parallel group, as the expert weights
                 for p in (linear.lora.A, linear.lora.B):
                     p.allreduce = False

@@ -1,4 +1,6 @@
-"""Every multi-rank LoRA check in one 4-rank torchrun launch (TP1/PP1, TP2, PP2, TP2×PP2).
+"""Every multi-rank LoRA check in one 4-rank torchrun launch (TP1/PP1, TP2, PP2, TP2×PP2, and
+TP2 with sequence parallelism on the local spec, its norms marked as in
+``tests/trainer/_critic_sp_worker.py``).
 
 For each layout the tiny Qwen2 actor gets adapters on all four linears with random non-zero A
 and B (the same full tensors at every layout, :func:`megarl.models.lora.attach_adapters`), then
@@ -18,7 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, False), (2, 1, True)]
+"""(TP, PP, sequence parallelism)."""
 
 
 def _full_logits(chunks, ids: torch.Tensor) -> torch.Tensor | None:
@@ -47,12 +50,25 @@ def _on_rank0(value):
 
 
 def _adapter_grads(chunks) -> dict:
-    """{global base name: (full dA, full dB)} over every pipeline stage."""
+    """{global base name: (full dA, full dB)} over every pipeline stage. Under sequence
+    parallelism first Megatron's TP all-reduce of the parameters marked ``sequence_parallel``
+    (what ``finalize_model_grads`` does; these chunks are not DDP-wrapped)."""
     from megatron.core import parallel_state
 
+    from megarl.models.gpt import unwrap
     from megarl.models.lora import adapted_linears, merge_adapter_shards
     from megarl.parallel.collectives import all_gather_tensors
 
+    config = unwrap(chunks[0]).config
+    if config.sequence_parallel:
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import (
+            _allreduce_non_tensor_model_parallel_grads,
+        )
+
+        for c in chunks:
+            c.ddp_config = DistributedDataParallelConfig()
+        _allreduce_non_tensor_model_parallel_grads(chunks, config)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group()
     mine = {}
@@ -70,18 +86,20 @@ def _adapter_grads(chunks) -> dict:
     return out
 
 
-def _layout_checks(spec: dict, tp: int, pp: int, results: dict) -> None:
+def _layout_checks(spec: dict, tp: int, pp: int, sp: bool, results: dict) -> None:
     from megarl.models.build import build_model
+    from megarl.models.gpt import unwrap
     from megarl.models.lora import LoraSettings, adapters_disabled, attach_adapters, freeze_base
     from megarl.models.lora_peft import export_peft_adapter
     from megarl.models.runner import SequenceBatch, forward_backward
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
 
-    layout = ParallelLayout(tp, pp, None)
+    layout = ParallelLayout(tp, pp, None, sequence_parallel=sp)
     init_distributed(layout, seed=1234)
     built = build_model(spec["model"], layout)
     chunks, dims = built.chunks, built.dims
+    assert all(bool(unwrap(c).config.sequence_parallel) == sp for c in chunks)
     settings = LoraSettings(**spec["lora"])
     n = attach_adapters(chunks, settings)
     freeze_base(chunks)
@@ -105,7 +123,7 @@ def _layout_checks(spec: dict, tp: int, pp: int, results: dict) -> None:
     base_grads = [p.grad is not None for c in chunks for name, p in c.named_parameters()
                   if ".lora." not in name]  # fmt: skip
     r["base_grads"] = _on_rank0(sum(base_grads))
-    key = f"tp{tp}_pp{pp}"
+    key = f"tp{tp}_pp{pp}" + ("_sp" if sp else "")
     export_peft_adapter(chunks, dims, settings, Path(spec["tmp"]) / f"peft_{key}",
                         base_model=spec["model"])  # fmt: skip
     results[key] = r
@@ -207,8 +225,11 @@ def main() -> None:
     world = read_launch_env().world_size
     assert world == 4, world
     results: dict = {}
-    for tp, pp in LAYOUTS:
-        _layout_checks(spec, tp, pp, results)
+    from tests.trainer._critic_sp_worker import _emulate_sp_norm
+
+    _emulate_sp_norm()  # (acts only on models built with sequence parallelism)
+    for tp, pp, sp in LAYOUTS:
+        _layout_checks(spec, tp, pp, sp, results)
     _moe_checks(spec, results)
     if dist.get_rank() == 0:
         torch.save(results, Path(spec["tmp"]) / "lora_results.pt")
