@@ -59,6 +59,7 @@ def start_llm(model_path: str, kwargs: dict[str, Any]) -> Any:
         torch.compiler.set_stance("force_eager")  # (see the docstring)
     _quiet_expected_vllm_warnings()
     _private_ipc_directory()
+    _shared_memory_names_per_launch()
     # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process;
     # training code sharing the process keeps the real one.
     set_num_threads = torch.set_num_threads
@@ -70,8 +71,8 @@ def start_llm(model_path: str, kwargs: dict[str, Any]) -> Any:
     except RuntimeError as exc:
         if SHM_EXISTS in str(exc):
             raise RuntimeError(
-                f"vLLM's CPU shared memory {SHM_DIR}/*cpushm_* is taken: another vLLM on this "
-                "machine is starting, or one was killed while starting (remove those files if "
+                f"vLLM's CPU shared memory {SHM_DIR}/*cpushm_* is taken: another vLLM of this "
+                "launch is starting, or one was killed while starting (remove those files if "
                 "none is running)"
             ) from exc
         raise
@@ -104,12 +105,45 @@ def unlink_cpu_shared_memory() -> None:
 
     vLLM names them ``/dev/shm/<ident>-<group>-[<ranks>]-cpushm_<rank>`` with ``<ident>`` from
     the init method (``env://`` under the external launcher: the same for every run on a
-    machine), creates them exclusively and unlinks them only in a C++ destructor that a fast exit
+    machine; megarl adds the launch's port, :func:`_shared_memory_names_per_launch`), creates
+    them exclusively and unlinks them only in a C++ destructor that a fast exit
     skips, so a leftover name would make the next run fail (:data:`SHM_EXISTS`). The mappings
     live on after the unlink, and the destructor ignores the missing name.
     """
     for path in cpu_shared_memory():
         path.unlink(missing_ok=True)
+
+
+def _shared_memory_names_per_launch() -> None:
+    """Put the launch's rendezvous port (``MASTER_PORT``) into the names of vLLM's CPU
+    shared-memory segments.
+
+    vLLM derives them from the init method, ``env://`` for every launch on a machine, so two
+    launches starting vLLM TP > 1 at the same moment (the suite's two lanes) collide
+    (:data:`SHM_EXISTS`) in the seconds before :func:`start_llm` unlinks the names. No two live
+    launches on one machine share a ``MASTER_PORT``, and every rank of a launch has the same.
+    """
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = cpu_communicator._CPUSHMDistributed
+    if getattr(shm.make_group_name, "megarl_per_launch", False):
+        return
+    make_group_name = shm.make_group_name
+
+    def per_launch(communicator: Any) -> str:
+        return shm_name_for_launch(make_group_name(communicator), os.environ.get("MASTER_PORT"))
+
+    per_launch.megarl_per_launch = True  # type: ignore[attr-defined]
+    shm.make_group_name = staticmethod(per_launch)
+
+
+def shm_name_for_launch(name: str, port: str | None) -> str:
+    """vLLM's ``<ident>-<group>-[<ranks>]-cpushm`` as ``<ident>-<group>-[<ranks>]-<port>-cpushm``
+    (unchanged without a port)."""
+    suffix = "-cpushm"
+    if not port or not name.endswith(suffix):
+        return name
+    return f"{name.removesuffix(suffix)}-{port}{suffix}"
 
 
 def _private_ipc_directory() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import time
@@ -219,6 +220,7 @@ def main() -> None:
     from megarl.rollout.vllm_process import cpu_shared_memory
 
     out["meta"]["shm"] = [(str(path), path.exists()) for path in cpu_shared_memory()]
+    out["meta"]["master_port"] = os.environ["MASTER_PORT"]
     # vLLM's CPU collectives use shared memory only where its kernel build has the manager (its
     # AVX2 build has none: they fall back to torch.distributed); the same test vLLM makes.
     out["meta"]["shm_manager"] = hasattr(torch.ops._C, "init_shm_manager")

@@ -345,9 +345,12 @@ def test_no_shared_memory_name_is_left_once_the_engine_is_up(run):
     run failed. Each rank removes its name once the engine is up (megarl.rollout.vllm_process),
     and the TP 2 rollouts after that still match transformers (the log-prob tests above).
     vLLM makes segments only where its kernel build has the shared-memory manager (AVX-512
-    builds; on an AVX2-only CPU it falls back to torch.distributed and makes none)."""
+    builds; on an AVX2-only CPU it falls back to torch.distributed and makes none). The names
+    carry the launch's port, so that two launches starting vLLM at once (the suite's lanes) do
+    not take each other's."""
     for rank in run["ranks"]:
-        shm = rank["meta"]["shm"]
+        shm, port = rank["meta"]["shm"], rank["meta"]["master_port"]
         assert all(name.startswith("/dev/shm/") for name, _ in shm), shm
+        assert all(f"-{port}-cpushm_" in name for name, _ in shm), shm
         assert bool(shm) == rank["meta"]["shm_manager"], shm  # made exactly where vLLM makes them
         assert [name for name, exists in shm if exists] == []
