@@ -56,10 +56,6 @@ def check_lora(cfg, error: Error) -> None:
         error(
             f"LoRA on Transformer Engine's linears is not built: set megatron.transformer_impl=local ({L}.rank > 0)"
         )
-    if meg.sequence_parallel and meg.tensor_model_parallel_size > 1:
-        error(
-            f"LoRA with actor megatron.sequence_parallel=true is not built; set it false ({L}.rank > 0)"
-        )
 
 
 def lora_enabled(cfg) -> bool:

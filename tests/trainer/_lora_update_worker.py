@@ -1,5 +1,6 @@
-"""One GRPO actor update with LoRA adapters on a fixed batch, at TP 2, PP 2 and DP 2 with the
-distributed optimizer (one 2-rank launch; ``test_lora_update.py`` holds the reference).
+"""One GRPO actor update with LoRA adapters on a fixed batch, at TP 2, PP 2, DP 2 with the
+distributed optimizer and TP 2 with sequence parallelism (the local spec, its norms marked as in
+``_critic_sp_worker.py``) (one 2-rank launch; ``test_lora_update.py`` holds the reference).
 
 The actor is built as the trainer builds it (adapters attached, base frozen, then Megatron DDP
 and optimizer) and updated by ``megarl.trainer.update.update_policy``; rank 0 saves the adapters
@@ -18,8 +19,8 @@ import torch.distributed as dist
 
 from tests.trainer._update_worker import _enter_weight_read, _rollout
 
-LAYOUTS = [(2, 1, False), (1, 2, False), (1, 1, True)]
-"""(TP, PP, distributed optimizer); DP is what remains of 2 ranks."""
+LAYOUTS = [(2, 1, False, False), (1, 2, False, False), (1, 1, True, False), (2, 1, False, True)]
+"""(TP, PP, distributed optimizer, sequence parallelism); DP is what remains of 2 ranks."""
 
 
 def _adapters_as_peft(chunks, dims) -> dict[str, torch.Tensor]:
@@ -48,8 +49,9 @@ def _base_weights(chunks, dims) -> dict[str, torch.Tensor]:
     return {k: v for box in boxes for k, v in box.items()}
 
 
-def _case(spec: dict, tp: int, pp: int, dist_opt: bool, optimizer: str) -> dict:
+def _case(spec: dict, tp: int, pp: int, dist_opt: bool, sp: bool, optimizer: str) -> dict:
     from megarl.models.build import build_model
+    from megarl.models.gpt import unwrap
     from megarl.models.lora import BaseModelView, LoraSettings, attach_adapters, freeze_base
     from megarl.models.trainable import OptimizerSettings, TrainableModel, _leaf_optimizers
     from megarl.parallel.init import init_distributed
@@ -57,9 +59,11 @@ def _case(spec: dict, tp: int, pp: int, dist_opt: bool, optimizer: str) -> dict:
     from megarl.trainer.passes import global_log_probs
     from megarl.trainer.update import PolicyUpdate, update_policy
 
-    init_distributed(ParallelLayout(tp, pp, None), seed=1234)
+    layout = ParallelLayout(tp, pp, None, sequence_parallel=sp)
+    init_distributed(layout, seed=1234)
     dtype = torch.float32 if dist_opt else torch.float64  # Megatron's dist. optimizer: fp32/bf16
-    built = build_model(spec["model"], ParallelLayout(tp, pp, None), dtype=dtype)
+    built = build_model(spec["model"], layout, dtype=dtype)
+    assert all(bool(unwrap(c).config.sequence_parallel) == sp for c in built.chunks)
     attach_adapters(built.chunks, LoraSettings(**spec["lora"]))
     freeze_base(built.chunks)
     before = _adapters_as_peft(built.chunks, built.dims)
@@ -113,12 +117,14 @@ def _case(spec: dict, tp: int, pp: int, dist_opt: bool, optimizer: str) -> dict:
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     from megarl.parallel.init import destroy_distributed
+    from tests.trainer._critic_sp_worker import _emulate_sp_norm
 
+    _emulate_sp_norm()  # (acts only on models built with sequence parallelism)
     results: dict = {}
-    for tp, pp, dist_opt in LAYOUTS:
-        key = f"tp{tp}_pp{pp}" + ("_dp2_distopt" if dist_opt else "")
-        for optimizer in ("adamw",) if dist_opt else ("sgd", "adamw"):
-            results[f"{key}/{optimizer}"] = _case(spec, tp, pp, dist_opt, optimizer)
+    for tp, pp, dist_opt, sp in LAYOUTS:
+        key = f"tp{tp}_pp{pp}" + ("_dp2_distopt" if dist_opt else "") + ("_sp" if sp else "")
+        for optimizer in ("adamw",) if dist_opt else ("sgd",) if sp else ("sgd", "adamw"):
+            results[f"{key}/{optimizer}"] = _case(spec, tp, pp, dist_opt, sp, optimizer)
     if dist.get_rank() == 0:
         torch.save(results, Path(spec["tmp"]) / "lora_update.pt")
     dist.barrier()

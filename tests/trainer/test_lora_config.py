@@ -41,7 +41,6 @@ def test_lora_tiny_config_validates_with_verl_names():
         (f"{L}.adapter_path=/x", f"{L}.adapter_path=/x holds no adapter_config.json"),
         (f"{L}.lora_B_init_method=ones", f"{L}.lora_B_init_method=ones"),
         (f"{L}.dropout_position=middle", "must be pre or post"),
-        ("actor_rollout_ref.actor.megatron.sequence_parallel=true", "sequence_parallel=true is not built"),
     ],
 )  # fmt: skip
 def test_what_is_not_built_is_refused_in_one_line(override, says):
@@ -64,13 +63,26 @@ VERL_LORA = Path(__file__).parent / "data" / "verl_grpo_qwen2-7b_math_megatron_l
 paths dropped, its shell variables' values filled in)."""
 
 
-def test_verls_megatron_lora_example_validates_but_for_one_one_line_refusal(capsys):
+def test_verls_megatron_lora_example_validates(capsys):
+    """As given: TP 4 with verl's default sequence_parallel=true (adapters follow Megatron's
+    sequence parallelism) and lora.merge=false (adapter-only sync): exit 0, warnings only."""
     from megarl import cli
 
     example = VERL_LORA.read_text().splitlines()
-    assert cli.main(["config", "validate", *example]) == 2
+    assert cli.main(["config", "validate", *example]) == 0
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines  # its lora.merge=false (adapter-only sync) is built
-    assert "LoRA with actor megatron.sequence_parallel=true is not built" in lines[0], lines
-    fixed = ["actor_rollout_ref.actor.megatron.sequence_parallel=false"]
-    assert cli.main(["config", "validate", *example, *fixed]) == 0
+    assert all(line.startswith("warning:") for line in lines), lines  # (model path not local)
+    cfg = load_config([], example)
+    meg = cfg.actor_rollout_ref.actor.megatron
+    assert meg.sequence_parallel and meg.tensor_model_parallel_size == 4
+
+
+def test_lora_adds_no_refusal_of_sequence_parallelism():
+    """On the CPU tiny config SP at TP 2 is refused only by the local spec's own check (Megatron's
+    torch norm does not mark its weight for sequence parallelism), not by LoRA."""
+    over = ["actor_rollout_ref.actor.megatron.sequence_parallel=true",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(LORA_TINY, over), 2)
+    assert not [p for p in info.value.problems if "lora" in p.lower()], info.value.problems
+    assert any("sequence_parallel=true needs Transformer Engine" in p for p in info.value.problems)

@@ -1,6 +1,7 @@
-"""A GRPO actor update with LoRA equals a single-process reference at TP 2, PP 2 and DP 2 (the
-distributed optimizer); the base weights come out bit-identical; the reference policy (the
-actor's chunks with adapters off) is the base model.
+"""A GRPO actor update with LoRA equals a single-process reference at TP 2, PP 2, DP 2 (the
+distributed optimizer) and TP 2 with sequence parallelism (SGD: the update is the gradient, the
+replicated factors' summed over TP by ``finalize_model_grads``); the base weights come out
+bit-identical; the reference policy (the actor's chunks with adapters off) is the base model.
 
 The reference is HF transformers + ``peft`` in float64, loaded with the worker's initial adapters
 (random non-zero A and B, so both get gradients from the first mini-batch), with the shared A of
@@ -122,6 +123,7 @@ LAYOUTS = [
     "tp1_pp2/sgd",
     "tp1_pp2/adamw",
     "tp1_pp1_dp2_distopt/adamw",
+    "tp2_pp1_sp/sgd",
 ]
 
 
