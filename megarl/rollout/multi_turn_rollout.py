@@ -120,13 +120,23 @@ class MultiTurnRollout:
             for i, p in enumerate(prompts)
         ]
 
-    @staticmethod
     def remote_request(
-        requests: list[TrajectoryPrompt], *, n: int, sampling: dict[str, Any], seed: int, step: int
+        self,
+        requests: list[TrajectoryPrompt],
+        *,
+        n: int,
+        sampling: dict[str, Any],
+        seed: int,
+        step: int,
     ) -> tuple[list[TrajectoryPrompt], dict[str, Any]]:
         """``(prompts, kwargs)`` of the request the rollout ranks answer with :meth:`serve`
-        (``RemoteEngine.generate`` and ``prefetch`` take it as a token request's)."""
-        return requests, {"multi_turn": True, "n": n, "seed": seed, "step": step, **sampling}
+        (``RemoteEngine.generate`` and ``prefetch`` take it as a token request's). It carries
+        this loop's settings and stop ids (``loop``), so the rollout ranks run the loop the
+        trainer holds (a ``multi_turn`` passed to ``passes.generate`` included); the tools and
+        interactions are the rollout ranks' own, built from the same config."""
+        loop = (self.settings, list(self.stop_token_ids))
+        kwargs = {"multi_turn": True, "loop": loop, "n": n, "seed": seed, "step": step}
+        return requests, {**kwargs, **sampling}
 
     def prefetch(self, engine: Any, prompts: Sequence[Any], asked: Sequence[tuple], *,
                  seed: int, step: int) -> None:  # fmt: skip
@@ -140,9 +150,13 @@ class MultiTurnRollout:
 
     def serve(self, engine: Any, requests: list[TrajectoryPrompt], kwargs: dict[str, Any]):
         """The rollout ranks' side of a :meth:`remote_request` (every rollout rank calls it)."""
+        import dataclasses
+
         kwargs = {k: v for k, v in kwargs.items() if k != "multi_turn"}
         n, seed, step = kwargs.pop("n"), kwargs.pop("seed"), kwargs.pop("step")
-        return self.run(engine, requests, n=n, sampling=kwargs, seed=seed, step=step)
+        settings, stops = kwargs.pop("loop", (self.settings, self.stop_token_ids))
+        loop = dataclasses.replace(self, settings=settings, stop_token_ids=list(stops))
+        return loop.run(engine, requests, n=n, sampling=kwargs, seed=seed, step=step)
 
     def run(
         self,

@@ -6,7 +6,8 @@ step's metrics, responses and rewards, and the actor's final weights (HF names),
 
     torchrun --nproc_per_node 2|3|4 _disagg_worker.py SPEC.json MODE
 
-Modes: ``colocated`` and ``split`` (2 steps, staleness 0, the tiny MoE with R3); ``split_off``
+Modes: ``colocated`` and ``split`` (2 steps, staleness 0, the tiny MoE with R3, then one
+multi-turn batch with R3: :func:`_multi_turn`); ``split_off``
 (3 ReMax steps up to two steps off, as ``megarl train``'s loop asks at
 ``async_training.staleness_threshold=2``: step 1 asks for batches 2 and 3 as soon as its own is
 in, step k > 1 for batch k+2; the 4th batch is one whose scorer raises, and step 4 records the
@@ -42,6 +43,55 @@ def _sync_with_older_weights(run, snapshots: list, lag: int) -> None:
     snapshots.append(_hf_weights(run.actor.chunks, run.actor.model.dims))
     old = snapshots[max(0, len(snapshots) - lag)]
     step_module.sync_engine = lambda run: update_weights(run.engine, old.items())
+
+
+MT_RESPONSE_LENGTH = 200
+"""The multi-turn batch's budget over all turns (the interaction's feedback is some 40 tokens;
+the spec sets the engine's ``max_model_len`` to hold it)."""
+STOPS = list(range(100, 200))
+"""Token ids that end a model turn of the multi-turn batch (the random MoE samples one about
+every tenth token), as in tests/trainer/_replay_worker.py."""
+
+
+def _multi_turn(run, mt, pad: int) -> dict:
+    """One multi-turn batch (issue 43) after the steps: the config's loop (verl's GSM8K
+    interaction answering every model turn) at a larger budget, up to 3 model turns, ending
+    them at ``STOPS`` too; with vLLM on ranks of its own the rollout ranks run it and the
+    routing each trajectory composed there comes back with it. The actor's old log-probs
+    replaying that routing, against vLLM's on the model tokens."""
+    import dataclasses
+
+    from megarl.trainer.passes import generate, recompute_log_probs
+    from megarl.trainer.step import training_sampling
+
+    cfg = run.cfg
+    settings = dataclasses.replace(mt.settings, response_length=MT_RESPONSE_LENGTH,
+                                   max_assistant_turns=3)  # fmt: skip
+    loop = dataclasses.replace(mt, settings=settings,
+                               stop_token_ids=[*mt.stop_token_ids, *STOPS])  # fmt: skip
+    kwargs = {"interaction_kwargs": {"name": "gsm8k", "ground_truth": "7"}}
+    prompts = [dataclasses.replace(run.train_data[i], extra_info=kwargs) for i in next(run.sampler)]
+    batch, _ = generate(
+        run.engine, prompts, n=cfg.actor_rollout_ref.rollout.n,
+        sampling={**training_sampling(run), "stop_token_ids": STOPS}, seed=cfg.trainer.seed,
+        step=STEPS + 1, pad_token_id=pad, multi_turn=loop,
+    )  # fmt: skip
+    replayed = recompute_log_probs(run, batch)
+    mask = batch.response_mask
+    width = mask.shape[1]
+    valid = torch.arange(width)[None] < (batch.lengths - batch.prompt_lengths)[:, None]
+    return {
+        **loop.last_metrics,
+        "input_ids": batch.input_ids.tolist(),
+        "response_mask": mask.tolist(),
+        "rollout_log_probs": batch.rollout_log_probs,
+        "old_log_probs": replayed.log_probs,
+        "routing": batch.rollout_routing,
+        "gap": float(((replayed.log_probs - batch.rollout_log_probs).abs() * mask).max()),
+        "agreement": replayed.metrics["rollout_corr/router_agreement"],
+        "user_tokens": float((valid & (mask == 0)).sum()),
+        "model_tokens": float(mask.sum()),
+    }
 
 
 def _launch_size() -> int:
@@ -86,6 +136,9 @@ def main() -> None:
     with Console(run_dir / "logs", rank=dist.get_rank() if dist.is_initialized() else 0) as c:
         run = build_run(cfg, c, run_dir)
         try:
+            # the on modes' config holds the multi-turn loop (with vLLM on ranks of its own the
+            # rollout ranks build theirs from it); their training steps are single-turn
+            mt, run.engine.multi_turn = getattr(run.engine, "multi_turn", None), None
             first_sync(run)
             steps = STEPS + 1 if off else STEPS
             draws = steps + lag
@@ -108,6 +161,10 @@ def main() -> None:
                     "input_ids": batch.input_ids.tolist(),
                     "rewards": batch.token_level_rewards.sum(-1).tolist(),
                 })  # fmt: skip
+            if mt is not None:
+                from megarl.trainer.batch import pad_token_id
+
+                out["multi_turn"] = _multi_turn(run, mt, pad_token_id(run.tokenizer))
             out["weights"] = _hf_weights(run.actor.chunks, run.actor.model.dims)
             from megarl.planner.residency import residency
 

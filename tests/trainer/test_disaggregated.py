@@ -2,7 +2,8 @@
 (tests/trainer/_disagg_worker.py), 2 training ranks and 2 rollout ranks: at staleness 0, two
 GRPO steps of the tiny MoE (actor EP 2) replaying vLLM's routing (R3), with two vLLM replicas
 (TP 1) on ranks of their own, equal the colocated run of the same config and seeds (two
-colocated replicas); up to two steps off, with one vLLM engine of TP 2 on the rollout ranks,
+colocated replicas), and so does a multi-turn batch after them (issue 43: the routing composed
+on the rollout ranks comes back and is replayed); up to two steps off, with one vLLM engine of TP 2 on the rollout ranks,
 three ReMax steps (step 2 one step off, step 3 two) equal a colocated run (vLLM TP 2) whose
 engine gets each step's weights two steps late (actor PP 2, so the weights reach vLLM from both
 pipeline stages; ReMax's greedy batch asked for ahead with its sampled one); one step off, with
@@ -36,6 +37,14 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, pois
 """
 
 
+GSM8K_INTERACTION = """
+interaction:
+  - name: gsm8k
+    class_name: verl.interactions.gsm8k_interaction.Gsm8kInteraction
+    config: {}
+"""
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_overrides) -> dict:
     from megarl.models.tiny import make_tiny_model
@@ -56,6 +65,10 @@ def runs(tmp_path_factory, tiny_overrides) -> dict:
             f"actor_rollout_ref.model.path={tmp / 'moe'}",
             f"{MEG}.router_replay.mode=R3",
             "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+            # the multi-turn batch after the steps (the worker's _multi_turn)
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={tmp / 'gsm8k.yaml'}",
+            "actor_rollout_ref.rollout.max_model_len=384",
         ],
         # up to two steps off at TP 1 x PP 2: the weights reach vLLM (TP 2) from both stages;
         # ReMax, whose greedy batch goes ahead too; the synthetic task's scorer, raising for the
@@ -76,6 +89,7 @@ def runs(tmp_path_factory, tiny_overrides) -> dict:
     }
     (tmp / "spec.json").write_text(json.dumps(spec))
     (tmp / "scorer.py").write_text(POISONED_SCORER)
+    (tmp / "gsm8k.yaml").write_text(GSM8K_INTERACTION)
     # the one-step-off pair before split_off, which writes poison.json
     modes = {"colocated": 2, "split": 4, "colocated_one": 2, "split_one": 3,
              "colocated_off": 2, "split_off": 4}  # fmt: skip
@@ -113,6 +127,26 @@ def test_vllm_replicas_on_ranks_of_their_own_give_the_colocated_run(runs):
     )
     assert all(s["metrics"]["rollout/logprob_diff_max"] <= 1e-4 for s in runs["split"]["steps"])
     assert [s["metrics"]["async/staleness_max"] for s in runs["split"]["steps"]] == [0.0, 0.0]
+
+
+def test_multi_turn_routing_composed_on_the_rollout_ranks_is_replayed(runs):
+    """Issue 43 with R3 and vLLM on ranks of its own: the rollout ranks run the whole
+    multi-turn loop (3 model turns, verl's GSM8K interaction answering), composing each
+    trajectory's routing from its turns' requests (a model token's from its own turn); it
+    comes back with the trajectories and the actor's old log-probs replaying it equal vLLM's
+    on every model token. The same trajectories, routing and log-probs as the colocated run."""
+    co, split = runs["colocated"]["multi_turn"], runs["split"]["multi_turn"]
+    print({k: v for k, v in split.items() if isinstance(v, float)})
+    assert split["multi_turn/assistant_turns/mean"] > 2.5
+    assert split["user_tokens"] > 0 and split["model_tokens"] > 0
+    assert split["agreement"] >= 0.999
+    assert split["gap"] <= 1e-4
+    assert split["input_ids"] == co["input_ids"]
+    assert split["response_mask"] == co["response_mask"]
+    assert torch.equal(split["routing"], co["routing"])
+    mask = torch.tensor(co["response_mask"]).bool()
+    for key in ("rollout_log_probs", "old_log_probs"):
+        assert torch.allclose(split[key][mask], co[key][mask], atol=1e-5), key
 
 
 def test_bounded_staleness_trains_on_the_rollouts_of_older_weights(runs):
