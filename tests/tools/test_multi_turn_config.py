@@ -47,7 +47,6 @@ def test_disabled_settings_validate(tmp_path):
         ([f"{MT}.max_parallel_calls=0"], "max_parallel_calls=0 must be positive"),
         ([f"{MT}.use_inference_chat_template=true"], "use_inference_chat_template=true"),
         ([f"{MT}.num_repeat_rollouts=2"], "num_repeat_rollouts"),
-        ([f"{MT}.enable=true", "actor_rollout_ref.rollout.nnodes=1"], "vLLM on ranks of its own"),
     ],
 )
 def test_refusals_name_the_key_in_one_line(tmp_path, overrides, expected):
