@@ -31,9 +31,9 @@ LOGPROB_TOL = 1e-4
 EOT = 3  # <|im_end|> of the tiny tokenizer
 
 
-@pytest.fixture(scope="module")
-def launch(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("multi_turn")
+def _launch(out: Path, *args: str, log_name: str, done: str, what: str) -> None:
+    """``_multi_turn_launch.py OUT ARGS`` on 2 ranks, its output in ``out/log_name``; the test
+    fails with the log's tail unless it exits 0 and wrote ``out/done``."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
@@ -42,15 +42,21 @@ def launch(tmp_path_factory) -> Path:
         "TORCHDYNAMO_DISABLE": "1",
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(WORKER), str(out)]  # fmt: skip
-    log = out / "worker.log"
+           str(WORKER), str(out), *args]  # fmt: skip
+    log = out / log_name
     with log.open("w") as f:
         rc = subprocess.run(
             cmd, check=False, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=900
         ).returncode
-    if rc != 0 or not (out / "resume.pt").exists():
+    if rc != 0 or not (out / done).exists():
         tail = "\n".join(log.read_text().splitlines()[-60:])
-        pytest.fail(f"multi-turn launch failed (rc={rc}):\n{tail}")
+        pytest.fail(f"{what} failed (rc={rc}):\n{tail}")
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("multi_turn")
+    _launch(out, log_name="worker.log", done="resume.pt", what="multi-turn launch")
     return out
 
 
@@ -76,23 +82,7 @@ def resumed(launch) -> dict:
 @pytest.fixture(scope="module")
 def split(launch) -> list[dict]:
     """The split launch's steps 1 and 2 (on the colocated launch's model and data)."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "VLLM_LOGGING_LEVEL": "WARNING",
-        "OMP_NUM_THREADS": "1",
-        "TORCHDYNAMO_DISABLE": "1",
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(WORKER), str(launch), "split"]  # fmt: skip
-    log = launch / "split.log"
-    with log.open("w") as f:
-        rc = subprocess.run(
-            cmd, check=False, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=900
-        ).returncode
-    if rc != 0 or not (launch / "split.pt").exists():
-        tail = "\n".join(log.read_text().splitlines()[-60:])
-        pytest.fail(f"split multi-turn launch failed (rc={rc}):\n{tail}")
+    _launch(launch, "split", log_name="split.log", done="split.pt", what="split multi-turn launch")
     records = torch.load(launch / "split.pt", weights_only=False)
     for r in records:
         r["model"] = launch / "tiny"
