@@ -155,6 +155,21 @@ def rollout_batch(
     )
 
 
+def batch_from_samples(samples: Sequence, *, pad_token_id: int) -> StepBatch:
+    """:func:`rollout_batch` of an engine's ``RolloutSample``s, in their order: truncated where
+    the engine stopped at the length limit, each sample's ``response_mask`` (multi-turn: 1 on the
+    model's tokens only) as its token mask."""
+    return rollout_batch(
+        [s.prompt_token_ids for s in samples],
+        [s.response_token_ids for s in samples],
+        [s.response_logprobs for s in samples],
+        [s.prompt_id for s in samples],
+        [s.finish_reason == "length" for s in samples],
+        pad_token_id=pad_token_id,
+        token_masks=[s.response_mask for s in samples],
+    )
+
+
 def pad_token_id(tokenizer) -> int:
     """The id that right-pads token rows: the tokenizer's pad token, else its EOS, else 0 (padded
     positions are never attended to nor scored)."""

@@ -32,7 +32,7 @@ from megarl.rollout.distribute import generate_distributed
 from megarl.rollout.multi_turn import rollout_samples
 from megarl.rollout.multi_turn_rollout import MultiTurnRollout
 from megarl.trainer import split
-from megarl.trainer.batch import StepBatch, rollout_batch
+from megarl.trainer.batch import StepBatch, batch_from_samples
 from megarl.trainer.split import dp_share, fitting_micro_batch
 
 
@@ -70,15 +70,7 @@ def generate(
             step=step,
             **sampling,
         )
-    batch = rollout_batch(
-        [s.prompt_token_ids for s in out],
-        [s.response_token_ids for s in out],
-        [s.response_logprobs for s in out],
-        [s.prompt_id for s in out],
-        [s.finish_reason == "length" for s in out],
-        pad_token_id=pad_token_id,
-        token_masks=[s.response_mask for s in out],
-    )
+    batch = batch_from_samples(out, pad_token_id=pad_token_id)
     batch.rollout_routing = captured_routing(out, batch.input_ids.shape[1])
     return batch, out
 

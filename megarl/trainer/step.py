@@ -17,7 +17,7 @@ from megarl.algo import compute_advantage
 from megarl.data import PromptSample
 from megarl.reward import RewardResult
 from megarl.reward.manager import RewardError, result_rows
-from megarl.trainer.batch import StepBatch, pad_token_id, rollout_batch
+from megarl.trainer.batch import StepBatch, batch_from_samples, pad_token_id
 from megarl.trainer.metrics import Timer, step_metrics
 from megarl.trainer.passes import (
     actor_replay_routing,
@@ -326,12 +326,7 @@ def _join_groups(run: Run, parts, want: int):
             new_samples.append(dataclasses.replace(s, prompt_index=pid, prompt_id=pid))
             taken.append(r)
         picks.append((scored, taken))
-    batch = rollout_batch(
-        [s.prompt_token_ids for s in new_samples], [s.response_token_ids for s in new_samples],
-        [s.response_logprobs for s in new_samples], [s.prompt_id for s in new_samples],
-        [s.finish_reason == "length" for s in new_samples], pad_token_id=pad_token_id(run.tokenizer),
-        token_masks=[s.response_mask for s in new_samples],  # multi-turn: the model's tokens
-    )  # fmt: skip
+    batch = batch_from_samples(new_samples, pad_token_id=pad_token_id(run.tokenizer))
     samples = dataclasses.replace(parts[0][1], samples=new_samples)
     batch.rollout_routing = captured_routing(samples, batch.input_ids.shape[1])  # R3: theirs
     scored = result_rows(

@@ -138,7 +138,7 @@ def loop_record(run, out: Path) -> None:
         run_multi_turn,
     )
     from megarl.rollout.multi_turn_rollout import on_rank0
-    from megarl.trainer.batch import rollout_batch
+    from megarl.trainer.batch import batch_from_samples
     from megarl.trainer.residency import enter
 
     enter(run, "generate")
@@ -165,15 +165,7 @@ def loop_record(run, out: Path) -> None:
     if run.rank != 0:
         return
     samples = rollout_samples(trajs, n)
-    batch = rollout_batch(
-        [s.prompt_token_ids for s in samples],
-        [s.response_token_ids for s in samples],
-        [s.response_logprobs for s in samples],
-        [s.prompt_id for s in samples],
-        [s.finish_reason == "length" for s in samples],
-        pad_token_id=1,
-        token_masks=[s.response_mask for s in samples],
-    )
+    batch = batch_from_samples(samples, pad_token_id=1)
     reference = hf_log_probs(out / "tiny", trajs)
     record = {
         "warm_start_loss": json.loads((out / "warm_start.json").read_text())["loss"],
