@@ -20,11 +20,9 @@ import pytest
 import torch
 
 from tests.conftest import run_torchrun
+from tests.trainer._update_reference import ADAM_EPS, LOCAL_COUNTS, _actor_outputs
 from tests.trainer.test_update_equivalence import (
-    ADAM_EPS,
-    LOCAL_COUNTS,
     SPEC,
-    _actor_outputs,
     setup,  # noqa: F401 - the fixed batch and tiny model, a fixture shared with that module
 )
 

@@ -1,0 +1,201 @@
+"""The single-process references of the update-equivalence tests
+(``tests/trainer/test_update_equivalence.py``, ``test_lora_update.py``): the actor's and the
+critic's update written in one process from ``transformers``' model (float64) and
+``megarl.algo``'s functions, a plain loop over the mini-batches."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+ADAM_EPS = 1e-5
+"""Adam's first step moves a weight by lr·g/(|g| + eps), which turns rounding noise in gradients
+near eps into weight differences: with eps 1e-8, single elements of 32768 moved by ~1e-4
+(HF vs Megatron); with 1e-6, fp32 at TP2·DP2 with the distributed optimizer vs fp32 at (1,1,1)
+differed by 1.2e-5. eps 1e-5 keeps the comparison well conditioned and still exercises the
+decay groups (lr·wd·w = 1e-4·w), bias correction and clipping."""
+
+
+def _positions(
+    plen: torch.Tensor, lens: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    k = torch.arange(width)[None]
+    mask = k < (lens - plen)[:, None]
+    return (plen[:, None] - 1 + k).clamp(min=0), mask
+
+
+def _actor_outputs(hf, ids, plen, lens, width, temperature, router=None):
+    """Log-prob and entropy of every response token under ``hf`` at ``temperature``; a MoE
+    model's router logits per layer (``[B·S, E]``) go into the list ``router`` when given."""
+    out = hf(ids, output_router_logits=True) if router is not None else hf(ids)
+    if router is not None:
+        router.extend(out.router_logits)
+    logits = out.logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    pos, mask = _positions(plen, lens, width)
+    pos = pos.clamp(max=ids.shape[1] - 2)
+    targets = ids.gather(1, pos + 1)
+    at_pos = logp.gather(1, pos[..., None].expand(-1, -1, logp.shape[-1]))
+    token_logp = at_pos.gather(2, targets[..., None]).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1).gather(1, pos)
+    return token_logp * mask, entropy * mask, mask.float()
+
+
+LOCAL_COUNTS = {
+    "rollout_is_weights": None,
+    "global_token_count": None,
+    "global_seq_count": None,
+    "seq_token_counts": None,
+}
+"""The reference holds the whole mini-batch: its own token and sequence counts (None: the loss
+counts them) are the global ones."""
+
+
+def _router_losses(router: list, lens: torch.Tensor, seq: int, micro: int) -> dict:
+    """The routers' auxiliary losses of one mini-batch as Megatron defines them, from the Switch
+    Transformer / ST-MoE formulas: per micro-batch (``micro`` consecutive sequences) and layer,
+    over the micro-batch's T tokens without padding, load balancing E/(k·T²)·Σ_e P_e·N_e (P_e the
+    summed softmax probability of expert e, N_e the tokens routing to it among their top k) and
+    z-loss mean_t logsumexp(logits_t)²; each micro-batch weighted by T / (the mini-batch's
+    tokens); summed over layers (the objective) and averaged over them (the metric)."""
+    valid = (torch.arange(seq)[None] < lens[:, None]).reshape(-1)
+    rows = torch.arange(len(lens)).repeat_interleave(seq)
+    total, k = float(lens.sum()), 2  # the tiny MoE's top-k
+    out = {"aux": torch.zeros((), dtype=torch.float64), "z": torch.zeros((), dtype=torch.float64)}
+    for logits in router:
+        for start in range(0, len(lens), micro):
+            pick = valid & (rows >= start) & (rows < start + micro)
+            lg = logits[pick].double()
+            t, e = lg.shape
+            probs = torch.softmax(lg, dim=-1)
+            chosen = torch.zeros_like(probs).scatter(1, probs.topk(k, dim=1).indices, 1.0)
+            aux = e / (k * t * t) * (probs.sum(0) * chosen.sum(0)).sum()
+            z = (torch.logsumexp(lg, dim=-1) ** 2).mean()
+            out["aux"] = out["aux"] + t / total * aux
+            out["z"] = out["z"] + t / total * z
+    return out
+
+
+def reference_update(spec: dict, data: dict, case: dict, optimizer: str, model: str = ""):
+    """The update as one process computes it: per mini-batch, full forward, loss, step."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.algo import agg_loss, compute_policy_loss, kl_penalty
+
+    # float64: the comparison then measures megarl's fp32 error, not the sum of two fp32
+    # implementations' errors (HF's sdpa attention and Megatron's local spec round differently).
+    # A MoE model with the eager experts: transformers' grouped GEMM refuses float64.
+    moe = {"experts_implementation": "eager"} if model else {}
+    hf = AutoModelForCausalLM.from_pretrained(model or spec["model"], dtype=torch.float64, **moe)
+    coeffs = case.get("moe", {})
+    named = dict(hf.named_parameters())
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(named.values(), lr=1.0)
+    else:
+        decay = [p for n, p in named.items() if p.ndim >= 2 and not n.endswith(".bias")]
+        no_decay = [p for n, p in named.items() if not (p.ndim >= 2 and not n.endswith(".bias"))]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=1e-3, betas=(0.9, 0.999), eps=ADAM_EPS,
+        )  # fmt: skip
+    mode, width = case["loss_agg_mode"], data["mask"].shape[1]
+    scale = {"loss_scale_factor": case.get("loss_scale_factor")}
+    sums = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "grad_norm": 0.0}
+    sums.update({"moe_aux_loss": 0.0, "moe_z_loss": 0.0} if coeffs else {})
+    per_mini = case.get("responses_per_mini_batch", spec["responses_per_mini_batch"])
+    minis = torch.arange(len(data["responses"])).split(per_mini)
+    for rows in minis:
+        router: list | None = [] if coeffs else None
+        ids = data["ids"][rows]
+        logp, entropy, mask = _actor_outputs(
+            hf, ids, data["plen"][rows], data["lens"][rows], width, spec["temperature"], router
+        )
+        advantages = data["advantages"][rows]
+        if case.get("multi_turn"):  # the model's tokens only
+            mask, advantages = data["mt_mask"][rows].double(), data["mt_advantages"][rows]
+        old = data["old_log_probs"][rows].double()
+        pg, pg_metrics = compute_policy_loss(
+            "vanilla", old_log_prob=old, log_prob=logp,
+            advantages=advantages.double(), response_mask=mask, loss_agg_mode=mode,
+            **spec["clip"], **scale, **LOCAL_COUNTS,
+        )  # fmt: skip
+        ref = data["ref_log_probs"][rows].double()
+        kl = agg_loss(kl_penalty(logp, ref, "low_var_kl"), mask, mode, **scale)
+        ent = agg_loss(entropy, mask, mode, **scale)
+        loss = pg - spec["entropy_coeff"] * ent + spec["kl_loss_coef"] * kl
+        if coeffs:
+            terms = _router_losses(
+                router, data["lens"][rows], ids.shape[1], spec["micro_batch_size"]
+            )
+            loss = loss + coeffs["moe_aux_loss_coeff"] * terms["aux"]
+            loss = loss + coeffs["moe_z_loss_coeff"] * terms["z"]
+            sums["moe_aux_loss"] += float(terms["aux"].detach()) / len(router)
+            sums["moe_z_loss"] += float(terms["z"].detach()) / len(router)
+        opt.zero_grad()
+        loss.backward()
+        norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in named.values()))
+        if optimizer == "adamw":
+            torch.nn.utils.clip_grad_norm_(named.values(), 1.0)
+        opt.step()
+        sums["pg_loss"] += float(pg.detach())
+        sums["pg_clipfrac"] += float(pg_metrics["pg_clipfrac"])
+        sums["ppo_kl"] += float(pg_metrics["ppo_kl"])
+        sums["grad_norm"] += norm
+    means = {k: v / len(minis) for k, v in sums.items()}
+    return _checkpoint_names({n: p.detach().float().clone() for n, p in named.items()}), means
+
+
+def _checkpoint_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' fused in-memory experts (``experts.gate_up_proj [E, 2I, H]``, gate rows
+    first, and ``experts.down_proj [E, H, I]``) under the checkpoint's per-expert names."""
+    out = {}
+    for name, t in weights.items():
+        prefix, _, leaf = name.rpartition(".")
+        if prefix.endswith("mlp.experts") and leaf in ("gate_up_proj", "down_proj"):
+            for e, w in enumerate(t):
+                if leaf == "down_proj":
+                    out[f"{prefix}.{e}.down_proj.weight"] = w
+                else:
+                    gate, up = w.chunk(2, dim=0)
+                    out[f"{prefix}.{e}.gate_proj.weight"] = gate
+                    out[f"{prefix}.{e}.up_proj.weight"] = up
+        else:
+            out[name] = t
+    return out
+
+
+def reference_critic_update(spec: dict, data: dict) -> tuple[dict, float]:
+    """The critic's SGD update (lr 1) as one process computes it in float64: transformers'
+    decoder, the value head megarl seeds (``ValueHead``'s draw), per mini-batch the clipped value
+    loss over the whole mini-batch (token-mean), backward, step. Returns the weights (HF names,
+    the head as ``score.weight``) and the mean ``vf_loss``."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.algo.value_loss import compute_value_loss
+    from megarl.models.gpt import ValueHead
+
+    hf = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float64)
+    head = ValueHead(hf.config.hidden_size, torch.float64, seed=spec["value_head_seed"])
+    params = {
+        **{f"model.{n}": p for n, p in hf.model.named_parameters()},
+        "score.weight": head.weight,
+    }
+    opt = torch.optim.SGD(params.values(), lr=1.0)
+    width, losses = data["mask"].shape[1], []
+    for rows in torch.arange(len(data["responses"])).split(spec["responses_per_mini_batch"]):
+        ids, plen, lens = data["ids"][rows], data["plen"][rows], data["lens"][rows]
+        hidden = hf.model(ids).last_hidden_state
+        values = head(hidden)[0].squeeze(-1)  # [b, S]: the value of the state after each token
+        pos, mask = _positions(plen, lens, width)
+        vpreds = values.gather(1, pos.clamp(max=ids.shape[1] - 1)) * mask
+        loss, _ = compute_value_loss(
+            vpreds, data["returns"][rows].double(), data["values"][rows].double(), mask.double(),
+            cliprange_value=spec["cliprange_value"], loss_agg_mode="token-mean",
+        )  # fmt: skip
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    weights = {n: p.detach().float().clone() for n, p in params.items()}
+    return _checkpoint_names(weights), sum(losses) / len(losses)
