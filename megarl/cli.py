@@ -150,7 +150,8 @@ def _validate(args: argparse.Namespace) -> int:
     warnings = validate(cfg, args.world_size)
     warnings += memory_warnings(cfg, args.world_size)
     _print_warnings(warnings)
-    print(f"ok: {' + '.join(args.config)} is valid. {_summary(cfg, args.world_size)}")
+    what = " + ".join(args.config) or "the defaults with these overrides"
+    print(f"ok: {what} is valid. {_summary(cfg, args.world_size)}")
     return 0
 
 

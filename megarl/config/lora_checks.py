@@ -51,16 +51,6 @@ def check_lora(cfg, error: Error) -> None:
         error(f"{L}.a2a_experimental=true is not built; use false")
     if lora.dtype is not None:
         error(f"{L}.dtype is not built: adapters take the actor's dtype; leave it null")
-    meg = cfg.actor_rollout_ref.actor.megatron
-    impl = meg.transformer_impl
-    if impl == "transformer_engine" or (impl == "auto" and cfg.trainer.device == "cuda"):
-        # auto on CUDA builds Transformer Engine's spec (megarl.models.gpt), whose linears
-        # attach_adapters refuses: said here, before anything starts
-        error(
-            f"LoRA on Transformer Engine's linears is not built: actor megatron.transformer_impl="
-            f"{impl} with trainer.device={cfg.trainer.device} builds them; set "
-            f"megatron.transformer_impl=local ({L}.rank > 0)"
-        )
 
 
 def lora_enabled(cfg) -> bool:

@@ -29,6 +29,13 @@ sequence, and the adapter follows the base linear's communication at width ``r``
   ``reduce_scatter_to_sequence_parallel_region`` to ``[s/tp, b, r]``, matching the base output's
   reduce-scatter; B (replicated) sees this rank's sequence part: marked ``sequence_parallel``.
 
+Transformer Engine's spec fuses the norm into ``linear_qkv`` and ``linear_fc1``
+(``TELayerNormColumnParallelLinear``), so the block's input is not the adapter's: the adapter
+takes the norm's output, which TE returns beside the linear's once its documented
+``return_layernorm_output`` is set (as Megatron-Bridge's LoRA does); the hook hands the caller the
+usual ``(output, bias)``. TE's row- and column-parallel linears take their input as the local
+spec's do.
+
 Initial values are drawn for the full (unsharded) tensors from a generator seeded by the seed and
 the parameter's global name, then sliced: the same adapters at every TP×PP layout. B starts at
 zero (verl's ``lora_B_init_method=zero``), so step 0 equals the base model.
@@ -58,7 +65,7 @@ from megatron.core.tensor_parallel.layers import (
 
 from megarl.models import hf_mapping as hm
 from megarl.models import moe_mapping as mm
-from megarl.models.gpt import layer_offset, unwrap
+from megarl.models.gpt import layer_offset, transformer_engine_import_error, unwrap
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """Megatron linear names adapters can target (verl's default: all four)."""
@@ -235,13 +242,29 @@ class LoraAdapter(torch.nn.Module):
         return y
 
 
-def _add_adapter_output(module: torch.nn.Module, args: tuple, output):
-    """Forward hook of an adapted linear: its output plus the adapter's (when enabled)."""
-    adapter = module.lora
-    if not adapter.enabled:
+def _add_adapter_output(module: torch.nn.Module, args: tuple, output, *, norm_fused=False):
+    """Forward hook of an adapted linear: its output plus the adapter's (when enabled), as the
+    ``(output, bias)`` pair Megatron's callers take. ``norm_fused``: Transformer Engine's fused
+    norm + linear, asked for its norm's output (the adapter's input; :func:`_norm_output`)."""
+    if norm_fused:
+        out, bias, x = _norm_output(output)
+    else:
+        (out, bias), x = output, args[0]
+    if module.lora.enabled:
+        out = out + module.lora(x).to(out.dtype)
+    return out, bias
+
+
+def _norm_output(output: tuple) -> tuple:
+    """``(out, bias, norm output)`` of Megatron's ``TELayerNormColumnParallelLinear`` once TE's
+    ``return_layernorm_output`` is set: TE's ``LayerNormLinear`` then returns ``(out, ln_out)``,
+    or ``(out, bias, ln_out)`` with ``return_bias``, and Megatron's wrapper passes the latter on
+    and pairs the former with ``None``. ``ln_out`` is this rank's sequence part under sequence
+    parallelism (``return_layernorm_output_gathered`` stays off), as the local spec's input."""
+    if len(output) == 3:
         return output
-    out, bias = output
-    return out + adapter(args[0]).to(out.dtype), bias
+    (out, ln_out), bias = output
+    return out, bias, ln_out
 
 
 def _targeted(path: str, settings: LoraSettings) -> bool:
@@ -303,15 +326,7 @@ def attach_adapters(
             global_name = _global_name(path, offset, model.config)
             expert = mm.is_expert_param(global_name)
             dtype = linear.weight.dtype
-            if isinstance(linear, ColumnParallelLinear):
-                kind, in_f, out_f = "column", linear.input_size, linear.output_size
-            elif isinstance(linear, RowParallelLinear):
-                kind, in_f, out_f = "row", linear.input_size, linear.output_size
-            else:
-                raise LoraError(
-                    f"LoRA on {type(linear).__name__} ({path}) is not built: adapters attach to "
-                    "the local spec's parallel linears (megatron.transformer_impl=local)"
-                )
+            kind, in_f, out_f, norm_fused = _linear_kind(linear, path)
             a = _init_full(settings.a_init, (settings.rank, in_f), in_f, settings.rank,
                            settings.seed, global_name + ".A")  # fmt: skip
             b = _init_full(settings.b_init, (out_f, settings.rank), settings.rank, out_f,
@@ -324,13 +339,56 @@ def attach_adapters(
             if expert:  # reduced over the expert data-parallel group, as the expert weights
                 for p in (linear.lora.A, linear.lora.B):
                     p.allreduce = False
-            linear.register_forward_hook(_add_adapter_output)
+            if norm_fused:  # the adapter's input is the fused norm's output: TE returns it
+                linear.return_layernorm_output = True
+            linear.register_forward_hook(
+                functools.partial(_add_adapter_output, norm_fused=norm_fused)
+            )
             fc1 = kind == "column" and path.endswith("linear_fc1")
             linear.sharded_state_dict = types.MethodType(
                 functools.partial(_sharded_state_dict_with_adapter, fc1=fc1), linear
             )
             count += 1
     return count
+
+
+def _linear_kind(linear: torch.nn.Module, path: str) -> tuple[str, int, int, bool]:
+    """(``column`` or ``row``, full input size, full output size, fused norm) of a linear of the
+    local spec (Megatron's parallel linears) or of Transformer Engine's spec (Megatron's
+    ``TEColumnParallelLinear`` / ``TERowParallelLinear`` / ``TELayerNormColumnParallelLinear``,
+    whose ``parallel_mode`` says the split and whose ``tp_size`` how many ranks share it)."""
+    if isinstance(linear, ColumnParallelLinear | RowParallelLinear):
+        kind = "column" if isinstance(linear, ColumnParallelLinear) else "row"
+        return kind, linear.input_size, linear.output_size, False
+    te_norm_linear, te_linear = _te_linear_types()
+    if isinstance(linear, te_norm_linear | te_linear) and linear.parallel_mode in ("column", "row"):
+        out_local, in_local = linear.weight.shape
+        column = linear.parallel_mode == "column"
+        in_f = in_local if column else in_local * linear.tp_size
+        out_f = out_local * linear.tp_size if column else out_local
+        return linear.parallel_mode, in_f, out_f, isinstance(linear, te_norm_linear)
+    raise LoraError(
+        f"LoRA on {type(linear).__name__} ({path}) is not built: adapters attach to Megatron's "
+        "tensor-parallel linears (local spec) and Transformer Engine's (TE spec)"
+    )
+
+
+@functools.cache
+def _te_linear_types() -> tuple[type, type]:
+    """Megatron's TE fused norm + linear class and TE's linear base class; where Transformer
+    Engine does not import (CPU), a class no module is an instance of."""
+    if transformer_engine_import_error() is not None:
+        absent = type("NoTransformerEngine", (), {})
+        return absent, absent
+    import transformer_engine.pytorch as te
+
+    return te.LayerNormLinear, te.Linear
+
+
+def _tp_group(linear: torch.nn.Module):
+    """The linear's TP group: ``tp_group`` on Megatron's linears, ``_tp_group`` on its TE ones."""
+    group = getattr(linear, "tp_group", None)
+    return group if group is not None else linear._tp_group
 
 
 def _sharded_state_dict_with_adapter(
@@ -356,7 +414,7 @@ def _sharded_state_dict_with_adapter(
     axis = {"lora.B": 0} if lora.parallel == "column" else {"lora.A": 1}
     out.update(make_sharded_tensors_for_checkpoint(
         {"lora.A": lora.A, "lora.B": lora.B}, prefix, axis, sharded_offsets,
-        tp_group=linear.tp_group, dp_cp_group=metadata["dp_cp_group"],
+        tp_group=_tp_group(linear), dp_cp_group=metadata["dp_cp_group"],
     ))  # fmt: skip
     if fc1:
         key = f"{prefix}lora.B"

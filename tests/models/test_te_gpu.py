@@ -116,3 +116,52 @@ def test_te_packed_rows_match_padded_rows(te_model):
     scale = out[False].log_probs.abs().max()
     assert (out[True].log_probs - out[False].log_probs).abs().max() <= 0.05 * scale
     assert (out[True].entropy - out[False].entropy).abs().max() <= 0.05 * out[False].entropy.max()
+
+
+def test_te_lora_logits_match_hf_peft(te_model, tmp_path):
+    """LoRA on Transformer Engine's linears (fp32): the fused norm+linear's adapter takes TE's
+    returned norm output. Logits equal HF + ``peft`` loading the actor's own PEFT export, the
+    adapters off give the base model, and only the adapters get gradients."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from megarl.models.build import build_model
+    from megarl.models.lora import (
+        LoraSettings,
+        adapters_disabled,
+        attach_adapters,
+        freeze_base,
+    )
+    from megarl.models.lora_peft import export_peft_adapter
+    from megarl.models.runner import causal_mask
+    from megarl.parallel.layout import ParallelLayout
+
+    path = te_model[0]
+    built = build_model(
+        path, ParallelLayout(1, 1), dtype=torch.float32, transformer_impl="transformer_engine"
+    )
+    chunks, dims = built.chunks, built.dims
+    settings = LoraSettings(rank=4, alpha=16.0, a_init="xavier", b_init="normal", seed=5)
+    assert attach_adapters(chunks, settings) == 4 * dims.num_layers
+    freeze_base(chunks)
+    ids = torch.randint(0, dims.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    ids = ids.cuda()
+    pos = torch.arange(16, device="cuda")[None].expand_as(ids)
+    mask = causal_mask(16, ids.device)
+    ours = chunks[0](ids, pos, mask)[..., : dims.vocab_size].float()
+    (ours * torch.linspace(-1, 1, dims.vocab_size, device="cuda")).sum().backward()
+    with torch.no_grad(), adapters_disabled(chunks):
+        off = chunks[0](ids, pos, mask)[..., : dims.vocab_size].float()
+    export_peft_adapter(chunks, dims, settings, tmp_path / "peft")
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
+    with torch.no_grad():
+        base_logits = base(ids).logits.float()
+        ref = PeftModel.from_pretrained(base, str(tmp_path / "peft"))(ids).logits.float()
+    scale = ref.abs().max()
+    print(f"TE LoRA vs HF + peft {(ours - ref).abs().max():.3g} (scale {scale:.3g})")
+    assert (ours.detach() - ref).abs().max() <= 1e-3 * scale
+    assert (ours.detach() - base_logits).abs().max() >= 1e-2 * scale  # the adapters matter
+    assert (off - base_logits).abs().max() <= 1e-3 * scale
+    grads = {n: p.grad for n, p in chunks[0].named_parameters()}
+    assert all(g is not None for n, g in grads.items() if ".lora." in n)
+    assert all(g is None for n, g in grads.items() if ".lora." not in n)
