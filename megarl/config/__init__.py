@@ -37,7 +37,6 @@ from megarl.config.schema import (
     ActorConfig,
     ActorRolloutRefConfig,
     AlgorithmConfig,
-    ArchitectureConfig,
     CriticConfig,
     CustomRewardFunctionConfig,
     DataConfig,
@@ -52,6 +51,7 @@ from megarl.config.schema import (
     RolloutCorrectionConfig,
     TrainerConfig,
 )
+from megarl.config.schema_model import ArchitectureConfig
 from megarl.config.schema_rollout import RolloutConfig, SamplingConfig
 from megarl.config.validate import validate
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.config.model_dims import known_dims, read_hf_config
-from megarl.config.schema import ArchitectureConfig, ModelConfig
+from megarl.config.schema_model import ArchitectureConfig, ModelConfig
 
 
 @dataclass(frozen=True)
