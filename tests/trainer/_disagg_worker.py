@@ -4,7 +4,11 @@ rollout ranks serve the trainer's commands, megarl.rollout.remote.engine). Rank 
 step's metrics, responses and rewards, and the actor's final weights (HF names), to
 ``<tmp>/<mode>.pt``:
 
-    torchrun --nproc_per_node 2|3|4 _disagg_worker.py SPEC.json MODE
+    torchrun --nproc_per_node 2|3|4 _disagg_worker.py SPEC.json MODE [MODE ...]
+
+Several colocated modes run one after another in one launch of 2 ranks (each builds its run
+afresh, its engine shut down after it: the launch's imports and start-up are paid once); a split
+mode runs alone.
 
 Modes: ``colocated`` and ``split`` (2 steps, staleness 0, the tiny MoE with R3, then one
 multi-turn batch with R3: :func:`_multi_turn`); ``split_off``
@@ -101,7 +105,26 @@ def _launch_size() -> int:
 
 
 def main() -> None:
-    spec, mode = json.loads(Path(sys.argv[1]).read_text()), sys.argv[2]
+    spec, modes = json.loads(Path(sys.argv[1]).read_text()), sys.argv[2:]
+    if len(modes) > 1 and any(m.startswith("split") for m in modes):
+        raise SystemExit(f"a split mode runs alone in its launch: {modes}")
+    from megarl.parallel.init import destroy_distributed
+    from megarl.trainer import step as step_module
+
+    sync_engine = step_module.sync_engine
+    for mode in modes:
+        try:
+            trained = _run_mode(spec, mode, last=mode == modes[-1])
+        finally:  # the colocated off-policy modes replace it (_sync_with_older_weights)
+            step_module.sync_engine = sync_engine
+    if trained:  # a split launch's rollout ranks leave once the trainer stopped them
+        dist.barrier()
+        destroy_distributed()
+
+
+def _run_mode(spec: dict, mode: str, *, last: bool) -> bool:
+    """One mode's run (see the module docstring); rank 0 saves ``<tmp>/<mode>.pt``. False on
+    a rollout rank of a split launch."""
     from megarl.config import load_config
     from megarl.config.loader import resolve_config
     from megarl.trainer.console import Console
@@ -125,8 +148,7 @@ def main() -> None:
             from megarl.trainer.setup import serve_rollout
 
             serve_rollout(cfg)
-            return
-    from megarl.parallel.init import destroy_distributed
+            return False
     from megarl.trainer.setup import build_run
     from megarl.trainer.step import first_sync, train_step
     from tests.trainer._update_worker import _hf_weights
@@ -182,12 +204,11 @@ def main() -> None:
                     out["scorer_error"] = str(exc)
         finally:
             run.rewards.close()
-            if mode.startswith("split"):
+            if mode.startswith("split") or not last:  # another mode's engine comes next
                 run.engine.shutdown()
     if dist.get_rank() == 0:
         torch.save(out, Path(spec["tmp"]) / f"{mode}.pt")
-    dist.barrier()
-    destroy_distributed()
+    return True
 
 
 if __name__ == "__main__":

@@ -90,12 +90,14 @@ def runs(tmp_path_factory, tiny_overrides) -> dict:
     (tmp / "spec.json").write_text(json.dumps(spec))
     (tmp / "scorer.py").write_text(POISONED_SCORER)
     (tmp / "gsm8k.yaml").write_text(GSM8K_INTERACTION)
-    # the one-step-off pair before split_off, which writes poison.json
-    modes = {"colocated": 2, "split": 4, "colocated_one": 2, "split_one": 3,
-             "colocated_off": 2, "split_off": 4}  # fmt: skip
-    for mode, world in modes.items():
-        run_torchrun(WORKER, world, [str(tmp / "spec.json"), mode], timeout=900)
-    return {m: torch.load(tmp / f"{m}.pt", weights_only=False) for m in modes}
+    # the three colocated references in one launch of 2 ranks, one after another (each its own
+    # run and engine); then each split run in a launch of its own, split_off last (it writes
+    # poison.json)
+    launches = [(2, ["colocated", "colocated_one", "colocated_off"]), (4, ["split"]),
+                (3, ["split_one"]), (4, ["split_off"])]  # fmt: skip
+    for world, modes in launches:
+        run_torchrun(WORKER, world, [str(tmp / "spec.json"), *modes], timeout=900)
+    return {m: torch.load(tmp / f"{m}.pt", weights_only=False) for _, ms in launches for m in ms}
 
 
 def test_the_trainer_sees_its_own_world(runs):
