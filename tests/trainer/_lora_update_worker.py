@@ -1,6 +1,7 @@
 """One GRPO actor update with LoRA adapters on a fixed batch, at TP 2, PP 2, DP 2 with the
 distributed optimizer and TP 2 with sequence parallelism (the local spec, its norms marked as in
-``_critic_sp_worker.py``) (one 2-rank launch; ``test_lora_update.py`` holds the reference).
+``_critic_sp_worker.py``), and the tiny Qwen3-MoE at EP 2 with adapters on attention and every
+expert's linears (one 2-rank launch; ``test_lora_update.py`` holds the reference).
 
 The actor is built as the trainer builds it (adapters attached, base frozen, then Megatron DDP
 and optimizer) and updated by ``megarl.trainer.update.update_policy``; rank 0 saves the adapters
@@ -21,6 +22,10 @@ from tests.trainer._update_worker import _enter_weight_read, _rollout
 
 LAYOUTS = [(2, 1, False, False), (1, 2, False, False), (1, 1, True, False), (2, 1, False, True)]
 """(TP, PP, distributed optimizer, sequence parallelism); DP is what remains of 2 ranks."""
+MOE_CASES = [("sgd", False), ("sgd_clip", False), ("adamw", True)]
+"""The MoE model at TP 1 × EP 2 (DP 2, expert-DP 1: each rank the adapters of its 4 experts):
+(optimizer, distributed optimizer). ``sgd_clip``: SGD whose clipping bites (the grad norm, each
+expert adapter counted once, scales the step)."""
 
 
 def _adapters_as_peft(chunks, dims) -> dict[str, torch.Tensor]:
@@ -49,7 +54,9 @@ def _base_weights(chunks, dims) -> dict[str, torch.Tensor]:
     return {k: v for box in boxes for k, v in box.items()}
 
 
-def _case(spec: dict, tp: int, pp: int, dist_opt: bool, sp: bool, optimizer: str) -> dict:
+def _case(
+    spec: dict, tp: int, pp: int, dist_opt: bool, sp: bool, optimizer: str, *, ep: int = 1
+) -> dict:
     from megarl.models.build import build_model
     from megarl.models.gpt import unwrap
     from megarl.models.lora import BaseModelView, LoraSettings, attach_adapters, freeze_base
@@ -59,17 +66,18 @@ def _case(spec: dict, tp: int, pp: int, dist_opt: bool, sp: bool, optimizer: str
     from megarl.trainer.passes import global_log_probs
     from megarl.trainer.update import PolicyUpdate, update_policy
 
-    layout = ParallelLayout(tp, pp, None, sequence_parallel=sp)
+    layout = ParallelLayout(tp, pp, None, sequence_parallel=sp, expert_model_parallel_size=ep)
     init_distributed(layout, seed=1234)
     dtype = torch.float32 if dist_opt else torch.float64  # Megatron's dist. optimizer: fp32/bf16
-    built = build_model(spec["model"], layout, dtype=dtype)
+    built = build_model(spec["moe_model"] if ep > 1 else spec["model"], layout, dtype=dtype)
     assert all(bool(unwrap(c).config.sequence_parallel) == sp for c in built.chunks)
-    attach_adapters(built.chunks, LoraSettings(**spec["lora"]))
+    attach_adapters(built.chunks, LoraSettings(**spec["lora"]), allow_experts=ep > 1)
     freeze_base(built.chunks)
     before = _adapters_as_peft(built.chunks, built.dims)
-    if optimizer == "sgd":
+    if optimizer.startswith("sgd"):
+        clip = spec["sgd_clip"] if optimizer == "sgd_clip" else 0.0
         settings = OptimizerSettings(lr=spec["sgd_lr"], optimizer="sgd", weight_decay=0.0,
-                                     clip_grad=0.0, use_distributed_optimizer=False,
+                                     clip_grad=clip, use_distributed_optimizer=False,
                                      grad_reduce_in_fp32=False)  # fmt: skip
     else:
         settings = OptimizerSettings(lr=1e-3, weight_decay=0.1, eps=spec["adam_eps"],
@@ -125,6 +133,9 @@ def main() -> None:
         key = f"tp{tp}_pp{pp}" + ("_dp2_distopt" if dist_opt else "") + ("_sp" if sp else "")
         for optimizer in ("adamw",) if dist_opt else ("sgd",) if sp else ("sgd", "adamw"):
             results[f"{key}/{optimizer}"] = _case(spec, tp, pp, dist_opt, sp, optimizer)
+    for optimizer, dist_opt in MOE_CASES:
+        key = "moe_tp1_ep2" + ("_distopt" if dist_opt else "")
+        results[f"{key}/{optimizer}"] = _case(spec, 1, 1, dist_opt, False, optimizer, ep=2)
     if dist.get_rank() == 0:
         torch.save(results, Path(spec["tmp"]) / "lora_update.pt")
     dist.barrier()

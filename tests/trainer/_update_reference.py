@@ -5,7 +5,9 @@ critic's update written in one process from ``transformers``' model (float64) an
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
 
@@ -199,3 +201,110 @@ def reference_critic_update(spec: dict, data: dict) -> tuple[dict, float]:
         losses.append(float(loss.detach()))
     weights = {n: p.detach().float().clone() for n, p in params.items()}
     return _checkpoint_names(weights), sum(losses) / len(losses)
+
+
+class _MergedLora:
+    """An HF model run with LoRA as merged weights, ``W + scaling · B A`` recomputed from leaf
+    adapter tensors at every call (``torch.func.functional_call``), so their gradients are the
+    LoRA gradients: no ``peft``, and transformers' fused MoE experts (``gate_up_proj [E, 2I, H]``,
+    gate rows first; ``down_proj [E, H, I]``) take per-expert adapters. ``adapters`` are PEFT
+    names (``base_model.model.<module>.lora_A.weight``, per-expert modules
+    ``mlp.experts.{e}.gate_proj``); the A of q/k/v (an expert's gate/up) must be one tensor, and
+    is one leaf, as megarl's fused linear has one A."""
+
+    def __init__(self, hf, adapters: dict[str, torch.Tensor], scaling: float) -> None:
+        self.hf, self.scaling = hf, scaling
+        self.params: dict[str, torch.Tensor] = {}  # leaf name -> tensor
+        self.modules: dict[str, tuple[str, str]] = {}  # HF module -> (A leaf, B leaf)
+        for key, b in adapters.items():
+            if ".lora_B." not in key:
+                continue
+            module = key.removeprefix("base_model.model.").split(".lora_B.")[0]
+            head, leaf = module.rsplit(".", 1)
+            fused = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "fc1",
+                     "up_proj": "fc1"}.get(leaf, leaf)  # fmt: skip
+            a_leaf = f"{head}.{fused}.A"
+            a = adapters[key.replace(".lora_B.", ".lora_A.")].double()
+            if a_leaf in self.params:
+                assert torch.equal(self.params[a_leaf].detach(), a), key  # one shared A
+            else:
+                self.params[a_leaf] = a.clone().requires_grad_()
+            self.params[f"{module}.B"] = b.double().clone().requires_grad_()
+            self.modules[module] = (a_leaf, f"{module}.B")
+        self.base = {n: p.detach() for n, p in hf.named_parameters()}
+
+    def _delta(self, module: str) -> torch.Tensor:
+        a, b = self.modules[module]
+        return self.params[b] @ self.params[a] * self.scaling
+
+    def merged(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, w in self.base.items():
+            head, leaf = name.rsplit(".", 1)
+            if leaf == "weight" and head in self.modules:
+                out[name] = w + self._delta(head)
+            elif head.endswith("mlp.experts") and f"{head}.0.down_proj" in self.modules:
+                n = w.shape[0]
+                if leaf == "gate_up_proj":
+                    deltas = [torch.cat([self._delta(f"{head}.{e}.gate_proj"),
+                                         self._delta(f"{head}.{e}.up_proj")]) for e in range(n)]  # fmt: skip
+                else:
+                    deltas = [self._delta(f"{head}.{e}.down_proj") for e in range(n)]
+                out[name] = w + torch.stack(deltas)
+        return out
+
+    def __call__(self, ids, **kwargs):
+        return torch.func.functional_call(self.hf, self.merged(), (ids,), kwargs, strict=False)
+
+    def peft_state(self) -> dict[str, torch.Tensor]:
+        """The adapters in ``adapters``' PEFT names (each projection its fused linear's A)."""
+        out = {}
+        for module, (a, b) in self.modules.items():
+            out[f"base_model.model.{module}.lora_A.weight"] = self.params[a].detach().clone()
+            out[f"base_model.model.{module}.lora_B.weight"] = self.params[b].detach().clone()
+        return out
+
+
+def reference_lora_update(
+    spec: dict, data: dict, model: str, adapters: dict, scaling: float, optimizer: dict
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """A GRPO actor update over LoRA adapters only, in float64 (any dense or MoE model of
+    transformers; merged-weight LoRA, :class:`_MergedLora`): per mini-batch the whole
+    mini-batch's loss, backward, the gradient norm (each leaf once), clipping (``clip`` > 0)
+    and an SGD or AdamW step. ``optimizer``: ``{"name", "lr", "clip"}``. Returns the adapters
+    after (PEFT names) and each mini-batch's gradient norm."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.algo import agg_loss, compute_policy_loss, kl_penalty
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    moe = {"experts_implementation": "eager"} if config.get("num_experts") else {}
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float64, **moe)
+    hf.requires_grad_(False)
+    lora = _MergedLora(hf, adapters, scaling)
+    params = list(lora.params.values())
+    if optimizer["name"] == "sgd":
+        opt = torch.optim.SGD(params, lr=optimizer["lr"])
+    else:
+        opt = torch.optim.AdamW(params, lr=optimizer["lr"], betas=(0.9, 0.999), eps=ADAM_EPS,
+                                weight_decay=0.1)  # fmt: skip
+    width, norms = data["mask"].shape[1], []
+    for rows in torch.arange(len(data["responses"])).split(spec["responses_per_mini_batch"]):
+        logp, entropy, mask = _actor_outputs(lora, data["ids"][rows], data["plen"][rows],
+                                             data["lens"][rows], width, spec["temperature"])  # fmt: skip
+        pg, _ = compute_policy_loss(
+            "vanilla", old_log_prob=data["old_log_probs"][rows].double(), log_prob=logp,
+            advantages=data["advantages"][rows].double(), response_mask=mask,
+            loss_agg_mode="token-mean", loss_scale_factor=None, **spec["clip"], **LOCAL_COUNTS,
+        )  # fmt: skip
+        kl = agg_loss(kl_penalty(logp, data["ref_log_probs"][rows].double(), "low_var_kl"),
+                      mask, "token-mean")  # fmt: skip
+        ent = agg_loss(entropy, mask, "token-mean")
+        loss = pg - spec["entropy_coeff"] * ent + spec["kl_loss_coef"] * kl
+        opt.zero_grad()
+        loss.backward()
+        norms.append(math.sqrt(sum(float((p.grad**2).sum()) for p in params)))
+        if optimizer["clip"] > 0:
+            torch.nn.utils.clip_grad_norm_(params, optimizer["clip"])
+        opt.step()
+    return lora.peft_state(), norms

@@ -20,7 +20,12 @@ import pytest
 import torch
 
 from tests.conftest import run_torchrun
-from tests.trainer._update_reference import ADAM_EPS, LOCAL_COUNTS, _actor_outputs
+from tests.trainer._update_reference import (
+    ADAM_EPS,
+    LOCAL_COUNTS,
+    _actor_outputs,
+    reference_lora_update,
+)
 from tests.trainer.test_update_equivalence import (
     SPEC,
     setup,  # noqa: F401 - the fixed batch and tiny model, a fixture shared with that module
@@ -31,12 +36,14 @@ pytestmark = pytest.mark.multirank
 
 LORA = {"rank": 4, "alpha": 8.0, "a_init": "xavier", "b_init": "normal", "seed": 9}
 SGD_LR = 0.5
+SGD_CLIP = 0.02
+"""The MoE ``sgd_clip`` case's ``clip_grad``: below every mini-batch's gradient norm."""
 
 
 @pytest.fixture(scope="module")
 def lora_results(setup):  # noqa: F811
     spec, _ = setup
-    spec = {**spec, "lora": LORA, "sgd_lr": SGD_LR, "tmp": spec["tmp"]}
+    spec = {**spec, "lora": LORA, "sgd_lr": SGD_LR, "sgd_clip": SGD_CLIP, "tmp": spec["tmp"]}
     path = Path(spec["tmp"]) / "lora_spec.json"
     path.write_text(json.dumps(spec))
     run_torchrun(WORKER, 2, [str(path)])
@@ -172,4 +179,79 @@ def test_reference_policy_is_the_base_model(setup, lora_results):  # noqa: F811
     for key in LAYOUTS:
         got = lora_results[key]["ref_log_probs"].double()
         tol = 1e-5 if lora_results[key]["dtype"] == "torch.float64" else 1e-4
+        assert float(((got - logp) * mask).abs().max()) <= tol, key
+
+
+MOE_LAYOUTS = {
+    "moe_tp1_ep2/sgd": {"name": "sgd", "lr": SGD_LR, "clip": 0.0},
+    "moe_tp1_ep2/sgd_clip": {"name": "sgd", "lr": SGD_LR, "clip": SGD_CLIP},
+    "moe_tp1_ep2_distopt/adamw": {"name": "adamw", "lr": 1e-3, "clip": 1.0},
+}
+"""The tiny Qwen3-MoE at TP 1 × EP 2 (DP 2, expert-DP 1) with adapters on attention and every
+expert's fc1/fc2: the worker's case -> the reference's optimizer."""
+
+
+@pytest.fixture(scope="module")
+def moe_references(setup, lora_results):  # noqa: F811
+    spec, data = setup
+    first = lora_results["moe_tp1_ep2/sgd"]["before"]
+    scaling = LORA["alpha"] / LORA["rank"]
+    return {
+        key: reference_lora_update(SPEC, data, spec["moe_model"], first, scaling, opt)
+        for key, opt in MOE_LAYOUTS.items()
+    }
+
+
+def test_moe_lora_update_equals_single_process_reference(setup, lora_results, moe_references):  # noqa: F811
+    """Adapters on attention and every expert's linears (each EP rank its 4 experts'): the
+    update equals the float64 single-process one (merged-weight LoRA on transformers'
+    Qwen3-MoE, no peft), adapters only; expert adapters are reduced over the expert-data-parallel
+    group (here 1 rank: reducing them over DP, as a dense parameter, would mix two ranks'
+    different experts); the grad norm counts each expert adapter once (and the clipped SGD
+    step, scaled by clip / norm, shows it is the norm clipping uses)."""
+    first = lora_results["moe_tp1_ep2/sgd"]["before"]
+    assert any(".mlp.experts.7.down_proj.lora_A" in n for n in first)  # EP rank 1's experts
+    for key, (ref, norms) in moe_references.items():
+        r = lora_results[key]
+        assert set(r["before"]) == set(first) and all(
+            torch.equal(r["before"][n], first[n]) for n in first
+        ), key
+        assert set(r["after"]) == set(ref), key
+        tol = 1e-5 if r["dtype"] == "torch.float64" else 3e-5
+        moved = max(float((ref[n] - first[n]).abs().max()) for n in ref)
+        experts_moved = max(float((ref[n] - first[n]).abs().max()) for n in ref if ".experts." in n)
+        worst = max(float((r["after"][n].double() - ref[n]).abs().max()) for n in ref)
+        norm = sum(norms) / len(norms)
+        got_norm = r["metrics"]["actor/grad_norm"]
+        print(f"{key}: adapters moved {moved:.2e} (experts {experts_moved:.2e}), max difference "
+              f"{worst:.2e}; grad norm {got_norm:.6g} vs {norm:.6g}")  # fmt: skip
+        assert experts_moved > 1e-4, key
+        assert worst <= tol, (key, worst)
+        assert abs(got_norm / norm - 1) <= (1e-6 if r["dtype"] == "torch.float64" else 1e-5), key
+        if key.endswith("sgd_clip"):
+            assert min(norms) > 2 * SGD_CLIP  # clipping bit in every mini-batch
+
+
+def test_moe_base_weights_bit_identical_and_reference_policy(setup, lora_results):  # noqa: F811
+    """Every base weight of the MoE model (experts of both EP ranks, router, attention) is
+    bit-identical after the update; only adapters are stepped; adapters off = the HF base."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    spec, data = setup
+    original = load_file(str(Path(spec["moe_model"]) / "model.safetensors"))
+    hf = AutoModelForCausalLM.from_pretrained(spec["moe_model"], dtype=torch.float64,
+                                              experts_implementation="eager")  # fmt: skip
+    with torch.no_grad():
+        logp, _, mask = _actor_outputs(hf, data["ids"], data["plen"], data["lens"],
+                                       data["mask"].shape[1], SPEC["temperature"])  # fmt: skip
+    for key in MOE_LAYOUTS:
+        r = lora_results[key]
+        dtype = getattr(torch, r["dtype"].removeprefix("torch."))
+        assert set(r["base"]) == set(original), key
+        for name, w in r["base"].items():
+            assert torch.equal(w, original[name].to(dtype).float()), (key, name)
+        assert r["optimizer_numel"] <= r["trainable_local"] < r["base_numel_local"] / 10, key
+        got = r["ref_log_probs"].double()
+        tol = 1e-5 if r["dtype"] == "torch.float64" else 1e-4
         assert float(((got - logp) * mask).abs().max()) <= tol, key
