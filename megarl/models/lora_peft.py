@@ -6,6 +6,12 @@ same A on ``q_proj``, ``k_proj`` and ``v_proj`` (``gate_proj``, ``up_proj``) and
 the way the base weight is (:func:`megarl.models.hf_mapping.megatron_param_to_hf` applied to B,
 whose rows are the base weight's rows): ``B_q A x``, ``B_k A x``, ``B_v A x`` are exactly the
 fused adapter's output rows.
+
+MoE experts (local spec's ``SequentialMLP``) are written per expert under the checkpoint's names
+(``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``, global expert index), the PEFT
+format of transformers 4 and of vLLM; ``peft`` (0.21) converts it onto transformers 5's fused
+expert tensors when it loads it (``target_parameters``, gate/up at rank 2r). Expert adapters come
+from every expert-parallel rank (:func:`megarl.models.weights.holds_first_copy`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from megatron.core import parallel_state
 
 from megarl.config.model_dims import ModelDims
 from megarl.models import hf_mapping as hm
+from megarl.models import moe_mapping as mm
 from megarl.models.lora import LoraSettings, adapted_linears, merge_adapter_shards
+from megarl.models.weights import holds_first_copy
 from megarl.parallel.collectives import all_gather_tensors
 
 PEFT_PREFIX = "base_model.model."
@@ -45,6 +53,27 @@ def full_adapters(
     return out
 
 
+def _first_copies(
+    adapters: dict[str, tuple[torch.Tensor, torch.Tensor]],
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The adapters of :func:`full_adapters` this rank contributes to a whole-model gather (one
+    copy of each: dense ones from TP rank 0 of DP rank 0, expert ones from expert-DP rank 0 of
+    every expert-parallel rank), on the CPU."""
+    return {
+        k: (a.cpu(), b.cpu())
+        for k, (a, b) in adapters.items()
+        if holds_first_copy(mm.is_expert_param(k))
+    }
+
+
+def _whole_model(chunks: Sequence[torch.nn.Module]) -> dict:
+    """{global base name: (full A, full B)} of the whole model on every rank (collective over
+    all ranks; small: one copy of the adapters in all)."""
+    boxes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(boxes, _first_copies(full_adapters(chunks)))
+    return {k: v for box in boxes for k, v in box.items()}
+
+
 def adapters_to_hf(
     adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], dims: ModelDims
 ) -> dict[str, torch.Tensor]:
@@ -64,15 +93,9 @@ def every_stage_adapters(
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """The whole model's adapters in PEFT form on every rank, with their ``adapter_config``
     fields (``r``, ``lora_alpha``, ``target_modules``): what an adapter-only sync hands vLLM.
-    Collective: TP all-gather, then each stage's adapters all-gathered over PP (small: the
-    adapters only)."""
-    mine = full_adapters(chunks)
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        boxes: list = [None] * parallel_state.get_pipeline_model_parallel_world_size()
-        dist.all_gather_object(boxes, {k: (a.cpu(), b.cpu()) for k, (a, b) in mine.items()},
-                               group=parallel_state.get_pipeline_model_parallel_group())  # fmt: skip
-        mine = {k: v for box in boxes for k, v in box.items()}
-    state = adapters_to_hf(mine, dims)
+    Collective: TP all-gather, then one copy of each adapter (every stage's, every
+    expert-parallel rank's experts) all-gathered over all ranks (small: the adapters only)."""
+    state = adapters_to_hf(_whole_model(chunks), dims)
     (_, _, linear) = next(iter(adapted_linears(chunks)))
     rank = int(linear.lora.A.shape[0])
     config = {
@@ -101,19 +124,9 @@ def export_peft_adapter(
     every rank's adapters (collective over all ranks; rank 0 writes and returns the folder)."""
     from safetensors.torch import save_file
 
-    mine = full_adapters(chunks)
-    first_copy = (
-        parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_data_parallel_rank() == 0
-    )
-    boxes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(boxes, {k: (a.cpu(), b.cpu()) for k, (a, b) in mine.items()}
-                           if first_copy else {})  # fmt: skip
+    merged = _whole_model(chunks)
     if dist.get_rank() != 0:
         return None
-    merged: dict = {}
-    for box in boxes:
-        merged.update(box)
     state = adapters_to_hf(merged, dims)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -166,7 +179,6 @@ def load_peft_adapter(
         )
     state = {k.replace(".default.", "."): v for k, v in load_file(str(weights)).items()}
     used: set[str] = set()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     count = 0
     for _, name, linear in adapted_linears(chunks):
@@ -189,7 +201,9 @@ def load_peft_adapter(
             b = hm.gate_up_to_fc1(*b_parts)
         else:
             (b,) = b_parts
-        a, b = shard_adapter(linear.lora.parallel, name, a_parts[0], b, tp, tp_rank)
+        split = linear.lora.tp_size  # (expert linears: expert TP 1, not split)
+        a, b = shard_adapter(linear.lora.parallel, name, a_parts[0], b, split,
+                             tp_rank if split > 1 else 0)  # fmt: skip
         with torch.no_grad():
             linear.lora.A.copy_(a)
             linear.lora.B.copy_(b)

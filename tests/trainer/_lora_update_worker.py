@@ -54,46 +54,10 @@ def _base_weights(chunks, dims) -> dict[str, torch.Tensor]:
     return {k: v for box in boxes for k, v in box.items()}
 
 
-def _case(
-    spec: dict, tp: int, pp: int, dist_opt: bool, sp: bool, optimizer: str, *, ep: int = 1
-) -> dict:
-    from megarl.models.build import build_model
-    from megarl.models.gpt import unwrap
-    from megarl.models.lora import BaseModelView, LoraSettings, attach_adapters, freeze_base
-    from megarl.models.trainable import OptimizerSettings, TrainableModel, _leaf_optimizers
-    from megarl.parallel.init import init_distributed
-    from megarl.parallel.layout import ParallelLayout
-    from megarl.trainer.passes import global_log_probs
-    from megarl.trainer.update import PolicyUpdate, update_policy
+def _policy_update(spec: dict):
+    from megarl.trainer.update import PolicyUpdate
 
-    layout = ParallelLayout(tp, pp, None, sequence_parallel=sp, expert_model_parallel_size=ep)
-    init_distributed(layout, seed=1234)
-    dtype = torch.float32 if dist_opt else torch.float64  # Megatron's dist. optimizer: fp32/bf16
-    built = build_model(spec["moe_model"] if ep > 1 else spec["model"], layout, dtype=dtype)
-    assert all(bool(unwrap(c).config.sequence_parallel) == sp for c in built.chunks)
-    attach_adapters(built.chunks, LoraSettings(**spec["lora"]), allow_experts=ep > 1)
-    freeze_base(built.chunks)
-    before = _adapters_as_peft(built.chunks, built.dims)
-    if optimizer.startswith("sgd"):
-        clip = spec["sgd_clip"] if optimizer == "sgd_clip" else 0.0
-        settings = OptimizerSettings(lr=spec["sgd_lr"], optimizer="sgd", weight_decay=0.0,
-                                     clip_grad=clip, use_distributed_optimizer=False,
-                                     grad_reduce_in_fp32=False)  # fmt: skip
-    else:
-        settings = OptimizerSettings(lr=1e-3, weight_decay=0.1, eps=spec["adam_eps"],
-                                     clip_grad=1.0, grad_reduce_in_fp32=dtype != torch.float64,
-                                     use_distributed_optimizer=dist_opt)  # fmt: skip
-    actor = TrainableModel(built, settings)
-    trainable = sum(p.numel() for c in actor.chunks for p in c.parameters() if p.requires_grad)
-    # what the optimizer steps: every parameter of its groups (main copies of this rank's shard)
-    stepped = sum(p.numel() for o in _leaf_optimizers(actor.optimizer)
-                  for g in o.param_groups for p in g["params"])  # fmt: skip
-    batch = _rollout(spec)
-    ref = BaseModelView(actor)
-    ref_lp, _, _ = global_log_probs(ref.chunks, batch, vocab_size=built.dims.vocab_size,
-                                    temperature=spec["temperature"], micro_batches=4,
-                                    max_token_len=None, pack=ref.pack)  # fmt: skip
-    update = PolicyUpdate(
+    return PolicyUpdate(
         responses_per_mini_batch=spec["responses_per_mini_batch"],
         micro_batch_size=spec["micro_batch_size"],
         max_token_len=None,
@@ -105,10 +69,77 @@ def _case(
         temperature=spec["temperature"],
         policy_loss_kwargs=spec["clip"],
     )
-    metrics = update_policy(actor, batch, update, vocab_size=built.dims.vocab_size, seed=0,
-                            step=1).metrics  # fmt: skip
+
+
+def _actor(
+    spec: dict, layout, dist_opt: bool, optimizer: str, *, seed_shift: int = 0, moe: bool = False
+):
+    """(built model, optimizer settings) as the trainer builds a LoRA actor: adapters (seeded
+    ``seed + seed_shift``) on the tiny Qwen2 or (``moe``, or EP > 1) Qwen3-MoE, base frozen."""
+    from dataclasses import replace
+
+    from megarl.models.build import build_model
+    from megarl.models.lora import LoraSettings, attach_adapters, freeze_base
+    from megarl.models.trainable import OptimizerSettings
+    from megarl.parallel.init import init_distributed
+
+    init_distributed(layout, seed=1234)
+    ep = layout.expert_model_parallel_size
+    dtype = torch.float32 if dist_opt else torch.float64  # Megatron's dist. optimizer: fp32/bf16
+    built = build_model(spec["moe_model"] if moe or ep > 1 else spec["model"], layout, dtype=dtype)
+    lora = LoraSettings(**spec["lora"])
+    attach_adapters(built.chunks, replace(lora, seed=lora.seed + seed_shift), allow_experts=True)
+    freeze_base(built.chunks)
+    built.meta["lora"] = lora
+    if optimizer.startswith("sgd"):
+        clip = spec["sgd_clip"] if optimizer == "sgd_clip" else 0.0
+        settings = OptimizerSettings(lr=spec["sgd_lr"], optimizer="sgd", weight_decay=0.0,
+                                     clip_grad=clip, use_distributed_optimizer=False,
+                                     grad_reduce_in_fp32=False)  # fmt: skip
+    else:
+        settings = OptimizerSettings(lr=1e-3, weight_decay=0.1, eps=spec["adam_eps"],
+                                     clip_grad=1.0, grad_reduce_in_fp32=dtype != torch.float64,
+                                     use_distributed_optimizer=dist_opt)  # fmt: skip
+    return built, settings
+
+
+def _case(
+    spec: dict,
+    tp: int,
+    pp: int,
+    dist_opt: bool,
+    sp: bool,
+    optimizer: str,
+    *,
+    ep: int = 1,
+    checkpoint: Path | None = None,
+) -> dict:
+    from megarl.models.gpt import unwrap
+    from megarl.models.lora import BaseModelView
+    from megarl.models.trainable import TrainableModel, _leaf_optimizers
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.trainer.passes import global_log_probs
+    from megarl.trainer.update import update_policy
+
+    layout = ParallelLayout(tp, pp, None, sequence_parallel=sp, expert_model_parallel_size=ep)
+    built, settings = _actor(spec, layout, dist_opt, optimizer)
+    dtype = built.config.params_dtype
+    assert all(bool(unwrap(c).config.sequence_parallel) == sp for c in built.chunks)
+    before = _adapters_as_peft(built.chunks, built.dims)
+    actor = TrainableModel(built, settings)
+    trainable = sum(p.numel() for c in actor.chunks for p in c.parameters() if p.requires_grad)
+    # what the optimizer steps: every parameter of its groups (main copies of this rank's shard)
+    stepped = sum(p.numel() for o in _leaf_optimizers(actor.optimizer)
+                  for g in o.param_groups for p in g["params"])  # fmt: skip
+    batch = _rollout(spec)
+    ref = BaseModelView(actor)
+    ref_lp, _, _ = global_log_probs(ref.chunks, batch, vocab_size=built.dims.vocab_size,
+                                    temperature=spec["temperature"], micro_batches=4,
+                                    max_token_len=None, pack=ref.pack)  # fmt: skip
+    metrics = update_policy(actor, batch, _policy_update(spec), vocab_size=built.dims.vocab_size,
+                            seed=0, step=1).metrics  # fmt: skip
     _enter_weight_read(actor)
-    return {
+    out = {
         "dtype": str(dtype),
         "before": before,
         "after": _adapters_as_peft(actor.chunks, built.dims),
@@ -120,6 +151,48 @@ def _case(
         "base_numel_local": sum(p.numel() for c in actor.chunks for p in c.parameters())
         - trainable,
     }
+    if checkpoint is not None:  # the trainer's save (adapters, optimizer, PEFT + merged HF)
+        from megarl.checkpoint.trainer_ckpt import SavedModel, save_checkpoint
+
+        saved = SavedModel("actor", actor, "actor_rollout_ref.actor",
+                           "actor_rollout_ref.model.path", spec["moe_model"])  # fmt: skip
+        save_checkpoint(checkpoint, 1, [saved], trainer_state={"step": 1}, config_yaml="",
+                        keep={"actor": None}, export_hf_model=True)  # fmt: skip
+        out["after_step2"] = _second_step(spec, actor, built)
+    return out
+
+
+def _second_step(spec: dict, actor, built) -> dict:
+    from megarl.trainer.update import update_policy
+
+    update_policy(actor, _rollout(spec), _policy_update(spec), vocab_size=built.dims.vocab_size,
+                  seed=0, step=2)  # fmt: skip
+    _enter_weight_read(actor)
+    return _adapters_as_peft(actor.chunks, built.dims)
+
+
+def _resumed(spec: dict, ep: int, ckpt: Path) -> dict:
+    """A fresh MoE actor at EP ``ep`` (adapters of another seed) loads the step-1 checkpoint
+    (adapters and optimizer state) and takes step 2; and ``lora.adapter_path``: the checkpoint's
+    PEFT export loaded into a fresh model's adapters (a third seed)."""
+    from megarl.checkpoint.trainer_ckpt import SavedModel, load_checkpoint
+    from megarl.models.lora_peft import load_peft_adapter
+    from megarl.models.trainable import TrainableModel
+    from megarl.parallel.layout import ParallelLayout
+
+    layout = ParallelLayout(1, 1, None, expert_model_parallel_size=ep)
+    built, settings = _actor(spec, layout, True, "adamw", seed_shift=1, moe=True)
+    actor = TrainableModel(built, settings)
+    saved = SavedModel("actor", actor, "actor_rollout_ref.actor", "actor_rollout_ref.model.path",
+                       spec["moe_model"])  # fmt: skip
+    load_checkpoint(ckpt, [saved], lambda message: print(message))
+    out = {"loaded": _adapters_as_peft(actor.chunks, built.dims)}
+    out["after_step2"] = _second_step(spec, actor, built)
+    other, _ = _actor(spec, layout, True, "adamw", seed_shift=2, moe=True)
+    n = load_peft_adapter(other.chunks, other.dims, built.meta["lora"],
+                          ckpt / "actor" / "lora_adapter")  # fmt: skip
+    out["from_peft"], out["from_peft_count"] = _adapters_as_peft(other.chunks, other.dims), n
+    return out
 
 
 def main() -> None:
@@ -133,9 +206,14 @@ def main() -> None:
         key = f"tp{tp}_pp{pp}" + ("_dp2_distopt" if dist_opt else "") + ("_sp" if sp else "")
         for optimizer in ("adamw",) if dist_opt else ("sgd",) if sp else ("sgd", "adamw"):
             results[f"{key}/{optimizer}"] = _case(spec, tp, pp, dist_opt, sp, optimizer)
+    run_dir = Path(spec["tmp"]) / "moe_lora_run"
     for optimizer, dist_opt in MOE_CASES:
         key = "moe_tp1_ep2" + ("_distopt" if dist_opt else "")
-        results[f"{key}/{optimizer}"] = _case(spec, 1, 1, dist_opt, False, optimizer, ep=2)
+        saves = run_dir if dist_opt else None
+        results[f"{key}/{optimizer}"] = _case(spec, 1, 1, dist_opt, False, optimizer, ep=2,
+                                              checkpoint=saves)  # fmt: skip
+    for ep in (2, 1):  # resume at the saved layout, and at EP 1 (expert-DP 2)
+        results[f"moe_resumed_ep{ep}"] = _resumed(spec, ep, run_dir / "global_step_1")
     if dist.get_rank() == 0:
         torch.save(results, Path(spec["tmp"]) / "lora_update.pt")
     dist.barrier()

@@ -255,3 +255,73 @@ def test_moe_base_weights_bit_identical_and_reference_policy(setup, lora_results
         got = r["ref_log_probs"].double()
         tol = 1e-5 if r["dtype"] == "torch.float64" else 1e-4
         assert float(((got - logp) * mask).abs().max()) <= tol, key
+
+
+def test_moe_lora_checkpoint_resumes_bit_identically_and_loads_at_another_ep(lora_results):
+    """The trainer's save after step 1 at EP 2 (adapters only, expert adapters sharded over EP,
+    and their distributed-optimizer state): a fresh actor at EP 2 (adapters of another seed)
+    loads them bit-identically and its step 2 equals the uninterrupted run's bit for bit; at
+    EP 1 (expert-DP 2) it loads them bit-identically and its step 2 agrees within fp32 rounding
+    (an Adam step from fresh moments would move the adapters by ~lr = 1e-3 instead)."""
+    main = lora_results["moe_tp1_ep2_distopt/adamw"]
+    step2_moved = max(float((main["after_step2"][n] - main["after"][n]).abs().max())
+                      for n in main["after"])  # fmt: skip
+    assert step2_moved > 1e-4
+    for ep in (2, 1):
+        r = lora_results[f"moe_resumed_ep{ep}"]
+        assert set(r["loaded"]) == set(main["after"])
+        assert all(torch.equal(r["loaded"][n], main["after"][n]) for n in main["after"]), ep
+        worst = max(float((r["after_step2"][n] - main["after_step2"][n]).abs().max())
+                    for n in main["after"])  # fmt: skip
+        print(f"resumed at EP {ep}: step 2 vs the uninterrupted run {worst:.3g}")
+        assert worst == 0.0 if ep == 2 else worst <= 1e-6, (ep, worst)
+
+
+def _moe_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_moe_peft_export_and_adapter_path(setup, lora_results):  # noqa: F811
+    """The save's ``lora_adapter`` (per-expert PEFT names, written from both EP ranks) loaded by
+    ``peft`` onto transformers' Qwen3-MoE (which converts it onto the fused experts) gives the
+    logits of the saved adapters (merged-weight reference, float64), and so does the save's
+    merged HF export; ``lora.adapter_path``: the folder loaded at EP 1 sets every adapter to the
+    saved one exactly."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.trainer._update_reference import _MergedLora
+
+    spec, data = setup
+    saved = Path(spec["tmp"]) / "moe_lora_run" / "global_step_1" / "actor"
+    after = lora_results["moe_tp1_ep2_distopt/adamw"]["after"]
+    exported = load_file(str(saved / "lora_adapter" / "adapter_model.safetensors"))
+    assert set(exported) == set(after)
+    assert all(torch.equal(exported[n], after[n].float()) for n in after)
+    ids = data["ids"]
+
+    def base():
+        return AutoModelForCausalLM.from_pretrained(spec["moe_model"], dtype=torch.float64,
+                                                    experts_implementation="eager")  # fmt: skip
+
+    scaling = LORA["alpha"] / LORA["rank"]
+    want = _moe_logits(_MergedLora(base(), {k: v.double() for k, v in after.items()}, scaling),
+                       ids)  # fmt: skip
+    peft = PeftModel.from_pretrained(base(), str(saved / "lora_adapter"))
+    got = _moe_logits(peft, ids)
+    with peft.disable_adapter():
+        off = _moe_logits(peft, ids)
+    merged = AutoModelForCausalLM.from_pretrained(saved / "huggingface", dtype=torch.float64,
+                                                  experts_implementation="eager")  # fmt: skip
+    got_merged = _moe_logits(merged, ids)
+    print(f"MoE PEFT export through peft vs reference {(got - want).abs().max():.3g}, merged HF "
+          f"export {(got_merged - want).abs().max():.3g}, adapters off {(off - want).abs().max():.3g}")  # fmt: skip
+    assert (got - want).abs().max() <= 1e-9
+    assert (got_merged - want).abs().max() <= 1e-4  # an fp32 merge
+    assert (off - want).abs().max() > 1e-3
+    r = lora_results["moe_resumed_ep1"]
+    assert r["from_peft_count"] == 2 * (2 + 2 * 8)  # layers × (attention + 8 experts' fc1, fc2)
+    assert set(r["from_peft"]) == set(after)
+    assert all(torch.equal(r["from_peft"][n], after[n]) for n in after)
