@@ -21,7 +21,7 @@ CONFIG = REPO / "configs" / "grpo_tiny_cpu.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megarl.models.tiny import ARCHITECTURES
+    from megarl.models.tiny_families import ARCHITECTURES  # torch-free: nothing waits on it
 
     parser = argparse.ArgumentParser(
         prog="python -m megarl.commands.quickstart", description=__doc__.split("\n")[0]

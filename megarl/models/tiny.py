@@ -21,6 +21,7 @@ from torch import Tensor
 from megarl.config.dtypes import DTYPE_NAMES, torch_dtype
 from megarl.config.model_dims import ModelDims
 from megarl.models.hf_mapping import hf_param_names, hf_param_shape
+from megarl.models.tiny_families import ARCHITECTURES
 
 __all__ = [
     "ARCHITECTURES",
@@ -34,14 +35,6 @@ __all__ = [
     "tiny_hf_config",
 ]
 
-ARCHITECTURES = {
-    "qwen2": "Qwen2ForCausalLM",
-    "llama": "LlamaForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-}
 
 MOE_DEFAULTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
 """Experts of the tiny MoE families: 8 experts, top-2, each 64 wide (vLLM's CPU attention
