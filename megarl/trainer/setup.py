@@ -138,8 +138,6 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
     engine_from_vllm = arr.rollout.name == "vllm"
     adapter_args = adapter_engine_args(arr.model.lora)  # lora.merge=false: vLLM's LoRA layers
     vllm_engine = _start_vllm(cfg, model_path, **adapter_args) if engine_from_vllm else None
-    if adapter_args and not getattr(vllm_engine, "lora_adapter_sync", True):  # a split launch
-        raise LoraError("lora.merge=false needs the colocated vLLM engine: set lora.merge=true")
     engine_residency = settle_engine(vllm_engine, cfg) if vllm_engine is not None else None
     meg = arr.actor.megatron
     recompute = Recompute(meg.recompute_granularity, meg.recompute_method, meg.recompute_num_layers)
@@ -429,8 +427,15 @@ def _start_vllm(cfg: MegarlConfig, model_path: str, **overrides: Any):
 
         streams = stages_weight_updates(cfg)
         tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+        lora = overrides.get("lora_rank", 0) > 0  # lora.merge=false: the rollout ranks' vLLM too
+        if lora and streams:
+            raise LoraError(
+                "actor_rollout_ref.model.lora.merge=false with vLLM on ranks of its own needs "
+                "async_training.staleness_threshold <= 1 (staged updates carry no adapters)"
+            )
         return RemoteEngine(world.channels(nccl_weights=not streams), ranks=world.rollout_ranks,
-                            timeout=world.timeout, streams=streams, rollout_tp=tp)  # fmt: skip
+                            timeout=world.timeout, streams=streams, rollout_tp=tp,
+                            lora=lora)  # fmt: skip
     from megarl.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine.from_config(
@@ -456,7 +461,9 @@ def serve_rollout(cfg: MegarlConfig) -> None:
         raise RuntimeError("serve_rollout runs on the rollout ranks of a split launch")
     arr = cfg.actor_rollout_ref
     model_path = str(Path(arr.model.path).expanduser())
-    engine = _start_vllm(cfg, model_path, free_cache_engine=False)
+    # lora.merge=false: vLLM's LoRA layers, as colocated (the adapters arrive alone)
+    adapter_args = adapter_engine_args(arr.model.lora)
+    engine = _start_vllm(cfg, model_path, free_cache_engine=False, **adapter_args)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or model_path)

@@ -1,13 +1,14 @@
 """``configs/grpo_lora_tiny_cpu.yaml`` learns, and what it writes is the policy it trained.
 
-Real runs (2 ranks, actor TP 2 with rank-16 adapters, vLLM TP 2): 6 steps validating before and
-after (saving at 3 and 6) with adapter-only syncs (``lora.merge=false``: the base once, then the
-adapters as a vLLM LoRA adapter), 2 steps at lr 0 from its final adapters (``lora.adapter_path``:
-its PEFT export) validating at 0 and 2 (σ from three evaluations of those adapters, as
-test_grpo_learning does of the initial weights), and a run resumed from the first
-one's step-3 checkpoint (adapters, their optimizer state; the base from the model path) syncing
-merged weights (``lora.merge=true``). The final save's PEFT folder loaded onto the HF base by
-``peft`` gives the logits of its merged HF export.
+Real runs (actor TP 2 on 2 ranks with rank-16 adapters, vLLM TP 2): 6 steps validating before
+and after (saving at 3 and 6) with adapter-only syncs (``lora.merge=false``: the base once, then
+the adapters as a vLLM LoRA adapter) to vLLM on 2 ranks of its own (a split launch, on-policy), 2
+steps at lr 0 from its final adapters (``lora.adapter_path``: its PEFT export) with vLLM
+colocated (adapter-only syncs too) validating at 0 and 2 (σ from three evaluations of those
+adapters, as test_grpo_learning does of the initial weights), and a colocated run resumed from
+the first one's step-3 checkpoint (adapters, their optimizer state; the base from the model path)
+syncing merged weights (``lora.merge=true``). The final save's PEFT folder loaded onto the HF
+base by ``peft`` gives the logits of its merged HF export.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "grpo_lora_tiny_cpu.yaml"
 PEFT_EXPORT = Path("global_step_6") / "actor" / "lora_adapter"  # the main run's final save
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.multirank]
+SPLIT = ("actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2")
+"""vLLM on 2 rollout ranks of its own after the 2 training ranks (docs/off-policy.md)."""
 
 
 def _quickstart(out: Path, run: str, *overrides: str) -> Path:
@@ -45,8 +48,10 @@ def _quickstart(out: Path, run: str, *overrides: str) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_quickstart")
+    # vLLM on 2 ranks of its own (TP 2, as colocated), on-policy (staleness 0): the training
+    # ranks send it the base once, then the adapters alone
     main = _quickstart(out, "main", "trainer.total_training_steps=6", "trainer.test_freq=6",
-                       "trainer.save_freq=3")  # fmt: skip
+                       "trainer.save_freq=3", *SPLIT)  # fmt: skip
     resumed = _quickstart(out, "resumed", "trainer.total_training_steps=6",
                           "trainer.test_freq=6", "trainer.save_freq=6",
                           "trainer.resume_mode=resume_path",
@@ -71,10 +76,14 @@ def test_lora_run_learns_and_vllm_follows_the_adapters(runs):
     print(f"r0={r0:.4f} sigma={sigma:.4g} final={final:.4f} gain={final - r0:.4f}")
     assert final - r0 >= max(0.15, 3 * sigma)
     # every step's rollout came from vLLM holding the actor's policy: the base and the adapters
-    # (merge=false) in the main run, merged weights in the resumed run's steps 4-6
+    # (merge=false) in the main run (vLLM on ranks of its own, on-policy) and the lr-0 run
+    # (colocated), merged weights in the resumed run's steps 4-6
     resumed = read_metrics(runs["resumed"])
     for step in range(1, 7):
+        assert main[step]["async/staleness_max"] == 0.0, step  # split, each batch after its sync
         assert main[step]["rollout/logprob_diff_max"] <= 1e-4, step
+    for step in range(1, 3):
+        assert frozen[step]["rollout/logprob_diff_max"] <= 1e-4, step
     for step in range(4, 7):
         assert resumed[step]["rollout/logprob_diff_max"] <= 1e-4, step
 
@@ -88,14 +97,19 @@ def _tensor_bytes(*files: Path) -> int:
 def test_adapter_only_syncs_send_the_adapters(runs):
     """merge=false: each step's sync hands vLLM the PEFT adapter's bytes (the saved folder's
     tensors), far below the model's (15 % at this tiny width, about 1 % for a 7B model at rank
-    32); the merged syncs of the resumed run send the model's."""
+    32): to each of the main run's 2 rollout ranks, and to the lr-0 run's colocated engine; the
+    merged syncs of the resumed run send the model's."""
     main, resumed = read_metrics(runs["main"]), read_metrics(runs["resumed"])
+    frozen = read_metrics(runs["frozen"])
     adapter = _tensor_bytes(runs["main"] / "global_step_6" / "actor" / "lora_adapter" /
                             "adapter_model.safetensors")  # fmt: skip
     model = _tensor_bytes(*runs["model"].glob("*.safetensors"))
     print(f"sync/bytes: adapters {adapter}, model {model} ({adapter / model:.3f})")
     for step in range(1, 7):
         assert main[step]["sync/bytes"] == adapter, step
+        assert main[step]["async/update_weights_bytes"] == 2 * adapter, step
+    for step in range(1, 3):
+        assert frozen[step]["sync/bytes"] == adapter, step
     for step in range(4, 7):  # the model's tensors (embedding and output padded to 1024 rows)
         assert model <= resumed[step]["sync/bytes"] <= 1.01 * model, step
     assert adapter < 0.2 * model

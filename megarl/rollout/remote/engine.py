@@ -16,6 +16,11 @@ Commands, broadcast on ``control`` and run by the rollout ranks in the order sen
 - ``("weights", version, plan)``: the buckets of ``plan`` follow on ``weights``
   (:mod:`.weights`); version ``k`` is the update after ``k`` finished syncs (-1: the weights
   vLLM started with). The rollout ranks load a version between two requests, never inside one;
+- ``("adapter", version, tensors, peft_config)``: ``lora.merge=false``: the actor's LoRA
+  adapters (PEFT-named, full-shaped CPU tensors, in the command itself), loaded as vLLM's
+  adapter (``VLLMEngine.load_adapter``) when the rollout ranks reach the command: with the
+  version of the full update just before it (the first sync: the base, then the adapters), or
+  as a version of their own (every later sync);
 - ``("eos",)``: the engine's EOS token ids come back on ``replies``;
 - ``("stop",)``: ``serve`` returns.
 """
@@ -89,6 +94,7 @@ class RemoteEngine:
         timeout=None,
         streams: bool = False,
         rollout_tp: int = 1,
+        lora: bool = False,
     ) -> None:
         self.channels = channels
         """The groups with the rollout ranks on the first training rank, None on the others."""
@@ -110,6 +116,16 @@ class RemoteEngine:
         self.ranks = list(ranks)
         """The rollout ranks (the launch's numbering), for the messages."""
         self.timeout = timeout
+        if lora and streams:  # serve's staging slot holds plan buckets, not adapters
+            raise ValueError("adapter-only updates (lora) are not built for staged updates")
+        self.lora_adapter_sync = lora
+        """``lora.merge=false`` (the rollout ranks' vLLM has its LoRA layers): the base goes once
+        through the plan, then the adapters alone (:meth:`load_adapter`)."""
+        self.base_loaded = False
+        """A full update has finished in this launch (the rollout ranks' vLLM starts with dummy
+        weights)."""
+        self._fresh_base = False
+        """The last full update has just finished: adapters now complete its version."""
         self._order = CallOrder()
         self._plan: Any = None
         self._syncs = 0
@@ -148,6 +164,7 @@ class RemoteEngine:
 
     def generate(self, prompts: list[list[int]], **kwargs: Any) -> RolloutBatch:
         self._order.check_can_generate()
+        self._fresh_base = False  # adapters from here are a version of their own
         at = next((i for i, a in enumerate(self._ahead) if a.request == (prompts, kwargs)), None)
         if at is not None:  # asked for ahead: its batch (and those asked before it) come in
             self._take_ahead(at + 1)
@@ -175,6 +192,7 @@ class RemoteEngine:
         :attr:`prescored`). One command per step asked ahead: its batch, with ReMax its greedy
         batch too."""
         version = self._syncs - 1
+        self._fresh_base = False
         self._ahead += [_Ahead((prompts, kwargs), version) for prompts, kwargs, _ in requests]
         if self.channels is not None:
             self._send(("generate", version, list(requests)))
@@ -201,6 +219,7 @@ class RemoteEngine:
         on generating meanwhile, the bytes going to a staging slot; otherwise once the batches
         asked before are in (taken now, the wait timed in :attr:`sync_waited_s`)."""
         self._order.begin_update()
+        self._fresh_base = False
         start = time.perf_counter()
         if not self.streams:
             self._take_ahead(timed=False)
@@ -255,6 +274,36 @@ class RemoteEngine:
             with self._answering():  # NCCL's wait only ordered the stream: the bytes are out
                 torch.cuda.synchronize(self.channels.weights_device)
         self._syncs += 1
+        self.base_loaded = self._fresh_base = True
+
+    def load_adapter(self, tensors: dict[str, Tensor], peft_config: dict[str, Any]) -> int:
+        """``lora.merge=false``: the actor's adapters (PEFT-named, full-shaped, the same on every
+        training rank; :meth:`VLLMEngine.load_adapter <megarl.rollout.vllm_engine.VLLMEngine.
+        load_adapter>` says the form) to the rollout ranks, whose vLLM puts them on every
+        request from then on. Right after a full update they complete its version (the first
+        sync: the base, then the adapters); otherwise they are the next version. They travel
+        in the ``adapter`` command (the control group, host memory: a small fraction of the
+        model's bytes), so the rollout ranks take them in while generating and load them when
+        they reach the command; the sync waits for nothing. Returns the adapter bytes handed
+        over (:attr:`update_bytes` counts them once per rollout rank)."""
+        if not self.lora_adapter_sync:
+            raise RuntimeError("load_adapter: the rollout ranks' vLLM has no LoRA layers")
+        if self._order.updating:
+            raise RuntimeError("load_adapter during an open weight update (finish it first)")
+        if not self.base_loaded:
+            raise RuntimeError("load_adapter before the base weights: sync the full model first")
+        sent = sum(t.numel() * t.element_size() for t in tensors.values())
+        if self._fresh_base:  # the first sync: the base's version gets its adapters
+            version, self._fresh_base = self._syncs - 1, False
+            self.update_bytes += sent * len(self.ranks)
+        else:
+            version, self.sync_waited_s = self._syncs, 0.0
+            self.update_bytes = sent * len(self.ranks)
+        if self.channels is not None:
+            on_host = {name: t.detach().cpu() for name, t in tensors.items()}
+            self._send(("adapter", version, on_host, dict(peft_config)))
+        self._syncs = version + 1
+        return sent
 
     def shutdown(self) -> None:
         """Stop the rollout ranks (batches asked ahead and still coming are taken in first)."""

@@ -158,6 +158,9 @@ def serve(
                 buckets = receive_buckets(command[2], channels.weights, channels.weights_device)
                 load_buckets(engine, command[2], buckets)
                 held = command[1]
+            elif command[0] == "adapter":  # lora.merge=false: staging refused it (engine.py)
+                engine.load_adapter(command[2], command[3])
+                held = command[1]
             elif command[0] == "weights":
                 if announced is not None and announced != held:
                     staging.take(announced)  # no request asked for it: dropped
