@@ -274,14 +274,10 @@ def _targeted(path: str, settings: LoraSettings) -> bool:
     return not any(ex == leaf or ex in path for ex in settings.exclude_modules)
 
 
-def _check_experts(config, allow_experts: bool) -> None:
+def _check_experts(config) -> None:
+    """Refuse, in one line each, the MoE expert layouts adapters are not built for."""
     if not config.num_moe_experts:
         return
-    if not allow_experts:
-        raise LoraError(
-            "LoRA on MoE models is not built for training: adapters on Megatron's expert "
-            "linears attach (local spec) but their sync, export and checkpoints are not verified"
-        )
     if config.moe_grouped_gemm:
         raise LoraError(
             "LoRA on grouped-GEMM experts is not built: use the local spec's SequentialMLP"
@@ -301,17 +297,15 @@ def _global_name(path: str, offset: int, config) -> str:
     return name
 
 
-def attach_adapters(
-    chunks: Sequence[torch.nn.Module], settings: LoraSettings, *, allow_experts: bool = False
-) -> int:
+def attach_adapters(chunks: Sequence[torch.nn.Module], settings: LoraSettings) -> int:
     """Attach an adapter to every targeted linear of this rank's chunks; returns how many.
 
     Base parameters stay as they are (the caller freezes them: :func:`freeze_base`). Under
-    sequence parallelism each adapter follows its linear's (module docstring). MoE models are
-    refused in one line unless ``allow_experts``: then
+    sequence parallelism each adapter follows its linear's (module docstring). On MoE models
     the expert linears of the local spec's ``SequentialMLP`` get adapters too (expert TP 1: not
-    split; their parameters marked expert-parallel, as the base's), initialised from their
-    global expert index. The trainer does not allow them yet.
+    split; their parameters marked expert-parallel, as the base's, so that DDP reduces them over
+    the expert-data-parallel group), initialised from their global expert index; grouped-GEMM
+    experts and expert TP > 1 are refused in one line.
     """
     settings.check()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -319,7 +313,7 @@ def attach_adapters(
     count = 0
     for chunk in chunks:
         model = unwrap(chunk)
-        _check_experts(model.config, allow_experts)
+        _check_experts(model.config)
         offset = layer_offset(model.config, model.vp_stage)
         targets = [(p, m) for p, m in model.named_modules() if _targeted(p, settings)]
         for path, linear in targets:

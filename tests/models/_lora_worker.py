@@ -188,9 +188,9 @@ def _adapter_path_checks(spec: dict, layout, settings, ids: torch.Tensor, r: dic
 
 
 def _moe_checks(spec: dict, results: dict) -> None:
-    """The tiny Qwen3-MoE at TP 1 × EP 2: attach_adapters' one-line refusal (the trainer's
-    call), then with ``allow_experts`` adapters on attention and every expert's linears: the
-    logits with random non-zero adapters and the full adapters by global name."""
+    """The tiny Qwen3-MoE at TP 1 × EP 2: attach_adapters' one-line refusal of grouped-GEMM
+    experts (the flag set on the model's config), then adapters on attention and every expert's
+    linears: the logits with random non-zero adapters and the full adapters by global name."""
     from megarl.models.build import build_model
     from megarl.models.lora import LoraError, LoraSettings, attach_adapters
     from megarl.models.lora_peft import full_adapters
@@ -200,13 +200,16 @@ def _moe_checks(spec: dict, results: dict) -> None:
     layout = ParallelLayout(1, 1, None, expert_model_parallel_size=2)
     init_distributed(layout, seed=1234)
     built = build_model(spec["moe_model"], layout)
+    config = built.chunks[0].config
+    config.moe_grouped_gemm = True
     try:
         attach_adapters(built.chunks, LoraSettings(rank=4))
         results["moe_refusal"] = None
     except LoraError as exc:
         results["moe_refusal"] = str(exc)
+    config.moe_grouped_gemm = False
     settings = LoraSettings(**spec["lora"])
-    n = attach_adapters(built.chunks, settings, allow_experts=True)
+    n = attach_adapters(built.chunks, settings)
     for c in built.chunks:
         c.eval()
     ids = torch.load(spec["batch"])["input_ids"]

@@ -88,7 +88,7 @@ def _actor(
     dtype = torch.float32 if dist_opt else torch.float64  # Megatron's dist. optimizer: fp32/bf16
     built = build_model(spec["moe_model"] if moe or ep > 1 else spec["model"], layout, dtype=dtype)
     lora = LoraSettings(**spec["lora"])
-    attach_adapters(built.chunks, replace(lora, seed=lora.seed + seed_shift), allow_experts=True)
+    attach_adapters(built.chunks, replace(lora, seed=lora.seed + seed_shift))
     freeze_base(built.chunks)
     built.meta["lora"] = lora
     if optimizer.startswith("sgd"):
