@@ -406,6 +406,10 @@ def vllm_suite(models: Path, world: int) -> dict:
                 traffic=_traffic(plan, stats, wire),
             )
             out["cases"][key] = case
+        if model == "moe":  # lora.merge=true on the MoE actor: merged expert weights
+            t = time.perf_counter()
+            out["lora_moe"] = moe_lora_merged_case(path, engine)  # (not a plan-traffic case)
+            out["timings"]["lora_moe_s"] = time.perf_counter() - t
         if rollout_tp == 1:  # rollout DP 2 at 2 ranks; the engine holds the actor's weights
             from tests.rollout._engine_conformance import probe_engine
 
@@ -465,6 +469,34 @@ def lora_adapter_cases(models: Path) -> dict:
         }  # fmt: skip
     engine.shutdown()
     return out
+
+
+def moe_lora_merged_case(path: str, engine) -> dict:
+    """``lora.merge=true`` on Qwen3-MoE at EP 2: random non-zero adapters on attention and every
+    expert's fc1/fc2 over a perturbed base; the sync sends ``W + scaling·B·A`` (each EP rank its
+    experts', through the plan's EP broadcast); vLLM's log-probs vs the actor's (adapters on)."""
+    from megarl.models.lora import LoraSettings, adapters_disabled, attach_adapters
+    from megarl.rollout.consistency import rollout_logprob_consistency
+    from megarl.rollout.reshard import plan_for_chunks, sync_weights
+
+    dims, chunks = build(path, 1, 1, None, 2)
+    perturb(chunks, dims, 400)
+    n = attach_adapters(chunks, LoraSettings(rank=4, alpha=8.0, b_init="normal", seed=3))
+    plan = plan_for_chunks(chunks, dims, 2, bucket_bytes=256 << 10)
+    stats = sync_weights(chunks, plan, engine)
+    after = engine.generate(PROMPTS, **SAMPLING)
+    case = {
+        "adapted_here": n,
+        "after": rollout_logprob_consistency(chunks, after, vocab_size=dims.vocab_size,
+                                             temperature=T),
+        "sync_bytes": stats.bytes,
+        "planned_bytes": sum(b.nbytes for b in plan.buckets),
+    }  # fmt: skip
+    with adapters_disabled(chunks):  # the base alone is far from what vLLM now holds
+        case["adapters_off"] = rollout_logprob_consistency(
+            chunks, after, vocab_size=dims.vocab_size, temperature=T
+        )
+    return case
 
 
 def gpu_suite(models: Path) -> dict:

@@ -20,7 +20,8 @@ Multi-rank (``_reshard_worker.py``, one torchrun launch per suite):
   actor's runner at T = 0.7; bytes received per rank = plan = wire meter, ~1/vLLM TP of the
   other stages at PP 2 (point to point at 2 ranks, one broadcast per PP group at 4 ranks).
   At 2 ranks also ``lora.merge=false`` (vLLM TP 2 with LoRA layers): an adapter-only sync from
-  PP 2, then base and adapters from TP 2 after ``sleep(2)``.
+  PP 2, then base and adapters from TP 2 after ``sleep(2)``; and ``lora.merge=true`` on
+  Qwen3-MoE at EP 2 with adapters on every expert (merged expert weights through the plan).
 
 The engine-protocol conformance test runs in these launches too: on an ``ActorEngine`` in
 ``layouts`` and on the vLLM TP 1 engine in ``vllm`` (one check function for both engines).
@@ -449,6 +450,25 @@ def test_vllm_follows_lora_adapter_only_syncs(vllm_runs, models):
         assert pp2["before"]["rollout/logprob_diff_mean"] > 1e-2, pp2["before"]
         assert pp2["sync_bytes"] == pp2["adapter_bytes"] < pp2["model_bytes"] / 5
         assert tp2["sync_bytes"] == tp2["model_bytes"] + tp2["adapter_bytes"]
+
+
+@pytest.mark.vllm
+@pytest.mark.multirank
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm not installed")
+def test_vllm_follows_merged_moe_lora_syncs(vllm_runs, models):
+    """``lora.merge=true`` on Qwen3-MoE at EP 2 (vLLM TP 2): random non-zero adapters on
+    attention and every expert's fc1/fc2 over a perturbed base; after the sync (merged weights
+    through the plan, each EP rank's experts broadcast) vLLM's log-probs equal the actor's
+    (adapters on) within 1e-4 on every rank, and are far from the actor's with adapters off.
+    Bytes: the plan's (the model's)."""
+    ranks = _vllm(vllm_runs, models, 2)
+    print(f"MoE LoRA merged case: {ranks[0]['timings']['lora_moe_s']:.1f} s")
+    for rank in ranks:
+        c = rank["lora_moe"]
+        assert c["adapted_here"] == 4 * (2 + 2 * 4), c["adapted_here"]  # layers × (attn, 4 experts)
+        assert c["after"]["rollout/logprob_diff_max"] <= LOGPROB_TOL, (rank["rank"], c["after"])
+        assert c["adapters_off"]["rollout/logprob_diff_mean"] > 1e-2, c["adapters_off"]
+        assert c["sync_bytes"] == c["planned_bytes"]
 
 
 @pytest.mark.vllm
