@@ -117,19 +117,19 @@ def moe_mlp_params(dims: ModelDims, layout: ParallelLayout, prefix: str) -> list
 
 
 def lora_params(dims: ModelDims, slots: list[ParamSlot], rank: int) -> list[ParamSlot]:
-    """The LoRA adapters of a chunk's dense linears on a TP rank (:mod:`megarl.models.lora`):
+    """The LoRA adapters of a chunk's linears on a TP rank (:mod:`megarl.models.lora`):
     column-parallel (``linear_qkv``, ``linear_fc1``) A ``r × h`` replicated, B ``rows/t × r``;
-    row-parallel (``linear_proj``, ``linear_fc2``) A ``r × cols/t``, B ``h × r``."""
+    row-parallel (``linear_proj``, ``linear_fc2``) A ``r × cols/t``, B ``h × r``. MoE: the
+    shared expert's as a dense MLP's; each local routed expert's (expert TP 1, not split) the
+    same shapes, marked ``expert`` (reduced and sharded over expert-DP, as the experts)."""
     h, out = dims.hidden_size, []
     for s in slots:
-        if s.expert or "shared_experts" in s.name:
-            continue
         if s.name.endswith(("linear_qkv.weight", "linear_fc1.weight")):
-            out += [ParamSlot(s.name + ".lora.A", rank * h),
-                    ParamSlot(s.name + ".lora.B", s.numel // h * rank)]  # fmt: skip
+            out += [ParamSlot(s.name + ".lora.A", rank * h, expert=s.expert),
+                    ParamSlot(s.name + ".lora.B", s.numel // h * rank, expert=s.expert)]  # fmt: skip
         elif s.name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-            out += [ParamSlot(s.name + ".lora.A", rank * (s.numel // h)),
-                    ParamSlot(s.name + ".lora.B", h * rank)]  # fmt: skip
+            out += [ParamSlot(s.name + ".lora.A", rank * (s.numel // h), expert=s.expert),
+                    ParamSlot(s.name + ".lora.B", h * rank, expert=s.expert)]  # fmt: skip
     return out
 
 
@@ -328,7 +328,13 @@ def model_state(
         if opt.lora_rank > 0 and role == "actor":  # frozen base + trained adapters
             base, _ = _buffers_state(slots, dp, dp_rank, "ref", opt)
             adapters = lora_params(dims, slots, opt.lora_rank)
-            trained, _ = _buffers_state(adapters, dp, dp_rank, role, opt)
+            trained, _ = _buffers_state([a for a in adapters if not a.expert], dp, dp_rank,
+                                        role, opt)  # fmt: skip
+            routed = [a for a in adapters if a.expert]  # DDP's expert buffers, over expert-DP
+            if routed:
+                edp = layout.expert_data_parallel_size(world)
+                _, share = _buffers_state(routed, edp, dp_rank % edp, role, opt)
+                trained, experts = trained + share, experts + share
             total = total + base + trained
         elif dims.is_moe and layout.ep > 1:
             dense, _ = _buffers_state([s for s in slots if not s.expert], dp, dp_rank, role, opt)

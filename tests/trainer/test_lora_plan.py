@@ -45,3 +45,30 @@ def test_plan_has_no_reference_model_with_lora():
     assert [m.name for m in _models(cfg, DIMS, 2)] == ["actor"]
     cfg = load_config(CONFIGS / "grpo_tiny_cpu.yaml")
     assert [m.name for m in _models(cfg, DIMS, 2)] == ["actor", "ref"]
+
+
+MOE_DIMS = ModelDims.from_hf_config({
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 128,
+    "intermediate_size": 256, "moe_intermediate_size": 64, "num_experts": 8,
+    "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+})  # fmt: skip
+
+
+def test_lora_moe_actor_counts_expert_adapters_over_expert_dp():
+    """Qwen3-MoE at EP 2 of 4 ranks (DP 4, expert-DP 2), rank 4, distributed optimizer: the
+    attention adapters' main params and Adam sharded over DP 4, each local expert's adapters
+    (fc1 A r*h + B 2F*r, fc2 A r*F + B h*r) over expert-DP 2."""
+    layout, r, h, d, f = ParallelLayout(1, 1, None, expert_model_parallel_size=2), 4, 128, 32, 64
+    attention = (r * h + 8 * d * r) + (r * 4 * d + h * r)
+    experts = 4 * ((r * h + 2 * f * r) + (r * f + h * r))  # the 4 local experts
+    opt = OptimizerAssumptions(dtype="fp32", distributed_optimizer=True, adam="fused",
+                               impl="local", lora_rank=r)  # fmt: skip
+    s = model_state(MOE_DIMS, layout, 4, "actor", opt)
+    base = sum(x.numel for x in chunk_params(MOE_DIMS, layout, 0))
+    assert s.params >= 4 * (base + 2 * (attention + experts))
+    assert s.grads >= 4 * 2 * (attention + experts)  # (the buffers' padding on top)
+    want_adam = 8 * (2 * attention / 4 + 2 * experts / 2)
+    assert want_adam <= s.optimizer_states <= want_adam * 1.05, (s.optimizer_states, want_adam)
+    assert s.experts.optimizer_states >= 8 * 2 * experts / 2
