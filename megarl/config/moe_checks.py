@@ -57,8 +57,8 @@ def check_router_losses(prefix: str, meg, error: Error, warn: Error) -> None:
 
 def check_moe(shape: ModelShape | None, key: str, prefix: str, meg, error: Error) -> None:
     """A Mixture-of-Experts model trains with expert parallelism beside TP×PP×DP; Megatron's
-    MoE layers train at TP > 1 only under sequence parallelism (which the CPU local spec
-    lacks: there, TP 1 and EP). Routing replay: :func:`check_router_replay`."""
+    MoE layers train at TP > 1 only under sequence parallelism. Routing replay:
+    :func:`check_router_replay`."""
     experts = shape.get("num_experts") if shape else None
     if not experts:
         return
@@ -67,7 +67,7 @@ def check_moe(shape: ModelShape | None, key: str, prefix: str, meg, error: Error
             f"{key} ({shape.source}) is a Mixture-of-Experts model: "
             f"{prefix}.tensor_model_parallel_size={meg.tensor_model_parallel_size} needs "
             f"{prefix}.sequence_parallel=true (Megatron-Core trains MoE layers with TP only "
-            "under sequence parallelism; on CPU use TP 1 and expert_model_parallel_size)"
+            "under sequence parallelism)"
         )
 
 

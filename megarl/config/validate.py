@@ -79,7 +79,7 @@ class _Checks(LayoutChecks):
             self.check_rollout_layout(world, shape)
             self.check_batches(world)
         self.check_shared_layouts()
-        self.check_sequence_parallel()
+        self.check_device()
         self.check_sampling()
         self.check_algorithm()
         self.check_policy_loss()
@@ -362,27 +362,18 @@ class _Checks(LayoutChecks):
                 f"(got {a.loss_agg_mode})"
             )
 
-    def check_sequence_parallel(self) -> None:
-        """Megatron's local layer spec (CPU) refuses sequence parallelism: say so in one line.
-        Launching (paths checked) on ``trainer.device=cuda`` (verl's default) needs a GPU here."""
+    def check_device(self) -> None:
+        """Launching (paths checked) on ``trainer.device=cuda`` (verl's default) needs a GPU here.
+        Sequence parallelism itself runs on either spec (the local one's norms are marked for it:
+        :class:`megarl.models.gpt.TorchNorm`)."""
         if self.check_paths and self.cfg.trainer.device == "cuda":
             import torch
 
             if not torch.cuda.is_available():
                 self.error(
                     "trainer.device=cuda (verl's default) but this machine has no CUDA device: "
-                    "set trainer.device=cpu (and megatron.sequence_parallel=false) to run on CPU"
+                    "set trainer.device=cpu to run on CPU"
                 )
-        meg = self.cfg.actor_rollout_ref.actor.megatron
-        local = meg.transformer_impl == "local" or (
-            meg.transformer_impl == "auto" and self.cfg.trainer.device == "cpu"
-        )
-        if local and meg.sequence_parallel and meg.tensor_model_parallel_size > 1:
-            self.error(
-                f"{ACTOR}.megatron.sequence_parallel=true needs Transformer Engine's layer spec; "
-                f"the local spec ({ACTOR}.megatron.transformer_impl={meg.transformer_impl}, "
-                f"trainer.device={self.cfg.trainer.device}) refuses it: set it to false on CPU"
-            )
 
     def check_policy_loss(self) -> None:
         """The keys of the loss that `policy_loss.loss_mode` names (verl 0.9.1's names)."""

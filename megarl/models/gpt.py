@@ -9,6 +9,7 @@ fusions (:class:`Fusions`) are on wherever the spec allows them.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megarl.config.model_dims import ModelDims, UnsupportedArchitectureError
@@ -359,8 +361,40 @@ def layer_spec(dims: ModelDims, transformer_impl: TransformerImpl = "auto"):
     # emulation of both (Megatron's local attention refuses them).
     from megarl.models.attention import PackedDotProductAttention
 
-    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+    attention.core_attention = PackedDotProductAttention
+    for owner, name in ((layer, "input_layernorm"), (layer, "pre_mlp_layernorm"),
+                        (attention, "q_layernorm"), (attention, "k_layernorm")):  # fmt: skip
+        if getattr(owner, name) is WrappedTorchNorm:
+            setattr(owner, name, TorchNorm)
     return spec
+
+
+class TorchNorm:
+    """The local spec's norm (Megatron's ``WrappedTorchNorm``: a plain torch RMSNorm) under
+    sequence parallelism too. Megatron's wrapper refuses sequence parallelism only because a
+    torch norm does not mark its weight for the TP all-reduce of its gradient (each TP rank then
+    normalises its own part of the sequence); :func:`build_gpt_chunks` sets that mark
+    (``sequence_parallel``), as Transformer Engine's and apex's norms do, and Megatron's
+    ``finalize_model_grads`` sums those gradients over TP. Without sequence parallelism it is
+    Megatron's wrapper unchanged."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs):
+        if config.sequence_parallel:
+            config = copy.copy(config)  # only for the wrapper's refusal
+            config.sequence_parallel = False
+        return WrappedTorchNorm(config, hidden_size, eps, **kwargs)
+
+
+def _block_spec(spec, config: TransformerConfig, vp_stage: int | None):
+    """The layer spec as this stage's block (Megatron's own expansion of a layer spec) with the
+    final norm :class:`TorchNorm` where Megatron would build its torch wrapper."""
+    from megatron.core.transformer import transformer_block as tb
+
+    if tb.LayerNormImpl is not WrappedTorchNorm:
+        return spec
+    layers = tb.get_num_layers_to_build(config, vp_stage=vp_stage)
+    return tb.TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=TorchNorm)
 
 
 def _define_te_general_gemm() -> None:
@@ -461,7 +495,7 @@ def build_gpt_chunks(
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=_block_spec(spec, config, vp),
             vocab_size=dims.padded_vocab_size,
             max_sequence_length=dims.max_position_embeddings,
             pre_process=pre,
@@ -482,9 +516,11 @@ def build_gpt_chunks(
         # The local spec builds torch.nn.RMSNorm without params_dtype (fp32 norms in a bf16 or
         # float64 model); Transformer Engine's norms take params_dtype. Match TE, so the CPU
         # path holds the GPU path's dtypes (and one gradient-buffer dtype).
+        # Under sequence parallelism their gradients are partial sums over TP (TorchNorm).
         for module in model.modules():
             if isinstance(module, torch.nn.RMSNorm):
                 module.to(config.params_dtype)
+                module.weight.sequence_parallel = config.sequence_parallel
         if not config.perform_initialization:
             mark_tensor_parallel_weights(model)
         if torch.cuda.is_available():

@@ -233,6 +233,35 @@ def _patch_megatron_moe() -> None:
     from megatron.core.transformer.moe import token_dispatcher
 
     _patch(token_dispatcher, "maybe_move_tensor_to_cpu", _cpu_tensor_as_host)
+    _patch(torch.distributed, "all_gather", _fresh(_all_gather_uneven))
+
+
+def _all_gather_uneven(tensor_list, tensor, group=None, async_op=False):
+    """``torch.distributed.all_gather`` that also takes outputs of unequal first dimension, as
+    NCCL's does: gloo's refuses them ("invalid tensor size"). Megatron's ``alltoall`` MoE
+    dispatcher gathers each expert-TP rank's tokens so (``output_split_sizes``) when
+    ``expert_tensor_parallel_size`` > 1. Unequal: every rank sends its tensor padded to the
+    longest, and each output keeps its own rows (the same values NCCL's gather gives)."""
+    original = _PATCHED[(torch.distributed, "all_gather")]
+    if all(t.shape == tensor.shape for t in tensor_list):
+        return original(tensor_list, tensor, group=group, async_op=async_op)
+    padded = tensor.new_zeros((max(t.shape[0] for t in tensor_list), *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    received = [torch.empty_like(padded) for _ in tensor_list]
+    original(received, padded, group=group)
+    for out, got in zip(tensor_list, received, strict=True):
+        out.copy_(got[: out.shape[0]])
+    return _DoneWork() if async_op else None
+
+
+class _DoneWork:
+    """The work handle of a collective that already finished (an emulated one)."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
 
 
 def disable_cpu_emulation() -> None:

@@ -28,19 +28,32 @@ LAYOUTS = {
     4: [(2, 1, None, True, 1, False), (2, 2, None, False, 1, True), (2, 1, None, False, 2, True)],
 }
 """(TP, PP, VPP, distributed optimizer, CP, packed rows) per world size; DP is what remains."""
-MOE_LAYOUTS = {2: [(1, 1, None, False, 2, False)], 4: [(1, 2, None, True, 2, True)]}
+MOE_LAYOUTS = {
+    2: [(1, 1, None, False, 2, False)],
+    4: [(1, 2, None, True, 2, True), (2, 1, None, False, 2, False)],
+}
 """The tiny Qwen3-MoE at (TP, PP, VPP, distributed optimizer, EP, packed rows): EP 2 (DP 2,
-expert-DP 1) and PP 2 × EP 2 with the distributed optimizer (DP 2, expert-DP 1), packed. MoE at
-TP > 1 trains only with sequence parallelism, which the CPU (local) spec lacks."""
+expert-DP 1), PP 2 × EP 2 with the distributed optimizer (DP 2, expert-DP 1), packed, and TP 2 ×
+EP 2 (DP 2; expert TP 2, Megatron's default, so the alltoall dispatcher gathers unequal token
+counts over it; MoE layers train at TP > 1 under sequence parallelism only)."""
+
+
+def sequence_parallel(world: int, tp: int) -> bool:
+    """At world 4 every TP 2 layout runs Megatron's sequence parallelism (the trainer's default,
+    verl's ``megatron.sequence_parallel=true``; on CPU the local spec's marked norms,
+    ``megarl.models.gpt.TorchNorm``); world 2's TP 2 runs without it."""
+    return world == 4 and tp > 1
 
 
 def layout_key(world: int, tp: int, pp: int, vpp, dist_opt: bool, cp: int = 1, pack=False) -> str:
-    """The results' key of a layout, e.g. ``tp2_pp1_vpp1_cp2_dp1_packed``."""
+    """The results' key of a layout, e.g. ``tp2_pp1_vpp1_cp2_dp1_packed`` (``_sp``: sequence
+    parallelism)."""
     cp_part = f"_cp{cp}" if cp > 1 else ""
     return (
         f"tp{tp}_pp{pp}_vpp{vpp or 1}{cp_part}_dp{world // (tp * pp * cp)}"
         + ("_distopt" if dist_opt else "")
         + ("_packed" if pack else "")
+        + ("_sp" if sequence_parallel(world, tp) else "")
     )
 
 
@@ -142,10 +155,16 @@ def _run_case(spec: dict, layout, case: dict, optimizer: str, model: str | None 
     dtype = torch.float64 if exact else torch.float32
     if case.get("bf16"):
         dtype = torch.bfloat16
+    sp = sequence_parallel(dist.get_world_size(), tp)
     built = build_model(
         model or spec["model"],
         ParallelLayout(
-            tp, pp, vpp, context_parallel_size=cp, expert_model_parallel_size=ep[0] if ep else 1
+            tp,
+            pp,
+            vpp,
+            sequence_parallel=sp,
+            context_parallel_size=cp,
+            expert_model_parallel_size=ep[0] if ep else 1,
         ),
         dtype=dtype,
         moe=MoeSettings.from_dict(case.get("moe", {})),
@@ -208,8 +227,11 @@ def _critic_case(spec: dict, layout) -> dict:
     from megarl.trainer.update import ValueUpdate, update_critic
 
     tp, pp, vpp, _, cp, pack = layout
+    sp = sequence_parallel(dist.get_world_size(), tp)
     built = build_model(
-        spec["model"], ParallelLayout(tp, pp, vpp, context_parallel_size=cp), role="critic",
+        spec["model"],
+        ParallelLayout(tp, pp, vpp, sequence_parallel=sp, context_parallel_size=cp),
+        role="critic",
         dtype=torch.float64, value_head_seed=spec["value_head_seed"],
     )  # fmt: skip
     built.pack = pack
@@ -372,9 +394,19 @@ def main() -> None:
     results: dict = {}
     for layout in MOE_LAYOUTS.get(world, []):
         tp, pp, vpp, dist_opt, ep, pack = layout
-        init_distributed(ParallelLayout(tp, pp, vpp, expert_model_parallel_size=ep), seed=1234)
+        sp = sequence_parallel(world, tp)
+        init_distributed(
+            ParallelLayout(
+                tp,
+                pp,
+                vpp,
+                sequence_parallel=sp,
+                expert_model_parallel_size=ep,
+            ),
+            seed=1234,
+        )
         key = f"moe_tp{tp}_pp{pp}_ep{ep}_dp{world // (tp * pp)}" + ("_distopt" if dist_opt else "")
-        key += "_packed" if pack else ""
+        key += ("_packed" if pack else "") + ("_sp" if sp else "")
         for case in spec["moe_cases"]:
             if world not in case.get("worlds", (world,)):
                 continue
@@ -383,7 +415,10 @@ def main() -> None:
                 results[name] = _run_case(spec, layout, case, optimizer, spec["moe_model"])
     for layout in LAYOUTS[world]:
         tp, pp, vpp, dist_opt, cp, pack = layout
-        init_distributed(ParallelLayout(tp, pp, vpp, context_parallel_size=cp), seed=1234)
+        sp = sequence_parallel(world, tp)
+        init_distributed(
+            ParallelLayout(tp, pp, vpp, sequence_parallel=sp, context_parallel_size=cp), seed=1234
+        )
         key = layout_key(world, *layout)
         for case in spec["cases"]:
             if vpp and case["dynamic"]:

@@ -118,7 +118,7 @@ def test_critic_layouts_and_emulated_sequence_parallel_agree_on_cpu(tmp_path):
              {"name": "moe_ep1", "ep": 1, **moe}, {"name": "moe_ep2", "ep": 2, **moe},
              {"name": "moe_ep2_packed", "ep": 2, **moe, "pack": True},
              {"name": "moe_cp2_packed", "ep": 1, "cp": 2, **moe, "pack": True}]  # fmt: skip
-    out = _run(tmp_path, cases, dtype="float64", transformer_impl="local", emulate_sp_norm=True)
+    out = _run(tmp_path, cases, dtype="float64", transformer_impl="local")
     assert out["tp2_sp"]["sequence_parallel"] and out["tp2_sp_packed"]["sequence_parallel"]
     _assert_same_critic(out["tp1"], out["tp2"], rtol=1e-6)
     _assert_same_critic(out["tp1"], out["tp2_sp"], rtol=1e-6)

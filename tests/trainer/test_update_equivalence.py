@@ -107,8 +107,12 @@ MOE_CASES = [
         "worlds": [2],
     },
 ]
-"""GRPO updates of the tiny Qwen3-MoE at EP 2 (world 2) and PP 2 × EP 2 (world 4)."""
-MOE_LAYOUT_KEYS = {2: ["moe_tp1_pp1_ep2_dp2"], 4: ["moe_tp1_pp2_ep2_dp2_distopt_packed"]}
+"""GRPO updates of the tiny Qwen3-MoE at EP 2 (world 2), PP 2 × EP 2 and TP 2 × EP 2 with sequence
+parallelism (world 4)."""
+MOE_LAYOUT_KEYS = {
+    2: ["moe_tp1_pp1_ep2_dp2"],
+    4: ["moe_tp1_pp2_ep2_dp2_distopt_packed", "moe_tp2_pp1_ep2_dp2_sp"],
+}
 LAYOUT_KEYS = {
     1: ["tp1_pp1_vpp1_dp1"],
     2: [
@@ -118,10 +122,14 @@ LAYOUT_KEYS = {
         "tp1_pp2_vpp2_dp1",
         "tp1_pp1_vpp1_cp2_dp1_packed",
     ],
-    4: ["tp2_pp1_vpp1_dp2_distopt", "tp2_pp2_vpp1_dp1_packed", "tp2_pp1_vpp1_cp2_dp1_packed"],
+    4: [
+        "tp2_pp1_vpp1_dp2_distopt_sp",
+        "tp2_pp2_vpp1_dp1_packed_sp",
+        "tp2_pp1_vpp1_cp2_dp1_packed_sp",
+    ],
 }
 """Right-padded and packed rows (``_packed``, :mod:`megarl.models.packing`), context parallelism
-(``_cp2``) packed only."""
+(``_cp2``) packed only, sequence parallelism (``_sp``) at every world-4 layout."""
 
 
 @pytest.fixture(scope="module")
