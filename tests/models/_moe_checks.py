@@ -182,10 +182,7 @@ def _routing_replay(spec: dict, tp: int, pp: int, ep: int) -> dict:
     batch = torch.load(spec["moe_batch"])
     lengths = batch["lengths"]
     plain = SequenceBatch(batch["input_ids"], torch.full_like(lengths, 3), lengths)
-    if tp > 1:  # sequence parallel on the local spec (tests/trainer/_critic_sp_worker.py)
-        from tests.trainer._critic_sp_worker import _emulate_sp_norm
-
-        _emulate_sp_norm()
+    # MoE layers train at TP > 1 under sequence parallelism only (the local spec's marked norms)
     layout = ParallelLayout(tp, pp, expert_model_parallel_size=ep, sequence_parallel=tp > 1)
     init_distributed(layout, seed=1234)
     moe = MoeSettings.from_dict({"moe_enable_routing_replay": True})
@@ -298,10 +295,6 @@ def _router_losses(spec: dict, tp: int, pp: int, cp: int = 1) -> dict:
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
 
-    if tp > 1:  # sequence parallel on the local spec (tests/trainer/_critic_sp_worker.py)
-        from tests.trainer._critic_sp_worker import _emulate_sp_norm
-
-        _emulate_sp_norm()
     layout = ParallelLayout(tp, pp, sequence_parallel=tp > 1, context_parallel_size=cp)
     init_distributed(layout, seed=1234)
     moe = MoeSettings.from_dict({"moe_router_load_balancing_type": "aux_loss",
