@@ -333,6 +333,9 @@ def attach_adapters(chunks: Sequence[torch.nn.Module], settings: LoraSettings) -
             if expert:  # reduced over the expert data-parallel group, as the expert weights
                 for p in (linear.lora.A, linear.lora.B):
                     p.allreduce = False
+                    # Not a TP duplicate (TP peers hold other experts at EP > 1): Megatron's grad
+                    # norm then counts it on every TP rank, as the expert weights (so marked).
+                    p.tensor_model_parallel = True
             if norm_fused:  # the adapter's input is the fused norm's output: TE returns it
                 linear.return_layernorm_output = True
             linear.register_forward_hook(

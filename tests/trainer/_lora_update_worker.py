@@ -24,19 +24,19 @@ LAYOUTS = [(2, 1, False, False), (1, 2, False, False), (1, 1, True, False), (2, 
 """(TP, PP, distributed optimizer, sequence parallelism); DP is what remains of 2 ranks."""
 MOE_CASES = [("sgd", False), ("sgd_clip", False), ("adamw", True)]
 """The MoE model at TP 1 × EP 2 (DP 2, expert-DP 1: each rank the adapters of its 4 experts):
-(optimizer, distributed optimizer). ``sgd_clip``: SGD whose clipping bites (the grad norm, each
+(optimizer, distributed optimizer); then SGD at TP 2 × EP 2 with sequence parallelism. ``sgd_clip``: SGD whose clipping bites (the grad norm, each
 expert adapter counted once, scales the step)."""
 
 
 def _adapters_as_peft(chunks, dims) -> dict[str, torch.Tensor]:
-    from megatron.core import parallel_state
-
+    from megarl.models import moe_mapping as mm
     from megarl.models.lora_peft import adapters_to_hf, full_adapters
+    from megarl.models.weights import holds_first_copy
 
-    mine = {k: (a.double(), b.double()) for k, (a, b) in full_adapters(chunks).items()}
+    mine = {k: (a.double(), b.double()) for k, (a, b) in full_adapters(chunks).items()
+            if holds_first_copy(mm.is_expert_param(k))}  # fmt: skip
     boxes: list = [None] * dist.get_world_size()
-    keep = parallel_state.get_tensor_model_parallel_rank() == 0
-    dist.all_gather_object(boxes, mine if keep else {})
+    dist.all_gather_object(boxes, mine)
     merged: dict = {}
     for b in boxes:
         merged.update(b)
@@ -121,7 +121,8 @@ def _case(
     from megarl.trainer.passes import global_log_probs
     from megarl.trainer.update import update_policy
 
-    layout = ParallelLayout(tp, pp, None, sequence_parallel=sp, expert_model_parallel_size=ep)
+    layout = ParallelLayout(tp, pp, None, sequence_parallel=sp, expert_model_parallel_size=ep,
+                            expert_tensor_parallel_size=1 if ep > 1 else None)  # fmt: skip
     built, settings = _actor(spec, layout, dist_opt, optimizer)
     dtype = built.config.params_dtype
     assert all(bool(unwrap(c).config.sequence_parallel) == sp for c in built.chunks)
@@ -212,6 +213,8 @@ def main() -> None:
         saves = run_dir if dist_opt else None
         results[f"{key}/{optimizer}"] = _case(spec, 1, 1, dist_opt, False, optimizer, ep=2,
                                               checkpoint=saves)  # fmt: skip
+    # TP 2 × EP 2 (expert TP 1) with sequence parallelism, as MoE trains at TP > 1
+    results["moe_tp2_ep2_sp/sgd"] = _case(spec, 2, 1, False, True, "sgd", ep=2)
     for ep in (2, 1):  # resume at the saved layout, and at EP 1 (expert-DP 2)
         results[f"moe_resumed_ep{ep}"] = _resumed(spec, ep, run_dir / "global_step_1")
     if dist.get_rank() == 0:
