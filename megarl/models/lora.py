@@ -280,10 +280,14 @@ def _check_experts(config) -> None:
         return
     if config.moe_grouped_gemm:
         raise LoraError(
-            "LoRA on grouped-GEMM experts is not built: use the local spec's SequentialMLP"
+            "LoRA on grouped-GEMM experts (Transformer Engine's MoE spec) is not built: set "
+            "actor_rollout_ref.actor.megatron.transformer_impl=local (SequentialMLP experts)"
         )
     if parallel_state.get_expert_tensor_parallel_world_size() > 1:
-        raise LoraError("LoRA on MoE experts with expert_tensor_parallel_size > 1 is not built")
+        raise LoraError(
+            "LoRA on MoE experts split over expert TP is not built: set "
+            "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1"
+        )
 
 
 def _global_name(path: str, offset: int, config) -> str:

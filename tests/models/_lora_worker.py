@@ -190,7 +190,8 @@ def _adapter_path_checks(spec: dict, layout, settings, ids: torch.Tensor, r: dic
 def _moe_checks(spec: dict, results: dict) -> None:
     """The tiny Qwen3-MoE at TP 1 × EP 2: attach_adapters' one-line refusal of grouped-GEMM
     experts (the flag set on the model's config), then adapters on attention and every expert's
-    linears: the logits with random non-zero adapters and the full adapters by global name."""
+    linears: the logits with random non-zero adapters and the full adapters by global name; at
+    TP 2 × EP 2 with expert TP 2, the one-line refusal."""
     from megarl.models.build import build_model
     from megarl.models.lora import LoraError, LoraSettings, attach_adapters
     from megarl.models.lora_peft import full_adapters
@@ -219,6 +220,14 @@ def _moe_checks(spec: dict, results: dict) -> None:
                                    for k, (a, b) in full_adapters(built.chunks).items()})  # fmt: skip
     adapters = {k: v for box in boxes for k, v in box.items()}
     results["moe"] = {"logits": logits, "adapters": adapters, "attached_here": n}
+    layout = ParallelLayout(2, 1, None, expert_model_parallel_size=2)  # expert TP = TP = 2
+    init_distributed(layout, seed=1234)
+    split = build_model(spec["moe_model"], layout)
+    try:
+        attach_adapters(split.chunks, settings)
+        results["etp_refusal"] = None
+    except LoraError as exc:
+        results["etp_refusal"] = str(exc)
 
 
 def main() -> None:

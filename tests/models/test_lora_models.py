@@ -193,9 +193,12 @@ def test_adapter_path_loads_an_exported_adapter(lora_run, peft_reference):
     assert said is not None and "\n" not in said and "different lora_A" in said, said
 
 
-def test_moe_lora_on_grouped_gemm_experts_is_refused_in_one_line(lora_run):
+def test_moe_lora_on_grouped_gemm_or_expert_tp_is_refused_in_one_line(lora_run):
     said = lora_run["results"]["moe_refusal"]
     assert said is not None and "\n" not in said and "grouped-GEMM" in said, said
+    said = lora_run["results"]["etp_refusal"]
+    assert said is not None and "\n" not in said, said
+    assert "expert_tensor_parallel_size=1" in said, said
 
 
 def _peft_moe_model(path: str, adapters: dict, lora: dict):
