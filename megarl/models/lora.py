@@ -1,4 +1,5 @@
-"""LoRA adapters on Megatron-Core's tensor-parallel linears (local and TE specs' dense linears).
+"""LoRA adapters on Megatron-Core's tensor-parallel linears (local and TE specs' dense linears,
+and the local spec's MoE expert linears).
 
 An adapter adds ``scaling · B(A(x))`` (``scaling = alpha / rank``) to a linear's output. It is
 attached as an extra submodule ``<linear>.lora`` (parameters ``<linear>.lora.A`` ``[r, in]`` and
@@ -39,6 +40,13 @@ spec's do.
 Initial values are drawn for the full (unsharded) tensors from a generator seeded by the seed and
 the parameter's global name, then sliced: the same adapters at every TP×PP layout. B starts at
 zero (verl's ``lora_B_init_method=zero``), so step 0 equals the base model.
+
+MoE (local spec's ``SequentialMLP``, expert TP 1): every expert's ``linear_fc1`` and
+``linear_fc2`` gets an adapter of its own, named and initialised by its global expert index, not
+split; its factors are marked as Megatron marks the expert weights (``allreduce=False``: DDP
+reduces them over the expert-data-parallel group; ``tensor_model_parallel``: the grad norm counts
+them on every TP rank, whose peers hold other experts). Grouped-GEMM experts and expert TP > 1
+are refused.
 
 :func:`adapters_disabled` switches every adapter of some chunks off (the reference policy: the
 base model, verl's ``ref_in_actor``).
