@@ -170,6 +170,12 @@ def load_peft_adapter(
         raise LoraError(f"lora.adapter_path={folder}: no adapter_config.json and "
                         "adapter_model.safetensors there")  # fmt: skip
     config = json.loads(config_file.read_text())
+    if config.get("target_parameters"):
+        raise LoraError(
+            f"lora.adapter_path={folder}: adapters on fused expert parameters (peft "
+            f"target_parameters={config['target_parameters']}) are not read; megarl reads "
+            "per-expert modules (mlp.experts.{e}.gate_proj/up_proj/down_proj), as it writes them"
+        )
     if int(config.get("r", -1)) != settings.rank or float(config.get("lora_alpha", -1)) != float(
         settings.alpha
     ):

@@ -257,3 +257,19 @@ def test_moe_expert_adapters_equal_hf_peft(lora_run):
     print(f"MoE LoRA logits vs HF + peft: {(got - want).abs().max():.3g}")
     assert (got - want).abs().max() <= 1e-4
     assert (got - base).abs().max() > 1e-2
+
+
+def test_adapter_path_with_fused_expert_parameters_is_refused_in_one_line(tmp_path):
+    """A PEFT folder of transformers 5's fused expert parameters (peft ``target_parameters``,
+    what peft saves there) is refused naming the key, before any weight is read."""
+    from megarl.models.lora import LoraError, LoraSettings
+    from megarl.models.lora_peft import load_peft_adapter
+
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    (tmp_path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 4, "lora_alpha": 16, "target_modules": ["q_proj"],
+        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}))  # fmt: skip
+    with pytest.raises(LoraError) as exc:
+        load_peft_adapter([], None, LoraSettings(rank=4, alpha=16.0), tmp_path)
+    said = str(exc.value)
+    assert "\n" not in said and "lora.adapter_path" in said and "target_parameters" in said
