@@ -24,7 +24,8 @@ LAYOUTS = [(2, 1, False, False), (1, 2, False, False), (1, 1, True, False), (2, 
 """(TP, PP, distributed optimizer, sequence parallelism); DP is what remains of 2 ranks."""
 MOE_CASES = [("sgd", False), ("sgd_clip", False), ("adamw", True)]
 """The MoE model at TP 1 × EP 2 (DP 2, expert-DP 1: each rank the adapters of its 4 experts):
-(optimizer, distributed optimizer); then SGD at TP 2 × EP 2 with sequence parallelism. ``sgd_clip``: SGD whose clipping bites (the grad norm, each
+(optimizer, distributed optimizer); then SGD at TP 2 × EP 2 with sequence parallelism and
+at PP 2 (EP 1). ``sgd_clip``: SGD whose clipping bites (the grad norm, each
 expert adapter counted once, scales the step)."""
 
 
@@ -112,6 +113,7 @@ def _case(
     optimizer: str,
     *,
     ep: int = 1,
+    moe: bool = False,
     checkpoint: Path | None = None,
 ) -> dict:
     from megarl.models.gpt import unwrap
@@ -123,7 +125,7 @@ def _case(
 
     layout = ParallelLayout(tp, pp, None, sequence_parallel=sp, expert_model_parallel_size=ep,
                             expert_tensor_parallel_size=1 if ep > 1 else None)  # fmt: skip
-    built, settings = _actor(spec, layout, dist_opt, optimizer)
+    built, settings = _actor(spec, layout, dist_opt, optimizer, moe=moe)
     dtype = built.config.params_dtype
     assert all(bool(unwrap(c).config.sequence_parallel) == sp for c in built.chunks)
     before = _adapters_as_peft(built.chunks, built.dims)
@@ -215,6 +217,7 @@ def main() -> None:
                                               checkpoint=saves)  # fmt: skip
     # TP 2 × EP 2 (expert TP 1) with sequence parallelism, as MoE trains at TP > 1
     results["moe_tp2_ep2_sp/sgd"] = _case(spec, 2, 1, False, True, "sgd", ep=2)
+    results["moe_tp1_pp2/sgd"] = _case(spec, 1, 2, False, False, "sgd", moe=True)  # (EP 1)
     for ep in (2, 1):  # resume at the saved layout, and at EP 1 (expert-DP 2)
         results[f"moe_resumed_ep{ep}"] = _resumed(spec, ep, run_dir / "global_step_1")
     if dist.get_rank() == 0:

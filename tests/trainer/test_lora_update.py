@@ -195,10 +195,11 @@ MOE_LAYOUTS = {
     "moe_tp1_ep2/sgd_clip": {"name": "sgd", "lr": SGD_LR, "clip": SGD_CLIP},
     "moe_tp1_ep2_distopt/adamw": {"name": "adamw", "lr": 1e-3, "clip": 1.0},
     "moe_tp2_ep2_sp/sgd": {"name": "sgd", "lr": SGD_LR, "clip": 0.0},
+    "moe_tp1_pp2/sgd": {"name": "sgd", "lr": SGD_LR, "clip": 0.0},
 }
-"""The tiny Qwen3-MoE at TP 1 × EP 2 (DP 2, expert-DP 1), and at TP 2 × EP 2 (expert TP 1) with
-sequence parallelism, with adapters on attention and every expert's fc1/fc2: the worker's case ->
-the reference's optimizer."""
+"""The tiny Qwen3-MoE at TP 1 × EP 2 (DP 2, expert-DP 1), at TP 2 × EP 2 (expert TP 1) with
+sequence parallelism and at PP 2 (EP 1), with adapters on attention and every expert's fc1/fc2:
+the worker's case -> the reference's optimizer."""
 
 
 @pytest.fixture(scope="module")
