@@ -326,7 +326,8 @@ def model_state(
     for vp_stage in range(layout.vpp):
         slots = chunk_params(dims, layout, pp_rank, vp_stage, role)
         if opt.lora_rank > 0 and role == "actor":  # frozen base + trained adapters
-            base, _ = _buffers_state(slots, dp, dp_rank, "ref", opt)
+            base, base_experts = _buffers_state(slots, dp, dp_rank, "ref", opt)
+            experts = experts + base_experts  # the frozen experts' parameters
             adapters = lora_params(dims, slots, opt.lora_rank)
             trained, _ = _buffers_state([a for a in adapters if not a.expert], dp, dp_rank,
                                         role, opt)  # fmt: skip

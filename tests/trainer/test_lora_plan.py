@@ -72,3 +72,5 @@ def test_lora_moe_actor_counts_expert_adapters_over_expert_dp():
     want_adam = 8 * (2 * attention / 4 + 2 * experts / 2)
     assert want_adam <= s.optimizer_states <= want_adam * 1.05, (s.optimizer_states, want_adam)
     assert s.experts.optimizer_states >= 8 * 2 * experts / 2
+    frozen = sum(x.numel for x in chunk_params(MOE_DIMS, layout, 0) if x.expert)
+    assert 4 * (frozen + 2 * experts) <= s.experts.params <= 4.05 * (frozen + 2 * experts)
