@@ -51,6 +51,13 @@ def check_lora(cfg, error: Error) -> None:
         error(f"{L}.a2a_experimental=true is not built; use false")
     if lora.dtype is not None:
         error(f"{L}.dtype is not built: adapters take the actor's dtype; leave it null")
+    if cfg.actor_rollout_ref.actor.megatron.use_dist_checkpointing:
+        # the adapters' checkpoints, PEFT exports and `megarl convert` name model.path as the
+        # base they adapt; a base read from a Megatron checkpoint would be replaced by it there
+        error(
+            f"{L}.rank > 0 with actor_rollout_ref.actor.megatron.use_dist_checkpointing=true is not "
+            "built: LoRA's base is actor_rollout_ref.model.path (convert the checkpoint to HF)"
+        )
 
 
 def lora_enabled(cfg) -> bool:

@@ -41,6 +41,7 @@ def test_lora_tiny_config_validates_with_verl_names():
         (f"{L}.adapter_path=/x", f"{L}.adapter_path=/x holds no adapter_config.json"),
         (f"{L}.lora_B_init_method=ones", f"{L}.lora_B_init_method=ones"),
         (f"{L}.dropout_position=middle", "must be pre or post"),
+        ("actor_rollout_ref.actor.megatron.use_dist_checkpointing=true", "LoRA's base is"),
     ],
 )  # fmt: skip
 def test_what_is_not_built_is_refused_in_one_line(override, says):
