@@ -8,7 +8,7 @@ from pathlib import Path
 
 from megarl.config.layout_checks import fmt_value
 
-__all__ = ["LORA_TARGETS", "check_lora"]
+__all__ = ["LORA_TARGETS", "check_lora", "check_lora_moe"]
 
 Error = Callable[[str], None]
 
@@ -58,6 +58,19 @@ def check_lora(cfg, error: Error) -> None:
             f"{L}.rank > 0 with actor_rollout_ref.actor.megatron.use_dist_checkpointing=true is not "
             "built: LoRA's base is actor_rollout_ref.model.path (convert the checkpoint to HF)"
         )
+
+
+def check_lora_moe(cfg, shape, error: Error) -> None:
+    """LoRA on a Mixture-of-Experts actor (``shape``: the model's, or None when unknown): expert
+    adapters train and sync merged; adapter-only syncs (``merge=false``) would need vLLM's LoRA
+    on fused MoE experts, which its CPU build lacks and megarl does not build."""
+    lora = cfg.actor_rollout_ref.model.lora
+    if lora.rank <= 0 or not shape or not shape.get("num_experts") or lora.merge:
+        return
+    error(
+        f"{L}.merge=false on a Mixture-of-Experts model ({shape.source}) is not built (vLLM 0.32 "
+        f"puts LoRA on fused MoE experts only with its Triton GPU kernels): set {L}.merge=true"
+    )
 
 
 def lora_enabled(cfg) -> bool:

@@ -84,3 +84,16 @@ def test_lora_with_sequence_parallelism_validates_on_cpu():
     over = ["actor_rollout_ref.actor.megatron.sequence_parallel=true",
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]  # fmt: skip
     validate(load_config(LORA_TINY, over), 2)
+
+
+def test_adapter_only_sync_of_a_moe_model_is_refused_in_one_line():
+    """Expert adapters train and sync merged (tests/trainer/test_lora_update.py,
+    tests/rollout/test_reshard_sync.py); ``merge=false`` on a MoE model is refused at
+    validation (the architecture section says MoE: no model files needed)."""
+    moe = [CONFIGS / "grpo_moe_tiny_cpu.yaml"]
+    lora = [f"{L}.rank=8", f"{L}.alpha=16"]
+    validate(load_config(moe, [*lora, f"{L}.merge=true"]), 2)
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(moe, [*lora, f"{L}.merge=false"]), 2)
+    problems = info.value.problems
+    assert len(problems) == 1 and f"{L}.merge=false on a Mixture-of-Experts model" in problems[0]
