@@ -154,8 +154,10 @@ def sync_weights(
 
 def sync_adapters(chunks: Sequence[torch.nn.Module], plan: ReshardPlan, sink) -> SyncStats:
     """``lora.merge=false`` after the base went once: every rank hands the engine the whole
-    model's adapters in PEFT form (:meth:`~megarl.rollout.vllm_engine.VLLMEngine.load_adapter`;
-    collective). ``bytes``: the adapter tensors handed over (a full sync's counts the model)."""
+    model's adapters in PEFT form (:meth:`~megarl.rollout.vllm_engine.VLLMEngine.load_adapter`,
+    or :meth:`~megarl.rollout.remote.engine.RemoteEngine.load_adapter` for vLLM on ranks of its
+    own; collective). ``bytes``: the adapter tensors handed over (a full sync's counts the
+    model)."""
     from megarl.models.lora_peft import every_stage_adapters
 
     start = time.perf_counter()
