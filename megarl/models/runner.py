@@ -20,7 +20,8 @@ back-propagated unscaled and not reduced over DP.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -444,19 +445,20 @@ def _run(
 
     chunk_list = list(chunks)
     iterators = [iter(list(enumerate(micro))) for _ in chunk_list]
-    metrics = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iterators if len(chunk_list) > 1 else iterators[0],
-        model=chunk_list if len(chunk_list) > 1 else chunk_list[0],
-        num_microbatches=len(micro),
-        seq_length=(
-            max(p.length for p in packed)
-            if packed is not None
-            else _sequence_parallel_length(int(lengths.max().item()), config)
-        ),
-        micro_batch_size=1 if packed is not None else max(len(x) for x in rows),
-        forward_only=not training,
-    )
+    with _mode(chunk_list, training):
+        metrics = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(chunk_list) > 1 else iterators[0],
+            model=chunk_list if len(chunk_list) > 1 else chunk_list[0],
+            num_microbatches=len(micro),
+            seq_length=(
+                max(p.length for p in packed)
+                if packed is not None
+                else _sequence_parallel_length(int(lengths.max().item()), config)
+            ),
+            micro_batch_size=1 if packed is not None else max(len(x) for x in rows),
+            forward_only=not training,
+        )
     names = {"critic": ["values"], "reward": ["scores"]}.get(role, ["log_probs", "entropy"])
     if sum_pi_squared:
         names.append("sum_pi_squared")
@@ -466,6 +468,21 @@ def _run(
         aux.add_shares(out.metrics, chunk_list, scale if ddp else float(lengths.sum()))
     out.routing = recorded
     return out
+
+
+@contextlib.contextmanager
+def _mode(chunks: list[torch.nn.Module], training: bool) -> Iterator[None]:
+    """Train mode for an update, eval mode for a forward-only pass (log-probs, values, scores),
+    as verl's ``compute_log_prob`` / ``update_policy`` set it: dropout (attention, hidden, LoRA's)
+    acts only in updates. Each chunk's own mode comes back afterwards."""
+    before = [c.training for c in chunks]
+    for c in chunks:
+        c.train(training)
+    try:
+        yield
+    finally:
+        for c, mode in zip(chunks, before, strict=True):
+            c.train(mode)
 
 
 def _padding_mask(model: torch.nn.Module, mask: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,5 @@
 """Every multi-rank LoRA check in one 4-rank torchrun launch (TP1/PP1, TP2, PP2, TP2×PP2, and
-TP2 with sequence parallelism on the local spec, its norms marked as in
-``tests/trainer/_critic_sp_worker.py``).
+TP2 with sequence parallelism on the local spec, whose norms megarl marks for it).
 
 For each layout the tiny Qwen2 actor gets adapters on all four linears with random non-zero A
 and B (the same full tensors at every layout, :func:`megarl.models.lora.attach_adapters`), then
@@ -237,9 +236,6 @@ def main() -> None:
     world = read_launch_env().world_size
     assert world == 4, world
     results: dict = {}
-    from tests.trainer._critic_sp_worker import _emulate_sp_norm
-
-    _emulate_sp_norm()  # (acts only on models built with sequence parallelism)
     for tp, pp, sp in LAYOUTS:
         _layout_checks(spec, tp, pp, sp, results)
     _moe_checks(spec, results)

@@ -12,12 +12,10 @@ Devices: on CPU, gloo with megarl's emulation layer. On a GPU machine with fewer
 ranks, both ranks share GPU 0 and talk over gloo (NCCL refuses two ranks on one device; gloo
 moves CUDA tensors through host memory), which is enough to run TP=2 with sequence parallelism.
 
-``"emulate_sp_norm": true`` lets the local (CPU) layer spec run sequence parallelism: Megatron's
-``WrappedTorchNorm`` refuses it only because a plain torch norm does not mark its weight for the
-gradient all-reduce over TP; the wrapper here builds the same RMSNorm and sets that mark (what
-Transformer Engine's norms do). Everything else — the sequence-sharded embedding output, the
-all-gathers and reduce-scatters of the parallel linear layers, the value head's gather — is
-Megatron's and megarl's own code.
+On CPU the local layer spec runs sequence parallelism with megarl's marked torch norms
+(:class:`megarl.models.gpt.TorchNorm`); everything else — the sequence-sharded embedding output,
+the all-gathers and reduce-scatters of the parallel linear layers, the value head's gather — is
+Megatron's and megarl's own code too.
 """
 
 from __future__ import annotations
@@ -42,26 +40,6 @@ def _init_process_group() -> None:
     if torch.cuda.is_available() and torch.cuda.device_count() < world:
         torch.cuda.set_device(0)
         dist.init_process_group("gloo", timeout=timedelta(minutes=10))
-
-
-def _emulate_sp_norm() -> None:
-    from megatron.core.transformer import torch_norm
-
-    original = torch_norm.WrappedTorchNorm.__new__
-
-    def new(cls, config, hidden_size, eps=1e-5, **kwargs):
-        if not config.sequence_parallel:
-            return original(cls, config, hidden_size, eps, **kwargs)
-        config.sequence_parallel = False  # only for the assertion inside
-        try:
-            norm = original(cls, config, hidden_size, eps, **kwargs)
-        finally:
-            config.sequence_parallel = True
-        for param in norm.parameters():
-            param.sequence_parallel = True  # all-reduced over TP by finalize_model_grads
-        return norm
-
-    torch_norm.WrappedTorchNorm.__new__ = new
 
 
 def _cpu(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -133,8 +111,6 @@ def _run_case(spec: dict, case: dict) -> dict:
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     _init_process_group()
-    if spec.get("emulate_sp_norm"):
-        _emulate_sp_norm()
     from megarl.parallel.init import destroy_distributed
 
     results = {case["name"]: _run_case(spec, case) for case in spec["cases"]}

@@ -135,6 +135,7 @@ def _case(
     stepped = sum(p.numel() for o in _leaf_optimizers(actor.optimizer)
                   for g in o.param_groups for p in g["params"])  # fmt: skip
     batch = _rollout(spec)
+    probe = _dropout_probe(spec, actor, batch) if sp else {}
     ref = BaseModelView(actor)
     ref_lp, _, _ = global_log_probs(ref.chunks, batch, vocab_size=built.dims.vocab_size,
                                     temperature=spec["temperature"], micro_batches=4,
@@ -149,6 +150,7 @@ def _case(
         "base": _base_weights(actor.chunks, built.dims),
         "metrics": metrics,
         "ref_log_probs": ref_lp,
+        **probe,
         "trainable_local": trainable,
         "optimizer_numel": stepped,
         "base_numel_local": sum(p.numel() for c in actor.chunks for p in c.parameters())
@@ -163,6 +165,36 @@ def _case(
                         keep={"actor": None}, export_hf_model=True)  # fmt: skip
         out["after_step2"] = _second_step(spec, actor, built)
     return out
+
+
+def _dropout_probe(spec: dict, actor, batch) -> dict:
+    """With ``lora.dropout`` 0.5 (sequence parallelism on): the actor's forward-only log-probs
+    (the old-log-prob pass) twice and without dropout, whether the chunks are back in train mode
+    afterwards, and whether an adapter in train mode does drop (two calls differ). Dropout is
+    set back to 0 before the update."""
+    from megarl.models.lora import adapted_linears
+    from megarl.trainer.passes import global_log_probs
+
+    adapters = [lin.lora for _, _, lin in adapted_linears(actor.chunks)]
+
+    def log_probs():
+        return global_log_probs(actor.chunks, batch, vocab_size=actor.model.dims.vocab_size,
+                                temperature=spec["temperature"], micro_batches=4,
+                                max_token_len=None, pack=actor.model.pack)[0]  # fmt: skip
+
+    for a in adapters:
+        a.dropout = 0.5
+    dropped = [log_probs(), log_probs()]
+    x = torch.ones(4, adapters[0].A.shape[1], dtype=adapters[0].A.dtype)
+    train_mode_drops = not torch.equal(adapters[0](x), adapters[0](x))
+    for a in adapters:
+        a.dropout = 0.0
+    plain = log_probs()
+    return {
+        "dropout_forward_only_diff": max(float((d - plain).abs().max()) for d in dropped),
+        "dropout_train_mode_drops": train_mode_drops,
+        "chunks_back_in_train_mode": all(c.training for c in actor.chunks),
+    }
 
 
 def _second_step(spec: dict, actor, built) -> dict:
@@ -201,9 +233,7 @@ def _resumed(spec: dict, ep: int, ckpt: Path) -> dict:
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     from megarl.parallel.init import destroy_distributed
-    from tests.trainer._critic_sp_worker import _emulate_sp_norm
 
-    _emulate_sp_norm()  # (acts only on models built with sequence parallelism)
     results: dict = {}
     for tp, pp, dist_opt, sp in LAYOUTS:
         key = f"tp{tp}_pp{pp}" + ("_dp2_distopt" if dist_opt else "") + ("_sp" if sp else "")

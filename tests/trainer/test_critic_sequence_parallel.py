@@ -11,8 +11,8 @@ length (sequence parallelism splits the sequence over TP, so the runner must pad
   on CPU when TE is not installed) at TP=2, SP on vs off, fp32. One GPU is enough: both ranks
   then share it over gloo (see the worker).
 - CPU: the same harness at TP=1 (DP=2), TP=2, and TP=2 with SP on the local spec, whose torch
-  norm the worker marks for the TP gradient all-reduce as TE's norms are (Megatron's wrapper
-  refuses SP only for lack of that mark); float64, so any difference is a wrong collective, not
+  norms megarl marks for the TP gradient all-reduce as TE's norms are (Megatron's wrapper
+  refuses SP only for lack of that mark: ``megarl.models.gpt.TorchNorm``); float64, so any difference is a wrong collective, not
   rounding. Also a Mixture-of-Experts critic (Qwen3-MoE) at EP 1 and EP 2.
 """
 
@@ -97,7 +97,7 @@ def test_critic_sequence_parallel_equals_no_sp_on_gpu(tmp_path):
              {"name": "cp2_packed", "tp": 1, "cp": 2, "sequence_parallel": False, "pack": True}]  # fmt: skip
     # Without Transformer Engine the local spec runs SP on GPU the way the CPU test runs it.
     out = _run(tmp_path, cases, dtype="float32",
-               transformer_impl="transformer_engine" if te else "local", emulate_sp_norm=not te)  # fmt: skip
+               transformer_impl="transformer_engine" if te else "local")  # fmt: skip
     assert out["tp2_sp"]["sequence_parallel"] and not out["tp2"]["sequence_parallel"]
     # fp32: SP changes where partial sums meet (norm weight gradients), not what is summed.
     _assert_same_critic(out["tp2"], out["tp2_sp"], rtol=1e-4)
@@ -107,7 +107,7 @@ def test_critic_sequence_parallel_equals_no_sp_on_gpu(tmp_path):
     _assert_same_critic(out["tp2"], out["cp2_packed"], rtol=1e-4)
 
 
-def test_critic_layouts_and_emulated_sequence_parallel_agree_on_cpu(tmp_path):
+def test_critic_layouts_and_sequence_parallel_agree_on_cpu(tmp_path):
     moe = {"tp": 1, "sequence_parallel": False, "model": "moe_model"}
     packed = {"pack": True, "sequence_parallel": False}
     cases = [{"name": "tp1", "tp": 1, "sequence_parallel": False},

@@ -190,6 +190,17 @@ def test_reference_policy_is_the_base_model(setup, lora_results):  # noqa: F811
         assert float(((got - logp) * mask).abs().max()) <= tol, key
 
 
+def test_forward_only_passes_run_without_dropout(lora_results):
+    """``lora.dropout`` acts in updates only: with dropout 0.5 the actor's old-log-prob pass
+    (forward only, sequence parallelism on) gives the dropout-free log-probs exactly, twice, as
+    verl's ``compute_log_prob`` in eval mode; an adapter in train mode does drop; the chunks are
+    back in train mode after the pass."""
+    for key in ("tp2_pp1_sp/sgd", "moe_tp2_ep2_sp/sgd"):
+        r = lora_results[key]
+        assert r["dropout_forward_only_diff"] == 0.0, key
+        assert r["dropout_train_mode_drops"] and r["chunks_back_in_train_mode"], key
+
+
 MOE_LAYOUTS = {
     "moe_tp1_ep2/sgd": {"name": "sgd", "lr": SGD_LR, "clip": 0.0},
     "moe_tp1_ep2/sgd_clip": {"name": "sgd", "lr": SGD_LR, "clip": SGD_CLIP},
