@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from megarl.config.batch_plan import stages_weight_updates
 from megarl.config.layout_checks import fmt_value
 
 __all__ = ["LORA_TARGETS", "check_lora", "check_lora_moe"]
@@ -51,6 +52,12 @@ def check_lora(cfg, error: Error) -> None:
         error(f"{L}.a2a_experimental=true is not built; use false")
     if lora.dtype is not None:
         error(f"{L}.dtype is not built: adapters take the actor's dtype; leave it null")
+    if not lora.merge and stages_weight_updates(cfg):
+        error(
+            f"{L}.merge=false with vLLM on ranks of its own needs "
+            "async_training.staleness_threshold <= 1 (staged weight updates carry no adapters); "
+            f"set {L}.merge=true"
+        )
     if cfg.actor_rollout_ref.actor.megatron.use_dist_checkpointing:
         # the adapters' checkpoints, PEFT exports and `megarl convert` name model.path as the
         # base they adapt; a base read from a Megatron checkpoint would be replaced by it there

@@ -97,3 +97,17 @@ def test_adapter_only_sync_of_a_moe_model_is_refused_in_one_line():
         validate(load_config(moe, [*lora, f"{L}.merge=false"]), 2)
     problems = info.value.problems
     assert len(problems) == 1 and f"{L}.merge=false on a Mixture-of-Experts model" in problems[0]
+
+
+def test_adapter_only_sync_to_rollout_ranks_more_than_a_step_off_is_refused():
+    """``merge=false`` with vLLM on ranks of its own: at most one step off (built,
+    tests/trainer/test_lora_learning.py's main run); staged updates carry no adapters."""
+    split = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2",
+             "trainer.n_gpus_per_node=4"]  # fmt: skip
+    validate(load_config(LORA_TINY, [*split, "async_training.staleness_threshold=1"]), 4)
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(LORA_TINY, [*split, "async_training.staleness_threshold=2"]), 4)
+    problems = [p for p in info.value.problems if "lora" in p.lower()]
+    assert len(problems) == 1 and "needs async_training.staleness_threshold <= 1" in problems[0]
+    validate(load_config(LORA_TINY, [*split, "async_training.staleness_threshold=2",
+                                     f"{L}.merge=true"]), 4)  # fmt: skip
