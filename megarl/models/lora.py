@@ -73,7 +73,12 @@ from megatron.core.tensor_parallel.layers import (
 
 from megarl.models import hf_mapping as hm
 from megarl.models import moe_mapping as mm
-from megarl.models.gpt import layer_offset, transformer_engine_import_error, unwrap
+from megarl.models.gpt import (
+    chunks_device,
+    layer_offset,
+    transformer_engine_import_error,
+    unwrap,
+)
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """Megatron linear names adapters can target (verl's default: all four)."""
@@ -477,6 +482,14 @@ def adapted_linears(
 
 def has_adapters(chunks: Sequence[torch.nn.Module]) -> bool:
     return any(True for _ in adapted_linears(chunks))
+
+
+def any_rank_has_adapters(chunks: Sequence[torch.nn.Module]) -> bool:
+    """Whether some rank's chunks hold adapters (collective over the default group): one answer
+    for every rank, also where ``exclude_modules`` left a pipeline stage without any."""
+    flag = torch.tensor([float(has_adapters(chunks))], device=chunks_device(chunks))
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def adapter_parameters(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Parameter]:

@@ -27,7 +27,7 @@ from megatron.core import parallel_state
 from megarl.config.model_dims import ModelDims
 from megarl.models import hf_mapping as hm
 from megarl.models import moe_mapping as mm
-from megarl.models.lora import LoraSettings, adapted_linears, merge_adapter_shards
+from megarl.models.lora import LoraError, LoraSettings, adapted_linears, merge_adapter_shards
 from megarl.models.weights import holds_first_copy
 from megarl.parallel.collectives import all_gather_tensors
 
@@ -66,12 +66,18 @@ def _first_copies(
     }
 
 
-def _whole_model(chunks: Sequence[torch.nn.Module]) -> dict:
-    """{global base name: (full A, full B)} of the whole model on every rank (collective over
-    all ranks; small: one copy of the adapters in all)."""
+def _whole_model(chunks: Sequence[torch.nn.Module]) -> tuple[dict, float]:
+    """({global base name: (full A, full B)} of the whole model, the adapters' scaling) on
+    every rank (collective over all ranks; small: one copy of the adapters in all). A rank
+    holding no adapter (a pipeline stage ``exclude_modules`` left bare) takes part too."""
+    scaling = next((lin.lora.scaling for _, _, lin in adapted_linears(chunks)), None)
     boxes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(boxes, _first_copies(full_adapters(chunks)))
-    return {k: v for box in boxes for k, v in box.items()}
+    dist.all_gather_object(boxes, (_first_copies(full_adapters(chunks)), scaling))
+    adapters = {k: v for box, _ in boxes for k, v in box.items()}
+    scalings = {s for _, s in boxes if s is not None}
+    if len(scalings) != 1:
+        raise LoraError(f"the ranks' adapters have scalings {sorted(scalings)}: expected one")
+    return adapters, scalings.pop()
 
 
 def adapters_to_hf(
@@ -95,13 +101,13 @@ def every_stage_adapters(
     fields (``r``, ``lora_alpha``, ``target_modules``): what an adapter-only sync hands vLLM.
     Collective: TP all-gather, then one copy of each adapter (every stage's, every
     expert-parallel rank's experts) all-gathered over all ranks (small: the adapters only)."""
-    state = adapters_to_hf(_whole_model(chunks), dims)
-    (_, _, linear) = next(iter(adapted_linears(chunks)))
-    rank = int(linear.lora.A.shape[0])
+    adapters, scaling = _whole_model(chunks)
+    state = adapters_to_hf(adapters, dims)
+    rank = int(next(iter(adapters.values()))[0].shape[0])
     config = {
         "peft_type": "LORA",
         "r": rank,
-        "lora_alpha": linear.lora.scaling * rank,
+        "lora_alpha": scaling * rank,
         "target_modules": _hf_target_modules(state),
         "bias": "none",
     }
@@ -124,7 +130,7 @@ def export_peft_adapter(
     every rank's adapters (collective over all ranks; rank 0 writes and returns the folder)."""
     from safetensors.torch import save_file
 
-    merged = _whole_model(chunks)
+    merged, _ = _whole_model(chunks)
     if dist.get_rank() != 0:
         return None
     state = adapters_to_hf(merged, dims)

@@ -121,9 +121,9 @@ def sync_weights(
             f"plan is for TP={lay.tp}, PP={lay.pp}, EP={lay.ep}, ETP={lay.etp}; running TP={tp}, "
             f"PP={pp}, EP={ep}, ETP={etp}"
         )
-    from megarl.models.lora import has_adapters, merged_weights
+    from megarl.models.lora import any_rank_has_adapters, merged_weights
 
-    adapter_only = getattr(sink, "lora_adapter_sync", False) and has_adapters(chunks)
+    adapter_only = getattr(sink, "lora_adapter_sync", False) and any_rank_has_adapters(chunks)
     if adapter_only and sink.base_loaded:  # lora.merge=false: the base is there, send adapters
         return sync_adapters(chunks, plan, sink)
     params, pp_rank, ep_rank = local_params_for_plan(chunks, plan)
