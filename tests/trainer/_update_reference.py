@@ -265,24 +265,14 @@ class _MergedLora:
         return out
 
 
-def reference_lora_update(
-    spec: dict, data: dict, model: str, adapters: dict, scaling: float, optimizer: dict
-) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """A GRPO actor update over LoRA adapters only, in float64 (any dense or MoE model of
-    transformers; merged-weight LoRA, :class:`_MergedLora`): per mini-batch the whole
-    mini-batch's loss, backward, the gradient norm (each leaf once), clipping (``clip`` > 0)
-    and an SGD or AdamW step. ``optimizer``: ``{"name", "lr", "clip"}``. Returns the adapters
-    after (PEFT names) and each mini-batch's gradient norm."""
-    from transformers import AutoModelForCausalLM
-
+def reference_lora_steps(model, params: list, spec: dict, data: dict, optimizer: dict) -> list:
+    """GRPO actor mini-batch steps of ``model`` (a float64 LoRA model: only ``params``, each
+    leaf once, train) on the fixed batch: per mini-batch the loss (vanilla policy loss, low-var
+    KL to the batch's reference, entropy bonus; token-mean), backward, the gradient norm,
+    clipping (``optimizer["clip"]`` > 0) and an SGD or AdamW step (``{"name", "lr", "clip"}``).
+    Returns each mini-batch's gradient norm."""
     from megarl.algo import agg_loss, compute_policy_loss, kl_penalty
 
-    config = json.loads((Path(model) / "config.json").read_text())
-    moe = {"experts_implementation": "eager"} if config.get("num_experts") else {}
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float64, **moe)
-    hf.requires_grad_(False)
-    lora = _MergedLora(hf, adapters, scaling)
-    params = list(lora.params.values())
     if optimizer["name"] == "sgd":
         opt = torch.optim.SGD(params, lr=optimizer["lr"])
     else:
@@ -290,7 +280,7 @@ def reference_lora_update(
                                 weight_decay=0.1)  # fmt: skip
     width, norms = data["mask"].shape[1], []
     for rows in torch.arange(len(data["responses"])).split(spec["responses_per_mini_batch"]):
-        logp, entropy, mask = _actor_outputs(lora, data["ids"][rows], data["plen"][rows],
+        logp, entropy, mask = _actor_outputs(model, data["ids"][rows], data["plen"][rows],
                                              data["lens"][rows], width, spec["temperature"])  # fmt: skip
         pg, _ = compute_policy_loss(
             "vanilla", old_log_prob=data["old_log_probs"][rows].double(), log_prob=logp,
@@ -307,4 +297,24 @@ def reference_lora_update(
         if optimizer["clip"] > 0:
             torch.nn.utils.clip_grad_norm_(params, optimizer["clip"])
         opt.step()
+    return norms
+
+
+def reference_lora_update(
+    spec: dict, data: dict, model: str, adapters: dict, scaling: float, optimizer: dict
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """A GRPO actor update over LoRA adapters only, in float64 (any dense or MoE model of
+    transformers; merged-weight LoRA, :class:`_MergedLora`): per mini-batch the whole
+    mini-batch's loss, backward, the gradient norm (each leaf once), clipping (``clip`` > 0)
+    and an SGD or AdamW step. ``optimizer``: ``{"name", "lr", "clip"}``. Returns the adapters
+    after (PEFT names) and each mini-batch's gradient norm."""
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    moe = {"experts_implementation": "eager"} if config.get("num_experts") else {}
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float64, **moe)
+    hf.requires_grad_(False)
+    lora = _MergedLora(hf, adapters, scaling)
+    params = list(lora.params.values())
+    norms = reference_lora_steps(lora, params, spec, data, optimizer)
     return lora.peft_state(), norms

@@ -13,7 +13,6 @@ per mini-batch, full forward, verl's loss, backward, optimizer step, over the ad
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -21,9 +20,8 @@ import torch
 
 from tests.conftest import run_torchrun
 from tests.trainer._update_reference import (
-    ADAM_EPS,
-    LOCAL_COUNTS,
     _actor_outputs,
+    reference_lora_steps,
     reference_lora_update,
 )
 from tests.trainer.test_update_equivalence import (
@@ -79,34 +77,11 @@ def _peft_model(base: str, adapters: dict[str, torch.Tensor], tmp: Path):
 
 
 def _reference(spec: dict, data: dict, before: dict, optimizer: str):
-    from megarl.algo import agg_loss, compute_policy_loss, kl_penalty
-
     model = _peft_model(spec["model"], before, Path(spec["tmp"]))
     params = [p for p in model.parameters() if p.requires_grad]  # unique (tied A once)
-    if optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=SGD_LR)
-    else:
-        opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=ADAM_EPS,
-                                weight_decay=0.1)  # fmt: skip
-    width, norms = data["mask"].shape[1], []
-    for rows in torch.arange(len(data["responses"])).split(SPEC["responses_per_mini_batch"]):
-        logp, entropy, mask = _actor_outputs(model, data["ids"][rows], data["plen"][rows],
-                                             data["lens"][rows], width, SPEC["temperature"])  # fmt: skip
-        pg, _ = compute_policy_loss(
-            "vanilla", old_log_prob=data["old_log_probs"][rows].double(), log_prob=logp,
-            advantages=data["advantages"][rows].double(), response_mask=mask,
-            loss_agg_mode="token-mean", loss_scale_factor=None, **SPEC["clip"], **LOCAL_COUNTS,
-        )  # fmt: skip
-        kl = agg_loss(kl_penalty(logp, data["ref_log_probs"][rows].double(), "low_var_kl"),
-                      mask, "token-mean")  # fmt: skip
-        ent = agg_loss(entropy, mask, "token-mean")
-        loss = pg - SPEC["entropy_coeff"] * ent + SPEC["kl_loss_coef"] * kl
-        opt.zero_grad()
-        loss.backward()
-        norms.append(math.sqrt(sum(float((p.grad**2).sum()) for p in params)))
-        if optimizer == "adamw":
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+    settings = {"name": optimizer, "lr": SGD_LR if optimizer == "sgd" else 1e-3,
+                "clip": 1.0 if optimizer == "adamw" else 0.0}  # fmt: skip
+    norms = reference_lora_steps(model, params, SPEC, data, settings)
     model.grad_norm = sum(norms) / len(norms)  # the trainer's metric: the mini-batches' mean
     return (
         {
