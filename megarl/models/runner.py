@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,34 @@ from megarl.models.packing import (
 )
 from megarl.models.router_losses import AuxLosses
 from megarl.models.routing import Routing
+from megarl.models.sequences import (
+    LogProbs,
+    MicroBatches,
+    SequenceBatch,
+    causal_mask,
+    interleaved_multiple,
+    micro_batching,
+    pad_rows,
+    response_mask,
+)
 from megarl.parallel.collectives import all_gather_tensors
+
+__all__ = [
+    "LogProbs",
+    "MicroBatches",
+    "SequenceBatch",
+    "causal_mask",
+    "compute_log_probs",
+    "compute_scores",
+    "compute_values",
+    "forward_backward",
+    "forward_logits",
+    "gather_vocab",
+    "interleaved_multiple",
+    "micro_batching",
+    "pad_rows",
+    "response_mask",
+]
 
 Outputs = dict[str, torch.Tensor]
 Metrics = dict[str, torch.Tensor | float]
@@ -53,87 +80,6 @@ LossFn = Callable[[Outputs, dict[str, torch.Tensor]], tuple[torch.Tensor, Metric
 ``input_ids``, ``prompt_lengths``, ``lengths`` and its rows of every ``SequenceBatch.extra`` tensor.
 ``share`` is the micro-batch's share of the mini-batch loss (see the module docstring); metrics
 are 0-dim tensors or floats, as ``megarl.algo``'s losses return them."""
-
-MicroBatches = int | Sequence[torch.Tensor]
-"""A micro-batch size (equal consecutive slices) or explicit row-index tensors, one per
-micro-batch (e.g. formed by a token budget; sizes may differ except under VPP)."""
-
-
-@dataclass
-class SequenceBatch:
-    """Right-padded prompt+response sequences and per-sequence tensors for a loss function."""
-
-    input_ids: torch.Tensor
-    """``[N, S]`` token ids (identical on every TP/PP rank of a data-parallel replica)."""
-    prompt_lengths: torch.Tensor
-    """``[N]`` prompt lengths (at least 1)."""
-    lengths: torch.Tensor
-    """``[N]`` prompt + response lengths."""
-    extra: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Per-sequence tensors ``[N, ...]`` (advantages, old log-probs, ...) sliced per micro-batch."""
-
-    def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def response_width(self) -> int:
-        """R: the longest response."""
-        return int((self.lengths - self.prompt_lengths).max().item()) if len(self) else 0
-
-
-@dataclass
-class LogProbs:
-    """Per-response-token actor outputs ``[N, R]``, on every rank."""
-
-    log_probs: torch.Tensor
-    entropy: torch.Tensor
-    sum_pi_squared: torch.Tensor | None = None
-    """sum_v pi(v)^2 of each position's distribution (optimal-token-baseline estimators)."""
-    routing: torch.Tensor | None = None
-    """The experts each token was routed to, ``[N, layers, positions, k]`` of this pipeline
-    rank's MoE layers (:mod:`megarl.models.routing`; when recorded)."""
-
-
-def response_mask(prompt_lengths: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """``[N, R]`` bool: True for real response tokens (R = longest response)."""
-    resp = lengths - prompt_lengths
-    r = int(resp.max().item()) if resp.numel() else 0
-    return torch.arange(r, device=lengths.device)[None, :] < resp[:, None]
-
-
-def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
-    """Megatron's attention-mask convention: True = masked out. ``[1, 1, S, S]``.
-
-    Right padding needs nothing more than causality: real tokens never attend to the pads that
-    follow them, and outputs at pad positions are discarded.
-    """
-    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), 1)[None, None]
-
-
-def interleaved_multiple(chunks: Sequence[torch.nn.Module]) -> int:
-    """What the micro-batch count must be a multiple of: PP under the interleaved (VPP) schedule
-    (more than one chunk per rank), else 1."""
-    return parallel_state.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
-
-
-def micro_batching(n: int, limit: int, multiple: int = 1) -> tuple[int, int]:
-    """``(padded_n, micro_batch_size)``: the fewest sequences ``>= n`` and the largest micro-batch
-    size ``<= limit`` dividing them into a multiple of ``multiple`` micro-batches (Megatron's
-    interleaved schedule needs a multiple of PP, see :func:`interleaved_multiple`)."""
-    padded = -(-n // multiple) * multiple
-    size = max(
-        d
-        for d in range(1, min(padded, max(limit, 1)) + 1)
-        if padded % d == 0 and (padded // d) % multiple == 0
-    )
-    return padded, size
-
-
-def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """``t`` with copies of its last row appended up to ``rows`` rows (for
-    :func:`micro_batching`'s padding; the padded rows' results are dropped)."""
-    extra = rows - t.shape[0]
-    return torch.cat([t, t[-1:].expand(extra, *t.shape[1:])]) if extra > 0 else t
 
 
 def forward_logits(
