@@ -34,6 +34,11 @@ from megarl.planner.activations import (
     forward_activations,
     training_activations,
 )
+from megarl.planner.communicators import (
+    NCCL_COMMUNICATOR_BYTES,
+    nccl_communicators,
+    rollout_rank_communicators,
+)
 from megarl.planner.memory import (
     GIB,
     ITEMSIZE,
@@ -60,14 +65,6 @@ CUDA_GRAPH_BYTES = GIB // 2
 """vLLM's CUDA graphs when ``enforce_eager`` is false (an estimate; vLLM logs the real size).
 vLLM 0.32 captures them outside its sleep pool unless ``sleep_mode_offload_cudagraph`` is set
 (``vllm/compilation/cudagraph_pool.py``): they stay on the GPU while vLLM sleeps, at any level."""
-NCCL_COMMUNICATOR_BYTES = GIB // 2
-"""GPU memory of one NCCL communicator of two or more ranks: its buffers, allocated outside
-PyTorch's allocator when the communicator is made (megarl connects every Megatron group at
-set-up: ``megarl.parallel.init.connect_groups``) and kept for the run. An estimate, not measured
-here (no GPU): NCCL sizes them as channels × peers × ``NCCL_BUFFSIZE`` (4 MiB) per protocol;
-NVIDIA/nccl#964 measured 544-688 MB per communicator after one all-reduce on 4 A100s over
-NVLink; NVLS (H100 with NVSwitch) adds more (``NCCL_NVLS_ENABLE=0`` trades it for bandwidth).
-``tools/gpu_check.py``'s memory section shows the difference on a GPU."""
 
 
 @dataclass(frozen=True)
@@ -419,43 +416,6 @@ def _engine_terms(placed: Residency, pool: int, weights: int, graphs: int) -> li
     if engine.weights:
         return [Term("vLLM weights (awake)", weights, "vLLM weights per rank"), kept]
     return [Term("vLLM asleep", 0, "level 2 (or 1 before a skipped sync): weights, KV freed"), kept]
-
-
-def nccl_communicators(cfg: MegarlConfig, world: int) -> dict[str, int]:
-    """The NCCL communicators of two or more ranks a training GPU holds, by group, with their
-    sizes (``world``: the training ranks): the world's, Megatron's groups (each a communicator of its own, connected at set-up:
-    ``megarl.parallel.init.GROUPS``; the DP × CP group DDP reduces over when CP > 1) and, with
-    vLLM colocated at TP > 1, vLLM's TP group (its torch group and its PyNccl communicator).
-    Groups of one rank are left out (no peers, no buffers)."""
-    lay = cfg.actor_rollout_ref.actor.megatron.parallel_layout()
-    dp = lay.data_parallel_size(world)
-    sizes = {
-        "world": world,
-        "TP×PP": lay.tp * lay.pp,
-        "TP": lay.tp,
-        "PP": lay.pp,
-        "DP": dp,
-        "CP": lay.cp,
-        "DP×CP": dp * lay.cp if lay.cp > 1 else 1,
-        "embedding": 2 if lay.pp > 1 else 1,
-        "EP": lay.ep,
-        "expert TP": lay.etp,
-        "expert DP": lay.expert_data_parallel_size(world),
-    }
-    roll = cfg.actor_rollout_ref.rollout
-    if engine_on_training_ranks(cfg) and engine_is_vllm(cfg):
-        sizes["vLLM TP"] = sizes["vLLM TP (PyNccl)"] = roll.tensor_model_parallel_size
-    return {name: size for name, size in sizes.items() if size > 1}
-
-
-def rollout_rank_communicators(cfg: MegarlConfig, nccl_weights: bool) -> dict[str, int]:
-    """A rollout rank's NCCL communicators (vLLM on GPUs of its own): vLLM's TP group (two, as
-    colocated) and the weights' group from the first training rank when it is NCCL."""
-    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
-    sizes = {"vLLM TP": tp, "vLLM TP (PyNccl)": tp}
-    if nccl_weights:
-        sizes["weights"] = rollout_ranks(cfg) + 1
-    return {name: size for name, size in sizes.items() if size > 1}
 
 
 def _nccl_term(comms: dict[str, int]) -> Term:
