@@ -3,27 +3,33 @@ agent loop, batched), kept as token ids from start to end.
 
 Each trajectory starts from its prompt's chat messages rendered with the tools' schemas. Then,
 per turn, every active trajectory generates together in **one** ``generate`` call (all of them
-batched, one request each); each model turn's sampled ids and vLLM's log-probs are kept as they
-are. A turn whose text holds tool calls (``multi_turn.format``) gets a tool turn
-(:func:`megarl.tools.runner.run_tool_calls`: concurrent, time-limited, truncated, every failure
-an error message); a turn without calls gets an interaction turn when an interaction is
-configured, else the trajectory ends. It also ends when the response budget
-(``data.max_response_length`` counted over all turns, as verl), ``max_assistant_turns`` or
-``max_user_turns`` runs out, and (as verl) before a tool or user turn that would fill the budget,
-so that the last turn is the model's.
+batched, one request each, each capped at its own budget and context room; a trajectory whose
+context room is below another's cap goes in a call of its own cap: :func:`_cap_groups`); each
+model turn's sampled ids and vLLM's log-probs are kept as they are. A turn whose text holds tool
+calls (``multi_turn.format``) gets a tool turn (:func:`megarl.tools.runner.run_tool_calls`:
+concurrent, time-limited, truncated, every failure an error message; every ``execute`` gets
+``agent_data``, :class:`~megarl.rollout.multi_turn_agent.AgentData`); a turn without calls gets
+an interaction turn when an interaction is configured, else the trajectory ends. It also ends
+when the response budget (``data.max_response_length`` counted over all turns, as verl),
+``max_assistant_turns`` or ``max_user_turns`` runs out, and (as verl) before a tool or user turn
+that would fill the budget (or the engine's context), so that the last turn is the model's.
+Tool and interaction turns run on one event loop (:class:`~megarl.tools.event_loop.ToolEventLoop`).
 
 Token in, token out: a tool or user turn's ids are the chat template's delta, the ids of the
 conversation rendered with the new messages (and the generation prompt) past the ids held so
 far; model text is never re-tokenised. Where the rendering of the conversation so far does not
 start with the ids held (a model turn whose text re-tokenises differently), the delta is the
-difference of the two renderings (verl's way) and the trajectory fails the sanity check
-(``tokenization_sanity_check_mode``: the whole conversation re-rendered against the ids held).
+difference of the two renderings; where the template rewrites history (Qwen3 drops earlier
+turns' reasoning once a user turn follows), the new messages rendered alone less the template's
+own system prompt (verl's way for every turn). Either way the trajectory counts in
+``drifted_turns`` and fails the sanity check (``tokenization_sanity_check_mode``: the whole
+conversation re-rendered against the ids held).
 
 The result per trajectory (:class:`Trajectory`): response ids, log-probs (0 on tool and user
 tokens), a per-token mask (1 on model tokens), turn counts, every call's outcome, step rewards
-and interaction scores. :func:`rollout_samples` turns them into the trainer's
-:class:`~megarl.rollout.base.RolloutSample` list; :mod:`megarl.rollout.multi_turn_rollout` runs the
-loop in the trainer.
+and interaction scores. :func:`~megarl.rollout.multi_turn_output.rollout_samples` turns them into
+the trainer's :class:`~megarl.rollout.base.RolloutSample` list;
+:mod:`megarl.rollout.multi_turn_rollout` runs the loop in the trainer.
 """
 
 from __future__ import annotations
@@ -35,14 +41,23 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megarl.rollout.base import RolloutBatch, RolloutSample, request_seed
+from megarl.rollout.base import RolloutBatch, request_seed
+from megarl.rollout.multi_turn_agent import AgentData, agent_data, visible_messages
+from megarl.rollout.multi_turn_output import (
+    merge_multi_turn_metrics,
+    multi_turn_metrics,
+    rollout_samples,
+)
+from megarl.tools.event_loop import ToolEventLoop
 from megarl.tools.parser import parse_tool_calls
 from megarl.tools.runner import ToolCallError, ToolCallResult, run_tool_calls
 
 __all__ = [
+    "AgentData",
     "MultiTurnSettings",
     "Trajectory",
     "TrajectoryPrompt",
+    "merge_multi_turn_metrics",
     "multi_turn_metrics",
     "rollout_samples",
     "run_multi_turn",
@@ -138,6 +153,9 @@ class Trajectory:
     """How many of ``messages`` are the prompt's."""
     last_turn_len: int = 0
     """Tokens of the last model turn."""
+    assistant_texts: list[str] = field(default_factory=list)
+    """Each model turn's text decoded without special tokens (verl's assistant message, what
+    interactions and tools' ``agent_data`` see); ``messages`` keeps them for the template."""
     routing: Any = None
     """With routing capture on (R3): the experts of each position of prompt + response, each
     from the first request that ran it through the model (a model token's from its own turn, a
@@ -163,6 +181,7 @@ class _Renderer:
             for k, v in kwargs.items()
             if k not in ("tokenize", "return_dict", "return_tensors", "add_generation_prompt")
         }
+        self._system: list[int] | None = None
 
     def text(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -180,6 +199,24 @@ class _Renderer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
+    def alone(self, messages: list[dict[str, Any]]) -> list[int]:
+        """verl's ids of a tool or user turn: ``messages`` rendered alone (no tools, with the
+        generation prompt), less the system prompt the template adds by itself (verl's
+        ``initialize_system_prompt``: what rendering one empty user turn adds beyond the
+        second one's length)."""
+        if self._system is None:
+            one = [{"role": "user", "content": ""}]
+            a, b = (self._plain(one * k, False) for k in (1, 2))
+            self._system = a[: len(a) - (len(b) - len(a))]
+        ids = self._plain(messages, True)
+        return ids[len(self._system) :] if ids[: len(self._system)] == self._system else ids
+
+    def _plain(self, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False, **self.kwargs
+        )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
 
 def _turn_delta(
     render: _Renderer, traj: Trajectory, new: list[dict[str, Any]]
@@ -191,10 +228,11 @@ def _turn_delta(
     if after[: len(held)] == held:
         return after[len(held) :], True
     before = render.ids(traj.messages, False)
-    if after[: len(before)] != before:  # a template that rewrites history: the text's delta
-        text = render.text(traj.messages + new, True)[len(render.text(traj.messages, False)) :]
-        return list(render.tokenizer(text, add_special_tokens=False)["input_ids"]), False
-    return after[len(before) :], False
+    if after[: len(before)] == before:
+        return after[len(before) :], False
+    # A template that rewrites history (Qwen3 drops earlier turns' <think> once a user turn
+    # follows): no delta of renderings exists, so verl's way, the new messages rendered alone.
+    return render.alone(new), False
 
 
 def _sanity_check(render: _Renderer, traj: Trajectory, mode: str) -> bool | None:
@@ -282,20 +320,27 @@ def _model_turn(
     turn: int,
     stops: set[int],
 ) -> None:
-    """One batched generate for every active trajectory; each keeps at most its budget."""
+    """Every active trajectory's turn, each capped at its own ``min(budget left, context
+    room)``: one batched generate, or one per group of :func:`_cap_groups` where one
+    trajectory's context room is below another's cap."""
     contexts = [t.prompt_ids + t.response_ids for t in active]
     budgets = [settings.response_length - len(t.response_ids) for t in active]
-    max_tokens = max(budgets)
-    if settings.max_model_len is not None:
-        max_tokens = min(max_tokens, min(settings.max_model_len - len(c) for c in contexts))
-    batch = generate(
-        contexts,
-        prompt_ids=[t.prompt_index * 1_000_003 + t.sample_index for t in active],
-        max_tokens=max(max_tokens, 1),
-        seed=request_seed(seed, step, turn, -1),
-    )
-    for t, sample, budget in zip(active, batch.samples, budgets, strict=True):
-        ids = list(sample.response_token_ids)[:budget]
+    limit = settings.max_model_len
+    rooms = [None if limit is None else limit - len(c) for c in contexts]
+    caps = [b if r is None else min(b, r) for b, r in zip(budgets, rooms, strict=True)]
+    samples: list[Any] = [None] * len(active)
+    for max_tokens, members in _cap_groups(caps, rooms):
+        batch = generate(
+            [contexts[i] for i in members],
+            prompt_ids=[active[i].prompt_index * 1_000_003 + active[i].sample_index
+                        for i in members],
+            max_tokens=max(max_tokens, 1),
+            seed=request_seed(seed, step, turn, -1),
+        )  # fmt: skip
+        for i, sample in zip(members, batch.samples, strict=True):
+            samples[i] = sample
+    for t, sample, cap in zip(active, samples, caps, strict=True):
+        ids = list(sample.response_token_ids)[:cap]
         logprobs = list(sample.response_logprobs)[: len(ids)]
         cut = len(ids) < len(sample.response_token_ids) or sample.finish_reason == "length"
         t.finish_reason = "length" if cut and not (ids and ids[-1] in stops) else "stop"
@@ -308,6 +353,24 @@ def _model_turn(
         t.response_mask += [1] * len(ids)
         t.last_turn_len = len(ids)
         t.assistant_turns += 1
+
+
+def _cap_groups(caps: list[int], rooms: list[int | None]) -> list[tuple[int, list[int]]]:
+    """The fewest ``(max_tokens, request indices)`` groups such that each request's
+    ``max_tokens`` is at least its cap and at most its context room (``None``: unbounded): the
+    engine takes one ``max_tokens`` per call and refuses one past a request's room, and each
+    trajectory keeps its first ``cap`` tokens (a request's tokens do not depend on its
+    ``max_tokens``: each is seeded on its own). Greedy stabbing of the intervals
+    ``[cap, room]`` in the order of their rooms; one group unless some room is short."""
+    order = sorted(range(len(caps)), key=lambda i: (rooms[i] is None, rooms[i] or 0))
+    groups: list[list[int]] = []
+    point: int | None = None
+    for i in order:
+        if not groups or (point is not None and caps[i] > point):
+            groups.append([])
+            point = rooms[i]
+        groups[-1].append(i)
+    return [(max(caps[i] for i in g), sorted(g)) for g in groups]
 
 
 def _compose_routing(held: Any, new: Any, length: int) -> Any:
@@ -339,11 +402,13 @@ async def _env_turn(
     settings: MultiTurnSettings,
     stops: set[int],
     session: _Session | None,
+    agents: dict[tuple[int, int], AgentData],
 ) -> None:
     """After a model turn: stop, or run its calls / the interaction and append that turn."""
     s = settings
     turn_ids = traj.response_ids[len(traj.response_ids) - traj.last_turn_len :]
     last = _model_message(render, turn_ids, stops)
+    traj.assistant_texts.append(render.tokenizer.decode(turn_ids, skip_special_tokens=True))
     over = (
         len(traj.response_ids) >= s.response_length
         or (s.max_assistant_turns and traj.assistant_turns >= s.max_assistant_turns)
@@ -363,6 +428,7 @@ async def _env_turn(
             max_parallel_calls=s.max_parallel_calls,
             max_tool_response_length=s.max_tool_response_length,
             tool_response_truncate_side=s.tool_response_truncate_side,
+            execute_kwargs={"agent_data": agent_data(agents, traj, prompt, session, calls)},
         )
         traj.tool_results += results
         # As verl's tool agent loop: every executed call's step reward, 0.0 for one that failed
@@ -376,9 +442,10 @@ async def _env_turn(
     elif session is not None:
         interaction, instance, kwargs = session
         terminate, text, score, _ = await interaction.generate_response(
-            instance, list(traj.messages), **kwargs
+            instance, visible_messages(traj), **kwargs
         )
-        traj.turn_scores.append(float(score))
+        if score is not None:  # as verl: only scores given
+            traj.turn_scores.append(float(score))
         if terminate:  # megarl: no trailing user turn that no model turn answers
             traj.done = True
             return
@@ -387,8 +454,11 @@ async def _env_turn(
         traj.done = True
         return
     ids, exact = _turn_delta(render, traj, new)
-    if len(traj.response_ids) + len(ids) >= s.response_length:
-        traj.done = True  # as verl: the last turn stays the model's
+    held = len(traj.prompt_ids) + len(traj.response_ids) + len(ids)
+    if len(traj.response_ids) + len(ids) >= s.response_length or (
+        s.max_model_len is not None and held >= s.max_model_len
+    ):
+        traj.done = True  # as verl: the last turn stays the model's (and it has room)
         return
     traj.drifted_turns += not exact
     _append(traj, ids, new)
@@ -407,6 +477,7 @@ def run_multi_turn(
     step: int,
     stop_token_ids: Sequence[int],
     run_env: Callable[[Callable[[], Any]], Any] | None = None,
+    env_loop: ToolEventLoop | None = None,
 ) -> list[Trajectory]:
     """``n`` multi-turn trajectories per prompt, prompt-major.
 
@@ -415,9 +486,25 @@ def run_multi_turn(
     name → interaction; ``stop_token_ids``: the ids that end a model turn (the engine's EOS
     ids); ``run_env``: runs the tool/interaction turns (a callable taking a function of no
     arguments and returning its result; the trainer runs them on rank 0 and broadcasts the
-    trajectories, so every rank holds the same ones). Seeds: turn ``t`` of trajectory
-    ``(p, s)`` is sampled with a seed drawn from ``(seed, step, t)`` and ``(p, s)``.
+    trajectories, so every rank holds the same ones); ``env_loop``: the event loop those
+    turns run on (:class:`~megarl.tools.event_loop.ToolEventLoop`; keep one for the whole run,
+    as :class:`~megarl.rollout.multi_turn_rollout.MultiTurnRollout` does, so that tools holding
+    asyncio state work across steps; None: one for this call, closed at its end). Seeds: turn
+    ``t`` of trajectory ``(p, s)`` is sampled with a seed drawn from ``(seed, step, t)`` and
+    ``(p, s)``, however the turn's requests are grouped into ``generate`` calls.
     """
+    own_loop = env_loop is None
+    env = env_loop or ToolEventLoop()
+    try:
+        return _run(generate, prompts, n, tokenizer, tools, interactions, settings, seed, step,
+                    stop_token_ids, run_env, env)  # fmt: skip
+    finally:
+        if own_loop:
+            env.close()
+
+
+def _run(generate, prompts, n, tokenizer, tools, interactions, settings, seed, step,
+         stop_token_ids, run_env, env: ToolEventLoop) -> list[Trajectory]:  # fmt: skip
     schemas = [tool_schema(t) for t in tools.values()] if tools else None
     render = _Renderer(tokenizer, schemas, settings.chat_template_kwargs)
     stops = set(stop_token_ids)
@@ -425,7 +512,8 @@ def run_multi_turn(
     trajs, sessions = _start(prompts, n, render, interactions)
     run_env = run_env or (lambda fn: fn())
     if sessions:
-        run_env(lambda: asyncio.run(_start_interactions(sessions)))
+        run_env(lambda: env.run(_start_interactions(sessions)))
+    agents: dict[tuple[int, int], AgentData] = {}  # on the rank that runs the tools
     turn = 0
     while True:
         for t in trajs:
@@ -451,18 +539,19 @@ def run_multi_turn(
                             settings,
                             stops,
                             sessions.get(i),
+                            agents,
                         )
                         for i in active
                     )
                 )
 
-            asyncio.run(all_turns())
+            env.run(all_turns())
             return trajs
 
         trajs[:] = run_env(env_turn)
 
     def finish() -> list[Trajectory]:
-        asyncio.run(_finish_interactions(sessions))
+        env.run(_finish_interactions(sessions))
         for t in trajs:
             t.tokenization_ok = _sanity_check(render, t, settings.tokenization_sanity_check_mode)
         return trajs
@@ -475,61 +564,3 @@ def tool_schema(tool: Any) -> dict:
     """A tool's OpenAI schema as the chat template gets it (verl's ``model_dump``)."""
     schema = getattr(tool, "tool_schema", None)
     return schema.model_dump(exclude_unset=True, exclude_none=True) if schema else {}
-
-
-# -- into the trainer ------------------------------------------------------------------------
-
-
-def rollout_samples(trajs: Sequence[Trajectory], n: int) -> RolloutBatch:
-    """The trajectories as the trainer's rollout batch, with each sample's per-token mask and
-    its multi-turn record (``extra``: turns, tool rewards, interaction scores)."""
-    samples = [
-        RolloutSample(
-            t.prompt_index,
-            t.sample_index,
-            t.prompt_ids,
-            t.response_ids,
-            t.response_logprobs,
-            "length" if t.finish_reason == "length" else "stop",
-            prompt_id=t.prompt_id,
-            routing=t.routing,
-            response_mask=list(t.response_mask),
-            extra={
-                "num_turns": t.num_turns,
-                "tool_rewards": list(t.tool_rewards),
-                "turn_scores": list(t.turn_scores),
-            },
-        )
-        for t in trajs
-    ]
-    return RolloutBatch(samples, n)
-
-
-def multi_turn_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """The step's multi-turn metrics: turns and calls per trajectory, errors by kind, tool
-    seconds, tokenisation mismatches."""
-    if not trajs:
-        return {}
-    b = len(trajs)
-    results = [r for t in trajs for r in t.tool_results]
-    out = {
-        "multi_turn/num_turns/mean": sum(t.num_turns for t in trajs) / b,
-        "multi_turn/num_turns/max": float(max(t.num_turns for t in trajs)),
-        "multi_turn/assistant_turns/mean": sum(t.assistant_turns for t in trajs) / b,
-        "multi_turn/tool_calls/mean": len(results) / b,
-        "multi_turn/tool_calls/total": float(len(results)),
-        "multi_turn/tool_errors/total": float(
-            sum(r.error is not ToolCallError.NONE for r in results)
-        ),
-        "multi_turn/tool_seconds/total": float(sum(r.seconds for r in results)),
-        "multi_turn/tool_success_rate": (
-            sum(r.error is ToolCallError.NONE for r in results) / len(results) if results else 0.0
-        ),
-        "multi_turn/tokenization_mismatches": float(sum(t.tokenization_ok is False for t in trajs)),
-    }
-    for kind in ToolCallError:
-        if kind is not ToolCallError.NONE:
-            out[f"multi_turn/tool_errors/{kind.value}"] = float(
-                sum(r.error is kind for r in results)
-            )
-    return out

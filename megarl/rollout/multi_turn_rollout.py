@@ -24,6 +24,7 @@ from megarl.rollout.multi_turn import (
     multi_turn_metrics,
     run_multi_turn,
 )
+from megarl.tools.event_loop import ToolEventLoop
 
 __all__ = ["MultiTurnRollout", "on_rank0", "prompt_tool_schemas"]
 
@@ -60,6 +61,9 @@ class MultiTurnRollout:
     stop_token_ids: list[int]
     last_metrics: dict[str, float] = field(default_factory=dict)
     """The last :meth:`generate`'s :func:`multi_turn_metrics`."""
+    env_loop: ToolEventLoop = field(default_factory=ToolEventLoop)
+    """The one event loop of every step's tool and interaction turns (verl keeps one per
+    agent-loop worker): tools holding asyncio locks or sessions work across steps."""
 
     @classmethod
     def from_config(cls, cfg: Any, tokenizer: Any, stop_token_ids: Sequence[int]):
@@ -194,6 +198,7 @@ class MultiTurnRollout:
             step=step,
             stop_token_ids=self.stop_token_ids,
             run_env=on_rank0,
+            env_loop=self.env_loop,
         )
         self.last_metrics = multi_turn_metrics(trajs)
         return trajs

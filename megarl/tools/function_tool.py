@@ -10,7 +10,8 @@ imported only when a schema is inferred. A verl file changes
 ``from megarl.tools.function_tool import function_tool``.
 
 Function tools are stateless: no create/release, ``tools_kwargs`` are not passed (verl). A
-function may be sync (run in a thread) or async; its return becomes ``(ToolResponse, reward,
+function may be sync (run in a daemon thread of :func:`~megarl.tools.event_loop.tool_thread_pool`,
+never joined: a time limit around the call holds whatever the event loop) or async; its return becomes ``(ToolResponse, reward,
 metrics)`` by :func:`normalize_function_tool_return` (verl's rules).
 
 Differences from verl: a file that fails to import, or registers no tool, is a
@@ -20,7 +21,6 @@ escape, and only warns about a file without tools).
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import importlib.util
 import inspect
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.tools.errors import ToolConfigError
+from megarl.tools.event_loop import to_tool_thread
 from megarl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 __all__ = [
@@ -58,10 +59,11 @@ class FunctionTool:
     is_async: bool = False
 
     async def call(self, parameters: dict[str, Any]) -> Any:
-        """Call the function with the model's arguments (a sync one in a worker thread)."""
+        """Call the function with the model's arguments (a sync one in a daemon thread of
+        :func:`~megarl.tools.event_loop.tool_thread_pool`)."""
         if self.is_async:
             return await self.fn(**parameters)
-        return await asyncio.to_thread(self.fn, **parameters)
+        return await to_tool_thread(self.fn, **parameters)
 
 
 def function_tool(

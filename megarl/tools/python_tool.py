@@ -22,12 +22,12 @@ sandbox against hostile code.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from typing import Any
 
 from megarl.reward.scorers.code_runner import run_program
 from megarl.tools.base_tool import BaseTool
+from megarl.tools.event_loop import to_tool_thread
 from megarl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 __all__ = ["DEFAULT_SCHEMA", "PythonTool"]
@@ -115,5 +115,5 @@ class PythonTool(BaseTool):
         except (TypeError, ValueError):
             timeout_s = self.default_timeout
         timeout_s = max(timeout_s, 0.1)
-        text = await asyncio.to_thread(self.run_code, code, timeout_s)
+        text = await to_tool_thread(self.run_code, code, timeout_s)
         return ToolResponse(text=text), None, {}

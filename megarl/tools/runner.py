@@ -9,14 +9,18 @@ instance (``create(create_kwargs=tools_kwargs[name]["create_kwargs"])``), ``exec
 text is truncated to ``max_tool_response_length`` characters (:func:`truncate_tool_response`).
 
 Additions to verl (its loop has none of these): a time limit per call (``timeout_s``: create and
-execute; a tool that runs past it is cancelled, its instance still released; a synchronous
-function tool's thread cannot be stopped and finishes in the background, its result ignored);
+execute; a tool that runs past it is cancelled, its instance still released; a thread cannot be
+stopped: a synchronous function tool's runs on in a daemon thread of
+:func:`~megarl.tools.event_loop.tool_thread_pool`, its result ignored, and nothing joins it, so
+the limit bounds the turn; a tool's own ``asyncio.to_thread`` is as safe only under a
+:class:`~megarl.tools.event_loop.ToolEventLoop`, whose default executor that pool is, not under
+``asyncio.run``, which joins its pool at the end);
 malformed calls from the parser answered with an error message; an exception from ``create``,
 ``release`` or a wrongly shaped ``execute`` return handled; and trajectory-scoped instances
 (``instance_ids`` from :func:`create_instances`: state kept across calls, ``calc_reward`` at the
 end, as verl's older SGLang rollout did). Tools must not block the event loop: a blocking
 ``execute`` stalls every call of the turn and the time limit cannot interrupt it (megarl's
-built-in tools run their blocking work in threads).
+built-in tools run their blocking work in the pool: ``to_tool_thread``).
 """
 
 from __future__ import annotations

@@ -21,13 +21,13 @@ server for that; not built).
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from typing import Any
 
 from megarl.tools.base_tool import BaseTool
 from megarl.tools.bm25 import BM25Index
+from megarl.tools.event_loop import to_tool_thread
 from megarl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 __all__ = ["DEFAULT_SCHEMA", "LocalSearchTool", "format_hits", "read_corpus"]
@@ -137,5 +137,5 @@ class LocalSearchTool(BaseTool):
         query_list = parameters.get("query_list")
         if not query_list or not isinstance(query_list, list):
             return ToolResponse(text=json.dumps({"result": BAD_QUERY_LIST})), 0.0, {}
-        text, metrics = await asyncio.to_thread(self.search, query_list)
+        text, metrics = await to_tool_thread(self.search, query_list)
         return ToolResponse(text=text), 0.0, metrics

@@ -255,12 +255,15 @@ def fill_with_groups(run: Run, step: int, prompts, batch: StepBatch, samples, sc
     ahead next (generated meanwhile, with the weights of its request) and asks for another:
     the steps consume one stream of generation batches, in the sampler's order, so the state a
     checkpoint saves (after the last batch consumed) resumes without skipping a prompt.
-    Returns the step's ``(batch, samples, prompts, scored, metrics)``."""
+    Returns the step's ``(batch, samples, prompts, scored, metrics)``; the metrics include the
+    multi-turn ones over all generation batches (trajectory-weighted means, summed totals)."""
     from megarl.algo.filter_groups import kept_group_rows
+    from megarl.rollout.multi_turn_output import merge_multi_turn_metrics
 
     cfg = run.cfg
     fg, want = cfg.algorithm.filter_groups, cfg.data.train_batch_size
     parts, generated, kept_groups, gen_batches = [], 0, 0, 1
+    rollouts = [(samples.metrics, len(samples.samples))]  # multi-turn metrics of every batch
     staleness = [] if run.ahead is None else [run.ahead.version - run.ahead.last_version]
     while True:
         keep = kept_group_rows(filter_metric(fg.metric, scored), batch.prompt_ids)
@@ -296,12 +299,15 @@ def fill_with_groups(run: Run, step: int, prompts, batch: StepBatch, samples, sc
         enter(run, "reward", step=step)
         with timer("reward"):
             scored = score(run, prompts, samples, batch, step, dump=None, prescored=prescored)
+        rollouts.append((samples.metrics, len(samples.samples)))
     batch, samples, prompts, scored = _join_groups(run, parts, want)
     metrics = {
         "train/num_gen_batches": float(gen_batches),
         "dynamic_sampling/generated_groups": float(generated),
         "dynamic_sampling/kept_groups": float(kept_groups),
         "dynamic_sampling/dropped_groups": float(generated - kept_groups),
+        # over every trajectory generated (these replace the first batch's, logged before)
+        **merge_multi_turn_metrics(rollouts),
     }
     if staleness:  # over the generation batches the step consumed
         metrics["async/staleness_max"] = float(max(staleness))

@@ -6,6 +6,12 @@ budget, ``max_user_turns``, a drifting re-tokenisation. test_multi_turn.py runs 
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+from typing import ClassVar
+
 import pytest
 
 from megarl.models.tiny import build_tokenizer
@@ -178,3 +184,264 @@ def test_tool_rewards_reach_the_reward_functions_extra_info(tokenizer):
     assert prompt.extra_info == {"index": 7, "tools_kwargs": {}}  # the prompt's own is kept
     single = RolloutSample(0, 0, [1], [5, 3], [-0.1, -0.1], "stop", prompt_id=0)
     assert reward_inputs(tokenizer, [prompt], [single])[0].extra_info is prompt.extra_info
+
+
+# -- per-trajectory turn caps, history-rewriting templates, the event loop, interactions --------
+
+LONG = "The answer is forty two, and here is why it is so: six sevens make it."
+
+
+def rendered(tokenizer, messages) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def capped(tokenizer, limit: int, calls: list):
+    """A generate that answers every request with ``LONG`` + <|im_end|>, cut at ``max_tokens``,
+    and refuses (as vLLM) a request whose context + max_tokens passes ``limit``."""
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = tokenizer(LONG, add_special_tokens=False)["input_ids"] + [eot]
+
+    def generate(contexts, *, prompt_ids, max_tokens, seed):
+        calls.append((max_tokens, [len(c) for c in contexts]))
+        assert all(len(c) + max_tokens <= limit for c in contexts), "past max_model_len"
+        return RolloutBatch([RolloutSample(i, 0, c, ids[:max_tokens], [-0.5] * len(ids[:max_tokens]),
+                                           "stop" if max_tokens >= len(ids) else "length",
+                                           prompt_id=p)
+                             for i, (c, p) in enumerate(zip(contexts, prompt_ids))], 1)  # fmt: skip
+
+    return generate, [eot], ids
+
+
+def test_each_trajectory_is_capped_by_its_own_context_room(tokenizer):
+    """A trajectory near max_model_len gets a short turn; the others their whole answer (the
+    room of one no longer caps every request of the turn)."""
+    short = [{"role": "user", "content": "hi"}]
+    long_ = [{"role": "user", "content": "six times seven " * 12}]
+    n_short, n_long = (len(rendered(tokenizer, p)) for p in (short, long_))
+    limit = n_long + 6
+    calls: list = []
+    generate, stops, answer = capped(tokenizer, limit, calls)
+    settings = MultiTurnSettings(response_length=200, max_model_len=limit)
+    short_t, long_t = run_multi_turn(
+        generate, [TrajectoryPrompt(short, 0), TrajectoryPrompt(long_, 1)], n=1,
+        tokenizer=tokenizer, tools={}, settings=settings, seed=0, step=0, stop_token_ids=stops,
+    )  # fmt: skip
+    assert 6 < len(answer) < limit - n_short
+    assert (long_t.response_ids, long_t.finish_reason) == (answer[:6], "length")
+    assert (short_t.response_ids, short_t.finish_reason) == (answer, "stop")
+    assert calls == [(6, [n_long]), (limit - n_short, [n_short])]  # each call within its room
+    (alone,) = run_multi_turn(
+        capped(tokenizer, limit, [])[0], [TrajectoryPrompt(short, 0)], n=1, tokenizer=tokenizer,
+        tools={}, settings=settings, seed=0, step=0, stop_token_ids=stops,
+    )  # fmt: skip
+    assert alone.response_ids == short_t.response_ids
+
+
+QWEN3_LIKE = (  # Qwen3's rule: assistant turns before the last user turn lose their <think>
+    "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% set c = m['content'] %}"
+    "{% if m['role'] == 'assistant' and loop.index0 < ns.last and '</think>' in c %}"
+    "{% set c = c.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class Recording(Gsm8kInteraction):
+    """verl's GSM8K interaction that records what it is shown and gives no score (None) for
+    a wrong answer."""
+
+    seen: ClassVar[list] = []
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        self.seen.append([dict(m) for m in messages])
+        done, text, score, extra = await super().generate_response(instance_id, messages, **kwargs)
+        return done, text, (score if done else None), extra
+
+
+def test_a_template_that_rewrites_history_gets_the_user_turn_whole(tokenizer):
+    """With a Qwen3-like template the conversation's rendering changes before the new user
+    turn: its ids are the user message rendered alone (verl's way), not a slice of text."""
+    import copy
+
+    qwen3 = copy.copy(tokenizer)
+    qwen3.chat_template = QWEN3_LIKE
+    interactions = {"gsm8k": Recording({"name": "gsm8k"})}
+    kwargs = {"name": "gsm8k", "ground_truth": "42"}
+    first = "<think>\nsix sevens, minus one\n</think>\n\n#### 41"
+    calls: list = []
+    generate, stops = scripted(qwen3, [first, "#### 42"], calls)
+    (t,) = run_multi_turn(
+        generate, [TrajectoryPrompt([{"role": "user", "content": "x"}], 0,
+                                    interaction_kwargs=kwargs)], n=1,
+        tokenizer=qwen3, tools={}, interactions=interactions,
+        settings=MultiTurnSettings(response_length=300), seed=0, step=0, stop_token_ids=stops,
+    )  # fmt: skip
+    user = [i for i, m in zip(t.response_ids, t.response_mask, strict=True) if m == 0]
+    expected = rendered(qwen3, [{"role": "user", "content": INCORRECT}])
+    assert user == expected and t.user_turns == 1 and t.drifted_turns == 1
+    assert t.turn_scores == [1.0]  # the None of the wrong answer is no score (verl)
+
+
+def test_interactions_see_model_text_without_special_tokens_and_none_scores_are_skipped(
+    tokenizer,
+):
+    """verl decodes an assistant turn for the interaction with skip_special_tokens=True; a
+    None score is not appended (verl); the template still renders the ids as sampled."""
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.convert_tokens_to_ids("<|pad|>")
+    turns = iter([tokenizer("#### 41", add_special_tokens=False)["input_ids"] + [pad, eot],
+                  tokenizer("#### 42", add_special_tokens=False)["input_ids"] + [eot]])  # fmt: skip
+
+    def generate(contexts, *, prompt_ids, max_tokens, seed):
+        ids = next(turns)
+        return RolloutBatch([RolloutSample(0, 0, contexts[0], ids, [0.0] * len(ids), "stop",
+                                           prompt_id=prompt_ids[0])], 1)  # fmt: skip
+
+    Recording.seen = []
+    (t,) = run_multi_turn(
+        generate, [TrajectoryPrompt([{"role": "user", "content": "x"}], 0,
+                                    interaction_kwargs={"name": "gsm8k", "ground_truth": "42"})],
+        n=1, tokenizer=tokenizer, tools={},
+        interactions={"gsm8k": Recording({"name": "gsm8k"})},
+        settings=MultiTurnSettings(response_length=300), seed=0, step=0, stop_token_ids=[eot],
+    )  # fmt: skip
+    assert [m[1]["content"] for m in Recording.seen] == ["#### 41", "#### 41"]
+    assert Recording.seen[1][3]["content"] == "#### 42"
+    assert t.messages[1]["content"] == "#### 41<|pad|>"  # what the template renders
+    assert t.turn_scores == [1.0] and t.tokenization_ok is True
+
+
+class _Locked(CalculatorTool):
+    """The calculator behind an asyncio lock made with the tool (it binds to the first event
+    loop that waits on it), recording each call's ``agent_data``."""
+
+    def __init__(self):
+        super().__init__({}, None)
+        self.lock, self.seen = asyncio.Lock(), []
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        agent = kwargs["agent_data"]
+        self.seen.append((agent, dict(agent.extra_fields), list(agent.prompt_ids),
+                          list(agent.response_ids), [m["role"] for m in agent.messages]))  # fmt: skip
+        agent.extra_fields["calls"] = agent.extra_fields.get("calls", 0) + 1
+        async with self.lock:  # the two trajectories' calls wait on it in turn
+            await asyncio.sleep(0.01)
+        return await super().execute(instance_id, parameters)
+
+
+def test_tools_keep_one_event_loop_across_turns_and_steps_and_get_agent_data(tokenizer):
+    """MultiTurnRollout keeps one event loop for every step (verl: one per worker), so a tool
+    holding asyncio state works from its second turn on; every execute gets verl's
+    ``agent_data`` (the trajectory so far; ``extra_fields`` kept across its turns)."""
+    from megarl.rollout.multi_turn_rollout import MultiTurnRollout
+
+    calls: list = []
+    gen, stops = scripted(tokenizer, [CALL, CALL, "It is 42."] * 2, calls)
+    engine = SimpleNamespace(generate=lambda contexts, *, prompt_ids, max_tokens, seed, **_: gen(
+        contexts, prompt_ids=prompt_ids, max_tokens=max_tokens, seed=seed))  # fmt: skip
+    tool = _Locked()
+    rollout = MultiTurnRollout(tokenizer, {"calculator": tool}, {},
+                               MultiTurnSettings(response_length=300), stops)  # fmt: skip
+    prompt = [TrajectoryPrompt([{"role": "user", "content": "x"}], 0,
+                               tools_kwargs={"calculator": {"create_kwargs": {}}})]  # fmt: skip
+    for step in range(2):
+        trajs = rollout.run(engine, prompt, n=2, sampling={}, seed=0, step=step)
+        assert [r.error.value for t in trajs for r in t.tool_results] == ["none"] * 4, step
+    t = trajs[1]
+    first = t.response_mask.index(0)
+    agent, fields, prompt_ids, response_ids, roles = tool.seen[-1]  # its second call
+    assert agent.tools_kwargs == {"calculator": {"create_kwargs": {}}}
+    assert [s[0] for s in tool.seen[-4:]].count(agent) == 2  # one per trajectory and rollout
+    assert fields == {"calls": 1} and len(agent.request_id) == 32
+    second = t.response_mask.index(0, t.response_mask.index(1, first))
+    assert prompt_ids == t.prompt_ids + t.response_ids[:second]
+    assert response_ids == t.response_ids[t.response_mask.index(1, first) : second]
+    assert roles == ["user", "assistant", "tool", "assistant"]
+    assert agent.assistant_turns == 2 and agent.user_turns == 1
+
+
+def test_a_hung_synchronous_tool_does_not_hold_the_turn_past_its_time_limit(tokenizer):
+    """The tool's thread is never joined: the turn ends after tool_call_timeout_s (asyncio.run
+    per turn joined it, so a hung tool hung the step)."""
+    from megarl.tools.function_tool import FunctionTool
+    from megarl.tools.schemas import OpenAIFunctionToolSchema
+
+    release = threading.Event()
+    schema = OpenAIFunctionToolSchema.model_validate(
+        {"type": "function", "function": {"name": "hang", "description": "hangs"}}
+    )
+    tool = FunctionTool("hang", lambda: release.wait(8) and "late", schema)
+    hang = '<tool_call>{"name": "hang", "arguments": {}}</tool_call>'
+    generate, stops = scripted(tokenizer, [hang, "done"], [])
+    start = time.perf_counter()
+    try:
+        (t,) = run_multi_turn(
+            generate, [TrajectoryPrompt([{"role": "user", "content": "x"}], 0)], n=1,
+            tokenizer=tokenizer, tools={"hang": tool},
+            settings=MultiTurnSettings(response_length=300, tool_call_timeout_s=0.3),
+            seed=0, step=0, stop_token_ids=stops,
+        )  # fmt: skip
+        elapsed = time.perf_counter() - start
+    finally:
+        release.set()
+    assert [r.error.value for r in t.tool_results] == ["timeout"] and t.assistant_turns == 2
+    assert elapsed < 4.0
+
+
+def test_multi_turn_metrics_of_several_batches_merge_as_of_all_trajectories(tokenizer):
+    """merge_multi_turn_metrics over batches equals multi_turn_metrics over their trajectories
+    together; dynamic sampling logs that over every generation batch of the step."""
+    import torch
+
+    from megarl.config import load_config
+    from megarl.reward.manager import RewardResult
+    from megarl.rollout.multi_turn import merge_multi_turn_metrics
+    from megarl.trainer import step as step_module
+    from megarl.trainer.batch import batch_from_samples
+    from megarl.trainer.metrics import Timer
+
+    unknown = '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+    parts = [run(tokenizer, [CALL, CALL, "It is 42."], n=2)[0],
+             run(tokenizer, [unknown, CALL, "It is 42."], n=2, max_user_turns=1)[0]]  # fmt: skip
+    everything = multi_turn_metrics(parts[0] + parts[1])
+    assert everything["multi_turn/tool_success_rate"] == 4 / 6  # the batches differ
+    merged = merge_multi_turn_metrics([(multi_turn_metrics(p), len(p)) for p in parts])
+    assert merged == pytest.approx(everything, rel=1e-12)
+    assert merge_multi_turn_metrics([({}, 4)]) == {}
+
+    def generate(engine, prompts, *, n, **_):
+        out = rollout_samples(parts[int(prompts[0].name)], n)
+        out.metrics = multi_turn_metrics(parts[int(prompts[0].name)])
+        return batch_from_samples(out, pad_token_id=0), out
+
+    def score(run_, prompts, samples, batch, step, dump, prescored=None):
+        acc = torch.tensor([1.0, 0.0])  # each group varies: kept
+        return RewardResult(torch.zeros(2, batch.response_mask.shape[1]), acc, {"acc": acc}, {},
+                            torch.zeros(2, dtype=torch.bool))  # fmt: skip
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name, fn in (
+            ("generate", generate),
+            ("score", score),
+            ("enter", lambda *a, **k: None),
+            ("pad_token_id", lambda tok: 0),
+        ):
+            mp.setattr(step_module, name, fn)  # fmt: skip
+        cfg = load_config([], ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
+                               "algorithm.filter_groups.enable=true",
+                               "algorithm.filter_groups.metric=acc"])  # fmt: skip
+        the_run = SimpleNamespace(cfg=cfg, engine=None, tokenizer=None, ahead=None)
+        prompts = [SimpleNamespace(name="0", data_source="toy")]
+        batch, samples = generate(None, prompts, n=2)
+        scored = score(None, prompts, samples, batch, 1, None)
+        more = iter([[SimpleNamespace(name="1", data_source="toy")]])
+        *_, metrics = step_module.fill_with_groups(
+            the_run, 1, prompts, batch, samples, scored, lambda: (next(more), None), Timer()
+        )
+    assert metrics["train/num_gen_batches"] == 2.0
+    assert {k: v for k, v in metrics.items() if k.startswith("multi_turn/")} == pytest.approx(
+        everything, rel=1e-12
+    )

@@ -192,3 +192,22 @@ def test_trajectory_scoped_instances_keep_state_and_report_calc_reward():
     first, second, rewards = run(scenario())
     assert (first.reward, second.reward) == (-0.05, 0.0)
     assert rewards == {"calc_gsm8k_reward": 1.0} and tool._instances == {}
+
+
+def test_a_hung_synchronous_function_tool_is_not_waited_for_even_under_asyncio_run():
+    """A sync function tool runs in a daemon thread of the tool pool, which no event loop joins
+    at its end: ``asyncio.run`` returns once the time limit answered the call."""
+    import threading
+    import time
+
+    from megarl.tools.function_tool import FunctionTool
+
+    release = threading.Event()
+    tool = FunctionTool("hang", lambda: release.wait(8) and "late", schema("hang"))
+    start = time.perf_counter()
+    try:
+        (result,) = run(run_tool_calls([call("hang")], {"hang": tool}, timeout_s=0.2))
+        elapsed = time.perf_counter() - start
+    finally:
+        release.set()
+    assert result.error is ToolCallError.TIMEOUT and elapsed < 4.0
