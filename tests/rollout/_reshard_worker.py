@@ -168,7 +168,7 @@ def fake_sync_check(path: str, dims, chunks, seed: int, bucket_bytes: int) -> di
     plan = plan_for_chunks(chunks, dims, rollout_tp=1, bucket_bytes=bucket_bytes)
     sink = CopySink(plan)
     gc.collect()
-    with LiveBytes() as meter:
+    with LiveBytes(bound=plan.peak_bytes) as meter:
         stats = sync_weights(chunks, plan, sink)
         gc.collect()
         # gloo's worker thread may still hold the last broadcast buffer until it gets the GIL
@@ -238,7 +238,7 @@ def sliced_sync_check(path: str, dims, chunks, seed: int, bucket_bytes: int, rol
     v = rollout_rank_of(dist.get_rank(), rollout_tp)
     sink = CopySink(plan)
     gc.collect()
-    with LiveBytes() as meter, WireMeter() as wire:
+    with LiveBytes(bound=plan.peak_bytes) as meter, WireMeter() as wire:
         stats = sync_weights(chunks, plan, sink, fill_unsent=float("nan"))
         gc.collect()
         leftover = meter.wait_released(timeout_s=10.0)
