@@ -38,7 +38,6 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from megarl.rollout.base import RolloutBatch, request_seed
@@ -48,9 +47,10 @@ from megarl.rollout.multi_turn_output import (
     multi_turn_metrics,
     rollout_samples,
 )
+from megarl.rollout.multi_turn_types import MultiTurnSettings, Trajectory, TrajectoryPrompt
 from megarl.tools.event_loop import ToolEventLoop
 from megarl.tools.parser import parse_tool_calls
-from megarl.tools.runner import ToolCallError, ToolCallResult, run_tool_calls
+from megarl.tools.runner import ToolCallError, run_tool_calls
 
 __all__ = [
     "AgentData",
@@ -69,102 +69,6 @@ logger = logging.getLogger(__name__)
 GenerateFn = Callable[..., RolloutBatch]
 """``generate(prompts, *, prompt_ids, max_tokens, seed)`` → one response per prompt, in order
 (:meth:`RolloutEngine.generate <megarl.rollout.base.RolloutEngine.generate>` with ``n=1``)."""
-
-
-@dataclass
-class MultiTurnSettings:
-    """What the loop needs of ``actor_rollout_ref.rollout.multi_turn`` and the data section."""
-
-    response_length: int
-    """``data.max_response_length``: tokens of all turns together (model, tool and user)."""
-    max_assistant_turns: int | None = None
-    max_user_turns: int | None = None
-    max_parallel_calls: int = 1
-    max_tool_response_length: int = 256
-    tool_response_truncate_side: str = "middle"
-    format: str = "hermes"
-    tokenization_sanity_check_mode: str = "strict"
-    tool_call_timeout_s: float | None = 60.0
-    max_model_len: int | None = None
-    """The engine's context limit: one turn's max_tokens never asks past it."""
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_config(cls, multi_turn: Any, *, response_length: int, **extra: Any):
-        """From a :class:`~megarl.config.schema_rollout.MultiTurnConfig`."""
-        names = (
-            "max_assistant_turns", "max_user_turns", "max_parallel_calls",
-            "max_tool_response_length", "tool_response_truncate_side", "format",
-            "tokenization_sanity_check_mode", "tool_call_timeout_s",
-        )  # fmt: skip
-        return cls(
-            response_length=response_length,
-            **{n: getattr(multi_turn, n) for n in names},
-            **extra,
-        )
-
-
-@dataclass
-class TrajectoryPrompt:
-    """One prompt of the step: its chat messages and the dataset's per-sample arguments."""
-
-    messages: list[dict[str, Any]]
-    prompt_id: int
-    """Global id of the prompt (GRPO's group)."""
-    tools_kwargs: dict[str, Any] = field(default_factory=dict)
-    """``extra_info.tools_kwargs``: per tool name, ``create_kwargs`` (and others)."""
-    interaction_kwargs: dict[str, Any] | None = None
-    """``extra_info.interaction_kwargs`` (its ``name`` picks the interaction)."""
-    prompt_ids: list[int] | None = None
-    """Token ids to start from; None: the messages rendered with the tools' schemas."""
-
-
-@dataclass
-class Trajectory:
-    """One multi-turn response: every turn's ids back to back."""
-
-    prompt_index: int
-    sample_index: int
-    prompt_id: int
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)
-    response_logprobs: list[float] = field(default_factory=list)
-    """vLLM's log-probs on model tokens, 0.0 on tool and user tokens."""
-    response_mask: list[int] = field(default_factory=list)
-    """1 on the model's tokens, 0 on tool and user tokens."""
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    """The conversation: the prompt's messages, then each turn's."""
-    assistant_turns: int = 0
-    user_turns: int = 0
-    """Tool turns and interaction turns."""
-    tool_results: list[ToolCallResult] = field(default_factory=list)
-    tool_rewards: list[float] = field(default_factory=list)
-    """Step rewards ``execute`` returned (not None; 0.0 for a failed call), in call order."""
-    turn_scores: list[float] = field(default_factory=list)
-    """Interaction scores, one per interaction turn."""
-    finish_reason: str = "stop"
-    """``stop``: the last model turn ended on a stop token; ``length``: it was cut."""
-    tokenization_ok: bool | None = None
-    """The sanity check's verdict (None: disabled)."""
-    drifted_turns: int = 0
-    """Tool/user turns whose delta came from renderings alone (ids held ≠ re-rendering)."""
-    done: bool = False
-    prompt_messages: int = 0
-    """How many of ``messages`` are the prompt's."""
-    last_turn_len: int = 0
-    """Tokens of the last model turn."""
-    assistant_texts: list[str] = field(default_factory=list)
-    """Each model turn's text decoded without special tokens (verl's assistant message, what
-    interactions and tools' ``agent_data`` see); ``messages`` keeps them for the template."""
-    routing: Any = None
-    """With routing capture on (R3): the experts of each position of prompt + response, each
-    from the first request that ran it through the model (a model token's from its own turn, a
-    tool or user token's from the next turn's prefill); ``[positions, layers, k]``; else None."""
-
-    @property
-    def num_turns(self) -> int:
-        """verl's ``num_turns``: user + assistant turns + 1 (the prompt)."""
-        return self.assistant_turns + self.user_turns + 1
 
 
 # -- rendering -------------------------------------------------------------------------------
@@ -219,20 +123,35 @@ class _Renderer:
 
 
 def _turn_delta(
-    render: _Renderer, traj: Trajectory, new: list[dict[str, Any]]
+    render: _Renderer, traj: Trajectory, new: list[dict[str, Any]], stops: set[int]
 ) -> tuple[list[int], bool]:
     """The ids of the messages ``new`` appended to ``traj`` (with the generation prompt), and
     whether they are the exact template delta past the ids held."""
-    held = traj.prompt_ids + traj.response_ids
+    held = traj.cut_prompt_ids + traj.prompt_ids + traj.response_ids
     after = render.ids(traj.messages + new, True)
     if after[: len(held)] == held:
         return after[len(held) :], True
     before = render.ids(traj.messages, False)
+    # Both fallbacks start the new turn at its own header; the template's text after the
+    # model's end-of-turn token (ChatML's newline) comes first, as verl 0.9.1's Qwen builder
+    # inserts it after <|im_end|> (continuous_token.py).
+    joint = _after_end_of_turn(before, held, stops)
     if after[: len(before)] == before:
-        return after[len(before) :], False
+        return joint + after[len(before) :], False
     # A template that rewrites history (Qwen3 drops earlier turns' <think> once a user turn
     # follows): no delta of renderings exists, so verl's way, the new messages rendered alone.
-    return render.alone(new), False
+    return joint + render.alone(new), False
+
+
+def _after_end_of_turn(rendered: list[int], held: list[int], stops: set[int]) -> list[int]:
+    """What the template renders after the last model turn's end-of-turn token (``held``'s
+    last id, a stop id) in ``rendered``, the conversation so far: ChatML's ``\\n`` after
+    ``<|im_end|>``, nothing for Llama 3's ``<|eot_id|>``; nothing when the turn did not end
+    on a stop id or the rendering does not hold it."""
+    if not held or held[-1] not in stops or held[-1] not in rendered:
+        return []
+    last = len(rendered) - 1 - rendered[::-1].index(held[-1])
+    return rendered[last + 1 :]
 
 
 def _sanity_check(render: _Renderer, traj: Trajectory, mode: str) -> bool | None:
@@ -275,15 +194,29 @@ _Session = tuple[Any, str, dict]
 
 
 def _start(
-    prompts: Sequence[TrajectoryPrompt], n: int, render: _Renderer, interactions: Mapping
+    prompts: Sequence[TrajectoryPrompt],
+    n: int,
+    render: _Renderer,
+    interactions: Mapping,
+    prompt_length: int | None,
 ) -> tuple[list[Trajectory], dict[int, _Session]]:
     out, sessions = [], {}
     for p, prompt in enumerate(prompts):
         ids = prompt.prompt_ids
         if ids is None:
             ids = render.ids(prompt.messages, True)
+        cut = max(0, len(ids) - prompt_length) if prompt_length else 0
+        if cut:  # as verl 0.9.1's agent loop (_cap_text_prompt_length): from the left
+            logger.warning(
+                "multi-turn: prompt %d is %d tokens rendered with the tools' schemas, over "
+                "rollout.prompt_length=%d: its first %d are cut (as verl)",
+                prompt.prompt_id, len(ids), prompt_length, cut,
+            )  # fmt: skip
         for s in range(n):
-            traj = Trajectory(p, s, prompt.prompt_id, list(ids), messages=list(prompt.messages))
+            traj = Trajectory(
+                p, s, prompt.prompt_id, list(ids[cut:]), messages=list(prompt.messages)
+            )
+            traj.cut_prompt_ids = list(ids[:cut])
             traj.prompt_messages = len(prompt.messages)
             if interactions and prompt.interaction_kwargs is not None:
                 kwargs = dict(prompt.interaction_kwargs)
@@ -453,7 +386,7 @@ async def _env_turn(
     else:
         traj.done = True
         return
-    ids, exact = _turn_delta(render, traj, new)
+    ids, exact = _turn_delta(render, traj, new, stops)
     held = len(traj.prompt_ids) + len(traj.response_ids) + len(ids)
     if len(traj.response_ids) + len(ids) >= s.response_length or (
         s.max_model_len is not None and held >= s.max_model_len
@@ -509,7 +442,7 @@ def _run(generate, prompts, n, tokenizer, tools, interactions, settings, seed, s
     render = _Renderer(tokenizer, schemas, settings.chat_template_kwargs)
     stops = set(stop_token_ids)
     interactions = interactions or {}
-    trajs, sessions = _start(prompts, n, render, interactions)
+    trajs, sessions = _start(prompts, n, render, interactions, settings.prompt_length)
     run_env = run_env or (lambda fn: fn())
     if sessions:
         run_env(lambda: env.run(_start_interactions(sessions)))
@@ -558,6 +491,23 @@ def _run(generate, prompts, n, tokenizer, tools, interactions, settings, seed, s
 
     trajs[:] = run_env(finish)
     return trajs
+
+
+def renders_turn(
+    tokenizer: Any, tools: Sequence[Any], role: str, kwargs: dict[str, Any]
+) -> str | None:
+    """Whether the chat template renders a ``role`` turn (``tool`` or ``user``) after a model
+    turn, with the tools' schemas, as the loop renders one: None, or what it raised as one line
+    (the pre-flight's check: :func:`~megarl.rollout.multi_turn_rollout.multi_turn_problem`)."""
+    render = _Renderer(tokenizer, [tool_schema(t) for t in tools] or None, kwargs)
+    conversation = [{"role": "user", "content": "6 * 7?"}, {"role": "assistant", "content": "…"},
+                    {"role": role, "content": "42"}]  # fmt: skip
+    try:
+        render.ids(conversation, True)
+    except Exception as exc:  # noqa: BLE001 - a template raises what its author chose
+        text = " ".join(str(exc).split()) or "no message"
+        return f"{type(exc).__name__}: {text}"
+    return None
 
 
 def tool_schema(tool: Any) -> dict:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megarl.rollout.multi_turn import Trajectory, TrajectoryPrompt
+    from megarl.rollout.multi_turn_types import Trajectory, TrajectoryPrompt
 
 __all__ = ["AgentData", "agent_data", "visible_messages"]
 

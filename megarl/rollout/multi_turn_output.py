@@ -12,7 +12,7 @@ from megarl.rollout.base import RolloutBatch, RolloutSample
 from megarl.tools.runner import ToolCallError
 
 if TYPE_CHECKING:
-    from megarl.rollout.multi_turn import Trajectory
+    from megarl.rollout.multi_turn_types import Trajectory
 
 __all__ = ["merge_multi_turn_metrics", "multi_turn_metrics", "rollout_samples"]
 

@@ -80,6 +80,7 @@ class MultiTurnRollout:
             mt,
             response_length=response,
             max_model_len=rollout.max_model_len or prompt + response,
+            prompt_length=prompt,
             chat_template_kwargs=dict(getattr(cfg.data, "apply_chat_template_kwargs", {}) or {}),
         )
         return cls(
@@ -218,3 +219,38 @@ def prompt_tool_schemas(cfg: Any) -> list[dict] | None:
     if not data.filter_overlong_prompts or not any(paths):
         return None
     return [tool_schema(t) for t in load_all_tools(*paths).values()] or None
+
+
+def multi_turn_problem(cfg: Any, tokenizer: Any, tokenizer_key: str) -> str | None:
+    """The pre-flight's check of a multi-turn run (``megarl train``, before any rank works): the
+    tools and the interactions load (a bad file, entry or class is its
+    :class:`~megarl.tools.errors.ToolConfigError` line), and the chat template renders the
+    turns the loop appends after a model turn with the tools' schemas, as the loop renders them
+    (a tool turn with tools, a user turn with interactions). The problem as one line (naming
+    ``tokenizer_key`` for the template), or None; nothing is checked unless
+    ``multi_turn.enable``."""
+    from megarl.rollout.multi_turn import renders_turn
+    from megarl.tools.errors import ToolConfigError
+    from megarl.tools.interactions.registry import load_interactions
+    from megarl.tools.registry import load_all_tools
+
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    if not mt.enable:
+        return None
+    try:
+        tools = load_all_tools(mt.tool_config_path, mt.function_tool_path)
+        interactions = (
+            load_interactions(mt.interaction_config_path) if mt.interaction_config_path else {}
+        )
+    except ToolConfigError as exc:
+        return " ".join(str(exc).split())
+    kwargs = dict(getattr(cfg.data, "apply_chat_template_kwargs", {}) or {})
+    for role, needed in (("tool", tools), ("user", interactions)):
+        if needed and (problem := renders_turn(tokenizer, list(tools.values()), role, kwargs)):
+            return (
+                f"{tokenizer_key}: its chat template cannot render a {role!r} turn after a model "
+                f"turn, which the multi-turn loop appends (actor_rollout_ref.rollout.multi_turn"
+                f".{'tool_config_path' if role == 'tool' else 'interaction_config_path'}): "
+                f"{problem}"
+            )
+    return None

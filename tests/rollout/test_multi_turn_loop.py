@@ -117,7 +117,9 @@ def test_an_interaction_answers_a_turn_without_calls_until_it_is_satisfied(token
 
 def test_a_turn_that_re_tokenises_differently_fails_the_sanity_check(tokenizer):
     """Model ids that are not the canonical tokenisation of their text: the next turn's ids
-    come from the renderings alone, and the trajectory fails the strict check."""
+    come from the renderings alone, and the trajectory fails the strict check. The tool turn
+    still starts with the newline ChatML writes after <|im_end|> (verl 0.9.1's Qwen builder
+    inserts it; megarl started the turn at <|im_start|>)."""
     eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
     text = tokenizer(CALL, add_special_tokens=False)["input_ids"]
     odd = [i for ch in CALL for i in tokenizer(ch, add_special_tokens=False)["input_ids"]]
@@ -143,6 +145,14 @@ def test_a_turn_that_re_tokenises_differently_fails_the_sanity_check(tokenizer):
         assert t.tokenization_ok is ok
         assert t.drifted_turns == 1
         assert t.response_ids[: len(odd)] == odd  # the model's ids are kept as sampled
+        # verl's tool turn: "\n" after <|im_end|>, then the tool message and the prompt
+        tool_turn = "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+        expected = tokenizer(tool_turn, add_special_tokens=False)["input_ids"]
+        first_zero = t.response_mask.index(0)
+        assert first_zero == len(odd) + 1
+        assert t.response_ids[first_zero : first_zero + len(expected) + 1] == expected + [
+            tokenizer("done", add_special_tokens=False)["input_ids"][0]
+        ]
 
 
 class _RewardingCalculator(CalculatorTool):
@@ -279,7 +289,8 @@ def test_a_template_that_rewrites_history_gets_the_user_turn_whole(tokenizer):
         settings=MultiTurnSettings(response_length=300), seed=0, step=0, stop_token_ids=stops,
     )  # fmt: skip
     user = [i for i, m in zip(t.response_ids, t.response_mask, strict=True) if m == 0]
-    expected = rendered(qwen3, [{"role": "user", "content": INCORRECT}])
+    newline = qwen3("\n", add_special_tokens=False)["input_ids"]  # after <|im_end|>, as verl
+    expected = newline + rendered(qwen3, [{"role": "user", "content": INCORRECT}])
     assert user == expected and t.user_turns == 1 and t.drifted_turns == 1
     assert t.turn_scores == [1.0]  # the None of the wrong answer is no score (verl)
 
@@ -449,3 +460,42 @@ def test_multi_turn_metrics_of_several_batches_merge_as_of_all_trajectories(toke
     assert {k: v for k, v in metrics.items() if k.startswith("multi_turn/")} == pytest.approx(
         everything, rel=1e-12
     )
+
+
+def test_a_prompt_over_rollout_prompt_length_is_cut_from_the_left(tokenizer, tmp_path):
+    """verl 0.9.1's agent loop keeps the last ``rollout.prompt_length`` ids of a rendered prompt
+    (the tools' schemas included: ``_cap_text_prompt_length``); megarl kept it whole. The turns
+    after it are still the template's exact deltas."""
+    from megarl.config import load_config
+    from megarl.rollout.multi_turn import tool_schema
+    from megarl.rollout.multi_turn_rollout import MultiTurnRollout
+
+    tools = {"calculator": CalculatorTool({}, None)}
+    messages = [{"role": "user", "content": "six times seven"}]
+    text = tokenizer.apply_chat_template(
+        messages, tools=[tool_schema(t) for t in tools.values()], add_generation_prompt=True,
+        tokenize=False,
+    )  # fmt: skip
+    full = tokenizer(text, add_special_tokens=False)["input_ids"]
+    (tools_yaml := tmp_path / "tools.yaml").write_text(
+        "tools:\n  - class_name: megarl.tools.calculator_tool.CalculatorTool\n    config: {}\n"
+    )
+    cfg = load_config([], [f"data.max_prompt_length={len(full) - 7}",
+                           "actor_rollout_ref.rollout.multi_turn.enable=true",
+                           f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools_yaml}"])  # fmt: skip
+    calls: list = []
+    generate, stops = scripted(tokenizer, [CALL, "It is 42."], calls)
+    contexts: list = []
+
+    def engine_generate(ctx, *, prompt_ids, max_tokens, seed, **_):
+        contexts.append([list(c) for c in ctx])
+        return generate(ctx, prompt_ids=prompt_ids, max_tokens=max_tokens, seed=seed)
+
+    rollout = MultiTurnRollout.from_config(cfg, tokenizer, stops)
+    assert rollout.settings.prompt_length == len(full) - 7  # data.max_prompt_length, as verl
+    (t,) = rollout.run(SimpleNamespace(generate=engine_generate), [TrajectoryPrompt(messages, 0)],
+                       n=1, sampling={}, seed=0, step=0)  # fmt: skip
+    assert t.prompt_ids == full[7:] and contexts[0] == [full[7:]]
+    assert contexts[1][0][: len(full) - 7] == full[7:]
+    assert t.drifted_turns == 0 and t.tokenization_ok is True
+    assert [r.text for r in t.tool_results] == ["42"] and t.assistant_turns == 2
