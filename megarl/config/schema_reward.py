@@ -87,6 +87,8 @@ class RewardConfig:
     """Free-form: the manager's settings; dapo: overlong_buffer_cfg.*, max_resp_len."""
     reward_model: RewardModelSection = field(default_factory=RewardModelSection)
     """The learned reward model."""
+    code_sandbox: bool = True
+    """Model-written code (code scorers, PythonTool) runs in bubblewrap; false: rlimits only."""
 
 
 @dataclass

@@ -1,7 +1,10 @@
 """``PythonTool``: a code interpreter that runs the model's Python in the code scorer's isolated
 child processes (:func:`megarl.reward.scorers.code_runner.run_program`: a fresh interpreter in
 a temporary directory and its own process group, address-space and CPU rlimits, a minimal
-environment, killed as a whole after the run).
+environment, killed as a whole after the run), inside the OS sandbox of
+:mod:`megarl.reward.scorers.sandbox` (bubblewrap: no network, the system read-only, only its
+scratch directory writable, no view of the run directory or other processes). A machine that
+cannot run the sandbox refuses the tool when it is built, unless ``reward.code_sandbox=false``.
 
 It takes the place of verl's ``SandboxFusionTool`` (``verl.tools.sandbox_fusion_tools``, which
 sends code to a Sandbox Fusion service; verl 0.9.1 no longer ships it) and reads the same config
@@ -16,8 +19,7 @@ The step reward is None (no reward recorded, as verl) and ``calc_reward`` 0.0. D
 model's ``timeout`` is capped at ``default_timeout`` (verl lets the model raise it); the code
 runs in a fresh namespace under the code scorer's harness, which sets destructive ``os`` and
 ``shutil`` functions to None and blocks importing ``subprocess``, ``ctypes``, ``resource`` and
-``psutil`` (verl's reliability guard). This is isolation against accidents, not a security
-sandbox against hostile code.
+``psutil`` (verl's reliability guard); the OS sandbox is the security boundary.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from megarl.reward.scorers import sandbox
 from megarl.reward.scorers.code_runner import run_program
 from megarl.tools.base_tool import BaseTool
 from megarl.tools.event_loop import to_tool_thread
@@ -75,6 +78,7 @@ class PythonTool(BaseTool):
             raise ValueError(f"default_language={self.default_language!r}: only 'python' runs")
         if self.default_timeout <= 0 or self.memory_limit_mb <= 0:
             raise ValueError("default_timeout and memory_limit_mb must be positive")
+        sandbox.require_sandbox()  # one line, at start-up rather than at the first call
         # a threading semaphore: the runs happen in worker threads, and it is not tied to one
         # event loop
         self._slots = threading.BoundedSemaphore(int(config.get("num_workers", 10)))

@@ -22,7 +22,9 @@ the deliberate differences from verl (named in megarl/reward/scorers/code.py).
 from __future__ import annotations
 
 import json
+import random
 import tempfile
+import threading
 import time
 
 import psutil
@@ -274,14 +276,38 @@ def _dies(pid: int) -> bool:
     return _gone(pid)
 
 
+class _Sleeper(threading.Thread):
+    """Finds the host pid of the ``sleep`` a sandboxed program execs (the sandbox shows the
+    program its own PID namespace only): its argument is a number no other process uses."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.arg = f"600.{random.randrange(10**8):08d}"
+        self.code = f"posix.execv('/bin/sleep', ['sleep', {self.arg!r}])"
+        self.pid: int | None = None
+        self.stop = threading.Event()
+        self.start()
+
+    def run(self):
+        while self.pid is None and not self.stop.wait(0.05):
+            for proc in psutil.process_iter(["cmdline"]):
+                if proc.info["cmdline"] == ["sleep", self.arg]:
+                    self.pid = proc.pid
+
+    def found(self) -> int:
+        self.stop.set()
+        self.join()
+        assert self.pid is not None, "the program's sleep never ran"
+        return self.pid
+
+
 def test_a_forked_child_does_not_outlive_its_test():
     # os.fork is disabled as in verl; posix.fork is the way round it.
-    program = (
-        "import posix, time\npid = posix.fork()\nif pid == 0:\n    time.sleep(600)\nprint(pid)"
-    )
+    sleeper = _Sleeper()
+    program = f"import posix, time\nif posix.fork() == 0:\n    {sleeper.code}\ntime.sleep(3)"
     run = run_program(program, "", fn_name=None, timeout_s=60, memory_limit_mb=1024)
     assert run.status == "ok"
-    assert _dies(int(run.output))
+    assert _dies(sleeper.found())
 
 
 def test_a_stuck_program_dies_with_a_killed_scoring_worker(tmp_path, monkeypatch):
@@ -290,16 +316,15 @@ def test_a_stuck_program_dies_with_a_killed_scoring_worker(tmp_path, monkeypatch
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
     (tmp_path / "tmp").mkdir()
-    pid_file = tmp_path / "pid"
     # sleeping, not spinning: its CPU-time limit never fires, only the parent-death signal
-    program = f"import posix, time\nopen({str(pid_file)!r}, 'w').write(str(posix.getpid()))\ntime.sleep(600)"
-    sample = (0, "taco", fence(program), json.dumps(ONE), None)
+    sleeper = _Sleeper()
+    sample = (0, "taco", fence(f"import posix\n{sleeper.code}"), json.dumps(ONE), None)
     with ScoringPool(ScorerSpec(), num_workers=1, timeout_s=3.0) as pool:
         [outcome] = pool.score([sample])
         assert outcome.status == "timeout"
         [ok] = pool.score([(1, "apps", fence(ADD), json.dumps(T2), None)])
         assert (ok.status, ok.score) == ("ok", 1.0)
-    assert _dies(int(pid_file.read_text()))
+    assert _dies(sleeper.found())
     assert list((tmp_path / "tmp").iterdir()) == []
 
 

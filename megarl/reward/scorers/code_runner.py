@@ -3,11 +3,11 @@
 The scoring worker never executes generated code itself. :func:`run_program` writes the program
 to a fresh temporary directory and runs ``python -I -X utf8 -c <driver>`` there, in its own
 process group (killed as a whole after every run, so loops and forked children do not outlive
-their test), under rlimits (:func:`_child_limits`) and a minimal environment. The driver
-(:data:`_DRIVER`) reproduces what verl 0.9.1's ``prime_code`` gives a program: its reliability
-guard, star-imports and recursion limit. The expected outputs never enter the child. This is
-isolation against accidents, not a security sandbox against hostile code (that needs a
-container or verl's sandbox service).
+their test), under rlimits (:func:`_child_limits`) and a minimal environment, inside the OS
+sandbox of :mod:`.sandbox` (no network, the system read-only, only that directory writable, no
+other processes; ``reward.code_sandbox=false`` leaves it out). The driver (:data:`_DRIVER`)
+reproduces what verl 0.9.1's ``prime_code`` gives a program: its reliability guard,
+star-imports and recursion limit. The expected outputs never enter the child.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from megarl.reward.scorers import sandbox
 
 __all__ = ["OUTPUT_LIMIT_BYTES", "Run", "run_program"]
 
@@ -159,6 +161,9 @@ def run_program(
     ``load_only``: stop after compiling (and loading the module and finding the function).
     stdin comes from the test input, stdout goes to a file, stderr is discarded.
     """
+    sandboxed = sandbox.enabled()
+    if sandboxed:
+        sandbox.require_sandbox()
     mode = "stdin" if fn_name is None else "call"
     stdin_text = test_input if fn_name is None else json.dumps(test_input)
     argv = [
@@ -177,16 +182,18 @@ def run_program(
         (work / "solution.py").write_text(source, encoding="utf-8", errors="surrogatepass")
         (work / "stdin.txt").write_text(stdin_text, encoding="utf-8", errors="surrogatepass")
         with open(work / "stdin.txt", "rb") as stdin, open(work / "stdout.txt", "wb") as stdout:
+            if sandboxed:
+                argv = sandbox.sandbox_argv(argv, tmp)
             proc = subprocess.Popen(
                 argv,
                 cwd=work,
                 stdin=stdin,
                 stdout=stdout,
                 stderr=subprocess.DEVNULL,
-                env=_child_env(tmp),
+                env=_child_env(sandbox.SCRATCH if sandboxed else tmp),
                 start_new_session=True,
                 # a scoring worker is single-threaded: preexec_fn is safe there
-                preexec_fn=_child_limits(timeout_s, memory_limit_mb),  # noqa: PLW1509
+                preexec_fn=_child_limits(timeout_s, memory_limit_mb, sandboxed),  # noqa: PLW1509
             )
         finished = _exited_within(proc.pid, timeout_s)
         _kill_group(proc.pid)  # the leader is not reaped yet, so the group id is still ours
@@ -212,13 +219,15 @@ _LIBC = (
 )
 
 
-def _child_limits(timeout_s: float, memory_limit_mb: int):
+def _child_limits(timeout_s: float, memory_limit_mb: int, sandboxed: bool = False):
     """The ``preexec_fn`` of a program's child: rlimits and the parent-death signal.
 
     Address space ``memory_limit_mb``, CPU seconds a little past the wall limit, output file
     size :data:`OUTPUT_LIMIT_BYTES`, no core files; on Linux SIGKILL when the parent dies, so the
-    program dies with a scoring worker the reward pool kills.
+    program dies with a scoring worker the reward pool kills. Sandboxed as root: at most
+    :data:`~.sandbox.MAX_PROCESSES` tasks (binding once the sandbox drops root's uid).
     """
+    nproc = sandboxed and os.geteuid() == 0
     memory = memory_limit_mb * 2**20
     cpu = int(timeout_s) + 2
 
@@ -227,6 +236,9 @@ def _child_limits(timeout_s: float, memory_limit_mb: int):
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         resource.setrlimit(resource.RLIMIT_FSIZE, (OUTPUT_LIMIT_BYTES, OUTPUT_LIMIT_BYTES))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if nproc:
+            limit = sandbox.MAX_PROCESSES
+            resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
         if _LIBC is not None:
             _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
