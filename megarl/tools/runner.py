@@ -158,7 +158,9 @@ async def _run_one(
     start = time.perf_counter()
 
     def failed(kind: ToolCallError, text: str) -> tuple:
-        logger.debug("tool call %r: %s: %s", call.name, kind, text)
+        # As verl's loop (logger.warning of each failed call): the text the model gets, also
+        # in the rank's log, where the step's tool_errors count alone did not say what failed.
+        logger.warning("tool call %r failed (%s): %s", call.name, kind.value, text)
         return ToolResponse(text=text), 0.0, {}, kind, time.perf_counter() - start
 
     if call.error is not None:

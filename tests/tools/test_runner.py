@@ -91,7 +91,9 @@ def test_only_the_first_max_parallel_calls_run():
     assert [r.text for r in results] == ["0", "1"]
 
 
-def test_every_failure_becomes_a_message():
+def test_every_failure_becomes_a_message(caplog):
+    """Each failure is the model's message and, as verl, a warning in the rank's log with that
+    text (a raising tool, a wrong return: before, only the error counts showed them)."""
     tool = Scripted("t")
     turn = parse_tool_calls("<tool_call>{oops</tool_call>")
     calls = [
@@ -105,8 +107,13 @@ def test_every_failure_becomes_a_message():
         call("t", do="wrong_shape"),
         call("t"),
     ]
-    results = run(run_tool_calls(calls, {"t": tool}, timeout_s=0.3, max_parallel_calls=9))
+    with caplog.at_level("WARNING", logger="megarl.tools.runner"):
+        results = run(run_tool_calls(calls, {"t": tool}, timeout_s=0.3, max_parallel_calls=9))
     got = [(r.error, r.text) for r in results]
+    warned = [r.getMessage() for r in caplog.records if r.name == "megarl.tools.runner"]
+    expected = [f"tool call {calls[i].name!r} failed ({kind.value}): {text}"
+                for i, (kind, text) in enumerate(got[:8])]  # fmt: skip
+    assert sorted(warned) == sorted(expected)  # the calls run concurrently
     assert got[0][0] is ToolCallError.MALFORMED and got[0][1].startswith(
         "Malformed tool call: not valid JSON"
     )
