@@ -215,7 +215,9 @@ def _load(configs: list[str], overrides: list[str], *, multinode: bool | None):
 def _check(cfg, nproc: int) -> str | None:
     """The first problem of a loaded run as one line, or None."""
     from megarl.config import ConfigError, validate
+    from megarl.reward.scorers import sandbox
 
+    sandbox.configure(cfg.reward.code_sandbox)  # the ranks inherit it (reward.code_sandbox)
     try:
         validate(cfg, nproc * cfg.trainer.nnodes, check_paths=True)
     except ConfigError as exc:
@@ -274,6 +276,17 @@ def _check_data(cfg) -> str | None:
     return _check_reward(cfg, sources, first)
 
 
+def _sandbox_problem(cfg, source: str) -> str | None:
+    """The refusal when ``source``'s programs would run and the machine cannot sandbox them."""
+    from megarl.reward.scorers import sandbox
+
+    try:
+        sandbox.require_sandbox()
+    except sandbox.SandboxError as exc:
+        return f"data: data_source {source!r}: {exc}"
+    return None
+
+
 def _blank_prompts(dataset, split: str) -> str:
     """The warning for prompts without text, naming how many and the first rows."""
     blank, key = dataset.blank_prompts, f"data.{split}_files"
@@ -302,9 +315,11 @@ def _check_reward(cfg, sources: set[str], sample) -> str | None:
             return None
         for source in sorted(sources):
             try:
-                scorer_module_for(source)
+                module = scorer_module_for(source)
             except UnsupportedDataSource as exc:
                 return f"data: {_line(exc)}"
+            if module.endswith(".code") and (problem := _sandbox_problem(cfg, source)):
+                return problem
         return None
     try:
         fn = load_scorer(spec)

@@ -62,6 +62,9 @@ def start(config_paths: Sequence[str], overrides: Sequence[str]) -> int:
     if os.environ.get("RANK", "0") == "0":
         for message in warnings:
             print(f"warning: {message}", file=sys.stderr)
+    from megarl.reward.scorers import sandbox
+
+    sandbox.configure(cfg.reward.code_sandbox)  # scoring workers and tools inherit it
     from megarl.parallel.gate import pass_gate
 
     pass_gate(preload)  # ``megarl train`` checks the run meanwhile
