@@ -126,9 +126,18 @@ def test_a_machine_without_bubblewrap_is_refused_in_one_line(tmp_path, monkeypat
         assert sandbox.OPT_OUT in message
         with pytest.raises(sandbox.SandboxError):
             PythonTool({})
+        # megarl train's pre-flight, for a code data source (the ranks are never started)
+        from megarl.commands import train
+        from megarl.config import load_config
+
+        cfg = load_config(["configs/grpo_tiny_cpu.yaml"], [])
+        line = train._check_reward(cfg, {"apps"}, None)
+        assert line.startswith("data: data_source 'apps': model-written code cannot be sandboxed")
+        assert train._check_reward(cfg, {"openai/gsm8k"}, None) is None  # no code runs
         monkeypatch.setenv(sandbox.ENV_KEY, "0")  # the opt-out
         sandbox.require_sandbox()
         PythonTool({})
+        assert train._check_reward(cfg, {"apps"}, None) is None
     finally:
         sandbox.sandbox_problem.cache_clear()
 
