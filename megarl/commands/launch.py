@@ -261,7 +261,11 @@ def _failure_summary(
     failures = list(_FAILURE.finditer(text))
     where = f"logs: {log_path.parent}"
     # A rank the OS or an operator killed (not torchrun's own SIGTERM to the survivors): name it,
-    # rather than the survivors' "Connection closed by peer".
+    # rather than the survivors' "Connection closed by peer". torchrun's report lists the other
+    # failures first and its root cause (the first failure) last; a survivor it SIGKILLed after
+    # its grace period also shows SIGKILL, so the root cause of the last report comes first.
+    root = text.rfind("Root Cause (first observed failure)")
+    failures.sort(key=lambda f: not (0 <= root < f.start()))  # stable: else in log order
     killed = [
         f for f in failures if int(f["code"]) < 0 and f["signal"] not in ("SIGTERM", "SIGINT")
     ]
