@@ -18,6 +18,7 @@ from megarl.checkpoint.layout import (
     resolve_resume_path,
 )
 from megarl.checkpoint.meta import META_FILE
+from megarl.config.lora_checks import lora_resume_mismatch
 
 ARCH_KEYS = (
     "architectures",
@@ -101,6 +102,10 @@ def resume_problem(cfg: Any, run_dir: Path) -> str | None:
         if ckpt is not None:
             arr = cfg.actor_rollout_ref
             check_model_fits(ckpt, "actor", "actor_rollout_ref.model.path", arr.model.path)
+            lora = lora_resume_mismatch(read_json(ckpt / "actor" / META_FILE), arr.model.lora,
+                                        ckpt=ckpt / "actor")  # fmt: skip
+            if lora is not None:
+                raise CheckpointError(lora)
             check_checkpoint_files(ckpt)
     except CheckpointError as exc:
         return str(exc)

@@ -23,7 +23,7 @@ from megarl.config.dist_ckpt_checks import check_dist_checkpoints
 from megarl.config.engine_key_checks import check_engine_keys
 from megarl.config.errors import ConfigError
 from megarl.config.layout_checks import LayoutChecks, fmt_value
-from megarl.config.lora_checks import check_lora, check_lora_moe
+from megarl.config.lora_checks import check_lora, check_lora_modules, check_lora_moe
 from megarl.config.model_paths import resolve_model_paths
 from megarl.config.model_source import ModelShape, is_remote, resolve_model_shape
 from megarl.config.moe_checks import (
@@ -525,6 +525,7 @@ class _Checks(LayoutChecks):
         check_router_replay(c, shape, self.error)
         check_rollout_expert_parallel(c, shape, self.error)
         check_lora_moe(c, shape, self.error)
+        check_lora_modules(c, shape, self.error, self.warn)
         check_async(c, self.error)
         self.check_gradient_checkpointing()
         critic = c.critic.model

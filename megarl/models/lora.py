@@ -37,9 +37,16 @@ takes the norm's output, which TE returns beside the linear's once its documente
 usual ``(output, bias)``. TE's row- and column-parallel linears take their input as the local
 spec's do.
 
+Which linears get adapters: Megatron-Bridge's matcher over global module names
+(:mod:`megarl.config.lora_modules`); with ``target_modules`` empty that includes the untied
+``output_layer`` (vocab-parallel, a column-parallel linear: B split by vocabulary rows).
+
 Initial values are drawn for the full (unsharded) tensors from a generator seeded by the seed and
-the parameter's global name, then sliced: the same adapters at every TP×PP layout. B starts at
-zero (verl's ``lora_B_init_method=zero``), so step 0 equals the base model.
+the parameter's global name, then sliced: the same adapters at every TP×PP layout. Each init
+method has Bridge's scale at TP 1 (``normal``: std 0.2; ``xavier``/``kaiming``: the fans of the
+full ``[r, in]`` / ``[out, r]`` matrix); Bridge initialises each TP shard on its own, so its
+scale moves with TP (docs/lora.md). B starts at zero (verl's ``lora_B_init_method=zero``), so
+step 0 equals the base model. Adapters are created on their base weight's device.
 
 MoE (local spec's ``SequentialMLP``, expert TP 1): every expert's ``linear_fc1`` and
 ``linear_fc2`` gets an adapter of its own, named and initialised by its global expert index, not
@@ -71,6 +78,14 @@ from megatron.core.tensor_parallel.layers import (
     set_tensor_model_parallel_attributes,
 )
 
+from megarl.config.lora_modules import (
+    ADAPTABLE,
+    DEFAULT_TARGETS,
+    OUTPUT_LAYER,
+    is_plain_name,
+    is_targeted,
+    pattern_error,
+)
 from megarl.models import hf_mapping as hm
 from megarl.models import moe_mapping as mm
 from megarl.models.gpt import (
@@ -80,8 +95,8 @@ from megarl.models.gpt import (
     unwrap,
 )
 
-LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-"""Megatron linear names adapters can target (verl's default: all four)."""
+LORA_TARGETS = DEFAULT_TARGETS
+"""verl's default ``target_modules``: the four linears of every layer."""
 
 INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
 """verl's (Megatron-Bridge's) ``lora_A_init_method`` / ``lora_B_init_method`` values."""
@@ -107,9 +122,10 @@ class LoraSettings:
     dropout_position: Literal["pre", "post"] = "pre"
     """``pre``: dropout on the adapter's input; ``post``: on its output (verl's names)."""
     target_modules: tuple[str, ...] = LORA_TARGETS
-    """Megatron linear names that get adapters."""
+    """Linear names or full-name patterns that get adapters; empty: every linear (the output
+    layer too) but ``exclude_modules`` (Bridge's matcher, :mod:`megarl.config.lora_modules`)."""
     exclude_modules: tuple[str, ...] = ()
-    """Linear names, or module-path substrings, that do not (applied after ``target_modules``)."""
+    """Linear names or full-name patterns that do not (only with ``target_modules`` empty)."""
     a_init: str = "xavier"
     """Initialisation of A (:data:`INIT_METHODS`)."""
     b_init: str = "zero"
@@ -130,7 +146,7 @@ class LoraSettings:
             alpha=float(lora.alpha),
             dropout=float(lora.dropout),
             dropout_position=lora.dropout_position,
-            target_modules=tuple(lora.target_modules or LORA_TARGETS),
+            target_modules=tuple(lora.target_modules),
             exclude_modules=tuple(lora.exclude_modules),
             a_init=lora.lora_A_init_method,
             b_init=lora.lora_B_init_method,
@@ -141,12 +157,19 @@ class LoraSettings:
         """Raise :class:`LoraError` naming the first setting that cannot be built."""
         if self.rank <= 0:
             raise LoraError(f"lora.rank must be > 0 to attach adapters, not {self.rank}")
-        bad = [t for t in self.target_modules if t not in LORA_TARGETS]
-        if bad:
-            raise LoraError(
-                f"lora.target_modules {bad} are not Megatron linears megarl adapts "
-                f"(choose from {list(LORA_TARGETS)})"
-            )
+        if self.alpha == 0:
+            raise LoraError("lora.alpha=0 scales every adapter's output by 0: nothing can train")
+        for key, entries in (("target_modules", self.target_modules),
+                             ("exclude_modules", self.exclude_modules)):  # fmt: skip
+            bad = [t for t in entries if is_plain_name(t) and t not in ADAPTABLE]
+            if bad:
+                raise LoraError(
+                    f"lora.{key} {bad} are not Megatron linears megarl adapts (choose from "
+                    f"{list(ADAPTABLE)}, or full-name patterns such as '*.layers.0.*')"
+                )
+            for t in entries:
+                if (why := pattern_error(t)) is not None:
+                    raise LoraError(f"lora.{key} entry {t!r} is no valid pattern: {why}")
         for what, method in (
             ("lora_A_init_method", self.a_init),
             ("lora_B_init_method", self.b_init),
@@ -179,8 +202,8 @@ def _init_full(
     elif method == "kaiming":  # kaiming_uniform_(a=sqrt(5)), nn.Linear's default
         bound = 1.0 / math.sqrt(fan_in)
         return (torch.rand(shape, generator=g) * 2 - 1) * bound
-    else:  # normal
-        std = 0.02
+    else:  # normal: Bridge's init_method_normal(0.2)
+        std = 0.2
     return torch.randn(shape, generator=g) * std
 
 
@@ -280,11 +303,34 @@ def _norm_output(output: tuple) -> tuple:
     return out, bias, ln_out
 
 
-def _targeted(path: str, settings: LoraSettings) -> bool:
-    leaf = path.rsplit(".", 1)[-1]
-    if leaf not in settings.target_modules:
-        return False
-    return not any(ex == leaf or ex in path for ex in settings.exclude_modules)
+def _targeted_linears(model, offset: int, settings: LoraSettings) -> list[tuple[str, str, object]]:
+    """(local path, global weight name, linear) of the model's tensor-parallel linears the
+    settings select (Bridge's matcher over global module names); refuses a tied output layer."""
+    out = []
+    for path, module in model.named_modules():
+        if not _is_parallel_linear(module):
+            continue
+        name = _global_name(path, offset, model.config)
+        if not is_targeted(name.removesuffix(".weight"), settings.target_modules,
+                           settings.exclude_modules):  # fmt: skip
+            continue
+        if path == OUTPUT_LAYER and model.share_embeddings_and_output_weights:
+            raise LoraError(
+                "LoRA on output_layer of a model with tied embeddings (tie_word_embeddings=true) "
+                "is not built: add output_layer to actor_rollout_ref.model.lora.exclude_modules"
+            )
+        out.append((path, name, module))
+    return out
+
+
+def _is_parallel_linear(module: torch.nn.Module) -> bool:
+    """Megatron's column- or row-parallel linear (local spec), or TE's (TE spec)."""
+    if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+        return True
+    te_norm_linear, te_linear = _te_linear_types()
+    return isinstance(module, te_norm_linear | te_linear) and getattr(
+        module, "parallel_mode", None
+    ) in ("column", "row")
 
 
 def _check_experts(config) -> None:
@@ -332,11 +378,9 @@ def attach_adapters(chunks: Sequence[torch.nn.Module], settings: LoraSettings) -
         model = unwrap(chunk)
         _check_experts(model.config)
         offset = layer_offset(model.config, model.vp_stage)
-        targets = [(p, m) for p, m in model.named_modules() if _targeted(p, settings)]
-        for path, linear in targets:
-            global_name = _global_name(path, offset, model.config)
+        for path, global_name, linear in _targeted_linears(model, offset, settings):
             expert = mm.is_expert_param(global_name)
-            dtype = linear.weight.dtype
+            dtype, device = linear.weight.dtype, linear.weight.device
             kind, in_f, out_f, norm_fused = _linear_kind(linear, path)
             a = _init_full(settings.a_init, (settings.rank, in_f), in_f, settings.rank,
                            settings.seed, global_name + ".A")  # fmt: skip
@@ -345,8 +389,9 @@ def attach_adapters(chunks: Sequence[torch.nn.Module], settings: LoraSettings) -
             split = 1 if expert else tp_size
             a, b = shard_adapter(kind, global_name, a, b, split, tp_rank)
             sp = bool(getattr(linear, "sequence_parallel", False)) and not expert
-            linear.lora = LoraAdapter(kind, a.to(dtype).contiguous(), b.to(dtype).contiguous(),
-                                      settings, tp_size=split, sequence_parallel=sp)  # fmt: skip
+            a, b = (t.to(device=device, dtype=dtype).contiguous() for t in (a, b))
+            linear.lora = LoraAdapter(kind, a, b, settings, tp_size=split,
+                                      sequence_parallel=sp)  # fmt: skip
             if expert:  # reduced over the expert data-parallel group, as the expert weights
                 for p in (linear.lora.A, linear.lora.B):
                     p.allreduce = False

@@ -29,7 +29,7 @@ from megarl.models import hf_mapping as hm
 from megarl.models import moe_mapping as mm
 from megarl.models.lora import LoraError, LoraSettings, adapted_linears, merge_adapter_shards
 from megarl.models.weights import holds_first_copy
-from megarl.parallel.collectives import all_gather_tensors
+from megarl.parallel.collectives import all_gather_tensors, object_group
 
 PEFT_PREFIX = "base_model.model."
 """PEFT's prefix of a ``PeftModelForCausalLM``'s adapter keys."""
@@ -69,10 +69,13 @@ def _first_copies(
 def _whole_model(chunks: Sequence[torch.nn.Module]) -> tuple[dict, float]:
     """({global base name: (full A, full B)} of the whole model, the adapters' scaling) on
     every rank (collective over all ranks; small: one copy of the adapters in all). A rank
-    holding no adapter (a pipeline stage ``exclude_modules`` left bare) takes part too."""
+    holding no adapter (a pipeline stage ``exclude_modules`` left bare) takes part too. The
+    objects go over gloo (:func:`~megarl.parallel.collectives.object_group`): over NCCL PyTorch
+    would stage world × the largest payload on every GPU."""
     scaling = next((lin.lora.scaling for _, _, lin in adapted_linears(chunks)), None)
     boxes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(boxes, (_first_copies(full_adapters(chunks)), scaling))
+    mine = (_first_copies(full_adapters(chunks)), scaling)
+    dist.all_gather_object(boxes, mine, group=object_group())
     adapters = {k: v for box, _ in boxes for k, v in box.items()}
     scalings = {s for _, s in boxes if s is not None}
     if len(scalings) != 1:
@@ -207,12 +210,16 @@ def load_peft_adapter(
                 f"lora.adapter_path={folder}: {modules} have different lora_A; megarl's fused "
                 f"{name.rsplit('.', 2)[-2]} adapter shares one A (type=lora)"
             )
+        rows = dims.vocab_size if name == hm.OUTPUT_LAYER else None  # lm_head: unpadded
+        _check_adapter_shapes(folder, keys, a_parts, b_parts, linear, rows)
         if len(b_parts) == 3:
             b = hm.qkv_separate_to_megatron(*b_parts, dims)
         elif len(b_parts) == 2:
             b = hm.gate_up_to_fc1(*b_parts)
         else:
             (b,) = b_parts
+        if name == hm.OUTPUT_LAYER:  # lm_head's vocabulary rows, padded as the output layer's
+            b = torch.cat([b, b.new_zeros(dims.padded_vocab_size - b.shape[0], b.shape[1])])
         split = linear.lora.tp_size  # (expert linears: expert TP 1, not split)
         a, b = shard_adapter(linear.lora.parallel, name, a_parts[0], b, split,
                              tp_rank if split > 1 else 0)  # fmt: skip
@@ -226,6 +233,29 @@ def load_peft_adapter(
         raise LoraError(f"lora.adapter_path={folder} adapts {extra}, which lora.target_modules "
                         "leave out")  # fmt: skip
     return count
+
+
+def _check_adapter_shapes(folder, keys, a_parts, b_parts, linear, rows: int | None) -> None:
+    """Refuse, in one line naming the folder and the tensor, an adapter of another base model:
+    A must read the linear's full input width, B's rows add up to its output rows (``rows``
+    when given: lm_head's unpadded vocabulary)."""
+    lora = linear.lora
+    in_f = lora.A.shape[1] * (lora.tp_size if lora.parallel == "row" else 1)
+    want_a = (lora.A.shape[0], in_f)
+    for (a_key, _), a in zip(keys, a_parts, strict=True):
+        if tuple(a.shape) != want_a:
+            raise LoraError(
+                f"lora.adapter_path={folder}: {a_key} has shape {list(a.shape)}, this model's "
+                f"linear takes {list(want_a)} (an adapter of another base model or rank?)"
+            )
+    out_f = rows or lora.B.shape[0] * (lora.tp_size if lora.parallel == "column" else 1)
+    got = sum(int(b.shape[0]) for b in b_parts)
+    if any(b.shape[1] != lora.B.shape[1] for b in b_parts) or got != out_f:
+        raise LoraError(
+            f"lora.adapter_path={folder}: {keys[0][1]} and its siblings have shapes "
+            f"{[list(b.shape) for b in b_parts]}, this model's linear has {out_f} output rows "
+            f"and rank {lora.B.shape[1]} (an adapter of another base model?)"
+        )
 
 
 def _leaf(peft_key: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megarl.parallel.collectives import _GLOO_WORLD, object_group  # noqa: F401 -- re-exported
 from megarl.rollout.base import RolloutBatch, RolloutEngine, RolloutSample
 
 __all__ = [
@@ -26,27 +27,6 @@ __all__ = [
     "generate_on_replicas",
     "object_group",
 ]
-
-_GLOO_WORLD: dict[int, dist.ProcessGroup] = {}
-"""The gloo group over the world, per default group (keyed by its id)."""
-
-
-def object_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
-    """The group object collectives use: ``group`` when given; else the default group when it is
-    gloo; else a gloo group over the whole world, created once (a collective call on first use:
-    every rank reaches it at the same call, so ``new_group`` order agrees).
-
-    Never NCCL: there ``all_gather_object`` would copy every pickled batch to the GPU and back,
-    block the device stream and take GPU memory that colocated vLLM and training may not have.
-    """
-    if group is not None or dist.get_backend() == "gloo":
-        return group
-    default = dist.distributed_c10d._get_default_group()
-    key = id(default)
-    if key not in _GLOO_WORLD:
-        _GLOO_WORLD.clear()  # a new default group: the old gloo group went with the old one
-        _GLOO_WORLD[key] = dist.new_group(backend="gloo")
-    return _GLOO_WORLD[key]
 
 
 def even_split(num_items: int, num_parts: int, part: int) -> range:
@@ -208,13 +188,14 @@ def _pack(batch: RolloutBatch) -> list[tuple]:
             s.response_logprobs,
             s.finish_reason,
             s.routing,
+            s.token_versions,
         )
         for s in batch
     ]
 
 
 def _unpack(row: Sequence[Any], prompt_index: int) -> RolloutSample:
-    prompt_id, sample_index, prompt_tokens, response_ids, logprobs, finish, routing = row
+    prompt_id, sample_index, prompt_tokens, response_ids, logprobs, finish, routing, versions = row
     return RolloutSample(
         prompt_index,
         sample_index,
@@ -224,4 +205,5 @@ def _unpack(row: Sequence[Any], prompt_index: int) -> RolloutSample:
         finish,
         prompt_id=prompt_id,
         routing=routing,
+        token_versions=versions,
     )

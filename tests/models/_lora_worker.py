@@ -85,6 +85,96 @@ def _adapter_grads(chunks) -> dict:
     return out
 
 
+def _adapted_everywhere(chunks) -> list[str]:
+    """Global base weight names of every rank's adapted linears (all ranks call)."""
+    from megarl.models.lora import adapted_linears
+
+    boxes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(boxes, [name for _, name, _ in adapted_linears(chunks)])
+    return sorted({n for box in boxes for n in box})
+
+
+def _matching_checks(results: dict) -> None:
+    """``attach_adapters`` on a built 12-layer model at PP 2 (stage 1 holds layers 6-11, named
+    0-5 locally): which linears get adapters for ``exclude_modules`` ``*.layers.1.*`` and
+    ``layers.1`` (``target_modules: []``) and for the default targets; and that adapters are
+    created on the device of the weight they adapt (a model moved to the meta device)."""
+    from megarl.config.model_dims import ModelDims
+    from megarl.models.build import build_model
+    from megarl.models.lora import LoraSettings, attach_adapters
+    from megarl.models.tiny import tiny_hf_config
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+
+    layout = ParallelLayout(1, 2, None)
+    init_distributed(layout, seed=1234)
+    dims = ModelDims.from_hf_config(tiny_hf_config("qwen2", num_layers=12))
+    cases = {"exclude *.layers.1.*": ((), ("*.layers.1.*",)), "exclude layers.1": ((), ("layers.1",)),
+             "default targets": (LoraSettings(rank=2).target_modules, ())}  # fmt: skip
+    matched = {}
+    for key, (targets, excludes) in cases.items():
+        chunks = build_model(dims, layout).chunks
+        attach_adapters(
+            chunks, LoraSettings(rank=2, target_modules=targets, exclude_modules=excludes)
+        )
+        matched[key] = _adapted_everywhere(chunks)
+    results["matching"] = matched
+    chunks = [c.to("meta") for c in build_model(dims, layout).chunks]
+    attach_adapters(chunks, LoraSettings(rank=2, target_modules=()))
+    from megarl.models.lora import adapted_linears
+
+    devices = {(str(lin.lora.A.device), str(lin.lora.B.device), str(lin.weight.device))
+               for _, _, lin in adapted_linears(chunks)}  # fmt: skip
+    results["devices"] = _on_rank0(sorted(devices))
+
+
+def _output_layer_checks(spec: dict, results: dict) -> None:
+    """Adapters on every linear, the output layer too (``target_modules: []``), at TP 2 × PP 2:
+    logits, a PEFT export and the merged HF export; its checkpoint loaded at TP 1 × PP 1 (into
+    adapters of another seed) and its PEFT export loaded there by ``lora.adapter_path``."""
+    from dataclasses import replace
+
+    from megarl.checkpoint.dist_ckpt import load_model_checkpoint, save_model_checkpoint
+    from megarl.models.build import build_model
+    from megarl.models.lora import LoraSettings, attach_adapters, freeze_base
+    from megarl.models.lora_peft import export_peft_adapter, load_peft_adapter
+    from megarl.models.weights import export_hf_weights
+    from megarl.parallel.init import init_distributed
+    from megarl.parallel.layout import ParallelLayout
+
+    tmp, ids = Path(spec["tmp"]), torch.load(spec["batch"])["input_ids"]
+    settings = LoraSettings(**{**spec["lora"], "target_modules": ()})
+    r: dict = {}
+    layout = ParallelLayout(2, 2, None)
+    init_distributed(layout, seed=1234)
+    built = build_model(spec["model"], layout)
+    attach_adapters(built.chunks, settings)
+    freeze_base(built.chunks)
+    r["adapted"] = _adapted_everywhere(built.chunks)
+    for c in built.chunks:
+        c.eval()
+    r["logits"] = _on_rank0(_full_logits(built.chunks, ids))
+    export_peft_adapter(built.chunks, built.dims, settings, tmp / "peft_out_tp2_pp2",
+                        base_model=spec["model"])  # fmt: skip
+    export_hf_weights(
+        built.chunks, tmp / "merged_out_tp2_pp2", built.dims, source_dir=spec["model"]
+    )
+    save_model_checkpoint(built.chunks, tmp / "ckpt_out_tp2_pp2")
+    layout = ParallelLayout(1, 1, None)
+    init_distributed(layout, seed=1234)
+    other = build_model(spec["model"], layout)
+    attach_adapters(other.chunks, replace(settings, seed=settings.seed + 1))
+    load_model_checkpoint(other.chunks, tmp / "ckpt_out_tp2_pp2")
+    export_peft_adapter(other.chunks, other.dims, settings, tmp / "peft_out_loaded")
+    fresh = build_model(spec["model"], layout)
+    attach_adapters(fresh.chunks, replace(settings, seed=settings.seed + 2))
+    load_peft_adapter(fresh.chunks, fresh.dims, settings, tmp / "peft_out_tp2_pp2")
+    for c in fresh.chunks:
+        c.eval()
+    r["logits_from_peft"] = _on_rank0(_full_logits(fresh.chunks, ids))
+    results["output_layer"] = r
+
+
 def _layout_checks(spec: dict, tp: int, pp: int, sp: bool, results: dict) -> None:
     from megarl.models.build import build_model
     from megarl.models.gpt import unwrap
@@ -239,6 +329,8 @@ def main() -> None:
     for tp, pp, sp in LAYOUTS:
         _layout_checks(spec, tp, pp, sp, results)
     _moe_checks(spec, results)
+    _matching_checks(results)
+    _output_layer_checks(spec, results)
     if dist.get_rank() == 0:
         torch.save(results, Path(spec["tmp"]) / "lora_results.pt")
     dist.barrier()

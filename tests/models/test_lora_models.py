@@ -22,7 +22,7 @@ pytestmark = pytest.mark.multirank
 
 WORKER = Path(__file__).with_name("_lora_worker.py")
 LAYOUTS = ["tp1_pp1", "tp2_pp1", "tp1_pp2", "tp2_pp2", "tp2_pp1_sp"]
-LORA = {"rank": 4, "alpha": 16.0, "a_init": "xavier", "b_init": "normal", "seed": 5}
+LORA = {"rank": 4, "alpha": 1.6, "a_init": "xavier", "b_init": "normal", "seed": 5}
 """Random non-zero A and B: the adapters change the logits (B zero would hide a wrong B)."""
 
 
@@ -273,3 +273,63 @@ def test_adapter_path_with_fused_expert_parameters_is_refused_in_one_line(tmp_pa
         load_peft_adapter([], None, LoraSettings(rank=4, alpha=16.0), tmp_path)
     said = str(exc.value)
     assert "\n" not in said and "lora.adapter_path" in said and "target_parameters" in said
+
+
+def _layer_set(names: list[str]) -> set[int]:
+    return {int(n.split(".")[2]) for n in names if n.startswith("decoder.layers.")}
+
+
+def test_attach_adapters_selects_the_linears_verl_does(lora_run):
+    """Megatron-Bridge's matcher through ``attach_adapters`` on a built 12-layer model at PP 2
+    (layers by global index): ``exclude_modules: [layers.1]`` excludes nothing (no module is
+    named so, and it is no whole name); ``[*.layers.1.*]`` is Bridge's regex, whose dots match
+    any character: layers 1, 10 and 11 lose their adapters; both keep the output layer, which
+    ``target_modules: []`` adapts; the default targets adapt the four linears of every layer
+    and not the output layer."""
+    got = lora_run["results"]["matching"]
+    every = got["exclude layers.1"]
+    assert len(every) == 4 * 12 + 1 and "output_layer.weight" in every
+    kept = got["exclude *.layers.1.*"]
+    assert _layer_set(every) - _layer_set(kept) == {1, 10, 11}
+    assert "output_layer.weight" in kept and len(kept) == 4 * 9 + 1
+    default = got["default targets"]
+    assert len(default) == 48 and "output_layer.weight" not in default
+    assert _layer_set(default) == set(range(12))
+
+
+def test_adapters_are_created_on_their_weights_device(lora_run):
+    """A model moved to the meta device gets its adapters there (was: always the CPU)."""
+    assert lora_run["results"]["devices"] == [("meta", "meta", "meta")]
+
+
+def test_output_layer_adapter_equals_hf_peft_at_tp2_pp2(lora_run, peft_reference):
+    """``target_modules: []``: every linear and the (untied) output layer, vocab-parallel at
+    TP 2 on the last of 2 stages: logits = HF + peft (lm_head's LoRA) within 1e-4; the merged
+    HF export = the same; the TP2×PP2 checkpoint loaded at TP1×PP1 exports the same adapters
+    bit for bit; ``lora.adapter_path`` of its PEFT export at TP1×PP1 = HF + peft too."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    spec, batch, out = lora_run["spec"], lora_run["batch"], lora_run["results"]["output_layer"]
+    tmp = Path(spec["tmp"])
+    assert "output_layer.weight" in out["adapted"]
+    exported = load_file(str(tmp / "peft_out_tp2_pp2" / "adapter_model.safetensors"))
+    lm_head = exported["base_model.model.lm_head.lora_B.weight"]
+    assert lm_head.shape == (1000, spec["lora"]["rank"]) and lm_head.abs().max() > 0
+    model = PeftModel.from_pretrained(_hf_base(spec["model"]), str(tmp / "peft_out_tp2_pp2"))
+    with torch.no_grad():
+        want = model(batch["input_ids"]).logits
+        without_head = want - peft_reference["tp1_pp1"]
+    vocab = want.shape[-1]
+    got = out["logits"][..., :vocab]
+    print(f"output-layer LoRA logits vs HF + peft: {(got - want).abs().max():.3g}")
+    assert (got - want).abs().max() <= 1e-4
+    assert without_head.abs().max() > 1e-2  # the head's adapter matters
+    merged = AutoModelForCausalLM.from_pretrained(tmp / "merged_out_tp2_pp2", dtype=torch.float32)
+    with torch.no_grad():
+        assert (merged(batch["input_ids"]).logits - want).abs().max() <= 1e-4
+    loaded = load_file(str(tmp / "peft_out_loaded" / "adapter_model.safetensors"))
+    assert loaded.keys() == exported.keys()
+    assert all(torch.equal(loaded[k], exported[k]) for k in loaded)
+    assert (out["logits_from_peft"][..., :vocab] - want).abs().max() <= 1e-4  # at TP1×PP1

@@ -452,7 +452,7 @@ def lora_adapter_cases(models: Path) -> dict:
             dims, chunks = build(path, *layout)
             perturb(chunks, dims, 300)
             engine.sleep(level=2)  # vLLM's base is stale: the next sync sends it again
-        attach_adapters(chunks, LoraSettings(rank=4, alpha=8.0, b_init="normal", seed=i))
+        attach_adapters(chunks, LoraSettings(rank=4, alpha=0.8, b_init="normal", seed=i))
         before = engine.generate(PROMPTS, **SAMPLING) if not i else None
         plan = plan_for_chunks(chunks, dims, 2, bucket_bytes=256 << 10)
         stats = sync_weights(chunks, plan, engine)
@@ -481,7 +481,7 @@ def moe_lora_merged_case(path: str, engine) -> dict:
 
     dims, chunks = build(path, 1, 1, None, 2)
     perturb(chunks, dims, 400)
-    n = attach_adapters(chunks, LoraSettings(rank=4, alpha=8.0, b_init="normal", seed=3))
+    n = attach_adapters(chunks, LoraSettings(rank=4, alpha=0.8, b_init="normal", seed=3))
     plan = plan_for_chunks(chunks, dims, 2, bucket_bytes=256 << 10)
     stats = sync_weights(chunks, plan, engine)
     after = engine.generate(PROMPTS, **SAMPLING)

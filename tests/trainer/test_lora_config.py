@@ -24,12 +24,14 @@ def test_lora_tiny_config_validates_with_verl_names():
     s = LoraSettings.from_config(cfg.actor_rollout_ref.model.lora, seed=3)
     assert (s.rank, s.alpha, s.scaling, s.dropout, s.dropout_position, s.a_init, s.b_init) == (
         16, 32.0, 2.0, 0.05, "post", "kaiming", "zero")  # fmt: skip
-    # verl: target_modules [] with exclude_modules = every linear but those
-    cfg = load_config(LORA_TINY, [f"{L}.target_modules=[]", f"{L}.exclude_modules=[linear_fc2]"])
+    # verl: target_modules [] with exclude_modules = every linear but those (the output layer
+    # too: Bridge's matcher, tests/config/test_lora_preflight.py)
+    excluded = f"{L}.exclude_modules=[linear_fc2,output_layer]"
+    cfg = load_config(LORA_TINY, [f"{L}.target_modules=[]", excluded])
     validate(cfg, 2)
     s = LoraSettings.from_config(cfg.actor_rollout_ref.model.lora)
-    assert s.target_modules == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-    assert s.exclude_modules == ("linear_fc2",)
+    assert s.target_modules == ()
+    assert s.exclude_modules == ("linear_fc2", "output_layer")
 
 
 @pytest.mark.parametrize(

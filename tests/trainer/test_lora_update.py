@@ -32,7 +32,7 @@ from tests.trainer.test_update_equivalence import (
 WORKER = Path(__file__).with_name("_lora_update_worker.py")
 pytestmark = pytest.mark.multirank
 
-LORA = {"rank": 4, "alpha": 8.0, "a_init": "xavier", "b_init": "normal", "seed": 9}
+LORA = {"rank": 4, "alpha": 0.8, "a_init": "xavier", "b_init": "normal", "seed": 9}
 SGD_LR = 0.5
 SGD_CLIP = 0.02
 """The MoE ``sgd_clip`` case's ``clip_grad``: below every mini-batch's gradient norm."""
