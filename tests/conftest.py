@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.parallel.spawn import free_port
+from megarl.parallel.spawn import free_port  # noqa: F401 -- re-exported for the tests
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,12 +60,11 @@ def _run_torchrun(script: Path, nproc: int, args: list[str], timeout: int, env: 
         sys.executable,
         "-m",
         "torch.distributed.run",
+        # --standalone: torchrun's store binds port 0 and holds it (the ranks share it), so no
+        # other process can take the port between a pick and the bind (issue 53)
+        "--standalone",
         "--nproc_per_node",
         str(nproc),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
         str(script),
         *args,
     ]

@@ -103,11 +103,40 @@ def run_local_world(
     about a vanished peer. Each rank leads its own process group (the processes it starts, e.g.
     the dist-checkpoint writer, are stopped with it, even once orphaned), and a rank whose
     launcher dies gets SIGTERM (``PR_SET_PDEATHSIG``).
+
+    Without ``master_port`` a free port is picked; another process may take it before rank 0's
+    store binds it (a shared machine). A world whose rank 0 fails to bind the picked port
+    (``EADDRINUSE``, before ``fn`` has done anything) is started again on a new port, up to
+    :data:`PORT_ATTEMPTS` times in all.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = master_port or free_port(master_addr)
+        try:
+            return _run_world(fn, world_size, tuple(args), master_addr, port)
+        except WorkerError as err:
+            if master_port is not None or attempt == PORT_ATTEMPTS or not _port_taken(err, port):
+                raise
+    raise AssertionError("unreachable")
+
+
+PORT_ATTEMPTS = 3
+"""Worlds started in all when the picked rendezvous port is taken before rank 0 binds it."""
+
+
+def _port_taken(err: WorkerError, port: int) -> bool:
+    """Whether ``err`` is rank 0's store failing to bind ``port`` (torch's DistNetworkError:
+    "... port: P, useIpv6: ..., name: EADDRINUSE ...")."""
+    detail = err.detail or ""
+    return err.rank == 0 and "EADDRINUSE" in detail and f"port: {port}," in detail
+
+
+def _run_world(
+    fn: Callable[..., Any], world_size: int, args: tuple, master_addr: str, port: int
+) -> list[Any]:
+    """One start of :func:`run_local_world`'s world on ``port``."""
     ctx = multiprocessing.get_context("spawn")
-    port = master_port or free_port(master_addr)
     procs: list[multiprocessing.process.BaseProcess] = []
     pipes: dict[Connection, int] = {}
     try:
@@ -121,9 +150,7 @@ def run_local_world(
                 "MASTER_PORT": str(port),
             }
             ours, theirs = ctx.Pipe()
-            p = ctx.Process(
-                target=_rank_main, args=(fn, tuple(args), env, theirs), name=f"rank{rank}"
-            )
+            p = ctx.Process(target=_rank_main, args=(fn, args, env, theirs), name=f"rank{rank}")
             p.start()
             theirs.close()
             procs.append(p)

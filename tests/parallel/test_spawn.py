@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -64,6 +65,24 @@ def test_two_ranks_all_reduce_and_return_in_rank_order():
 
 
 @pytest.mark.multirank
+def test_a_rendezvous_port_taken_after_the_pick_starts_the_world_again(monkeypatch):
+    """Another process takes the picked port before rank 0 binds it (here: this test, on
+    purpose): the world starts again on a new port."""
+    from megarl.parallel import spawn
+
+    picks = []
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        real = spawn.free_port
+
+        def pick(host="127.0.0.1"):
+            picks.append(taken.getsockname()[1] if not picks else real(host))
+            return picks[-1]
+
+        monkeypatch.setattr(spawn, "free_port", pick)
+        assert run_local_world(all_reduce_rank, 2, (10.0,)) == [[0, 2, 30.0], [1, 2, 30.0]]
+    assert len(picks) == 2 and picks[0] != picks[1]
+
+
 def test_a_failing_rank_stops_the_world_with_its_one_line_error():
     # (rank 0 is stopped, not left in its all-reduce: otherwise this never returns)
     with pytest.raises(WorkerError) as info:
