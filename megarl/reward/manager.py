@@ -42,11 +42,31 @@ class RewardInput:
     ground_truth: Any
     """``reward_model.ground_truth`` of the prompt."""
     extra_info: dict[str, Any] | None = None
-    """The prompt's ``extra_info``."""
+    """The prompt's ``extra_info``; for a multi-turn response (``rollout``), with what verl's
+    naive manager adds to it (:func:`reward_inputs`)."""
     prompt: str = ""
     """Prompt text, for the dump only."""
     prompt_ids: Sequence[int] = ()
     """Prompt token ids (a user's reward manager class reads them, as verl's ``prompts``)."""
+    rollout: dict[str, Any] | None = None
+    """A multi-turn response's record (``num_turns``, ``tool_rewards``, ``turn_scores``);
+    None for a single-turn one."""
+    prompt_extra_info: dict[str, Any] | None = None
+    """With ``rollout``: the prompt's own ``extra_info``, which the managers other than naive
+    pass on unchanged (verl 0.9.1's reward loop)."""
+
+    def scorer_extra_info(self, manager: str) -> dict[str, Any] | None:
+        """The ``extra_info`` the reward function gets under reward manager ``manager``: verl
+        0.9.1's naive manager adds the agent loop's fields (:func:`reward_inputs`); its dapo
+        and gdpo managers, the legacy prime one and a user's class do not."""
+        if self.rollout is None or manager in ADDS_ROLLOUT_FIELDS:
+            return self.extra_info
+        return self.prompt_extra_info
+
+
+ADDS_ROLLOUT_FIELDS = ("naive",)
+"""The reward managers that put a multi-turn response's record into ``extra_info`` (verl 0.9.1:
+naive and remote; megarl has no remote)."""
 
 
 @dataclass
@@ -66,6 +86,13 @@ class RewardResult:
     metrics: dict[str, float] = field(default_factory=dict)
     """``reward/<data_source>/mean|min|max|count``, ``reward/<data_source>/<field>/mean``,
     ``reward/timeouts``."""
+    function_scores: torch.Tensor | None = None
+    """``[B]`` float32: the reward function's own scores, before the dapo manager's overlong
+    penalty (verl's ``reward_extra_info["score"]``); None: the same as ``scores``."""
+
+    def __post_init__(self) -> None:
+        if self.function_scores is None:
+            self.function_scores = self.scores
 
 
 def reward_inputs(
@@ -73,23 +100,28 @@ def reward_inputs(
 ) -> list[RewardInput]:
     """The samples of a rollout batch to score: each sample's prompt (``prompts[prompt_index]``,
     anything with ``data_source``, ``ground_truth`` and ``extra_info``) with its response."""
-    return [
-        RewardInput(
-            data_source=prompts[s.prompt_index].data_source,
-            response_ids=s.response_token_ids,
-            ground_truth=prompts[s.prompt_index].ground_truth,
-            extra_info=_extra_info(prompts[s.prompt_index].extra_info, getattr(s, "extra", None)),
-            prompt=tokenizer.decode(s.prompt_token_ids, skip_special_tokens=False),
-            prompt_ids=s.prompt_token_ids,
+    out = []
+    for s in samples:
+        own, rollout = prompts[s.prompt_index].extra_info, getattr(s, "extra", None)
+        out.append(
+            RewardInput(
+                data_source=prompts[s.prompt_index].data_source,
+                response_ids=s.response_token_ids,
+                ground_truth=prompts[s.prompt_index].ground_truth,
+                extra_info=_extra_info(own, rollout),
+                prompt=tokenizer.decode(s.prompt_token_ids, skip_special_tokens=False),
+                prompt_ids=s.prompt_token_ids,
+                rollout=rollout,
+                prompt_extra_info=own if rollout is not None else None,
+            )
         )
-        for s in samples
-    ]
+    return out
 
 
 def _extra_info(extra_info: dict | None, rollout: dict | None) -> dict | None:
-    """The scorer's ``extra_info``: the prompt's, and for a multi-turn response (``rollout``:
-    its sample's ``extra``) what verl 0.9.1's reward managers add to it: the agent loop's
-    ``tool_rewards`` and ``turn_scores`` (interaction scores), ``num_turns``, and
+    """The naive manager's ``extra_info``: the prompt's, and for a multi-turn response
+    (``rollout``: its sample's ``extra``) what verl 0.9.1's naive manager adds to it: the agent
+    loop's ``tool_rewards`` and ``turn_scores`` (interaction scores), ``num_turns``, and
     ``rollout_reward_scores`` (``{}``: verl's tool agent loop sets none)."""
     if rollout is None:
         return extra_info
@@ -199,9 +231,11 @@ class RewardManager:
         if [o.index for o in by_index] != list(range(len(samples))):
             raise RuntimeError("reward manager: ranks returned a different set of samples")
         self._raise_first_error(by_index, samples)
+        own = torch.tensor([o.score for o in by_index], dtype=torch.float32).reshape(-1)
         if self.overlong is not None and model_scores is None:
             by_index = self._shape_overlong(by_index, samples)
         result = self._assemble(by_index, samples, response_width)
+        result.function_scores = own
         if dump_dir is not None and rank == 0 and self.dump_samples != 0:
             k = len(samples) if self.dump_samples < 0 else min(self.dump_samples, len(samples))
             texts = [self.decode(s) for s in samples[:k]]
@@ -212,10 +246,11 @@ class RewardManager:
         self, samples: Sequence[RewardInput], rank: int, world: int
     ) -> list[Outcome]:
         """Rank ``rank`` scores every ``world``-th sample; every rank gets every outcome."""
-        ids = self.spec.manager == "importlib"  # a user's manager class reads token ids
+        manager = self.spec.manager
+        ids = manager == "importlib"  # a user's manager class reads token ids (and the record)
         mine = [
-            (i, s.data_source, self.decode(s), s.ground_truth, s.extra_info)
-            + ((list(s.prompt_ids), list(s.response_ids)) if ids else ())
+            (i, s.data_source, self.decode(s), s.ground_truth, s.scorer_extra_info(manager))
+            + ((list(s.prompt_ids), list(s.response_ids), s.rollout) if ids else ())
             for i, s in enumerate(samples)
             if i % world == rank
         ]
@@ -347,12 +382,13 @@ def result_rows(
     joins the groups it keeps from several generation batches)."""
     names = sorted({k for result, _ in parts for k in result.fields})
     extras = sorted({k for result, _ in parts for k in result.extra})
-    scores, timed_out, per_sample = [], [], []
+    scores, own, timed_out, per_sample = [], [], [], []
     fields: dict[str, list[torch.Tensor]] = {k: [] for k in names}
     extra: dict[str, list[Any]] = {k: [] for k in extras}
     for result, rows in parts:
         idx = torch.as_tensor(list(rows), dtype=torch.long)
         scores.append(result.scores[idx])
+        own.append(result.function_scores[idx])
         timed_out.append(result.timed_out[idx])
         for k in names:
             values = result.fields.get(k, torch.zeros_like(result.scores))
@@ -369,4 +405,5 @@ def result_rows(
         if length > 0:
             token_rewards[i, length - 1] = all_scores[i]
     metrics = _metrics(list(sources), all_scores, per_sample, joined, out_timed)
-    return RewardResult(token_rewards, all_scores, joined, extra, out_timed, metrics)
+    own_scores = torch.cat(own) if own else torch.zeros(0)
+    return RewardResult(token_rewards, all_scores, joined, extra, out_timed, metrics, own_scores)

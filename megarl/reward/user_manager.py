@@ -12,7 +12,9 @@ worker, one manager per worker, with these differences (docs/verl-differences.md
   ``data[-1:]``, ``data[0]`` (``.batch`` and ``.non_tensor_batch``), ``.batch`` with
   ``prompts`` ``[1, P]``, ``responses`` ``[1, R]``, ``input_ids`` and ``attention_mask``
   ``[1, P + R]`` (unpadded: the mask is all ones), ``.non_tensor_batch`` with ``data_source``,
-  ``reward_model`` (``{"ground_truth": ...}``) and ``extra_info``, ``.meta_info``;
+  ``reward_model`` (``{"ground_truth": ...}``) and ``extra_info`` (the prompt's), for a
+  multi-turn response also ``__num_turns__`` and ``tool_extra_fields`` (``turn_scores``,
+  ``tool_rewards``; verl's has the agent loop's other fields too), ``.meta_info``;
 - ``config`` is megarl's resolved config as nested dicts with attribute access (verl: an
   OmegaConf ``DictConfig``; ``config.reward.reward_kwargs`` and ``.get`` work alike);
 - the base class is :class:`RewardManagerBase` here (verl's needs verl installed): the same
@@ -27,7 +29,15 @@ import functools
 from abc import ABC, abstractmethod
 from typing import Any
 
-__all__ = ["AttrDict", "RewardManagerBase", "SampleBatch", "UserManager"]
+__all__ = [
+    "AttrDict",
+    "RewardManagerBase",
+    "SampleBatch",
+    "UserManager",
+    "manager_class",
+    "manager_problem",
+]
+MODULE_KEY = "reward.reward_manager.module.path"
 
 
 class AttrDict(dict):
@@ -92,7 +102,11 @@ class SampleBatch:
         self.meta_info = meta_info or {}
 
     @classmethod
-    def of(cls, prompt_ids, response_ids, data_source, ground_truth, extra_info) -> SampleBatch:
+    def of(
+        cls, prompt_ids, response_ids, data_source, ground_truth, extra_info, rollout=None
+    ) -> SampleBatch:
+        """One sample; ``rollout``: a multi-turn response's record, which goes where verl's
+        agent loop puts it (``__num_turns__``, ``tool_extra_fields``), not into ``extra_info``."""
         import numpy as np
         import torch
 
@@ -110,6 +124,11 @@ class SampleBatch:
         non_tensor = {"data_source": column(data_source),
                       "reward_model": column({"ground_truth": ground_truth}),
                       "extra_info": column(dict(extra_info or {}))}  # fmt: skip
+        if rollout is not None:
+            non_tensor["__num_turns__"] = np.array([rollout.get("num_turns")], dtype=np.int32)
+            non_tensor["tool_extra_fields"] = column(
+                {k: list(rollout.get(k, [])) for k in ("turn_scores", "tool_rewards")}
+            )
         return cls(batch, non_tensor)
 
     def __len__(self) -> int:
@@ -128,11 +147,7 @@ class UserManager:
     """A scoring worker's instance of the user's class and the event loop it runs on."""
 
     def __init__(self, spec: Any, compute_score: Any) -> None:
-        from megarl.reward.loader import load_object
-
-        cls = load_object(
-            spec.manager_path, spec.manager_class, "reward.reward_manager.module.path"
-        )
+        cls = manager_class(spec)
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
         tokenizer = None
@@ -148,8 +163,9 @@ class UserManager:
     def score(self, task: tuple) -> tuple[Any, dict]:
         """``(reward_score, reward_extra_info)`` of one worker task (its token ids included)."""
         _, data_source, _, ground_truth, extra_info, *ids = task
-        prompt_ids, response_ids = ids if ids else ([], [])
-        data = SampleBatch.of(prompt_ids, response_ids, data_source, ground_truth, extra_info)
+        prompt_ids, response_ids, rollout = ids if ids else ([], [], None)
+        data = SampleBatch.of(prompt_ids, response_ids, data_source, ground_truth, extra_info,
+                              rollout)  # fmt: skip
         out = self.loop.run_until_complete(self.manager.run_single(data))
         if not isinstance(out, dict) or "reward_score" not in out:
             raise TypeError(
@@ -157,3 +173,33 @@ class UserManager:
                 "(verl 0.9.1's {'reward_score': ..., 'reward_extra_info': {...}})"
             )
         return out["reward_score"], dict(out.get("reward_extra_info") or {})
+
+
+def manager_class(spec: Any) -> type:
+    """The user's class ``spec`` (a ``ScorerSpec`` with ``manager`` importlib) names; a missing
+    file, a module that does not import, a missing name or a class without ``run_single`` is a
+    ``RewardFunctionError`` naming the reward manager's key and file."""
+    from megarl.reward.loader import RewardFunctionError, load_object
+
+    cls = load_object(spec.manager_path, spec.manager_class, MODULE_KEY)
+    if not callable(getattr(cls, "run_single", None)):
+        raise RewardFunctionError(
+            f"reward.reward_manager.name={spec.manager_class}: {spec.manager_class} in "
+            f"{spec.manager_path} has no run_single (verl 0.9.1's reward manager contract: "
+            "cls(config=, tokenizer=, compute_score=) and async run_single(data))"
+        )
+    return cls
+
+
+def manager_problem(spec: Any) -> str | None:
+    """The pre-flight's one line when :func:`manager_class` cannot load the class, else None."""
+    from megarl.reward.loader import RewardFunctionError
+
+    try:
+        manager_class(spec)
+    except RewardFunctionError as exc:  # names the key and file already
+        return (str(exc).strip().splitlines() or [""])[0]
+    except Exception as exc:  # noqa: BLE001 -- the user's module: syntax, import, anything
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return f"{MODULE_KEY}={spec.manager_path}: cannot load it ({type(exc).__name__}: {first})"
+    return None

@@ -229,16 +229,18 @@ def gdpo_metrics(keys: Sequence[str], scored: RewardResult) -> dict[str, float]:
 
 
 def filter_metric(metric: str, scored: RewardResult) -> torch.Tensor:
-    """Each response's value of ``algorithm.filter_groups.metric`` ``[B]``: seq_reward and
-    seq_final_reward are the score (no KL in the reward with dynamic sampling), acc the
-    scorer's ``acc`` field (a plain score, as verl's managers record it), score the score,
-    anything else a numeric field of the scorer's dict."""
+    """Each response's value of ``algorithm.filter_groups.metric`` ``[B]``, as verl-recipe's
+    DAPO trainer reads it: seq_reward and seq_final_reward are the reward (the score after the
+    dapo manager's overlong penalty; no KL in the reward with dynamic sampling); any other name
+    is what the manager recorded before that penalty: score the function's own score, acc the
+    scorer's ``acc`` field (a plain score, as verl's managers record it), anything else a
+    numeric field of the scorer's dict."""
+    if metric in ("seq_reward", "seq_final_reward"):
+        return scored.scores
     if metric in scored.fields:
         return scored.fields[metric]
-    if metric in ("seq_reward", "seq_final_reward", "score") or (
-        metric == "acc" and not scored.fields
-    ):
-        return scored.scores
+    if metric == "score" or (metric == "acc" and not scored.fields):
+        return scored.function_scores
     have = ", ".join(sorted(scored.fields)) or "none: it returns a plain score"
     raise RewardError(
         f"algorithm.filter_groups.metric={metric}: not a numeric field the reward function "
