@@ -108,14 +108,20 @@ def start_process_group(launch: LaunchEnv, timeout_minutes: float | None = None)
         return
     if timeout_minutes is None:
         timeout_minutes = process_group_timeout_minutes()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = timedelta(minutes=timeout_minutes)
+    if launch.world_size == 1 and "MASTER_PORT" not in os.environ:
+        # One process, no launcher: an in-memory store, so no port to lose to another job
+        # (the default 29500 is shared by every such process on the machine; issue 53).
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+        return
     os.environ.setdefault("MASTER_ADDR", launch.master_addr)
     os.environ.setdefault("MASTER_PORT", str(launch.master_port))
     set_gloo_socket_ifname(os.environ["MASTER_ADDR"])  # multi-node only; see its module
     dist.init_process_group(
-        backend="nccl" if torch.cuda.is_available() else "gloo",
-        rank=launch.rank,
-        world_size=launch.world_size,
-        timeout=timedelta(minutes=timeout_minutes),
+        backend=backend, rank=launch.rank, world_size=launch.world_size, timeout=timeout
     )
 
 

@@ -130,3 +130,35 @@ def test_nccl_timeout_seconds_win_over_the_variable_and_reach_the_process_group(
     monkeypatch.setattr(init, "set_gloo_socket_ifname", lambda addr: None)
     init.start_process_group(read_launch_env({}), init.process_group_timeout_minutes(90))
     assert seen["timeout"] == datetime.timedelta(seconds=90)
+
+
+def test_a_single_process_world_needs_no_port(tmp_path):
+    """One process without a launcher (tests, tools): an in-memory store, so the default port
+    29500, taken here on purpose when free, cannot make it fail with EADDRINUSE."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, torch.distributed as dist\n"
+        "from megarl.parallel.init import read_launch_env, start_process_group\n"
+        "start_process_group(read_launch_env())\n"
+        "t = torch.ones(1)\ndist.all_reduce(t)\nprint(dist.get_world_size(), t.item())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env.pop("SLURM_PROCID", None)
+    try:
+        taken = socket.create_server(("127.0.0.1", 29500))
+    except OSError:  # already taken by another process: the same test
+        taken = None
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True,
+            timeout=300, check=False,
+        )  # fmt: skip
+    finally:
+        if taken is not None:
+            taken.close()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["1", "1.0"]
