@@ -287,6 +287,11 @@ def fill_with_groups(run: Run, step: int, prompts, batch: StepBatch, samples, sc
         prompts, label = more()
         # asked ahead: the request's own seed and number; else one seed per generation batch
         seed = cfg.trainer.seed + (gen_batches - 1 if label is None else 0)
+        engine = run.engine_residency  # colocated vLLM, asleep since the scoring
+        if run.last_sleep_level == 2 and engine is not None and not engine.weights:
+            enter(run, "sync", step=step)  # that sleep dropped its weights: the actor's again
+            with timer("update_weights"):  # (not updated yet this step: the same weights)
+                sync_engine(run)
         enter(run, "generate", step=step)
         with timer("gen"):
             batch, samples = generate(
