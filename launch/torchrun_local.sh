@@ -48,6 +48,8 @@ if ((GPUS == 0)); then
     GPUS=2
 fi
 NPROC=${MEGARL_NPROC:-$GPUS}
+# Megatron's TP/SP communication overlap relies on one CUDA work queue (the user's value wins).
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 
 exec "${MEGARL_PYTHON:-python}" -m megarl.cli train \
     --config "$CONFIG" "$@" trainer.nnodes=1 "trainer.n_gpus_per_node=$NPROC"

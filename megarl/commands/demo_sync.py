@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from megarl.models.build import build_model
     from megarl.models.weights import local_global_names
+    from megarl.parallel.collectives import max_over_ranks
     from megarl.parallel.init import destroy_distributed, init_distributed
     from megarl.parallel.layout import ParallelLayout
     from megarl.rollout.consistency import DIFF_MAX, DIFF_MEAN, rollout_logprob_consistency
@@ -88,20 +89,21 @@ def main(argv: list[str] | None = None) -> int:
         m = rollout_logprob_consistency(
             chunks, batch, vocab_size=dims.vocab_size, temperature=args.temperature
         )
-        t = torch.tensor([m[DIFF_MEAN], m[DIFF_MAX]], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        # On the run's device: the default group is NCCL on a GPU (no CPU tensors).
+        mean, most = max_over_ranks([m[DIFF_MEAN], m[DIFF_MAX]])
         tokens = sum(len(s.response_token_ids) for s in batch)
         _print0(
             f"{label:<34} {tokens:4d} tokens  |Δ log-prob| vLLM vs actor: "
-            f"mean {t[0].item():.2e}  max {t[1].item():.2e}"
+            f"mean {mean:.2e}  max {most:.2e}"
         )
-        return {"mean": t[0].item(), "max": t[1].item()}
+        return {"mean": mean, "max": most}
 
     rollout_and_compare(0, "initial weights")
     with torch.no_grad():
         for _chunk, _local, name, param in local_global_names(chunks):
             noise_gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-            param.add_(torch.randn(param.shape, generator=noise_gen) * args.noise)
+            noise = torch.randn(param.shape, generator=noise_gen) * args.noise  # CPU: seeded
+            param.add_(noise.to(param.device, param.dtype))
     stale = rollout_and_compare(1, "actor perturbed, vLLM not synced")
     plan = plan_for_chunks(chunks, dims, rollout_tp=args.rollout_tp)
     stats = sync_weights(chunks, plan, engine)

@@ -66,7 +66,9 @@ def main(argv: list[str]) -> int:
     # Every node of a job checks its own files (a node without the data fails here, not in NCCL).
     from megarl.commands import launch
 
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # The user's values win. CUDA_DEVICE_MAX_CONNECTIONS=1: Megatron's TP/SP communication
+    # overlap relies on it (megarl.parallel.init.MAX_CONNECTIONS_ENV).
+    env = {"OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1", **os.environ}
     module = os.environ.get("MEGARL_TRAIN_MODULE") or "megarl.trainer"
     configs = [a for c in args.config for a in ("--config", c)]
     if not multinode:

@@ -90,7 +90,44 @@ class LayoutChecks:
             )
         if meg.context_parallel_size > 1:
             self.check_context_parallel_packing(prefix, meg)
+        self.check_attention_backends()
         return ok
+
+    def check_attention_backends(self) -> None:
+        """Transformer Engine 2.9 has no fp32 attention for packed rows or context parallelism:
+        flash and fused (cuDNN) attention take only 16-bit inputs, its unfused one refuses the
+        THD format and CP (``dot_product_attention/utils.py::get_attention_backend``), and the
+        run would stop at its first forward ("No dot product attention backend"). ``auto``
+        is TE's spec on CUDA."""
+        cfg = self.cfg
+        if cfg.trainer.dtype != "fp32":
+            return
+        arr = cfg.actor_rollout_ref
+        roles = [("actor_rollout_ref.actor", arr.model, arr.actor.megatron)]
+        if ref_used(cfg):
+            roles.append(("actor_rollout_ref.ref", arr.model, arr.ref.megatron))
+        if critic_enabled(cfg):
+            roles.append(("critic", cfg.critic.model, cfg.critic.megatron))
+        refused = []
+        for role, model, meg in roles:
+            impl = meg.transformer_impl
+            if impl == "local" or (impl == "auto" and cfg.trainer.device != "cuda"):
+                continue
+            engine = meg.use_remove_padding
+            packs = model.use_remove_padding if engine is None else engine
+            if packs or meg.context_parallel_size > 1:
+                refused.append((role, impl, meg.context_parallel_size))
+        if not refused:
+            return
+        (role, impl, cp), others = refused[0], [r for r, _, _ in refused[1:]]
+        why = f"context_parallel_size={cp}" if cp > 1 else "packed sequences (use_remove_padding)"
+        self.error(
+            f"trainer.dtype=fp32 with {role}.megatron.transformer_impl={impl} (Transformer "
+            f"Engine on CUDA) and {why}: TE has no fp32 attention for them; use "
+            f"trainer.dtype=bf16 or {role}.megatron.transformer_impl=local"
+            + ("" if cp > 1 else f", or {role}.megatron.use_remove_padding=false")
+            + (f" (the same for {', '.join(others)})" if others else "")
+        )
 
     def check_context_parallel_packing(self, prefix: str, meg: MegatronConfig) -> None:
         """Context parallelism splits packed rows: every model at that layout must pack."""

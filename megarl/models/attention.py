@@ -9,14 +9,24 @@ each rank's queries attend to the keys and values of every CP rank (all-gathered
 the gradients of the others' keys and values go back to them) with the chunk-aware causal mask
 of :func:`megarl.models.packing.thd_coordinates`. Exact; each sequence's scores are computed
 alone (``[heads, its queries, its keys]``), so packing saves the padding's compute here too.
+
+On CUDA (the local spec there: MoE LoRA, ``transformer_impl=local``) the same class runs real
+attention kernels instead (:func:`kernel_attention`): PyTorch's flash varlen kernel for packed
+rows in 16 bits at CP 1, else ``scaled_dot_product_attention`` (flash, cuDNN or memory-efficient)
+with the same causal, per-sequence and CP-chunk-aware mask, built once per forward on the device
+(no loop over sequences, no host sync per layer). The emulation stays the CPU path; both compute
+the same function (``tests/models/test_attention_kernels.py``).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -88,9 +98,11 @@ class PackedDotProductAttention(DotProductAttention):
         attention_bias=None,
         packed_seq_params=None,
     ):
+        if packed_seq_params is None and self.cp_size > 1:
+            raise ValueError("context parallelism needs packed sequences (use_remove_padding)")
+        if query.is_cuda and self.kernels_apply():
+            return self.kernel_forward(query, key, value, attention_mask, packed_seq_params)
         if packed_seq_params is None:
-            if self.cp_size > 1:
-                raise ValueError("context parallelism needs packed sequences (use_remove_padding)")
             return super().forward(
                 query, key, value, attention_mask, attn_mask_type, attention_bias, None
             )
@@ -111,3 +123,131 @@ class PackedDotProductAttention(DotProductAttention):
             order.append(queries)
         back = torch.argsort(torch.cat(order)).to(query.device)  # to the row's token order
         return torch.cat(outputs).index_select(0, back).squeeze(1)  # [tokens, heads·dim]
+
+    def kernels_apply(self) -> bool:
+        """Whether :func:`kernel_attention` computes what Megatron's local attention would:
+        no softmax offset, no sliding window, no attention dropout while training."""
+        window = getattr(self.scale_mask_softmax, "window_size", None)
+        dropout = self.training and self.attention_dropout.p > 0
+        return self.softmax_offset is None and window is None and not dropout
+
+    def kernel_forward(self, query, key, value, attention_mask, packed_seq_params):
+        """:func:`kernel_attention` with this layer's scale (and, under CP, every CP rank's keys
+        and values, all-gathered as the emulation does). Output ``[s, b, heads·dim]`` (padded
+        rows) or ``[tokens, heads·dim]`` (THD)."""
+        if packed_seq_params is None:
+            return kernel_attention(query, key, value, self.softmax_scale, mask=attention_mask)
+        cp_rank = parallel_state.get_context_parallel_rank() if self.cp_size > 1 else 0
+        if self.cp_size > 1:
+            key = _GatherOverContextParallel.apply(key)
+            value = _GatherOverContextParallel.apply(value)
+        coords = thd_device_coordinates(packed_seq_params, self.cp_size, cp_rank, query.device)
+        return kernel_attention(query, key, value, self.softmax_scale, coords=coords,
+                                varlen=self.cp_size == 1)  # fmt: skip
+
+
+MASKED_SCORE = -10000.0
+"""The score a masked position gets (Megatron's ``attention_mask_func``): a query that sees no
+key gets a uniform average, as in Megatron's local attention, never NaN."""
+
+
+@dataclass(frozen=True)
+class RowCoordinates:
+    """Where each token of a packed row sits, on the device: this rank's queries' and every CP
+    rank's keys' (in the order the CP all-gather returns them) sequence and position
+    (:func:`megarl.models.packing.thd_coordinates`), the padded sequence starts (int32) and the
+    longest padded sequence."""
+
+    q_seq: torch.Tensor
+    q_pos: torch.Tensor
+    k_seq: torch.Tensor
+    k_pos: torch.Tensor
+    cu_padded: torch.Tensor
+    longest: int
+
+
+def thd_device_coordinates(params, cp_size: int, cp_rank: int, device) -> RowCoordinates:
+    """The :class:`RowCoordinates` of the packed row of ``params``, computed once per forward
+    (one host read of the sequence starts): kept on ``params``, the object every layer of the
+    forward receives."""
+    key = (cp_size, cp_rank, str(device))
+    cached = getattr(params, "_megarl_coordinates", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    cu = params.cu_seqlens_q_padded
+    cu = (params.cu_seqlens_q if cu is None else cu).cpu()
+    q_seq, q_pos = thd_coordinates(cu, cp_size, cp_rank)
+    keys = [thd_coordinates(cu, cp_size, r) for r in range(cp_size)]
+    k_seq, k_pos = torch.cat([k for k, _ in keys]), torch.cat([p for _, p in keys])
+    on = [t.to(device, non_blocking=True) for t in (q_seq, q_pos, k_seq, k_pos)]
+    longest = int((cu[1:] - cu[:-1]).max()) if len(cu) > 1 else 0
+    coords = RowCoordinates(*on, cu.to(device, torch.int32), longest)
+    params._megarl_coordinates = (key, coords)
+    return coords
+
+
+def kernel_attention(query, key, value, scale: float, *, mask=None, coords=None, varlen=False):
+    """Causal attention through PyTorch's fused kernels, with grouped KV heads.
+
+    Padded rows: ``query [s, b, heads, dim]``, ``key``/``value [s, b, groups, dim]``, ``mask``
+    Megatron's boolean ``[b or 1, 1, s, s]`` (True: masked; None: causal) -> ``[s, b, heads·dim]``.
+    Packed rows (THD): ``query [Tq, heads, dim]``, ``key``/``value [Tk, groups, dim]``,
+    ``coords`` (:class:`RowCoordinates`: a query sees the keys of its own sequence at its
+    position or before) -> ``[Tq, heads·dim]``; ``varlen`` (CP 1 only) allows the flash varlen
+    kernel, used on CUDA in 16 bits when PyTorch has it.
+    """
+    heads, groups = query.shape[-2], key.shape[-2]
+    if coords is None:
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+        k, v = _expand_groups(k, v, heads // groups, dim=1)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:
+            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+            bias.masked_fill_(mask.to(q.device), MASKED_SCORE)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+    kernel = _varlen_kernel() if varlen and query.is_cuda else None
+    if kernel is not None and query.dtype in (torch.bfloat16, torch.float16):
+        return _varlen(kernel, query, key, value, scale, coords).reshape(query.shape[0], -1)
+    c = coords
+    sees = (c.q_seq[:, None] == c.k_seq[None, :]) & (c.k_pos[None, :] <= c.q_pos[:, None])
+    bias = torch.zeros(sees.shape, dtype=query.dtype, device=query.device)
+    bias.masked_fill_(~sees, MASKED_SCORE)
+    q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # [1, h, T, d]
+    k, v = _expand_groups(k, v, heads // groups, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None, None], scale=scale)
+    return out[0].transpose(0, 1).reshape(query.shape[0], -1)
+
+
+def _expand_groups(k, v, repeat: int, dim: int):
+    if repeat == 1:
+        return k, v
+    return k.repeat_interleave(repeat, dim=dim), v.repeat_interleave(repeat, dim=dim)
+
+
+def _varlen_kernel():
+    """PyTorch's flash varlen attention (``torch.nn.attention.varlen.varlen_attn``), None where
+    this PyTorch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _varlen(varlen_attn, query, key, value, scale: float, coords: RowCoordinates):
+    """One flash varlen call over the packed row's padded sequences (causal within each). Its
+    keyword for causality changed across PyTorch releases (``is_causal`` in 2.9, a
+    ``window_size`` of (-1, 0) later); grouped KV heads are expanded where it takes no
+    ``enable_gqa``."""
+    params = inspect.signature(varlen_attn).parameters
+    cu, longest = coords.cu_padded, coords.longest
+    kwargs = {"scale": scale}
+    kwargs.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    else:
+        key, value = _expand_groups(key, value, query.shape[-2] // key.shape[-2], dim=1)
+    return varlen_attn(query, key, value, cu, cu, longest, longest, **kwargs)

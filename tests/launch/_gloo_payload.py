@@ -20,5 +20,7 @@ if __name__ == "__main__":
         f"args {' '.join(sys.argv[1:])}",
         flush=True,
     )
+    print(f"rank {dist.get_rank()} CUDA_DEVICE_MAX_CONNECTIONS="
+          f"{os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')}", flush=True)  # fmt: skip
     dist.destroy_process_group()
     sys.exit(int(os.environ.get("PAYLOAD_EXIT", "0")))

@@ -51,6 +51,8 @@ def test_torchrun_local_passes_config_and_overrides_to_2_ranks(tiny, tmp_path):
     args += "trainer.n_gpus_per_node=2"
     for rank in (0, 1):
         assert f"rank {rank} of 2: sum 3, args {args}" in done.stdout
+        # Megatron's TP/SP overlap relies on it; megarl train sets it for every rank.
+        assert f"rank {rank} CUDA_DEVICE_MAX_CONNECTIONS=1" in done.stdout
 
 
 def test_torchrun_local_checks_before_launching():
