@@ -312,6 +312,11 @@ def _check_reward(cfg, sources: set[str], sample) -> str | None:
     from megarl.reward.scorers import UnsupportedDataSource, scorer_module_for
 
     spec = ScorerSpec.from_config(cfg.custom_reward_function, cfg)
+    if spec.manager == "importlib":  # the user's reward manager class, before the function
+        from megarl.reward.user_manager import manager_problem
+
+        if (problem := manager_problem(spec)) is not None:
+            return problem
     if spec.path is None:
         if cfg.reward_model.enable:
             return None

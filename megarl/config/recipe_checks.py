@@ -84,6 +84,17 @@ def _check_overlong_buffer(cfg, error: Error) -> None:
             f"{key}.max_resp_len={o['max_resp_len']} must be >= overlong_buffer_cfg.len="
             f"{o['len']} (as verl asserts)"
         )
+    else:  # the penalty starts past max_resp_len - len tokens: a response must be able to get there
+        budget = cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length
+        start = o["max_resp_len"] - o["len"]
+        if budget <= start:
+            error(
+                f"{key}.max_resp_len={o['max_resp_len']} with overlong_buffer_cfg.len={o['len']}: "
+                f"the penalty starts past {start} response tokens, and responses have at most "
+                f"{budget} ({ARR}.rollout.response_length, default data.max_response_length), so "
+                f"it never applies; set max_resp_len to the response length ({budget}, as verl's "
+                "DAPO recipe does)"
+            )
 
 
 def _check_filter_groups(cfg, error: Error) -> None:

@@ -264,6 +264,15 @@ class _Checks(LayoutChecks):
                 f"{ROLL}.temperature={r.temperature} must be > 0 for training rollouts "
                 "(log-probs are computed from logits / temperature)"
             )
+        vllm_max = 2.0  # vLLM's SamplingParams refuses a temperature above 2 when asked
+        for key, temp, sampled in ((f"{ROLL}.temperature", r.temperature, r.do_sample),
+                                   (f"{ROLL}.val_kwargs.temperature", r.val_kwargs.temperature,
+                                    r.val_kwargs.do_sample)):  # fmt: skip
+            if r.name == "vllm" and sampled and temp > vllm_max:
+                self.error(
+                    f"{key}={temp:g}: vLLM samples at temperatures in [0, {vllm_max:g}] only; "
+                    f"use at most {vllm_max:g} (or {ROLL}.name=actor, which has no limit)"
+                )
         if not 0 < r.top_p <= 1:
             self.error(f"{ROLL}.top_p must be in (0, 1], got {r.top_p}")
         if r.top_k < -1:

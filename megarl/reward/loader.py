@@ -22,6 +22,7 @@ from typing import Any
 __all__ = ["RewardFunctionError", "ScorerSpec", "load_scorer"]
 
 BUILTIN = "megarl.reward.scorers.default_compute_score"
+PATH_KEY = "custom_reward_function.path"
 
 
 class RewardFunctionError(ValueError):
@@ -91,6 +92,8 @@ class ScorerSpec:
     @property
     def label(self) -> str:
         """How error messages name the scorer."""
+        if self.manager == "importlib":
+            return f"{self.manager_class} from {self.manager_path} (reward.reward_manager)"
         if self.path is None:
             return "default_compute_score (built-in)"
         return f"{self.name} from {self.path} (custom_reward_function)"
@@ -102,20 +105,20 @@ def _is_file_path(path: str) -> bool:
     return path.startswith("file://") or path.endswith(".py") or "/" in path
 
 
-def _load_file(path: str) -> ModuleType:
+def _load_file(path: str, key: str = PATH_KEY) -> ModuleType:
     """The file as a module of its own name, ``megarl_reward_<stem>_<hash of its path>``,
     registered in ``sys.modules`` (so pickling and dataclasses inside it work); nothing is added
-    to ``sys.path``, exactly as verl loads it."""
+    to ``sys.path``, exactly as verl loads it. ``key`` names the config key in errors."""
     file = Path(path.removeprefix("file://")).expanduser().resolve()
     if not file.is_file():
-        raise RewardFunctionError(f"custom_reward_function.path={path!r}: no such file")
+        raise RewardFunctionError(f"{key}={path!r}: no such file")
     digest = hashlib.sha1(str(file).encode()).hexdigest()[:10]
     name = f"megarl_reward_{''.join(c if c.isalnum() else '_' for c in file.stem)}_{digest}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, file)
     if spec is None or spec.loader is None:
-        raise RewardFunctionError(f"custom_reward_function.path={path!r} is not a Python file")
+        raise RewardFunctionError(f"{key}={path!r} is not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
@@ -123,29 +126,27 @@ def _load_file(path: str) -> ModuleType:
     except Exception as exc:
         del sys.modules[name]
         raise RewardFunctionError(
-            f"custom_reward_function.path={path!r} failed to load: {type(exc).__name__}: {exc}"
+            f"{key}={path!r} failed to load: {type(exc).__name__}: {exc}"
         ) from exc
     return module
 
 
-def _load_module(dotted: str) -> ModuleType:
+def _load_module(dotted: str, key: str = PATH_KEY) -> ModuleType:
     try:
         return importlib.import_module(dotted)
     except ImportError as exc:
-        raise RewardFunctionError(
-            f"custom_reward_function.path={dotted!r} cannot be imported: {exc}"
-        ) from exc
+        raise RewardFunctionError(f"{key}={dotted!r} cannot be imported: {exc}") from exc
 
 
 def load_object(path: str, name: str | None, key: str) -> Any:
     """``name`` from the file or module ``path`` (as ``custom_reward_function.path`` is read);
     ``key`` names the config key in errors."""
     if path.startswith("pkg://"):
-        module = _load_module(path.removeprefix("pkg://").replace("/", "."))
+        module = _load_module(path.removeprefix("pkg://").replace("/", "."), key)
     elif _is_file_path(path):
-        module = _load_file(path)
+        module = _load_file(path, key)
     else:
-        module = _load_module(path)
+        module = _load_module(path, key)
     found = getattr(module, name or "", None)
     if found is None:
         raise RewardFunctionError(f"{key}={path!r} has nothing named {name!r}")

@@ -103,3 +103,28 @@ def test_a_users_manager_needs_its_file_and_class():
             "name, as verl)"
         ),
     ]
+
+
+def test_the_preflight_names_the_managers_key_and_file_in_one_line(tmp_path, tiny_overrides):
+    """Issue 53: a class file that is missing or does not import passed the
+    pre-flight; the ranks then reported it ~30 s later as "a scoring worker for
+    default_compute_score (built-in) failed to start: ... custom_reward_function.path=...".
+    The pre-flight (what ``megarl train`` runs before any rank works) now says it in one line."""
+    from megarl.commands.train import preflight
+    from tests.conftest import REPO
+
+    (tmp_path / "broken.py").write_text("import no_such_module_megarl_test\n")
+    key = "reward.reward_manager.module.path"
+    cases = [
+        ("missing.py", f"{key}='{tmp_path / 'missing.py'}': no such file"),
+        ("broken.py", f"{key}='{tmp_path / 'broken.py'}' failed to load: ModuleNotFoundError"),
+    ]
+    for name, line in cases:
+        problem, _, _ = preflight(
+            [str(REPO / "configs" / "grpo_tiny_cpu.yaml")],
+            [*tiny_overrides, f"trainer.default_local_dir={tmp_path / 'run'}",
+             "reward.reward_manager.source=importlib", "reward.reward_manager.name=Mine",
+             f"{key}={tmp_path / name}"],
+        )  # fmt: skip
+        assert problem is not None and problem.startswith(line), (name, problem)
+        assert "\n" not in problem and "custom_reward_function" not in problem
