@@ -23,17 +23,20 @@ def check_async(cfg, error: Error) -> None:
         error(f"{ROLL}.n_gpus_per_node must be a positive number, got {roll.n_gpus_per_node}")
         return
     ranks = rollout_ranks(cfg)
-    if a.trigger_parameter_sync_step != 1:
+    if a.trigger_parameter_sync_step < 1:
         error(
-            f"async_training.trigger_parameter_sync_step={a.trigger_parameter_sync_step}: "
-            "megarl syncs the weights after every update (several updates between syncs are not "
-            "built yet); use 1"
+            "async_training.trigger_parameter_sync_step must be >= 1 (updates between weight "
+            f"syncs), got {a.trigger_parameter_sync_step}"
         )
-    if a.partial_rollout:
-        error(
-            "async_training.partial_rollout=true: megarl finishes every rollout it started "
-            "(no partial rollouts yet); use false"
+    if not ranks and (a.trigger_parameter_sync_step > 1 or a.partial_rollout):
+        key = (
+            f"async_training.trigger_parameter_sync_step={a.trigger_parameter_sync_step}"
+            if a.trigger_parameter_sync_step > 1
+            else "async_training.partial_rollout=true"
         )
+        error(f"{key}: fully async training needs vLLM on ranks of its own ({ROLL}.nnodes > 0)")
+    if ranks and a.partial_rollout:
+        check_partial_rollout(cfg, error)
     if a.staleness_threshold < 0:
         error(f"async_training.staleness_threshold must be >= 0, got {a.staleness_threshold}")
     if not ranks:
@@ -54,3 +57,29 @@ def check_async(cfg, error: Error) -> None:
         )
     if roll.expert_parallel_size > 1:
         error(f"{key}: vLLM expert parallelism on ranks of its own is not built yet")
+
+
+def check_partial_rollout(cfg, error: Error) -> None:
+    """What partial rollouts (a request interrupted at a weight sync and continued on the new
+    weights) are not built for yet, each refused with the reason."""
+    arr, key = cfg.actor_rollout_ref, "async_training.partial_rollout=true"
+    if arr.rollout.multi_turn.enable:
+        error(
+            f"{key}: multi-turn trajectories are not interrupted mid-turn yet; set "
+            f"{ROLL}.multi_turn.enable=false or partial_rollout=false"
+        )
+    if arr.actor.megatron.router_replay.mode == "R3":
+        error(
+            f"{key}: R3 routing replay of a continued response (its segments' routing joined) is "
+            "not built yet; use router_replay.mode=R2 or partial_rollout=false"
+        )
+    if arr.model.lora.rank > 0 and not arr.model.lora.merge:
+        error(
+            f"{key}: adapter-only syncs (lora.merge=false) do not interrupt requests yet; use "
+            "actor_rollout_ref.model.lora.merge=true or partial_rollout=false"
+        )
+    if cfg.algorithm.adv_estimator == "remax":
+        error(
+            f"{key}: ReMax's greedy baseline must come from the weights of its sampled batch; "
+            "use partial_rollout=false"
+        )

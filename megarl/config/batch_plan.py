@@ -62,8 +62,13 @@ def steps_ahead(cfg: MegarlConfig) -> int:
 def stages_weight_updates(cfg: MegarlConfig) -> bool:
     """Whether the rollout ranks receive weight updates while they generate, into a staging
     copy in host memory (beyond one step off); otherwise each update goes straight into vLLM
-    between two requests, over NCCL where the GPUs are the ranks' own."""
-    return steps_ahead(cfg) > 1
+    between two requests, over NCCL where the GPUs are the ranks' own. A batch asked more than
+    one weight version ahead needs the slot (``async_training`` asking past the next window);
+    partial rollouts never do: the rollout ranks load each update when it comes, interrupting
+    their requests (:mod:`megarl.config.async_schedule`)."""
+    from megarl.config.async_schedule import extra_batches, partial_rollouts, sync_interval
+
+    return not partial_rollouts(cfg) and extra_batches(cfg) > sync_interval(cfg)
 
 
 @dataclass(frozen=True)

@@ -65,11 +65,21 @@ class RolloutSample:
     extra: dict[str, Any] | None = field(default=None, kw_only=True)
     """Multi-turn responses: ``num_turns``, ``tool_rewards``, ``turn_scores``
     (:func:`megarl.rollout.multi_turn.rollout_samples`); None otherwise."""
+    token_versions: list[int] | None = field(default=None, kw_only=True)
+    """Partial rollouts (:mod:`megarl.rollout.partial`): the weight version that sampled each
+    response token (its log-prob is that version's); None: one version, the batch's."""
 
     def __post_init__(self) -> None:
         if len(self.response_logprobs) != len(self.response_token_ids):
             raise ValueError(
                 f"{len(self.response_logprobs)} log-probs for "
+                f"{len(self.response_token_ids)} response tokens"
+            )
+        if self.token_versions is not None and len(self.token_versions) != len(
+            self.response_token_ids
+        ):
+            raise ValueError(
+                f"{len(self.token_versions)} token versions for "
                 f"{len(self.response_token_ids)} response tokens"
             )
         if self.response_mask is not None and len(self.response_mask) != len(

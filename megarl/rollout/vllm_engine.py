@@ -37,6 +37,7 @@ from megarl.rollout.vllm_process import (
 
 if TYPE_CHECKING:
     from megarl.config.schema import RolloutConfig
+    from megarl.rollout.partial import Interrupts
 
 __all__ = [
     "VLLMEngine",
@@ -299,6 +300,7 @@ class VLLMEngine:
         seed: int,
         step: int = 0,
         prompt_ids: Sequence[int] | None = None,
+        interrupts: Interrupts | None = None,
     ) -> RolloutBatch:
         """``n`` responses per prompt, prompt-major (see ``RolloutEngine.generate``).
 
@@ -307,6 +309,9 @@ class VLLMEngine:
         on every rank of a TP group and whatever the rollout DP layout. Prefix caching lets the n
         requests of a prompt share its KV. Global RNGs are left untouched. ``temperature=0`` is
         greedy (log-probs then of ``log_softmax(logits)``). Wakes the engine if it sleeps.
+        ``interrupts``: a partial rollout (:mod:`megarl.rollout.partial`): the engine stops at
+        the token boundaries it asks for, loads new weights and continues every response; each
+        sample records the weight version of each token.
         """
         self._order.check_can_generate()
         ids = self._check_requests(prompts, n=n, max_tokens=max_tokens, prompt_ids=prompt_ids)
@@ -320,23 +325,28 @@ class VLLMEngine:
         stops = list(dict.fromkeys([*self.eos_token_ids, *(stop_token_ids or [])]))
         keys = [(p, s) for p in range(len(prompts)) for s in range(n)]
         requests = [TokensPrompt(prompt_token_ids=list(prompts[p])) for p, _ in keys]
-        params = [
-            SamplingParams(
+
+        def make_params(budget: int, request: int, **extra: Any) -> SamplingParams:
+            return SamplingParams(
                 n=1,
                 temperature=temperature,
                 top_p=top_p,
                 top_k=top_k,
-                max_tokens=max_tokens,
+                max_tokens=budget,
                 stop_token_ids=stops,
-                seed=request_seed(seed, step, ids[p], s),
+                seed=request,
                 logprobs=0,  # just the sampled token's
                 # Log-probs as a few flat lists per response rather than one dict and one
                 # Logprob object per token (same numbers; far less Python garbage).
                 flat_logprobs=True,
                 detokenize=False,
+                **extra,
             )
-            for p, s in keys
-        ]
+
+        if interrupts is not None:
+            return self._generate_partial(prompts, keys, ids, make_params, interrupts, seed, step,
+                                          max_tokens)  # fmt: skip
+        params = [make_params(max_tokens, request_seed(seed, step, ids[p], s)) for p, s in keys]
         if self.routing_source == "hooks":
             self._llm.collective_rpc(routing_capture.clear)
         with preserve_rng_state():
@@ -350,6 +360,47 @@ class VLLMEngine:
         if self.capture_routing:
             self._attach_routing(outputs, samples)
         return RolloutBatch(samples, n)
+
+    def _generate_partial(
+        self, prompts, keys, ids, make_params, interrupts: Interrupts, seed, step, max_tokens
+    ) -> RolloutBatch:
+        """:meth:`generate` as a partial rollout (:func:`~megarl.rollout.partial.
+        generate_interruptible`)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        from megarl.rollout.partial import Segmented, generate_interruptible
+
+        if self.capture_routing:
+            raise ValueError("routing capture (R3) is not built for partial rollouts")
+        responses = [
+            Segmented(list(prompts[p]), request_seed(seed, step, ids[p], s), max_tokens)
+            for p, s in keys
+        ]
+        with preserve_rng_state():
+            generate_interruptible(
+                self._llm.llm_engine,
+                responses,
+                lambda budget, request: make_params(
+                    budget, request, output_kind=RequestOutputKind.DELTA
+                ),
+                interrupts,
+                lora_request=self._lora_request,
+                sampled_logprobs=sampled_logprobs,
+            )
+        samples = [
+            RolloutSample(
+                p,
+                s,
+                list(prompts[p]),
+                r.tokens,
+                r.logprobs,
+                r.finish_reason,
+                prompt_id=ids[p],
+                token_versions=r.versions,
+            )
+            for (p, s), r in zip(keys, responses, strict=True)
+        ]
+        return RolloutBatch(samples, len(keys) // max(len(prompts), 1))
 
     def _attach_routing(self, outputs: list, samples: list[RolloutSample]) -> None:
         """Each sample's captured routing, every position but the last generated token's

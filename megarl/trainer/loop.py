@@ -137,7 +137,7 @@ def _train_steps(
     """Train the remaining steps; returns (last validation score, stopped on request)."""
     from tqdm import tqdm
 
-    from megarl.config.batch_plan import steps_ahead
+    from megarl.config.async_schedule import ask_limit, asks_ahead, at_frequency
     from megarl.trainer.step import ask_ahead, train_step, validate
 
     cfg = run.cfg
@@ -154,14 +154,15 @@ def _train_steps(
     # error's, which would otherwise be printed on the bar's line.
     try:
         limit = cfg.trainer.max_consecutive_skipped_steps
-        # vLLM on ranks of its own, s steps off: each step asks for the batches of the steps up
-        # to s after it as soon as its own is in. The sampler is drawn ahead, but the state
+        # vLLM on ranks of its own: each step asks for the batches of the later steps that
+        # async_training's staleness bound allows (megarl.config.async_schedule.ask_limit; s
+        # steps off: the s steps after it) as soon as its own is in. The sampler is drawn ahead, but the state
         # saved is the one after the last batch this step consumed: a resumed run generates the
         # batches asked ahead again rather than skip them. Dynamic sampling takes its extra
         # generation batches from the same queue (more()), so batches asked ahead are numbered
         # in the order drawn (the number is the request's, for its seeds and its dump file);
         # without it, the number of a step's batch is the step.
-        ahead = steps_ahead(cfg) if run.ahead is not None else 0
+        ahead = run.ahead is not None and asks_ahead(cfg)
         queued: deque[tuple[list, dict, int]] = deque()  # (prompts, sampler state after, number)
         numbers = itertools.count(run.state.step + 1)
 
@@ -173,7 +174,8 @@ def _train_steps(
 
         def refill(step: int) -> list[tuple[int, list]]:  # (number, prompts) to ask for now
             asks = []
-            while len(queued) < ahead and step + len(queued) < run.total_steps:
+            limit = min(ask_limit(cfg, step), run.total_steps) if ahead else step
+            while step + len(queued) < limit:
                 queued.append((*draw(), next(numbers)))
                 asks.append((queued[-1][2], queued[-1][0]))
             return asks
@@ -204,11 +206,13 @@ def _train_steps(
             skipped = metrics.get("actor/skipped_steps", 0.0)
             run.state.consecutive_skips = run.state.consecutive_skips + 1 if skipped else 0
             metrics["actor/consecutive_skipped_steps"] = float(run.state.consecutive_skips)
+            # test_freq and save_freq count weight syncs (every K steps with async_training.
+            # trigger_parameter_sync_step = K, as verl's fully-async trainer counts them)
             test_freq = cfg.trainer.test_freq
             if (
                 run.val_data is not None
                 and test_freq > 0
-                and (step % test_freq == 0 or step == run.total_steps)
+                and (at_frequency(cfg, step, test_freq) or step == run.total_steps)
             ):
                 metrics.update(validate(run, step))
                 last_val = metrics["val/score/mean"]
@@ -221,7 +225,8 @@ def _train_steps(
                 )
             stopping = stop.agreed()  # collective, once per step
             save_freq = cfg.trainer.save_freq
-            if stopping or (save_freq > 0 and (step % save_freq == 0 or step == run.total_steps)):
+            if stopping or (save_freq > 0 and (at_frequency(cfg, step, save_freq)
+                                               or step == run.total_steps)):  # fmt: skip
                 _save(run, step, tracker)
             if stopping:
                 bar.close()  # before the stop line
@@ -327,13 +332,13 @@ def _announce(run: Run) -> None:
 def _rollout_placement(cfg: MegarlConfig, engine, remote) -> str:
     """The rollout TP and, for vLLM on ranks of its own (``remote``, the run's
     :class:`~megarl.rollout.base.AheadEngine`), where, how far behind and how the weights go."""
-    from megarl.config.batch_plan import rollout_ranks, steps_ahead
+    from megarl.config.async_schedule import describe_overlap
+    from megarl.config.batch_plan import rollout_ranks
 
     ranks = rollout_ranks(cfg)
     if not ranks:
         return str(getattr(engine, "tensor_parallel_size", "-"))
-    ahead = steps_ahead(cfg)
-    off = {0: "on-policy", 1: "one step off"}.get(ahead, f"up to {ahead} steps off")
+    off = describe_overlap(cfg)
     tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     replicas = f" x {ranks // tp} replicas" if ranks > tp else ""
     link = remote.weights_link if remote is not None else None

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megarl.algo import compute_advantage
+from megarl.config.async_schedule import syncs_after
 from megarl.data import PromptSample
 from megarl.reward import RewardResult
 from megarl.reward.manager import RewardError, result_rows
@@ -71,7 +72,7 @@ def train_step(
         )
     metrics.update(samples.metrics)  # multi-turn: turns, tool calls and their outcomes
     if run.ahead is not None:
-        metrics.update(staleness_metrics(run))
+        metrics.update(staleness_metrics(run, samples))
     greedy = None
     if cfg.algorithm.adv_estimator == "remax":  # while the engine is awake (as verl)
         with timer("gen_baseline"):
@@ -162,7 +163,9 @@ def train_step(
 
     with timer("update_weights"):
         enter(run, "sync", step=step)  # vLLM's weights awake, its KV cache at the next generate
-        if step not in cfg.trainer.skip_weight_sync_steps:
+        if step not in cfg.trainer.skip_weight_sync_steps and syncs_after(
+            cfg, step, run.total_steps
+        ):
             synced = sync_engine(run)
             if synced is not None:  # bytes handed to vLLM per rank (LoRA merge=false: adapters)
                 metrics["sync/bytes"] = float(synced.bytes)
@@ -349,16 +352,33 @@ def _join_groups(run: Run, parts, want: int):
     return batch, samples, new_prompts, scored
 
 
-def staleness_metrics(run: Run) -> dict[str, float]:
-    """An engine on ranks of its own: weight updates between the batch's request and now (0
-    when it was not asked ahead), as the mean and max over the samples (verl's fully-async
-    names; one version per batch), and the waits."""
+def staleness_metrics(run: Run, samples=()) -> dict[str, float]:
+    """An engine on ranks of its own: weight syncs between the weights that generated the batch
+    and now (0 when it was not asked ahead), as the mean and max over the samples (verl's
+    fully-async names), and the waits. Partial rollouts (samples with ``token_versions``): a
+    sample's staleness is its oldest token's, and per token too; ``async/min_version`` /
+    ``max_version`` are verl's ``min_global_steps`` / ``max_global_steps`` over the batch, and
+    ``async/partial_fraction`` the share of samples sampled by more than one version."""
     engine = run.ahead
     assert engine is not None
-    staleness = float(engine.version - engine.last_version)
-    metrics = {"async/staleness_mean": staleness, "async/staleness_max": staleness,
-               "async/wait_rollout_s": engine.waited_s}  # fmt: skip
-    metrics.update({f"async/rollout_{k}_s": v for k, v in engine.rollout_timing.items()})
+    versions = [s.token_versions for s in samples if s.token_versions]
+    if versions:
+        oldest = torch.tensor([min(v) for v in versions], dtype=torch.float64)
+        tokens = torch.tensor([x for v in versions for x in v], dtype=torch.float64)
+        stale, token_stale = engine.version - oldest, engine.version - tokens
+        metrics = {"async/staleness_mean": float(stale.mean()),
+                   "async/staleness_max": float(stale.max()),
+                   "async/token_staleness_mean": float(token_stale.mean()),
+                   "async/token_staleness_max": float(token_stale.max()),
+                   "async/min_version": float(tokens.min()), "async/max_version": float(tokens.max()),
+                   "async/partial_fraction": sum(len(set(v)) > 1 for v in versions) / len(versions)}  # fmt: skip
+    else:
+        staleness = float(engine.version - engine.last_version)
+        metrics = {"async/staleness_mean": staleness, "async/staleness_max": staleness}
+    metrics["async/wait_rollout_s"] = engine.waited_s
+    for key, value in engine.rollout_timing.items():
+        name = f"async/rollout_{key}" if key == "interruptions" else f"async/rollout_{key}_s"
+        metrics[name] = float(value)
     return metrics
 
 

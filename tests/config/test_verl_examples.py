@@ -24,8 +24,6 @@ EXAMPLES = Path(__file__).parent / "verl_examples"
 SCRIPTS = sorted(p.stem for p in EXAMPLES.glob("*.txt"))
 REFUSED = {
     "fully_async_grpo_qwen3moe-30b-a3b_math_megatron_96_32": [
-        "async_training.trigger_parameter_sync_step=4",  # several updates between syncs
-        "async_training.partial_rollout=true",  # partial rollouts
         "actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=True",
     ],
 }

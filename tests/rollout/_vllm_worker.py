@@ -38,9 +38,36 @@ def record(batch) -> list[dict]:
             "response": s.response_token_ids,
             "logprobs": s.response_logprobs,
             "finish_reason": s.finish_reason,
+            "versions": s.token_versions,
         }
         for s in batch
     ]
+
+
+class StopAfter:
+    """Partial rollouts' :class:`~megarl.rollout.partial.Interrupts` for the tests: stop once,
+    after ``after`` engine steps, and load ``state`` then (as the rollout ranks load an update);
+    both TP ranks agree through an all-reduce, as the serving loop's do."""
+
+    def __init__(self, engine, after: int, state: dict) -> None:
+        self.engine, self.after, self.state = engine, after, state
+        self.version, self.polls, self.swaps = 0, 0, 0
+
+    def poll(self, busy: bool) -> tuple[bool, bool]:
+        import torch
+        import torch.distributed as dist
+
+        self.polls += 1
+        flags = torch.tensor([int(self.polls == self.after), int(busy)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0]), bool(flags[1])
+
+    def swap(self) -> None:
+        from megarl.rollout.base import update_weights
+
+        update_weights(self.engine, self.state.items())
+        self.version += 1
+        self.swaps += 1
 
 
 def noisy_state(model_dir: Path, seed: int) -> dict:
@@ -228,6 +255,14 @@ def main() -> None:
     noisy = noisy_state(tiny, seed=123)
     if rank == 0:
         save_checkpoint(tiny, args.out / "tiny_noisy", noisy)
+    # Partial rollouts: interrupted after 4 engine steps (the prefill and 3 tokens) and
+    # continued, greedy on the same weights reloaded, then sampled onto the noisy ones.
+    same = load_file(str(tiny / "model.safetensors"))
+    rec["tp2_greedy"] = record(run(temperature=0.0))
+    rec["tp2_greedy_partial"] = record(run(temperature=0.0, interrupts=StopAfter(engine, 4, same)))
+    stop = StopAfter(engine, 4, noisy)
+    rec["tp2_partial_noisy"] = record(run(interrupts=stop))
+    out["meta"]["partial_swaps"] = stop.swaps
     # One session, one chunk given as a lazy generator.
     timed("tp2_update_weights", lambda: update_weights(engine, ((k, v) for k, v in noisy.items())))
     rec["tp2_noisy"] = record(run())

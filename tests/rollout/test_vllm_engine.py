@@ -253,6 +253,47 @@ def test_logprobs_match_transformers(run, hf_logprobs, key, model):
             assert r["logprobs"] == pytest.approx(w, abs=LOGPROB_TOL)
 
 
+def test_partial_rollout_on_unchanged_weights_is_the_uninterrupted_generation(run):
+    """Greedy, interrupted after the prefill and 3 tokens, the same weights reloaded, continued
+    from prompt + tokens so far as token ids: the same tokens with the same log-probs as the
+    uninterrupted generation; the tokens after the interruption record version 1."""
+    for whole, parts in zip(records(run, "tp2_greedy"), records(run, "tp2_greedy_partial"),
+                            strict=True):  # fmt: skip
+        assert tokens(parts) == tokens(whole)
+        for a, b in zip(whole, parts, strict=True):
+            assert b["logprobs"] == pytest.approx(a["logprobs"], abs=1e-5)
+            assert b["finish_reason"] == a["finish_reason"]
+            assert a["versions"] is None
+            assert b["versions"] == [0] * min(3, len(b["response"])) + [1] * max(
+                len(b["response"]) - 3, 0
+            )
+
+
+def test_partial_rollout_tokens_carry_the_log_probs_of_the_weights_that_sampled_them(
+    run, hf_logprobs
+):
+    """Sampled (T=0.7), interrupted after 3 tokens onto the noisy weights: each token's
+    log-prob is the HF model's under the version it records (the original weights before the
+    interruption, the noisy ones after), within 1e-4; the budget is the whole response's."""
+    temperature = run["ranks"][0]["meta"]["temperature"]
+    assert run["ranks"][0]["meta"]["partial_swaps"] == 1
+    models = {0: run["models"] / "tiny", 1: run["out"] / "tiny_noisy"}
+    for recs in records(run, "tp2_partial_noisy"):
+        assert any(1 in r["versions"] and 0 in r["versions"] for r in recs)
+        # the versions matter: the noisy tokens' log-probs are not the original weights'
+        original = hf_logprobs(models[0], recs, temperature)
+        assert max(abs(r["logprobs"][i] - w[i]) for r, w in zip(recs, original, strict=True)
+                   for i, v in enumerate(r["versions"]) if v == 1) > 1e-2  # fmt: skip
+        for version, model_dir in models.items():
+            want = hf_logprobs(model_dir, recs, temperature)
+            for r, w in zip(recs, want, strict=True):
+                assert len(r["response"]) <= run["ranks"][0]["meta"]["max_tokens"]
+                at = [i for i, v in enumerate(r["versions"]) if v == version]
+                assert [r["logprobs"][i] for i in at] == pytest.approx(
+                    [w[i] for i in at], abs=LOGPROB_TOL
+                )
+
+
 def test_update_weights_changes_the_rollout(run):
     """The same prompts and seeds after the update give other tokens (the cached prefixes of the
     old weights were dropped: the HF comparison of tp2_noisy above would fail otherwise)."""

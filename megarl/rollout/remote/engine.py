@@ -95,6 +95,7 @@ class RemoteEngine:
         streams: bool = False,
         rollout_tp: int = 1,
         lora: bool = False,
+        partial: bool = False,
     ) -> None:
         self.channels = channels
         """The groups with the rollout ranks on the first training rank, None on the others."""
@@ -102,6 +103,10 @@ class RemoteEngine:
         """Whether weight updates stream to the rollout ranks while they generate (beyond one
         step off, into a staging slot); False: an update goes in once the batches asked before
         it are in, which the sync takes first."""
+        self.partial = partial
+        """Partial rollouts: a weight update interrupts the rollout ranks' request in progress
+        (:mod:`megarl.rollout.remote.interrupts`), so the sync waits for no batch asked before
+        it; each sample's ``token_versions`` say which weights sampled each token."""
         self.rollout_tp = rollout_tp
         """The rollout ranks' vLLM TP size: streaming, each rank receives only its TP rank's
         pieces (:func:`~megarl.rollout.remote.weights.pack_part`)."""
@@ -221,7 +226,7 @@ class RemoteEngine:
         self._order.begin_update()
         self._fresh_base = False
         start = time.perf_counter()
-        if not self.streams:
+        if not self.streams and not self.partial:
             self._take_ahead(timed=False)
         self.sync_waited_s = time.perf_counter() - start
         self._bucket, self.update_bytes = 0, 0
@@ -341,8 +346,12 @@ class RemoteEngine:
             ) from exc
 
     def _from_first(self, compute) -> Any:
-        """``compute()`` on the first training rank, its result on every training rank."""
+        """``compute()`` on the first training rank, its result on every training rank (over
+        gloo: an object collective on NCCL would stage every pickled rollout batch, R3 routing
+        included, on each GPU; megarl.rollout.distribute.object_group)."""
+        from megarl.rollout.distribute import object_group
+
         box = [compute() if self.channels is not None else None]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=object_group(None))
         return box[0]
