@@ -246,7 +246,7 @@ def _check_data(cfg) -> str | None:
     from transformers import AutoTokenizer
 
     from megarl.data import PromptDataset
-    from megarl.rollout.multi_turn_rollout import prompt_tool_schemas
+    from megarl.rollout.multi_turn_rollout import multi_turn_problem, prompt_tool_schemas
 
     model = cfg.actor_rollout_ref.model
     where = Path(model.tokenizer_path or model.path).expanduser()
@@ -255,6 +255,9 @@ def _check_data(cfg) -> str | None:
         tokenizer = AutoTokenizer.from_pretrained(str(where))
     except Exception as exc:  # noqa: BLE001 -- HF raises many kinds; one line names the key
         return f"actor_rollout_ref.model.{key}={where}: no usable tokenizer ({_line(exc)})"
+    # tools and interactions load, the chat template renders their turns (not at step 1)
+    if reason := multi_turn_problem(cfg, tokenizer, f"actor_rollout_ref.model.{key}={where}"):
+        return reason
     splits = ["train"] + (["val"] if cfg.data.val_files else [])
     sources: set[str] = set()
     first = None

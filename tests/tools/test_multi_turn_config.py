@@ -113,3 +113,71 @@ def test_verls_gsm8k_tool_agent_example_validates(tmp_path, capsys):
     assert out.startswith("ok: ") and "error" not in err, (out, err)
     # the checks ran: the same example with a format megarl does not parse is refused
     assert cli.main(["config", "validate", *example, f"{MT}.format=gpt-oss"]) == 2
+
+
+# The pre-flight of `megarl train` (its --check, in process): a broken interaction file or a chat
+# template that cannot render the loop's turns is one line, exit 2, before any rank works (it
+# was rank 0's error at set-up or at step 1).
+
+NO_TOOL_ROLE = (  # a template that refuses tool messages (as Llama 2's refuses non-alternation)
+    "{% for m in messages %}{% if m['role'] == 'tool' %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory, tiny_overrides):
+    """``megarl train --check`` on the session's tiny model and data with the calculator: (exit
+    code, error lines)."""
+    from transformers import AutoTokenizer
+
+    from megarl.commands import train
+
+    root = tmp_path_factory.mktemp("mt_preflight")
+    model = tiny_overrides[0].split("=", 1)[1]
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = NO_TOOL_ROLE
+    tok.save_pretrained(str(root / "no_tool_role"))
+    calculator = Path(__file__).resolve().parents[2] / "configs/tools/calculator.yaml"
+
+    def run(capsys, *overrides: str) -> tuple[int, list[str]]:
+        capsys.readouterr()
+        code = train.main([
+            "--check", "-c", GRPO, *tiny_overrides, f"trainer.default_local_dir={root / 'run'}",
+            f"{MT}.enable=true", f"{MT}.tool_config_path={calculator}", *overrides,
+        ])  # fmt: skip
+        err = capsys.readouterr().err
+        return code, [line for line in err.splitlines() if line.startswith("error")]
+
+    return run, root
+
+
+def test_the_preflight_passes_a_good_multi_turn_run(check, capsys):
+    run, _ = check
+    assert run(capsys) == (0, [])
+
+
+def test_a_chat_template_without_tool_turns_is_refused_in_the_preflight(check, capsys):
+    run, root = check
+    code, errors = run(capsys, f"actor_rollout_ref.model.tokenizer_path={root / 'no_tool_role'}")
+    assert code == 2 and len(errors) == 1, errors
+    assert f"actor_rollout_ref.model.tokenizer_path={root / 'no_tool_role'}" in errors[0]
+    assert "cannot render a 'tool' turn" in errors[0] and "must alternate" in errors[0]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("interaction:\n  - name: g\n    class_name: nowhere.Missing\n    config: {}\n",
+         "cannot import module 'nowhere'"),
+        ("interaction: [oops\n", "not valid YAML"),
+    ],
+)  # fmt: skip
+def test_a_broken_interaction_config_is_refused_in_the_preflight(check, capsys, text, expected):
+    run, root = check
+    (path := root / "interaction.yaml").write_text(text)
+    code, errors = run(capsys, f"{MT}.interaction_config_path={path}")
+    assert code == 2 and len(errors) == 1, errors
+    assert str(path) in errors[0] and expected in errors[0], errors
