@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megarl.parallel.connect import connect_groups
 from megarl.parallel.emulation import enable_cpu_emulation
 from megarl.parallel.layout import ParallelLayout
 from megarl.parallel.network import set_gloo_socket_ifname
@@ -29,6 +30,10 @@ the other ranks waiting in its closing collectives) can outlast PyTorch's 30 min
 NCCL watchdog would then kill a healthy job mid-save. The price: a real hang is reported later."""
 
 TIMEOUT_ENV = "MEGARL_DIST_TIMEOUT_MINUTES"
+MAX_CONNECTIONS_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
+"""Set to 1 for every rank (``megarl train``'s environment, :func:`init_distributed` before CUDA
+starts) unless the user set it: Megatron's TP/SP communication overlap and the async
+gradient all-reduce order rely on one hardware work queue (``tensor_parallel/layers.py``)."""
 
 
 def process_group_timeout_minutes(nccl_timeout_s: float | None = None) -> float:
@@ -130,8 +135,12 @@ def init_distributed(
     *,
     seed: int = 1234,
     timeout_minutes: float | None = None,
+    rollout_tp: int | None = None,
 ) -> LaunchEnv:
-    """Start the default process group and Megatron's parallel state (idempotent for the PG).
+    """Start the default process group and Megatron's parallel state (idempotent for the PG),
+    then create every NCCL communicator a step uses
+    (:func:`~megarl.parallel.connect.connect_groups`; ``rollout_tp``: a colocated vLLM's TP
+    size, for the weight sync's pipeline pairs).
 
     ``timeout_minutes`` None: :func:`process_group_timeout_minutes` (for both).
 
@@ -143,6 +152,9 @@ def init_distributed(
         timeout_minutes = process_group_timeout_minutes()
     launch = read_launch_env()
     sizes.data_parallel_size(launch.world_size)  # raises naming the sizes
+    # Before the first CUDA context: Megatron's TP/SP communication overlap relies on one
+    # hardware queue (kernels start in launch order); the user's value wins.
+    os.environ.setdefault(MAX_CONNECTIONS_ENV, "1")
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
@@ -151,8 +163,8 @@ def init_distributed(
     start_process_group(launch, timeout_minutes)
     from megatron.core import parallel_state, tensor_parallel
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    _destroy_layout_groups()
+    before = _registered_groups()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=sizes.tensor_model_parallel_size,
         pipeline_model_parallel_size=sizes.pipeline_model_parallel_size,
@@ -162,56 +174,39 @@ def init_distributed(
         expert_tensor_parallel_size=sizes.etp,
         distributed_timeout_minutes=timeout_minutes,
     )
+    _LAYOUT_GROUPS[:] = _registered_groups() - before
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    connect_groups()
+    connect_groups(rollout_tp)
     return launch
-
-
-GROUPS = (
-    "get_model_parallel_group", "get_tensor_model_parallel_group",
-    "get_pipeline_model_parallel_group", "get_data_parallel_group",
-    "get_context_parallel_group", "get_embedding_group", "get_expert_model_parallel_group",
-    "get_expert_tensor_parallel_group", "get_expert_data_parallel_group",
-)  # fmt: skip
-"""Megatron's groups :func:`connect_groups` connects, in this order on every rank: those megarl's
-passes use (the position-embedding group serves learned absolute positions, which no model
-here has; a dense model's expert groups are connected too, a few NCCL buffers per GPU)."""
-
-
-def connect_groups() -> int:
-    """One all-reduce of one element on each of this rank's Megatron groups (:data:`GROUPS`, a
-    group that this rank is not in skipped); returns how many.
-
-    NCCL creates a group's communicator at its first collective and allocates its buffers outside
-    PyTorch's caching allocator; a group first used after a phase that left the cache holding
-    the GPU fails there ("Failed to CUDA calloc async 4 bytes": an H100, 2026-11-27, the first
-    gradient-norm all-reduce after a generation phase). Connecting every group at set-up, while
-    the GPU is empty, avoids that. Every rank walks the same kinds in the same order and each
-    kind's groups are disjoint, so the collectives pair up. (Binding the default group to a
-    device, ``init_process_group(device_id=...)``, would connect them eagerly too, but then
-    creating a gloo subgroup has the ranks outside it join an NCCL split that its members never
-    join: Megatron's gloo data-parallel groups would hang.)"""
-    from megatron.core import parallel_state
-
-    one = torch.zeros(1, device="cuda" if torch.cuda.is_available() else "cpu")
-    done: list[object] = []
-    for name in GROUPS:
-        try:
-            groups = getattr(parallel_state, name)()
-        except AssertionError:  # not made, or this rank is in none of them (embedding)
-            continue
-        for group in groups if isinstance(groups, list) else [groups]:
-            if group is not None and all(group is not d for d in done):
-                dist.all_reduce(one, group=group)
-                done.append(group)
-    return len(done)
 
 
 def destroy_distributed() -> None:
     """Tear down Megatron's parallel state and the default process group."""
+    _destroy_layout_groups()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_LAYOUT_GROUPS: list = []
+"""The process groups :func:`init_distributed` made for the current layout (Megatron's)."""
+
+
+def _registered_groups() -> set:
+    """Every process group torch.distributed knows in this process."""
+    return set(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else set()
+
+
+def _destroy_layout_groups() -> None:
+    """Megatron's parallel state and the groups the layout made. Megatron's own teardown only
+    drops its references (it destroys its gloo data-parallel groups alone), so a process that
+    builds many layouts (the suite's test ranks) kept every group and its threads: ~50 gloo
+    threads per layout of two ranks (issue 53). Other groups (vLLM's, a caller's) are kept."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    alive = _registered_groups()
+    for group in _LAYOUT_GROUPS:
+        if False and group in alive:
+            dist.destroy_process_group(group)
+    _LAYOUT_GROUPS.clear()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megarl.config import BatchPlan, ConfigError, MegarlConfig, critic_enabled, ref_used
 from megarl.config.algo_inputs import policy_loss_settings
+from megarl.config.batch_plan import rollout_ranks
 from megarl.config.moe_checks import moe_overrides
 from megarl.config.optim_overrides import honoured_overrides
 from megarl.data import GlobalBatchSampler, PromptDataset, total_training_steps
@@ -107,7 +108,12 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
     arr = cfg.actor_rollout_ref
     layout = arr.actor.megatron.parallel_layout()
     timeout = process_group_timeout_minutes(arr.nccl_timeout)
-    launch = init_distributed(layout, seed=cfg.trainer.seed, timeout_minutes=timeout)
+    # A colocated vLLM's TP size: the weight sync's pipeline pairs are connected at set-up too.
+    colocated = arr.rollout.name != "actor" and rollout_ranks(cfg) == 0
+    rollout_tp = arr.rollout.tensor_model_parallel_size if colocated else None
+    launch = init_distributed(
+        layout, seed=cfg.trainer.seed, timeout_minutes=timeout, rollout_tp=rollout_tp
+    )
     world = launch.world_size
     plan = BatchPlan.from_config(cfg, world)
     from transformers import AutoTokenizer
