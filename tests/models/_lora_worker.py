@@ -126,6 +126,31 @@ def _matching_checks(results: dict) -> None:
     devices = {(str(lin.lora.A.device), str(lin.lora.B.device), str(lin.weight.device))
                for _, _, lin in adapted_linears(chunks)}  # fmt: skip
     results["devices"] = _on_rank0(sorted(devices))
+    results["init"] = _init_scales(dims, layout)
+
+
+def _init_scales(dims, layout) -> dict:
+    """Per init method (A and B drawn alike), the full A and B of every layer's ``linear_proj``
+    (row-parallel) and ``linear_fc1`` (column-parallel) at rank 8, as attach_adapters makes
+    them (collected from both stages)."""
+    from megarl.models.build import build_model
+    from megarl.models.lora import LoraSettings, attach_adapters
+    from megarl.models.lora_peft import full_adapters
+
+    out = {}
+    for method in ("xavier", "kaiming", "normal"):
+        chunks = build_model(dims, layout).chunks
+        settings = LoraSettings(rank=8, a_init=method, b_init=method, seed=4)
+        attach_adapters(chunks, settings)
+        mine = {k: (a.clone(), b.clone()) for k, (a, b) in full_adapters(chunks).items()}
+        boxes: list = [None] * dist.get_world_size()
+        dist.all_gather_object(boxes, mine)
+        merged = {k: v for box in boxes for k, v in box.items()}
+        out[method] = {
+            kind: [v for k, v in sorted(merged.items()) if k.endswith(f"{kind}.weight")]
+            for kind in ("linear_proj", "linear_fc1")
+        }
+    return out
 
 
 def _output_layer_checks(spec: dict, results: dict) -> None:
@@ -137,7 +162,7 @@ def _output_layer_checks(spec: dict, results: dict) -> None:
     from megarl.checkpoint.dist_ckpt import load_model_checkpoint, save_model_checkpoint
     from megarl.models.build import build_model
     from megarl.models.lora import LoraSettings, attach_adapters, freeze_base
-    from megarl.models.lora_peft import export_peft_adapter, load_peft_adapter
+    from megarl.models.lora_peft import export_peft_adapter
     from megarl.models.weights import export_hf_weights
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
@@ -166,13 +191,33 @@ def _output_layer_checks(spec: dict, results: dict) -> None:
     attach_adapters(other.chunks, replace(settings, seed=settings.seed + 1))
     load_model_checkpoint(other.chunks, tmp / "ckpt_out_tp2_pp2")
     export_peft_adapter(other.chunks, other.dims, settings, tmp / "peft_out_loaded")
-    fresh = build_model(spec["model"], layout)
-    attach_adapters(fresh.chunks, replace(settings, seed=settings.seed + 2))
-    load_peft_adapter(fresh.chunks, fresh.dims, settings, tmp / "peft_out_tp2_pp2")
-    for c in fresh.chunks:
-        c.eval()
-    r["logits_from_peft"] = _on_rank0(_full_logits(fresh.chunks, ids))
+    fresh, r["logits_from_peft"] = _from_peft(spec, layout, settings, 2, "peft_out_tp2_pp2", ids)
+    r["object_group"] = _object_group_check(fresh)
     results["output_layer"] = r
+
+
+def _object_group_check(built) -> dict:
+    """The adapter-only sync's whole-model gather with the default group reading as NCCL (a
+    gloo world standing in, as tests/rollout/test_distribute.py does): its objects travel over
+    a gloo group of their own, and the adapters come back the same."""
+    from megarl.models.lora_peft import every_stage_adapters
+    from megarl.parallel import collectives
+
+    plain, _ = every_stage_adapters(built.chunks, built.dims)
+    real = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl" if group is None else real(group)
+    try:
+        state, _ = every_stage_adapters(built.chunks, built.dims)
+        groups = list(collectives._GLOO_WORLD.values())
+    finally:
+        dist.get_backend = real
+        collectives._GLOO_WORLD.clear()
+    return {
+        "groups": len(groups),
+        "backend": real(groups[0]) if groups else None,
+        "same": state.keys() == plain.keys()
+        and all(torch.equal(state[k], plain[k]) for k in plain),
+    }
 
 
 def _layout_checks(spec: dict, tp: int, pp: int, sp: bool, results: dict) -> None:
@@ -239,24 +284,34 @@ def _layout_checks(spec: dict, tp: int, pp: int, sp: bool, results: dict) -> Non
         export_peft_adapter(other.chunks, dims, settings, Path(spec["tmp"]) / "peft_loaded")
 
 
+def _from_peft(spec: dict, layout, settings, seed_shift: int, folder: str, ids: torch.Tensor):
+    """(model, rank 0's logits) of a fresh model whose adapters (of another seed) were set by
+    ``load_peft_adapter`` from the PEFT folder ``tmp/folder`` (``lora.adapter_path``)."""
+    from dataclasses import replace
+
+    from megarl.models.build import build_model
+    from megarl.models.lora import attach_adapters
+    from megarl.models.lora_peft import load_peft_adapter
+
+    built = build_model(spec["model"], layout)
+    attach_adapters(built.chunks, replace(settings, seed=settings.seed + seed_shift))
+    load_peft_adapter(built.chunks, built.dims, settings, Path(spec["tmp"]) / folder)
+    for c in built.chunks:
+        c.eval()
+    return built, _on_rank0(_full_logits(built.chunks, ids))
+
+
 def _adapter_path_checks(spec: dict, layout, settings, ids: torch.Tensor, r: dict) -> None:
     """``load_peft_adapter`` of TP1/PP1's PEFT export at this layout: its logits; and the one
     line refusing a PEFT folder whose q/k/v A's differ."""
-    from dataclasses import replace
 
     from safetensors.torch import load_file, save_file
 
-    from megarl.models.build import build_model
-    from megarl.models.lora import LoraError, attach_adapters
+    from megarl.models.lora import LoraError
     from megarl.models.lora_peft import load_peft_adapter
 
     tmp = Path(spec["tmp"])
-    other = build_model(spec["model"], layout)
-    attach_adapters(other.chunks, replace(settings, seed=settings.seed + 7))
-    load_peft_adapter(other.chunks, other.dims, settings, tmp / "peft_tp1_pp1")
-    for c in other.chunks:
-        c.eval()
-    r["logits_from_peft"] = _on_rank0(_full_logits(other.chunks, ids))
+    other, r["logits_from_peft"] = _from_peft(spec, layout, settings, 7, "peft_tp1_pp1", ids)
     untied = tmp / "peft_untied"
     if dist.get_rank() == 0:
         untied.mkdir(exist_ok=True)

@@ -333,3 +333,41 @@ def test_output_layer_adapter_equals_hf_peft_at_tp2_pp2(lora_run, peft_reference
     assert loaded.keys() == exported.keys()
     assert all(torch.equal(loaded[k], exported[k]) for k in loaded)
     assert (out["logits_from_peft"][..., :vocab] - want).abs().max() <= 1e-4  # at TP1×PP1
+
+
+def _bridge_init(method: str, shape: tuple[int, int], g: torch.Generator) -> torch.Tensor:
+    """Megatron-Bridge's ``ParallelLinearAdapter._get_init_fn`` at TP 1 (one shard: the
+    whole ``[out, in]`` matrix): torch's own init functions on a tensor of that shape."""
+    t = torch.empty(shape)
+    if method == "xavier":
+        return torch.nn.init.xavier_normal_(t, generator=g)
+    if method == "kaiming":
+        return torch.nn.init.kaiming_uniform_(t, a=5**0.5, generator=g)
+    return torch.nn.init.normal_(t, mean=0.0, std=0.2, generator=g)
+
+
+def test_init_scale_is_bridges_at_tp1_for_every_method(lora_run):
+    """A and B of the row-parallel ``linear_proj`` and the column-parallel ``linear_fc1`` of
+    12 layers (rank 8, hidden 128, fc1 rows 2·intermediate), as ``attach_adapters`` draws them,
+    against torch's ``xavier_normal_`` / ``kaiming_uniform_(a=√5)`` / ``normal_(0, 0.2)`` on
+    tensors of the same shapes: the same standard deviation within 5 % and, for kaiming, the
+    same bound (1/√in)."""
+    g = torch.Generator().manual_seed(0)
+    for method, kinds in lora_run["results"]["init"].items():
+        for kind, pairs in kinds.items():
+            assert len(pairs) == 12, (method, kind)
+            for which in (0, 1):  # A [r, in], B [out, r]
+                got = torch.stack([p[which] for p in pairs])
+                want = torch.stack([_bridge_init(method, tuple(got.shape[1:]), g) for _ in pairs])
+                ratio = float(got.std() / want.std())
+                assert abs(ratio - 1) < 0.05, (method, kind, which, ratio)
+                if method == "kaiming":
+                    bound = 1 / got.shape[2] ** 0.5
+                    assert bound * 0.95 < float(got.abs().max()) <= bound, (kind, which)
+
+
+def test_the_adapter_gather_goes_over_gloo(lora_run):
+    """With the default group reading as NCCL, the whole-model adapter gather of an
+    adapter-only sync creates a gloo group and sends its objects there (same adapters)."""
+    got = lora_run["results"]["output_layer"]["object_group"]
+    assert got == {"groups": 1, "backend": "gloo", "same": True}, got
