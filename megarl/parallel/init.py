@@ -207,6 +207,6 @@ def _destroy_layout_groups() -> None:
         parallel_state.destroy_model_parallel()
     alive = _registered_groups()
     for group in _LAYOUT_GROUPS:
-        if False and group in alive:
+        if group in alive:
             dist.destroy_process_group(group)
     _LAYOUT_GROUPS.clear()

@@ -132,9 +132,11 @@ def test_nccl_timeout_seconds_win_over_the_variable_and_reach_the_process_group(
     assert seen["timeout"] == datetime.timedelta(seconds=90)
 
 
-def test_a_single_process_world_needs_no_port(tmp_path):
+def test_a_single_process_world_needs_no_port_and_layouts_leave_no_groups(tmp_path):
     """One process without a launcher (tests, tools): an in-memory store, so the default port
-    29500, taken here on purpose when free, cannot make it fail with EADDRINUSE."""
+    29500, taken here on purpose when free, cannot make it fail with EADDRINUSE. In the same
+    process, each new layout destroys the previous layout's process groups (Megatron's own
+    teardown only forgets them): the count of groups torch knows stays the same."""
     import os
     import socket
     import subprocess
@@ -145,6 +147,13 @@ def test_a_single_process_world_needs_no_port(tmp_path):
         "from megarl.parallel.init import read_launch_env, start_process_group\n"
         "start_process_group(read_launch_env())\n"
         "t = torch.ones(1)\ndist.all_reduce(t)\nprint(dist.get_world_size(), t.item())\n"
+        "from megarl.parallel.init import destroy_distributed, init_distributed\n"
+        "counts = []\n"
+        "for _ in range(3):\n"
+        "    init_distributed()\n"
+        "    counts.append(len(dist.distributed_c10d._world.pg_map))\n"
+        "print(*counts)\n"
+        "destroy_distributed()\nprint(len(dist.distributed_c10d._world.pg_map))\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
     env.pop("SLURM_PROCID", None)
@@ -161,4 +170,8 @@ def test_a_single_process_world_needs_no_port(tmp_path):
         if taken is not None:
             taken.close()
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["1", "1.0"]
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["1", "1.0"]
+    counts = [int(n) for n in lines[1].split()]
+    assert counts[0] > 1 and counts == [counts[0]] * 3, counts  # the layout's groups, once
+    assert lines[2] == "0"
