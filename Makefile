@@ -12,8 +12,8 @@ venv: $(STAMP) sandbox
 # bubblewrap, installed here as root when bwrap is missing; setpriv and prlimit come with
 # util-linux. Not pinned to a Debian revision: the archive keeps only the newest one
 # (0.8.0-2+deb12u1 on bookworm, 2026-12-01), so a pin would break with the next security fix;
-# megarl needs bwrap >= 0.8 (--chmod; --disable-userns for non-root users). Without it megarl refuses to run model code (one line)
-# unless reward.code_sandbox=false.
+# megarl needs bwrap >= 0.8 (--chmod; --disable-userns for non-root users). Without it megarl
+# refuses to run model code (one line) unless reward.code_sandbox=false.
 sandbox:
 	@command -v bwrap >/dev/null || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && \
 	  apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
