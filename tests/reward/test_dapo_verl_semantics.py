@@ -7,7 +7,7 @@ manager (scoring workers) and the trainer's own filter (``megarl.trainer.step.fi
 - a multi-turn response's ``num_turns``, ``tool_rewards``, ``turn_scores`` and
   ``rollout_reward_scores`` reach ``extra_info`` under the naive manager only (verl 0.9.1's
   reward loop: naive and remote add them, dapo and gdpo do not; a user's class finds the record
-  where verl's agent loop puts it, ``__num_turns__`` and ``tool_extra_fields``).
+  where verl's agent loop puts it: tests/reward/test_user_manager.py).
 """
 
 from __future__ import annotations
@@ -34,18 +34,6 @@ def plain(data_source, solution_str, ground_truth, extra_info=None):
 def keys(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": 0.0, "keys": ",".join(sorted(extra_info or {}))}
 """
-USER_MANAGER = """
-from megarl.reward.user_manager import RewardManagerBase
-
-
-class Reporting(RewardManagerBase):
-    async def run_single(self, data):
-        row = data[-1:][0].non_tensor_batch
-        return {"reward_score": 0.0, "reward_extra_info": {
-            "keys": ",".join(sorted(row["extra_info"])),
-            "turns": int(row["__num_turns__"]) if "__num_turns__" in row else -1,
-            "tools": str(row["tool_extra_fields"]) if "tool_extra_fields" in row else "-"}}
-"""
 LENGTHS = [700, 800, 900, 1000]
 """Issue 52's group: four correct answers, max_resp_len 1024, buffer 256 (penalty past 768)."""
 BUFFER = [
@@ -61,7 +49,6 @@ BUFFER = [
 def scorers(tmp_path_factory, tokenizer):
     root = tmp_path_factory.mktemp("dapo_semantics")
     (root / "correct.py").write_text(CORRECT)
-    (root / "manager.py").write_text(USER_MANAGER)
     return root
 
 
@@ -130,15 +117,3 @@ def test_the_rollout_record_reaches_extra_info_under_naive_only(
         return
     single = "experiment_name,index" if manager == "gdpo" else "index"
     assert scored.extra["keys"] == [multi_turn_keys, single]
-
-
-def test_a_users_manager_class_gets_the_record_where_verls_agent_loop_puts_it(scorers, tokenizer):
-    scored = _score(
-        scorers, tokenizer, "keys", _multi_turn(tokenizer),
-        "reward.reward_manager.source=importlib",
-        f"reward.reward_manager.module.path={scorers / 'manager.py'}",
-        "reward.reward_manager.name=Reporting",
-    )  # fmt: skip
-    assert scored.extra["keys"] == ["index", "index"]  # extra_info: the prompt's
-    assert scored.fields["turns"].tolist() == [4.0, -1.0]
-    assert scored.extra["tools"] == ["{'turn_scores': [1.0], 'tool_rewards': [0.25]}", "-"]

@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 
 from megarl.config import ConfigError, load_config, validate
-from megarl.reward.manager import RewardError, RewardInput, RewardManager
+from megarl.data import PromptSample
+from megarl.reward.manager import RewardError, RewardInput, RewardManager, reward_inputs
+from megarl.rollout.base import RolloutSample
 from tests.config._bad_configs import GRPO
 
 FUNCTION = (
@@ -37,9 +39,13 @@ class LengthBonus(RewardManagerBase):
             data_source=item.non_tensor_batch["data_source"], solution_str=text,
             ground_truth=item.non_tensor_batch["reward_model"]["ground_truth"],
             extra_info=item.non_tensor_batch["extra_info"])
+        row = item.non_tensor_batch
         return {"reward_score": score + self.bonus * n,
                 "reward_extra_info": {"tokens": n, "prompt_tokens": item.batch["prompts"].shape[-1],
-                                      "split": item.non_tensor_batch["extra_info"]["split"]}}
+                                      "split": row["extra_info"]["split"],
+                                      "keys": ",".join(sorted(row["extra_info"])),
+                                      "turns": int(row.get("__num_turns__", -1)),
+                                      "tools": str(row.get("tool_extra_fields", "-"))}}
 """
 
 
@@ -74,12 +80,25 @@ def test_a_users_manager_class_scores_in_the_workers_with_verls_call(files, toke
     right, wrong = (tokenizer.encode(t, add_special_tokens=False) for t in ("2", "11 or 3"))
     samples = [RewardInput("src", ids, "2", {"split": "x"}, prompt_ids=prompt)
                for ids in (right, wrong)]  # fmt: skip
+    # a multi-turn response: its record where verl's agent loop puts it, not in extra_info
+    record = {"num_turns": 4, "tool_rewards": [0.25], "turn_scores": [1.0]}
+    samples += reward_inputs(
+        tokenizer, [PromptSample(0, prompt, "q", "src", "2", extra_info={"split": "x"})],
+        [RolloutSample(0, 0, prompt, right, [0.0] * len(right), "stop", prompt_id=0,
+                       extra=record)],
+    )  # fmt: skip
     with RewardManager.from_config(cfg, tokenizer) as manager:
         result = manager(samples)
         # exact x scale 2.0 (the function's reward_kwargs) + 0.25 per response token
-        assert result.scores.tolist() == pytest.approx([2.0 + 0.25 * len(right), 0.25 * len(wrong)])
-        assert result.fields["tokens"].tolist() == [len(right), len(wrong)]
-        assert result.fields["prompt_tokens"].tolist() == [len(prompt)] * 2
+        assert result.scores.tolist() == pytest.approx(
+            [2.0 + 0.25 * len(right), 0.25 * len(wrong), 2.0 + 0.25 * len(right)]
+        )
+        assert result.fields["tokens"].tolist() == [len(right), len(wrong), len(right)]
+        assert result.fields["prompt_tokens"].tolist() == [len(prompt)] * 3
+        assert result.extra["keys"] == ["split"] * 3  # extra_info: the prompt's
+        assert result.fields["turns"].tolist() == [-1, -1, 4]
+        tools = "{'turn_scores': [1.0], 'tool_rewards': [0.25]}"
+        assert result.extra["tools"] == ["-", "-", tools]
         boom = RewardInput("src", tokenizer.encode("boom", add_special_tokens=False), "2",
                            {"split": "x"}, prompt_ids=prompt)  # fmt: skip
         with pytest.raises(RewardError, match="ValueError: no"):
