@@ -167,14 +167,39 @@ def train_step(
             cfg, step, run.total_steps
         ):
             synced = sync_engine(run)
+            if run.ahead is not None:  # the weights after this step are that version
+                run.ahead.version_steps[run.ahead.version] = step
             if synced is not None:  # bytes handed to vLLM per rank (LoRA merge=false: adapters)
                 metrics["sync/bytes"] = float(synced.bytes)
             if run.ahead is not None:  # of it, waiting for the batch asked before
                 metrics["async/sync_wait_rollout_s"] = run.ahead.sync_waited_s
                 metrics["async/update_weights_bytes"] = float(run.ahead.update_bytes)
 
+    if run.ahead is not None and batch.recomputed_log_probs is not None:
+        metrics.update(current_version_agreement(run, samples, batch, step))
     metrics.update(step_metrics(run, batch, scored, timer, start))
     return metrics, batch
+
+
+def current_version_agreement(run: Run, samples, batch: StepBatch, step: int) -> dict[str, float]:
+    """Partial rollouts: the rollout's log-probs against the actor's on the tokens that the
+    weights the actor held at this step's start sampled (a version synced right after step
+    ``step - 1``): the proof that every sync reached vLLM, where the batch mixes versions."""
+    engine = run.ahead
+    current = [v for v, at in engine.version_steps.items() if at == step - 1]
+    if not current or not any(s.token_versions for s in samples):
+        return {}
+    from megarl.rollout.consistency import logprob_diff_metrics
+
+    width = batch.rollout_log_probs.shape[1]
+    versions = torch.full((len(samples), width), -1, dtype=torch.long)
+    for i, s in enumerate(samples):
+        if s.token_versions:
+            versions[i, : len(s.token_versions)] = torch.tensor(s.token_versions)
+    mask = batch.response_mask.bool() & (versions == current[0])
+    diff = logprob_diff_metrics(batch.rollout_log_probs, batch.recomputed_log_probs, mask)
+    return {"async/current_version_logprob_diff_max": diff["rollout/logprob_diff_max"],
+            "async/current_version_tokens": float(mask.sum())}  # fmt: skip
 
 
 def advantages(
@@ -476,6 +501,8 @@ def first_sync(run: Run) -> None:
     weights (the initial ones, or a resumed checkpoint's)."""
     enter(run, "sync")
     sync_engine(run)
+    if run.ahead is not None:
+        run.ahead.version_steps[run.ahead.version] = run.state.step
 
 
 def sync_engine(run: Run):

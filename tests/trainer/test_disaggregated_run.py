@@ -11,18 +11,14 @@ console megarl's own and leave nothing running or in their temporary directory."
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-from collections import Counter
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests._run_outputs import read_metrics, rollout_prompts
-from tests.checkpoint.test_trainer_checkpoint import _survivors, _wait_for
+from tests._run_outputs import assert_prompts_in_sampler_order, stop_and_resume
+from tests.checkpoint.test_trainer_checkpoint import _survivors
 from tests.conftest import left_behind
 from tests.trainer.test_grpo_learning import MEGARL_LINE
 
@@ -33,47 +29,27 @@ STALENESS = 2
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.multirank]
 
 
-def _launch(out: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "megarl.commands.quickstart", "--out", str(out),
-         "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
-         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-         f"async_training.staleness_threshold={STALENESS}", f"trainer.total_training_steps={STEPS}",
-         "trainer.test_freq=5", "trainer.save_freq=-1", "reward_model.dump_samples=-1",
-         f"trainer.rollout_data_dir={out / 'runs' / 'grpo_tiny_cpu' / 'rollouts'}"],
-        cwd=REPO, env={**os.environ, "TMPDIR": str(out / "tmp")}, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+OVERRIDES = [
+    "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    f"async_training.staleness_threshold={STALENESS}", f"trainer.total_training_steps={STEPS}",
+    "trainer.test_freq=5", "trainer.save_freq=-1",
+]  # fmt: skip
 
 
-def _steps_done(run_dir: Path) -> int:
-    try:
-        return max(read_metrics(run_dir), default=0)
-    except (OSError, ValueError):  # not written yet, or a line half written
-        return 0
+def _stop_the_rollout_rank(first) -> dict:
+    """SIGTERM to the rollout rank alone; afterwards, which of the launch's processes remain."""
+    tree = [psutil.Process(first.pid), *psutil.Process(first.pid).children(recursive=True)]
+    rollout = next(p for p in tree
+                   if "megarl.trainer" in p.cmdline() and p.environ().get("RANK") == "2")  # fmt: skip
+    rollout.send_signal(signal.SIGTERM)
+    return {"after_stop": lambda: {"survivors": _survivors(tree, timeout=10)}}
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("steps_off")
-    (out / "tmp").mkdir()
-    run_dir = out / "runs" / "grpo_tiny_cpu"
-    first = _launch(out)
-    _wait_for(lambda: first.poll() is not None or _steps_done(run_dir) >= STOP_AFTER,
-              f"step {STOP_AFTER}", timeout=900)  # fmt: skip
-    tree = [psutil.Process(first.pid), *psutil.Process(first.pid).children(recursive=True)]
-    rollout = next(p for p in tree
-                   if "megarl.trainer" in p.cmdline() and p.environ().get("RANK") == "2")  # fmt: skip
-    rollout.send_signal(signal.SIGTERM)
-    stopped = first.communicate(timeout=600)
-    assert first.returncode == 0, stopped[0][-3000:] + stopped[1][-5000:]
-    survivors = _survivors(tree, timeout=10)
-    saved = int((run_dir / "latest_checkpointed_iteration.txt").read_text())
-    second = _launch(out)
-    done = second.communicate(timeout=1200)
-    assert second.returncode == 0, done[0][-3000:] + done[1][-5000:]
-    return {"stopped": stopped, "done": done, "survivors": survivors, "saved": saved,
-            "metrics": read_metrics(run_dir), "run_dir": run_dir, "out": out}  # fmt: skip
+    return stop_and_resume(out, OVERRIDES, STOP_AFTER, _stop_the_rollout_rank)
 
 
 def test_two_steps_off_learns(run):
@@ -115,27 +91,8 @@ def test_the_stop_repeats_and_drops_no_prompt(run):
     """Every step's prompts are those the sampler gives an uninterrupted run (the trainer's own
     dataset and sampler, built here from the same config): it fails if the checkpoint held the
     sampler's state after the lookahead (the relaunch would skip a batch)."""
-    from transformers import AutoTokenizer
-
-    from megarl.config import load_config
-    from megarl.data.dataset import PromptDataset
-    from megarl.data.sampler import GlobalBatchSampler
-
-    out = run["out"]
-    cfg = load_config(
-        [str(REPO / "configs" / "grpo_tiny_cpu.yaml")],
-        [f"data.train_files={out / 'tiny-data' / 'train.parquet'}"],
-    )
-    tokenizer = AutoTokenizer.from_pretrained(out / "tiny-qwen2")
-    seed = cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed
-    data = PromptDataset.from_config(cfg.data, tokenizer, "train", cfg.trainer.seed)
-    sampler = GlobalBatchSampler(len(data), cfg.data.train_batch_size, seed=seed,
-                                 shuffle=cfg.data.shuffle)  # fmt: skip
-    n = cfg.actor_rollout_ref.rollout.n
-    for step in range(1, STEPS + 1):
-        batch = next(sampler)
-        want = Counter(tokenizer.decode(data[i].prompt_ids) for i in batch for _ in range(n))
-        assert Counter(rollout_prompts(run["run_dir"], step)) == want, step
+    assert_prompts_in_sampler_order(REPO / "configs" / "grpo_tiny_cpu.yaml", run["out"],
+                                    run["run_dir"], STEPS)  # fmt: skip
 
 
 def test_console_says_where_the_rollout_runs_and_holds_only_megarl_lines(run):

@@ -137,6 +137,9 @@ class RemoteEngine:
         """Weight updates finished (the version the engine holds is ``_syncs - 1``)."""
         self._ahead: list[_Ahead] = []
         """The requests asked ahead (:meth:`prefetch`) and not yet taken, in order."""
+        self.version_steps: dict[int, int] = {}
+        """Weight version -> the trainer step after which the trainer synced it (the trainer
+        fills it in; 0 for the initial weights)."""
         self.last_version = -1
         """The weight version that generated the last batch :meth:`generate` returned."""
         self.waited_s = 0.0
