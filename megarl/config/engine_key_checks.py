@@ -1,5 +1,5 @@
 """Checks of verl keys whose value either is megarl's behaviour anyway or asks for something
-megarl does not have: ``model_engine``, ``use_torch_compile``,
+megarl does not have: ``model_engine``,
 ``megatron.seed``, ``nccl_timeout``, ``optim.lr_decay_steps``,
 ``optim.override_optimizer_config`` and the keys of :data:`ONLY`. Each refusal is one line
 naming the key and the values that work; keys accepted at any value (``use_mbridge``,
@@ -94,10 +94,6 @@ def check_engine_keys(cfg, error: Error) -> None:
             f"model_engine={cfg.model_engine}: megarl is the Megatron engine; use "
             "model_engine=megatron (or leave it out)"
         )
-    for key, on in ((f"{ARR}.actor", arr.actor.use_torch_compile),
-                    (f"{ARR}.ref", arr.ref.use_torch_compile)):  # fmt: skip
-        if on:
-            error(f"{key}.use_torch_compile=true: megarl does not torch.compile; use false")
     seed = cfg.trainer.seed
     for key, meg in ((f"{ARR}.actor", arr.actor.megatron), (f"{ARR}.ref", arr.ref.megatron),
                      ("critic", cfg.critic.megatron)):  # fmt: skip

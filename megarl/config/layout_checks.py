@@ -167,6 +167,15 @@ class LayoutChecks:
                 f"{prefix}.recompute_modules has unknown modules {sorted(bad)}; Megatron accepts "
                 f"{sorted(_RECOMPUTE_MODULES)}"
             )
+        te_only = sorted({"layernorm", "moe_act"} & set(meg.recompute_modules))
+        impl = meg.transformer_impl
+        local = impl == "local" or (impl == "auto" and self.cfg.trainer.device == "cpu")
+        if gran == "selective" and te_only and local:
+            self.error(
+                f"{prefix}.recompute_modules: {', '.join(te_only)} recompute needs Transformer "
+                "Engine (Megatron's CheckpointWithoutOutput); the local layer spec recomputes "
+                "core_attn, mlp, moe and shared_experts"
+            )
 
     def check_model_rule(self, prefix: str, meg: MegatronConfig, shape: ModelShape) -> None:
         """Megatron's rule for this model at this layout, naming ``prefix``'s keys."""

@@ -13,16 +13,18 @@ import dataclasses
 import os
 import re
 import types
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
 from megarl.config.errors import ConfigError, close_matches, did_you_mean
+from megarl.config.interpolation import Reference, get_key, is_whole_reference, resolve_references
 from megarl.config.keys import resolve_follows
 from megarl.config.schema import MegarlConfig
 from megarl.config.spellings import ECHOES, check_echoes, pop_echoes, resolve_spellings
+from megarl.config.verl_defaults import default_problem, is_verl_key, verl_defaults
 from megarl.config.verl_keys import unsupported_reason
 
 BASE_KEY = "_base_"
@@ -33,7 +35,6 @@ _TRUE_WORDS = {"true", "yes", "on", "1"}
 _FALSE_WORDS = {"false", "no", "off", "0"}
 _INVALID = object()  # conversion failed; the caller records the generic type error
 _REPORTED = object()  # conversion failed and the error is already recorded
-_INTERPOLATION = re.compile(r"\$\{([^}]*)\}")
 _OVERRIDE = re.compile(r"(\+\+|\+|~)?([\w\-]+(?:\.[\w\-]+)*)(?:=(.*))?", re.DOTALL)
 
 # Keys verl users may bring along that megarl names or handles differently (matched by last
@@ -135,7 +136,8 @@ def read_yaml(path: str | os.PathLike, _chain: tuple[Path, ...] = ()) -> dict:
             raise ConfigError(f"{path} is a directory, not a config file{where}{hint}")
         raise ConfigError(f"config file not found: {path}{where}")
     try:
-        data = yaml.safe_load(path.read_text())
+        stat = path.stat()
+        data = copy.deepcopy(_parse_yaml(resolved, stat.st_mtime_ns, stat.st_size))
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {' '.join(str(exc).split())}") from None
     if data is None:
@@ -153,6 +155,12 @@ def read_yaml(path: str | os.PathLike, _chain: tuple[Path, ...] = ()) -> dict:
             merged, read_yaml(path.parent / Path(base).expanduser(), (*_chain, resolved))
         )
     return merge(merged, data)
+
+
+@lru_cache(maxsize=64)
+def _parse_yaml(path: Path, mtime_ns: int, size: int) -> Any:
+    """One file's YAML, parsed once per version (mtime, size); callers get a deep copy."""
+    return yaml.safe_load(path.read_text())
 
 
 def merge(base: dict, top: dict) -> dict:
@@ -185,6 +193,11 @@ def apply_override(raw: dict, text: str, errors: list[str]) -> None:
         return
     kind, tp, index = _lookup(parts)
     if kind == "unknown":
+        if prefix != "~" and is_verl_key(key):  # accepted at verl's default, changing nothing
+            problem = verl_key_problem(key, parse_override_value(value, Any))
+            if problem is not None:
+                errors.append(problem)
+            return
         errors.append(unknown_key_message(".".join(parts[: index + 1]), f" in override {text!r}"))
         return
     if prefix == "~":
@@ -195,6 +208,7 @@ def apply_override(raw: dict, text: str, errors: list[str]) -> None:
         and not prefix
         and not _has_path(raw, parts)
         and not _in_default(parts, index)
+        and key not in verl_defaults()
     ):
         section = ".".join(parts[:index])
         errors.append(
@@ -223,6 +237,13 @@ def parse_override_value(text: str, tp: Any) -> Any:
         return yaml.safe_load(stripped) if stripped else ""
     except yaml.YAMLError:
         return stripped
+
+
+def verl_key_problem(key: str, value: Any) -> str | None:
+    """A key of verl's config that megarl's schema lacks: None at verl's default (it changes
+    nothing), else one line naming the key, why megarl lacks it and the value that works."""
+    reason = unsupported_reason(key) or "not a key megarl has"
+    return default_problem(key, value, reason)
 
 
 def unknown_key_message(key: str, where: str = "") -> str:
@@ -269,19 +290,6 @@ def all_keys() -> tuple[str, ...]:
     return tuple(keys)
 
 
-def get_key(cfg: Any, key: str) -> Any:
-    """The value at dotted ``key`` (through dataclasses and dicts); ``KeyError`` if absent."""
-    obj = cfg
-    for part in key.split("."):
-        if dataclasses.is_dataclass(obj) and part in {f.name for f in dataclasses.fields(obj)}:
-            obj = getattr(obj, part)
-        elif isinstance(obj, dict) and part in obj:
-            obj = obj[part]
-        else:
-            raise KeyError(key)
-    return obj
-
-
 def set_key(cfg: Any, key: str, value: Any) -> None:
     """Set the value at dotted ``key`` of a built config."""
     parent, _, leaf = key.rpartition(".")
@@ -300,6 +308,7 @@ def set_key(cfg: Any, key: str, value: Any) -> None:
 def _from_raw(raw: dict, errors: list[str]) -> MegarlConfig:
     echoes = pop_echoes(raw)
     cfg = _build(MegarlConfig, raw, "", errors)
+    resolve_references(cfg, errors, _coerce_reference, all_keys(), whole_only=True)
     _resolve(cfg, errors)
     check_echoes(cfg, echoes, errors)
     return cfg
@@ -311,7 +320,7 @@ def _resolve(cfg: MegarlConfig, errors: list[str]) -> None:
     (``FOLLOWS``), then ``${...}`` references are substituted."""
     resolve_spellings(cfg, errors)
     resolve_follows(cfg)
-    _resolve_interpolations(cfg, errors)
+    resolve_references(cfg, errors, _coerce_reference, all_keys(), whole_only=False)
 
 
 def _build(cls: type, raw: Any, path: str, errors: list[str], default: Any = None) -> Any:
@@ -327,8 +336,16 @@ def _build(cls: type, raw: Any, path: str, errors: list[str], default: Any = Non
     for name, value in raw.items():
         key = _join(path, str(name))
         if name not in hints:
-            errors.append(unknown_key_message(key))
+            problem = verl_key_problem(key, value) if is_verl_key(key) else unknown_key_message(key)
+            if problem is not None:
+                errors.append(problem)
             continue
+        if (
+            value is None
+            and verl_defaults().get(key, 0) is None
+            and not _strip_optional(hints[name])[1]
+        ):
+            continue  # verl's legacy null: unset (e.g. reward_model.enable, read from reward.*)
         coerced = _coerce(hints[name], value, key, errors, _field_default(cls, str(name)))
         if coerced is not _INVALID:
             kwargs[name] = coerced
@@ -347,6 +364,8 @@ def _coerce(tp: Any, value: Any, key: str, errors: list[str], default: Any = Non
     """``value`` converted to type ``tp``, or ``_INVALID`` after recording an error."""
     if tp is Any:
         return copy.deepcopy(value)
+    if is_whole_reference(value) and not dataclasses.is_dataclass(tp):
+        return Reference(value, tp)  # typed once the tree is built (resolve_references)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key, errors, default)
     inner, optional = _strip_optional(tp)
@@ -424,50 +443,10 @@ def _convert(tp: Any, value: Any, key: str, errors: list[str]) -> Any:
     raise TypeError(f"unsupported config field type {tp!r} at {key}")  # a schema bug
 
 
-def _resolve_interpolations(cfg: MegarlConfig, errors: list[str]) -> None:
-    def resolve(text: str, key: str, depth: int) -> str:
-        def substitute(match: re.Match) -> str:
-            expr = match.group(1).strip()
-            if expr.startswith(("oc.env:", "env:")):
-                name, _, default = expr.split(":", 1)[1].partition(",")
-                found = os.environ.get(name.strip())
-                if found is not None:
-                    return found
-                if default:
-                    return default.strip().strip("'\"")
-                errors.append(f"{key}: environment variable {name.strip()} in '{text}' is not set")
-                return match.group(0)
-            try:
-                target = get_key(cfg, expr)
-            except KeyError:
-                hint = did_you_mean(expr, all_keys())
-                errors.append(f"{key}: '${{{expr}}}' refers to an unknown key{hint}")
-                return match.group(0)
-            if dataclasses.is_dataclass(target) or isinstance(target, (dict, list)):
-                errors.append(f"{key}: '${{{expr}}}' refers to a section, not a value")
-                return match.group(0)
-            if isinstance(target, str) and "${" in target:
-                if depth > 8:
-                    errors.append(f"{key}: '${{{expr}}}' is part of a reference cycle")
-                    return match.group(0)
-                target = resolve(target, expr, depth + 1)
-            return "null" if target is None else str(target)
-
-        return _INTERPOLATION.sub(substitute, text)
-
-    def walk(obj: Any, key: str) -> Any:
-        if isinstance(obj, str) and "${" in obj:
-            return resolve(obj, key, 0)
-        if isinstance(obj, list):
-            return [walk(v, f"{key}[{i}]") for i, v in enumerate(obj)]
-        if isinstance(obj, dict):
-            return {k: walk(v, _join(key, str(k))) for k, v in obj.items()}
-        if dataclasses.is_dataclass(obj):
-            for f in dataclasses.fields(obj):
-                setattr(obj, f.name, walk(getattr(obj, f.name), _join(key, f.name)))
-        return obj
-
-    walk(cfg, "")
+def _coerce_reference(tp: Any, value: Any, key: str, errors: list[str]) -> Any:
+    """A whole ``${...}`` reference's value converted to its field's type (None if it fails)."""
+    out = _coerce(tp, value, key, errors)
+    return None if out is _INVALID else out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -252,8 +252,8 @@ class ActorConfig:
     """What the actor's checkpoints hold and what a resume loads."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """Parallel layout of the actor; critic and ref default to it."""
-    use_torch_compile: bool = False
-    """Only false: megarl does not torch.compile (verl's default is true)."""
+    use_torch_compile: bool = True
+    """No effect, either value: verl's Megatron engine does not read it (its FSDP engine does)."""
     entropy_from_logits_with_chunking: bool = False
     """No effect, either value: the vocab-parallel entropy is always computed in chunks."""
     entropy_from_logits_chunk_size: int = 2048
@@ -283,8 +283,8 @@ class RefConfig:
     """Token budget of one ref log-prob micro-batch; unset: the rollout's."""
     megatron: MegatronConfig = field(default_factory=lambda: _following_megatron(offload=True))
     """Parallel layout of the reference; sizes follow the actor's and must match it."""
-    use_torch_compile: bool = False
-    """Only false: megarl does not torch.compile (verl's default is true)."""
+    use_torch_compile: bool = True
+    """No effect, either value: verl's Megatron engine does not read it (its FSDP engine does)."""
     entropy_from_logits_with_chunking: bool = False
     """No effect, either value: the vocab-parallel entropy is always computed in chunks."""
     entropy_from_logits_chunk_size: int = 2048

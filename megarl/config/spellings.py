@@ -20,6 +20,7 @@ from typing import Any
 
 from megarl.config.dtypes import DTYPE_NAMES
 from megarl.config.schema import MegarlConfig
+from megarl.config.transformer_overrides import MEGARL_KEYS, NO_EFFECT
 
 ROLL = "actor_rollout_ref.rollout"
 PAIRS: tuple[tuple[str, str], ...] = (
@@ -98,26 +99,19 @@ def resolve_spellings(cfg: MegarlConfig, errors: list[str]) -> None:
             _set(cfg, old, copy.deepcopy(value))
         _set(cfg, new, copy.deepcopy(_get(cfg, old)))
     _resolve_async_batch(cfg, errors)
+    arr = cfg.actor_rollout_ref
+    if arr.nccl_timeout is None:  # the critic's alone (verl's default 600 spelled out): the run's
+        arr.nccl_timeout = cfg.critic.nccl_timeout
     _resolve_transformer_overrides(cfg, errors)
     _resolve_model_config_overrides(cfg, errors)
 
 
-RECOMPUTE = ("recompute_granularity", "recompute_method", "recompute_num_layers")
-FUSIONS = ("apply_rope_fusion", "bias_activation_fusion", "gradient_accumulation_fusion",
-           "deallocate_pipeline_outputs")  # fmt: skip
-"""override_transformer_config entries that are megarl's own ``megatron.*`` keys (each applied
-where the layer spec allows it: :class:`megarl.models.gpt.Fusions`)."""
-NO_EFFECT = ("use_flash_attn", "masked_softmax_fusion", "persist_layer_norm", "bias_dropout_fusion")
-"""override_transformer_config entries with no effect in megarl: the attention kernel follows
-megatron.transformer_impl; Transformer Engine's attention and norms are fused themselves (the
-first three select apex kernels of Megatron's local spec, which megarl keeps plain); the
-families megarl builds have no dropout, so fusing bias-dropout-add changes no number."""
-
-
 def _resolve_transformer_overrides(cfg: MegarlConfig, errors: list[str]) -> None:
-    """verl's ``megatron.override_transformer_config.recompute_*`` and the :data:`FUSIONS` are
-    megarl's ``megatron.*`` keys of the same names: moved there (one setting given both ways
-    with different values is refused); the :data:`NO_EFFECT` entries are dropped."""
+    """verl's ``megatron.override_transformer_config`` entries that are megarl's ``megatron.*``
+    keys of the same names (:data:`~megarl.config.transformer_overrides.MEGARL_KEYS`: recompute,
+    fusions) move there (one setting given both ways with different values is refused); the
+    ``NO_EFFECT`` entries are dropped. The rest is checked by validation
+    (:func:`~megarl.config.transformer_overrides.transformer_override_problems`)."""
     roles = (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.megatron),
              ("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.megatron),
              ("critic", cfg.critic.megatron))  # fmt: skip
@@ -126,7 +120,7 @@ def _resolve_transformer_overrides(cfg: MegarlConfig, errors: list[str]) -> None
         for key in NO_EFFECT:
             overrides.pop(key, None)
         fresh = type(meg)()
-        for key in (*RECOMPUTE, *FUSIONS):
+        for key in MEGARL_KEYS:
             if key not in overrides:
                 continue
             value, mine = overrides.pop(key), getattr(meg, key)

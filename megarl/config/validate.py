@@ -35,6 +35,7 @@ from megarl.config.moe_checks import (
 from megarl.config.multi_turn_checks import check_multi_turn
 from megarl.config.recipe_checks import check_recipe_keys
 from megarl.config.schema import MegarlConfig
+from megarl.config.transformer_overrides import transformer_override_problems
 
 __all__ = ["validate"]
 
@@ -131,22 +132,13 @@ class _Checks(LayoutChecks):
         ]
         for k, m in models:
             self.check_override_config(k, m.override_config)
+        for k, m in megatrons:
+            for problem in transformer_override_problems(k, m.override_transformer_config):
+                self.error(problem)
         refused: list[tuple[str, bool, str]] = [
             *[
                 (f"{k}.trust_remote_code", m.trust_remote_code, "only built-in architectures load")
                 for k, m in models
-            ],
-            *[
-                (f"{k}.override_transformer_config",
-                 any(not key.startswith("moe_") for key in m.override_transformer_config),
-                 ("TransformerConfig is built from the HF config and the megatron.* keys; only "
-                  "verl's moe_* knobs pass through"))
-                for k, m in megatrons
-            ],
-            *[
-                (f"{k}.recompute_modules", list(m.recompute_modules) != ["core_attn"],
-                 "selective recompute covers core_attn only")
-                for k, m in megatrons
             ],
             ("data.val_batch_size", c.data.val_batch_size is not None,
              "validation runs the whole set in one batch"),

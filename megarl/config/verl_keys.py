@@ -2,9 +2,11 @@
 "unknown".
 
 The table covers every key of verl 0.9.1's composed PPO Megatron trainer config that megarl's
-schema lacks (``tests/config/data/verl_ppo_megatron_trainer_keys.txt`` lists them all). A key is
-unsupported when a pattern matches it or one of its parent sections; patterns are dotted, ``*``
-matches within one segment. Keys the schema has are never looked up here.
+schema lacks (the vendored ``data/verl_ppo_megatron_trainer.yaml`` holds them all). Such a key is
+accepted at verl's default (:mod:`megarl.config.verl_defaults`: the feature is off there) and
+refused at any other value with the reason given here. A key matches when a pattern matches it or
+one of its parent sections; patterns are dotted, ``*`` matches within one segment. Keys the schema
+has are never looked up here.
 """
 
 from __future__ import annotations

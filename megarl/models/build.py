@@ -40,6 +40,14 @@ class Recompute:
     granularity: Literal["full", "selective"] | None = None
     method: Literal["uniform", "block"] | None = None
     num_layers: int | None = None
+    modules: tuple[str, ...] = ("core_attn",)
+    """Selective recompute: the submodules recomputed (Megatron's ``recompute_modules``)."""
+
+    @classmethod
+    def of(cls, meg) -> Recompute:
+        """A ``megatron`` config section's recompute keys."""
+        return cls(meg.recompute_granularity, meg.recompute_method, meg.recompute_num_layers,
+                   tuple(meg.recompute_modules))  # fmt: skip
 
 
 @dataclass
@@ -152,6 +160,7 @@ def build_model(
         recompute_granularity=recompute.granularity,
         recompute_method=recompute.method,
         recompute_num_layers=recompute.num_layers,
+        recompute_modules=recompute.modules,
         transformer_impl=transformer_impl,
         fusions=fusions,
         expert_model_parallel_size=layout.ep,

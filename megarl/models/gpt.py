@@ -25,6 +25,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -126,6 +127,10 @@ class Fusions:
     when apex's ``fused_weight_gradient_mlp_cuda`` imports (Megatron's output layer needs it)."""
     deallocate_pipeline_outputs: bool = True
     """Free a stage's output activations once sent to the next stage: PP > 1 only."""
+    attention_backend: str = "auto"
+    """Transformer Engine's attention kernel, Megatron's ``AttnBackend`` name (verl's
+    ``override_transformer_config.attention_backend``): TE spec only; the local spec has one
+    attention, Megatron's own."""
 
 
 def fusion_flags(
@@ -143,7 +148,9 @@ def fusion_flags(
     te = impl == "transformer_engine"
     if apex_wgrad is None:
         apex_wgrad = te and apex_fused_wgrad_available()
+    backend = {"attention_backend": AttnBackend[fusions.attention_backend]} if te else {}
     return {
+        **backend,
         "bias_activation_fusion": fusions.bias_activation_fusion and te,
         "apply_rope_fusion": fusions.apply_rope_fusion and te,
         "gradient_accumulation_fusion": fusions.gradient_accumulation_fusion and te and apex_wgrad,
@@ -165,6 +172,7 @@ def build_transformer_config(
     recompute_granularity: str | None = None,
     recompute_method: str | None = None,
     recompute_num_layers: int | None = None,
+    recompute_modules: tuple[str, ...] = ("core_attn",),
     transformer_impl: TransformerImpl = "auto",
     fusions: Fusions | None = None,
     expert_model_parallel_size: int = 1,
@@ -241,6 +249,7 @@ def build_transformer_config(
         recompute_granularity=recompute_granularity,
         recompute_method=recompute_method,
         recompute_num_layers=recompute_num_layers,
+        recompute_modules=list(recompute_modules),
         transformer_impl="transformer_engine" if impl == "transformer_engine" else "local",
         **moe_fields,
     )

@@ -146,7 +146,7 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
     vllm_engine = _start_vllm(cfg, model_path, **adapter_args) if engine_from_vllm else None
     engine_residency = settle_engine(vllm_engine, cfg) if vllm_engine is not None else None
     meg = arr.actor.megatron
-    recompute = Recompute(meg.recompute_granularity, meg.recompute_method, meg.recompute_num_layers)
+    recompute = Recompute.of(meg)
     moe = MoeSettings.from_dict(moe_overrides(meg))  # verl's moe_* knobs, verl's defaults
     replay = {"moe_enable_routing_replay": True} if meg.router_replay.mode != "disabled" else {}
     actor_model = build_role_model(
@@ -265,11 +265,7 @@ def _build_critic(cfg: MegarlConfig, layout, model_path: str, dtype, total: int,
         value_head_seed=cfg.trainer.seed,
         fusions=fusions(critic_cfg.megatron),
         moe=MoeSettings.from_dict(moe_overrides(critic_cfg.megatron)),
-        recompute=Recompute(
-            critic_cfg.megatron.recompute_granularity,
-            critic_cfg.megatron.recompute_method,
-            critic_cfg.megatron.recompute_num_layers,
-        ),
+        recompute=Recompute.of(critic_cfg.megatron),
     )
     critic_model.pack = packs(critic_cfg.model, critic_cfg.megatron)
     critic = TrainableModel(critic_model, optimizer_settings(cfg, total, role="critic"))
@@ -366,6 +362,9 @@ def fusions(meg) -> Fusions:
         apply_rope_fusion=meg.apply_rope_fusion,
         gradient_accumulation_fusion=meg.gradient_accumulation_fusion,
         deallocate_pipeline_outputs=meg.deallocate_pipeline_outputs,
+        attention_backend=str(
+            meg.override_transformer_config.get("attention_backend", "auto")
+        ).removeprefix("AttnBackend."),
     )
 
 

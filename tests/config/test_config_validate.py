@@ -225,9 +225,6 @@ def test_check_paths_turns_missing_files_into_errors(hf_model, tmp_path):
 NOT_APPLIED = [
     ("critic.model.trust_remote_code", "critic.model.trust_remote_code=true"),
     ("actor_rollout_ref.model.trust_remote_code", "actor_rollout_ref.model.trust_remote_code=true"),
-    (f"{MEG}.override_transformer_config", f"{MEG}.override_transformer_config={{attention_dropout: 0.1}}"),
-    ("critic.megatron.override_transformer_config", "critic.megatron.override_transformer_config={hidden_dropout: 0.1}"),
-    (f"{MEG}.recompute_modules", f"{MEG}.recompute_modules=[mlp]"),
     ("data.val_batch_size", "data.val_batch_size=8"),
 ]  # fmt: skip
 

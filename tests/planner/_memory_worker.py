@@ -110,9 +110,10 @@ def _state_checks(spec: dict, tp: int, pp: int, results: list) -> None:
 
 
 def _saved_bytes(
-    spec: dict, recompute, seq: int, micro_batch: int, role: str, dtype=torch.float32
+    spec: dict, recompute, seq: int, micro_batch: int, role: str, dtype=torch.float32, grads=None
 ) -> int:
-    """Bytes of distinct non-parameter storages saved for backward during the forward."""
+    """Bytes of distinct non-parameter storages saved for backward during the forward (and the
+    gradients, one per parameter, appended to ``grads`` when given)."""
     from megarl.models.build import Recompute, build_model
     from megarl.models.runner import SequenceBatch, forward_backward
     from megarl.models.trainable import OptimizerSettings, TrainableModel
@@ -149,7 +150,34 @@ def _saved_bytes(
             micro_batches=micro_batch,
             vocab_size=None if role == "critic" else built.dims.vocab_size,
         )
+    if grads is not None:
+        grads.extend(p.main_grad.clone() for c in trainable.chunks for p in c.parameters())
     return sum(saved.values())
+
+
+RECOMPUTES = [(None, None, None), ("full", "uniform", 1), ("full", "block", 1),
+              ("full", "uniform", 2), ("selective", None, None),
+              ("selective", None, None, ("core_attn", "mlp"))]  # fmt: skip
+"""Megatron recompute settings whose gradients must equal those without recompute, bit for bit."""
+
+
+def _recompute_gradient_checks(spec: dict, results: list) -> None:
+    """Each of :data:`RECOMPUTES`, through ``build_model`` (``Recompute``, as ``megarl train``
+    builds it from ``megatron.recompute_*``) and the runner: the gradients without and with it."""
+    for role in ("actor", "critic"):
+        plain: list = []
+        plain_saved = _saved_bytes(spec, RECOMPUTES[0], 64, 2, role, grads=plain)
+        for recompute in RECOMPUTES[1:]:
+            grads: list = []
+            saved = _saved_bytes(spec, recompute, 64, 2, role, grads=grads)
+            same = len(grads) == len(plain) and all(
+                torch.equal(a, b) for a, b in zip(grads, plain, strict=True)
+            )
+            diff = max(float((a - b).abs().max()) for a, b in zip(grads, plain, strict=True))
+            results.append({"recompute_grads": True, "role": role, "recompute": list(recompute),
+                            "identical": same, "max_diff": diff, "saved": saved,
+                            "saved_without": plain_saved,
+                            "nonzero": sum(int(g.count_nonzero()) for g in grads)})  # fmt: skip
 
 
 def _activation_checks(spec: dict, results: list) -> None:
@@ -270,6 +298,7 @@ def main() -> None:
     if world == 1:
         init_distributed(ParallelLayout())
         _activation_checks(spec, results)
+        _recompute_gradient_checks(spec, results)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, results)
     if dist.get_rank() == 0:

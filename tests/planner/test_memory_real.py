@@ -132,6 +132,21 @@ def test_saved_activations_within_10_percent(spec, role, recompute):
         assert abs(est.saved - r["saved"]) <= 0.10 * r["saved"], (est, r)
 
 
+def test_recompute_leaves_the_gradients_bit_identical(spec):
+    """Full (uniform over 1 and 2 layers, block) and selective recompute (core_attn; core_attn
+    and mlp) of the actor and the critic, built as ``megarl train`` builds them: every
+    gradient equals the one without recompute, bit for bit (not merely close)."""
+    checks = [r for r in _results(spec, 1) if r.get("recompute_grads")]
+    assert len(checks) == 10, checks
+    for r in checks:
+        assert r["identical"] and r["max_diff"] == 0.0 and r["nonzero"] > 0, r
+        assert r["saved"] < r["saved_without"], r  # it did recompute
+    for role in ("actor", "critic"):  # recompute_modules reached Megatron: mlp saves more
+        selective = {len(r["recompute"]): r["saved"] for r in checks
+                     if r["role"] == role and r["recompute"][0] == "selective"}  # fmt: skip
+        assert selective[4] < selective[3], selective
+
+
 def test_saved_activations_in_bf16_within_10_percent(spec):
     """16-bit adds the fp32 softmax output and the norms' fp32 copies (33 % more than counting
     every saved tensor at 2 bytes, at s = 160)."""

@@ -1,0 +1,69 @@
+"""``*.megatron.override_transformer_config``: each entry verl's scripts set is honoured (moved
+onto megarl's ``megatron.*`` key, passed to ``TransformerConfig``, or accepted with no effect) or
+refused in one line; nothing the HF weight mapping reads can be changed."""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.config import ConfigError, load_config, validate
+from tests.conftest import REPO
+
+TINY = REPO / "configs" / "grpo_tiny_cpu.yaml"
+OTC = "actor_rollout_ref.actor.megatron.override_transformer_config"
+
+
+def _problems(overrides: list[str]) -> list[str]:
+    try:
+        validate(load_config(TINY, overrides))
+    except ConfigError as exc:
+        return exc.problems
+    return []
+
+
+def test_verls_recompute_and_fusion_entries_become_megarls_keys():
+    """As verl's scripts spell them: ``+...override_transformer_config.recompute_*`` (Hydra's
+    plus), plain (verl's YAML has them), and ``++``."""
+    cfg = load_config(TINY, [
+        f"+{OTC}.recompute_granularity=full", f"{OTC}.recompute_method=uniform",
+        f"++{OTC}.recompute_num_layers=1", f"+{OTC}.apply_rope_fusion=False",
+        "+critic.megatron.override_transformer_config.recompute_modules=[core_attn,mlp]",
+        f"+{OTC}.masked_softmax_fusion=True", f"+{OTC}.attention_backend=flash",
+    ])  # fmt: skip
+    meg = cfg.actor_rollout_ref.actor.megatron
+    assert (meg.recompute_granularity, meg.recompute_method, meg.recompute_num_layers) == (
+        "full", "uniform", 1)  # fmt: skip
+    assert meg.apply_rope_fusion is False
+    assert cfg.critic.megatron.recompute_modules == ["core_attn", "mlp"]
+    assert meg.override_transformer_config == {"attention_backend": "flash"}  # passed through
+    validate(cfg)
+
+
+@pytest.mark.parametrize(
+    ("entry", "line"),
+    [
+        ("hidden_size=64", f"{OTC}.hidden_size=64: the model's shape comes from its config.json"),
+        ("num_layers=2", f"{OTC}.num_layers=2: the model's shape comes from its config.json"),
+        ("tensor_model_parallel_size=1", (f"{OTC}.tensor_model_parallel_size=1: the layout is "
+         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size; set that instead")),
+        ("num_layers_in_first_pipeline_stage=1", (f"{OTC}.num_layers_in_first_pipeline_stage=1: "
+         "uneven pipeline stages are not supported yet")),
+        ("account_for_loss_in_pipeline_split=true", (f"{OTC}.account_for_loss_in_pipeline_split="
+         "true: uneven pipeline stages are not supported yet")),
+        ("attention_backend=sdpa", (f"{OTC}.attention_backend=sdpa: not a Megatron attention "
+         "backend; use one of auto, flash, fused, unfused, local")),
+        ("fp8=hybrid", f"{OTC}.fp8 is not passed to TransformerConfig by megarl; it takes"),
+    ],
+)  # fmt: skip
+def test_entries_megarl_cannot_apply_are_refused_in_one_line(entry, line):
+    problems = _problems([f"+{OTC}.{entry}"])
+    assert len(problems) == 1 and problems[0].startswith(line), problems
+
+
+def test_verls_defaults_are_accepted_at_their_values():
+    problems = _problems([
+        f"+{OTC}.num_layers_in_first_pipeline_stage=null",
+        f"+{OTC}.account_for_embedding_in_pipeline_split=false",
+        f"{OTC}.recompute_modules=[core_attn]", f"{OTC}.attention_backend=flash",
+    ])  # fmt: skip
+    assert not problems, problems
