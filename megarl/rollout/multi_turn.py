@@ -35,6 +35,7 @@ the trainer's :class:`~megarl.rollout.base.RolloutSample` list;
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -135,7 +136,7 @@ def _turn_delta(
     # Both fallbacks start the new turn at its own header; the template's text after the
     # model's end-of-turn token (ChatML's newline) comes first, as verl 0.9.1's Qwen builder
     # inserts it after <|im_end|> (continuous_token.py).
-    joint = _after_end_of_turn(before, held, stops)
+    joint = _after_end_of_turn(render, before, held, stops)
     if after[: len(before)] == before:
         return joint + after[len(before) :], False
     # A template that rewrites history (Qwen3 drops earlier turns' <think> once a user turn
@@ -143,15 +144,18 @@ def _turn_delta(
     return joint + render.alone(new), False
 
 
-def _after_end_of_turn(rendered: list[int], held: list[int], stops: set[int]) -> list[int]:
+def _after_end_of_turn(
+    render: _Renderer, rendered: list[int], held: list[int], stops: set[int]
+) -> list[int]:
     """What the template renders after the last model turn's end-of-turn token (``held``'s
     last id, a stop id) in ``rendered``, the conversation so far: ChatML's ``\\n`` after
-    ``<|im_end|>``, nothing for Llama 3's ``<|eot_id|>``; nothing when the turn did not end
-    on a stop id or the rendering does not hold it."""
+    ``<|im_end|>``, nothing for Llama 3's ``<|eot_id|>``. Only whitespace counts (what follows
+    the stop id's last place is other text when the template does not render that id, e.g. a
+    turn ended by ``<|endoftext|>``); nothing when the turn did not end on a stop id."""
     if not held or held[-1] not in stops or held[-1] not in rendered:
         return []
-    last = len(rendered) - 1 - rendered[::-1].index(held[-1])
-    return rendered[last + 1 :]
+    tail = rendered[len(rendered) - rendered[::-1].index(held[-1]) :]
+    return tail if not render.decode(tail).strip() else []
 
 
 def _sanity_check(render: _Renderer, traj: Trajectory, mode: str) -> bool | None:
@@ -411,6 +415,7 @@ def run_multi_turn(
     stop_token_ids: Sequence[int],
     run_env: Callable[[Callable[[], Any]], Any] | None = None,
     env_loop: ToolEventLoop | None = None,
+    abort: Callable[[], str | None] | None = None,
 ) -> list[Trajectory]:
     """``n`` multi-turn trajectories per prompt, prompt-major.
 
@@ -424,20 +429,23 @@ def run_multi_turn(
     as :class:`~megarl.rollout.multi_turn_rollout.MultiTurnRollout` does, so that tools holding
     asyncio state work across steps; None: one for this call, closed at its end). Seeds: turn
     ``t`` of trajectory ``(p, s)`` is sampled with a seed drawn from ``(seed, step, t)`` and
-    ``(p, s)``, however the turn's requests are grouped into ``generate`` calls.
+    ``(p, s)``, however the turn's requests are grouped into ``generate`` calls. ``abort``:
+    asked twice a second while a tool/interaction turn runs; a line from it ends the turn with
+    :class:`~megarl.tools.event_loop.TurnAborted` (the trainer's: another rank of the node has
+    died, so the step cannot finish).
     """
     own_loop = env_loop is None
     env = env_loop or ToolEventLoop()
     try:
         return _run(generate, prompts, n, tokenizer, tools, interactions, settings, seed, step,
-                    stop_token_ids, run_env, env)  # fmt: skip
+                    stop_token_ids, run_env, functools.partial(env.run, abort=abort))  # fmt: skip
     finally:
         if own_loop:
             env.close()
 
 
 def _run(generate, prompts, n, tokenizer, tools, interactions, settings, seed, step,
-         stop_token_ids, run_env, env: ToolEventLoop) -> list[Trajectory]:  # fmt: skip
+         stop_token_ids, run_env, env_run: Callable[[Any], Any]) -> list[Trajectory]:  # fmt: skip
     schemas = [tool_schema(t) for t in tools.values()] if tools else None
     render = _Renderer(tokenizer, schemas, settings.chat_template_kwargs)
     stops = set(stop_token_ids)
@@ -445,7 +453,7 @@ def _run(generate, prompts, n, tokenizer, tools, interactions, settings, seed, s
     trajs, sessions = _start(prompts, n, render, interactions, settings.prompt_length)
     run_env = run_env or (lambda fn: fn())
     if sessions:
-        run_env(lambda: env.run(_start_interactions(sessions)))
+        run_env(lambda: env_run(_start_interactions(sessions)))
     agents: dict[tuple[int, int], AgentData] = {}  # on the rank that runs the tools
     turn = 0
     while True:
@@ -478,13 +486,13 @@ def _run(generate, prompts, n, tokenizer, tools, interactions, settings, seed, s
                     )
                 )
 
-            env.run(all_turns())
+            env_run(all_turns())
             return trajs
 
         trajs[:] = run_env(env_turn)
 
     def finish() -> list[Trajectory]:
-        env.run(_finish_interactions(sessions))
+        env_run(_finish_interactions(sessions))
         for t in trajs:
             t.tokenization_ok = _sanity_check(render, t, settings.tokenization_sanity_check_mode)
         return trajs

@@ -13,6 +13,7 @@ the rollout ranks run :meth:`serve` (their default group is the rollout ranks' o
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,13 @@ from megarl.rollout.multi_turn import (
 )
 from megarl.tools.event_loop import ToolEventLoop
 
-__all__ = ["MultiTurnRollout", "on_rank0", "prompt_tool_schemas"]
+__all__ = [
+    "MultiTurnRollout",
+    "local_rank_lost",
+    "multi_turn_problem",
+    "on_rank0",
+    "prompt_tool_schemas",
+]
 
 
 def on_rank0(fn: Callable[[], Any]) -> Any:
@@ -41,6 +48,35 @@ def on_rank0(fn: Callable[[], Any]) -> Any:
     box = [fn() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0, group=object_group())
     return box[0]
+
+
+def local_rank_lost() -> str | None:
+    """Under torchrun, whether a rank of this node has ended (torchrun's workers, this rank and
+    its siblings, fewer alive than ``LOCAL_WORLD_SIZE``): a line saying so, else None (also when
+    torchrun did not start this process). Asked while rank 0 runs a tool turn, which no
+    collective interrupts: a slow tool kept rank 0 there past torchrun's SIGTERM (a stop request
+    for the step's end) until its SIGKILL 30 s later."""
+    import os
+
+    import psutil
+
+    expected = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if not os.environ.get("TORCHELASTIC_RUN_ID") or expected < 2:
+        return None
+    try:
+        workers = psutil.Process(os.getppid()).children()
+    except psutil.Error:
+        return None
+    alive = 0
+    for worker in workers:
+        with contextlib.suppress(psutil.Error):
+            alive += worker.status() != psutil.STATUS_ZOMBIE
+    if alive >= expected:
+        return None
+    return (
+        f"multi-turn: {expected - alive} of this node's {expected} ranks ended during a tool "
+        "turn; the step cannot finish"
+    )
 
 
 def _messages(raw_prompt: Any) -> list[dict[str, Any]]:
@@ -200,6 +236,7 @@ class MultiTurnRollout:
             stop_token_ids=self.stop_token_ids,
             run_env=on_rank0,
             env_loop=self.env_loop,
+            abort=local_rank_lost,
         )
         self.last_metrics = multi_turn_metrics(trajs)
         return trajs

@@ -25,7 +25,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-__all__ = ["DaemonThreadPool", "ToolEventLoop", "to_tool_thread", "tool_thread_pool"]
+__all__ = ["DaemonThreadPool", "ToolEventLoop", "TurnAborted", "to_tool_thread", "tool_thread_pool"]
 
 T = TypeVar("T")
 
@@ -93,6 +93,25 @@ async def to_tool_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> 
     return await asyncio.get_running_loop().run_in_executor(tool_thread_pool(), call)
 
 
+class TurnAborted(RuntimeError):
+    """A tool or interaction turn given up because the run cannot go on (:meth:`ToolEventLoop.run`'s
+    ``abort``: e.g. another rank of the node has died)."""
+
+
+async def _watched(
+    coro: Coroutine[Any, Any, T], abort: Callable[[], str | None], poll_s: float
+) -> T:
+    task = asyncio.ensure_future(coro)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=poll_s)
+        if done:
+            return task.result()
+        if (reason := abort()) is not None:
+            task.cancel()
+            await asyncio.wait({task}, timeout=poll_s)  # a tool that ignores it is left behind
+            raise TurnAborted(reason)
+
+
 class ToolEventLoop:
     """One event loop for every tool and interaction turn it runs (made on first use, its
     default executor :func:`tool_thread_pool`, so ``asyncio.to_thread`` in a tool is never
@@ -102,12 +121,22 @@ class ToolEventLoop:
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` to its end on the kept loop and return its result."""
+    def run(
+        self,
+        coro: Coroutine[Any, Any, T],
+        *,
+        abort: Callable[[], str | None] | None = None,
+        poll_s: float = 0.5,
+    ) -> T:
+        """Run ``coro`` to its end on the kept loop and return its result. ``abort``: asked every
+        ``poll_s`` seconds while ``coro`` runs; a line from it cancels ``coro`` (a tool's
+        thread runs on, unjoined) and raises :class:`TurnAborted` with it."""
         if self._loop is None or self._loop.is_closed():
             self._loop = asyncio.new_event_loop()
             self._loop.set_default_executor(tool_thread_pool())
-        return self._loop.run_until_complete(coro)
+        if abort is None:
+            return self._loop.run_until_complete(coro)
+        return self._loop.run_until_complete(_watched(coro, abort, poll_s))
 
     def close(self) -> None:
         """Close the loop (a later :meth:`run` makes a new one); the pool's threads stay."""

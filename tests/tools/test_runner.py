@@ -222,3 +222,22 @@ def test_a_hung_synchronous_function_tool_is_not_waited_for_even_under_asyncio_r
     finally:
         release.set()
     assert result.error is ToolCallError.TIMEOUT and tool_still_running
+
+
+def test_a_turn_is_given_up_when_abort_says_so():
+    """ToolEventLoop.run's abort (the trainer's: a rank of the node died) ends a turn whose tool
+    still runs, raising TurnAborted with its line; without it the turn runs to its end."""
+    from megarl.tools.event_loop import ToolEventLoop, TurnAborted
+
+    loop, asked = ToolEventLoop(), []
+
+    def abort() -> str | None:
+        asked.append(1)
+        return "a rank ended" if len(asked) >= 2 else None
+
+    try:
+        with pytest.raises(TurnAborted, match="a rank ended"):
+            loop.run(asyncio.sleep(30), abort=abort, poll_s=0.05)
+        assert loop.run(asyncio.sleep(0.01, result="done"), abort=abort, poll_s=5) == "done"
+    finally:
+        loop.close()

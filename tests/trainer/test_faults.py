@@ -14,7 +14,8 @@ several checks:
   acknowledgement for the signals sent to it. The resumed run equals the reference (metrics of
   every step, the KL coefficient included, prompts, final weights);
 - ``kill -9`` of the launcher (1 launch): nothing of the launch runs 40 s later;
-- ``kill -9`` of rank 1 (1 launch): exit 1, one line naming rank 1 and SIGKILL;
+- ``kill -9`` of rank 1 while rank 0 is in a multi-turn step's interaction turn (1 launch):
+  exit 1, one line naming rank 1 and SIGKILL, rank 0 left the turn itself (issue 53);
 - an error inside the ranks (1 launch: the scorer raises): exit 2, the first rank's ``error:``
   line once with where the logs are, no traceback; torchrun's report in ``logs/torchrun.log``;
 - vLLM on a rank of its own, one step off (issue 26): ``kill -9`` of that rank (1 launch), one
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -280,8 +282,63 @@ def _kill_9_names_it(tiny: dict, run_dir: Path, rank: int, *extra: str, role: st
     assert _survivors(tree, timeout=40) == []
 
 
-def test_kill_9_of_one_rank_names_it(tiny):
-    _kill_9_names_it(tiny, tiny["root"] / "rank_killed", 1)
+def _multi_turn(tiny: dict) -> tuple[str, ...]:
+    """Overrides for a multi-turn run whose every model turn is one token (every id ends a
+    turn) answered by :class:`tests.trainer._hold_interaction.HoldInteraction`, which waits
+    while ``<root>/hold`` exists."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tiny["root"]
+    model = root / "model_mt"
+    if not model.exists():
+        shutil.copytree(tiny["model"], model)
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        (model / "generation_config.json").write_text(
+            json.dumps({"eos_token_id": list(range(vocab))})
+        )
+        rows = pq.read_table(tiny["data"] / "train.parquet").to_pylist()
+        for row in rows:
+            row["extra_info"] = {**row["extra_info"],
+                                 "interaction_kwargs": {"name": "hold", "hold": str(root / "hold")}}  # fmt: skip
+        pq.write_table(pa.Table.from_pylist(rows), root / "train_mt.parquet")
+        (root / "hold.yaml").write_text(
+            "interaction:\n  - name: hold\n"
+            "    class_name: tests.trainer._hold_interaction.HoldInteraction\n    config: {}\n"
+        )
+    mt = "actor_rollout_ref.rollout.multi_turn"
+    return (f"actor_rollout_ref.model.path={model}", f"data.train_files={root / 'train_mt.parquet'}",
+            f"{mt}.enable=true", f"{mt}.interaction_config_path={root / 'hold.yaml'}",
+            f"{mt}.max_user_turns=3")  # fmt: skip
+
+
+def test_kill_9_of_one_rank_in_a_multi_turn_step_names_it_and_rank_0_leaves_the_tool_turn(tiny):
+    """Issue 53: rank 1 killed while rank 0 is in a multi-turn step's interaction turn (a slow
+    tool's place). The launcher names rank 1 (torchrun's root cause; it named rank 0, which
+    torchrun had SIGKILLed), and rank 0 leaves the turn itself: its exit status in torchrun's
+    report is its own, not the SIGKILL torchrun sends 30 s after its SIGTERM."""
+    run_dir, hold = tiny["root"] / "rank_killed", tiny["root"] / "hold"
+    hold.touch()
+    try:
+        proc = _start(tiny, run_dir, *_multi_turn(tiny))
+        _wait_for(Path(f"{hold}.waiting").exists, "rank 0 in the interaction turn")
+        tree = _tree(proc)
+        victim = next(p for p in tree
+                      if p.environ().get("RANK") == "1" and "megarl.trainer" in p.cmdline())  # fmt: skip
+        victim.kill()
+        code, out = _finish(proc)
+    finally:
+        hold.unlink(missing_ok=True)
+    lines = re.findall(r"error: .*", out)  # (after the progress bar's line, not ended)
+    assert code == 1 and len(lines) == 1, out[-4000:]
+    assert f"rank 1 (pid {victim.pid})" in lines[0] and "SIGKILL" in lines[0], lines
+    report = (run_dir / "logs" / "torchrun.log").read_text()
+    rank0 = report[report.index("rank      : 0") :].splitlines()[1]
+    assert "exitcode" in rank0 and "SIGKILL" not in rank0, report[-3000:]
+    assert "Traceback" not in out
+    assert _survivors(tree, timeout=40) == []
 
 
 def test_an_error_inside_the_ranks_is_one_line_and_exit_2(tiny):
