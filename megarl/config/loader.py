@@ -391,6 +391,7 @@ def _convert(tp: Any, value: Any, key: str, errors: list[str]) -> Any:
         return _REPORTED
     if origin is list:
         (item_tp,) = get_args(tp) or (Any,)
+        value = _quoted_list(value)
         items = value if isinstance(value, (list, tuple)) else [value]
         if isinstance(value, dict) or value is None:
             return _INVALID
@@ -478,6 +479,19 @@ def _lookup(parts: list[str]) -> tuple[str, Any, int]:
         else:
             return "unknown", tp, i
     return "field", tp, len(parts)
+
+
+def _quoted_list(value: Any) -> Any:
+    """A list given as one quoted string (verl 0.9's ``trainer.logger='["console","wandb"]'``
+    when the shell keeps the quotes, or a YAML file quotes it): the list; anything else as is."""
+    text = value.strip().strip("'\"").strip() if isinstance(value, str) else ""
+    if not (text.startswith("[") and text.endswith("]")):
+        return value
+    try:
+        parsed = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return value
+    return parsed if isinstance(parsed, list) else value
 
 
 def _strip_optional(tp: Any) -> tuple[Any, bool]:

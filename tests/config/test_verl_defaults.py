@@ -178,3 +178,28 @@ def test_a_pasted_verl_section_at_its_defaults_is_accepted(tmp_path):
             "verl's default false is accepted)"
         )
     ]
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        'trainer.logger=["console","mlflow"]',  # verl 0.9's JSON list, the shell's quotes removed
+        """trainer.logger='["console","mlflow"]'""",  # ... and kept (a script run through eval)
+        "trainer.logger=[console,mlflow]",
+        "++trainer.logger=[console,mlflow]",  # Hydra's add-or-override
+        "+trainer.logger=['console','mlflow']",
+    ],
+)
+def test_verls_list_spellings(override):
+    assert load_config(TINY, [override]).trainer.logger == ["console", "mlflow"]
+
+
+def test_a_quoted_list_in_a_file_and_quoted_words(tmp_path):
+    (tmp_path / "c.yaml").write_text(
+        f'_base_: {TINY}\ntrainer:\n  logger: \'["console", "mlflow"]\'\n'
+    )
+    cfg = load_config(
+        tmp_path / "c.yaml", ["algorithm.adv_estimator='grpo'", 'data.truncation="error"']
+    )
+    assert cfg.trainer.logger == ["console", "mlflow"]
+    assert (cfg.algorithm.adv_estimator, cfg.data.truncation) == ("grpo", "error")

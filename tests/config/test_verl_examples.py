@@ -26,6 +26,15 @@ REFUSED = {
     "fully_async_grpo_qwen3moe-30b-a3b_math_megatron_96_32": [
         "actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=True",
     ],
+    # TP 4 x PP 2 x EP 4 with expert TP = TP (Megatron's default, verl passes null) is 32 ranks
+    # of experts on the script's default 8 GPUs: Megatron's initialize_model_parallel refuses it too
+    "grpo_qwen3moe-30b-a3b_vllm_megatron": [
+        (
+            "world size 8 (trainer.nnodes × trainer.n_gpus_per_node) is not divisible by "
+            "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size (null: TP) × "
+            "pipeline_model_parallel_size × expert_model_parallel_size = 4 × 2 × 4 = 32"
+        ),
+    ],
 }
 """Script -> the refusals it gets (the start of each line): features megarl does not have yet."""
 # Two CPU ranks instead of 8 or 16 GPUs, a tiny batch and short responses; nothing else changes.
@@ -94,7 +103,7 @@ def test_verls_example_overrides_validate_unchanged(script, files, capsys):
     expected = REFUSED[script]
     assert len(lines) == len(expected), err  # one line per refusal, nothing else
     for start in expected:
-        assert sum(line.startswith(start + ":") for line in lines) == 1, (start, err)
+        assert sum(line.startswith(start) for line in lines) == 1, (start, err)
 
 
 @pytest.mark.slow
