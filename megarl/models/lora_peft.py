@@ -205,13 +205,13 @@ def load_peft_adapter(
             raise LoraError(f"lora.adapter_path={folder} has no {absent[0]}")
         a_parts = [state[a] for a, _ in keys]
         b_parts = [state[b] for _, b in keys]
+        rows = dims.vocab_size if name == hm.OUTPUT_LAYER else None  # lm_head: unpadded
+        _check_adapter_shapes(folder, keys, a_parts, b_parts, linear, rows)
         if any(not torch.equal(a, a_parts[0]) for a in a_parts[1:]):
             raise LoraError(
                 f"lora.adapter_path={folder}: {modules} have different lora_A; megarl's fused "
                 f"{name.rsplit('.', 2)[-2]} adapter shares one A (type=lora)"
             )
-        rows = dims.vocab_size if name == hm.OUTPUT_LAYER else None  # lm_head: unpadded
-        _check_adapter_shapes(folder, keys, a_parts, b_parts, linear, rows)
         if len(b_parts) == 3:
             b = hm.qkv_separate_to_megatron(*b_parts, dims)
         elif len(b_parts) == 2:

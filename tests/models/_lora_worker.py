@@ -329,6 +329,33 @@ def _adapter_path_checks(spec: dict, layout, settings, ids: torch.Tensor, r: dic
     except LoraError as exc:
         said = str(exc)
     r["untied_refusal"] = _on_rank0(said)
+    r["other_base_refusal"] = _other_base_refusal(tmp, other, settings)
+
+
+def _other_base_refusal(tmp: Path, built, settings) -> str | None:
+    """``load_peft_adapter`` of TP1/PP1's export with q_proj's A made 64 wide (an adapter of
+    a model of hidden size 64): the one line it raises."""
+    from safetensors.torch import load_file, save_file
+
+    from megarl.models.lora import LoraError
+    from megarl.models.lora_peft import load_peft_adapter
+
+    folder = tmp / "peft_hidden64"
+    if dist.get_rank() == 0:
+        folder.mkdir(exist_ok=True)
+        state = load_file(str(tmp / "peft_tp1_pp1" / "adapter_model.safetensors"))
+        key = next(k for k in state if "layers.0.self_attn.q_proj.lora_A" in k)
+        state[key] = torch.zeros(state[key].shape[0], 64)
+        save_file(state, str(folder / "adapter_model.safetensors"))
+        (folder / "adapter_config.json").write_text(
+            (tmp / "peft_tp1_pp1" / "adapter_config.json").read_text()
+        )
+    dist.barrier()
+    try:
+        load_peft_adapter(built.chunks, built.dims, settings, folder)
+    except LoraError as exc:
+        return _on_rank0(str(exc))
+    return _on_rank0(None)
 
 
 def _moe_checks(spec: dict, results: dict) -> None:

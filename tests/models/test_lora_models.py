@@ -191,6 +191,9 @@ def test_adapter_path_loads_an_exported_adapter(lora_run, peft_reference):
     assert (got - peft_reference["tp1_pp1"]).abs().max() <= 1e-4
     said = r["untied_refusal"]
     assert said is not None and "\n" not in said and "different lora_A" in said, said
+    said = r["other_base_refusal"]  # was torch's "The size of tensor a (64) must match ..."
+    assert said is not None and "\n" not in said and "peft_hidden64" in said, said
+    assert "q_proj.lora_A.weight has shape [4, 64]" in said and "takes [4, 128]" in said, said
 
 
 def test_moe_lora_on_grouped_gemm_or_expert_tp_is_refused_in_one_line(lora_run):
