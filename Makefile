@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv sandbox venv-gpu wheelhouse wheelhouse-wheels test test-fast demo demo-tools demo-convert lint clean
+.PHONY: venv sandbox venv-gpu wheelhouse wheelhouse-wheels gpu-carry test test-fast demo demo-tools demo-convert lint clean
 
 venv: $(STAMP) sandbox
 
@@ -118,6 +118,22 @@ wheelhouse:
 	$(WH_PIP) wheel --no-build-isolation -w $(WHEELHOUSE) -c requirements/gpu.txt transformer-engine-torch
 	rm -rf $(WH_VENV)
 	du -sh $(WHEELHOUSE)
+
+# The wheels a bare GPU node lacks (docs/gpu.md, "A bare GPU node"): Megatron-Core and the
+# pure-Python packages the trainer imports that such a node does not have (found by importing
+# the trainer and running tools/gpu_check.py --bare-node in a venv holding only what the node
+# has), for CPython $(CARRY_PY) on x86-64, into $(CARRY_DIR) (git-ignored), versions as the CPU
+# lock. Carried to the node and installed there into a folder (--target).
+CARRY_DIR ?= .whl
+CARRY_PY ?= 3.12
+GPU_CARRY := megatron-core==0.16.1 pydantic==2.14.3 pydantic_core==2.50.4 \
+	annotated-types==0.8.0 typing-inspection==0.4.5
+CARRY_PLATFORMS := $(foreach p,manylinux_2_28 manylinux_2_24 manylinux_2_17 manylinux2014,--platform $(p)_x86_64)
+gpu-carry: venv
+	rm -rf $(CARRY_DIR) && mkdir -p $(CARRY_DIR)
+	$(BIN)/pip download --disable-pip-version-check -q --no-deps --only-binary=:all: \
+	  --python-version $(CARRY_PY) --implementation cp $(CARRY_PLATFORMS) -d $(CARRY_DIR) $(GPU_CARRY)
+	du -sh $(CARRY_DIR)
 
 # The whole suite, as two pytest sessions at once over the two halves of tests/ (why, and how
 # to rerun one: tools/run_tests.py). A lane that collects no test (pytest's exit 5) fails it.

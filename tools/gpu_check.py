@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/gpu_check.py                        # a GPU machine, no network needed
     .venv/bin/python tools/gpu_check.py --device cpu --tiny    # the plumbing at tiny shapes (CI)
+    python3 tools/gpu_check.py --bare-node                     # a node as it comes (gpu_bare.py)
 
 Everything it needs it makes locally: random-initialised HF models of real shapes (Qwen2.5-1.5B
 and -7B dimensions with the synthetic task's 32k tokenizer; a tiny one for the plumbing) and the
@@ -96,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the train section's rollout engine (auto: vLLM where it imports, "
         "else the Megatron actor itself, so a machine without vLLM still trains)",
     )
+    parser.add_argument(
+        "--bare-node", action="store_true",
+        help="a GPU node as it comes (no vLLM, TE or network; Megatron-Core carried as a "
+        "wheel): the sections of tools/gpu_bare.py, in about six minutes",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     # Megatron warns at import that TE/apex are missing; the stack row says so once.
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*not installed")
@@ -107,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.bare_node:
+        return _bare_node(args, out, cuda)
     shapes = args.shapes.split(",") if args.shapes else ["tiny"] if args.tiny else list(SHAPES)
     unknown = sorted(set(shapes) - set(SHAPES))
     if unknown:
@@ -173,6 +181,25 @@ def main(argv: list[str] | None = None) -> int:
     failed = [k for k, v in sections.items() if v.get("status") == "failed"]
     failed += [f"models/{k}" for k, v in models.items() if v.get("status") == "failed"]
     return 1 if failed else 0
+
+
+def _bare_node(args, out: Path, cuda: bool) -> int:
+    """``--bare-node``: :mod:`gpu_bare`'s sections (``--sections`` picks among them)."""
+    import gpu_bare
+
+    wanted = args.sections.split(",") if args.sections != ",".join(SECTIONS) else gpu_bare.SECTIONS
+    unknown = sorted(set(wanted) - set(gpu_bare.SECTIONS))
+    if unknown:
+        print(f"error: --sections: unknown {', '.join(unknown)} with --bare-node (known: "
+              f"{', '.join(gpu_bare.SECTIONS)})", file=sys.stderr)  # fmt: skip
+        return 2
+    report = gpu_bare.run_bare_node(out, cuda, args.tiny, args.steps, list(wanted))
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    table = gpu_bare.table(report)
+    (out / "gpu_check.txt").write_text(table + "\n")
+    print(table)
+    print(f"gpu_check: {out / 'gpu_check.json'}")
+    return 1 if any(v.get("status") == "failed" for v in report["sections"].values()) else 0
 
 
 def _section(fn) -> dict:

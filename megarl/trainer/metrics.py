@@ -16,16 +16,25 @@ from megarl.trainer.batch import StepBatch
 from megarl.trainer.residency import phase_peak_metrics
 
 
+def _synchronize() -> None:
+    """Wait for this rank's queued GPU work (a no-op without CUDA): a phase's seconds then
+    hold its kernels, not only their launches (sync GB/s and MFU would read high)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 class Timer:
-    """``timing_s/<phase>`` metrics."""
+    """``timing_s/<phase>`` metrics, CUDA-synchronised at each phase's start and end."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
+        _synchronize()
         start = time.perf_counter()
         yield
+        _synchronize()
         self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:

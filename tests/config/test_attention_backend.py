@@ -23,11 +23,12 @@ def _problems(overrides: list[str]) -> list[str]:
 
 
 def test_fp32_te_with_packing_is_refused_in_one_line():
-    assert _problems(ON_CUDA) == [
+    expected = (
         f"trainer.dtype=fp32 with {MEG}.transformer_impl=auto (Transformer Engine on CUDA) and "
         f"packed sequences (use_remove_padding): TE has no fp32 attention for them; use "
         f"trainer.dtype=bf16 or {MEG}.transformer_impl=local, or {MEG}.use_remove_padding=false"
-    ]
+    )
+    assert _problems(ON_CUDA) == [expected]
 
 
 def test_fp32_te_with_context_parallelism_names_cp_and_every_model():

@@ -165,3 +165,29 @@ def test_te_lora_logits_match_hf_peft(te_model, tmp_path):
     grads = {n: p.grad for n, p in chunks[0].named_parameters()}
     assert all(g is not None for n, g in grads.items() if ".lora." in n)
     assert all(g is None for n, g in grads.items() if ".lora." not in n)
+
+
+def test_te_has_no_fp32_attention_for_packed_rows(te_model):
+    """Why the pre-flight refuses trainer.dtype=fp32 with TE's spec and packing (issue 54 item
+    2; tests/config/test_attention_backend.py): TE's fp32 attention on THD rows finds no
+    backend, while bf16 runs."""
+    from megarl.models.build import build_model
+    from megarl.models.packing import pack_rows
+    from megarl.parallel.layout import ParallelLayout
+
+    path, dims, _ = te_model
+    ids = torch.randint(0, dims.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    rows = pack_rows(ids.cuda(), torch.tensor([16, 9]), multiple=8)
+    for dtype in (torch.bfloat16, torch.float32):
+        chunk = build_model(path, ParallelLayout(1, 1), dtype=dtype,
+                            transformer_impl="transformer_engine").chunks[0]  # fmt: skip
+
+        def run(chunk=chunk) -> torch.Tensor:
+            with torch.no_grad():
+                return chunk(rows.input_ids, rows.position_ids, None, packed_seq_params=rows.params)
+
+        if dtype == torch.bfloat16:
+            assert torch.isfinite(run().float()).all()
+        else:
+            with pytest.raises(Exception, match="(?i)no dot product attention backend"):
+                run()

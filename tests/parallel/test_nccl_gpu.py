@@ -11,6 +11,7 @@ the cache (not to the driver), then the first collectives on Megatron's groups.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -46,8 +47,16 @@ def _worker() -> None:
     del blocks  # back to PyTorch's cache, which keeps the GPU
     assert torch.cuda.memory_reserved() == filled
     t = torch.ones(4, device="cuda")
+    from megarl.parallel.collectives import max_over_ranks
+    from megarl.parallel.connect import _collective_groups
+
+    for _name, group in _collective_groups():  # every group a step uses (connect_groups' list)
+        dist.all_reduce(t, group=group)
     for group in (ps.get_model_parallel_group(), ps.get_data_parallel_group(), None):
         dist.all_reduce(t, group=group)
+    # demo_sync's reduction: on NCCL a CPU tensor fails (issue 54 item 3)
+    assert max_over_ranks([1.0, 2.0]) == [1.0, 2.0]
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # set before CUDA started (item 7)
     torch.cuda.synchronize()
     print(f"collectives ok with {filled / 2**30:.1f} GiB in the cache", flush=True)
     dist.destroy_process_group()
