@@ -80,8 +80,14 @@ def _run(max_batches=0):
                            "algorithm.filter_groups.enable=true",
                            "algorithm.filter_groups.metric=acc",
                            f"algorithm.filter_groups.max_num_gen_batches={max_batches}"])  # fmt: skip
-    return SimpleNamespace(cfg=cfg, engine=None, tokenizer=None, ahead=None,
-                           engine_residency=None, last_sleep_level=None)
+    return SimpleNamespace(
+        cfg=cfg,
+        engine=None,
+        tokenizer=None,
+        ahead=None,
+        engine_residency=None,
+        last_sleep_level=None,
+    )
 
 
 def _first(script):
