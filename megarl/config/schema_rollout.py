@@ -25,7 +25,8 @@ class SamplingConfig:
 @dataclass
 class MultiTurnConfig:
     """``actor_rollout_ref.rollout.multi_turn.*``: multi-turn rollouts with tool calls and
-    interactions (verl 0.9.1's names; :mod:`megarl.rollout.multi_turn`, docs/tools.md)."""
+    interactions (verl 0.9.1's names, but interactions are megarl's extension: 0.9.1 has none;
+    :mod:`megarl.rollout.multi_turn`, docs/tools.md)."""
 
     enable: bool = False
     """Alternate model turns with tool / interaction turns (verl's tool agent loop)."""
@@ -44,7 +45,8 @@ class MultiTurnConfig:
     function_tool_path: str | None = None
     """A Python file of @function_tool functions (schemas from signature and docstring)."""
     interaction_config_path: str | None = None
-    """verl's interaction config YAML (scripted user turns)."""
+    """Interaction config YAML (scripted user turns) as the verl releases with interactions read
+    it; megarl's extension (verl 0.9.1 has no interactions)."""
     format: str = "hermes"
     """Tool-call format of the model's text (hermes: <tool_call>{...}</tool_call>)."""
     tokenization_sanity_check_mode: Literal["strict", "ignore_strippable", "disable"] = "strict"
