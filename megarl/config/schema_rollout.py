@@ -45,8 +45,7 @@ class MultiTurnConfig:
     function_tool_path: str | None = None
     """A Python file of @function_tool functions (schemas from signature and docstring)."""
     interaction_config_path: str | None = None
-    """Interaction config YAML (scripted user turns) as the verl releases with interactions read
-    it; megarl's extension (verl 0.9.1 has no interactions)."""
+    """Interaction config YAML (scripted user turns): megarl's extension, verl 0.9.1 has none."""
     format: str = "hermes"
     """Tool-call format of the model's text (hermes: <tool_call>{...}</tool_call>)."""
     tokenization_sanity_check_mode: Literal["strict", "ignore_strippable", "disable"] = "strict"
