@@ -201,6 +201,13 @@ def main() -> None:
     rec["tp1_repeat"] = record(run())
     rec["tp1_other_seed"] = record(run(seed=8))
     rec["tp1_other_step"] = record(run(step=1))
+    # Partial rollouts over two replicas with shares of their own (one finishes first and keeps
+    # answering the other's polls): greedy, interrupted once, the same weights reloaded.
+    from safetensors.torch import load_file
+
+    rec["tp1_greedy"] = record(run(temperature=0.0))
+    same = load_file(str(tiny / "model.safetensors"))
+    rec["tp1_greedy_partial"] = record(run(temperature=0.0, interrupts=StopAfter(engine, 4, same)))
     # training DP 1: both ranks hold the full list (like TP peers); many extra stop ids.
     stops = list(range(4, 300))
     out["meta"]["extra_stops"] = stops
@@ -238,7 +245,6 @@ def main() -> None:
                 shutil.copy(item, bare / item.name)
     dist.barrier()
     engine = make_from_config(bare, "tp2")
-    from safetensors.torch import load_file
 
     timed(
         "tp2_first_sync",

@@ -253,11 +253,13 @@ def test_logprobs_match_transformers(run, hf_logprobs, key, model):
             assert r["logprobs"] == pytest.approx(w, abs=LOGPROB_TOL)
 
 
-def test_partial_rollout_on_unchanged_weights_is_the_uninterrupted_generation(run):
+@pytest.mark.parametrize("tag", ["tp2", "tp1"])
+def test_partial_rollout_on_unchanged_weights_is_the_uninterrupted_generation(run, tag):
     """Greedy, interrupted after the prefill and 3 tokens, the same weights reloaded, continued
     from prompt + tokens so far as token ids: the same tokens with the same log-probs as the
-    uninterrupted generation; the tokens after the interruption record version 1."""
-    for whole, parts in zip(records(run, "tp2_greedy"), records(run, "tp2_greedy_partial"),
+    uninterrupted generation; the tokens after the interruption record version 1. TP 2: one
+    replica over both ranks; TP 1: two replicas with shares of their own, stopping together."""
+    for whole, parts in zip(records(run, f"{tag}_greedy"), records(run, f"{tag}_greedy_partial"),
                             strict=True):  # fmt: skip
         assert tokens(parts) == tokens(whole)
         for a, b in zip(whole, parts, strict=True):
