@@ -72,6 +72,12 @@ ONLY: tuple[tuple[str, tuple[object, ...], str], ...] = (
     (f"{ARR}.rollout.load_format", ("dummy", "auto", "safetensors"),
      "vLLM starts from model.path's weights and then takes the actor's before generating"),
     (f"{ARR}.rollout.disable_log_stats", (True,), "vLLM's statistics are not logged"),
+    (f"{ARR}.rollout.checkpoint_engine.backend", ("naive",),
+     ("megarl's weight sync streams the resharding plan's buckets over torch.distributed "
+      "(verl's naive backend)")),
+    (f"{ARR}.rollout.checkpoint_engine.engine_kwargs", ({},), "the naive backend takes none"),
+    (f"{ARR}.rollout.checkpoint_engine.custom_backend_module", (None,),
+     "no custom checkpoint engines"),
     (f"{ARR}.rollout.quantization", (None,), "rollout weights are not quantized"),
     (f"{ARR}.rollout.quantization_config_file", (None,), "rollout weights are not quantized"),
     ("reward.reward_model.enable_resource_pool", (False,),
@@ -93,6 +99,19 @@ def check_engine_keys(cfg, error: Error) -> None:
         error(
             f"model_engine={cfg.model_engine}: megarl is the Megatron engine; use "
             "model_engine=megatron (or leave it out)"
+        )
+    roll = arr.rollout
+    mb = roll.checkpoint_engine.update_weights_bucket_megabytes
+    if mb is not None and mb < 1:
+        error(
+            f"{ARR}.rollout.checkpoint_engine.update_weights_bucket_megabytes must be >= 1, got {mb}"
+        )
+    moe_tp = roll.moe_tensor_parallel_size
+    if moe_tp is not None and moe_tp != roll.tensor_model_parallel_size:
+        error(
+            f"{ARR}.rollout.moe_tensor_parallel_size={moe_tp}: vLLM splits the experts over its "
+            f"tensor-parallel size ({roll.tensor_model_parallel_size}); use "
+            f"{roll.tensor_model_parallel_size} or leave it unset (expert_parallel_size spreads them)"
         )
     seed = cfg.trainer.seed
     for key, meg in ((f"{ARR}.actor", arr.actor.megatron), (f"{ARR}.ref", arr.ref.megatron),

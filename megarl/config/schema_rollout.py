@@ -59,6 +59,27 @@ class MultiTurnConfig:
 
 
 @dataclass
+class CheckpointEngineConfig:
+    """``actor_rollout_ref.rollout.checkpoint_engine.*``: how the actor's weights reach the
+    rollout engine (verl's section). megarl's weight sync is verl's ``naive`` backend: the
+    resharding plan's buckets over torch.distributed into the colocated engine."""
+
+    backend: str = "naive"
+    """Only naive: megarl's resharding streams buckets (verl's nccl/nixl/... engines: not built)."""
+    update_weights_bucket_megabytes: int | None = None
+    """Bytes of one sync bucket, in MiB (verl's default 2048); null: megarl's 1024."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Only empty: the naive backend takes no arguments."""
+    custom_backend_module: str | None = None
+    """Only null: no custom checkpoint engines."""
+
+    def bucket_bytes(self) -> int | None:
+        """The sync's bucket size in bytes (None: megarl's default)."""
+        mb = self.update_weights_bucket_megabytes
+        return None if mb is None else mb << 20
+
+
+@dataclass
 class RolloutConfig:
     """``actor_rollout_ref.rollout.*``: the vLLM engine colocated with training.
 
@@ -153,6 +174,11 @@ class RolloutConfig:
     """(megarl) Permit top_p < 1 or top_k > 0 in training rollouts (biased log-probs)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Free-form: extra keyword arguments for vllm.LLM."""
+    checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
+    """How the actor's weights reach vLLM: the sync's bucket size."""
+    moe_tensor_parallel_size: int | None = None
+    """Only unset or tensor_model_parallel_size: vLLM splits the experts over its TP (or, with
+    expert_parallel_size > 1, spreads them)."""
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
     """(megarl) Sampling settings of validation rollouts."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)

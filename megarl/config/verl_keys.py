@@ -77,7 +77,6 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     *_each(_MODELS, "tiled_mlp", "no tiled MLP"),
     *_each(_MODELS, "mtp", "no multi-token prediction"),
     # -- rollout -------------------------------------------------------------------------------------
-    ("actor_rollout_ref.rollout.checkpoint_engine", "weights travel through megarl's resharding"),
     ("actor_rollout_ref.rollout.cudagraph_capture_sizes", "use engine_kwargs"),
     ("actor_rollout_ref.rollout.full_determinism", "use engine_kwargs"),
     ("actor_rollout_ref.rollout.scheduling_policy", "use engine_kwargs"),

@@ -190,11 +190,13 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         engine: RolloutEngine = vllm_engine
         from megarl.rollout.reshard import plan_for_chunks
 
+        bucket = arr.rollout.checkpoint_engine.bucket_bytes()  # verl's bucket megabytes
         reshard = plan_for_chunks(
             actor.chunks,
             actor_model.dims,
             vllm_engine.tensor_parallel_size,
             rollout_ep=vllm_engine.expert_parallel,
+            **({} if bucket is None else {"bucket_bytes": bucket}),
         )
         if isinstance(vllm_engine, AheadEngine):  # it receives the plan with its syncs
             vllm_engine.bind_plan(reshard)

@@ -100,6 +100,9 @@ def test_values_that_are_megarls_behaviour_validate(overrides):
         ("critic.model.enable_activation_offload=True", "critic.model.enable_activation_offload=true: no activation offloading; use false"),
         (f"{ARR}.rollout.skip_tokenizer_init=False", f"{ARR}.rollout.skip_tokenizer_init=false: prompts reach vLLM as token ids and responses leave as token ids; use true"),
         (f"{OVR}.adam_eps=-1", f"{OVR[1:]}.adam_eps=-1 must be a number >= 0"),
+        (f"{ARR}.rollout.checkpoint_engine.backend=nccl", f"{ARR}.rollout.checkpoint_engine.backend=nccl: megarl's weight sync streams the resharding plan's buckets over torch.distributed (verl's naive backend); use naive"),
+        (f"{ARR}.rollout.checkpoint_engine.update_weights_bucket_megabytes=0", f"{ARR}.rollout.checkpoint_engine.update_weights_bucket_megabytes must be >= 1, got 0"),
+        (f"+{ARR}.rollout.moe_tensor_parallel_size=1", f"{ARR}.rollout.moe_tensor_parallel_size=1: vLLM splits the experts over its tensor-parallel size (2); use 2 or leave it unset"),
         (f"{OVR}.log_num_zeros_in_grad=True", f"{OVR[1:]}.log_num_zeros_in_grad is not applied by megarl; the entries it honours are adam_beta1, adam_beta2, adam_eps, sgd_momentum, clip_grad"),
     ],
 )  # fmt: skip
@@ -262,3 +265,26 @@ def test_verls_fusion_overrides_are_megarls_megatron_keys_or_have_no_effect():
     ]
     problems = _problems([f"{MEG_OVR}.hidden_dropout=0.1"])
     assert len(problems) == 1 and "override_transformer_config" in problems[0], problems
+
+
+def test_verls_checkpoint_engine_bucket_is_the_syncs_bucket_size():
+    """``rollout.checkpoint_engine.update_weights_bucket_megabytes`` (MiB, verl's unit) is the
+    resharding plan's bucket bound, as ``build_run`` passes it to ``plan_for_chunks``; verl's
+    ``backend=naive`` (its default) validates, as does its section spelled out in full."""
+    from megarl.config.model_dims import ModelDims
+    from megarl.parallel.layout import ParallelLayout
+    from megarl.rollout.reshard import make_reshard_plan
+
+    ce = f"{ARR}.rollout.checkpoint_engine"
+    cfg = load_config(GRPO, [f"{ce}.update_weights_bucket_megabytes=1", f"{ce}.backend=naive",
+                             f"{ce}.engine_kwargs={{}}", f"{ce}.custom_backend_module=null"])  # fmt: skip
+    validate(cfg)
+    assert cfg.actor_rollout_ref.rollout.checkpoint_engine.bucket_bytes() == 1 << 20
+    assert load_config(GRPO).actor_rollout_ref.rollout.checkpoint_engine.bucket_bytes() is None
+    from megarl.models.tiny import tiny_hf_config
+
+    dims = ModelDims.from_hf_config(tiny_hf_config("qwen2", hidden_size=512, vocab_size=4096))
+    small = make_reshard_plan(dims, ParallelLayout(), 1, bucket_bytes=1 << 20)
+    whole = make_reshard_plan(dims, ParallelLayout(), 1)
+    assert len(small.buckets) > len(whole.buckets)
+    assert small.bucket_bytes == 1 << 20
