@@ -126,6 +126,17 @@ def test_a_machine_without_bubblewrap_is_refused_in_one_line(tmp_path, monkeypat
         assert sandbox.OPT_OUT in message
         with pytest.raises(sandbox.SandboxError):
             PythonTool({})
+        # a tool config naming verl's sandbox tool: the pre-flight's one ToolConfigError line
+        from megarl.tools.errors import ToolConfigError
+        from megarl.tools.registry import load_all_tools
+
+        tools = tmp_path / "tools.yaml"
+        tools.write_text(
+            "tools:\n  - class_name: verl.tools.sandbox_fusion_tools.SandboxFusionTool\n"
+            "    config: {type: native}\n"
+        )
+        with pytest.raises(ToolConfigError, match=r"tools\[0\].*SandboxError: .*code_sandbox"):
+            load_all_tools(tools, None)
         # megarl train's pre-flight, for a code data source (the ranks are never started)
         from megarl.commands import train
         from megarl.config import load_config
