@@ -18,8 +18,8 @@ several checks:
   exit 1, one line naming rank 1 and SIGKILL, rank 0 left the turn itself (issue 53);
 - an error inside the ranks (1 launch: the scorer raises): exit 2, the first rank's ``error:``
   line once with where the logs are, no traceback; torchrun's report in ``logs/torchrun.log``;
-- vLLM on a rank of its own, one step off (issue 26): ``kill -9`` of that rank (1 launch), one
-  line naming it. (SIGTERM to such a run and its relaunch: ``test_disaggregated_run.py``, whose
+- vLLM on a rank of its own, fully async with partial rollouts (issues 26, 55): ``kill -9`` of
+  that rank (1 launch), one line naming it. (SIGTERM to such a run and its relaunch: ``test_disaggregated_run.py``, whose
   learning run is stopped and resumed in the middle.)
 
 Scoring is driven by a custom reward file: while ``<root>/hold`` exists each sample touches
@@ -360,20 +360,24 @@ def test_an_error_inside_the_ranks_is_one_line_and_exit_2(tiny):
     assert _survivors(tree, timeout=40) == []
 
 
-ONE_STEP_OFF = (
+FULLY_ASYNC = (
     "actor_rollout_ref.rollout.name=vllm",
     "actor_rollout_ref.rollout.nnodes=1",
     "actor_rollout_ref.rollout.n_gpus_per_node=1",
     "async_training.staleness_threshold=1",
+    "async_training.trigger_parameter_sync_step=2",
+    "async_training.partial_rollout=true",
 )
-"""vLLM on a rank of its own after the 2 training ranks, one step off (issue 26)."""
+"""vLLM on a rank of its own after the 2 training ranks, fully async (issue 55: weights every 2
+updates, partial rollouts; issue 26's one step off takes the same failure path)."""
 
 
 def test_kill_9_of_the_rollout_rank_names_it(tiny):
-    """vLLM on a rank of its own, one step off (issue 26): killing that rank ends the run in one
-    line naming it as the rollout rank (issue 40), and nothing of the launch is left."""
+    """vLLM on a rank of its own, fully async with partial rollouts (issues 26, 55): killing that
+    rank while it generates ends the run in one line naming it as the rollout rank (issue 40),
+    and nothing of the launch is left."""
     run_dir = tiny["root"] / "rollout_rank_killed"
     _kill_9_names_it(
-        tiny, run_dir, 2, *ONE_STEP_OFF, "trainer.total_training_steps=500",
+        tiny, run_dir, 2, *FULLY_ASYNC, "trainer.total_training_steps=500",
         role=", a rollout rank (vLLM)",
     )  # fmt: skip
