@@ -125,7 +125,8 @@ def _spans_nodes(cfg) -> bool:
 
 def _would_start(cfg) -> str:
     """What ``megarl train`` would start on this machine, in words."""
-    from megarl.config.batch_plan import rollout_ranks, steps_ahead
+    from megarl.config.async_schedule import describe_overlap
+    from megarl.config.batch_plan import rollout_ranks
 
     nproc, roll = cfg.trainer.n_gpus_per_node, cfg.actor_rollout_ref.rollout
     meg = cfg.actor_rollout_ref.actor.megatron
@@ -137,8 +138,7 @@ def _would_start(cfg) -> str:
     if not extra:
         where = f"{roll.name} TP {roll.tensor_model_parallel_size} in the training ranks"
         return f"megarl train would start {nproc} process(es) here: {training}, {where}"
-    ahead = steps_ahead(cfg)
-    off = {0: "on-policy", 1: "one step off"}.get(ahead, f"up to {ahead} steps off")
+    off = describe_overlap(cfg)
     replicas = extra // roll.tensor_model_parallel_size
     return (
         f"megarl train would start {nproc + extra} process(es) here: {training}, then {extra} "

@@ -440,9 +440,11 @@ def _start_vllm(cfg: MegarlConfig, model_path: str, **overrides: Any):
                 "actor_rollout_ref.model.lora.merge=false with vLLM on ranks of its own needs "
                 "async_training.staleness_threshold <= 1 (staged updates carry no adapters)"
             )
+        from megarl.config.async_schedule import partial_rollouts
+
         return RemoteEngine(world.channels(nccl_weights=not streams), ranks=world.rollout_ranks,
                             timeout=world.timeout, streams=streams, rollout_tp=tp,
-                            lora=lora)  # fmt: skip
+                            lora=lora, partial=partial_rollouts(cfg))  # fmt: skip
     from megarl.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine.from_config(
@@ -499,8 +501,11 @@ def serve_rollout(cfg: MegarlConfig) -> None:
         # otherwise the bytes go GPU to GPU over NCCL where each rank has a GPU of its own
         stage = stages_weight_updates(cfg)
         tp = arr.rollout.tensor_model_parallel_size  # staged: each rank its vLLM TP rank's pieces
+        from megarl.config.async_schedule import partial_rollouts
+
         serve(engine, world.channels(nccl_weights=not stage), score, stage=stage,
-              part=(tp, engine.tp_rank), multi_turn=multi_turn)  # fmt: skip
+              part=(tp, engine.tp_rank), multi_turn=multi_turn,
+              partial=partial_rollouts(cfg))  # fmt: skip
     finally:
         rewards.close()
         engine.shutdown()
