@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from megarl.rollout.vllm_engine import VLLMEngine
 
     layout = ParallelLayout(args.tp, args.pp)
-    init_distributed(layout, seed=0)
+    init_distributed(layout, seed=0, rollout_tp=args.rollout_tp)  # the sync's pipeline pairs
     built = build_model(args.model, layout)
     dims, chunks = built.dims, built.chunks
     _print0(
