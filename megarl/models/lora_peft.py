@@ -27,7 +27,8 @@ from megatron.core import parallel_state
 from megarl.config.model_dims import ModelDims
 from megarl.models import hf_mapping as hm
 from megarl.models import moe_mapping as mm
-from megarl.models.lora import LoraError, LoraSettings, adapted_linears, merge_adapter_shards
+from megarl.models.lora import LoraError, LoraSettings, adapted_linears
+from megarl.models.lora_shards import merge_adapter_shards, shard_adapter
 from megarl.models.weights import holds_first_copy
 from megarl.parallel.collectives import all_gather_tensors, object_group
 
@@ -170,8 +171,6 @@ def load_peft_adapter(
     :class:`~megarl.models.lora.LoraError` in one line naming what does not fit.
     """
     from safetensors.torch import load_file
-
-    from megarl.models.lora import LoraError, shard_adapter
 
     folder = Path(folder).expanduser()
     config_file, weights = folder / "adapter_config.json", folder / "adapter_model.safetensors"

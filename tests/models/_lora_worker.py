@@ -55,7 +55,8 @@ def _adapter_grads(chunks) -> dict:
     from megatron.core import parallel_state
 
     from megarl.models.gpt import unwrap
-    from megarl.models.lora import adapted_linears, merge_adapter_shards
+    from megarl.models.lora import adapted_linears
+    from megarl.models.lora_shards import merge_adapter_shards
     from megarl.parallel.collectives import all_gather_tensors
 
     config = unwrap(chunks[0]).config
