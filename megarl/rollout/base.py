@@ -231,12 +231,16 @@ class RolloutEngine(WeightSink, Protocol):
         seed: int,
         step: int = 0,
         prompt_ids: Sequence[int] | None = None,
+        interrupts: Any = None,
     ) -> RolloutBatch:
         """``n`` responses per prompt, prompt-major. Response ``(p, s)`` is sampled with
         ``request_seed(seed, step, prompt_ids[p], s)`` and carries ``prompt_id=prompt_ids[p]``
         (``prompt_ids`` defaults to ``range(len(prompts))``; pass global prompt ids when
         ``prompts`` is a shard). Log-probs are of ``log_softmax(logits / temperature)``. The
-        engine's ``eos_token_ids`` always stop generation; ``stop_token_ids`` adds more."""
+        engine's ``eos_token_ids`` always stop generation; ``stop_token_ids`` adds more.
+        ``interrupts`` (a :class:`megarl.rollout.partial.Interrupts`): a partial rollout, which
+        stops at the token boundaries it asks for and continues on new weights, each token's
+        version recorded; an engine that cannot interrupt refuses it (ValueError)."""
         ...
 
     def sleep(self, level: int = 1) -> None:

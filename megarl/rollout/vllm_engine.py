@@ -37,7 +37,6 @@ from megarl.rollout.vllm_process import (
 
 if TYPE_CHECKING:
     from megarl.config.schema import RolloutConfig
-    from megarl.rollout.partial import Interrupts
 
 __all__ = [
     "VLLMEngine",
@@ -300,7 +299,7 @@ class VLLMEngine:
         seed: int,
         step: int = 0,
         prompt_ids: Sequence[int] | None = None,
-        interrupts: Interrupts | None = None,
+        interrupts: Any = None,
     ) -> RolloutBatch:
         """``n`` responses per prompt, prompt-major (see ``RolloutEngine.generate``).
 
@@ -362,7 +361,7 @@ class VLLMEngine:
         return RolloutBatch(samples, n)
 
     def _generate_partial(
-        self, prompts, keys, ids, make_params, interrupts: Interrupts, seed, step, max_tokens
+        self, prompts, keys, ids, make_params, interrupts, seed, step, max_tokens
     ) -> RolloutBatch:
         """:meth:`generate` as a partial rollout (:func:`~megarl.rollout.partial.
         generate_interruptible`)."""
