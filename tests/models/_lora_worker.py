@@ -304,53 +304,37 @@ def _from_peft(spec: dict, layout, settings, seed_shift: int, folder: str, ids: 
 
 def _adapter_path_checks(spec: dict, layout, settings, ids: torch.Tensor, r: dict) -> None:
     """``load_peft_adapter`` of TP1/PP1's PEFT export at this layout: its logits; and the one
-    line refusing a PEFT folder whose q/k/v A's differ."""
-
-    from safetensors.torch import load_file, save_file
-
-    from megarl.models.lora import LoraError
-    from megarl.models.lora_peft import load_peft_adapter
-
+    lines refusing a PEFT folder whose q/k/v A's differ and one of another base model."""
     tmp = Path(spec["tmp"])
     other, r["logits_from_peft"] = _from_peft(spec, layout, settings, 7, "peft_tp1_pp1", ids)
-    untied = tmp / "peft_untied"
-    if dist.get_rank() == 0:
-        untied.mkdir(exist_ok=True)
-        state = load_file(str(tmp / "peft_tp1_pp1" / "adapter_model.safetensors"))
+
+    def untie(state: dict) -> None:  # one A of q/k/v differs: not one fused adapter
         key = next(k for k in state if "k_proj.lora_A" in k)
         state[key] = state[key] + 1.0
-        save_file(state, str(untied / "adapter_model.safetensors"))
-        (untied / "adapter_config.json").write_text(
-            (tmp / "peft_tp1_pp1" / "adapter_config.json").read_text()
-        )
-    dist.barrier()
-    try:
-        load_peft_adapter(other.chunks, other.dims, settings, untied)
-        said = None
-    except LoraError as exc:
-        said = str(exc)
-    r["untied_refusal"] = _on_rank0(said)
-    r["other_base_refusal"] = _other_base_refusal(tmp, other, settings)
+
+    def widen(state: dict) -> None:  # q_proj's A 64 wide: an adapter of a hidden-64 model
+        key = next(k for k in state if "layers.0.self_attn.q_proj.lora_A" in k)
+        state[key] = torch.zeros(state[key].shape[0], 64)
+
+    r["untied_refusal"] = _refusal_of_edited(tmp, other, settings, "peft_untied", untie)
+    r["other_base_refusal"] = _refusal_of_edited(tmp, other, settings, "peft_hidden64", widen)
 
 
-def _other_base_refusal(tmp: Path, built, settings) -> str | None:
-    """``load_peft_adapter`` of TP1/PP1's export with q_proj's A made 64 wide (an adapter of
-    a model of hidden size 64): the one line it raises."""
+def _refusal_of_edited(tmp: Path, built, settings, name: str, edit) -> str | None:
+    """The one line ``load_peft_adapter`` raises for TP1/PP1's export with ``edit`` applied
+    to its tensors (written by rank 0 to ``tmp/name``), or None."""
     from safetensors.torch import load_file, save_file
 
     from megarl.models.lora import LoraError
     from megarl.models.lora_peft import load_peft_adapter
 
-    folder = tmp / "peft_hidden64"
+    folder, source = tmp / name, tmp / "peft_tp1_pp1"
     if dist.get_rank() == 0:
         folder.mkdir(exist_ok=True)
-        state = load_file(str(tmp / "peft_tp1_pp1" / "adapter_model.safetensors"))
-        key = next(k for k in state if "layers.0.self_attn.q_proj.lora_A" in k)
-        state[key] = torch.zeros(state[key].shape[0], 64)
+        state = load_file(str(source / "adapter_model.safetensors"))
+        edit(state)
         save_file(state, str(folder / "adapter_model.safetensors"))
-        (folder / "adapter_config.json").write_text(
-            (tmp / "peft_tp1_pp1" / "adapter_config.json").read_text()
-        )
+        (folder / "adapter_config.json").write_text((source / "adapter_config.json").read_text())
     dist.barrier()
     try:
         load_peft_adapter(built.chunks, built.dims, settings, folder)
