@@ -107,7 +107,7 @@ def test_a_lora_mistake_is_one_line_and_exit_2(tiny, lora_files, no_launch, caps
     assert named in lines[0] and "Traceback" not in err, lines[0]
 
 
-def test_the_resumed_checkpoints_own_settings_pass(tiny, lora_files, no_launch):  # noqa: F811
+def test_the_resumed_checkpoints_own_settings_pass(tiny, lora_files, no_launch, capsys):  # noqa: F811
     """The same checkpoint resumed with its rank gets past the LoRA check (to the shard
     files, which this hand-made checkpoint lacks: that refusal names the metadata)."""
     root = tiny["root"]
@@ -117,7 +117,8 @@ def test_the_resumed_checkpoints_own_settings_pass(tiny, lora_files, no_launch):
                        f"trainer.default_local_dir={root / 'run'}",
                        "trainer.resume_mode=resume_path",
                        f"trainer.resume_from_path={lora_files['ckpt16']}"])  # fmt: skip
-    assert code == 2  # cannot read .../actor/.metadata: past the LoRA settings
+    err = capsys.readouterr().err
+    assert code == 2 and ".metadata" in err and "LoRA" not in err, err  # past the LoRA check
 
 
 def _names(layers: int = 12) -> list[str]:
