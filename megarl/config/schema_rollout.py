@@ -177,8 +177,7 @@ class RolloutConfig:
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
     """How the actor's weights reach vLLM: the sync's bucket size."""
     moe_tensor_parallel_size: int | None = None
-    """Only unset or tensor_model_parallel_size: vLLM splits the experts over its TP (or, with
-    expert_parallel_size > 1, spreads them)."""
+    """Only unset or tensor_model_parallel_size: vLLM splits its experts over its TP."""
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
     """(megarl) Sampling settings of validation rollouts."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)

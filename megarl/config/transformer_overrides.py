@@ -67,6 +67,44 @@ LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
 """Fields of the parallel layout: ``megatron.<key>``."""
 
 
+HF_ROUTER_FIELDS = ("moe_router_topk", "moe_router_pre_softmax", "moe_router_score_function",
+                    "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                    "moe_shared_expert_gate")  # fmt: skip
+"""MoE fields the HF config fixes (the router's top-k, normalisation, softmax; the experts'
+sizes); ``moe_router_dtype`` only at megarl's fp32."""
+
+MOE_DISPATCHERS = ("alltoall", "allgather")
+"""Token dispatchers that run on CPU (gloo) and GPU; ``flex`` needs DeepEP or HybridEP."""
+
+TE_ONLY_MOE = ("moe_grouped_gemm", "moe_permute_fusion")
+"""Transformer Engine's MoE kernels: applied on the TE spec, no effect on the local one."""
+
+
+def deepep_available() -> bool:
+    """DeepEP (``deep_ep``) or HybridEP imports: Megatron's flex dispatcher can run."""
+    from importlib.util import find_spec
+
+    return find_spec("deep_ep") is not None
+
+
+def moe_override_problem(name: str, value: Any) -> str | None:
+    """Why the ``moe_*`` entry ``name=value`` cannot apply (None: it can), naming what works."""
+    if name in HF_ROUTER_FIELDS:
+        return (f"{name}={_show(value)}: the router follows the HF config (top-k, "
+                "normalisation, softmax; the experts' sizes too); leave it out")  # fmt: skip
+    if name == "moe_router_dtype" and str(value) not in ("fp32", "float32"):
+        return f"{name}={_show(value)}: megarl's router computes in fp32; use fp32"
+    flex = (name == "moe_token_dispatcher_type" and value == "flex") or (
+        name == "moe_enable_deepep" and value is True
+    )
+    if flex and not deepep_available():
+        return (f"{name}={_show(value)}: the flex dispatcher needs DeepEP (deep_ep), which this "
+                f"machine lacks; use a moe_token_dispatcher_type of {', '.join(MOE_DISPATCHERS)}")  # fmt: skip
+    if name == "moe_token_dispatcher_type" and value not in (*MOE_DISPATCHERS, "flex"):
+        return f"{name}={_show(value)}: use one of {', '.join((*MOE_DISPATCHERS, 'flex'))}"
+    return None
+
+
 def _show(value: Any) -> str:
     if value is None:
         return "null"
@@ -80,9 +118,13 @@ def transformer_override_problems(prefix: str, overrides: dict[str, Any]) -> lis
     problems = []
     for name, value in overrides.items():
         entry = f"{key}.{name}={_show(value)}"
-        if name in NO_EFFECT or name.startswith("moe_") and name not in FROM_HF:
-            continue  # moe_*: checked with the model (megarl.models.gpt.MoeSettings)
-        if name == "attention_backend":
+        if name in NO_EFFECT:
+            continue
+        if name.startswith("moe_") and name not in FROM_HF:
+            problem = moe_override_problem(name, value)
+            if problem is not None:
+                problems.append(f"{key}.{problem}")
+        elif name == "attention_backend":
             if str(value).removeprefix("AttnBackend.") not in ATTENTION_BACKENDS:
                 problems.append(f"{entry}: not a Megatron attention backend; use one of "
                                 f"{', '.join(ATTENTION_BACKENDS)}")  # fmt: skip

@@ -30,6 +30,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megarl.config.model_dims import ModelDims, UnsupportedArchitectureError
+from megarl.config.transformer_overrides import TE_ONLY_MOE, moe_override_problem
 
 TransformerImpl = Literal["auto", "local", "transformer_engine"]
 
@@ -255,10 +256,6 @@ def build_transformer_config(
     )
 
 
-MOE_DISPATCHERS = ("alltoall", "allgather")
-"""Token dispatchers that run on CPU (gloo) and GPU; ``flex`` needs DeepEP/HybridEP kernels."""
-
-
 @dataclass(frozen=True)
 class MoeSettings:
     """verl's MoE knobs (``override_transformer_config.moe_*``): ``TransformerConfig`` fields
@@ -266,7 +263,7 @@ class MoeSettings:
 
     Refused here, in one line: names that are not ``TransformerConfig`` ``moe_*`` fields,
     the router fields the HF config decides (top-k, pre-softmax, score function, router dtype),
-    and dispatchers other than :data:`MOE_DISPATCHERS`.
+    and dispatchers other than :data:`megarl.config.transformer_overrides.MOE_DISPATCHERS`.
     """
 
     overrides: tuple[tuple[str, Any], ...] = ()
@@ -285,29 +282,10 @@ class MoeSettings:
                 raise ValueError(
                     f"override_transformer_config.{key}: not a TransformerConfig moe_* field"
                 )
-            if key in _HF_ROUTER_FIELDS:
-                raise ValueError(
-                    f"override_transformer_config.{key}={value!r}: the router follows the HF "
-                    "config (top-k, normalisation, softmax, fp32)"
-                )
-        dispatcher = out.get("moe_token_dispatcher_type", "alltoall")
-        if dispatcher not in MOE_DISPATCHERS:
-            raise ValueError(
-                f"override_transformer_config.moe_token_dispatcher_type={dispatcher!r}: use one "
-                f"of {', '.join(MOE_DISPATCHERS)}"
-            )
+            problem = moe_override_problem(key, value)  # validation's own check, again here
+            if problem is not None:
+                raise ValueError(f"override_transformer_config.{problem}")
         return out
-
-
-_HF_ROUTER_FIELDS = (
-    "moe_router_topk",
-    "moe_router_pre_softmax",
-    "moe_router_score_function",
-    "moe_router_dtype",
-    "moe_ffn_hidden_size",
-    "moe_shared_expert_intermediate_size",
-    "moe_shared_expert_gate",
-)
 
 
 def moe_config_fields(
@@ -345,7 +323,9 @@ def moe_config_fields(
         "moe_token_dispatcher_type": "alltoall",
         "moe_shared_expert_intermediate_size": dims.moe_shared_expert_ffn_hidden_size or None,
         "moe_shared_expert_gate": bool(dims.moe_shared_expert_ffn_hidden_size),
-        **moe.checked(),
+        **{
+            k: v for k, v in moe.checked().items() if transformer_engine or k not in TE_ONLY_MOE
+        },  # TE's kernels: TE spec only
     }
 
 

@@ -67,3 +67,31 @@ def test_verls_defaults_are_accepted_at_their_values():
         f"{OTC}.recompute_modules=[core_attn]", f"{OTC}.attention_backend=flash",
     ])  # fmt: skip
     assert not problems, problems
+
+
+@pytest.mark.parametrize(
+    ("entry", "line"),
+    [
+        ("moe_router_dtype=fp32", None),  # megarl's router is fp32 already
+        ("moe_grouped_gemm=True", None),  # TE's kernel: the TE spec only
+        ("moe_permute_fusion=True", None),
+        ("moe_shared_expert_overlap=True", None),
+        ("moe_token_dispatcher_type=alltoall", None),
+        ("moe_router_dtype=fp64", f"{OTC}.moe_router_dtype=fp64: megarl's router computes in fp32"),
+        ("moe_router_topk=4", f"{OTC}.moe_router_topk=4: the model's shape comes from its config"),
+        ("moe_token_dispatcher_type=flex", (f"{OTC}.moe_token_dispatcher_type=flex: the flex "
+         "dispatcher needs DeepEP (deep_ep), which this machine lacks")),
+        ("moe_enable_deepep=True", f"{OTC}.moe_enable_deepep=true: the flex dispatcher needs DeepEP"),
+    ],
+)  # fmt: skip
+def test_verls_moe_knobs_validate_or_are_refused_in_one_line(entry, line):
+    """The MoE knobs verl's scripts set, checked in validation (the builder checks the same)."""
+    import importlib.util
+
+    if ("flex" in entry or "deepep" in entry) and importlib.util.find_spec("deep_ep"):
+        pytest.skip("DeepEP is installed here")
+    problems = _problems([f"+{OTC}.{entry}"])
+    if line is None:
+        assert not problems, problems
+    else:
+        assert len(problems) == 1 and problems[0].startswith(line), problems

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,19 @@ from tests.conftest import REPO
 
 EXAMPLES = Path(__file__).parent / "verl_examples"
 SCRIPTS = sorted(p.stem for p in EXAMPLES.glob("*.txt"))
+_OTC = "actor_rollout_ref.actor.megatron.override_transformer_config"
 REFUSED = {
     "fully_async_grpo_qwen3moe-30b-a3b_math_megatron_96_32": [
         "actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=True",
+        # Megatron's flex dispatcher (DeepEP): accepted where deep_ep imports (a GPU stack)
+        *(
+            ()
+            if find_spec("deep_ep")
+            else (
+                f"{_OTC}.moe_token_dispatcher_type=flex: the flex dispatcher needs DeepEP",
+                f"{_OTC}.moe_enable_deepep=true: the flex dispatcher needs DeepEP",
+            )
+        ),
     ],
     # TP 4 x PP 2 x EP 4 with expert TP = TP (Megatron's default, verl passes null) is 32 ranks
     # of experts on the script's default 8 GPUs: Megatron's initialize_model_parallel refuses it too
