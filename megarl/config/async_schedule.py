@@ -19,11 +19,17 @@ import math
 from megarl.config.schema import MegarlConfig
 
 
+def rollout_ranks(cfg: MegarlConfig) -> int:
+    """Rollout-only processes after the training ones (0: vLLM shares the training ranks):
+    rollout.nnodes × rollout.n_gpus_per_node (unset: trainer.n_gpus_per_node)."""
+    roll = cfg.actor_rollout_ref.rollout
+    per_node = roll.n_gpus_per_node or cfg.trainer.n_gpus_per_node
+    return max(roll.nnodes, 0) * per_node
+
+
 def sync_interval(cfg: MegarlConfig) -> int:
     """Updates between two weight syncs (``async_training.trigger_parameter_sync_step``; 1 when
     vLLM shares the training ranks)."""
-    from megarl.config.batch_plan import rollout_ranks
-
     if not rollout_ranks(cfg):
         return 1
     return max(int(cfg.async_training.trigger_parameter_sync_step), 1)
@@ -32,16 +38,12 @@ def sync_interval(cfg: MegarlConfig) -> int:
 def partial_rollouts(cfg: MegarlConfig) -> bool:
     """Whether the rollout ranks interrupt their requests at a weight sync and continue them on
     the new weights (``async_training.partial_rollout`` with vLLM on ranks of its own)."""
-    from megarl.config.batch_plan import rollout_ranks
-
     return bool(rollout_ranks(cfg)) and bool(cfg.async_training.partial_rollout)
 
 
 def extra_batches(cfg: MegarlConfig) -> int:
     """Batches of the next window that may be asked before this window's sync:
     ``ceil(staleness_threshold · K)``."""
-    from megarl.config.batch_plan import rollout_ranks
-
     if not rollout_ranks(cfg):
         return 0
     threshold = max(float(cfg.async_training.staleness_threshold), 0.0)
@@ -74,12 +76,10 @@ def at_frequency(cfg: MegarlConfig, step: int, freq: int) -> bool:
 
 def describe_overlap(cfg: MegarlConfig) -> str:
     """How far the rollout ranks run ahead, in words (the console's start-up line)."""
-    from megarl.config.batch_plan import steps_ahead
-
     k, partial = sync_interval(cfg), partial_rollouts(cfg)
     if k > 1 or partial:
         return f"fully async, weights synced every {k} update(s)" + (
             ", partial rollouts" if partial else ""
         )
-    ahead = steps_ahead(cfg)
+    ahead = extra_batches(cfg)  # K = 1: the steps asked ahead
     return {0: "on-policy", 1: "one step off"}.get(ahead, f"up to {ahead} steps off")

@@ -15,6 +15,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megarl.config.async_schedule import (  # rollout_ranks: re-exported
+    extra_batches,
+    partial_rollouts,
+    rollout_ranks,
+    sync_interval,
+)
 from megarl.config.errors import ConfigError
 from megarl.config.schema import MegarlConfig
 
@@ -42,14 +48,6 @@ def world_size(cfg: MegarlConfig) -> int:
     return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
 
 
-def rollout_ranks(cfg: MegarlConfig) -> int:
-    """Rollout-only processes after the training ones (0: vLLM shares the training ranks):
-    rollout.nnodes × rollout.n_gpus_per_node (unset: trainer.n_gpus_per_node)."""
-    roll = cfg.actor_rollout_ref.rollout
-    per_node = roll.n_gpus_per_node or cfg.trainer.n_gpus_per_node
-    return max(roll.nnodes, 0) * per_node
-
-
 def steps_ahead(cfg: MegarlConfig) -> int:
     """How many steps' batches the trainer asks ahead of the one it trains (the staleness
     bound, in updates): ``async_training.staleness_threshold`` rounded up, with vLLM on ranks
@@ -66,8 +64,6 @@ def stages_weight_updates(cfg: MegarlConfig) -> bool:
     one weight version ahead needs the slot (``async_training`` asking past the next window);
     partial rollouts never do: the rollout ranks load each update when it comes, interrupting
     their requests (:mod:`megarl.config.async_schedule`)."""
-    from megarl.config.async_schedule import extra_batches, partial_rollouts, sync_interval
-
     return not partial_rollouts(cfg) and extra_batches(cfg) > sync_interval(cfg)
 
 
