@@ -244,12 +244,13 @@ def _train_steps(
 
 
 def _saved_models(run: Run) -> list:
-    """The run's trained models as the checkpoint code sees them (a critic once part 2 has it)."""
+    """The run's trained models as the checkpoint code sees them: the actor, and the critic when
+    the run has one (`critic_enabled`: PPO with GAE, or `critic.enable`)."""
     from megarl.checkpoint.trainer_ckpt import SavedModel
 
     arr = run.cfg.actor_rollout_ref
     roles = [("actor", run.actor, arr.actor, "actor_rollout_ref.actor", "actor_rollout_ref.model")]
-    critic = getattr(run, "critic", None)  # a TrainableModel once PPO with a critic exists
+    critic = getattr(run, "critic", None)  # a TrainableModel when the run trains a critic
     if critic is not None:
         roles.append(("critic", critic, run.cfg.critic, "critic", "critic.model"))
     saved = []
