@@ -149,7 +149,7 @@ def test_nccl_timeout_is_the_process_group_timeout_build_run_uses(monkeypatch, t
     class Stop(Exception):
         pass
 
-    def fake_init(layout, *, seed, timeout_minutes=None):
+    def fake_init(layout, *, seed, timeout_minutes=None, **_):
         seen.append(timeout_minutes)
         raise Stop
 
