@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megarl.reward.manager import RewardInput, RewardResult
+    from megarl.reward.records import RewardInput, RewardResult
 
 __all__ = ["pick_val_generations", "write_dump", "write_val_generations"]
 
