@@ -98,6 +98,7 @@ def test_no_package_cycle():
 USER_NAMED_IMPORTS = {
     "megarl/reward/loader.py": "custom_reward_function.path as a dotted module",
     "megarl/config/choices.py": "trainer.logger's optional extras, found without importing them",
+    "megarl/config/transformer_overrides.py": "DeepEP for the flex dispatcher, found unimported",
     "megarl/parallel/import_hooks.py": "PathFinder.find_spec for the modules it wraps",
     "megarl/tools/registry.py": "tool and interaction class_name as a dotted path",
 }
