@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from megarl.config.model_dims import ModelDims, UnsupportedArchitectureError
 from megarl.config.transformer_overrides import TE_ONLY_MOE, moe_override_problem
+from megarl.models.chunks import chunks_device, unwrap  # noqa: F401 -- re-exported
 
 TransformerImpl = Literal["auto", "local", "transformer_engine"]
 
@@ -554,15 +555,3 @@ def layer_offset(config: TransformerConfig, vp_stage: int | None) -> int:
     """Global index of this rank's first layer in chunk ``vp_stage`` (Megatron's own logic)."""
     vp = vp_stage if (config.virtual_pipeline_model_parallel_size or 1) > 1 else None
     return get_transformer_layer_offset(config, vp_stage=vp)
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """Strip DDP / Float16Module wrappers down to the ``GPTModel``."""
-    while hasattr(model, "module") and not isinstance(model, GPTModel):
-        model = model.module
-    return model
-
-
-def chunks_device(chunks: Sequence[torch.nn.Module]) -> torch.device:
-    """Device of this rank's model chunks (that of the first chunk's parameters)."""
-    return next(unwrap(chunks[0]).parameters()).device

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megarl.models.gpt import chunks_device
+from megarl.models.chunks import chunks_device
 
 _INSTALLED = False
 
