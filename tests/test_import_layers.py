@@ -75,15 +75,14 @@ def test_lower_layers_never_import_higher_ones():
     assert not wrong, "\n".join(sorted(wrong))
 
 
-def test_no_package_cycle():
-    graph = {src: {dst for dst, _ in targets} for src, targets in _edges().items()}
+def _fail_on_cycle(graph: dict[str, set[str]], what: str) -> None:
     state: dict[str, int] = {}
 
     def visit(node: str, stack: list[str]) -> None:
         state[node] = 1
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                pytest.fail("package cycle: " + " -> ".join([*stack, node, nxt]))
+                pytest.fail(f"{what} cycle: " + " -> ".join([*stack, node, nxt]))
             if nxt not in state:
                 visit(nxt, [*stack, node])
         state[node] = 2
@@ -91,6 +90,42 @@ def test_no_package_cycle():
     for node in sorted(graph):
         if node not in state:
             visit(node, [])
+
+
+def test_no_package_cycle():
+    _fail_on_cycle(
+        {src: {dst for dst, _ in targets} for src, targets in _edges().items()}, "package"
+    )
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """megarl module -> the megarl modules it imports (``from megarl.a import b`` names the
+    module ``megarl.a.b`` when that is a module, else ``megarl.a``), imports inside functions and
+    under ``TYPE_CHECKING`` included."""
+    modules = {
+        ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in PACKAGE.rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found |= {
+                    f"{node.module}.{a.name}"
+                    if f"{node.module}.{a.name}" in modules
+                    else node.module
+                    for a in node.names
+                }
+        graph[name] = {m for m in found if m in modules and m not in (name, "megarl")}
+    return graph
+
+
+def test_no_module_cycle():
+    """No two megarl modules import each other, directly or round a longer loop."""
+    _fail_on_cycle(_module_graph(), "module")
 
 
 # Imports of a module named at run time by the *user* (not megarl's own wiring), and the import
