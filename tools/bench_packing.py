@@ -134,7 +134,6 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, default=8, help="responses per micro-batch")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    os.environ.setdefault("MASTER_PORT", "29531")
     from megarl.models.build import build_model
     from megarl.models.tiny import make_tiny_model
     from megarl.models.trainable import OptimizerSettings, TrainableModel

@@ -8,8 +8,6 @@ same launch checks the rollout ranks' side of a split launch (one request on eve
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -97,9 +95,9 @@ ROLLOUT_LAYOUTS = [
 ]
 
 
-def _check_layouts(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _check_layouts(rank: int, store: str) -> None:
+    # a file store: no port to pick and lose to another process before it is bound (issue 53)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     from megarl.rollout.distribute import generate_distributed
 
     n = 3
@@ -173,13 +171,11 @@ def _check_replicas(rank: int, prompts: list[list[int]], n: int) -> None:
 
 
 @pytest.mark.multirank
-def test_generate_distributed_all_layouts():
+def test_generate_distributed_all_layouts(tmp_path):
     """Each rank gets its own prompts back with their global prompt ids, at every training and
     rollout layout (incl. rollout DP 2 and 4); rollout ranks holding one request alike get the
     whole batch back from their replicas (generate_on_replicas)."""
-    from megarl.parallel.spawn import free_port
-
-    mp.spawn(_check_layouts, args=(free_port(),), nprocs=WORLD, join=True)
+    mp.spawn(_check_layouts, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
 
 
 def test_object_collectives_use_gloo_when_the_default_group_is_not(tmp_path, monkeypatch):

@@ -24,8 +24,7 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 def test_exception_on_rank_1_ends_the_run_failed_within_a_bound(tmp_path, mlflow_server, client):
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(WORKER), "fail", str(run_dir), mlflow_server.uri,
     ]  # fmt: skip
     done = subprocess.run(cmd, env=ENV, check=False, capture_output=True, text=True, timeout=300)
