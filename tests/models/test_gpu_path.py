@@ -76,6 +76,7 @@ def test_an_unknown_impl_names_the_key():
 def test_fusions_follow_the_spec():
     on = Fusions()
     te = fusion_flags(on, "transformer_engine", pipeline_model_parallel_size=1, apex_wgrad=True)
+    assert te.pop("attention_backend").name == "auto"  # TE's spec: Megatron picks (14f3372)
     assert te == {
         "bias_activation_fusion": True,
         "apply_rope_fusion": True,
@@ -93,8 +94,10 @@ def test_fusions_follow_the_spec():
         "deallocate_pipeline_outputs": True,
     }
     off = Fusions(False, False, False, False)
-    assert not any(fusion_flags(off, "transformer_engine", pipeline_model_parallel_size=4,
-                                apex_wgrad=True).values())  # fmt: skip
+    off_flags = fusion_flags(off, "transformer_engine", pipeline_model_parallel_size=4,
+                             apex_wgrad=True)  # fmt: skip
+    assert off_flags.pop("attention_backend").name == "auto"
+    assert not any(off_flags.values())
 
 
 def test_the_flags_reach_the_transformer_config():
