@@ -22,10 +22,13 @@ from megarl.rollout.base import RolloutBatch, RolloutEngine, RolloutSample
 
 __all__ = [
     "even_split",
+    "gather_from_replicas",
     "gather_global_prompts",
     "generate_distributed",
     "generate_on_replicas",
+    "in_order",
     "object_group",
+    "replica_share",
 ]
 
 
@@ -100,7 +103,7 @@ def generate_distributed(
         prompts, dp_rank=dp_rank, dp_size=dp_size, group=group
     )
     rows = _generate_on_replicas(engine, everything, range(len(everything)), group, sampling)
-    return _in_order(rows, range(offset, offset + len(prompts)), sampling["n"])
+    return in_order(rows, range(offset, offset + len(prompts)), sampling["n"])
 
 
 def generate_on_replicas(
@@ -124,7 +127,7 @@ def generate_on_replicas(
     if len(ids) != len(prompts) or len(set(ids)) != len(ids):
         raise ValueError(f"{len(prompts)} prompts need as many distinct prompt_ids, got {ids}")
     rows = _generate_on_replicas(engine, prompts, ids, object_group(group), sampling)
-    return _in_order(rows, ids, sampling["n"])
+    return in_order(rows, ids, sampling["n"])
 
 
 def _generate_on_replicas(
@@ -136,12 +139,25 @@ def _generate_on_replicas(
 ) -> dict[int, list[tuple]]:
     """Each replica generates its contiguous share of ``prompts``; every rank gets every
     replica's responses, packed rows by prompt id."""
+    mine, my_ids = replica_share(engine, prompts, ids)
+    return gather_from_replicas(engine, engine.generate(mine, prompt_ids=my_ids, **sampling), group)
+
+
+def replica_share(
+    engine: RolloutEngine, prompts: list[list[int]], ids: Sequence[int]
+) -> tuple[list[list[int]], list[int]]:
+    """This rank's replica's contiguous share of ``prompts`` and of their ``ids``."""
+    mine = even_split(len(prompts), engine.dp_size, engine.dp_rank)
+    return [prompts[i] for i in mine], [ids[i] for i in mine]
+
+
+def gather_from_replicas(
+    engine: RolloutEngine, batch: RolloutBatch, group: dist.ProcessGroup | None
+) -> dict[int, list[tuple]]:
+    """Every replica's ``batch`` of its :func:`replica_share`, on every rank of ``group``
+    (collective): packed rows by prompt id, for :func:`in_order`."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     reporter = _replica_reporter(engine, world, rank, group)
-    mine = even_split(len(prompts), engine.dp_size, engine.dp_rank)
-    batch = engine.generate(
-        [prompts[i] for i in mine], prompt_ids=[ids[i] for i in mine], **sampling
-    )
     # One copy per rollout replica travels (its lowest rank's); the rest send None.
     payload = _pack(batch) if reporter == rank else None
     gathered: list[Any] = [None] * world
@@ -153,7 +169,7 @@ def _generate_on_replicas(
     return by_prompt
 
 
-def _in_order(by_prompt: dict[int, list[tuple]], ids: Sequence[int], n: int) -> RolloutBatch:
+def in_order(by_prompt: dict[int, list[tuple]], ids: Sequence[int], n: int) -> RolloutBatch:
     """The responses to the prompts ``ids``, prompt-major, each ``n`` of them."""
     samples = []
     for local, prompt_id in enumerate(ids):

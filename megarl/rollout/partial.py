@@ -2,13 +2,16 @@
 them and continues every unfinished response on them (verl's fully-async
 ``async_training.partial_rollout``; slime's partial rollout, AReaL's interruptible generation).
 
-:func:`generate_interruptible` drives vLLM's engine one step at a time instead of through
-``LLM.generate``. Between two engine steps it asks its :class:`Interrupts` whether to stop; when
-it does, every unfinished request is aborted, :meth:`Interrupts.swap` loads the new weights, and
-each unfinished response goes on as a new request whose prompt is the old prompt plus the tokens
-generated so far (token ids: nothing is re-tokenised), with the rest of the token budget. Every
-token keeps the log-prob vLLM reported when it was sampled and the weight version that sampled
-it (:attr:`RolloutSample.token_versions <megarl.rollout.base.RolloutSample.token_versions>`).
+:class:`Streamer` drives vLLM's engine one step at a time instead of through ``LLM.generate``,
+over the responses of any number of :class:`PartialJob` (a batch each): a job may join while
+others run (continuous batching, :mod:`megarl.rollout.remote.stream`). When its caller stops it
+for new weights, every unfinished request is aborted, the weights are loaded and each unfinished
+response goes on as a new request whose prompt is the old prompt plus the tokens generated so
+far (token ids: nothing is re-tokenised), with the rest of the token budget. Every token keeps
+the log-prob vLLM reported when it was sampled and the weight version that sampled it
+(:attr:`RolloutSample.token_versions <megarl.rollout.base.RolloutSample.token_versions>`).
+:func:`generate_interruptible` is one job run to its end, asking an :class:`Interrupts` between
+two engine steps whether to stop.
 
 Each segment of a response is seeded on its own (``request_seed`` of the response's seed and the
 segment number): uninterrupted, a response draws exactly what ``LLM.generate`` would draw.
@@ -17,11 +20,14 @@ segment number): uninterrupted, a response draws exactly what ``LLM.generate`` w
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["Interrupts", "Segmented", "generate_interruptible", "segment_seed"]
+__all__ = [
+    "Interrupts", "PartialJob", "Segmented", "Streamer", "generate_interruptible", "segment_seed",
+]  # fmt: skip
 
 
 class Interrupts(Protocol):
@@ -56,6 +62,95 @@ class Segmented:
     """Requests this response has been sent to vLLM as (1 when never interrupted)."""
 
 
+@dataclass
+class PartialJob:
+    """One batch of responses for a :class:`Streamer`: ``make_params(max_tokens, seed)`` gives a
+    request's ``SamplingParams`` (vLLM's ``DELTA`` output kind: each step reports the new
+    tokens); ``finish()`` turns the finished ``responses`` into the caller's result."""
+
+    responses: list[Segmented]
+    make_params: Callable[[int, int], Any]
+    finish: Callable[[], Any]
+    lora_request: Any = None
+
+    @property
+    def done(self) -> bool:
+        return all(r.finish_reason is not None for r in self.responses)
+
+
+_REQUEST_IDS = itertools.count()
+"""Request ids unique in the process (an engine outlives its streamers)."""
+
+
+class Streamer:
+    """vLLM's ``LLMEngine`` stepped over the responses of the jobs :meth:`add` gave it (the
+    module docstring). ``sampled_logprobs(new tokens, completion.logprobs)``: the log-probs of
+    the tokens a step reported."""
+
+    def __init__(self, llm_engine: Any, sampled_logprobs: Callable[[Sequence[int], Any], list]):
+        self.llm_engine, self._sampled_logprobs = llm_engine, sampled_logprobs
+        self._running: dict[str, Segmented] = {}
+        self._jobs: list[PartialJob] = []
+
+    @property
+    def busy(self) -> bool:
+        """Whether a response is still generating here."""
+        return bool(self._running)
+
+    def add(self, job: PartialJob) -> None:
+        """Send every unfinished response of ``job`` to the engine, as a request each."""
+        self._jobs.append(job)
+        self._submit(job)
+
+    def _submit(self, job: PartialJob) -> None:
+        from vllm.inputs import TokensPrompt
+
+        for r in job.responses:
+            if r.finish_reason is not None:
+                continue
+            left = r.max_tokens - len(r.tokens)
+            if left <= 0:  # interrupted right at its budget: nothing left to generate
+                r.finish_reason = "length"
+                continue
+            request_id = f"partial-{next(_REQUEST_IDS)}"
+            params = job.make_params(left, segment_seed(r.seed, r.segments))
+            r.segments += 1
+            self.llm_engine.add_request(
+                request_id, TokensPrompt(prompt_token_ids=r.prompt + r.tokens), params,
+                lora_request=job.lora_request,
+            )  # fmt: skip
+            self._running[request_id] = r
+
+    def interrupt(self, swap: Callable[[], None]) -> None:
+        """Abort every running request, run ``swap`` (load the new weights) and send each
+        unfinished response on as a new request."""
+        if self._running:
+            self.llm_engine.abort_request(list(self._running))
+            self._running.clear()
+        swap()
+        self._jobs = [job for job in self._jobs if not job.done]
+        for job in self._jobs:
+            self._submit(job)
+
+    def step(self, version: int) -> None:
+        """One engine step; its tokens are recorded as sampled by weight ``version``."""
+        for out in self.llm_engine.step():
+            r = self._running.get(out.request_id)
+            if r is None:
+                continue
+            (completion,) = out.outputs
+            new = list(completion.token_ids)
+            if new:
+                r.tokens += new
+                r.logprobs += self._sampled_logprobs(new, completion.logprobs)
+                r.versions += [version] * len(new)
+            if out.finished:
+                if completion.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"finish_reason {completion.finish_reason} in a rollout")
+                r.finish_reason = completion.finish_reason
+                del self._running[out.request_id]
+
+
 def segment_seed(seed: int, segment: int) -> int:
     """The seed of segment ``segment`` of a response seeded ``seed`` (segment 0: ``seed``)."""
     if segment == 0:
@@ -66,72 +161,27 @@ def segment_seed(seed: int, segment: int) -> int:
 
 def generate_interruptible(
     llm_engine: Any,
-    responses: Sequence[Segmented],
-    make_params: Callable[[int, int], Any],
+    job: PartialJob,
     interrupts: Interrupts,
     *,
-    lora_request: Any = None,
     sampled_logprobs: Callable[[Sequence[int], Any], list[float]],
 ) -> int:
-    """Generate every response in ``responses`` to its end on ``llm_engine`` (a vLLM
-    ``LLMEngine``), interrupting at the token boundaries :meth:`Interrupts.poll` asks for
-    (the module docstring); returns the number of interruptions.
-
-    ``make_params(max_tokens, seed)``: the request's ``SamplingParams`` (vLLM's ``DELTA``
-    output kind: each step reports the new tokens). Fills each response's tokens, log-probs,
+    """Generate every response of ``job`` to its end on ``llm_engine`` (a vLLM ``LLMEngine``),
+    interrupting at the token boundaries :meth:`Interrupts.poll` asks for (the module
+    docstring); returns the number of interruptions. Fills each response's tokens, log-probs,
     versions and finish reason in place.
     """
-    from vllm.inputs import TokensPrompt
-
+    streamer = Streamer(llm_engine, sampled_logprobs)
+    streamer.add(job)
     interruptions = 0
-    running: dict[str, Segmented] = {}
-
-    def submit() -> None:
-        for i, r in enumerate(responses):
-            if r.finish_reason is not None:
-                continue
-            left = r.max_tokens - len(r.tokens)
-            if left <= 0:  # interrupted right at its budget: nothing left to generate
-                r.finish_reason = "length"
-                continue
-            request_id = f"partial-{i}-{r.segments}"
-            params = make_params(left, segment_seed(r.seed, r.segments))
-            r.segments += 1
-            llm_engine.add_request(
-                request_id, TokensPrompt(prompt_token_ids=r.prompt + r.tokens), params,
-                lora_request=lora_request,
-            )  # fmt: skip
-            running[request_id] = r
-
-    submit()
     while True:
-        busy = bool(running)
+        busy = streamer.busy
         stop, anyone = interrupts.poll(busy)
         if stop:
-            if running:
-                llm_engine.abort_request(list(running))
-                running.clear()
-            interrupts.swap()
+            streamer.interrupt(interrupts.swap)
             interruptions += 1
-            submit()
             continue
         if not anyone:
             return interruptions
-        if not busy:  # another replica is still generating: poll again with it
-            continue
-        version = interrupts.version
-        for out in llm_engine.step():
-            r = running.get(out.request_id)
-            if r is None:
-                continue
-            (completion,) = out.outputs
-            new = list(completion.token_ids)
-            if new:
-                r.tokens += new
-                r.logprobs += sampled_logprobs(new, completion.logprobs)
-                r.versions += [version] * len(new)
-            if out.finished:
-                if completion.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"finish_reason {completion.finish_reason} in a rollout")
-                r.finish_reason = completion.finish_reason
-                del running[out.request_id]
+        if busy:  # else another replica is still generating: poll again with it
+            streamer.step(interrupts.version)

@@ -14,7 +14,7 @@ vLLM's worker are :mod:`megarl.rollout.vllm_worker_ops`. vLLM is imported only i
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -312,18 +312,118 @@ class VLLMEngine:
         the token boundaries it asks for, loads new weights and continues every response; each
         sample records the weight version of each token.
         """
-        self._order.check_can_generate()
-        ids = self._check_requests(prompts, n=n, max_tokens=max_tokens, prompt_ids=prompt_ids)
+        if interrupts is not None:
+            from megarl.rollout.partial import generate_interruptible
+
+            job = self.partial_job(
+                prompts, n=n, temperature=temperature, top_p=top_p, top_k=top_k,
+                max_tokens=max_tokens, stop_token_ids=stop_token_ids, seed=seed, step=step,
+                prompt_ids=prompt_ids,
+            )  # fmt: skip
+            with preserve_rng_state():
+                generate_interruptible(
+                    self.llm_engine, job, interrupts, sampled_logprobs=sampled_logprobs
+                )
+            return job.finish()
+        ids, make_params = self._requests(
+            prompts, n, temperature, top_p, top_k, max_tokens, stop_token_ids, prompt_ids
+        )
         if not prompts:
             return RolloutBatch([], n)
-        self.wake_up()
-
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        stops = list(dict.fromkeys([*self.eos_token_ids, *(stop_token_ids or [])]))
         keys = [(p, s) for p in range(len(prompts)) for s in range(n)]
         requests = [TokensPrompt(prompt_token_ids=list(prompts[p])) for p, _ in keys]
+        params = [make_params(max_tokens, request_seed(seed, step, ids[p], s)) for p, s in keys]
+        if self.routing_source == "hooks":
+            self._llm.collective_rpc(routing_capture.clear)
+        with preserve_rng_state():
+            outputs = self._llm.generate(
+                requests, params, use_tqdm=False, lora_request=self._lora_request
+            )
+        samples = [
+            _sample_from_output(out, prompts[p], p, s, ids[p])
+            for (p, s), out in zip(keys, outputs, strict=True)
+        ]
+        if self.capture_routing:
+            self._attach_routing(outputs, samples)
+        return RolloutBatch(samples, n)
+
+    @property
+    def llm_engine(self) -> Any:
+        """vLLM's ``LLMEngine`` under this engine (partial rollouts step it themselves)."""
+        return self._llm.llm_engine
+
+    def partial_job(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        temperature: float,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        max_tokens: int,
+        stop_token_ids: list[int] | None = None,
+        seed: int,
+        step: int = 0,
+        prompt_ids: Sequence[int] | None = None,
+    ) -> Any:
+        """:meth:`generate`'s requests as a :class:`~megarl.rollout.partial.PartialJob` for a
+        :class:`~megarl.rollout.partial.Streamer` on :attr:`llm_engine` (partial rollouts, the
+        same seeds); its ``finish()`` is the :class:`RolloutBatch`, each sample with the weight
+        version of each token. Wakes the engine if it sleeps."""
+        from vllm.sampling_params import RequestOutputKind
+
+        from megarl.rollout.partial import PartialJob, Segmented
+
+        if self.capture_routing:
+            raise ValueError("routing capture (R3) is not built for partial rollouts")
+        ids, make_params = self._requests(
+            prompts, n, temperature, top_p, top_k, max_tokens, stop_token_ids, prompt_ids
+        )
+        keys = [(p, s) for p in range(len(prompts)) for s in range(n)]
+        responses = [
+            Segmented(list(prompts[p]), request_seed(seed, step, ids[p], s), max_tokens)
+            for p, s in keys
+        ]
+
+        def finish() -> RolloutBatch:
+            samples = [
+                RolloutSample(
+                    p,
+                    s,
+                    list(prompts[p]),
+                    r.tokens,
+                    r.logprobs,
+                    r.finish_reason,
+                    prompt_id=ids[p],
+                    token_versions=r.versions,
+                )
+                for (p, s), r in zip(keys, responses, strict=True)
+            ]
+            return RolloutBatch(samples, n)
+
+        return PartialJob(
+            responses,
+            lambda budget, request: make_params(
+                budget, request, output_kind=RequestOutputKind.DELTA
+            ),
+            finish,
+            self._lora_request,
+        )
+
+    def _requests(
+        self, prompts, n, temperature, top_p, top_k, max_tokens, stop_token_ids, prompt_ids
+    ) -> tuple[list, Callable[..., Any]]:
+        """Checks a generation's requests and wakes the engine: the prompts' ids and
+        ``make_params(max_tokens, seed, **extra)``, a request's ``SamplingParams``."""
+        self._order.check_can_generate()
+        ids = self._check_requests(prompts, n=n, max_tokens=max_tokens, prompt_ids=prompt_ids)
+        if prompts:
+            self.wake_up()
+        from vllm import SamplingParams
+
+        stops = list(dict.fromkeys([*self.eos_token_ids, *(stop_token_ids or [])]))
 
         def make_params(budget: int, request: int, **extra: Any) -> SamplingParams:
             return SamplingParams(
@@ -342,64 +442,7 @@ class VLLMEngine:
                 **extra,
             )
 
-        if interrupts is not None:
-            return self._generate_partial(prompts, keys, ids, make_params, interrupts, seed, step,
-                                          max_tokens)  # fmt: skip
-        params = [make_params(max_tokens, request_seed(seed, step, ids[p], s)) for p, s in keys]
-        if self.routing_source == "hooks":
-            self._llm.collective_rpc(routing_capture.clear)
-        with preserve_rng_state():
-            outputs = self._llm.generate(
-                requests, params, use_tqdm=False, lora_request=self._lora_request
-            )
-        samples = [
-            _sample_from_output(out, prompts[p], p, s, ids[p])
-            for (p, s), out in zip(keys, outputs, strict=True)
-        ]
-        if self.capture_routing:
-            self._attach_routing(outputs, samples)
-        return RolloutBatch(samples, n)
-
-    def _generate_partial(
-        self, prompts, keys, ids, make_params, interrupts, seed, step, max_tokens
-    ) -> RolloutBatch:
-        """:meth:`generate` as a partial rollout (:func:`~megarl.rollout.partial.
-        generate_interruptible`)."""
-        from vllm.sampling_params import RequestOutputKind
-
-        from megarl.rollout.partial import Segmented, generate_interruptible
-
-        if self.capture_routing:
-            raise ValueError("routing capture (R3) is not built for partial rollouts")
-        responses = [
-            Segmented(list(prompts[p]), request_seed(seed, step, ids[p], s), max_tokens)
-            for p, s in keys
-        ]
-        with preserve_rng_state():
-            generate_interruptible(
-                self._llm.llm_engine,
-                responses,
-                lambda budget, request: make_params(
-                    budget, request, output_kind=RequestOutputKind.DELTA
-                ),
-                interrupts,
-                lora_request=self._lora_request,
-                sampled_logprobs=sampled_logprobs,
-            )
-        samples = [
-            RolloutSample(
-                p,
-                s,
-                list(prompts[p]),
-                r.tokens,
-                r.logprobs,
-                r.finish_reason,
-                prompt_id=ids[p],
-                token_versions=r.versions,
-            )
-            for (p, s), r in zip(keys, responses, strict=True)
-        ]
-        return RolloutBatch(samples, len(keys) // max(len(prompts), 1))
+        return ids, make_params
 
     def _attach_routing(self, outputs: list, samples: list[RolloutSample]) -> None:
         """Each sample's captured routing, every position but the last generated token's

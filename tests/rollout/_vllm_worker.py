@@ -70,6 +70,60 @@ class StopAfter:
         self.swaps += 1
 
 
+class Scripted:
+    """The serving loop's inbox for the tests: ``(after, command)`` in order, each taken in
+    once the loop has looked ``after`` times without waiting (about once per engine step);
+    waiting, the next one at once."""
+
+    def __init__(self, script: list[tuple[int, tuple]]) -> None:
+        self.script, self.looks = list(script), 0
+
+    def get_nowait(self):
+        import queue
+
+        self.looks += 1
+        if not self.script or self.script[0][0] > self.looks:
+            raise queue.Empty
+        return time.perf_counter(), self.script.pop(0)[1]
+
+    def get(self):
+        return time.perf_counter(), self.script.pop(0)[1]
+
+
+def stream_serve(engine, prompts: list, state: dict) -> dict:
+    """Partial rollouts' serving loop with continuous batching over the replicas: three
+    requests, greedy; the second and third join while the first runs, an update (the same
+    weights) stops them all mid-way; each reply's batch, with the reference of each request
+    generated alone beforehand."""
+    from collections import deque
+
+    from megarl.rollout.base import update_weights
+    from megarl.rollout.distribute import generate_on_replicas, object_group
+    from megarl.rollout.remote.interrupts import ServeInterrupts
+    from megarl.rollout.remote.stream import serve_stream
+
+    greedy = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "seed": 7, "step": 0}
+    requests = [
+        (prompts[:3], {**greedy, "n": 2, "prompt_ids": [0, 1, 2]}, None),
+        (prompts[3:], {**greedy, "n": 2, "prompt_ids": [3, 4]}, None),
+        (prompts, {**greedy, "n": 1, "step": 1}, None),
+    ]
+    alone = [record(generate_on_replicas(engine, p, **kw)) for p, kw, _ in requests]
+    inbox = Scripted([(1, ("generate", 0, requests[:1])), (3, ("generate", 0, requests[1:])),
+                      (6, ("weights", 1, None)), (7, ("stop",))])  # fmt: skip
+    pending: deque = deque()
+    interrupts = ServeInterrupts(
+        inbox, pending, lambda _: update_weights(engine, state.items()), 0, object_group(None)
+    )
+    replies: list = []
+    serve_stream(engine, interrupts, inbox, replies.append, None)
+    return {
+        "stream_alone": alone,
+        "stream_replies": [record(r["batch"]) for r in replies],
+        "stream_interruptions": [r["timing"]["interruptions"] for r in replies],
+    }
+
+
 def noisy_state(model_dir: Path, seed: int) -> dict:
     import torch
     from safetensors.torch import load_file
@@ -208,6 +262,7 @@ def main() -> None:
     rec["tp1_greedy"] = record(run(temperature=0.0))
     same = load_file(str(tiny / "model.safetensors"))
     rec["tp1_greedy_partial"] = record(run(temperature=0.0, interrupts=StopAfter(engine, 4, same)))
+    rec.update(stream_serve(engine, prompts, same))
     # training DP 1: both ranks hold the full list (like TP peers); many extra stop ids.
     stops = list(range(4, 300))
     out["meta"]["extra_stops"] = stops

@@ -271,6 +271,28 @@ def test_partial_rollout_on_unchanged_weights_is_the_uninterrupted_generation(ru
             )
 
 
+def test_continuous_batching_answers_each_request_as_if_generated_alone(run):
+    """Partial rollouts' serving loop over two replicas: the second and third requests join
+    the running batch while the first generates (their first tokens come from version 0, before
+    the update stopped the first mid-way); greedy on the same weights reloaded, every reply, in
+    order, holds the tokens and log-probs of its request generated alone."""
+    for rank in run["ranks"]:
+        recs = rank["records"]
+        assert len(recs["stream_replies"]) == len(recs["stream_alone"]) == 3
+        assert sum(recs["stream_interruptions"]) == 1
+        for alone, streamed in zip(recs["stream_alone"], recs["stream_replies"], strict=True):
+            assert tokens(streamed) == tokens(alone)
+            for a, b in zip(alone, streamed, strict=True):
+                assert (b["prompt_id"], b["sample_index"]) == (a["prompt_id"], a["sample_index"])
+                assert b["logprobs"] == pytest.approx(a["logprobs"], abs=1e-5)
+                assert b["finish_reason"] == a["finish_reason"]
+                assert b["versions"] == sorted(b["versions"])
+        first, *joined = recs["stream_replies"]
+        assert any(0 in r["versions"] and 1 in r["versions"] for r in first)
+        for reply in joined:
+            assert any(0 in r["versions"] for r in reply)
+
+
 def test_partial_rollout_tokens_carry_the_log_probs_of_the_weights_that_sampled_them(
     run, hf_logprobs
 ):

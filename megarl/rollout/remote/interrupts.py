@@ -65,14 +65,23 @@ class ServeInterrupts:
         return any(command[0] == "weights" for _, command in self.pending)
 
     def poll(self, busy: bool) -> tuple[bool, bool]:
-        self.take_in()
-        flags = torch.tensor([int(self.update_pending()), int(busy)], dtype=torch.int64)
-        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        stop, anyone = bool(flags[0]), bool(flags[1])
+        stop, anyone, _, _ = self.poll_stream(busy, 0, 0)
         if stop:
             self.interruptions += 1
         return stop, anyone
+
+    def poll_stream(self, busy: bool, available: int, finished: int) -> tuple[bool, bool, int, int]:
+        """:meth:`poll` for continuous batching (:mod:`megarl.rollout.remote.stream`): also the
+        fewest requests any rank has ``available`` to start and the fewest of the oldest
+        requests any replica has ``finished``; collective. Counts no interruption."""
+        self.take_in()
+        flags = torch.tensor(
+            [int(self.update_pending()), int(busy), -available, -finished], dtype=torch.int64
+        )
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        stop, anyone, fewest, oldest = (int(f) for f in flags)
+        return bool(stop), bool(anyone), -fewest, -oldest
 
     def swap(self) -> None:
         """Run the first ``weights`` command taken in; on a rank whose commands thread has not
@@ -89,10 +98,3 @@ class ServeInterrupts:
         self._load(command)
         self.loaded_s += time.perf_counter() - start
         self.version = command[1]
-
-    def catch_up(self) -> None:
-        """Before a request starts: run every update announced so far (its tokens then come
-        from the newest weights). Collective, as :meth:`poll`."""
-        while self.poll(False)[0]:
-            self.interruptions -= 1  # nothing was interrupted
-            self.swap()

@@ -103,10 +103,10 @@ def serve(
     each update (its pieces only, :func:`~megarl.rollout.remote.weights.pack_part`).
     ``multi_turn``: the run's :class:`~megarl.rollout.multi_turn_rollout.MultiTurnRollout`, which
     answers the requests marked ``multi_turn`` (the whole loop, tools included, on these ranks).
-    ``partial``: partial rollouts (:mod:`megarl.rollout.remote.interrupts`): an update stops the
-    request in progress, is loaded and the request goes on; every update is loaded as soon as
-    it is announced, and every request is generated with the newest weights (needs ``stage``
-    off).
+    ``partial``: partial rollouts with continuous batching (:mod:`megarl.rollout.remote.stream`):
+    every request joins the running batch as it arrives; an update stops the running responses,
+    is loaded as soon as it is announced and they go on with the newest weights (needs
+    ``stage`` off).
     """
     from megarl.rollout.remote.weights import load_buckets, receive_buckets
 
@@ -146,39 +146,43 @@ def serve(
     if outbox is not None:
         threads.append(run(send_replies))
     held, announced = -1, None  # the version the engine holds; the last one announced
-    pending: deque = deque()  # partial rollouts: commands taken in while a request generated
 
     def load_now(command: tuple) -> None:
         buckets = receive_buckets(command[2], channels.weights, channels.weights_device)
         load_buckets(engine, command[2], buckets)
 
-    interrupts = None
-    if partial:
-        if stage:
-            raise ValueError("partial rollouts load each update as it comes: no staging")
-        from megarl.rollout.distribute import object_group
-        from megarl.rollout.remote.interrupts import ServeInterrupts
+    def stop() -> None:
+        if outbox is not None:
+            outbox.put(None)
+            threads[-1].join()  # the replies were all taken before the stop came
 
-        interrupts = ServeInterrupts(inbox, pending, load_now, held, object_group(None))
     try:
+        if partial:
+            if stage:
+                raise ValueError("partial rollouts load each update as it comes: no staging")
+            from megarl.rollout.distribute import object_group
+            from megarl.rollout.remote.interrupts import ServeInterrupts
+            from megarl.rollout.remote.stream import serve_stream
+
+            pending: deque = deque()  # commands taken in and not yet run
+            interrupts = ServeInterrupts(inbox, pending, load_now, held, object_group(None))
+            serve_stream(engine, interrupts, inbox, lambda r: _reply(outbox, r), score)
+            stop()
+            return
         while True:
             waiting = time.perf_counter()
-            arrived, command = pending.popleft() if pending else inbox.get()
+            arrived, command = inbox.get()
             if arrived is None:
                 raise command
             idle = max(0.0, arrived - waiting)
             if command[0] == "stop":
-                if outbox is not None:
-                    outbox.put(None)
-                    threads[-1].join()  # the replies were all taken before the stop came
+                stop()
                 return
             if command[0] == "eos":
                 _reply(outbox, list(engine.eos_token_ids))
             elif command[0] == "weights" and not stage:
                 load_now(command)
                 held = command[1]
-                if interrupts is not None:
-                    interrupts.version = held
             elif command[0] == "adapter":  # lora.merge=false: staging refused it (engine.py)
                 engine.load_adapter(command[2], command[3])
                 held = command[1]
@@ -186,17 +190,6 @@ def serve(
                 if announced is not None and announced != held:
                     staging.take(announced)  # no request asked for it: dropped
                 announced = command[1]
-            elif command[0] == "generate" and interrupts is not None:
-                for prompts, kwargs, reward in command[2]:  # one reply each, in order
-                    loaded, stops = interrupts.loaded_s, interrupts.interruptions
-                    interrupts.catch_up()  # updates announced since: the newest weights
-                    reply = _generate(engine, prompts, {**kwargs, "interrupts": interrupts},
-                                      reward, score, multi_turn)  # fmt: skip
-                    reply["timing"].update(idle=idle, update_weights=interrupts.loaded_s - loaded,
-                                           interruptions=interrupts.interruptions - stops)  # fmt: skip
-                    _reply(outbox, reply)
-                    idle = 0.0
-                held = interrupts.version
             elif command[0] == "generate":
                 version, requests = command[1], command[2]
                 loading = time.perf_counter()
