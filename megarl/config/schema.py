@@ -26,6 +26,7 @@ from megarl.config.schema_data import (
     FilterGroupsConfig,
     RewardModelConfig,
 )
+from megarl.config.schema_distill import DistillationConfig
 from megarl.config.schema_model import ModelConfig
 from megarl.config.schema_optim import OptimConfig
 from megarl.config.schema_reward import RewardConfig, RolloutResourcesConfig
@@ -518,3 +519,5 @@ class MegarlConfig:
     """verl 0.9's reward section (the same settings as reward_model.* and custom_reward_function.*)."""
     rollout: RolloutResourcesConfig = field(default_factory=RolloutResourcesConfig)
     """The async recipes' spelling of actor_rollout_ref.rollout.nnodes / n_gpus_per_node."""
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    """verl 0.9's on-policy distillation from teacher models (not built yet: enabled is refused)."""

@@ -20,6 +20,7 @@ from megarl.config.choices import (
     missing_logger_extras,
 )
 from megarl.config.dist_ckpt_checks import check_dist_checkpoints
+from megarl.config.distillation_checks import check_distillation
 from megarl.config.engine_key_checks import check_engine_keys
 from megarl.config.errors import ConfigError
 from megarl.config.layout_checks import LayoutChecks, fmt_value
@@ -91,6 +92,7 @@ class _Checks(LayoutChecks):
         check_recipe_keys(self.cfg, self.error)
         check_multi_turn(self.cfg, self.error, self.problem)
         check_lora(self.cfg, self.error)
+        check_distillation(self.cfg, self.error, self.warn)
         self.check_not_applied()
         self.check_files()
 

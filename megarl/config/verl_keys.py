@@ -39,7 +39,6 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     # -- whole sections ------------------------------------------------------------------------
     ("ray_kwargs", _NO_RAY),
     ("transfer_queue", "no transfer queue: batches travel over torch.distributed"),
-    ("distillation", "no on-policy distillation"),
     ("global_profiler", _PROFILE),
     ("skip", "no rollout skipping / replay"),
     ("reward.sandbox_fusion", "no code sandbox; reward functions run in-process"),

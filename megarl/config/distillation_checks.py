@@ -1,0 +1,213 @@
+"""Checks of ``distillation.*`` (:mod:`megarl.config.schema_distill`), each problem one line
+naming its key.
+
+verl 0.9.1 checks the loss settings always (``DistillationLossConfig.__post_init__``) and the
+teachers and their pool only when distillation is enabled (``DistillationConfig.__post_init__``);
+so does megarl. megarl adds range checks verl leaves to a crash or a silent no-op (a clamp of the
+wrong sign, a pool of size 0). Until the teacher's scoring and the trainer integration are built,
+``enabled=true`` is refused in one line after the other checks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from megarl.config.layout_checks import fmt_value
+from megarl.config.schema_distill import TEACHER_MODEL, TOPK_LOSS_MODES
+from megarl.config.verl_defaults import verl_tree
+
+__all__ = ["NOT_BUILT", "check_distillation"]
+
+Error = Callable[[str], None]
+
+D = "distillation"
+L = "distillation.distillation_loss"
+NOT_BUILT = (
+    "distillation.enabled=true: on-policy distillation is not built yet: the teacher's scoring "
+    "(vLLM prompt_logprobs on ranks of its own, or a Megatron teacher) and the trainer's use of "
+    "the distillation loss are missing (only the loss math is: megarl.algo.distillation); use false"
+)
+"""The one line refusing ``distillation.enabled=true`` (docs/distillation.md)."""
+ENGINES = ("vllm",)
+"""Teacher inference engines megarl would serve (verl also has sglang)."""
+
+
+def _inference_keys() -> frozenset[str]:
+    """Keys a teacher's ``inference`` section may hold: verl's rollout config's."""
+    rollout = verl_tree()["actor_rollout_ref"]["rollout"]
+    return frozenset(rollout) | frozenset(TEACHER_MODEL["inference"])
+
+
+def _int(value: Any) -> int | None:
+    """An int given as such or as text (``${...}`` in a free-form section resolve to text)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        return None
+
+
+def check_distillation(cfg, error: Error, warn: Error) -> None:
+    """Report every bad ``distillation.*`` value through ``error`` (verl's warnings: ``warn``)."""
+    d = cfg.distillation
+    loss = d.distillation_loss
+    _check_loss(loss, error, warn)
+    for key in ("n_gpus_per_node", "nnodes"):
+        if getattr(d, key) < 0:
+            error(f"{D}.{key}={getattr(d, key)} must be >= 0")
+    if not d.teacher_key.strip():
+        error(f"{D}.teacher_key is empty: name the sample field routing to teachers (data_source)")
+    if not d.enabled:
+        return
+    _check_teachers(cfg, error)
+    error(NOT_BUILT)
+
+
+def _check_loss(loss, error: Error, warn: Error) -> None:
+    mode = loss.loss_mode
+    if not loss.use_policy_gradient and mode in ("k1", "kl"):
+        error(
+            f"{L}.loss_mode={mode} with use_policy_gradient=false: k1's gradient does not depend "
+            "on the teacher's log-probs; use use_policy_gradient=true, or k3 / forward_kl_topk"
+        )
+    if mode in TOPK_LOSS_MODES:
+        if loss.topk is None or loss.topk < 1:
+            error(f"{L}.topk={fmt_value(loss.topk)}: loss_mode={mode} needs a top-k of 1 or more")
+        if loss.use_policy_gradient:
+            warn(
+                f"{L}.loss_mode={mode} with use_policy_gradient=true: the update uses only the "
+                "sampled token's log-prob, so most of the top-k signal is unused"
+            )
+    elif loss.topk is not None and loss.topk < 1:
+        error(f"{L}.topk={loss.topk} must be 1 or more (or null)")
+    if not math.isfinite(loss.distillation_loss_coef) or loss.distillation_loss_coef < 0:
+        error(f"{L}.distillation_loss_coef={loss.distillation_loss_coef} must be >= 0 and finite")
+    if loss.loss_max_clamp is not None and not loss.loss_max_clamp > 0:
+        error(
+            f"{L}.loss_max_clamp={loss.loss_max_clamp} must be > 0 (the loss is clamped to [-c, c])"
+        )
+    if loss.log_prob_min_clamp is not None and not loss.log_prob_min_clamp < 0:
+        error(
+            f"{L}.log_prob_min_clamp={loss.log_prob_min_clamp} must be < 0 (a floor under "
+            "log-probs, which are <= 0)"
+        )
+    for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+        value = getattr(loss, key)
+        if not value >= 0:
+            error(f"{L}.{key}={value} must be >= 0")
+
+
+def _check_teachers(cfg, error: Error) -> None:
+    """verl's teacher checks (``_resolve_teacher_models``, ``validate_and_prepare_for_distillation``)."""
+    d = cfg.distillation
+    loss = d.distillation_loss
+    pool = d.n_gpus_per_node * d.nnodes
+    if pool == 0:
+        error(
+            f"{D}.nnodes={d.nnodes} x n_gpus_per_node={d.n_gpus_per_node} = 0: the teachers "
+            "need GPUs of their own"
+        )
+    teachers = d.teacher_models
+    if "teacher_model" not in teachers:
+        error(f"{D}.teacher_models has no 'teacher_model' entry (verl's single-teacher default)")
+        return
+    single = len(teachers) == 1
+    names = ["teacher_model"] if single else [n for n in teachers if n != "teacher_model"]
+    seen: dict[str, str] = {}
+    total = 0
+    for name in names:
+        key = f"{D}.teacher_models.{name}"
+        entry = teachers[name]
+        if not isinstance(entry, dict):
+            error(
+                f"{key}: expected a section (key, model_path, num_replicas, inference), got {entry!r}"
+            )
+            continue
+        unknown = sorted(set(entry) - set(TEACHER_MODEL) - {"_target_"})
+        if unknown:
+            error(f"{key}.{unknown[0]}: unknown key; a teacher has {', '.join(TEACHER_MODEL)}")
+        inference = entry.get("inference") or {}
+        if not isinstance(inference, dict):
+            error(f"{key}.inference: expected a section, got {inference!r}")
+            continue
+        bad = sorted(set(inference) - _inference_keys())
+        if bad:
+            error(f"{key}.inference.{bad[0]}: not a key of verl's rollout config")
+        per_replica = _per_replica(key, inference, error)
+        if per_replica is None:
+            continue
+        if not entry.get("model_path"):
+            error(f"{key}.model_path must be set (the teacher's HF path)")
+        if single:
+            if pool % per_replica:
+                error(
+                    f"{key}.inference: a replica of {per_replica} GPUs (TP x DP x PP) does not "
+                    f"divide the teachers' pool {D}.nnodes x n_gpus_per_node = {pool}"
+                )
+            replicas = pool // per_replica
+        else:
+            replicas = _int(entry.get("num_replicas"))
+            if replicas is None or replicas < 0:
+                error(f"{key}.num_replicas={fmt_value(entry.get('num_replicas'))} must be >= 0")
+                replicas = 0
+            route = entry.get("key")
+            if route is None:
+                error(f"{key}.key must be set: the {D}.teacher_key value routed to this teacher")
+            elif str(route) in seen:
+                error(f"{key}.key={route}: also the key of teacher_models.{seen[str(route)]}")
+            else:
+                seen[str(route)] = name
+        total += replicas * per_replica
+        _check_inference(key, inference, loss, error)
+    if not single and pool and total != pool:
+        error(
+            f"{D}.teacher_models: num_replicas x (TP x DP x PP) summed over the teachers = "
+            f"{total}, not the pool {D}.nnodes x n_gpus_per_node = {pool}"
+        )
+
+
+def _per_replica(key: str, inference: dict, error: Error) -> int | None:
+    size = 1
+    for name in (
+        "tensor_model_parallel_size",
+        "data_parallel_size",
+        "pipeline_model_parallel_size",
+    ):
+        value = _int(inference.get(name, 1))
+        if value is None or value < 1:
+            error(f"{key}.inference.{name}={fmt_value(inference.get(name))} must be >= 1")
+            return None
+        size *= value
+    return size
+
+
+def _check_inference(key: str, inference: dict, loss, error: Error) -> None:
+    name = inference.get("name")
+    if name not in ENGINES:
+        error(
+            f"{key}.inference.name={fmt_value(name)}: a teacher is served by {' or '.join(ENGINES)}"
+        )
+    prompt = _int(inference.get("prompt_length"))
+    response = _int(inference.get("response_length"))
+    given = inference.get("max_model_len")
+    limit = None if given is None else _int(given)
+    if None not in (limit, prompt, response) and prompt + response + 1 > limit:
+        error(
+            f"{key}.inference.max_model_len={limit} < prompt_length + response_length + 1 = "
+            f"{prompt + response + 1}: the teacher scores the whole student sequence"
+        )
+    if loss.loss_mode in TOPK_LOSS_MODES and loss.topk is not None:
+        kwargs = inference.get("engine_kwargs") or {}
+        vllm = kwargs.get("vllm") if isinstance(kwargs, dict) else None
+        given = vllm.get("max_logprobs") if isinstance(vllm, dict) else None
+        max_logprobs = None if given is None else _int(given)
+        if max_logprobs is not None and max_logprobs < loss.topk:
+            error(
+                f"{key}.inference.engine_kwargs.vllm.max_logprobs={max_logprobs} < "
+                f"{L}.topk={loss.topk}: vLLM returns at most max_logprobs log-probs per token"
+            )

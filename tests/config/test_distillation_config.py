@@ -1,0 +1,131 @@
+"""``distillation.*`` (verl 0.9.1's on-policy distillation section): verl's composed YAML
+defaults, verl's checks (and megarl's range checks), each bad value refused in one line naming
+its key, and ``enabled=true`` refused in one line while the teacher is not built.
+
+In-process (``load_config`` + ``validate`` on ``configs/grpo_tiny_cpu.yaml``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megarl.config import ConfigError, load_config, validate
+from megarl.config.distillation_checks import NOT_BUILT
+from megarl.config.verl_defaults import leaves, verl_defaults
+from tests.conftest import REPO
+
+TINY = REPO / "configs" / "grpo_tiny_cpu.yaml"
+L = "distillation.distillation_loss"
+T = "distillation.teacher_models"
+# A teacher pool verl accepts: 4 GPUs, one teacher at TP 2 (two replicas), a model path.
+ENABLED = [
+    "distillation.enabled=true",
+    "distillation.n_gpus_per_node=4",
+    "distillation.nnodes=1",
+    f"{T}.teacher_model.model_path=Qwen/Qwen3-32B",
+]
+
+
+def problems(overrides: list[str]) -> list[str]:
+    """The lines loading and validating the tiny config with ``overrides`` refuse it with."""
+    try:
+        validate(load_config(TINY, overrides))
+    except ConfigError as error:
+        return error.problems
+    return []
+
+
+def test_the_defaults_are_verls_composed_yaml():
+    ours = leaves(dataclasses.asdict(load_config(TINY).distillation), "distillation")
+    verls = {k: v for k, v in verl_defaults().items()
+             if k.startswith("distillation.") and not k.endswith("_target_")}  # fmt: skip
+    # ${oc.select:...} entries of the teacher's inference section follow the student's rollout
+    for key, value in verls.items():
+        if isinstance(value, str) and value.startswith("${"):
+            verls[key] = ours[key]
+    assert ours == verls
+    loss = load_config(TINY).distillation.distillation_loss
+    assert (loss.loss_mode, loss.topk, loss.use_task_rewards, loss.use_policy_gradient) == (
+        "k3", 32, True, False,
+    )  # fmt: skip
+    assert loss.loss_max_clamp is None and loss.log_prob_min_clamp is None
+
+
+def test_every_key_at_its_default_validates_and_the_good_modes_do():
+    assert problems([]) == []
+    assert problems([f"{L}.loss_mode=forward_kl_topk", f"{L}.topk=64"]) == []
+    assert problems([f"{L}.loss_mode=k1", f"{L}.use_policy_gradient=true"]) == []
+    assert problems([f"{L}.loss_max_clamp=10", f"{L}.log_prob_min_clamp=-10"]) == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        ([f"{L}.loss_mode=k1"], f"{L}.loss_mode=k1 with use_policy_gradient=false: k1's gradient"),
+        ([f"{L}.loss_mode=kl"], f"{L}.loss_mode=kl with use_policy_gradient=false"),
+        ([f"{L}.loss_mode=reverse_kl_topk"], f"{L}.loss_mode: 'reverse_kl_topk' is not one of"),
+        ([f"{L}.policy_loss_mode=gspo"], f"{L}.policy_loss_mode: 'gspo' is not one of vanilla"),
+        ([f"{L}.loss_mode=forward_kl_topk", f"{L}.topk=null"], f"{L}.topk=null: loss_mode="),
+        ([f"{L}.loss_mode=forward_kl_topk", f"{L}.topk=0"], f"{L}.topk=0: loss_mode="),
+        ([f"{L}.loss_max_clamp=0"], f"{L}.loss_max_clamp=0.0 must be > 0"),
+        ([f"{L}.log_prob_min_clamp=1"], f"{L}.log_prob_min_clamp=1.0 must be < 0"),
+        ([f"{L}.distillation_loss_coef=-1"], f"{L}.distillation_loss_coef=-1.0 must be >= 0"),
+        ([f"{L}.clip_ratio_low=-0.1"], f"{L}.clip_ratio_low=-0.1 must be >= 0"),
+        (["distillation.nnodes=-1"], "distillation.nnodes=-1 must be >= 0"),
+        (["distillation.teacher_key= "], "distillation.teacher_key is empty"),
+        ([f"{L}.topk=many"], f"{L}.topk: expected null or an integer, got"),
+    ],
+)
+def test_a_bad_value_is_refused_in_one_line_naming_its_key(overrides, line):
+    found = problems(overrides)
+    assert len(found) == 1 and found[0].startswith(line), found
+
+
+def test_enabled_is_refused_in_one_line_saying_what_is_missing():
+    assert problems(ENABLED) == [NOT_BUILT]
+    assert "teacher's scoring" in NOT_BUILT and "trainer's use" in NOT_BUILT
+
+
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        # verl: a single teacher's replica (TP x DP x PP) must divide the pool
+        ([f"{T}.teacher_model.inference.tensor_model_parallel_size=3"], f"{T}.teacher_model.inference: a replica of 3"),
+        (["distillation.nnodes=0"], "distillation.nnodes=0 x n_gpus_per_node=4 = 0"),
+        ([f"{T}.teacher_model.model_path=null"], f"{T}.teacher_model.model_path must be set"),
+        # verl: vLLM's max_logprobs >= topk for the top-k loss
+        (
+            [f"{L}.loss_mode=forward_kl_topk", f"{L}.topk=64",
+             f"+{T}.teacher_model.inference.engine_kwargs.vllm.max_logprobs=20"],
+            f"{T}.teacher_model.inference.engine_kwargs.vllm.max_logprobs=20 < {L}.topk=64",
+        ),
+        # verl: the teacher's context holds the student's prompt and response and one token
+        ([f"{T}.teacher_model.inference.max_model_len=100"], f"{T}.teacher_model.inference.max_model_len=100 <"),
+        ([f"{T}.teacher_model.inference.name=sglang"], f"{T}.teacher_model.inference.name=sglang: a teacher"),
+        ([f"{T}.teacher_model.inference.data_parallel_size=0"], f"{T}.teacher_model.inference.data_parallel_size=0 must be"),
+        ([f"+{T}.teacher_model.inference.tensor_parallel=2"], f"{T}.teacher_model.inference.tensor_parallel: not a key"),
+        # several teachers: the default entry is dropped, each needs its key; the pool must match
+        (
+            [f"+{T}.math.key=math", f"+{T}.math.model_path=a", f"+{T}.math.num_replicas=1",
+             f"+{T}.gsm.key=math", f"+{T}.gsm.model_path=b", f"+{T}.gsm.num_replicas=1"],
+            f"{T}.gsm.key=math: also the key of teacher_models.math",
+        ),
+        (
+            [f"+{T}.math.key=math", f"+{T}.math.model_path=a", f"+{T}.math.num_replicas=1"],
+            f"{T}: num_replicas x (TP x DP x PP) summed over the teachers = 2, not the pool",
+        ),
+    ],
+)  # fmt: skip
+def test_verls_teacher_checks_when_enabled(overrides, line):
+    found = problems([*ENABLED, *overrides])
+    assert found[-1] == NOT_BUILT, found
+    assert len(found) == 2 and found[0].startswith(line), found
+
+
+def test_two_teachers_filling_the_pool_pass_the_teacher_checks():
+    teachers = [f"+{T}.{name}.{key}={value}"
+                for name in ("math", "gsm")
+                for key, value in (("key", name), ("model_path", name), ("num_replicas", 1))]  # fmt: skip
+    assert problems([*ENABLED, *teachers]) == [NOT_BUILT]
