@@ -129,3 +129,10 @@ def test_two_teachers_filling_the_pool_pass_the_teacher_checks():
                 for name in ("math", "gsm")
                 for key, value in (("key", name), ("model_path", name), ("num_replicas", 1))]  # fmt: skip
     assert problems([*ENABLED, *teachers]) == [NOT_BUILT]
+
+
+def test_the_top_k_loss_through_the_policy_gradient_is_warned_about_as_verl_does():
+    warnings = validate(
+        load_config(TINY, [f"{L}.loss_mode=forward_kl_topk", f"{L}.use_policy_gradient=true"])
+    )
+    assert [w for w in warnings if w.startswith(f"{L}.loss_mode=forward_kl_topk with use_policy")]
