@@ -8,7 +8,8 @@ attends causally within each sequence (block-diagonal causal), and under context
 each rank's queries attend to the keys and values of every CP rank (all-gathered, differentiable:
 the gradients of the others' keys and values go back to them) with the chunk-aware causal mask
 of :func:`megarl.models.packing.thd_coordinates`. Exact; each sequence's scores are computed
-alone (``[heads, its queries, its keys]``), so packing saves the padding's compute here too.
+with its own keys only (``[heads, its queries, its keys]``), the sequences of one padded length
+batched in one call, so packing saves the padding's compute here too.
 
 On CUDA (the local spec there: MoE LoRA, ``transformer_impl=local``) the same class runs real
 attention kernels instead (:func:`kernel_attention`): PyTorch's flash varlen kernel for packed
@@ -52,28 +53,62 @@ class _GatherOverContextParallel(torch.autograd.Function):
         return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n]
 
 
-def sequence_blocks(params, cp_size: int, cp_rank: int):
-    """Per packed sequence (under ``params``): the indices of its queries among this rank's
-    tokens, of its keys among every CP rank's tokens (rank order, as the CP all-gather returns
-    them), and its causal mask ``[1, 1, queries, keys]`` (True: masked; a query sees the keys
-    of its sequence at its position or before)."""
-    cu = (
-        params.cu_seqlens_q_padded
-        if params.cu_seqlens_q_padded is not None
-        else params.cu_seqlens_q
-    )
-    cu = cu.cpu()
+@dataclass(frozen=True)
+class LengthGroup:
+    """The packed sequences of one padded length, attended together as one batch: ``queries``
+    ``[Lq·n]`` (their queries among this rank's tokens, position-major: index ``i·n + j`` is
+    query ``i`` of sequence ``j``, Megatron's ``[s, b]`` order), ``keys`` ``[Lk·n]`` (their
+    keys among every CP rank's tokens, in the order the CP all-gather returns them, the same
+    way), ``n`` and the causal mask ``[1, 1, Lq, Lk]`` they share (True: masked)."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    n: int
+    mask: torch.Tensor
+
+
+def length_groups(
+    params, cp_size: int, cp_rank: int, device
+) -> tuple[list[LengthGroup], torch.Tensor]:
+    """The packed row of ``params`` as :class:`LengthGroup` s, and the permutation that puts
+    their outputs (concatenated, each ``[Lq·n]``) back in the row's token order. Sequences of
+    one padded length have the same mask (a query sees the keys of its sequence at its position
+    or before; under CP the chunk positions depend only on that length), so each group is one
+    batched call. Computed once per forward (one host read of the sequence starts) and kept on
+    ``params``, the object every layer of the forward receives."""
+    key = ("groups", cp_size, cp_rank, str(device))
+    cached = getattr(params, "_megarl_groups", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    cu = params.cu_seqlens_q_padded
+    cu = (params.cu_seqlens_q if cu is None else cu).cpu()
     q_seq, q_pos = thd_coordinates(cu, cp_size, cp_rank)
     keys = [thd_coordinates(cu, cp_size, r) for r in range(cp_size)]
     k_seq = torch.cat([seq for seq, _ in keys])
     k_pos = torch.cat([pos for _, pos in keys])
-    for seq in range(len(cu) - 1):
-        queries = (q_seq == seq).nonzero().squeeze(1)
-        if queries.numel() == 0:
-            continue
-        keys_of = (k_seq == seq).nonzero().squeeze(1)
-        masked = k_pos[keys_of][None, :] > q_pos[queries][:, None]
-        yield queries, keys_of, masked[None, None]
+    q_order, k_order = torch.argsort(q_seq, stable=True), torch.argsort(k_seq, stable=True)
+    q_count = torch.bincount(q_seq, minlength=len(cu) - 1).tolist()
+    k_count = torch.bincount(k_seq, minlength=len(cu) - 1).tolist()
+    q_starts = [0, *torch.tensor(q_count).cumsum(0).tolist()]
+    k_starts = [0, *torch.tensor(k_count).cumsum(0).tolist()]
+    by_length: dict[int, list[int]] = {}
+    for seq, size in enumerate((cu[1:] - cu[:-1]).tolist()):
+        if q_count[seq]:
+            by_length.setdefault(size, []).append(seq)
+    groups, order = [], []
+    for members in by_length.values():
+        qs = torch.stack([q_order[q_starts[m] : q_starts[m + 1]] for m in members], dim=1)
+        ks = torch.stack([k_order[k_starts[m] : k_starts[m + 1]] for m in members], dim=1)
+        masked = k_pos[ks[:, 0]][None, :] > q_pos[qs[:, 0]][:, None]
+        queries = qs.reshape(-1)
+        groups.append(
+            LengthGroup(queries.to(device), ks.reshape(-1).to(device), len(members),
+                        masked[None, None].to(device))
+        )  # fmt: skip
+        order.append(queries)
+    back = torch.argsort(torch.cat(order)).to(device)
+    params._megarl_groups = (key, (groups, back))
+    return groups, back
 
 
 class PackedDotProductAttention(DotProductAttention):
@@ -112,17 +147,16 @@ class PackedDotProductAttention(DotProductAttention):
         if self.cp_size > 1:
             key = _GatherOverContextParallel.apply(key)
             value = _GatherOverContextParallel.apply(value)
-        # One sequence at a time: the cost is the sum of the squared lengths, not the square of
-        # the row's length.
-        outputs, order = [], []
-        for queries, keys_of, mask in sequence_blocks(packed_seq_params, self.cp_size, cp_rank):
-            on = query.device
-            q = query.index_select(0, queries.to(on))
-            k, v = (t.index_select(0, keys_of.to(on)) for t in (key, value))
-            outputs.append(super().forward(q, k, v, mask.to(on), attn_mask_type, attention_bias))
-            order.append(queries)
-        back = torch.argsort(torch.cat(order)).to(query.device)  # to the row's token order
-        return torch.cat(outputs).index_select(0, back).squeeze(1)  # [tokens, heads·dim]
+        # The sequences of each padded length together, as one batch: the cost is the sum of
+        # the squared lengths, not the square of the row's length, in one call per length.
+        groups, back = length_groups(packed_seq_params, self.cp_size, cp_rank, query.device)
+        outputs = []
+        for g in groups:
+            q = query.index_select(0, g.queries).view(-1, g.n, *query.shape[2:])
+            k, v = (t.index_select(0, g.keys).view(-1, g.n, *t.shape[2:]) for t in (key, value))
+            out = super().forward(q, k, v, g.mask, attn_mask_type, attention_bias)
+            outputs.append(out.reshape(q.shape[0] * g.n, -1))
+        return torch.cat(outputs).index_select(0, back)  # [tokens, heads·dim], the row's order
 
     def kernels_apply(self) -> bool:
         """Whether :func:`kernel_attention` computes what Megatron's local attention would:
