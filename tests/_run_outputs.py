@@ -48,10 +48,10 @@ def assert_prompts_in_sampler_order(config: Path, out: Path, run_dir: Path, step
         assert Counter(rollout_prompts(run_dir, step)) == want, step
 
 
-def launch_quickstart(out: Path, overrides: list[str]) -> subprocess.Popen:
+def launch_quickstart(out: Path, overrides: list[str], env: dict | None = None) -> subprocess.Popen:
     """The README's main job (``megarl.commands.quickstart``) in ``out`` with ``overrides``,
     its rollouts dumped to the run directory's ``rollouts/``, its temporary files in
-    ``out/tmp``; stdout and stderr captured as text."""
+    ``out/tmp``, ``env`` added to its environment; stdout and stderr captured as text."""
     import os
     import sys
 
@@ -60,7 +60,7 @@ def launch_quickstart(out: Path, overrides: list[str]) -> subprocess.Popen:
         [sys.executable, "-m", "megarl.commands.quickstart", "--out", str(out), *overrides,
          "reward_model.dump_samples=-1",
          f"trainer.rollout_data_dir={out / 'runs' / 'grpo_tiny_cpu' / 'rollouts'}"],
-        cwd=repo, env={**os.environ, "TMPDIR": str(out / "tmp")}, stdout=subprocess.PIPE,
+        cwd=repo, env={**os.environ, "TMPDIR": str(out / "tmp"), **(env or {})}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
@@ -74,17 +74,22 @@ def steps_done(run_dir: Path) -> int:
 
 
 def stop_and_resume(
-    out: Path, overrides: list[str], stop_after: int, stop: Callable[[subprocess.Popen], dict]
+    out: Path,
+    overrides: list[str],
+    stop_after: int,
+    stop: Callable[[subprocess.Popen], dict],
+    env: dict | None = None,
 ) -> dict:
-    """Launch the quickstart, call ``stop(process)`` once step ``stop_after`` is done (it sends
-    the signal; what it returns joins the result), wait for a clean exit, relaunch to the end.
+    """Launch the quickstart (``env`` added to both launches' environment), call
+    ``stop(process)`` once step ``stop_after`` is done (it sends the signal; what it returns
+    joins the result), wait for a clean exit, relaunch to the end.
     Returns the two launches' (stdout, stderr), the step saved, the merged metrics, ``run_dir``
     and ``out``."""
     from tests.checkpoint.test_trainer_checkpoint import _wait_for
 
     (out / "tmp").mkdir(exist_ok=True)
     run_dir = out / "runs" / "grpo_tiny_cpu"
-    first = launch_quickstart(out, overrides)
+    first = launch_quickstart(out, overrides, env)
     _wait_for(lambda: first.poll() is not None or steps_done(run_dir) >= stop_after,
               f"step {stop_after}", timeout=900)  # fmt: skip
     extra = stop(first)
@@ -92,7 +97,7 @@ def stop_and_resume(
     assert first.returncode == 0, stopped[0][-3000:] + stopped[1][-5000:]
     extra = {**extra, **extra.pop("after_stop", dict)()}
     saved = int((run_dir / "latest_checkpointed_iteration.txt").read_text())
-    second = launch_quickstart(out, overrides)
+    second = launch_quickstart(out, overrides, env)
     done = second.communicate(timeout=1200)
     assert second.returncode == 0, done[0][-3000:] + done[1][-5000:]
     return {"stopped": stopped, "done": done, "saved": saved, "metrics": read_metrics(run_dir),

@@ -19,7 +19,8 @@ several checks:
 - an error inside the ranks (1 launch: the scorer raises): exit 2, the first rank's ``error:``
   line once with where the logs are, no traceback; torchrun's report in ``logs/torchrun.log``;
 - vLLM on a rank of its own, fully async with partial rollouts (issues 26, 55): ``kill -9`` of
-  that rank (1 launch), one line naming it. (SIGTERM to such a run and its relaunch: ``test_disaggregated_run.py``, whose
+  that rank (1 launch) while it is held between two tokens of responses that go on after a
+  weight update (:mod:`tests.trainer._held_rollout`), one line naming it. (SIGTERM to such a run and its relaunch: ``test_disaggregated_run.py``, whose
   learning run is stopped and resumed in the middle.)
 
 Scoring is driven by a custom reward file: while ``<root>/hold`` exists each sample touches
@@ -126,10 +127,11 @@ def _args(tiny: dict, run_dir: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _start(tiny: dict, run_dir: Path, *extra: str) -> subprocess.Popen:
-    """``megarl train`` in its own session (as a shell's job), console output to a file."""
+def _start(tiny: dict, run_dir: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    """``megarl train`` in its own session (as a shell's job), console output to a file;
+    ``env`` added to its environment."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
     env.pop("WORLD_SIZE", None)
     out = open(f"{run_dir}.{time.monotonic_ns()}.out", "w")  # noqa: SIM115
@@ -264,16 +266,32 @@ def test_kill_9_of_the_launcher_leaves_nothing_running(tiny):
     assert _survivors(tree, timeout=40) == []
 
 
-def _kill_9_names_it(tiny: dict, run_dir: Path, rank: int, *extra: str, role: str = "") -> None:
-    """Launch, ``kill -9`` rank ``rank`` once the run started: exit 1, one line naming it (and
-    ``role``) and SIGKILL, no traceback, nothing of the launch left."""
-    proc = _start(tiny, run_dir, *extra)
-    _wait_for(lambda: _announced(run_dir), "the run to start")
+def _kill_9_names_it(
+    tiny: dict, run_dir: Path, rank: int, *extra: str, role: str = "", hold: Path | None = None
+) -> None:
+    """Launch, ``kill -9`` rank ``rank`` once the run started (with ``hold``: once the rollout
+    rank is held by :mod:`tests.trainer._held_rollout` between two tokens of responses that go
+    on after a weight update): exit 1, one line naming it (and ``role``) and SIGKILL, no
+    traceback, nothing of the launch left."""
+    env = None
+    if hold is not None:
+        env = {"MEGARL_TRAIN_MODULE": "tests.trainer._held_rollout",
+               "MEGARL_TEST_HOLD": str(hold), "MEGARL_TEST_ROLLOUT_STEP_S": "0.03"}  # fmt: skip
+        Path(f"{hold}.reached").unlink(missing_ok=True)
+        hold.touch()
+    proc = _start(tiny, run_dir, *extra, env=env)
+    if hold is None:
+        _wait_for(lambda: _announced(run_dir), "the run to start")
+    else:
+        _wait_for(lambda: Path(f"{hold}.reached").exists() or proc.poll() is not None,
+                  "an update interrupting responses")  # fmt: skip
+        assert Path(f"{hold}.reached").exists(), proc.out_path.read_text()[-4000:]
     tree = _tree(proc)
-    victim = next(
-        p for p in tree if p.environ().get("RANK") == str(rank) and "megarl.trainer" in p.cmdline()
-    )
+    module = "megarl.trainer" if hold is None else "tests.trainer._held_rollout"
+    victim = next(p for p in tree if p.environ().get("RANK") == str(rank) and module in p.cmdline())
     victim.kill()
+    if hold is not None:
+        hold.unlink()
     code, out = _finish(proc)
     lines = [ln for ln in out.splitlines() if ln.startswith("error")]
     assert code == 1 and len(lines) == 1, out[-4000:]
@@ -374,10 +392,11 @@ updates, partial rollouts; issue 26's one step off takes the same failure path).
 
 def test_kill_9_of_the_rollout_rank_names_it(tiny):
     """vLLM on a rank of its own, fully async with partial rollouts (issues 26, 55): killing that
-    rank while it generates ends the run in one line naming it as the rollout rank (issue 40),
-    and nothing of the launch is left."""
+    rank in an interrupted-and-continuing generation (held after loading a weight update between
+    two tokens of unfinished responses) ends the run in one line naming it as the rollout rank
+    (issue 40), and nothing of the launch is left."""
     run_dir = tiny["root"] / "rollout_rank_killed"
     _kill_9_names_it(
         tiny, run_dir, 2, *FULLY_ASYNC, "trainer.total_training_steps=500",
-        role=", a rollout rank (vLLM)",
+        role=", a rollout rank (vLLM)", hold=tiny["root"] / "hold_rollout",
     )  # fmt: skip

@@ -2,7 +2,9 @@
 training rank + 1 rollout rank, weights synced every 2 updates
 (``async_training.trigger_parameter_sync_step=2``), partial rollouts, staleness 1 (three batches
 per window), responses of up to 32 tokens. The launcher is stopped by SIGTERM once step
-``STOP_AFTER`` is done (the rollout rank is generating the next batches then) and the run is
+``STOP_AFTER`` is done, at the moment the rollout rank has loaded a weight update between two
+tokens of responses it goes on generating (an interrupted-and-continuing generation: the rank is
+held there by :mod:`tests.trainer._held_rollout` until the signal is sent), and the run is
 relaunched to the end. Together the launches learn, sync only at the windows' ends, see every
 step's prompts in the order of an uninterrupted run (the batches asked ahead and the partial
 samples in flight at the stop are generated again after the resume, none trained twice), and
@@ -37,15 +39,32 @@ OVERRIDES = [
 ]  # fmt: skip
 
 
-def _stop_the_launcher(first) -> dict:
-    first.send_signal(signal.SIGTERM)  # as Ctrl-C or scancel would
-    return {}
+def _stop_the_launcher_while_responses_continue(hold: Path):
+    """Once step ``STOP_AFTER`` is done: hold the rollout rank at its next weight update that
+    interrupts unfinished responses, SIGTERM the launcher there (as Ctrl-C or scancel would),
+    let the rank go on. Returns how many responses were interrupted and continuing."""
+
+    def stop(first) -> dict:
+        from tests.checkpoint.test_trainer_checkpoint import _wait_for
+
+        reached = Path(f"{hold}.reached")
+        hold.touch()
+        _wait_for(lambda: reached.exists() or first.poll() is not None,
+                  "an update interrupting responses", timeout=600)  # fmt: skip
+        first.send_signal(signal.SIGTERM)
+        hold.unlink()
+        return {"continuing": int(reached.read_text()) if reached.exists() else 0}
+
+    return stop
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
-    return stop_and_resume(tmp_path_factory.mktemp("fully_async"), OVERRIDES, STOP_AFTER,
-                           _stop_the_launcher)  # fmt: skip
+    out = tmp_path_factory.mktemp("fully_async")
+    env = {"MEGARL_TRAIN_MODULE": "tests.trainer._held_rollout",
+           "MEGARL_TEST_HOLD": str(out / "hold"), "MEGARL_TEST_ROLLOUT_STEP_S": "0.03"}  # fmt: skip
+    stop = _stop_the_launcher_while_responses_continue(out / "hold")
+    return stop_and_resume(out, OVERRIDES, STOP_AFTER, stop, env)
 
 
 def test_fully_async_with_partial_rollouts_learns(run):
@@ -81,7 +100,11 @@ def test_tokens_sampled_by_the_current_weights_agree_with_the_actor(run):
 
 
 def test_the_stop_saves_the_step_and_the_resume_repeats_and_drops_no_prompt(run):
+    """SIGTERM while responses are interrupted and continuing on new weights: a clean stop with
+    the step saved; the resume trains every prompt once, in the sampler's order (the partial
+    samples in flight are generated again, not trained twice)."""
     out, err = run["stopped"]
+    assert run["continuing"] > 0, "the signal did not come during an interrupted generation"
     assert run["saved"] >= STOP_AFTER and f"stopped after step {run['saved']}" in out + err
     assert "Traceback" not in out + err
     assert_prompts_in_sampler_order(REPO / "configs" / "grpo_tiny_cpu.yaml", run["out"],
