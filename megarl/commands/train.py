@@ -246,13 +246,16 @@ def _check_data(cfg) -> str | None:
     from transformers import AutoTokenizer
 
     from megarl.data import PromptDataset
+    from megarl.data.tokenizer import trusts_remote_code
     from megarl.rollout.multi_turn_rollout import multi_turn_problem, prompt_tool_schemas
 
     model = cfg.actor_rollout_ref.model
     where = Path(model.tokenizer_path or model.path).expanduser()
     key = "tokenizer_path" if model.tokenizer_path else "path"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(where))
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(where), trust_remote_code=trusts_remote_code(cfg)
+        )
     except Exception as exc:  # noqa: BLE001 -- HF raises many kinds; one line names the key
         return f"actor_rollout_ref.model.{key}={where}: no usable tokenizer ({_line(exc)})"
     # tools and interactions load, the chat template renders their turns (not at step 1)

@@ -138,10 +138,6 @@ class _Checks(LayoutChecks):
             for problem in transformer_override_problems(k, m.override_transformer_config):
                 self.error(problem)
         refused: list[tuple[str, bool, str]] = [
-            *[
-                (f"{k}.trust_remote_code", m.trust_remote_code, "only built-in architectures load")
-                for k, m in models
-            ],
             ("data.val_batch_size", c.data.val_batch_size is not None,
              "validation runs the whole set in one batch"),
         ]  # fmt: skip

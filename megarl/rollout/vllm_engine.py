@@ -138,6 +138,8 @@ class VLLMEngine:
             :attr:`RolloutSample.routing <megarl.rollout.base.RolloutSample.routing>`, from one
             of :mod:`megarl.rollout.routing_capture`'s two sources (:attr:`routing_source`).
         expert_parallel: vLLM expert parallelism (EP = this engine's TP size; GPU only).
+        trust_remote_code: vLLM's ``trust_remote_code`` (``actor_rollout_ref.model.
+            trust_remote_code``); the model vLLM builds is still its own of the architecture.
         load_weights: read the checkpoint's weights at start. False: vLLM's ``dummy`` load format
             (random weights; only ``config.json`` and the generation config are read), for a
             caller that loads weights into the engine before its first generate, as the
@@ -173,6 +175,7 @@ class VLLMEngine:
         load_weights: bool = True,
         lora_rank: int = 0,
         fully_sharded_loras: bool = False,
+        trust_remote_code: bool = False,
     ) -> None:
         on_gpu = torch.cuda.is_available()
         if expert_parallel and not on_gpu:
@@ -257,6 +260,7 @@ class VLLMEngine:
             "enable_expert_parallel": expert_parallel or None,
             "enable_return_routed_experts": self.routing_source == "aux" or None,
             "load_format": None if load_weights else "dummy",
+            "trust_remote_code": trust_remote_code or None,
         }
         optional.update(lora_engine_kwargs(lora_rank, fully_sharded_loras))
         kwargs.update({k: v for k, v in optional.items() if v is not None})

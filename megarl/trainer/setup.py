@@ -24,6 +24,7 @@ from megarl.config.batch_plan import rollout_ranks
 from megarl.config.moe_checks import moe_overrides
 from megarl.config.optim_overrides import honoured_overrides
 from megarl.data import GlobalBatchSampler, PromptDataset, total_training_steps
+from megarl.data.tokenizer import load_actor_tokenizer, trusts_remote_code
 from megarl.models.build import BuiltModel, Recompute, build_model
 from megarl.models.gpt import Fusions, MoeSettings
 from megarl.models.lora import BaseModelView, LoraError, LoraSettings, attach_adapters, freeze_base
@@ -116,10 +117,8 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
     )
     world = launch.world_size
     plan = BatchPlan.from_config(cfg, world)
-    from transformers import AutoTokenizer
-
     model_path = str(Path(arr.model.path).expanduser())
-    tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or model_path)
+    tokenizer = load_actor_tokenizer(cfg)
     data_seed = cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed
     tools = prompt_tool_schemas(cfg)  # data.tool_config_path: the filter counts with them
     train_data = PromptDataset.from_config(cfg.data, tokenizer, "train", cfg.trainer.seed, tools)
@@ -453,6 +452,7 @@ def _start_vllm(cfg: MegarlConfig, model_path: str, **overrides: Any):
         dtype=cfg.trainer.dtype,
         seed=cfg.trainer.seed,
         tokenizer_path=cfg.actor_rollout_ref.model.tokenizer_path,  # the EOS fallback's
+        trust_remote_code=trusts_remote_code(cfg),
         capture_routing=cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3",
         **overrides,
     )
@@ -473,9 +473,7 @@ def serve_rollout(cfg: MegarlConfig) -> None:
     # lora.merge=false: vLLM's LoRA layers, as colocated (the adapters arrive alone)
     adapter_args = adapter_engine_args(arr.model.lora)
     engine = _start_vllm(cfg, model_path, free_cache_engine=False, **adapter_args)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or model_path)
+    tokenizer = load_actor_tokenizer(cfg)
     rewards = RewardManager.from_config(cfg, tokenizer)  # spread over the rollout ranks
     multi_turn = None
     if arr.rollout.multi_turn.enable:  # the whole loop, tools included, runs on these ranks

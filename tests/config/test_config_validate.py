@@ -223,8 +223,6 @@ def test_check_paths_turns_missing_files_into_errors(hf_model, tmp_path):
 
 # Keys megarl reads but does not apply (yet): each refused in one line naming it, never ignored.
 NOT_APPLIED = [
-    ("critic.model.trust_remote_code", "critic.model.trust_remote_code=true"),
-    ("actor_rollout_ref.model.trust_remote_code", "actor_rollout_ref.model.trust_remote_code=true"),
     ("data.val_batch_size", "data.val_batch_size=8"),
 ]  # fmt: skip
 

@@ -214,7 +214,8 @@ def main() -> None:
             enforce_eager=True,
             kv_cache_memory_bytes=32 << 20,
         )
-        engine = VLLMEngine.from_config(rollout, path, dtype="fp32", seed=0)
+        # trust_remote_code as the trainer passes it (actor_rollout_ref.model.trust_remote_code)
+        engine = VLLMEngine.from_config(rollout, path, dtype="fp32", seed=0, trust_remote_code=True)
         tim[f"{tag}_start_s"] = time.perf_counter() - t
         cfg = engine._llm.llm_engine.vllm_config
         out["meta"]["from_config"] = {
@@ -228,6 +229,7 @@ def main() -> None:
             "tensor_parallel_size": cfg.parallel_config.tensor_parallel_size,
             "kv_cache_memory_bytes": cfg.cache_config.kv_cache_memory_bytes,
             "load_format": str(cfg.load_config.load_format),
+            "trust_remote_code": cfg.model_config.trust_remote_code,
         }
         return engine
 

@@ -151,9 +151,10 @@ def test_samples_carry_global_prompt_ids(run):
 def test_from_config_reaches_vllm(run):
     """VLLMEngine.from_config: the config's names and values arrive in vLLM's own config
     (dtype spelled fp32 in the config, max_model_len = prompt + response length, processed
-    log-probs), and it reads no checkpoint: vLLM's dummy load format, started from a model
-    directory without its weights file; the first sync brings the weights (the TP 2 rollouts
-    then equal TP 1's from the checkpoint and transformers' log-probs: the tests below)."""
+    log-probs, the trainer's trust_remote_code), and it reads no checkpoint: vLLM's dummy load
+    format, started from a model directory without its weights file; the first sync brings the
+    weights (the TP 2 rollouts then equal TP 1's from the checkpoint and transformers'
+    log-probs: the tests below)."""
     got = run["ranks"][0]["meta"]["from_config"]
     assert got == {
         "max_model_len": 128,
@@ -166,6 +167,7 @@ def test_from_config_reaches_vllm(run):
         "tensor_parallel_size": 2,
         "kv_cache_memory_bytes": 32 << 20,
         "load_format": "dummy",
+        "trust_remote_code": True,
     }
 
 

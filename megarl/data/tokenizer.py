@@ -1,0 +1,28 @@
+"""The actor's tokenizer, as every part of a run loads it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def trusts_remote_code(cfg: Any) -> bool:
+    """transformers' and vLLM's ``trust_remote_code`` for the run:
+    ``actor_rollout_ref.model.trust_remote_code`` or ``data.trust_remote_code`` (verl loads the
+    data's tokenizer with the latter; megarl tokenizes the data with the actor's tokenizer)."""
+    return bool(cfg.actor_rollout_ref.model.trust_remote_code or cfg.data.trust_remote_code)
+
+
+def actor_tokenizer_path(cfg: Any) -> Path:
+    """``actor_rollout_ref.model.tokenizer_path``, else ``model.path`` (``~`` expanded)."""
+    model = cfg.actor_rollout_ref.model
+    return Path(model.tokenizer_path or model.path).expanduser()
+
+
+def load_actor_tokenizer(cfg: Any):
+    """The HF tokenizer at :func:`actor_tokenizer_path`, with :func:`trusts_remote_code`."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        str(actor_tokenizer_path(cfg)), trust_remote_code=trusts_remote_code(cfg)
+    )
