@@ -246,11 +246,11 @@ def _check_data(cfg) -> str | None:
     from transformers import AutoTokenizer
 
     from megarl.data import PromptDataset
-    from megarl.data.tokenizer import trusts_remote_code
+    from megarl.data.tokenizer import actor_tokenizer_path, trusts_remote_code
     from megarl.rollout.multi_turn_rollout import multi_turn_problem, prompt_tool_schemas
 
     model = cfg.actor_rollout_ref.model
-    where = Path(model.tokenizer_path or model.path).expanduser()
+    where = actor_tokenizer_path(cfg)
     key = "tokenizer_path" if model.tokenizer_path else "path"
     try:
         tokenizer = AutoTokenizer.from_pretrained(

@@ -53,6 +53,18 @@ class _GatherOverContextParallel(torch.autograd.Function):
         return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n]
 
 
+def _row_coordinates(params, cp_size: int, cp_rank: int):
+    """The packed row's padded sequence starts (on the host), this rank's queries' sequence and
+    position, and every CP rank's keys' (in the order the CP all-gather returns them)
+    (:func:`megarl.models.packing.thd_coordinates`)."""
+    cu = params.cu_seqlens_q_padded
+    cu = (params.cu_seqlens_q if cu is None else cu).cpu()
+    q_seq, q_pos = thd_coordinates(cu, cp_size, cp_rank)
+    keys = [thd_coordinates(cu, cp_size, r) for r in range(cp_size)]
+    k_seq, k_pos = torch.cat([k for k, _ in keys]), torch.cat([p for _, p in keys])
+    return cu, q_seq, q_pos, k_seq, k_pos
+
+
 @dataclass(frozen=True)
 class LengthGroup:
     """The packed sequences of one padded length, attended together as one batch: ``queries``
@@ -80,12 +92,7 @@ def length_groups(
     cached = getattr(params, "_megarl_groups", None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    cu = params.cu_seqlens_q_padded
-    cu = (params.cu_seqlens_q if cu is None else cu).cpu()
-    q_seq, q_pos = thd_coordinates(cu, cp_size, cp_rank)
-    keys = [thd_coordinates(cu, cp_size, r) for r in range(cp_size)]
-    k_seq = torch.cat([seq for seq, _ in keys])
-    k_pos = torch.cat([pos for _, pos in keys])
+    cu, q_seq, q_pos, k_seq, k_pos = _row_coordinates(params, cp_size, cp_rank)
     q_order, k_order = torch.argsort(q_seq, stable=True), torch.argsort(k_seq, stable=True)
     q_count = torch.bincount(q_seq, minlength=len(cu) - 1).tolist()
     k_count = torch.bincount(k_seq, minlength=len(cu) - 1).tolist()
@@ -208,11 +215,7 @@ def thd_device_coordinates(params, cp_size: int, cp_rank: int, device) -> RowCoo
     cached = getattr(params, "_megarl_coordinates", None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    cu = params.cu_seqlens_q_padded
-    cu = (params.cu_seqlens_q if cu is None else cu).cpu()
-    q_seq, q_pos = thd_coordinates(cu, cp_size, cp_rank)
-    keys = [thd_coordinates(cu, cp_size, r) for r in range(cp_size)]
-    k_seq, k_pos = torch.cat([k for k, _ in keys]), torch.cat([p for _, p in keys])
+    cu, q_seq, q_pos, k_seq, k_pos = _row_coordinates(params, cp_size, cp_rank)
     on = [t.to(device, non_blocking=True) for t in (q_seq, q_pos, k_seq, k_pos)]
     longest = int((cu[1:] - cu[:-1]).max()) if len(cu) > 1 else 0
     coords = RowCoordinates(*on, cu.to(device, torch.int32), longest)

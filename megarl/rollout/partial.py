@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 __all__ = [
-    "Interrupts", "PartialJob", "Segmented", "Streamer", "generate_interruptible", "segment_seed",
+    "Interrupts", "PartialJob", "Segmented", "Streamer", "batch_job", "generate_interruptible",
+    "segment_seed",
 ]  # fmt: skip
 
 
@@ -76,6 +77,43 @@ class PartialJob:
     @property
     def done(self) -> bool:
         return all(r.finish_reason is not None for r in self.responses)
+
+
+def batch_job(
+    prompts: list[list[int]],
+    n: int,
+    prompt_ids: Sequence[int],
+    seeds: Sequence[Sequence[int]],
+    max_tokens: int,
+    make_params: Callable[[int, int], Any],
+    lora_request: Any = None,
+) -> PartialJob:
+    """``n`` responses per prompt (prompt-major; ``seeds[p][s]`` the seed of response ``s`` of
+    prompt ``p``) as one :class:`PartialJob` whose ``finish()`` is the
+    :class:`~megarl.rollout.base.RolloutBatch`, each sample with the weight version of each
+    token."""
+    from megarl.rollout.base import RolloutBatch, RolloutSample
+
+    keys = [(p, s) for p in range(len(prompts)) for s in range(n)]
+    responses = [Segmented(list(prompts[p]), seeds[p][s], max_tokens) for p, s in keys]
+
+    def finish() -> RolloutBatch:
+        samples = [
+            RolloutSample(
+                p,
+                s,
+                list(prompts[p]),
+                r.tokens,
+                r.logprobs,
+                r.finish_reason,
+                prompt_id=prompt_ids[p],
+                token_versions=r.versions,
+            )
+            for (p, s), r in zip(keys, responses, strict=True)
+        ]
+        return RolloutBatch(samples, n)
+
+    return PartialJob(responses, make_params, finish, lora_request)
 
 
 _REQUEST_IDS = itertools.count()

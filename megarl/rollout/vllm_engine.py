@@ -378,43 +378,21 @@ class VLLMEngine:
         version of each token. Wakes the engine if it sleeps."""
         from vllm.sampling_params import RequestOutputKind
 
-        from megarl.rollout.partial import PartialJob, Segmented
+        from megarl.rollout.partial import batch_job
 
         if self.capture_routing:
             raise ValueError("routing capture (R3) is not built for partial rollouts")
         ids, make_params = self._requests(
             prompts, n, temperature, top_p, top_k, max_tokens, stop_token_ids, prompt_ids
         )
-        keys = [(p, s) for p in range(len(prompts)) for s in range(n)]
-        responses = [
-            Segmented(list(prompts[p]), request_seed(seed, step, ids[p], s), max_tokens)
-            for p, s in keys
+        seeds = [
+            [request_seed(seed, step, ids[p], s) for s in range(n)] for p in range(len(prompts))
         ]
 
-        def finish() -> RolloutBatch:
-            samples = [
-                RolloutSample(
-                    p,
-                    s,
-                    list(prompts[p]),
-                    r.tokens,
-                    r.logprobs,
-                    r.finish_reason,
-                    prompt_id=ids[p],
-                    token_versions=r.versions,
-                )
-                for (p, s), r in zip(keys, responses, strict=True)
-            ]
-            return RolloutBatch(samples, n)
+        def delta_params(budget: int, request: int) -> Any:
+            return make_params(budget, request, output_kind=RequestOutputKind.DELTA)
 
-        return PartialJob(
-            responses,
-            lambda budget, request: make_params(
-                budget, request, output_kind=RequestOutputKind.DELTA
-            ),
-            finish,
-            self._lora_request,
-        )
+        return batch_job(prompts, n, ids, seeds, max_tokens, delta_params, self._lora_request)
 
     def _requests(
         self, prompts, n, temperature, top_p, top_k, max_tokens, stop_token_ids, prompt_ids
