@@ -50,9 +50,10 @@ class DataConfig:
     use_chat_template: bool = True
     """(megarl) Render prompts with the chat template; false: tokenise plain-string prompts as is."""
     trust_remote_code: bool = False
-    """verl: trust_remote_code of the data's tokenizer and processor loads. megarl tokenizes the
-    data with the actor's tokenizer, loaded with trust_remote_code when this or
-    ``actor_rollout_ref.model.trust_remote_code`` is true."""
+    """Load the actor's tokenizer (which tokenizes the data) with trust_remote_code."""
+    # verl: trust_remote_code of the data's tokenizer and processor loads. megarl tokenizes the
+    # data with the actor's tokenizer, loaded with it when this or
+    # actor_rollout_ref.model.trust_remote_code is true.
     tool_config_path: str | None = None
     """Tools whose schemas the template gets when filter_overlong_prompts counts; null: the rollout's."""
     function_tool_path: str | None = None

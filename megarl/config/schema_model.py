@@ -95,10 +95,9 @@ class ModelConfig:
     tokenizer_path: str | None = None
     """Tokenizer location; null: path."""
     trust_remote_code: bool = False
-    """transformers' ``trust_remote_code`` for the tokenizer and config loads, and vLLM's: code
-    shipped with the checkpoint (a custom tokenizer) may run. The model itself is always megarl's
-    own build of a supported architecture (``config.json``'s ``architectures``); another
-    architecture is refused at pre-flight whatever this says."""
+    """Let code shipped with the checkpoint (a custom tokenizer) run: transformers' and vLLM's."""
+    # The model itself is always megarl's own build of a supported architecture (config.json's
+    # architectures); another architecture is refused at pre-flight whatever this says.
     # verl 0.9.1 applies this key on its FSDP engine only; its Megatron engine reads recompute
     # from megatron.recompute_* (verl #1064). megarl does the same; validation warns when it is
     # true and megatron.recompute_granularity is unset.
