@@ -170,6 +170,23 @@ def reassert_cpu_emulation() -> None:
         setattr(owner, name, value)
 
 
+@contextlib.contextmanager
+def device_routing_suspended():
+    """The emulation's device routing (:class:`_CudaToCpuMode`) off inside the block, for code
+    that never names CUDA: vLLM's CPU engine. Every torch call in the process otherwise passes
+    through the mode's Python ``__torch_function__``. The patched ``torch.cuda`` names stay. A
+    no-op when the emulation is off or another mode was entered after it (it stays as it is)."""
+    mode = _ACTIVE_MODE
+    if mode is None or torch.overrides._get_current_function_mode() is not mode:
+        yield
+        return
+    mode.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        mode.__enter__()
+
+
 def emulation_active() -> bool:
     """True while the CPU emulation layer is on in this process."""
     return _ACTIVE_MODE is not None

@@ -172,7 +172,11 @@ class Streamer:
 
     def step(self, version: int) -> None:
         """One engine step; its tokens are recorded as sampled by weight ``version``."""
-        for out in self.llm_engine.step():
+        from megarl.parallel.emulation import device_routing_suspended
+
+        with device_routing_suspended():  # vLLM's CPU engine names no CUDA device
+            outputs = self.llm_engine.step()
+        for out in outputs:
             r = self._running.get(out.request_id)
             if r is None:
                 continue

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megarl.config.dtypes import dtype_name
+from megarl.parallel.emulation import device_routing_suspended
 from megarl.rollout import routing_capture
 from megarl.rollout import vllm_worker_ops as wops
 from megarl.rollout.base import CallOrder, RolloutBatch, RolloutSample, request_seed
@@ -341,7 +342,7 @@ class VLLMEngine:
         params = [make_params(max_tokens, request_seed(seed, step, ids[p], s)) for p, s in keys]
         if self.routing_source == "hooks":
             self._llm.collective_rpc(routing_capture.clear)
-        with preserve_rng_state():
+        with preserve_rng_state(), device_routing_suspended():
             outputs = self._llm.generate(
                 requests, params, use_tqdm=False, lora_request=self._lora_request
             )
