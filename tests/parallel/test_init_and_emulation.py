@@ -83,6 +83,25 @@ def test_emulation_maps_cuda_to_cpu_and_restores():
         torch.zeros(1, device="cuda")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="emulation is CPU-only")
+def test_device_routing_suspends_for_vllm_and_comes_back():
+    """vLLM's CPU engine generates outside the mode (megarl.rollout.vllm_engine): inside the
+    block a CUDA placement is torch's own error again, torch.cuda's patched names still answer,
+    and the routing is back afterwards; with another mode entered after it nothing changes."""
+    emulation.enable_cpu_emulation()
+    try:
+        with emulation.device_routing_suspended():
+            with pytest.raises((AssertionError, RuntimeError)):
+                torch.zeros(1, device="cuda")
+            assert torch.cuda.current_device() == "cpu"
+        assert torch.zeros(1, device="cuda").device.type == "cpu"
+        with torch.device("cpu"), emulation.device_routing_suspended():  # a mode on top
+            assert torch.zeros(1, device="cuda").device.type == "cpu"
+        assert torch.zeros(1, device="cuda").device.type == "cpu"
+    finally:
+        emulation.disable_cpu_emulation()
+
+
 def test_process_group_timeout_is_a_knob_long_enough_for_saves(monkeypatch):
     from megarl.parallel.init import DEFAULT_TIMEOUT_MINUTES, process_group_timeout_minutes
 
