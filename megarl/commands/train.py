@@ -331,7 +331,8 @@ def _check_reward(cfg, sources: set[str], sample) -> str | None:
                 module = scorer_module_for(source)
             except UnsupportedDataSource as exc:
                 return f"data: {_line(exc)}"
-            if module.endswith(".code") and (problem := _sandbox_problem(cfg, source)):
+            local = not cfg.reward.sandbox_fusion.url  # else the programs run on the service
+            if module.endswith(".code") and local and (problem := _sandbox_problem(cfg, source)):
                 return problem
         return None
     try:

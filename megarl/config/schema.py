@@ -29,7 +29,11 @@ from megarl.config.schema_data import (
 from megarl.config.schema_distill import DistillationConfig
 from megarl.config.schema_model import ModelConfig
 from megarl.config.schema_optim import OptimConfig
-from megarl.config.schema_reward import RewardConfig, RolloutResourcesConfig
+from megarl.config.schema_reward import (
+    RewardConfig,
+    RolloutResourcesConfig,
+    SandboxFusionConfig,
+)
 from megarl.config.schema_rollout import RolloutConfig
 from megarl.parallel.layout import ParallelLayout
 
@@ -517,6 +521,8 @@ class MegarlConfig:
     """Rollout overlapping training (vLLM on ranks of its own)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """verl 0.9's reward section (the same settings as reward_model.* and custom_reward_function.*)."""
+    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
+    """verl's older spelling of reward.sandbox_fusion.* (the same three settings)."""
     rollout: RolloutResourcesConfig = field(default_factory=RolloutResourcesConfig)
     """The async recipes' spelling of actor_rollout_ref.rollout.nnodes / n_gpus_per_node."""
     distillation: DistillationConfig = field(default_factory=DistillationConfig)

@@ -74,6 +74,18 @@ class RewardModelSection:
 
 
 @dataclass
+class SandboxFusionConfig:
+    """``reward.sandbox_fusion.*`` (also the older top-level ``sandbox_fusion.*``): code sandbox."""
+
+    url: str | None = None
+    """A Sandbox Fusion run_code URL: the code scorers run programs there; null: locally."""
+    max_concurrent: int = 64
+    """Calls to the service at once on each machine (verl: in the whole job)."""
+    memory_limit_mb: int = 1024
+    """Memory limit of each program on the service, in MB (with url only, as in verl)."""
+
+
+@dataclass
 class RewardConfig:
     """``reward.*`` (verl 0.9): the reward function, the reward manager, the reward model."""
 
@@ -89,6 +101,8 @@ class RewardConfig:
     """The learned reward model."""
     code_sandbox: bool = True
     """Model-written code (code scorers, PythonTool) runs in bubblewrap; false: rlimits only."""
+    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
+    """The code scorers' Sandbox Fusion service (url null: programs run locally in bubblewrap)."""
 
 
 @dataclass

@@ -35,6 +35,10 @@ PAIRS: tuple[tuple[str, str], ...] = (
     ("reward.reward_kwargs", "reward_model.reward_kwargs"),
     ("reward.reward_model.enable", "reward_model.enable"),
     ("reward.reward_model.model_path", "reward_model.model.path"),
+    *(
+        (f"reward.sandbox_fusion.{k}", f"sandbox_fusion.{k}")
+        for k in ("url", "max_concurrent", "memory_limit_mb")
+    ),
     ("rollout.nnodes", f"{ROLL}.nnodes"),
     ("rollout.n_gpus_per_node", f"{ROLL}.n_gpus_per_node"),
 )

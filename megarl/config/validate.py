@@ -466,6 +466,10 @@ class _Checks(LayoutChecks):
             )
         if rm.dump_samples < -1:
             self.error(f"reward_model.dump_samples must be -1 (all) or >= 0, got {rm.dump_samples}")
+        from megarl.reward.scorers.sandbox_fusion import config_problems
+
+        for problem in config_problems(self.cfg.reward.sandbox_fusion):
+            self.error(problem)
 
     def check_trainer(self) -> None:
         t = self.cfg.trainer

@@ -41,9 +41,7 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     ("transfer_queue", "no transfer queue: batches travel over torch.distributed"),
     ("global_profiler", _PROFILE),
     ("skip", "no rollout skipping / replay"),
-    ("reward.sandbox_fusion", "no code sandbox; reward functions run in-process"),
     ("reward.reward_model.rollout", _RM_ON_MEGATRON),
-    ("sandbox_fusion", "no code sandbox; reward functions run in-process"),
     ("algorithm.use_pf_ppo", "no preference-feedback PPO reweighting"),
     ("algorithm.pf_ppo", "no preference-feedback PPO reweighting"),
     # -- engine sections (actor, ref, critic) -----------------------------------------------------

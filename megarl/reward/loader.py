@@ -38,7 +38,8 @@ class ScorerSpec:
     name: str = "compute_score"
     """Function name in that file or module (``custom_reward_function.name``)."""
     reward_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments of every call (``custom_reward_function.reward_kwargs``)."""
+    """Extra keyword arguments of every call (``custom_reward_function.reward_kwargs``; for the
+    built-in router also ``reward.sandbox_fusion``'s, as verl hands them to it)."""
     manager: str = "naive"
     """How a worker calls the function and reads its result (``reward.reward_manager.name``):
     naive and dapo (verl's keywords; a dict's fields kept; dapo and gdpo add ``acc`` for a plain
@@ -86,8 +87,12 @@ class ScorerSpec:
             user = {"manager_path": manager_path, "manager_class": m.name or m.module.name,
                     "tokenizer_path": model.tokenizer_path or model.path,
                     "config": to_dict(run_cfg)}  # fmt: skip
-        return cls(path, fn_cfg.name or "compute_score", dict(fn_cfg.reward_kwargs or {}),
-                   manager, experiment, **user)  # fmt: skip
+        kwargs = dict(fn_cfg.reward_kwargs or {})
+        sandbox = run_cfg.reward.sandbox_fusion if run_cfg is not None else None
+        if path is None and sandbox is not None and sandbox.url:  # verl: the built-in only
+            kwargs.update(sandbox_fusion_url=sandbox.url, memory_limit_mb=sandbox.memory_limit_mb,
+                          sandbox_fusion_max_concurrent=sandbox.max_concurrent)  # fmt: skip
+        return cls(path, fn_cfg.name or "compute_score", kwargs, manager, experiment, **user)
 
     @property
     def label(self) -> str:

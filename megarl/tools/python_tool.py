@@ -9,10 +9,17 @@ cannot run the sandbox refuses the tool when it is built, unless ``reward.code_s
 It takes the place of verl's ``SandboxFusionTool`` (``verl.tools.sandbox_fusion_tools``, which
 sends code to a Sandbox Fusion service; verl 0.9.1 no longer ships it) and reads the same config
 keys: ``default_timeout`` (s, 30), ``memory_limit_mb`` (1024), ``num_workers`` (programs running
-at once in this process, 10), ``default_language`` (only ``python``). ``sandbox_fusion_url``,
-``rate_limit`` and ``enable_global_rate_limit`` are accepted and unused (no service).
+at once in this process, 10), ``default_language`` (locally only ``python``).
 
-``execute({"code": ..., "timeout"?: s, "language"?: ...})`` answers with the program's stdout
+With ``sandbox_fusion_url`` the code goes to that Sandbox Fusion service instead, as verl sends it
+(:mod:`megarl.reward.scorers.sandbox_fusion`: the model's code as it is, in ``language``, any of
+verl's languages; no local sandbox needed) and the answer is verl's: stdout + stderr when the run
+finished, else ``no stdout here`` (a failed call is also logged in one line). ``rate_limit`` (10)
+bounds the calls at once on this machine when ``enable_global_rate_limit`` (true; verl: across
+the Ray cluster), ``num_workers`` those of this process. A URL that is not an http(s) URL with a
+host is refused when the tool is built.
+
+Locally, ``execute({"code": ..., "timeout"?: s, "language"?: ...})`` answers with the program's stdout
 followed by the traceback of an uncaught exception (Sandbox Fusion: stdout + stderr); a program
 past its limit answers ``Execution timed out after <t> s`` (Sandbox Fusion: ``no stdout here``).
 The step reward is None (no reward recorded, as verl) and ``calc_reward`` 0.0. Differences: the
@@ -25,9 +32,10 @@ runs in a fresh namespace under the code scorer's harness, which sets destructiv
 from __future__ import annotations
 
 import threading
+from contextlib import nullcontext
 from typing import Any
 
-from megarl.reward.scorers import sandbox
+from megarl.reward.scorers import sandbox, sandbox_fusion
 from megarl.reward.scorers.code_runner import run_program
 from megarl.tools.base_tool import BaseTool
 from megarl.tools.event_loop import to_tool_thread
@@ -74,20 +82,47 @@ class PythonTool(BaseTool):
         self.default_timeout = float(config.get("default_timeout", 30))
         self.memory_limit_mb = int(config.get("memory_limit_mb", 1024))
         self.default_language = config.get("default_language", "python")
-        if self.default_language != "python":
-            raise ValueError(f"default_language={self.default_language!r}: only 'python' runs")
+        self.service = self._service(config)
+        languages = sandbox_fusion.SUPPORTED_LANGUAGES if self.service else ("python",)
+        if self.default_language not in languages:
+            why = "not a Sandbox Fusion language" if self.service else "only 'python' runs locally"
+            raise ValueError(f"default_language={self.default_language!r}: {why}")
         if self.default_timeout <= 0 or self.memory_limit_mb <= 0:
             raise ValueError("default_timeout and memory_limit_mb must be positive")
-        sandbox.require_sandbox()  # one line, at start-up rather than at the first call
+        if self.service is None:
+            sandbox.require_sandbox()  # one line, at start-up rather than at the first call
         # a threading semaphore: the runs happen in worker threads, and it is not tied to one
         # event loop
         self._slots = threading.BoundedSemaphore(int(config.get("num_workers", 10)))
 
+    @staticmethod
+    def _service(config: dict) -> sandbox_fusion.SandboxFusionClient | None:
+        """The Sandbox Fusion client of ``sandbox_fusion_url`` (None: the code runs locally)."""
+        url = config.get("sandbox_fusion_url") or None
+        if url is None:
+            return None
+        if (problem := sandbox_fusion.url_problem(url)) is not None:
+            raise ValueError(f"sandbox_fusion_url: {problem}")
+        return sandbox_fusion.client_for(url, int(config.get("rate_limit", 10)), "tool")
+
     def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
         return getattr(self, "tool_schema", None) or DEFAULT_SCHEMA
 
+    def run_remote(self, code: str, timeout_s: float, language: str) -> str:
+        """Run ``code`` on the Sandbox Fusion service (blocking): verl's answer."""
+        # enable_global_rate_limit=false: num_workers (self._slots) is the only bound
+        bound = None if self.config.get("enable_global_rate_limit", True) else nullcontext()
+        with self._slots:
+            reply = self.service.run(
+                code, None, timeout_s, self.memory_limit_mb, language, semaphore=bound
+            )
+        ran = (reply or {}).get("run_result") or {}
+        if ran.get("status") != "Finished":
+            return "no stdout here"
+        return (ran.get("stdout") or "") + (ran.get("stderr") or "")
+
     def run_code(self, code: str, timeout_s: float) -> str:
-        """Run ``code`` (blocking) and return what the model is shown."""
+        """Run ``code`` locally (blocking) and return what the model is shown."""
         with self._slots:
             run = run_program(
                 _WRAPPER.format(source=code), "", fn_name=None, timeout_s=timeout_s,
@@ -106,9 +141,10 @@ class PythonTool(BaseTool):
         if not isinstance(code, str):
             code = str(code)
         language = parameters.get("language", self.default_language)
-        if language != "python":
+        languages = sandbox_fusion.SUPPORTED_LANGUAGES if self.service else ("python",)
+        if language not in languages:
             return (
-                ToolResponse(text=f"Unsupported language {language!r}: only python runs"),
+                ToolResponse(text=f"Unsupported language {language!r}"),
                 None,
                 {},
             )
@@ -119,5 +155,8 @@ class PythonTool(BaseTool):
         except (TypeError, ValueError):
             timeout_s = self.default_timeout
         timeout_s = max(timeout_s, 0.1)
-        text = await to_tool_thread(self.run_code, code, timeout_s)
+        if self.service is not None:
+            text = await to_tool_thread(self.run_remote, code, timeout_s, language)
+        else:
+            text = await to_tool_thread(self.run_code, code, timeout_s)
         return ToolResponse(text=text), None, {}

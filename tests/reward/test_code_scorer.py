@@ -33,7 +33,7 @@ import pytest
 from megarl.reward.loader import ScorerSpec
 from megarl.reward.pool import ScoringPool
 from megarl.reward.scorers import default_compute_score, scorer_module_for
-from megarl.reward.scorers.code import SandboxUnavailable, compute_score, stdout_matches
+from megarl.reward.scorers.code import compute_score, stdout_matches
 from megarl.reward.scorers.code_runner import run_program
 
 
@@ -238,13 +238,6 @@ def test_the_four_code_sources_route_to_the_code_scorer(source):
     assert scorer_module_for(source) == "megarl.reward.scorers.code"
 
 
-def test_a_sandbox_url_is_refused_naming_the_key():
-    with pytest.raises(SandboxUnavailable, match="sandbox_fusion_url"):
-        default_compute_score(
-            "apps", fence(ADD), json.dumps(T2), sandbox_fusion_url="http://sb:8080"
-        )
-
-
 def test_deliberate_differences_from_verl():
     """Real-script behaviour where verl's in-process rewrite fails (verl scores both 0.0)."""
     one = json.dumps({"inputs": ["2\n"], "outputs": ["3"]})
@@ -326,11 +319,3 @@ def test_a_stuck_program_dies_with_a_killed_scoring_worker(tmp_path, monkeypatch
         assert (ok.status, ok.score) == ("ok", 1.0)
     assert _dies(sleeper.found())
     assert list((tmp_path / "tmp").iterdir()) == []
-
-
-def test_a_sandbox_url_in_reward_kwargs_fails_the_sample_through_the_pool():
-    spec = ScorerSpec(reward_kwargs={"sandbox_fusion_url": "http://sb:8080"})
-    with ScoringPool(spec, num_workers=1, timeout_s=30.0) as pool:
-        [outcome] = pool.score([(0, "codeforces", fence(ADD), json.dumps(T2), None)])
-    assert outcome.status == "error"
-    assert "sandbox_fusion_url" in outcome.message

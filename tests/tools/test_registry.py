@@ -34,7 +34,7 @@ tools:
           required: ["answer"]
 """
 
-# verl's sandbox_fusion_tool_config.yaml (the URL is accepted and unused).
+# verl's sandbox_fusion_tool_config.yaml (the tool sends the code to that URL when it runs).
 VERL_SANDBOX_TOOL_CONFIG = """
 tools:
   - class_name: "verl.tools.sandbox_fusion_tools.SandboxFusionTool"
@@ -68,6 +68,7 @@ def test_verl_example_tool_configs_load_onto_the_builtins(write):
     (python,) = load_tool_config(write("sandbox.yaml", VERL_SANDBOX_TOOL_CONFIG))
     assert isinstance(python, PythonTool) and python.name == "code_interpreter"
     assert python.default_timeout == 30 and python.memory_limit_mb == 1024
+    assert python.service.url == "https://xxx.apigateway-cn-beijing.volceapi.com/run_code"
 
 
 def test_builtins_by_megarl_path_with_default_schemas(write, tmp_path):

@@ -5,8 +5,8 @@ extra_info=None, **reward_kwargs) -> float | dict`` and routes every data_source
 ``default_compute_score`` routes (the table is ``_EXACT``; ``aime*`` goes to math_dapo), plus
 megarl's synthetic ``megarl/digit_sum``. Scorer modules are imported on first use, so a scoring
 worker loads only what its samples need. Extra keyword arguments go to the code scorer only
-(``test_timeout_s``, ``all_tests_timeout_s``, ``memory_limit_mb``), as in verl; code runs
-locally (``sandbox_fusion_url`` is refused).
+(``test_timeout_s``, ``all_tests_timeout_s``, ``memory_limit_mb``, ``sandbox_fusion_url``), as in
+verl; code runs locally unless ``sandbox_fusion_url`` names a Sandbox Fusion service.
 """
 
 from __future__ import annotations

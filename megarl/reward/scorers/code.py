@@ -7,21 +7,29 @@ behaviour (rules: :func:`compute_score`). Each test runs in an isolated child pr
 (:mod:`.code_runner`), where verl runs the program inside its harness's own process; so a stdin
 program runs as a real script (``global``, ``sys.stdout.buffer`` and a ``__main__`` block that is
 not the last statement work here, verl scores them 0), limits include interpreter start-up, and
-memory is capped (``memory_limit_mb``). ``sandbox_fusion_url`` is refused: no sandbox client.
+memory is capped (``memory_limit_mb``).
+
+With ``sandbox_fusion_url`` (``reward.sandbox_fusion.url``) every run goes to that Sandbox Fusion
+service instead (:mod:`.sandbox_fusion`: the same driver, so the same results; a failed call
+fails its test, logged in one line). verl's sandbox route scores by its own, stricter rules
+(exact stdout after trailing newlines, a function's result printed as JSON); megarl keeps the
+rules above either way.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import json
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-from megarl.reward.scorers.code_runner import run_program
+from megarl.reward.scorers.code_runner import Run, run_program
 
 __all__ = [
     "DATA_SOURCES",
-    "SandboxUnavailable",
     "call_result_matches",
     "compute_score",
     "extract_code",
@@ -36,10 +44,6 @@ TEST_TIMEOUT_S = 10.0
 ALL_TESTS_TIMEOUT_S = 6.0
 """Wall-time limit of a call-based program's all-tests run (verl: 5 s a call, 6 s in all)."""
 MEMORY_LIMIT_MB = 1024
-
-
-class SandboxUnavailable(RuntimeError):
-    """``sandbox_fusion_url`` was given; megarl runs code locally only."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ def compute_score(
     all_tests_timeout_s: float = ALL_TESTS_TIMEOUT_S,
     memory_limit_mb: int | None = None,
     sandbox_fusion_url: str | None = None,
+    sandbox_fusion_max_concurrent: int | None = None,
+    concurrent_semaphore: AbstractContextManager | None = None,
     **_unused: Any,
 ) -> float:
     """Fraction of the tests ``solution_str``'s program passes.
@@ -86,12 +92,11 @@ def compute_score(
       1.0 when the program compiles (and its function loads), as in verl.
     - ``test_timeout_s`` is the per-test wall-time limit; the reward pool's per-sample limit
       applies on top (ten looping tests take ten times ``test_timeout_s``).
+    - ``sandbox_fusion_url``: the programs run on that service, at most
+      ``sandbox_fusion_max_concurrent`` (64) calls at once on this machine, or under verl's
+      ``concurrent_semaphore`` when one is given; a failed call fails its test.
     """
-    if sandbox_fusion_url:
-        raise SandboxUnavailable(
-            f"reward_kwargs sandbox_fusion_url={sandbox_fusion_url!r}: megarl has no code sandbox "
-            "client; drop the key to run the tests locally (verl's prime_code route)"
-        )
+    runner = _runner(sandbox_fusion_url, sandbox_fusion_max_concurrent, concurrent_semaphore)
     tests = parse_tests(ground_truth)
     if tests is None:
         return 0.0
@@ -102,12 +107,13 @@ def compute_score(
     if not tests.inputs:
         if not name_ok:
             return 0.0
-        run = run_program(
+        run = runner(
             source, "", fn_name=tests.fn_name, load_only=True, timeout_s=test_timeout_s, **memory
         )
         return 1.0 if run.status == "ok" else 0.0
     if tests.fn_name is not None:
-        if name_ok and _all_calls_pass(source, tests, timeout_s=all_tests_timeout_s, **memory):
+        calls = {"timeout_s": all_tests_timeout_s, **memory}
+        if name_ok and _all_calls_pass(runner, source, tests, **calls):
             return 1.0
         if not continuous:
             return 0.0
@@ -115,7 +121,8 @@ def compute_score(
     passed = 0
     for test_input, expected in zip(tests.inputs[:count], tests.outputs, strict=False):
         # verl's per-test pass drops fn_name: a call-based program is run as a stdin program.
-        verdict = _stdin_test(source, test_input, expected, timeout_s=test_timeout_s, **memory)
+        limits = {"timeout_s": test_timeout_s, **memory}
+        verdict = _stdin_test(runner, source, test_input, expected, **limits)
         if verdict == "compile_error" or (verdict == "fail" and not continuous):
             break
         passed += verdict == "pass"
@@ -145,9 +152,21 @@ def parse_tests(ground_truth: Any) -> Tests | None:
     return Tests(list(inputs), list(outputs), ground_truth.get("fn_name"))
 
 
-def _all_calls_pass(source: str, tests: Tests, **limits: Any) -> bool:
+def _runner(
+    url: str | None, max_concurrent: int | None, semaphore: AbstractContextManager | None
+) -> Callable[..., Run]:
+    """:func:`run_program`, or its run on the Sandbox Fusion service at ``url``."""
+    if not url:
+        return run_program
+    from megarl.reward.scorers import sandbox_fusion
+
+    client = sandbox_fusion.client_for(url, max_concurrent or sandbox_fusion.DEFAULT_MAX_CONCURRENT)
+    return functools.partial(sandbox_fusion.run_program_remote, client, semaphore=semaphore)
+
+
+def _all_calls_pass(runner: Callable[..., Run], source: str, tests: Tests, **limits: Any) -> bool:
     """Whether every call-based test passes, all run in one process as verl's pre-check does."""
-    run = run_program(source, tests.inputs, fn_name=tests.fn_name, **limits)
+    run = runner(source, tests.inputs, fn_name=tests.fn_name, **limits)
     if run.status != "ok":
         return False
     results = run.output.split("\n")[: len(tests.inputs)]
@@ -159,11 +178,13 @@ def _all_calls_pass(source: str, tests: Tests, **limits: Any) -> bool:
     )
 
 
-def _stdin_test(source: str, test_input: Any, expected: Any, **limits: Any) -> str:
+def _stdin_test(
+    runner: Callable[..., Run], source: str, test_input: Any, expected: Any, **limits: Any
+) -> str:
     """``"pass"``, ``"fail"`` or ``"compile_error"`` (which fails every test) for one test."""
     if not isinstance(test_input, str) or not isinstance(expected, str):
         return "fail"  # verl's harness asserts text (its truncation helper) and fails the test
-    run = run_program(source, test_input, fn_name=None, **limits)
+    run = runner(source, test_input, fn_name=None, **limits)
     if run.status == "compile_error":
         return "compile_error"
     return "pass" if run.status == "ok" and stdout_matches(run.output, expected) else "fail"

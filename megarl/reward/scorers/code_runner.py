@@ -22,12 +22,22 @@ import signal
 import subprocess
 import sys
 import tempfile
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 from megarl.reward.scorers import sandbox
 
-__all__ = ["OUTPUT_LIMIT_BYTES", "Run", "run_program"]
+__all__ = [
+    "OUTPUT_LIMIT_BYTES",
+    "ChildRun",
+    "Run",
+    "driver_script",
+    "program_stdin",
+    "run_child",
+    "run_of_exit",
+    "run_program",
+]
 
 OUTPUT_LIMIT_BYTES = 64 * 2**20
 """Largest output file a program may write (RLIMIT_FSIZE; past it the program is killed)."""
@@ -76,9 +86,10 @@ def to_text(result):
     except Exception:
         return "j" + json.dumps(result)
 
-def main(mode, fn_name, load_only):
-    with open("solution.py", encoding="utf-8") as f:
-        source = f.read()
+def main(mode, fn_name, load_only, source):
+    if source is None:
+        with open("solution.py", encoding="utf-8") as f:
+            source = f.read()
     call_input = sys.stdin.read() if mode == "call" else ""
     result_fd = os.dup(1)
     if mode == "call":  # the program's own output is discarded, its result goes to result_fd
@@ -120,7 +131,7 @@ def main(mode, fn_name, load_only):
         os.write(result_fd, (text + "\\n").encode("utf-8", "backslashreplace"))
     return 0
 
-status = main(sys.argv[1], sys.argv[2], sys.argv[3] == "1")
+status = main(sys.argv[1], sys.argv[2], sys.argv[3] == "1", globals().get("SOURCE"))
 for stream in (sys.stdout, sys.__stdout__):
     try:
         stream.flush()
@@ -161,27 +172,86 @@ def run_program(
     ``load_only``: stop after compiling (and loading the module and finding the function).
     stdin comes from the test input, stdout goes to a file, stderr is discarded.
     """
+    argv = [sys.executable, "-I", "-X", "utf8", "-c", _DRIVER, *driver_args(fn_name, load_only)]
+    child = run_child(
+        argv,
+        {"solution.py": source},
+        program_stdin(test_input, fn_name),
+        timeout_s=timeout_s,
+        memory_limit_mb=memory_limit_mb,
+    )
+    return run_of_exit(child.finished, child.returncode, child.stdout)
+
+
+def driver_args(fn_name: str | None, load_only: bool) -> list[str]:
+    """The driver's arguments: mode, function name, load-only flag."""
+    return ["stdin" if fn_name is None else "call", fn_name or "", str(int(load_only))]
+
+
+def program_stdin(test_input: str | list[str], fn_name: str | None) -> str:
+    """The driver's stdin: the test input (stdin mode) or the call inputs as JSON."""
+    return test_input if fn_name is None else json.dumps(test_input)
+
+
+def driver_script(source: str, fn_name: str | None, load_only: bool) -> str:
+    """The driver as one self-contained script holding ``source`` (for a remote sandbox, which
+    runs it as ``python <file>`` with the test input on stdin): the same program, guard and
+    exit codes as :func:`run_program`'s child, stdin and stdout read and written as UTF-8."""
+    prefix = (
+        "import sys\n"
+        f"sys.argv[1:] = {driver_args(fn_name, load_only)!r}\n"
+        "for _stream in (sys.stdin, sys.stdout):\n"
+        "    _stream.reconfigure(encoding='utf-8', errors='surrogateescape')\n"
+        f"SOURCE = {source!r}\n"
+    )
+    return prefix + _DRIVER
+
+
+def run_of_exit(finished: bool, returncode: int | None, stdout: str) -> Run:
+    """The :class:`Run` of a driver that ``finished`` (in time) with ``returncode``."""
+    if not finished:
+        return Run("timeout")
+    status = {0: "ok", COMPILE_ERROR: "compile_error"}.get(returncode, "runtime_error")
+    return Run(status, stdout if status == "ok" else "")
+
+
+@dataclass(frozen=True)
+class ChildRun:
+    """What became of one child process."""
+
+    finished: bool
+    """Whether it exited within its wall-time limit."""
+    returncode: int | None
+    stdout: str
+    stderr: str = ""
+    """Only with ``keep_stderr`` (otherwise discarded)."""
+
+
+def run_child(
+    argv: list[str],
+    files: dict[str, str],
+    stdin_text: str,
+    *,
+    timeout_s: float,
+    memory_limit_mb: int,
+    keep_stderr: bool = False,
+) -> ChildRun:
+    """Run ``argv`` in a fresh temporary directory holding ``files`` (name -> text), under the
+    limits and the OS sandbox of the module docstring; stdin ``stdin_text``, stdout (and with
+    ``keep_stderr`` stderr) read from files of at most :data:`OUTPUT_LIMIT_BYTES`."""
     sandboxed = sandbox.enabled()
     if sandboxed:
         sandbox.require_sandbox()
-    mode = "stdin" if fn_name is None else "call"
-    stdin_text = test_input if fn_name is None else json.dumps(test_input)
-    argv = [
-        sys.executable,
-        "-I",
-        "-X",
-        "utf8",
-        "-c",
-        _DRIVER,
-        mode,
-        fn_name or "",
-        str(int(load_only)),
-    ]
     with tempfile.TemporaryDirectory(prefix="megarl-code-", ignore_cleanup_errors=True) as tmp:
         work = Path(tmp)
-        (work / "solution.py").write_text(source, encoding="utf-8", errors="surrogatepass")
+        for name, text in files.items():
+            (work / name).write_text(text, encoding="utf-8", errors="surrogatepass")
         (work / "stdin.txt").write_text(stdin_text, encoding="utf-8", errors="surrogatepass")
-        with open(work / "stdin.txt", "rb") as stdin, open(work / "stdout.txt", "wb") as stdout:
+        with (
+            open(work / "stdin.txt", "rb") as stdin,
+            open(work / "stdout.txt", "wb") as stdout,
+            open(work / "stderr.txt", "wb") if keep_stderr else nullcontext() as stderr,
+        ):
             if sandboxed:
                 argv = sandbox.sandbox_argv(argv, tmp)
             proc = subprocess.Popen(
@@ -189,7 +259,7 @@ def run_program(
                 cwd=work,
                 stdin=stdin,
                 stdout=stdout,
-                stderr=subprocess.DEVNULL,
+                stderr=stderr if keep_stderr else subprocess.DEVNULL,
                 env=_child_env(sandbox.SCRATCH if sandboxed else tmp),
                 start_new_session=True,
                 # a scoring worker is single-threaded: preexec_fn is safe there
@@ -198,12 +268,15 @@ def run_program(
         finished = _exited_within(proc.pid, timeout_s)
         _kill_group(proc.pid)  # the leader is not reaped yet, so the group id is still ours
         returncode = proc.wait()
-        with open(work / "stdout.txt", "rb") as out:
-            output = out.read(OUTPUT_LIMIT_BYTES).decode("utf-8", "replace")
-    if not finished:
-        return Run("timeout")
-    status = {0: "ok", COMPILE_ERROR: "compile_error"}.get(returncode, "runtime_error")
-    return Run(status, output if status == "ok" else "")
+        out, err = (_read(work / name) for name in ("stdout.txt", "stderr.txt"))
+    return ChildRun(finished, returncode, out, err if keep_stderr else "")
+
+
+def _read(path: Path) -> str:
+    if not path.exists():
+        return ""
+    with open(path, "rb") as f:
+        return f.read(OUTPUT_LIMIT_BYTES).decode("utf-8", "replace")
 
 
 def _child_env(tmp: str) -> dict[str, str]:
