@@ -171,6 +171,7 @@ def _save_model(saved: SavedModel, path: Path, step: int, *, with_hf: bool) -> N
             "pp": parallel_state.get_pipeline_model_parallel_world_size(),
             "dp": parallel_state.get_data_parallel_world_size(),
             "vpp": len(model.chunks) if len(model.chunks) > 1 else None,
+            **model.model.layout.pipeline_split(),  # for the record: any split resumes
         }
         meta = checkpoint_meta(
             hf_config,

@@ -2,6 +2,8 @@
 
     megarl convert hf-to-megatron --hf-path HF_DIR --out CKPT [--tp N --pp N --vpp N --ep N]
                                   [--etp N] [--dtype auto|fp32|bf16|fp16] [--verify]
+                                  [--decoder-{first,last}-pipeline-num-layers N]
+                                  [--account-for-{embedding,loss}-in-pipeline-split]
     megarl convert megatron-to-hf --ckpt CKPT --out HF_DIR [--tp N --pp N --vpp N]
                                   [--dtype auto|fp32|bf16|fp16] [--hf-config DIR] [--verify]
     megarl convert verify --ckpt CKPT --hf-path HF_DIR [--tp N --pp N] [--atol X --rtol Y]
@@ -157,6 +159,23 @@ def _add_layout_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="tensor-parallel size inside each expert (MoE; default --tp)",
     )
+    # Megatron's uneven layer split, by Megatron-LM's own flag names.
+    for end in ("first", "last"):
+        parser.add_argument(
+            f"--decoder-{end}-pipeline-num-layers",
+            dest=f"num_layers_in_{end}_pipeline_stage",
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"layers of the {end} pipeline stage (default: an even split)",
+        )
+    for part, what in (("embedding", "the embedding"), ("loss", "the output layer and loss")):
+        parser.add_argument(
+            f"--account-for-{part}-in-pipeline-split",
+            dest=f"account_for_{part}_in_pipeline_split",
+            action="store_true",
+            help=f"count {what} as one layer of the pipeline split",
+        )
 
 
 def _add_verify_args(parser: argparse.ArgumentParser) -> None:
@@ -373,6 +392,11 @@ def _build_chunks(hf_path: Path | None, cfg: dict, args: argparse.Namespace, dty
     layout = conversion_layout(args)
     source = hf_path if hf_path is not None else ModelDims.from_hf_config(cfg, tp_size=args.tp)
     built = build_model(source, layout, dtype=getattr(torch, dtype_name), initialize=False)
+    if layout.pipeline_split():  # what Megatron built on rank 0 (stage 0)
+        from megarl.models.gpt import unwrap
+
+        held = sum(len(unwrap(chunk).decoder.layers) for chunk in built.chunks)
+        _log(f"uneven pipeline split: stage 0 holds {held} of {built.dims.num_layers} layers")
     return built.dims, built.chunks
 
 
@@ -420,6 +444,7 @@ def run_hf_to_megatron(args: argparse.Namespace) -> int:
     _, chunks = _build_chunks(hf_path, cfg, args, dtype)
     out = staging_dir(args)
     layout = {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "ep": args.ep, "etp": args.etp}
+    layout |= conversion_layout(args).pipeline_split()
     meta = checkpoint_meta(cfg, source=str(hf_path), dtype=dtype, layout=layout)
     _log(f"saving Megatron distributed checkpoint to {args.out} ...")
     save_model_checkpoint(chunks, out, meta=meta)

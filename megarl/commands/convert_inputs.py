@@ -230,8 +230,8 @@ def _read_json(path: Path) -> dict:
 
 
 def conversion_layout(args: argparse.Namespace):
-    """The :class:`~megarl.parallel.layout.ParallelLayout` of ``--tp --pp --vpp --ep --etp``
-    (``--ep``/``--etp`` absent: 1 and TP)."""
+    """The :class:`~megarl.parallel.layout.ParallelLayout` of ``--tp --pp --vpp --ep --etp`` and
+    the layer split's flags (``--ep``/``--etp`` absent: 1 and TP; the split's: even)."""
     from megarl.parallel.layout import ParallelLayout
 
     return ParallelLayout(
@@ -240,7 +240,27 @@ def conversion_layout(args: argparse.Namespace):
         args.vpp,
         expert_model_parallel_size=getattr(args, "ep", 1),
         expert_tensor_parallel_size=getattr(args, "etp", None),
+        num_layers_in_first_pipeline_stage=getattr(
+            args, "num_layers_in_first_pipeline_stage", None
+        ),
+        num_layers_in_last_pipeline_stage=getattr(args, "num_layers_in_last_pipeline_stage", None),
+        account_for_embedding_in_pipeline_split=getattr(
+            args, "account_for_embedding_in_pipeline_split", False
+        ),
+        account_for_loss_in_pipeline_split=getattr(
+            args, "account_for_loss_in_pipeline_split", False
+        ),
     )
+
+
+SPLIT_FLAGS = {
+    "first": "--decoder-first-pipeline-num-layers",
+    "last": "--decoder-last-pipeline-num-layers",
+    "embedding": "--account-for-embedding-in-pipeline-split",
+    "loss": "--account-for-loss-in-pipeline-split",
+}
+"""The layer split's flags (Megatron-LM's names), by :data:`megarl.parallel.layout.SPLIT_NAMES`
+placeholder."""
 
 
 def _check_layout(dims, args: argparse.Namespace, where: Path) -> None:
@@ -254,6 +274,7 @@ def _check_layout(dims, args: argparse.Namespace, where: Path) -> None:
             tp=f"--tp {args.tp}",
             pp=f"--pp {args.pp}",
             vpp=f"--vpp {args.vpp}",
+            **SPLIT_FLAGS,
             ep=f"--ep {layout.ep}",
             etp=f"--etp {layout.etp}"
             if layout.expert_tensor_parallel_size is not None

@@ -83,6 +83,7 @@ def build_plan(args: argparse.Namespace) -> tuple[ReshardPlan, str]:
     rollout_ep = False
     dtype = "bf16"
     model_path = None
+    split: dict = {}  # the config's uneven layer split, if any
     if args.config:
         from megarl.config import load_config
 
@@ -90,6 +91,7 @@ def build_plan(args: argparse.Namespace) -> tuple[ReshardPlan, str]:
         layout = cfg.actor_rollout_ref.actor.megatron.parallel_layout()
         tp, pp, vpp = layout.tp, layout.pp, layout.virtual_pipeline_model_parallel_size
         ep, etp = layout.ep, layout.expert_tensor_parallel_size
+        split = layout.pipeline_split()
         rollout_tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
         rollout_ep = cfg.actor_rollout_ref.rollout.expert_parallel_size > 1
         dtype = cfg.trainer.dtype
@@ -113,6 +115,7 @@ def build_plan(args: argparse.Namespace) -> tuple[ReshardPlan, str]:
         vpp if vpp and vpp > 1 else None,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+        **split,
     )
     plan = make_reshard_plan(
         dims, layout, rollout_tp, bucket_bytes=bucket, dtype=_DTYPES[dtype], rollout_ep=rollout_ep

@@ -17,7 +17,7 @@ from megarl.config.batch_plan import (
 from megarl.config.keys import PARALLEL_KEYS
 from megarl.config.model_source import ModelShape
 from megarl.config.schema import MegarlConfig, MegatronConfig
-from megarl.parallel.layout import shape_layout_problems
+from megarl.parallel.layout import SPLIT_NAMES, shape_layout_problems
 
 WORLD = "trainer.nnodes × trainer.n_gpus_per_node"
 _RECOMPUTE_MODULES = {"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe"}
@@ -187,6 +187,7 @@ class LayoutChecks:
             "ep": f"{prefix}.expert_model_parallel_size={meg.expert_model_parallel_size}",
             "etp": f"{prefix}.expert_tensor_parallel_size={meg.parallel_layout().etp}",
         }
+        names |= {key: f"{prefix}.override_transformer_config.{name}" for key, name in SPLIT_NAMES}
         dims = shape.dims
         for problem in shape_layout_problems(meg.parallel_layout(), dims):
             self.error(f"{problem.describe(**names)} (model shape from {shape.source})")

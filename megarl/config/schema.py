@@ -35,7 +35,7 @@ from megarl.config.schema_reward import (
     SandboxFusionConfig,
 )
 from megarl.config.schema_rollout import RolloutConfig
-from megarl.parallel.layout import ParallelLayout
+from megarl.parallel.layout import PIPELINE_SPLIT_FIELDS, ParallelLayout
 
 # ---------------------------------------------------------------------------------------------
 # actor, reference, critic
@@ -164,7 +164,7 @@ class MegatronConfig:
     """No effect, either value: optimizer checkpoints are always fully reshardable."""
 
     def parallel_layout(self) -> ParallelLayout:
-        """This section's grid sizes as the one layout type."""
+        """The grid sizes and the layer split (override_transformer_config) as one layout."""
         return ParallelLayout(
             tensor_model_parallel_size=self.tensor_model_parallel_size,
             pipeline_model_parallel_size=self.pipeline_model_parallel_size,
@@ -173,6 +173,11 @@ class MegatronConfig:
             expert_model_parallel_size=self.expert_model_parallel_size,
             sequence_parallel=self.sequence_parallel,
             expert_tensor_parallel_size=self.expert_tensor_parallel_size,
+            **{
+                key: self.override_transformer_config[key]
+                for key in PIPELINE_SPLIT_FIELDS
+                if key in self.override_transformer_config
+            },
         )
 
 

@@ -7,7 +7,9 @@ megarl takes an allow-list, each entry honoured or refused in one line, never dr
   moved there by :mod:`megarl.config.spellings`;
 - :data:`PASSED`: passed to ``TransformerConfig`` as given (attention backend, MoE knobs);
 - :data:`NO_EFFECT`: accepted, changing no number (why given);
-- :data:`DEFAULT_ONLY`: accepted at Megatron's default only (uneven pipeline stages);
+- :data:`PIPELINE_SPLIT_FIELDS`: Megatron's uneven layer split, part of the parallel layout
+  (:meth:`megarl.config.schema.MegatronConfig.parallel_layout`), checked against the model by
+  the layout rule; the critic and the reference model split as the actor;
 - :data:`FROM_HF` and :data:`LAYOUT`: what megarl's HF weight mapping reads (the model's
   shape) or the parallel layout: refused, naming where the value comes from.
 """
@@ -15,6 +17,8 @@ megarl takes an allow-list, each entry honoured or refused in one line, never dr
 from __future__ import annotations
 
 from typing import Any
+
+from megarl.parallel.layout import PIPELINE_SPLIT_FIELDS
 
 RECOMPUTE = ("recompute_granularity", "recompute_method", "recompute_num_layers",
              "recompute_modules")  # fmt: skip
@@ -44,14 +48,6 @@ NO_EFFECT: dict[str, str] = {
     "cross_entropy_fusion_impl": "megarl computes log-probs vocab-parallel itself, not Megatron's loss",
 }
 """Entries accepted at any value, with no effect in megarl (why)."""
-
-DEFAULT_ONLY: dict[str, tuple[Any, str]] = {
-    "num_layers_in_first_pipeline_stage": (None, "uneven pipeline stages"),
-    "num_layers_in_last_pipeline_stage": (None, "uneven pipeline stages"),
-    "account_for_embedding_in_pipeline_split": (False, "uneven pipeline stages"),
-    "account_for_loss_in_pipeline_split": (False, "uneven pipeline stages"),
-}
-"""Entries accepted only at Megatron's default: (that value, the feature megarl lacks)."""
 
 FROM_HF = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
            "num_query_groups", "kv_channels", "normalization", "layernorm_epsilon",
@@ -128,14 +124,8 @@ def transformer_override_problems(prefix: str, overrides: dict[str, Any]) -> lis
             if str(value).removeprefix("AttnBackend.") not in ATTENTION_BACKENDS:
                 problems.append(f"{entry}: not a Megatron attention backend; use one of "
                                 f"{', '.join(ATTENTION_BACKENDS)}")  # fmt: skip
-        elif name in DEFAULT_ONLY:
-            works, feature = DEFAULT_ONLY[name]
-            if value != works or type(value) is not type(works):
-                problems.append(
-                    f"{entry}: {feature} are not supported yet (megarl's HF mapping, resharding "
-                    f"and checkpoints split the layers evenly over {prefix}."
-                    f"pipeline_model_parallel_size); use {_show(works)}"
-                )
+        elif name in PIPELINE_SPLIT_FIELDS:
+            continue  # part of the layout: checked against the model by the layout rule
         elif name in FROM_HF:
             problems.append(
                 f"{entry}: the model's shape comes from its config.json (megarl's HF weight "
@@ -147,7 +137,33 @@ def transformer_override_problems(prefix: str, overrides: dict[str, Any]) -> lis
             problems.append(
                 f"{key}.{name} is not passed to TransformerConfig by megarl; it takes "
                 f"{', '.join(MEGARL_KEYS)} (megarl's megatron.* keys), attention_backend, moe_*, "
-                f"{', '.join(DEFAULT_ONLY)} at Megatron's defaults and {', '.join(NO_EFFECT)} "
-                "(no effect)"
+                f"{', '.join(PIPELINE_SPLIT_FIELDS)} (the layer split) and "
+                f"{', '.join(NO_EFFECT)} (no effect)"
+            )
+    return problems
+
+
+def split_follows_actor_problems(
+    prefix: str, meg: Any, actor_prefix: str, actor: Any, required: bool
+) -> list[str]:
+    """One line per layer-split entry of ``prefix``'s ``override_transformer_config`` that differs
+    from the actor's (``required``: an absent entry too, as the critic's model is built at the
+    actor's layout; the reference model takes the actor's split, so an absent entry is fine)."""
+    key, mine, theirs = (
+        "override_transformer_config",
+        meg.override_transformer_config,
+        actor.override_transformer_config,
+    )
+    defaults = dict(zip(PIPELINE_SPLIT_FIELDS, (None, None, False, False)))
+    problems = []
+    for name in PIPELINE_SPLIT_FIELDS:
+        want = theirs.get(name, defaults[name])
+        if name not in mine and not required:
+            continue
+        if mine.get(name, defaults[name]) != want:
+            problems.append(
+                f"{prefix}.{key}.{name}={_show(mine.get(name, defaults[name]))}: the layers split "
+                f"as the actor's ({actor_prefix}.{key}.{name}={_show(want)}, one parallel "
+                f"layout per process); set {_show(want)}"
             )
     return problems

@@ -36,7 +36,10 @@ from megarl.config.moe_checks import (
 from megarl.config.multi_turn_checks import check_multi_turn
 from megarl.config.recipe_checks import check_recipe_keys
 from megarl.config.schema import MegarlConfig
-from megarl.config.transformer_overrides import transformer_override_problems
+from megarl.config.transformer_overrides import (
+    split_follows_actor_problems,
+    transformer_override_problems,
+)
 
 __all__ = ["validate"]
 
@@ -136,6 +139,11 @@ class _Checks(LayoutChecks):
             self.check_override_config(k, m.override_config)
         for k, m in megatrons:
             for problem in transformer_override_problems(k, m.override_transformer_config):
+                self.error(problem)
+        for (k, m), required in zip(megatrons[1:], (False, critic_enabled(c))):
+            for problem in split_follows_actor_problems(
+                k, m, megatrons[0][0], arr.actor.megatron, required
+            ):
                 self.error(problem)
         refused: list[tuple[str, bool, str]] = [
             ("data.val_batch_size", c.data.val_batch_size is not None,

@@ -166,6 +166,7 @@ def build_model(
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
         moe=moe,
+        pipeline_split=layout.pipeline_split(),
     )
     load_weights = load_weights and hf_weights
     if load_weights or not initialize or not hf_weights:

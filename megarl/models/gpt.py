@@ -180,8 +180,12 @@ def build_transformer_config(
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: int | None = None,
     moe: MoeSettings | None = None,
+    pipeline_split: dict[str, Any] | None = None,
 ) -> TransformerConfig:
     """TransformerConfig for a Llama/Qwen-family model on the current parallel grid.
+
+    ``pipeline_split``: Megatron's uneven layer split fields, as given
+    (:meth:`megarl.parallel.layout.ParallelLayout.pipeline_split`; empty: the even split).
 
     ``fusions`` (default: all on where the spec allows, :func:`fusion_flags`) picks the fused
     kernels and pipeline memory savings.
@@ -254,6 +258,7 @@ def build_transformer_config(
         recompute_modules=list(recompute_modules),
         transformer_impl="transformer_engine" if impl == "transformer_engine" else "local",
         **moe_fields,
+        **(pipeline_split or {}),
     )
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megarl.config.model_dims import ModelDims, padded_vocab_size
-from megarl.parallel.layout import ParallelLayout
+from megarl.parallel.layout import ParallelLayout, chunk_layer_counts
 from megarl.planner.memory import ITEMSIZE, Role
 
 Impl = Literal["local", "transformer_engine"]
@@ -164,25 +164,26 @@ def training_activations(
     ``1/CP`` of every sequence's tokens (whose queries still see all ``s`` keys).
     """
     tokens = micro_batch * seq_len / layout.cp
-    per_chunk = dims.num_layers // (layout.pp * layout.vpp)
     selective = recompute.granularity == "selective"
     full_layer = layer_bytes_per_token(dims, layout, seq_len, dtype, impl, selective=selective)
     rope = 16 * seq_len * dims.head_dim if impl == "local" else 0
     sigma = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
-    kept_layers, inputs_kept, group = per_chunk, 0, 0
-    if recompute.granularity == "full":
-        n = max(1, min(recompute.num_layers or 1, per_chunk))
-        if recompute.method == "block":
-            kept_layers, inputs_kept, group = per_chunk - n, n, 1
-        else:
-            kept_layers, inputs_kept, group = 0, -(-per_chunk // n), n
-    chunk_saved = (
-        kept_layers * (tokens * full_layer + rope)
-        + inputs_kept * tokens * ITEMSIZE[dtype] * dims.hidden_size / sigma
-    )
     in_flight = _in_flight(layout, micro_batches)
     best = Activations(0, 0)
-    for pp_rank in range(layout.pp):
+    # Each stage's largest chunk (Megatron's split, uneven stages included).
+    for pp_rank, chunks in enumerate(chunk_layer_counts(layout, dims.num_layers)):
+        per_chunk = max(chunks)
+        kept_layers, inputs_kept, group = per_chunk, 0, 0
+        if recompute.granularity == "full":
+            n = max(1, min(recompute.num_layers or 1, per_chunk))
+            if recompute.method == "block":
+                kept_layers, inputs_kept, group = per_chunk - n, n, 1
+            else:
+                kept_layers, inputs_kept, group = 0, -(-per_chunk // n), n
+        chunk_saved = (
+            kept_layers * (tokens * full_layer + rope)
+            + inputs_kept * tokens * ITEMSIZE[dtype] * dims.hidden_size / sigma
+        )
         first, last = pp_rank == 0, pp_rank == layout.pp - 1
         flight = max(1, in_flight - pp_rank * (1 if layout.vpp == 1 else layout.vpp))
         saved = flight * chunk_saved

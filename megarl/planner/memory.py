@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megarl.config.model_dims import ModelDims, padded_vocab_size
-from megarl.parallel.layout import ParallelLayout
+from megarl.parallel.layout import ParallelLayout, chunk_layer_range
 
 Role = Literal["actor", "critic", "ref"]
 Dtype = Literal["bf16", "fp32"]
@@ -63,10 +63,8 @@ def chunk_params(
     out: list[ParamSlot] = []
     if first:
         out.append(ParamSlot("embedding.word_embeddings.weight", vocab // t * h, tied and not last))
-    per_chunk = dims.num_layers // (layout.pp * layout.vpp)
     qkv_rows = (dims.num_attention_heads + 2 * dims.num_query_groups) * d // t
-    start = (vp_stage * layout.pp + pp_rank) * per_chunk
-    for layer in range(start, start + per_chunk):
+    for layer in chunk_layer_range(layout, dims.num_layers, pp_rank, vp_stage):
         pre = f"decoder.layers.{layer}."
         out.append(ParamSlot(pre + "input_layernorm.weight", h, norm=True))
         out.append(

@@ -10,8 +10,9 @@ rank among other stops, is tests/trainer/test_faults.py's):
   hook makes them sleep); no process of that job survives; the next launch warns about the
   partial directory, resumes from step 2, matches the reference (metrics, prompts, final
   weights) and keeps one checkpoint (``max_actor_ckpt_to_keep=1``);
-- layout (1): resumed at TP1×PP2 (distributed optimizer) with a changed lr under the
-  checkpoint policy, stopped through the STOP file: step 3 equals the reference's;
+- layout (1): resumed at TP1×PP2 split unevenly (1 + 3 layers; distributed optimizer) with a
+  changed lr under the checkpoint policy, stopped through the STOP file: step 3 equals the
+  reference's;
 - SIGINT (2): ``megarl train`` resumed with a changed lr runs step 3 with the config's lr
   (default policy), then SIGINT twice (the second: stop now, unsaved): every process gone, no new checkpoint; the next launch loads
   step 2 at DP2 (distributed optimizer) and its step 3 equals the reference's.
@@ -246,6 +247,8 @@ def test_kill_mid_write_then_resume_equals_the_uninterrupted_run(tiny, reference
 
 
 def test_resume_at_tp1_pp2_continues_exactly_under_the_checkpoint_lr(tiny, reference):
+    """The TP 2 checkpoint resumed at PP 2 split unevenly (stage 0: 1 of the 4 layers, verl's
+    ``override_transformer_config.num_layers_in_first_pipeline_stage``), and saved there."""
     run_dir = _from_step_2(reference, tiny["root"] / "tp1_pp2")
     (run_dir / "STOP").write_text("")  # stop (with a checkpoint) after the first step
     out = _run(
@@ -253,11 +256,15 @@ def test_resume_at_tp1_pp2_continues_exactly_under_the_checkpoint_lr(tiny, refer
         run_dir,
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+        "+actor_rollout_ref.actor.megatron.override_transformer_config."
+        "num_layers_in_first_pipeline_stage=1",
         "actor_rollout_ref.actor.optim.lr=2e-4",
         "actor_rollout_ref.actor.optim.use_checkpoint_opt_param_scheduler=true",
     )
     assert "stopped after step 3" in out and not (run_dir / "STOP").exists()
     assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    saved = json.loads((run_dir / "global_step_3" / "actor" / "megarl_meta.json").read_text())
+    assert saved["saved_layout"]["num_layers_in_first_pipeline_stage"] == 1
     got = read_metrics(run_dir)[3]
     worst = _largest_difference(read_metrics(reference)[3], got)
     print(f"tp1_pp2: step 3 differs by {worst:.3g}")

@@ -46,10 +46,10 @@ def test_verls_recompute_and_fusion_entries_become_megarls_keys():
         ("num_layers=2", f"{OTC}.num_layers=2: the model's shape comes from its config.json"),
         ("tensor_model_parallel_size=1", (f"{OTC}.tensor_model_parallel_size=1: the layout is "
          "actor_rollout_ref.actor.megatron.tensor_model_parallel_size; set that instead")),
-        ("num_layers_in_first_pipeline_stage=1", (f"{OTC}.num_layers_in_first_pipeline_stage=1: "
-         "uneven pipeline stages are not supported yet")),
-        ("account_for_loss_in_pipeline_split=true", (f"{OTC}.account_for_loss_in_pipeline_split="
-         "true: uneven pipeline stages are not supported yet")),
+        ("num_layers_in_first_pipeline_stage=0", (f"{OTC}.num_layers_in_first_pipeline_stage=0: "
+         f"a stage holds at least one layer; {OTC}.num_layers_in_first_pipeline_stage=4 works")),
+        ("account_for_loss_in_pipeline_split=2", (f"{OTC}.account_for_loss_in_pipeline_split=2 "
+         "is not a boolean; the even split (the four split fields unset) works")),
         ("attention_backend=sdpa", (f"{OTC}.attention_backend=sdpa: not a Megatron attention "
          "backend; use one of auto, flash, fused, unfused, local")),
         ("fp8=hybrid", f"{OTC}.fp8 is not passed to TransformerConfig by megarl; it takes"),
@@ -58,6 +58,55 @@ def test_verls_recompute_and_fusion_entries_become_megarls_keys():
 def test_entries_megarl_cannot_apply_are_refused_in_one_line(entry, line):
     problems = _problems([f"+{OTC}.{entry}"])
     assert len(problems) == 1 and problems[0].startswith(line), problems
+
+
+PP2 = [
+    "trainer.n_gpus_per_node=4",
+    "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+]
+
+
+def test_uneven_pipeline_split_is_the_layout():
+    """The split entries become the actor's layout (built, resharded and checkpointed by it:
+    the multi-rank tests); a split Megatron refuses names a value that works; the critic and
+    the reference model split as the actor."""
+    cfg = load_config(TINY, [*PP2, f"+{OTC}.num_layers_in_first_pipeline_stage=1"])
+    validate(cfg)
+    layout = cfg.actor_rollout_ref.actor.megatron.parallel_layout()
+    assert layout.pipeline_split() == {"num_layers_in_first_pipeline_stage": 1}
+    assert _problems([*PP2, f"+{OTC}.num_layers_in_last_pipeline_stage=4"]) == [
+        (
+            f"{OTC}.num_layers_in_last_pipeline_stage=4 leave 0 of num_hidden_layers=4 for 1 other "
+            "stage of actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2; "
+            f"{OTC}.num_layers_in_last_pipeline_stage=1 works (model shape from "
+            "actor_rollout_ref.model.architecture)"
+        )
+    ]
+    ref = "actor_rollout_ref.ref.megatron.override_transformer_config"
+    assert _problems([*PP2, f"+{OTC}.num_layers_in_first_pipeline_stage=1",
+                      f"+{ref}.num_layers_in_first_pipeline_stage=3"]) == [
+        (f"{ref}.num_layers_in_first_pipeline_stage=3: the layers split as the actor's ({OTC}."
+        "num_layers_in_first_pipeline_stage=1, one parallel layout per process); set 1")
+    ]  # fmt: skip
+
+
+def test_the_critic_gives_the_actors_split():
+    """PPO's critic is built at the actor's layout: its split entries must equal the actor's."""
+    ppo = REPO / "configs" / "ppo_tiny_cpu.yaml"
+    first = "num_layers_in_first_pipeline_stage"
+    critic = "critic.megatron.override_transformer_config"
+    try:
+        validate(load_config(ppo, [*PP2, f"+{OTC}.{first}=1"]))
+    except ConfigError as exc:
+        assert exc.problems == [
+            (
+                f"{critic}.{first}=null: the layers split as the actor's ({OTC}.{first}=1, one "
+                "parallel layout per process); set 1"
+            )
+        ]
+    else:
+        raise AssertionError("the critic's missing split was accepted")
+    validate(load_config(ppo, [*PP2, f"+{OTC}.{first}=1", f"+{critic}.{first}=1"]))
 
 
 def test_verls_defaults_are_accepted_at_their_values():

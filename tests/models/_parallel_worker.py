@@ -327,15 +327,18 @@ def _dist_checkpoint_init_checks(spec: dict, results: dict) -> None:
     tokenizer, no safetensors), so every weight must come from the checkpoint."""
     from megarl.checkpoint.dist_ckpt import CheckpointError
     from megarl.models.build import build_model
+    from megarl.models.gpt import unwrap
     from megarl.models.weights import local_global_names
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
     from megarl.trainer.setup import build_role_model
 
     hf, ckpt = spec["dist_ckpt"]["hf"], spec["dist_ckpt"]["ckpt"]
-    cases = [((2, 1, None), "actor"), ((1, 2, None), "critic"), ((1, 2, 2), "actor")]
-    for (tp, pp, vpp), role in cases:
-        layout = ParallelLayout(tp, pp, vpp)
+    last3 = {"num_layers_in_last_pipeline_stage": 3}  # Megatron's uneven split: 1 + 3 layers
+    cases = [((2, 1, None), "actor", {}), ((1, 2, None), "critic", {}), ((1, 2, 2), "actor", {}),
+             ((1, 2, None), "actor", last3)]  # fmt: skip
+    for (tp, pp, vpp), role, split in cases:
+        layout = ParallelLayout(tp, pp, vpp, **split)
         init_distributed(layout, seed=1234)
         kw = {"role": role, "value_head_seed": 7}
         direct = build_model(hf, layout, **kw).chunks
@@ -346,7 +349,12 @@ def _dist_checkpoint_init_checks(spec: dict, results: dict) -> None:
             (a[3] - b[3]).abs().max().item()
             for a, b in zip(local_global_names(direct), local_global_names(loaded), strict=True)
         )
-        results[f"dist_ckpt_init/tp{tp}_pp{pp}_vpp{vpp}/{role}"] = _max_all(diff)
+        key = f"dist_ckpt_init/tp{tp}_pp{pp}_vpp{vpp}{'_last3' if split else ''}/{role}"
+        results[key] = _max_all(diff)
+        if split:
+            held = [None] * dist.get_world_size()
+            dist.all_gather_object(held, [len(unwrap(chunk).decoder.layers) for chunk in loaded])
+            results[f"{key}/layers"] = held
     try:
         build_role_model(Path(ckpt), spec["models"]["llama_untied"], layout)
         refused = ""

@@ -73,11 +73,14 @@ def llama_tied(root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def qwen2_pp2_export(root: Path, qwen2_tp2) -> tuple[Path, subprocess.CompletedProcess]:
+    """The TP 2 checkpoint loaded at PP 2 split unevenly (1 + 3 of the 4 layers, Megatron-LM's
+    flag), exported and verified there (the tied Llama's PP 2 export below splits evenly)."""
     out = root / "qwen2-from-tp2-at-pp2"
     ckpt = qwen2_tp2[0]
     result = run_convert(
-        "megatron-to-hf", "--ckpt", str(ckpt), "--out", str(out), "--pp", "2", "--verify"
-    )
+        "megatron-to-hf", "--ckpt", str(ckpt), "--out", str(out), "--pp", "2",
+        "--decoder-first-pipeline-num-layers", "1", "--verify",
+    )  # fmt: skip
     return out, ok(result)
 
 
@@ -123,6 +126,7 @@ def test_round_trip_across_layouts_qwen2_tp2_to_pp2(qwen2: Path, qwen2_tp2, qwen
     assert meta["dtype"] == "float32" and meta["hf_config"]["vocab_size"] == 1100
     assert (ckpt / convert.HF_FILES_DIR / "tokenizer.json").is_file()
     assert len(list(out.glob("model-*-of-00002.safetensors"))) == 2
+    assert "stage 0 holds 1 of 4 layers" in qwen2_pp2_export[1].stderr
     assert_bit_identical(load_file(qwen2 / "model.safetensors"), read_tensors(out))
 
 
@@ -198,6 +202,12 @@ def test_missing_path_and_unsupported_architecture_as_processes(root: Path, qwen
     assert not (root / "x").exists()
 
 
+UNEVEN_REFUSED = (
+    "--decoder-first-pipeline-num-layers=4 leave 0 of num_hidden_layers=4 for 1 other stage of "
+    "--pp 2; --decoder-first-pipeline-num-layers=1 works"
+)
+
+
 def test_input_errors_are_one_line(tmp_path: Path, qwen2: Path, llama_tp1: Path, capsys):
     ckpt = llama_tp1
     (tmp_path / "empty").mkdir()
@@ -208,6 +218,18 @@ def test_input_errors_are_one_line(tmp_path: Path, qwen2: Path, llama_tp1: Path,
         (["hf-to-megatron", "--hf-path", str(qwen2), "--tp", "3"], "--tp 3 does not divide"),
         (["hf-to-megatron", "--hf-path", str(qwen2), "--pp", "3"], "num_hidden_layers=4"),
         (["hf-to-megatron", "--hf-path", str(qwen2), "--pp", "2", "--vpp", "4"], "--vpp 4"),
+        (
+            [
+                "hf-to-megatron",
+                "--hf-path",
+                str(qwen2),
+                "--pp",
+                "2",
+                "--decoder-first-pipeline-num-layers",
+                "4",
+            ],
+            UNEVEN_REFUSED,
+        ),
         (["megatron-to-hf", "--ckpt", str(tmp_path / "nope")], "does not exist"),
         (["megatron-to-hf", "--ckpt", str(qwen2)], "not a Megatron distributed checkpoint"),
         (["megatron-to-hf", "--ckpt", str(ckpt), "--tp", "8"], "--tp 8"),

@@ -19,10 +19,16 @@ ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    "key", ["tp2_pp1_vppNone/actor", "tp1_pp2_vppNone/critic", "tp1_pp2_vpp2/actor"]
-)
+    "key",
+    ["tp2_pp1_vppNone/actor", "tp1_pp2_vppNone/critic", "tp1_pp2_vpp2/actor",
+     "tp1_pp2_vppNone_last3/actor"],
+)  # fmt: skip
 def test_initial_weights_from_the_converted_checkpoint_equal_those_from_hf(key, ws2):
+    """``_last3``: at PP 2 split unevenly (``num_layers_in_last_pipeline_stage=3``: stage 0
+    holds 1 of the 4 layers, stage 1 the other 3)."""
     assert ws2[f"dist_ckpt_init/{key}"] <= 1e-6
+    if key.endswith("_last3/actor"):
+        assert ws2[f"dist_ckpt_init/{key}/layers"] == [[1], [3]]
 
 
 @pytest.mark.multirank

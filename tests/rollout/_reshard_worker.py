@@ -128,14 +128,16 @@ def build(
     etp: int | None = None,
     *,
     dtype=torch.float32,
+    split: dict | None = None,
 ):
-    """Megatron's groups for (TP, PP, VPP, EP, ETP) and the model from ``path``."""
+    """Megatron's groups for (TP, PP, VPP, EP, ETP) and the model from ``path`` (``split``:
+    Megatron's uneven layer split fields)."""
     from megarl.models.build import build_model
     from megarl.parallel.init import init_distributed
     from megarl.parallel.layout import ParallelLayout
 
     layout = ParallelLayout(
-        tp, pp, vpp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+        tp, pp, vpp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, **(split or {})
     )
     init_distributed(layout, seed=1234)
     built = build_model(path, layout, dtype=dtype)
@@ -145,7 +147,7 @@ def build(
 
 
 def ownership_agrees(chunks, plan) -> bool:
-    """Megatron's own layer offsets == the plan's even split, chunk by chunk."""
+    """Megatron's own layer offsets == the plan's split (even or uneven), chunk by chunk."""
     from megatron.core import parallel_state
 
     from megarl.models.gpt import layer_offset, unwrap
@@ -316,13 +318,19 @@ def layouts_suite(models: Path) -> dict:
         ("moe", (1, 1, None, 2, None)),  # Qwen3-MoE, EP 2 (expert broadcast), DP 2
         ("moe", (1, 2, None)),  # experts sliced across stages for vLLM TP 2
         ("mixtral", (2, 1, None, 2, 1)),  # TP 2 (dense gather), EP 2, expert TP 1
+        # Megatron's uneven split: 3 layers on stage 0, 1 on stage 1 (key ``..._last1``)
+        ("special", (1, 2, None), {"num_layers_in_last_pipeline_stage": 1}),
     ]
     out = {}
-    for seed, (model, layout) in enumerate(cases, start=1):
+    for seed, (model, layout, *split) in enumerate(cases, start=1):
         path = str(models / model)
-        dims, chunks = build(path, *layout)
+        dims, chunks = build(path, *layout, split=split[0] if split else None)
         perturb(chunks, dims, seed)
-        key = case_key(model, layout)
+        key = case_key(model, layout) + ("_last1" if split else "")
+        if split:
+            from megarl.models.gpt import unwrap
+
+            out[f"{key}/layers"] = [len(unwrap(chunk).decoder.layers) for chunk in chunks]
         out[key] = {
             "small": fake_sync_check(path, dims, chunks, seed, 64 << 10),
             "large": fake_sync_check(path, dims, chunks, seed, 512 << 10),

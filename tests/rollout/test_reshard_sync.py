@@ -8,8 +8,9 @@ Multi-rank (``_reshard_worker.py``, one torchrun launch per suite):
 
 - ``layouts`` (2 ranks, no vLLM): Megatron (TP, PP, VPP) ∈ {(1,1) DP 2, (2,1), (1,2), (1,2,2)}
   on Qwen2, (1,2) on a tied single-KV-head Qwen3, (2,1) on Qwen3, and Mixture-of-Experts:
-  Qwen3-MoE at EP 2 and at PP 2, Mixtral at TP 2 × EP 2 (expert TP 1): ownership equals Megatron's
-  ``layer_offset``, the synced tensors equal the reference exactly, peak memory within bound;
+  Qwen3-MoE at EP 2 and at PP 2, Mixtral at TP 2 × EP 2 (expert TP 1), and the tied Qwen3 at
+  PP 2 split unevenly (3 + 1 layers, ``num_layers_in_last_pipeline_stage``): ownership equals
+  Megatron's ``layer_offset``, the synced tensors equal the reference exactly, peak memory within bound;
   the same sliced for vLLM TP 2 (at PP 2 each rank receives only its slices of the other stage,
   point to point; unreceived elements are NaN), bytes received = plan = wire meter.
 - ``vllm`` at 2 ranks: vLLM TP 1 ← Megatron (2,1), (1,2), (1,1); vLLM TP 2 ← (2,1), (1,2),
@@ -328,6 +329,7 @@ LAYOUT_CASES = [
     "moe_tp1_pp1_vpp1_ep2_etp1",
     "moe_tp1_pp2_vpp1",
     "mixtral_tp2_pp1_vpp1_ep2_etp1",
+    "special_tp1_pp2_vpp1_last1",
 ]
 
 
@@ -375,6 +377,8 @@ def test_layouts_fake_engine(layouts_run, case):
         _traffic_checks(c, where)
         if "_pp2_" in case:
             assert 0 < c["planned"]["pipeline"] < 0.6 * c["unsliced"], where
+        if case.endswith("_last1"):  # the uneven split was built: 3 layers, then 1
+            assert rank[f"{case}/layers"] == [[3], [1]][rank["rank"]], where
 
 
 @pytest.fixture(scope="module")

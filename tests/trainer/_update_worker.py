@@ -28,6 +28,8 @@ LAYOUTS = {
     4: [(2, 1, None, True, 1, False), (2, 2, None, False, 1, True), (2, 1, None, False, 2, True)],
 }
 """(TP, PP, VPP, distributed optimizer, CP, packed rows) per world size; DP is what remains."""
+UNEVEN_LAYOUTS = {2: [(1, 2, None, False, 1, True)]}
+"""Layouts run again with Megatron's uneven layer split (``spec["uneven"]``): ``..._first1``."""
 MOE_LAYOUTS = {
     2: [(1, 1, None, False, 2, False)],
     4: [(1, 2, None, True, 2, True), (2, 1, None, False, 2, False)],
@@ -139,7 +141,9 @@ def _enter_weight_read(model) -> None:
     model.place(**dict(zip(("params", "grads", "optimizer"), model.residency, strict=True)))
 
 
-def _run_case(spec: dict, layout, case: dict, optimizer: str, model: str | None = None) -> dict:
+def _run_case(
+    spec: dict, layout, case: dict, optimizer: str, model: str | None = None, split=None
+) -> dict:
     from megarl.models.build import build_model
     from megarl.models.gpt import MoeSettings
     from megarl.models.trainable import OptimizerSettings, TrainableModel
@@ -165,6 +169,7 @@ def _run_case(spec: dict, layout, case: dict, optimizer: str, model: str | None 
             sequence_parallel=sp,
             context_parallel_size=cp,
             expert_model_parallel_size=ep[0] if ep else 1,
+            **(split or {}),
         ),
         dtype=dtype,
         moe=MoeSettings.from_dict(case.get("moe", {})),
@@ -211,7 +216,13 @@ def _run_case(spec: dict, layout, case: dict, optimizer: str, model: str | None 
         actor, _rollout(spec, case), update, vocab_size=built.dims.vocab_size, seed=0, step=1
     ).metrics
     _enter_weight_read(actor)
+    from megarl.models.gpt import unwrap
+
+    layers = [len(unwrap(chunk).decoder.layers) for chunk in actor.chunks]
+    stage_layers = [None] * dist.get_world_size()
+    dist.all_gather_object(stage_layers, layers)
     return {
+        "stage_layers": stage_layers,  # each rank's transformer layers per chunk
         "dtype": str(dtype),
         "weights": _hf_weights(actor.chunks, built.dims),
         "metrics": metrics,
@@ -219,7 +230,7 @@ def _run_case(spec: dict, layout, case: dict, optimizer: str, model: str | None 
     }
 
 
-def _critic_case(spec: dict, layout) -> dict:
+def _critic_case(spec: dict, layout, split=None) -> dict:
     """One critic update (SGD, lr 1, float64) on the fixed batch's values and returns."""
     from megarl.models.build import build_model
     from megarl.models.trainable import OptimizerSettings, TrainableModel
@@ -230,7 +241,7 @@ def _critic_case(spec: dict, layout) -> dict:
     sp = sequence_parallel(dist.get_world_size(), tp)
     built = build_model(
         spec["model"],
-        ParallelLayout(tp, pp, vpp, sequence_parallel=sp, context_parallel_size=cp),
+        ParallelLayout(tp, pp, vpp, sequence_parallel=sp, context_parallel_size=cp, **(split or {})),
         role="critic",
         dtype=torch.float64, value_head_seed=spec["value_head_seed"],
     )  # fmt: skip
@@ -432,6 +443,16 @@ def main() -> None:
                 name = f"{key}/{case['name']}/{optimizer}"
                 results[name] = _run_case(spec, layout, case, optimizer)
         results[f"{key}/critic"] = _critic_case(spec, layout)
+    for layout in UNEVEN_LAYOUTS.get(world, []):
+        tp, pp, vpp, dist_opt, cp, pack = layout
+        init_distributed(ParallelLayout(tp, pp, vpp, context_parallel_size=cp), seed=1234)
+        key, split = layout_key(world, *layout) + "_first1", spec["uneven"]["split"]
+        for case in spec["cases"]:
+            if case["name"] in spec["uneven"]["cases"]:
+                for optimizer in case.get("optimizers", ("sgd", "adamw")):
+                    name = f"{key}/{case['name']}/{optimizer}"
+                    results[name] = _run_case(spec, layout, case, optimizer, split=split)
+        results[f"{key}/critic"] = _critic_case(spec, layout, split)
     if world == 1:
         results["bf16"] = _bf16_case(spec)
     if dist.get_rank() == 0:

@@ -3,8 +3,9 @@
 A fixed batch (tokens, advantages, old and reference log-probs) goes through one actor update —
 2 mini-batches, each of ≥ 2 micro-batches per rank, entropy bonus and KL loss on, clip-higher
 and dual-clip active on some tokens — at (TP,PP,DP) = (1,1,1), (2,1,1), (1,2,1), (1,1,2),
-(2,1,2) with the distributed optimizer, (2,2,1) and (1,2,1) with VPP 2. The reference is written
-in one process (``tests/trainer/_update_reference.py``) from ``transformers``' model and
+(2,1,2) with the distributed optimizer, (2,2,1) and (1,2,1) with VPP 2, and (1,2,1) with the
+layers split 1 + 3 over the stages (``num_layers_in_first_pipeline_stage``). The reference is
+written in one process (``tests/trainer/_update_reference.py``) from ``transformers``' model and
 ``megarl.algo``'s functions: a plain loop over the mini-batches, each one forward over the whole
 mini-batch, its loss, backward and an optimizer step. Compared: (a) SGD with lr 1 (the weight
 change is the reduced gradient) and the grad norm, (b) AdamW with Megatron's no-decay groups
@@ -76,6 +77,9 @@ SPEC = {
             "layouts": ["tp2_pp1_vpp1_dp1", "tp1_pp2_vpp1_dp1_packed", "tp1_pp1_vpp1_dp2_packed"],
         },
     ],
+    # Megatron's uneven layer split (issue 56): PP 2 packed again, stage 0 holding 1 of the 4
+    # layers and stage 1 the other 3 (``..._first1``), the token-mean case and the critic.
+    "uneven": {"split": {"num_layers_in_first_pipeline_stage": 1}, "cases": ["token-mean"]},
 }
 MOE_CASES = [
     {
@@ -121,6 +125,7 @@ LAYOUT_KEYS = {
         "tp1_pp1_vpp1_dp2_packed",
         "tp1_pp2_vpp2_dp1",
         "tp1_pp1_vpp1_cp2_dp1_packed",
+        "tp1_pp2_vpp1_dp1_packed_first1",
     ],
     4: [
         "tp2_pp1_vpp1_dp2_distopt_sp",
@@ -279,11 +284,15 @@ def test_update_equals_single_process_reference(setup, references, world):
             for opt in case.get("optimizers", ("sgd", "adamw")):
                 if layout not in case.get("layouts", [layout]):
                     continue
+                if layout.endswith("_first1") and case["name"] not in SPEC["uneven"]["cases"]:
+                    continue
                 got = results.get(f"{layout}/{case['name']}/{opt}")
                 if got is None:
                     assert "vpp2" in layout and case["dynamic"], f"missing {layout}/{case['name']}"
                     continue
                 where = f"{layout} {case['name']} {opt} ({got['dtype']})"
+                if layout.endswith("_first1"):  # the split applied: stage 0 holds 1 layer of 4
+                    assert got["stage_layers"] == [[1], [3]], (where, got["stage_layers"])
                 weights, metrics, norm = _compare(got, *references[(case["name"], opt)])
                 rows.append(f"{where}: weights {weights:.2e} metrics {metrics:.2e}")
                 if got["dtype"] == "torch.float64":

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from megarl.config.model_dims import ModelDims
-from megarl.parallel.layout import ParallelLayout
+from megarl.parallel.layout import PIPELINE_SPLIT_FIELDS, ParallelLayout
 from megarl.rollout.base import WeightSink
 from megarl.rollout.reshard.executor import SyncStats, stream_buckets
 from megarl.rollout.reshard.make_plan import make_reshard_plan
@@ -29,7 +29,8 @@ def plan_for_chunks(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     rollout_ep: bool = False,
 ) -> ReshardPlan:
-    """The plan for this actor: layout from its ``TransformerConfig``, dtype from its weights.
+    """The plan for this actor: layout (layer split included) from its ``TransformerConfig``,
+    dtype from its weights.
     ``rollout_ep``: the engine runs vLLM expert parallelism (see :func:`make_reshard_plan`)."""
     from megarl.models.gpt import unwrap
 
@@ -42,6 +43,7 @@ def plan_for_chunks(
         vpp if vpp else None,
         expert_model_parallel_size=cfg.expert_model_parallel_size,
         expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
+        **{key: getattr(cfg, key) for key in PIPELINE_SPLIT_FIELDS},
     )
     dtype = next(model.parameters()).dtype
     return make_reshard_plan(

@@ -22,7 +22,13 @@ import torch
 
 from megarl.config.model_dims import ModelDims
 from megarl.models import hf_mapping as hm
-from megarl.parallel.layout import ParallelLayout, shape_layout_problems
+from megarl.parallel.layout import (
+    ParallelLayout,
+    layer_chunk,
+    pipeline_split_problems,
+    shape_layout_problems,
+)
+from megarl.parallel.layout import chunk_layer_range as layout_chunk_layer_range
 from megarl.rollout.reshard.vllm_layout import (
     rollout_expert_range,
     rollout_shard_shape,
@@ -466,28 +472,19 @@ class ReshardPlan:
 def chunk_layer_range(
     dims: ModelDims, layout: ParallelLayout, pp_rank: int, vp_stage: int
 ) -> range:
-    """Global layer indices of model chunk ``vp_stage`` on stage ``pp_rank``.
-
-    Megatron's standard even split (no uneven first/last stages, no embedding or loss counted
-    as a layer): the ``L`` layers form ``P·V`` equal chunks, and chunk ``c = vp_stage·P +
-    pp_rank`` starts at layer ``c·L/(P·V)``. The multi-rank tests check it against Megatron's
-    ``layer_offset``.
-    """
-    chunks = layout.pp * layout.vpp
-    if dims.num_layers % chunks:
-        raise ValueError(
-            f"num_layers={dims.num_layers} is not divisible by PP×VPP={layout.pp}×"
-            f"{layout.vpp} (uneven pipeline splits are not supported)"
-        )
-    per_chunk = dims.num_layers // chunks
-    start = (vp_stage * layout.pp + pp_rank) * per_chunk
-    return range(start, start + per_chunk)
+    """Global layer indices of model chunk ``vp_stage`` on stage ``pp_rank``: Megatron's split,
+    even or uneven (:func:`megarl.parallel.layout.chunk_layer_range`); raises ``ValueError``
+    naming the problem where the split is not legal for this model."""
+    problems = pipeline_split_problems(layout, dims.num_layers)
+    if problems:
+        raise ValueError(problems[0].describe(pp=f"PP={layout.pp}", vpp=f"VPP={layout.vpp}"))
+    return layout_chunk_layer_range(layout, dims.num_layers, pp_rank, vp_stage)
 
 
 def owner_of(mg_name: str, dims: ModelDims, layout: ParallelLayout) -> tuple[int, int]:
     """(pp_rank, vp_stage) holding the Megatron parameter ``mg_name`` (global index): its
-    layer's chunk (:func:`chunk_layer_range`); the embedding on (0, 0), the final norm and
-    output layer on (P-1, V-1)."""
+    layer's chunk (:func:`megarl.parallel.layout.layer_chunk`); the embedding on (0, 0), the
+    final norm and output layer on (P-1, V-1)."""
     layer = hm.layer_index(hm.from_te_name(mg_name))
     if layer is None:
         if hm.from_te_name(mg_name) == hm.EMBEDDING:
@@ -495,9 +492,7 @@ def owner_of(mg_name: str, dims: ModelDims, layout: ParallelLayout) -> tuple[int
         return layout.pp - 1, layout.vpp - 1
     if not 0 <= layer < dims.num_layers:
         raise ValueError(f"{mg_name}: layer {layer} outside 0..{dims.num_layers - 1}")
-    per_chunk = dims.num_layers // (layout.pp * layout.vpp)
-    chunk = layer // per_chunk
-    return chunk % layout.pp, chunk // layout.pp
+    return layer_chunk(layout, dims.num_layers, layer)
 
 
 # --------------------------------------------------------------------------------------------
