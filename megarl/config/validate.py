@@ -474,7 +474,7 @@ class _Checks(LayoutChecks):
             )
         if rm.dump_samples < -1:
             self.error(f"reward_model.dump_samples must be -1 (all) or >= 0, got {rm.dump_samples}")
-        from megarl.reward.scorers.sandbox_fusion import config_problems
+        from megarl.config.sandbox_fusion_checks import config_problems
 
         for problem in config_problems(self.cfg.reward.sandbox_fusion):
             self.error(problem)

@@ -35,6 +35,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
+from megarl.config.sandbox_fusion_checks import config_problems, url_problem
 from megarl.reward.scorers.code_runner import Run, driver_script, program_stdin, run_of_exit
 
 __all__ = [
@@ -71,35 +72,6 @@ _LANGUAGES = (
 )
 SUPPORTED_LANGUAGES = tuple(_LANGUAGES.split())
 """Languages verl sends to the service (anything else is refused before a call)."""
-
-
-def url_problem(url: Any) -> str | None:
-    """Why ``url`` cannot be a Sandbox Fusion endpoint (None: it can), checked at start-up."""
-    if not isinstance(url, str) or not url.strip():
-        return f"{url!r} is not a URL"
-    try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018 -- raises on a port that is not a number
-    except ValueError as exc:
-        return f"{url!r} is not a URL ({exc})"
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return (
-            f"{url!r} is not an http(s) URL with a host (Sandbox Fusion's endpoint, e.g. "
-            "http://localhost:8080/run_code)"
-        )
-    return None
-
-
-def config_problems(section: Any, key: str = "reward.sandbox_fusion") -> list[str]:
-    """One line per bad setting of a ``reward.sandbox_fusion`` section (url, max_concurrent,
-    memory_limit_mb); an empty or null url means no service."""
-    problems = []
-    if section.url and (problem := url_problem(section.url)) is not None:
-        problems.append(f"{key}.url: {problem}")
-    for name in ("max_concurrent", "memory_limit_mb"):
-        if getattr(section, name) < 1:
-            problems.append(f"{key}.{name} must be >= 1, got {getattr(section, name)}")
-    return problems
 
 
 def call_sandbox_api(
