@@ -21,6 +21,7 @@ from pathlib import Path
 T = 0.7
 MAX_TOKENS = 12
 VOCAB = 1000
+TEACHER_K = 8
 
 
 def make_prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -315,6 +316,22 @@ def main() -> None:
     # AVX2 build has none: they fall back to torch.distributed); the same test vLLM makes.
     out["meta"]["shm_manager"] = hasattr(torch.ops._C, "init_shm_manager")
     rec["tp2"] = record(run())
+    # A teacher's scores (issue 57): fixed sequences, the same on both TP ranks, scored with
+    # vLLM's prompt log-probs (the top-TEACHER_K and the token there at every response position).
+    from megarl.rollout.teacher_scores import prompt_topk_log_probs
+
+    teacher_prompts, teacher_responses = make_prompts(4, seed=3), make_prompts(4, seed=4)
+    scores = prompt_topk_log_probs(
+        engine, [p + r for p, r in zip(teacher_prompts, teacher_responses, strict=True)],
+        [len(p) for p in teacher_prompts], TEACHER_K,
+    )  # fmt: skip
+    out["teacher"] = {
+        "prompts": teacher_prompts,
+        "responses": teacher_responses,
+        "topk_ids": scores.topk_ids.tolist(),
+        "topk_log_probs": scores.topk_log_probs.tolist(),
+        "log_probs": scores.log_probs.tolist(),
+    }
     noisy = noisy_state(tiny, seed=123)
     if rank == 0:
         save_checkpoint(tiny, args.out / "tiny_noisy", noisy)

@@ -255,6 +255,33 @@ def test_logprobs_match_transformers(run, hf_logprobs, key, model):
             assert r["logprobs"] == pytest.approx(w, abs=LOGPROB_TOL)
 
 
+def test_teacher_top_k_log_probs_match_transformers(run):
+    """A teacher's scores from vLLM's prompt log-probs (megarl.rollout.teacher_scores, at TP_v=2):
+    at every response position the top-k ids are the HF model's, by rank, and their log-probs
+    and the log-prob of the token there are its log_softmax (temperature 1) within 1e-4; the
+    positions past a shorter response are 0; both TP ranks get the same scores."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run["models"] / "tiny", dtype=torch.float32)
+    first, second = (rank["teacher"] for rank in run["ranks"])
+    assert first == second
+    ids, lps = torch.tensor(first["topk_ids"]), torch.tensor(first["topk_log_probs"])
+    sampled, k = torch.tensor(first["log_probs"]), ids.shape[-1]
+    width = ids.shape[1]
+    with torch.no_grad():
+        for i, (prompt, response) in enumerate(zip(first["prompts"], first["responses"])):
+            logits = model(torch.tensor([prompt + response])).logits[0].double()
+            lp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)  # scores response tokens
+            want = lp.topk(k, dim=-1)
+            r = len(response)
+            assert torch.equal(ids[i, :r], want.indices), i
+            assert torch.allclose(lps[i, :r].double(), want.values, atol=1e-4), i
+            there = lp.gather(-1, torch.tensor(response)[:, None])[:, 0]
+            assert torch.allclose(sampled[i, :r].double(), there, atol=1e-4), i
+            assert not ids[i, r:].any() and not lps[i, r:].any() and not sampled[i, r:].any()
+        assert width == max(len(r) for r in first["responses"])
+
+
 @pytest.mark.parametrize("tag", ["tp2", "tp1"])
 def test_partial_rollout_on_unchanged_weights_is_the_uninterrupted_generation(run, tag):
     """Greedy, interrupted after the prefill and 3 tokens, the same weights reloaded, continued
