@@ -30,10 +30,6 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megarl.models.gpt import chunks_device, unwrap
-from megarl.models.logprobs import (
-    vocab_parallel_log_probs_and_entropy,
-    vocab_parallel_sum_pi_squared,
-)
 from megarl.models.packing import (
     PackedRows,
     TokenOrder,
@@ -43,6 +39,7 @@ from megarl.models.packing import (
 )
 from megarl.models.router_losses import AuxLosses
 from megarl.models.routing import Routing
+from megarl.models.run_outputs import output_fn
 from megarl.models.sequences import (
     LogProbs,
     MicroBatches,
@@ -157,16 +154,6 @@ def gather_vocab(local: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return local[..., :vocab_size]
 
 
-def _gather_response(
-    per_pos: torch.Tensor, prompt_lengths: torch.Tensor, lengths: torch.Tensor, r: int
-) -> torch.Tensor:
-    """``out[i, k] = per_pos[i, p_i - 1 + k]`` for real response tokens, 0 past the response."""
-    k = torch.arange(r, device=per_pos.device)[None, :]
-    idx = (prompt_lengths[:, None] - 1 + k).clamp(0, per_pos.shape[1] - 1)
-    valid = k < (lengths - prompt_lengths)[:, None]
-    return torch.where(valid, per_pos.gather(1, idx), 0.0)
-
-
 def compute_log_probs(
     chunks: Sequence[torch.nn.Module],
     batch: SequenceBatch,
@@ -177,12 +164,15 @@ def compute_log_probs(
     sum_pi_squared: bool = False,
     routing: Routing | None = None,
     pack: bool = False,
+    topk: int | None = None,
 ) -> LogProbs:
     """Log-probs and entropy ``[N, R]`` of every response token (forward only); with
     ``sum_pi_squared`` also sum_v pi(v)^2 at each of those positions (same forward pass); with a
     recording ``routing`` also the MoE routers' choices (``LogProbs.routing``), with a replaying
     one the routers replay the batch's ``routing`` extra (:mod:`megarl.models.routing`).
-    ``pack``: as :func:`forward_backward`'s."""
+    ``pack``: as :func:`forward_backward`'s. ``topk`` (a teacher's scores): also the ``topk``
+    largest log-probs at each of those positions and their ids, ``[N, R, topk]``
+    (:func:`megarl.models.topk_logprobs.vocab_parallel_topk_log_probs`)."""
     out = _run(
         chunks,
         batch,
@@ -193,9 +183,13 @@ def compute_log_probs(
         sum_pi_squared=sum_pi_squared,
         routing=routing,
         pack=pack,
+        topk=topk,
     )
     t = out.tensors
-    return LogProbs(t["log_probs"], t["entropy"], t.get("sum_pi_squared"), out.routing)
+    result = LogProbs(t["log_probs"], t["entropy"], t.get("sum_pi_squared"), out.routing)
+    if topk is not None:
+        result.topk_log_probs, result.topk_ids = t["topk_log_probs"], t["topk_ids"].long()
+    return result
 
 
 def compute_values(
@@ -297,6 +291,7 @@ def _run(
     sum_pi_squared: bool = False,
     routing: Routing | None = None,
     pack: bool = False,
+    topk: int | None = None,
 ) -> _RunOutput:
     if bool((batch.prompt_lengths < 1).any()) or bool((batch.lengths < batch.prompt_lengths).any()):
         raise ValueError("need 1 <= prompt_lengths <= lengths for every sequence")
@@ -342,7 +337,7 @@ def _run(
     ddp = _configure_grad_sync(list(chunks), training)
     scale = _global_token_count(lengths, device) if ddp else 1.0
     collected: list[Outputs] = []
-    outputs_of = _output_fn(role, r, vocab_size, temperature, sum_pi_squared)
+    outputs_of = output_fn(role, r, vocab_size, temperature, sum_pi_squared, topk)
     moe = bool(config.num_moe_experts)
     aux = AuxLosses(len(micro)) if moe and training else None
     recorded = None
@@ -408,8 +403,13 @@ def _run(
     names = {"critic": ["values"], "reward": ["scores"]}.get(role, ["log_probs", "entropy"])
     if sum_pi_squared:
         names.append("sum_pi_squared")
+    trailing = {}
+    if topk is not None:  # the ids travel as floats: exact below 2^24 (fp32) or 2^53
+        names += ["topk_log_probs", "topk_ids"]
+        trailing = {"topk_log_probs": (topk,), "topk_ids": (topk,)}
     dtype = torch.promote_types(next(unwrap(chunks[0]).parameters()).dtype, torch.float32)
-    out = _broadcast_results(names, collected, metrics, torch.cat(rows), n, r, device, dtype)
+    out = _broadcast_results(names, collected, metrics, torch.cat(rows), n, r, device, dtype,
+                             trailing)  # fmt: skip
     if aux is not None:
         aux.add_shares(out.metrics, chunk_list, scale if ddp else float(lengths.sum()))
     out.routing = recorded
@@ -456,55 +456,6 @@ def _pad_for_sequence_parallel(input_ids: torch.Tensor, config) -> torch.Tensor:
     """``input_ids`` widened with pad columns (token 0) to the sequence-parallel length."""
     width = _sequence_parallel_length(input_ids.shape[1], config)
     return torch.nn.functional.pad(input_ids, (0, width - input_ids.shape[1]))
-
-
-def _output_fn(
-    role: str, r: int, vocab_size: int | None, temperature: float, sum_pi_squared: bool = False
-):
-    """Per-micro-batch outputs of the last stage from its output tensor."""
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-
-    def outputs_of(output_tensor: torch.Tensor, mb: dict, order: TokenOrder | None) -> Outputs:
-        """``order``: the packed row's tokens (None: right-padded ``[b, s]`` rows)."""
-
-        def per_position(values: torch.Tensor) -> torch.Tensor:  # -> [b, s]
-            return values if order is None else order.to_grid(gather_over_cp(values[0]))
-
-        if role in ("critic", "reward"):
-            values = output_tensor.squeeze(-1)
-            values = per_position(values.to(torch.promote_types(values.dtype, torch.float32)))
-            if role == "reward":
-                return {"scores": values.gather(1, mb["lengths"][:, None] - 1)}
-            return {"values": _gather_response(values, mb["prompt_lengths"], mb["lengths"], r)}
-        targets = torch.roll(mb["input_ids"], shifts=-1, dims=1)
-        if order is not None:
-            targets = order.from_grid(targets, 0)[None]
-        logp, ent = vocab_parallel_log_probs_and_entropy(
-            output_tensor,
-            targets,
-            vocab_size=vocab_size,  # type: ignore[arg-type]
-            temperature=temperature,
-            vocab_start=tp_rank * output_tensor.shape[-1],
-            group=tp_group,
-        )
-        plen, lens = mb["prompt_lengths"], mb["lengths"]
-        out = {
-            "log_probs": _gather_response(per_position(logp), plen, lens, r),
-            "entropy": _gather_response(per_position(ent), plen, lens, r),
-        }
-        if sum_pi_squared:
-            sq = vocab_parallel_sum_pi_squared(
-                output_tensor.detach(),
-                vocab_size=vocab_size,  # type: ignore[arg-type]
-                temperature=temperature,
-                vocab_start=tp_rank * output_tensor.shape[-1],
-                group=tp_group,
-            )
-            out["sum_pi_squared"] = _gather_response(per_position(sq), plen, lens, r)
-        return out
-
-    return outputs_of
 
 
 def _pack(micro: list[dict], config) -> list[PackedRows]:
@@ -558,13 +509,15 @@ def _broadcast_results(
     r: int,
     device: torch.device,
     dtype: torch.dtype,
+    trailing: dict[str, tuple[int, ...]] | None = None,
 ) -> _RunOutput:
     """Join the last stage's micro-batch outputs in batch order and broadcast them over PP
-    (``dtype``: at least fp32; float64 models keep float64)."""
+    (``dtype``: at least fp32; float64 models keep float64; ``trailing``: a name's dimensions
+    after ``[n, r]``)."""
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     tensors = {}
     for name in names:
-        t = torch.zeros(n, r, dtype=dtype, device=device)
+        t = torch.zeros(n, r, *(trailing or {}).get(name, ()), dtype=dtype, device=device)
         if last:
             t[order] = torch.cat([c[name] for c in collected]).to(dtype)
         tensors[name] = t

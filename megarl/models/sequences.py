@@ -48,6 +48,10 @@ class LogProbs:
     routing: torch.Tensor | None = None
     """The experts each token was routed to, ``[N, layers, positions, k]`` of this pipeline
     rank's MoE layers (:mod:`megarl.models.routing`; when recorded)."""
+    topk_log_probs: torch.Tensor | None = None
+    """``[N, R, k]`` the k largest log-probs at each position, by rank (when asked: a teacher)."""
+    topk_ids: torch.Tensor | None = None
+    """``[N, R, k]`` int64: their token ids."""
 
 
 def response_mask(prompt_lengths: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

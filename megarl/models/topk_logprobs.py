@@ -105,3 +105,63 @@ def vocab_parallel_log_probs_at(
     return _VocabParallelLogProbsAt.apply(
         logits, ids.long(), float(temperature), vocab_start, vocab_size, group, chunk
     )
+
+
+def vocab_parallel_topk_log_probs(
+    logits: torch.Tensor,
+    k: int,
+    *,
+    vocab_size: int,
+    temperature: float = 1.0,
+    vocab_start: int = 0,
+    group: dist.ProcessGroup | None = None,
+    chunk: int = DEFAULT_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A frozen teacher's top-k: the ``k`` largest of log softmax(logits / temperature) over the
+    full (TP-sharded) vocabulary at every position, and their global ids (no gradient).
+
+    Each rank takes the top-k of its own shard (padding columns masked), the candidates of every
+    TP rank are all-gathered (``k`` per rank and position, never the vocabulary) and the top-k
+    of those is the answer; log Z comes from the max and sum-of-exponentials reductions.
+
+    Args:
+        logits: ``[B, T, V_local]`` this TP rank's slice of the (padded) vocabulary, starting at
+            global column ``vocab_start``.
+        k: how many, at most the true vocabulary size.
+
+    Returns:
+        ``(values, ids)``, each ``[B, T, k]``, by rank (largest first): log-probs in at least
+        fp32 and int64 ids, identical on every TP rank.
+    """
+    if not 1 <= k <= vocab_size:
+        raise ValueError(f"top-k must be in 1..vocab_size={vocab_size}, got {k}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    size = dist.get_world_size(group) if group is not None else 1
+    seq, local_vocab = logits.shape[1], logits.shape[-1]
+    local_k = min(k, local_vocab)
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    with torch.no_grad():
+        stats_max = torch.empty(logits.shape[:-1], dtype=dtype, device=logits.device)
+        sum_exp = torch.empty_like(stats_max)
+        values = torch.empty((*logits.shape[:-1], local_k), dtype=dtype, device=logits.device)
+        ids = torch.empty(values.shape, dtype=torch.int64, device=logits.device)
+        for s in range(0, seq, chunk):
+            z = _scaled_masked(logits[:, s : s + chunk], temperature, vocab_start, vocab_size)
+            stats_max[:, s : s + chunk] = z.max(dim=-1).values
+            top = z.topk(local_k, dim=-1)
+            values[:, s : s + chunk], ids[:, s : s + chunk] = top.values, top.indices + vocab_start
+        _all_reduce(stats_max, dist.ReduceOp.MAX, group)
+        for s in range(0, seq, chunk):
+            z = _scaled_masked(logits[:, s : s + chunk], temperature, vocab_start, vocab_size)
+            sum_exp[:, s : s + chunk] = (z - stats_max[:, s : s + chunk, None]).exp().sum(-1)
+        _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
+        if size > 1:  # every rank's candidates, then the top-k of them
+            parts = [torch.empty_like(values) for _ in range(size)]
+            dist.all_gather(parts, values.contiguous(), group=group)
+            id_parts = [torch.empty_like(ids) for _ in range(size)]
+            dist.all_gather(id_parts, ids.contiguous(), group=group)
+            values, ids = torch.cat(parts, dim=-1), torch.cat(id_parts, dim=-1)
+        top = values.topk(k, dim=-1)
+        log_z = stats_max + sum_exp.log()
+        return top.values - log_z[..., None], ids.gather(-1, top.indices)

@@ -29,6 +29,8 @@ PACKING_LAYOUTS = {
     4: [(2, 2, None, 1), (2, 1, None, 2), (1, 2, None, 2)],
 }
 """(TP, PP, VPP, CP) of the packed-row checks (context parallelism only with packed rows)."""
+TEACHER_K = 5
+"""The top-k a teacher's pass returns in the packed-row checks (issue 57's Megatron teacher)."""
 
 
 def _packing_checks(spec: dict, layout, results: dict) -> None:
@@ -53,9 +55,11 @@ def _packing_checks(spec: dict, layout, results: dict) -> None:
     r = {}
     for pack in (True, False) if cp == 1 else (True,):
         out = compute_log_probs(built.chunks, seqs, vocab_size=built.dims.vocab_size,
-                                micro_batches=micro, temperature=0.7, pack=pack)  # fmt: skip
+                                micro_batches=micro, temperature=0.7, pack=pack,
+                                topk=TEACHER_K)  # fmt: skip
         name = "packed" if pack else "padded"
         r[f"{name}/log_probs"], r[f"{name}/entropy"] = out.log_probs, out.entropy
+        r[f"{name}/topk_log_probs"], r[f"{name}/topk_ids"] = out.topk_log_probs, out.topk_ids
     critic = build_model(path, parallel, role="critic", value_head_seed=7)
     for pack in (True, False) if cp == 1 else (True,):
         name = "packed" if pack else "padded"
