@@ -61,6 +61,8 @@ class StepBatch:
     by the old-log-prob pass; R3: the rollout's, for this pipeline rank's layers)."""
     ref_log_probs: torch.Tensor | None = None
     """``[B, R]`` the reference policy's log-probs (KL loss or KL in the reward)."""
+    teacher_log_probs: torch.Tensor | None = None
+    """``[B, R]`` the distillation teacher's log-probs of the sampled tokens."""
     old_log_probs: torch.Tensor | None = None
     """``[B, R]`` π_old of the policy loss: recomputed, or the rollout's in bypass mode."""
     rollout_is_weights: torch.Tensor | None = None

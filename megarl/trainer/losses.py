@@ -7,7 +7,8 @@ exact gradients. Metric shares add up the same way (token means weighted by the 
 share of the tokens).
 
 Actor: policy loss (``policy_loss.loss_mode``) − entropy_coeff · entropy + kl_loss_coef ·
-KL(π‖π_ref) (``use_kl_loss``), each aggregated with ``loss_agg_mode``, as verl's actor.
+KL(π‖π_ref) (``use_kl_loss``), each aggregated with ``loss_agg_mode``, as verl's actor; with
+on-policy distillation (:class:`Distillation`) verl's combination with the distillation loss.
 Critic: ``megarl.algo.compute_value_loss``, clipped by ``cliprange_value``.
 """
 
@@ -19,6 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from megarl.algo import POLICY_LOSSES, agg_loss, compute_policy_loss, compute_value_loss, kl_penalty
+from megarl.algo.distillation import (
+    combined_loss,
+    distillation_advantages,
+    distillation_token_losses,
+)
 
 TOKEN_MEANS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "vf_clipfrac")
 """Policy-loss metrics that are token means (reported token-weighted over the mini-batch)."""
@@ -47,6 +53,73 @@ class Counts:
         }
 
 
+@dataclass(frozen=True)
+class Distillation:
+    """``distillation.distillation_loss.*`` as the actor's loss uses it (the teacher's
+    sampled-token log-probs in; the top-k mode needs the student's top-k pass, not built)."""
+
+    loss_mode: str = "k3"
+    use_task_rewards: bool = True
+    distillation_loss_coef: float = 1.0
+    loss_max_clamp: float | None = None
+    use_policy_gradient: bool = False
+    clip_ratio: float = 0.2
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+
+    @classmethod
+    def from_config(cls, loss) -> Distillation:
+        """From a :class:`megarl.config.schema_distill.DistillationLossConfig`."""
+        return cls(**{f: getattr(loss, f) for f in cls.__dataclass_fields__})
+
+
+def distillation_loss(
+    settings: Distillation,
+    counts: Counts,
+    *,
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    teacher_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None = None,
+    clip_ratio_c: float = 3.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The micro-batch's share of the distillation loss: the per-token divergence to the teacher
+    (:func:`megarl.algo.distillation.distillation_token_losses`) aggregated by
+    ``loss_agg_mode`` (supervised), or, with ``use_policy_gradient``, the vanilla clipped policy
+    loss with advantage = −divergence and the distillation section's clip ratios (the actor's
+    dual-clip bound and rollout importance weights, as its own policy loss)."""
+    if teacher_log_prob is None:
+        raise ValueError("on-policy distillation needs the teacher's log-probs in the batch")
+    agg = counts.as_kwargs()
+    tokens = distillation_token_losses(settings.loss_mode, student_log_probs=log_prob,
+                                       teacher_log_probs=teacher_log_prob,
+                                       loss_max_clamp=settings.loss_max_clamp)  # fmt: skip
+    if not settings.use_policy_gradient:
+        share = agg_loss(tokens, response_mask, **agg)
+    else:
+        share, _ = compute_policy_loss(
+            "vanilla",
+            old_log_prob=old_log_prob,
+            log_prob=log_prob,
+            advantages=distillation_advantages(tokens),
+            response_mask=response_mask,
+            rollout_is_weights=rollout_is_weights,
+            seq_token_counts=None,
+            clip_ratio_c=clip_ratio_c,
+            clip_ratio=settings.clip_ratio,
+            clip_ratio_low=settings.clip_ratio_low,
+            clip_ratio_high=settings.clip_ratio_high,
+            **agg,
+        )
+    weight = response_mask.sum() / counts.global_token_count
+    divergence = (tokens.detach() * response_mask).sum() / max(float(response_mask.sum()), 1.0)
+    return share, {
+        "distillation/loss": share.detach(),
+        "distillation/divergence": divergence * weight,
+    }
+
+
 def policy_loss(
     settings,
     counts: Counts,
@@ -59,6 +132,7 @@ def policy_loss(
     ref_log_prob: torch.Tensor | None = None,
     rollout_is_weights: torch.Tensor | None = None,
     generator: Callable[[], torch.Generator] | None = None,
+    teacher_log_prob: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor's share and metric shares for one micro-batch, every tensor ``[b, R]``.
 
@@ -99,6 +173,17 @@ def policy_loss(
                            response_mask, **agg)  # fmt: skip
         loss = loss + settings.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
+    distill = getattr(settings, "distillation", None)
+    if distill is not None:  # verl: the task's loss + coef x this, or this alone
+        share, distill_metrics = distillation_loss(
+            distill, counts, log_prob=log_prob, old_log_prob=old_log_prob,
+            teacher_log_prob=teacher_log_prob, response_mask=response_mask,
+            rollout_is_weights=rollout_is_weights,
+            clip_ratio_c=settings.policy_loss_kwargs.get("clip_ratio_c", 3.0),
+        )  # fmt: skip
+        loss = combined_loss(loss, share, use_task_rewards=distill.use_task_rewards,
+                             distillation_loss_coef=distill.distillation_loss_coef)  # fmt: skip
+        metrics.update(distill_metrics)
     metrics["loss"] = loss.detach()
     return loss, metrics
 

@@ -39,6 +39,7 @@ from megarl.rollout.multi_turn_rollout import prompt_tool_schemas
 from megarl.rollout.vllm_engine import adapter_engine_args, read_eos_token_ids
 from megarl.trainer.batch import pad_token_id
 from megarl.trainer.console import Console
+from megarl.trainer.losses import Distillation
 from megarl.trainer.residency import applied, settle, settle_engine
 from megarl.trainer.reward_model import RewardModel
 from megarl.trainer.state import TrainerState
@@ -402,6 +403,11 @@ def policy_update(cfg: MegarlConfig, plan: BatchPlan) -> PolicyUpdate:
         temperature=cfg.actor_rollout_ref.rollout.temperature,
         balance=cfg.trainer.balance_batch,
         policy_loss_kwargs=policy_loss_settings(cfg),
+        distillation=(
+            Distillation.from_config(cfg.distillation.distillation_loss)
+            if cfg.distillation.enabled
+            else None
+        ),
     )
 
 

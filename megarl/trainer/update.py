@@ -28,7 +28,7 @@ from megarl.models.runner import forward_backward
 from megarl.models.trainable import TrainableModel
 from megarl.parallel.init import device
 from megarl.trainer.batch import BATCH, StepBatch
-from megarl.trainer.losses import Counts, policy_loss, value_loss
+from megarl.trainer.losses import Counts, Distillation, policy_loss, value_loss
 from megarl.trainer.split import dp_share, micro_batches, mini_batches, seeded_generator
 
 
@@ -62,6 +62,8 @@ class PolicyUpdate(MiniBatching):
     temperature: float = 1.0
     policy_loss_kwargs: dict[str, Any] = field(default_factory=dict)
     """clip_ratio, clip_ratio_low/high, clip_ratio_c and each loss mode's own keys."""
+    distillation: Distillation | None = None
+    """On-policy distillation's loss settings (``distillation.enabled``), else None."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,7 @@ def update_policy(
                 ref_log_prob=cut(data.ref_log_probs),
                 rollout_is_weights=cut(data.rollout_is_weights),
                 generator=generator,
+                teacher_log_prob=cut(data.teacher_log_probs),
             )
 
         return loss_fn

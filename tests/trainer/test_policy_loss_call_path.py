@@ -146,3 +146,70 @@ def test_lr_warmup_init_reaches_the_optimizer_settings():
     ])  # fmt: skip
     assert optimizer_settings(cfg, 10).lr_warmup_init == 1e-7
     assert optimizer_settings(cfg, 10, "critic").lr_warmup_init == 2e-7
+
+
+DISTILL = "distillation.distillation_loss"
+
+
+def _distill_loss(settings, outputs, mb, teacher, tokens=7.0, seqs=3.0):
+    counts = Counts.of(settings.loss_agg_mode, tokens, seqs, settings.loss_scale_factor)
+    return policy_loss(
+        settings,
+        counts,
+        log_prob=outputs["log_probs"],
+        entropy=outputs["entropy"],
+        old_log_prob=mb["old_log_probs"],
+        advantages=mb["advantages"],
+        response_mask=mb["response_mask"],
+        ref_log_prob=mb["ref_log_probs"],
+        teacher_log_prob=teacher,
+    )
+
+
+def test_distillation_loss_reaches_the_actors_loss_as_verl_combines_it():
+    """distillation.* through policy_update into the actor's loss (issue 57): supervised k3
+    without the task rewards is the token-mean of k3(student, teacher) alone (by hand:
+    r - log r - 1 with r = exp(teacher - student), over this micro-batch's share of 7 tokens), its
+    gradient that of the formula; with the task rewards, pg + entropy terms + coef x that; with
+    the policy gradient, PPO's vanilla clipped loss with advantage -k1 and the distillation
+    section's clip ratios; no teacher log-probs is an error."""
+    outputs, mb = _micro_batch()
+    g = torch.Generator().manual_seed(5)
+    teacher = outputs["log_probs"].detach() + 0.3 * torch.randn(4, 6, generator=g)
+    on = ["distillation.enabled=true", f"{DISTILL}.loss_mode=k3"]
+    alone, _ = _settings(*on, f"{DISTILL}.use_task_rewards=false")
+    assert alone.distillation is not None and alone.distillation.loss_mode == "k3"
+    loss, metrics = _distill_loss(alone, outputs, mb, teacher)
+    s = outputs["log_probs"]
+    mask = mb["response_mask"]
+    log_r = teacher - s
+    by_hand = ((log_r.exp() - log_r - 1) * mask).sum() / 7.0
+    assert torch.allclose(loss, by_hand, atol=1e-6)
+    assert torch.allclose(metrics["distillation/loss"], by_hand.detach(), atol=1e-6)
+    (grad,) = torch.autograd.grad(loss, s)
+    assert torch.allclose(grad, (1 - log_r.exp()) * mask / 7.0, atol=1e-6)
+
+    plain, _ = _settings()
+    assert plain.distillation is None
+    task, _ = _distill_loss(plain, outputs, mb, None)
+    both, _ = _settings(
+        *on, f"{DISTILL}.use_task_rewards=true", f"{DISTILL}.distillation_loss_coef=0.5"
+    )
+    combined, _ = _distill_loss(both, outputs, mb, teacher)
+    assert torch.allclose(combined, task + 0.5 * by_hand, atol=1e-6)
+
+    pg, _ = _settings("distillation.enabled=true", f"{DISTILL}.loss_mode=k1",
+                      f"{DISTILL}.use_policy_gradient=true", f"{DISTILL}.use_task_rewards=false",
+                      f"{DISTILL}.clip_ratio_high=0.28")  # fmt: skip
+    loss, _ = _distill_loss(pg, outputs, mb, teacher)
+    adv = -(s - teacher).detach()  # k1 = student - teacher
+    ratio = (s - mb["old_log_probs"]).exp()
+    surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - 0.2, 1 + 0.28))
+    dual = torch.where(adv < 0, torch.minimum(surrogate, -adv * 3.0), surrogate)
+    assert torch.allclose(loss, (dual * mask).sum() / 7.0, atol=1e-6)
+    try:
+        _distill_loss(alone, outputs, mb, None)
+    except ValueError as exc:
+        assert "teacher's log-probs" in str(exc)
+    else:
+        raise AssertionError("no teacher log-probs must be refused")
