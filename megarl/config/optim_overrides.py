@@ -29,8 +29,15 @@ ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "optimizer_cpu_offload": (
         (False,),
         (
-            "no CPU optimizer step: the optimizer steps on the GPU; "
-            "megatron.optimizer_offload=true moves its state to CPU between steps"
+            # Measured with Megatron-Core 0.16.1 under megarl's distributed optimizer (issue 56;
+            # docs/verl-differences.md): a model-only load copies the weights into the model but
+            # HybridDeviceOptimizer refreshes only fp32 copies it made itself (none: its params
+            # are already the fp32 main shards), so the next step writes the stale ones back.
+            "no CPU optimizer step: Megatron's hybrid CPU/GPU optimizer undoes a weights-only "
+            "load at the next step (measured: weights moved by up to 1.18 at lr 0), cannot be "
+            'built over fp32 parameters ("can\'t optimize a non-leaf Tensor") and cannot step '
+            "without CUDA (KeyError); megatron.optimizer_offload=true moves the optimizer state "
+            "to CPU between steps"
         ),
     ),
 }

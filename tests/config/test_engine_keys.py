@@ -79,7 +79,7 @@ def test_values_that_are_megarls_behaviour_validate(overrides):
         (f"{ARR}.nccl_timeout=0", f"{ARR}.nccl_timeout must be a positive number of seconds or null, got 0"),
         (f"critic.nccl_timeout=60 {ARR}.nccl_timeout=30", f"critic.nccl_timeout=60: megarl has one process-group timeout, {ARR}.nccl_timeout; leave critic.nccl_timeout unset or equal to it (30)"),
         (f"{ARR}.actor.optim.lr_decay_steps=0", f"{ARR}.actor.optim.lr_decay_steps must be a positive number or null, got 0"),
-        (f"{OVR}.optimizer_cpu_offload=True", f"{OVR[1:]}.optimizer_cpu_offload=True: no CPU optimizer step: the optimizer steps on the GPU; megatron.optimizer_offload=true moves its state to CPU between steps; use false"),
+        (f"{OVR}.optimizer_cpu_offload=True", f"{OVR[1:]}.optimizer_cpu_offload=True: no CPU optimizer step: Megatron's hybrid CPU/GPU optimizer undoes a weights-only load at the next step (measured: weights moved by up to 1.18 at lr 0), cannot be built over fp32 parameters (\"can't optimize a non-leaf Tensor\") and cannot step without CUDA (KeyError); megatron.optimizer_offload=true moves the optimizer state to CPU between steps; use false"),
         (f"{OVR}.exp_avg_dtype=bf16", "exp_avg_dtype='bf16': Adam moments are fp32; use fp32 or float32 or torch.float32"),
         (f"{ARR}.actor.optim.exp_avg_dtype=bf16", f"{ARR}.actor.optim.exp_avg_dtype=bf16: main gradients and Adam moments are fp32; use fp32 or float32 or torch.float32"),
         ("critic.checkpoint.async_save=True", "critic.checkpoint.async_save=true: saves are synchronous; use false"),

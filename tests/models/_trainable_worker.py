@@ -8,6 +8,7 @@ Rank 0 writes a dict of results for the pytest side:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -350,6 +351,87 @@ def _checkpoint_round_trip(spec: dict, results: dict) -> None:
         }
 
 
+def _hybrid_optimizer_failures(spec: dict, results: dict) -> None:
+    """Megatron-Core's HybridDeviceOptimizer (``optimizer_cpu_offload``) under megarl's
+    distributed optimizer fails as megarl's refusal of it says (megarl/config/optim_overrides.py):
+    fp32 parameters do not build, a CPU-only host cannot step, and (that lookup patched) the step
+    after a weights-only load writes the stale main parameters back (compared with no offload)."""
+    import dataclasses
+    from unittest import mock
+
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    import megarl.models.trainable as trainable_module
+    from megarl.models.build import build_model
+    from megarl.models.gpt import unwrap
+    from megarl.models.trainable import OptimizerSettings, TrainableModel
+    from megarl.parallel.layout import ParallelLayout
+
+    batch, layout, bf16 = torch.load(spec["batch"]), ParallelLayout(), torch.bfloat16
+    # Pinned host buffers need CUDA too.
+    offload = {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0}
+    offload |= {"pin_cpu_grads": False, "pin_cpu_params": False}
+
+    def hybrid(config, chunks, **kwargs):
+        return get_megatron_optimizer(dataclasses.replace(config, **offload), chunks, **kwargs)
+
+    original = HybridDeviceOptimizer._get_sub_optimizer_param_groups
+
+    def host_params_as_own_copies(self, fraction):
+        # On CPU every parameter lands in the "CPU" optimizers, whose step looks up the GPU
+        # original of each; map each host parameter to itself so that the step can run.
+        groups = original(self, fraction)
+        for group in groups[0]:
+            for param in group["params"]:
+                groups[3].setdefault(param, param)
+        return groups
+
+    out: dict = {"reload_drift": {}}
+    with mock.patch.object(trainable_module, "get_megatron_optimizer", hybrid):
+        try:
+            TrainableModel(build_model(spec["model"], layout), OptimizerSettings(lr=1e-2))
+        except ValueError as exc:
+            out["fp32_build"] = str(exc)
+        trainable = TrainableModel(
+            build_model(spec["model"], layout, dtype=bf16), OptimizerSettings(lr=1e-2)
+        )
+        try:
+            _train_once(trainable, batch, "token-mean", trainable.model.dims.vocab_size)
+        except KeyError:
+            out["cpu_step"] = "KeyError"
+    for name, patches in (("plain", ()), ("offload", (hybrid, host_params_as_own_copies))):
+        with contextlib.ExitStack() as stack:
+            if patches:
+                stack.enter_context(
+                    mock.patch.object(trainable_module, "get_megatron_optimizer", patches[0])
+                )
+                stack.enter_context(
+                    mock.patch.object(
+                        HybridDeviceOptimizer, "_get_sub_optimizer_param_groups", patches[1]
+                    )
+                )
+            trainable = TrainableModel(
+                build_model(spec["model"], layout, dtype=bf16),
+                OptimizerSettings(lr=0.0, weight_decay=0.0, clip_grad=0.0),
+            )
+            other = build_model(trainable.model.dims, layout, dtype=bf16)  # random weights
+            with torch.no_grad():
+                for mine, new in zip(
+                    unwrap(trainable.chunks[0]).parameters(),
+                    unwrap(other.chunks[0]).parameters(),
+                    strict=True,
+                ):
+                    mine.copy_(new)
+            trainable.reload_model_params()  # what megarl's weights-only checkpoint load does
+            _train_once(trainable, batch, "token-mean", trainable.model.dims.vocab_size)
+            loaded, after = _params(other.chunks), _params(trainable)
+            out["reload_drift"][name] = max(
+                float((after[n] - loaded[n]).abs().max()) for n in loaded
+            )
+    results["hybrid"] = out
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     from megarl.parallel.init import destroy_distributed, init_distributed
@@ -360,6 +442,7 @@ def main() -> None:
     _nan_and_bf16_checks(spec, results)
     _warmup_from_lr_warmup_init(spec, results)
     _checkpoint_round_trip(spec, results)
+    _hybrid_optimizer_failures(spec, results)
     if dist.get_rank() == 0:
         torch.save(results, Path(spec["tmp"]) / "results_trainable.pt")
     dist.barrier()

@@ -114,3 +114,16 @@ def test_warm_up_starts_from_lr_warmup_init(results):
     """Linear warm-up over 4 steps from optim.lr_warmup_init 1e-4 to lr 1e-3 (Megatron's
     scheduler: init + (lr - init) * step / warmup); it started from 0 whatever the key said."""
     assert results["warmup_lrs"] == pytest.approx([1e-4, 3.25e-4, 5.5e-4], rel=1e-9)
+
+
+def test_megatron_hybrid_optimizer_fails_as_megarls_refusal_says(results):
+    """Megatron-Core's hybrid CPU/GPU optimizer (``optim.override_optimizer_config.
+    optimizer_cpu_offload``), refused by megarl in one line for what is measured here (issue 56):
+    should this fail after a Megatron upgrade, revisit the refusal (megarl/config/optim_overrides.py).
+    The weights-only load: every weight moves at the next step, at lr 0, back to the main
+    parameters from before the load (measured 1.18; 0.0 without offload)."""
+    r = results["hybrid"]
+    assert "non-leaf" in r.get("fp32_build", ""), r  # the fp32 shards are views of the params
+    assert r.get("cpu_step") == "KeyError", r  # no GPU original of any host parameter
+    assert r["reload_drift"]["plain"] == 0.0, r
+    assert r["reload_drift"]["offload"] > 0.5, r
