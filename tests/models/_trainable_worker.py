@@ -359,7 +359,6 @@ def _hybrid_optimizer_failures(spec: dict, results: dict) -> None:
     import dataclasses
     from unittest import mock
 
-    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
     import megarl.models.trainable as trainable_module
@@ -373,8 +372,10 @@ def _hybrid_optimizer_failures(spec: dict, results: dict) -> None:
     offload = {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0}
     offload |= {"pin_cpu_grads": False, "pin_cpu_params": False}
 
+    build = trainable_module.get_megatron_optimizer  # megarl's one builder, its config changed
+
     def hybrid(config, chunks, **kwargs):
-        return get_megatron_optimizer(dataclasses.replace(config, **offload), chunks, **kwargs)
+        return build(dataclasses.replace(config, **offload), chunks, **kwargs)
 
     original = HybridDeviceOptimizer._get_sub_optimizer_param_groups
 
