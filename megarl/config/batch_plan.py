@@ -43,6 +43,12 @@ def ref_used(cfg: MegarlConfig) -> bool:
     return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
 
 
+def teacher_used(cfg: MegarlConfig) -> bool:
+    """On-policy distillation's teacher is built (``distillation.enabled``): a frozen Megatron
+    model on the training ranks, its pass batched as the reference's (``ref.log_prob_*``)."""
+    return bool(cfg.distillation.enabled)
+
+
 def world_size(cfg: MegarlConfig) -> int:
     """Training processes of the run: trainer.nnodes × trainer.n_gpus_per_node."""
     return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
@@ -226,7 +232,7 @@ class _Builder:
                 budget_name="forward_max_token_len_per_gpu",
                 dynamic_name="use_dynamic_bsz",
             )
-        if ref_used(c):
+        if ref_used(c) or teacher_used(c):  # the teacher's pass is batched as the reference's
             rf = c.actor_rollout_ref.ref
             ref = self.log_prob(
                 "reference log-probs",

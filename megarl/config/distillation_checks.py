@@ -18,20 +18,32 @@ from megarl.config.layout_checks import fmt_value
 from megarl.config.schema_distill import TEACHER_MODEL, TOPK_LOSS_MODES
 from megarl.config.verl_defaults import verl_tree
 
-__all__ = ["NOT_BUILT", "check_distillation"]
+__all__ = ["MEGATRON_TEACHER", "NOT_BUILT", "check_distillation", "teacher_model_path"]
 
 Error = Callable[[str], None]
 
 D = "distillation"
 L = "distillation.distillation_loss"
+MEGATRON_TEACHER = "megatron"
+"""``inference.name`` of megarl's own teacher: a frozen Megatron model on the training ranks, at
+the actor's layout (NeMo-RL's way; no pool of its own)."""
 NOT_BUILT = (
-    "distillation.enabled=true: on-policy distillation is not built yet: the teacher's scoring "
-    "(vLLM prompt_logprobs on ranks of its own, or a Megatron teacher) and the trainer's use of "
-    "the distillation loss are missing (only the loss math is: megarl.algo.distillation); use false"
+    "a teacher served by vLLM on ranks of its own is not built yet (its scoring is: "
+    "megarl.rollout.teacher_scores); inference.name=megatron runs the teacher as a frozen "
+    "Megatron model on the training ranks"
 )
-"""The one line refusing ``distillation.enabled=true`` (docs/distillation.md)."""
-ENGINES = ("vllm",)
-"""Teacher inference engines megarl would serve (verl also has sglang)."""
+"""The one line refusing a vLLM teacher (docs/distillation.md)."""
+ENGINES = ("vllm", MEGATRON_TEACHER)
+"""Teacher inference engines (verl also has sglang): vLLM (not built yet) or megarl's own."""
+
+
+def teacher_model_path(cfg) -> str | None:
+    """The single teacher's ``model_path`` (None when distillation is off or none is given)."""
+    d = cfg.distillation
+    entry = d.teacher_models.get("teacher_model") if isinstance(d.teacher_models, dict) else None
+    if not d.enabled or not isinstance(entry, dict):
+        return None
+    return entry.get("model_path") or None
 
 
 def _inference_keys() -> frozenset[str]:
@@ -65,7 +77,52 @@ def check_distillation(cfg, error: Error, warn: Error) -> None:
     if not d.enabled:
         return
     _check_teachers(cfg, error)
-    error(NOT_BUILT)
+    _check_built(cfg, error)
+
+
+def _check_built(cfg, error: Error) -> None:
+    """What of distillation megarl runs: one Megatron teacher, a sampled-token estimator."""
+    d = cfg.distillation
+    key = f"{D}.teacher_models"
+    if len(d.teacher_models) != 1:
+        error(f"{key}: several teachers (routed by {D}.teacher_key) are not built yet; give one")
+        return
+    ((name, entry),) = d.teacher_models.items()
+    engine = (entry.get("inference") or {}).get("name") if isinstance(entry, dict) else None
+    if engine != MEGATRON_TEACHER:  # another name is the inference checks' to refuse
+        if engine == "vllm":
+            error(f"{key}.{name}.inference.name=vllm: {NOT_BUILT}")
+        return
+    mode = d.distillation_loss.loss_mode
+    if mode in TOPK_LOSS_MODES:
+        error(
+            f"{L}.loss_mode={mode} with the Megatron teacher: the student's log-probs at the "
+            "teacher's top-k in the update are not built yet; use a sampled-token estimator "
+            "(k3, low_var_kl, k2, abs, or k1/kl with use_policy_gradient=true)"
+        )
+    if d.nnodes:
+        error(
+            f"{D}.nnodes={d.nnodes}: the Megatron teacher runs on the training ranks, with no "
+            "pool of its own; use 0"
+        )
+    _check_teacher_vocab(cfg, f"{key}.{name}.model_path", error)
+
+
+def _check_teacher_vocab(cfg, key: str, error: Error) -> None:
+    """Teacher and student score the same token ids: the same vocabulary size (where both
+    ``config.json`` files can be read; a missing path is the path checks' to report)."""
+    from megarl.config.model_dims import read_hf_config
+
+    try:
+        teacher = read_hf_config(teacher_model_path(cfg))
+        student = read_hf_config(cfg.actor_rollout_ref.model.path)
+    except (OSError, TypeError, ValueError):
+        return
+    if teacher.get("vocab_size") != student.get("vocab_size"):
+        error(
+            f"{key}: the teacher's vocab_size {teacher.get('vocab_size')} is not the student's "
+            f"{student.get('vocab_size')}; distillation scores the student's token ids"
+        )
 
 
 def _check_loss(loss, error: Error, warn: Error) -> None:
@@ -107,7 +164,13 @@ def _check_teachers(cfg, error: Error) -> None:
     d = cfg.distillation
     loss = d.distillation_loss
     pool = d.n_gpus_per_node * d.nnodes
-    if pool == 0:
+    own = [
+        entry for entry in d.teacher_models.values()
+        if isinstance(entry, dict) and (entry.get("inference") or {}).get("name") != MEGATRON_TEACHER
+    ]  # fmt: skip
+    if not own:  # megarl's Megatron teacher: on the training ranks, no pool
+        pool = 0
+    if pool == 0 and own:
         error(
             f"{D}.nnodes={d.nnodes} x n_gpus_per_node={d.n_gpus_per_node} = 0: the teachers "
             "need GPUs of their own"
@@ -143,7 +206,9 @@ def _check_teachers(cfg, error: Error) -> None:
             continue
         if not entry.get("model_path"):
             error(f"{key}.model_path must be set (the teacher's HF path)")
-        if single:
+        if single and not own:
+            replicas = 0
+        elif single:
             if pool % per_replica:
                 error(
                     f"{key}.inference: a replica of {per_replica} GPUs (TP x DP x PP) does not "

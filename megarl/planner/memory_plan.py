@@ -22,8 +22,10 @@ from megarl.config.batch_plan import (
     ref_used,
     rollout_ranks,
     stages_weight_updates,
+    teacher_used,
     world_size,
 )
+from megarl.config.distillation_checks import teacher_model_path
 from megarl.config.lora_checks import lora_enabled
 from megarl.config.model_dims import ModelDims, padded_vocab_size
 from megarl.config.schema import MegarlConfig, MegatronConfig
@@ -253,7 +255,23 @@ def _models(cfg: MegarlConfig, dims: ModelDims, world: int) -> list[_Model]:
         meg = arr.ref.megatron
         state = _state(dims, layout, world, "ref", _assumptions(cfg, meg))
         out.append(_Model("ref", state))
+    if teacher_used(cfg):  # frozen like the reference, at the actor's layout, its own shape
+        state = _state(teacher_dims(cfg, dims), layout, world, "ref",
+                       _assumptions(cfg, arr.ref.megatron))  # fmt: skip
+        out.append(_Model("teacher", state))
     return out
+
+
+def teacher_dims(cfg: MegarlConfig, student: ModelDims) -> ModelDims:
+    """The distillation teacher's shape, from its ``config.json`` (``teacher_models.*.model_path``);
+    the student's when that cannot be read (a plan of a config whose teacher is elsewhere)."""
+    from megarl.config.model_dims import read_hf_config
+
+    path = teacher_model_path(cfg)
+    try:
+        return ModelDims.from_hf_config(read_hf_config(path)) if path else student
+    except (OSError, ValueError):
+        return student
 
 
 def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryPlan:
@@ -272,6 +290,11 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
         "setup": _setup_terms(cfg, models),
         "old_log_prob": _forward_terms(cfg, dims, "actor", batches.old_log_prob, seq),
         "ref": _forward_terms(cfg, dims, "ref", batches.ref_log_prob, seq),
+        "teacher": (
+            _forward_terms(cfg, teacher_dims(cfg, dims), "ref", batches.ref_log_prob, seq)
+            if teacher_used(cfg)
+            else ()
+        ),
         "values": _forward_terms(cfg, dims, "critic", batches.values, seq),
         "update_critic": _update_terms(cfg, dims, "critic", batches.critic, seq),
         "update_actor": _update_terms(cfg, dims, "actor", batches.actor, seq),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.config.batch_plan import critic_enabled, ref_used, rollout_ranks
+from megarl.config.batch_plan import critic_enabled, ref_used, rollout_ranks, teacher_used
 from megarl.config.lora_checks import lora_enabled
 from megarl.config.schema import MegarlConfig
 
@@ -19,6 +19,7 @@ PHASES = (
     "reward",
     "old_log_prob",
     "ref",
+    "teacher",
     "values",
     "update_critic",
     "update_actor",
@@ -37,6 +38,7 @@ state on the device, the engine as in ``sync``."""
 _COMPUTES = {
     "old_log_prob": "actor",
     "ref": "ref",
+    "teacher": "teacher",
     "values": "critic",
     "update_critic": "critic",
     "update_actor": "actor",
@@ -93,6 +95,8 @@ def model_offloads(cfg: MegarlConfig) -> dict[str, Offloads]:
         out["critic"] = _offloads(cfg.critic.megatron)
     if ref_used(cfg) and not lora_enabled(cfg):
         out["ref"] = Offloads(bool(arr.ref.megatron.param_offload), False, False)
+    if teacher_used(cfg):  # frozen, offloaded as the reference is (ref.megatron.param_offload)
+        out["teacher"] = Offloads(bool(arr.ref.megatron.param_offload), False, False)
     return out
 
 
@@ -116,6 +120,8 @@ def phases_of(cfg: MegarlConfig) -> tuple[str, ...]:
     skip = set()
     if not ref_used(cfg):
         skip.add("ref")
+    if "teacher" not in roles:
+        skip.add("teacher")
     if "critic" not in roles:
         skip |= {"values", "update_critic"}
     return tuple(p for p in PHASES if p not in skip)
@@ -136,7 +142,7 @@ def residency(cfg: MegarlConfig, phase: str) -> Residency:
         computes = "actor"  # the reference is the actor with its adapters off
     models = {}
     for role, off in model_offloads(cfg).items():
-        trainable = role != "ref"
+        trainable = role not in ("ref", "teacher")
         saved = phase == "checkpoint" and role in _SAVED
         models[role] = ModelResidency(
             params=saved or role == computes or not off.params,

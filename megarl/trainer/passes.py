@@ -294,6 +294,23 @@ def reference_log_probs(run, batch: StepBatch) -> torch.Tensor:
     return log_probs
 
 
+def teacher_log_probs(run, batch: StepBatch) -> torch.Tensor:
+    """The distillation teacher's log-probs ``[B, R]`` of the sampled tokens, at the rollout
+    temperature, batched as the reference's pass (its parameters on the device by the
+    ``teacher`` phase's residency)."""
+    plan = run.plan.ref_log_prob
+    log_probs, _, _ = global_log_probs(
+        run.teacher.chunks,
+        batch,
+        vocab_size=run.vocab_size,
+        temperature=run.cfg.actor_rollout_ref.rollout.temperature,
+        micro_batches=plan.micro_batch_size,
+        max_token_len=plan.max_token_len_per_gpu,
+        pack=run.teacher.pack,
+    )
+    return log_probs
+
+
 def critic_values(
     critic, batch: StepBatch, *, micro_batches: int | None, max_token_len: int | None
 ) -> torch.Tensor:

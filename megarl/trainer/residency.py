@@ -109,6 +109,8 @@ def _models(run: Any) -> dict[str, Any]:
         out["critic"] = run.critic
     if run.ref is not None and not getattr(run.ref, "shares_actor", False):
         out["ref"] = run.ref  # (LoRA's reference is the actor's chunks: no state of its own)
+    if getattr(run, "teacher", None) is not None:
+        out["teacher"] = run.teacher
     return out
 
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from megarl.config import BatchPlan, ConfigError, MegarlConfig, critic_enabled, ref_used
 from megarl.config.algo_inputs import policy_loss_settings
-from megarl.config.batch_plan import rollout_ranks
+from megarl.config.batch_plan import rollout_ranks, teacher_used
+from megarl.config.distillation_checks import teacher_model_path
 from megarl.config.moe_checks import moe_overrides
 from megarl.config.optim_overrides import honoured_overrides
 from megarl.data import GlobalBatchSampler, PromptDataset, total_training_steps
@@ -66,6 +67,8 @@ class Run:
     actor: TrainableModel
     ref: BuiltModel | BaseModelView | None
     """The reference policy: a frozen model, or the actor with its LoRA adapters off."""
+    teacher: BuiltModel | None
+    """On-policy distillation's teacher: a frozen Megatron model at the actor's layout."""
     engine: RolloutEngine
     """What generates: vLLM (here or on ranks of its own) or the actor itself."""
     rewards: RewardManager
@@ -185,6 +188,16 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
             chunk.eval()
             chunk.requires_grad_(False)
         settle(ref, cfg, "ref")
+    teacher = None
+    if teacher_used(cfg):  # a frozen model of its own weights (and shape), the student's layout
+        teacher = build_role_model(None, teacher_model_path(cfg), layout, dtype=dtype,
+                                   transformer_impl=meg.transformer_impl, fusions=fusions(meg),
+                                   moe=moe)  # fmt: skip
+        teacher.pack = packs(arr.model, arr.ref.megatron)
+        for chunk in teacher.chunks:
+            chunk.eval()
+            chunk.requires_grad_(False)
+        settle(teacher, cfg, "teacher")
     eos = read_eos_token_ids(model_path) or [tokenizer.eos_token_id]
     if vllm_engine is not None:
         engine: RolloutEngine = vllm_engine
@@ -230,6 +243,7 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         plan=plan,
         actor=actor,
         ref=ref,
+        teacher=teacher,
         engine=engine,
         ahead=engine if isinstance(engine, AheadEngine) else None,
         rewards=rewards,

@@ -30,6 +30,7 @@ from megarl.trainer.passes import (
     prefetch,
     recompute_log_probs,
     reference_log_probs,
+    teacher_log_probs,
 )
 from megarl.trainer.residency import enter
 from megarl.trainer.scoring import score
@@ -111,6 +112,10 @@ def train_step(
         enter(run, "ref", step=step)
         with timer("ref"):
             batch.ref_log_probs = reference_log_probs(run, batch)
+    if getattr(run, "teacher", None) is not None:
+        enter(run, "teacher", step=step)
+        with timer("teacher"):
+            batch.teacher_log_probs = teacher_log_probs(run, batch)
     correction = correct_for_rollout(batch, cfg.algorithm.rollout_correction, shortcut)
     batch.old_log_probs = correction.old_log_probs
     batch.rollout_is_weights = correction.rollout_is_weights

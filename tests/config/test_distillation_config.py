@@ -83,9 +83,39 @@ def test_a_bad_value_is_refused_in_one_line_naming_its_key(overrides, line):
     assert len(found) == 1 and found[0].startswith(line), found
 
 
-def test_enabled_is_refused_in_one_line_saying_what_is_missing():
-    assert problems(ENABLED) == [NOT_BUILT]
-    assert "teacher's scoring" in NOT_BUILT and "trainer's use" in NOT_BUILT
+VLLM_TEACHER = f"{T}.teacher_model.inference.name=vllm: {NOT_BUILT}"
+"""The one line a vLLM teacher (verl's default) gets: not built yet, and the teacher that is."""
+MEGATRON = [
+    "distillation.enabled=true",
+    "distillation.nnodes=0",
+    f"{T}.teacher_model.model_path=Qwen/Qwen3-32B",
+    f"{T}.teacher_model.inference.name=megatron",
+]
+
+
+def test_a_vllm_teacher_is_refused_in_one_line_naming_the_teacher_that_is_built():
+    assert problems(ENABLED) == [VLLM_TEACHER]
+    assert "not built yet" in NOT_BUILT and "inference.name=megatron" in NOT_BUILT
+
+
+def test_the_megatron_teacher_on_the_training_ranks_is_accepted_with_an_estimator():
+    assert problems(MEGATRON) == []
+    assert problems([*MEGATRON, f"{L}.loss_mode=k1", f"{L}.use_policy_gradient=true"]) == []
+    (line,) = problems([*MEGATRON, f"{L}.loss_mode=forward_kl_topk"])
+    assert line.startswith(f"{L}.loss_mode=forward_kl_topk with the Megatron teacher")
+    (line,) = problems([*MEGATRON, "distillation.nnodes=1"])
+    assert line.startswith("distillation.nnodes=1: the Megatron teacher runs on the training")
+
+
+def test_a_teacher_of_another_vocabulary_is_refused(tmp_path):
+    from megarl.models.tiny import make_tiny_model
+
+    make_tiny_model(tmp_path / "student", "qwen2")
+    make_tiny_model(tmp_path / "teacher", "qwen2", vocab_size=512)
+    overrides = [*MEGATRON, f"actor_rollout_ref.model.path={tmp_path / 'student'}",
+                 f"{T}.teacher_model.model_path={tmp_path / 'teacher'}"]  # fmt: skip
+    (line,) = problems(overrides)
+    assert line.startswith(f"{T}.teacher_model.model_path: the teacher's vocab_size 512 is not")
 
 
 @pytest.mark.parametrize(
@@ -120,15 +150,29 @@ def test_enabled_is_refused_in_one_line_saying_what_is_missing():
 )  # fmt: skip
 def test_verls_teacher_checks_when_enabled(overrides, line):
     found = problems([*ENABLED, *overrides])
-    assert found[-1] == NOT_BUILT, found
-    assert len(found) == 2 and found[0].startswith(line), found
+    several = f"{T}: several teachers (routed by distillation.teacher_key) are not built yet"
+    last = {"sglang": None, "several": several}  # an engine refused as such; several teachers
+    kind = (
+        "sglang"
+        if "sglang" in line
+        else "several"
+        if any("num_replicas" in o for o in overrides)
+        else None
+    )
+    want = last[kind] if kind else VLLM_TEACHER
+    if want is None:
+        assert len(found) == 1 and found[0].startswith(line), found
+    else:
+        assert found[-1].startswith(want), found
+        assert len(found) == 2 and found[0].startswith(line), found
 
 
 def test_two_teachers_filling_the_pool_pass_the_teacher_checks():
     teachers = [f"+{T}.{name}.{key}={value}"
                 for name in ("math", "gsm")
                 for key, value in (("key", name), ("model_path", name), ("num_replicas", 1))]  # fmt: skip
-    assert problems([*ENABLED, *teachers]) == [NOT_BUILT]
+    (line,) = problems([*ENABLED, *teachers])
+    assert line.startswith(f"{T}: several teachers (routed by distillation.teacher_key) are not")
 
 
 def test_the_top_k_loss_through_the_policy_gradient_is_warned_about_as_verl_does():
