@@ -4,8 +4,8 @@ naming its key.
 verl 0.9.1 checks the loss settings always (``DistillationLossConfig.__post_init__``) and the
 teachers and their pool only when distillation is enabled (``DistillationConfig.__post_init__``);
 so does megarl. megarl adds range checks verl leaves to a crash or a silent no-op (a clamp of the
-wrong sign, a pool of size 0). Until the teacher's scoring and the trainer integration are built,
-``enabled=true`` is refused in one line after the other checks.
+wrong sign, a pool of size 0), and refuses in one line what it does not run yet: a vLLM teacher
+(it runs one frozen Megatron teacher on the training ranks), several teachers, the top-k mode.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 The defaults are those of verl's composed YAML (``trainer/config/distillation/distillation.yaml``),
 which differ from its dataclass defaults: ``loss_mode=k3``, ``topk=32``, ``use_task_rewards=true``,
 ``use_policy_gradient=false``, no clamps. The checks are :mod:`megarl.config.distillation_checks`;
-the loss math is :mod:`megarl.algo.distillation`. The teacher's scoring and the trainer's use of
-the loss are not built yet, so ``distillation.enabled=true`` is refused (docs/distillation.md).
+the loss math is :mod:`megarl.algo.distillation`. megarl runs one teacher as a frozen Megatron
+model on the training ranks (``inference.name=megatron``) with the sampled-token estimators; a
+vLLM teacher, several teachers and the top-k mode are refused (docs/distillation.md).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class DistillationConfig:
     """``distillation.*`` (verl 0.9): on-policy distillation from one or more teachers."""
 
     enabled: bool = False
-    """Distil from the teacher(s) on the student's own samples (not built yet: refused)."""
+    """Distil from the teacher on the student's own samples (a Megatron teacher: see docs)."""
     n_gpus_per_node: int = 8
     """GPUs per node of the teachers' own pool."""
     nnodes: int = 0
