@@ -281,32 +281,27 @@ def reference_log_probs(run, batch: StepBatch) -> torch.Tensor:
     """The frozen reference's log-probs ``[B, R]``, at the rollout temperature (its parameters on
     the device by the ``ref`` phase's residency). Its routers route afresh under routing replay
     too, as verl's and slime's (the KL is to the reference policy as it would act)."""
-    plan = run.plan.ref_log_prob
-    log_probs, _, _ = global_log_probs(
-        run.ref.chunks,
-        batch,
-        vocab_size=run.vocab_size,
-        temperature=run.cfg.actor_rollout_ref.rollout.temperature,
-        micro_batches=plan.micro_batch_size,
-        max_token_len=plan.max_token_len_per_gpu,
-        pack=run.ref.pack,
-    )
-    return log_probs
+    return frozen_log_probs(run, run.ref, batch)
 
 
 def teacher_log_probs(run, batch: StepBatch) -> torch.Tensor:
-    """The distillation teacher's log-probs ``[B, R]`` of the sampled tokens, at the rollout
-    temperature, batched as the reference's pass (its parameters on the device by the
-    ``teacher`` phase's residency)."""
+    """The distillation teacher's log-probs ``[B, R]`` of the sampled tokens, as the reference's
+    (its parameters on the device by the ``teacher`` phase's residency)."""
+    return frozen_log_probs(run, run.teacher, batch)
+
+
+def frozen_log_probs(run, model, batch: StepBatch) -> torch.Tensor:
+    """A frozen model's log-probs ``[B, R]`` at the rollout temperature, batched as the
+    reference's pass (``actor_rollout_ref.ref.log_prob_*``)."""
     plan = run.plan.ref_log_prob
     log_probs, _, _ = global_log_probs(
-        run.teacher.chunks,
+        model.chunks,
         batch,
         vocab_size=run.vocab_size,
         temperature=run.cfg.actor_rollout_ref.rollout.temperature,
         micro_batches=plan.micro_batch_size,
         max_token_len=plan.max_token_len_per_gpu,
-        pack=run.teacher.pack,
+        pack=model.pack,
     )
     return log_probs
 

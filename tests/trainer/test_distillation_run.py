@@ -33,7 +33,7 @@ def test_a_megatron_teacher_scores_the_students_samples_in_its_own_phase(tmp_pat
         "distillation.teacher_models.teacher_model.inference.name=megatron",
         "distillation.distillation_loss.use_task_rewards=false",
     ])  # fmt: skip
-    stdout, stderr = proc.communicate(timeout=600)
+    _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-4000:]
     steps = read_metrics(out / "runs" / "grpo_tiny_cpu")
     first, second = steps[1], steps[2]

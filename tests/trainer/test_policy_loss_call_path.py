@@ -35,7 +35,7 @@ def _micro_batch(width: int = 6):
     return outputs, mb
 
 
-def _loss(settings, tokens, seqs, outputs, mb, generator=None):
+def _loss(settings, tokens, seqs, outputs, mb, generator=None, teacher=None):
     """The micro-batch loss as the trainer's update computes it (``megarl.trainer.update``)."""
     counts = Counts.of(settings.loss_agg_mode, tokens, seqs, settings.loss_scale_factor)
     return policy_loss(
@@ -48,6 +48,7 @@ def _loss(settings, tokens, seqs, outputs, mb, generator=None):
         response_mask=mb["response_mask"],
         ref_log_prob=mb["ref_log_probs"],
         generator=generator,
+        teacher_log_prob=teacher,
     )
 
 
@@ -151,19 +152,8 @@ def test_lr_warmup_init_reaches_the_optimizer_settings():
 DISTILL = "distillation.distillation_loss"
 
 
-def _distill_loss(settings, outputs, mb, teacher, tokens=7.0, seqs=3.0):
-    counts = Counts.of(settings.loss_agg_mode, tokens, seqs, settings.loss_scale_factor)
-    return policy_loss(
-        settings,
-        counts,
-        log_prob=outputs["log_probs"],
-        entropy=outputs["entropy"],
-        old_log_prob=mb["old_log_probs"],
-        advantages=mb["advantages"],
-        response_mask=mb["response_mask"],
-        ref_log_prob=mb["ref_log_probs"],
-        teacher_log_prob=teacher,
-    )
+def _distill_loss(settings, outputs, mb, teacher):
+    return _loss(settings, 7.0, 3.0, outputs, mb, teacher=teacher)
 
 
 def test_distillation_loss_reaches_the_actors_loss_as_verl_combines_it():
