@@ -317,7 +317,10 @@ class _Checks(LayoutChecks):
         c = self.cfg
         alg, a, r = c.algorithm, c.actor_rollout_ref.actor, c.actor_rollout_ref.rollout
         est = alg.adv_estimator
-        if est in GROUP_ESTIMATORS and r.n < 2:
+        # Distilling without the task's rewards, no advantage of the estimator is used (verl's
+        # on-policy-distillation script samples one response per prompt under grpo).
+        distill = c.distillation.enabled and not c.distillation.distillation_loss.use_task_rewards
+        if est in GROUP_ESTIMATORS and r.n < 2 and not distill:
             self.error(
                 f"algorithm.adv_estimator={est} compares the responses to the same prompt and "
                 f"needs {ROLL}.n >= 2, got {r.n}"

@@ -107,6 +107,17 @@ def test_the_megatron_teacher_on_the_training_ranks_is_accepted_with_an_estimato
     assert line.startswith("distillation.nnodes=1: the Megatron teacher runs on the training")
 
 
+def test_one_response_per_prompt_is_accepted_only_when_the_task_rewards_are_unused():
+    """verl's on-policy-distillation script: grpo with rollout.n=1 and use_task_rewards=false
+    (no estimator advantage is used); with the task rewards the group needs n >= 2."""
+    one = "actor_rollout_ref.rollout.n=1"  # (the tiny config's batch sizes then need n = 8)
+    group = "algorithm.adv_estimator=grpo compares the responses to the same prompt"
+    unused = problems([*MEGATRON, one, f"{L}.use_task_rewards=false"])
+    assert unused and not any(p.startswith(group) for p in unused), unused
+    used = problems([*MEGATRON, one, f"{L}.use_task_rewards=true"])
+    assert [p for p in used if p.startswith(group)] and len(used) == len(unused) + 1, used
+
+
 def test_a_teacher_of_another_vocabulary_is_refused(tmp_path):
     from megarl.models.tiny import make_tiny_model
 

@@ -27,8 +27,6 @@ _OTC = "actor_rollout_ref.actor.megatron.override_transformer_config"
 REFUSED = {
     # verl's examples/on_policy_distillation_trainer/run_qwen3_8b_megatron.sh (Qwen3-32B -> 8B)
     "opd_qwen3-8b_from_qwen3-32b_megatron": [
-        # verl's GRPO scores a group of one as it is (mean 0, std 1); megarl refuses n = 1
-        "algorithm.adv_estimator=grpo compares the responses to the same prompt",
         # its teacher is vLLM on GPUs of its own: built are the scoring and a Megatron teacher
         "distillation.teacher_models.teacher_model.inference.name=vllm: a teacher served by vLLM",
     ],
