@@ -64,8 +64,10 @@ def _int(value: Any) -> int | None:
         return None
 
 
-def check_distillation(cfg, error: Error, warn: Error) -> None:
-    """Report every bad ``distillation.*`` value through ``error`` (verl's warnings: ``warn``)."""
+def check_distillation(cfg, error: Error, warn: Error, *, check_paths: bool = False) -> None:
+    """Report every bad ``distillation.*`` value through ``error`` (verl's warnings: ``warn``);
+    ``check_paths`` (``megarl train``): the Megatron teacher's directory must hold a model megarl
+    builds (else only a warning, as for the actor's files)."""
     d = cfg.distillation
     loss = d.distillation_loss
     _check_loss(loss, error, warn)
@@ -77,10 +79,10 @@ def check_distillation(cfg, error: Error, warn: Error) -> None:
     if not d.enabled:
         return
     _check_teachers(cfg, error)
-    _check_built(cfg, error)
+    _check_built(cfg, error, error if check_paths else warn)
 
 
-def _check_built(cfg, error: Error) -> None:
+def _check_built(cfg, error: Error, file_problem: Error) -> None:
     """What of distillation megarl runs: one Megatron teacher, a sampled-token estimator."""
     d = cfg.distillation
     key = f"{D}.teacher_models"
@@ -105,7 +107,28 @@ def _check_built(cfg, error: Error) -> None:
             f"{D}.nnodes={d.nnodes}: the Megatron teacher runs on the training ranks, with no "
             "pool of its own; use 0"
         )
-    _check_teacher_vocab(cfg, f"{key}.{name}.model_path", error)
+    path = teacher_model_path(cfg)
+    if path and _check_teacher_files(f"{key}.{name}.model_path", path, file_problem):
+        _check_teacher_vocab(cfg, f"{key}.{name}.model_path", error)
+
+
+def _check_teacher_files(key: str, path: str, problem: Error) -> bool:
+    """The teacher's directory holds a ``config.json`` of an architecture megarl builds."""
+    from pathlib import Path
+
+    from megarl.config.model_dims import ModelDims, read_hf_config
+
+    where = Path(path).expanduser()
+    if not (where / "config.json").is_file():
+        state = "is a directory without a config.json" if where.is_dir() else "does not exist"
+        problem(f"{key}={path!r} {state} (the Megatron teacher loads a local HF checkpoint)")
+        return False
+    try:
+        ModelDims.from_hf_config(read_hf_config(where))
+    except (OSError, ValueError) as exc:
+        problem(f"{key}={path!r}: {exc}")
+        return False
+    return True
 
 
 def _check_teacher_vocab(cfg, key: str, error: Error) -> None:

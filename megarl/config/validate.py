@@ -95,7 +95,7 @@ class _Checks(LayoutChecks):
         check_recipe_keys(self.cfg, self.error)
         check_multi_turn(self.cfg, self.error, self.problem)
         check_lora(self.cfg, self.error)
-        check_distillation(self.cfg, self.error, self.warn)
+        check_distillation(self.cfg, self.error, self.warn, check_paths=self.check_paths)
         self.check_not_applied()
         self.check_files()
 

@@ -191,3 +191,31 @@ def test_the_top_k_loss_through_the_policy_gradient_is_warned_about_as_verl_does
         load_config(TINY, [f"{L}.loss_mode=forward_kl_topk", f"{L}.use_policy_gradient=true"])
     )
     assert [w for w in warnings if w.startswith(f"{L}.loss_mode=forward_kl_topk with use_policy")]
+
+
+@pytest.mark.parametrize("what", ["missing", "no_config", "unsupported"])
+def test_the_megatron_teachers_files_are_checked_at_the_preflight(what, tmp_path, tiny_overrides):
+    """megarl train's pre-flight (validate with check_paths): a teacher directory that does not
+    exist, holds no config.json, or holds an architecture megarl does not build is one line
+    naming the key and the path; elsewhere (config validate) a warning."""
+    import json
+
+    teacher = tmp_path / "teacher"
+    if what != "missing":
+        teacher.mkdir()
+    if what == "unsupported":
+        (teacher / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    overrides = [
+        *tiny_overrides,
+        *MEGATRON[:2],
+        MEGATRON[3],
+        f"{T}.teacher_model.model_path={teacher}",
+    ]
+    cfg = load_config(TINY, overrides)
+    with pytest.raises(ConfigError) as refused:
+        validate(cfg, check_paths=True)
+    (line,) = refused.value.problems
+    assert line.startswith(f"{T}.teacher_model.model_path={str(teacher)!r}"), line
+    assert {"missing": "does not exist", "no_config": "without a config.json",
+            "unsupported": "unsupported architecture"}[what] in line  # fmt: skip
+    assert any(w.startswith(f"{T}.teacher_model.model_path=") for w in validate(cfg))
