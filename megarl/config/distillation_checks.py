@@ -18,7 +18,13 @@ from megarl.config.layout_checks import fmt_value
 from megarl.config.schema_distill import TEACHER_MODEL, TOPK_LOSS_MODES
 from megarl.config.verl_defaults import verl_tree
 
-__all__ = ["MEGATRON_TEACHER", "NOT_BUILT", "check_distillation", "teacher_model_path"]
+__all__ = [
+    "MEGATRON_TEACHER",
+    "NOT_BUILT",
+    "check_distillation",
+    "teacher_dims",
+    "teacher_model_path",
+]
 
 Error = Callable[[str], None]
 
@@ -44,6 +50,19 @@ def teacher_model_path(cfg) -> str | None:
     if not d.enabled or not isinstance(entry, dict):
         return None
     return entry.get("model_path") or None
+
+
+def teacher_dims(cfg, student):
+    """The teacher's :class:`~megarl.config.model_dims.ModelDims` from its ``config.json``; the
+    student's ``student`` when that cannot be read (a plan of a config whose teacher is
+    elsewhere)."""
+    from megarl.config.model_dims import ModelDims, read_hf_config
+
+    path = teacher_model_path(cfg)
+    try:
+        return ModelDims.from_hf_config(read_hf_config(path)) if path else student
+    except (OSError, ValueError):
+        return student
 
 
 def _inference_keys() -> frozenset[str]:

@@ -25,7 +25,7 @@ from megarl.config.batch_plan import (
     teacher_used,
     world_size,
 )
-from megarl.config.distillation_checks import teacher_model_path
+from megarl.config.distillation_checks import teacher_dims
 from megarl.config.lora_checks import lora_enabled
 from megarl.config.model_dims import ModelDims, padded_vocab_size
 from megarl.config.schema import MegarlConfig, MegatronConfig
@@ -237,7 +237,9 @@ def _state(dims, layout, world, role, opt) -> ModelState:
         return model_state(dims, layout, world, role, opt)
 
 
-def _models(cfg: MegarlConfig, dims: ModelDims, world: int) -> list[_Model]:
+def _models(
+    cfg: MegarlConfig, dims: ModelDims, world: int, teacher: ModelDims | None = None
+) -> list[_Model]:
     arr = cfg.actor_rollout_ref
     layout = arr.actor.megatron.parallel_layout()
     out = []
@@ -255,23 +257,10 @@ def _models(cfg: MegarlConfig, dims: ModelDims, world: int) -> list[_Model]:
         meg = arr.ref.megatron
         state = _state(dims, layout, world, "ref", _assumptions(cfg, meg))
         out.append(_Model("ref", state))
-    if teacher_used(cfg):  # frozen like the reference, at the actor's layout, its own shape
-        state = _state(teacher_dims(cfg, dims), layout, world, "ref",
-                       _assumptions(cfg, arr.ref.megatron))  # fmt: skip
+    if teacher is not None:  # frozen like the reference, at the actor's layout, its own shape
+        state = _state(teacher, layout, world, "ref", _assumptions(cfg, arr.ref.megatron))
         out.append(_Model("teacher", state))
     return out
-
-
-def teacher_dims(cfg: MegarlConfig, student: ModelDims) -> ModelDims:
-    """The distillation teacher's shape, from its ``config.json`` (``teacher_models.*.model_path``);
-    the student's when that cannot be read (a plan of a config whose teacher is elsewhere)."""
-    from megarl.config.model_dims import read_hf_config
-
-    path = teacher_model_path(cfg)
-    try:
-        return ModelDims.from_hf_config(read_hf_config(path)) if path else student
-    except (OSError, ValueError):
-        return student
 
 
 def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryPlan:
@@ -284,16 +273,15 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
     layout = arr.actor.megatron.parallel_layout()
     batches = BatchPlan.from_config(cfg, world)
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
-    models = {m.name: m for m in _models(cfg, dims, world)}
+    teacher = teacher_dims(cfg, dims) if teacher_used(cfg) else None
+    models = {m.name: m for m in _models(cfg, dims, world, teacher)}
     pool, vllm, kv = _rollout_terms(cfg, dims, cluster)
     transient = {
         "setup": _setup_terms(cfg, models),
         "old_log_prob": _forward_terms(cfg, dims, "actor", batches.old_log_prob, seq),
         "ref": _forward_terms(cfg, dims, "ref", batches.ref_log_prob, seq),
         "teacher": (
-            _forward_terms(cfg, teacher_dims(cfg, dims), "ref", batches.ref_log_prob, seq)
-            if teacher_used(cfg)
-            else ()
+            _forward_terms(cfg, teacher, "ref", batches.ref_log_prob, seq) if teacher else ()
         ),
         "values": _forward_terms(cfg, dims, "critic", batches.values, seq),
         "update_critic": _update_terms(cfg, dims, "critic", batches.critic, seq),

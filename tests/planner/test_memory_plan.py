@@ -361,3 +361,35 @@ def test_the_7b_config_keeps_a_stated_margin():
     assert round((plan.cluster.usable_bytes - peak.total) / GIB, 1) == 6.8
     before = load_config(CFG_7B, ["actor_rollout_ref.rollout.gpu_memory_utilization=0.6"])
     assert not plan_memory(before, dims, Cluster(1, 8)).fits
+
+
+def test_a_distillation_teacher_is_planned_at_its_own_shape(tmp_path):
+    """megarl plan with a Megatron teacher (issue 57): a ``teacher`` phase after ``ref`` with its
+    forward's activations, and the teacher's parameters in every phase at its own shape (its
+    config.json: twice the student's layers here, so about twice the actor's layer bytes),
+    counted as model_state counts a frozen model of that shape."""
+    from megarl.models.tiny import make_tiny_model
+    from megarl.planner.memory import model_state as state_of
+    from megarl.planner.memory_plan import Cluster, _assumptions
+
+    make_tiny_model(tmp_path / "teacher", "qwen2", num_layers=8)
+    cfg = load_config(
+        Path(CFG_72B).with_name("grpo_tiny_cpu.yaml"),
+        ["distillation.enabled=true", "distillation.nnodes=0",
+         f"+distillation.teacher_models.teacher_model.model_path={tmp_path / 'teacher'}",
+         "distillation.teacher_models.teacher_model.inference.name=megatron"],
+    )  # fmt: skip
+    student = ModelDims.from_hf_config(tiny_hf_config("qwen2"))
+    plan = plan_memory(cfg, student, Cluster(1, 2, 80.0))
+    names = [p.name for p in plan.phases]
+    assert names.index("teacher") == names.index("ref") + 1
+    teacher_phase = plan.phases[names.index("teacher")]
+    assert any(t.name.startswith("forward activations") for t in teacher_phase.terms)
+    layout = cfg.actor_rollout_ref.actor.megatron.parallel_layout()
+    want = state_of(ModelDims.from_hf_config(json.loads((tmp_path / "teacher" / "config.json").read_text())),
+                    layout, 2, "ref", _assumptions(cfg, cfg.actor_rollout_ref.ref.megatron))  # fmt: skip
+    for phase in plan.phases:
+        (params,) = [t for t in phase.terms if t.name == "teacher params"]
+        assert params.nbytes == want.params
+    actor = next(t for t in plan.phases[0].terms if t.name == "actor params").nbytes
+    assert params.nbytes > 1.3 * actor
