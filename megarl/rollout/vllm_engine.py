@@ -29,6 +29,7 @@ from megarl.rollout import vllm_worker_ops as wops
 from megarl.rollout.base import CallOrder, RolloutBatch, RolloutSample, request_seed
 from megarl.rollout.eos import read_eos_token_ids, resolve_eos_token_ids
 from megarl.rollout.vllm_lora import LORA_INT_ID, LORA_NAME, adapter_engine_args, lora_engine_kwargs
+from megarl.rollout.vllm_outputs import sample_from_output, sampled_logprobs
 from megarl.rollout.vllm_process import (
     MODEL_RUNNER_ENV,
     ensure_process_group,
@@ -347,7 +348,7 @@ class VLLMEngine:
                 requests, params, use_tqdm=False, lora_request=self._lora_request
             )
         samples = [
-            _sample_from_output(out, prompts[p], p, s, ids[p])
+            sample_from_output(out, prompts[p], p, s, ids[p])
             for (p, s), out in zip(keys, outputs, strict=True)
         ]
         if self.capture_routing:
@@ -572,41 +573,3 @@ class VLLMEngine:
             finalizer()
         del llm, client
         gc.collect()
-
-
-def sampled_logprobs(tokens: Sequence[int], logprobs: Any) -> list[float]:
-    """The log-prob of each sampled token from vLLM's per-response log-probs (``logprobs=0``).
-
-    ``logprobs`` is a ``FlatLogprobs`` (``flat_logprobs=True``: vLLM's sampler puts the sampled
-    token first in each position's range) or the legacy list of ``{token_id: Logprob}``.
-    """
-    if len(logprobs) != len(tokens):
-        raise RuntimeError(f"{len(logprobs)} log-prob positions for {len(tokens)} tokens")
-    if not hasattr(logprobs, "start_indices"):  # list[dict[int, Logprob]]
-        return [step[t].logprob for t, step in zip(tokens, logprobs, strict=True)]
-    starts = logprobs.start_indices
-    if [logprobs.token_ids[i] for i in starts] != list(tokens):
-        raise RuntimeError("vLLM's flat log-probs do not start with the sampled tokens")
-    return [logprobs.logprobs[i] for i in starts]
-
-
-def _sample_from_output(
-    out: Any, prompt: list[int], prompt_index: int, sample_index: int, prompt_id: int
-) -> RolloutSample:
-    """One vLLM ``RequestOutput`` (``n=1``, ``logprobs=0``) as a :class:`RolloutSample`."""
-    (completion,) = out.outputs
-    tokens = list(completion.token_ids)
-    if completion.finish_reason not in ("stop", "length"):
-        raise RuntimeError(
-            f"prompt {prompt_index} sample {sample_index}: finish_reason {completion.finish_reason}"
-        )
-    logprobs = sampled_logprobs(tokens, completion.logprobs)
-    return RolloutSample(
-        prompt_index=prompt_index,
-        sample_index=sample_index,
-        prompt_token_ids=list(prompt),
-        response_token_ids=tokens,
-        response_logprobs=logprobs,
-        finish_reason=completion.finish_reason,
-        prompt_id=prompt_id,
-    )

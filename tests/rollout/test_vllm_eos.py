@@ -39,7 +39,7 @@ def test_no_eos_at_all_refuses_to_start(tmp_path):
 def test_flat_logprobs_read_as_the_per_token_dicts():
     """flat_logprobs=True changes vLLM's container, not the numbers megarl reads from it."""
     logprobs_module = pytest.importorskip("vllm.logprobs")
-    from megarl.rollout.vllm_engine import sampled_logprobs
+    from megarl.rollout.vllm_outputs import sampled_logprobs
 
     tokens = [5, 9, 2]
     # logprobs=0 in processed mode: the sampled token first, then (here) an extra top entry

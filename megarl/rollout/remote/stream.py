@@ -55,7 +55,7 @@ def serve_stream(
     commands taken in); ``reply``: sends a reply (queues it on the first rollout rank, drops it
     on the others); ``score``: as :func:`~megarl.rollout.remote.serve.serve`'s."""
     from megarl.rollout.partial import Streamer
-    from megarl.rollout.vllm_engine import sampled_logprobs
+    from megarl.rollout.vllm_outputs import sampled_logprobs
 
     group = object_group(None)
     streamer = Streamer(engine.llm_engine, sampled_logprobs)
