@@ -178,26 +178,17 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
     ref = None
     if ref_used(cfg) and lora:  # verl's ref_in_actor: the base model is the actor, adapters off
         ref = BaseModelView(actor)
-    elif ref_used(cfg):
-        ref_moe = moe  # the reference routes afresh, R3 or not (as verl)
+    elif ref_used(cfg):  # the reference routes afresh, R3 or not (as verl)
         ref = build_role_model(initial_checkpoint(arr.ref.megatron), model_path, layout,
                                dtype=dtype, transformer_impl=meg.transformer_impl,
-                               fusions=fusions(meg), moe=ref_moe)  # fmt: skip
-        ref.pack = packs(arr.model, arr.ref.megatron)
-        for chunk in ref.chunks:
-            chunk.eval()
-            chunk.requires_grad_(False)
-        settle(ref, cfg, "ref")
+                               fusions=fusions(meg), moe=moe)  # fmt: skip
+        frozen(ref, cfg, "ref")
     teacher = None
     if teacher_used(cfg):  # a frozen model of its own weights (and shape), the student's layout
         teacher = build_role_model(None, teacher_model_path(cfg), layout, dtype=dtype,
                                    transformer_impl=meg.transformer_impl, fusions=fusions(meg),
                                    moe=moe)  # fmt: skip
-        teacher.pack = packs(arr.model, arr.ref.megatron)
-        for chunk in teacher.chunks:
-            chunk.eval()
-            chunk.requires_grad_(False)
-        settle(teacher, cfg, "teacher")
+        frozen(teacher, cfg, "teacher")
     eos = read_eos_token_ids(model_path) or [tokenizer.eos_token_id]
     if vllm_engine is not None:
         engine: RolloutEngine = vllm_engine
@@ -295,6 +286,16 @@ def packs(model_section, megatron_section) -> bool:
     actor's)."""
     engine = megatron_section.use_remove_padding
     return bool(model_section.use_remove_padding if engine is None else engine)
+
+
+def frozen(model: BuiltModel, cfg: MegarlConfig, role: str) -> None:
+    """A forward-only model (the reference, the teacher): packed as the reference's passes are,
+    in eval mode, without gradients, at its ``setup`` residency."""
+    model.pack = packs(cfg.actor_rollout_ref.model, cfg.actor_rollout_ref.ref.megatron)
+    for chunk in model.chunks:
+        chunk.eval()
+        chunk.requires_grad_(False)
+    settle(model, cfg, role)
 
 
 def build_role_model(ckpt: Path | None, source, layout, **kwargs) -> BuiltModel:
