@@ -114,13 +114,6 @@ def _check_built(cfg, error: Error, file_problem: Error) -> None:
         if engine == "vllm":
             error(f"{key}.{name}.inference.name=vllm: {NOT_BUILT}")
         return
-    mode = d.distillation_loss.loss_mode
-    if mode in TOPK_LOSS_MODES:
-        error(
-            f"{L}.loss_mode={mode} with the Megatron teacher: the student's log-probs at the "
-            "teacher's top-k in the update are not built yet; use a sampled-token estimator "
-            "(k3, low_var_kl, k2, abs, or k1/kl with use_policy_gradient=true)"
-        )
     if d.nnodes:
         error(
             f"{D}.nnodes={d.nnodes}: the Megatron teacher runs on the training ranks, with no "
@@ -165,6 +158,11 @@ def _check_teacher_vocab(cfg, key: str, error: Error) -> None:
             f"{key}: the teacher's vocab_size {teacher.get('vocab_size')} is not the student's "
             f"{student.get('vocab_size')}; distillation scores the student's token ids"
         )
+        return
+    loss = cfg.distillation.distillation_loss
+    vocab = student.get("vocab_size")
+    if loss.loss_mode in TOPK_LOSS_MODES and isinstance(vocab, int) and (loss.topk or 0) > vocab:
+        error(f"{L}.topk={loss.topk} is more than the vocabulary's {vocab} tokens")
 
 
 def _check_loss(loss, error: Error, warn: Error) -> None:

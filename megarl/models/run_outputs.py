@@ -1,7 +1,8 @@
 """What the last pipeline stage returns per micro-batch, from its output tensor: an actor's
-log-probs and entropy of the response tokens (and, when asked, sum_v pi^2 and a teacher's top-k),
-a critic's values or a reward model's scores, response-aligned ``[b, R, ...]``
-(:mod:`megarl.models.runner` calls it inside Megatron's schedule)."""
+log-probs and entropy of the response tokens (and, when asked, sum_v pi^2, a teacher's top-k, or
+the log-probs at given ids: a distillation student's at its teacher's top-k), a critic's values
+or a reward model's scores, response-aligned ``[b, R, ...]`` (:mod:`megarl.models.runner` calls
+it inside Megatron's schedule)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,15 @@ from megarl.models.logprobs import (
     vocab_parallel_sum_pi_squared,
 )
 from megarl.models.packing import TokenOrder, gather_over_cp
-from megarl.models.topk_logprobs import vocab_parallel_topk_log_probs
+from megarl.models.topk_logprobs import vocab_parallel_log_probs_at, vocab_parallel_topk_log_probs
 
 Outputs = dict[str, torch.Tensor]
+
+SCORE_IDS = "score_ids"
+"""The batch extra ``[N, R, k]`` of token ids per response position (a distillation teacher's
+top-k) at which an actor also returns its log-probs, as ``LOG_PROBS_AT_IDS``."""
+LOG_PROBS_AT_IDS = "log_probs_at_ids"
+"""``[b, R, k]`` log softmax(logits / temperature) at the ``SCORE_IDS``, differentiable."""
 
 
 def gather_response(
@@ -30,6 +37,21 @@ def gather_response(
     idx = idx.view(*idx.shape, *([1] * len(extra))).expand(*idx.shape, *extra)
     valid = valid.view(*valid.shape, *([1] * len(extra)))
     return torch.where(valid, per_pos.gather(1, idx), 0.0)
+
+
+def place_response(
+    per_token: torch.Tensor, prompt_lengths: torch.Tensor, lengths: torch.Tensor, width: int
+) -> torch.Tensor:
+    """The inverse of :func:`gather_response`: ``out[i, p_i - 1 + k] = per_token[i, k]`` for
+    real response tokens, 0 elsewhere; ``per_token`` ``[b, R, ...]``, ``out`` ``[b, width, ...]``."""
+    b, r = per_token.shape[:2]
+    k = torch.arange(r, device=per_token.device)[None, :]
+    valid = k < (lengths - prompt_lengths)[:, None]
+    pos = (prompt_lengths[:, None] - 1 + k).expand(b, r)
+    rows = torch.arange(b, device=per_token.device)[:, None].expand(b, r)
+    out = per_token.new_zeros((b, width, *per_token.shape[2:]))
+    out[rows[valid], pos[valid]] = per_token[valid]
+    return out
 
 
 def output_fn(
@@ -89,6 +111,15 @@ def output_fn(
             )  # fmt: skip
             out["topk_log_probs"] = gather_response(per_position(values), plen, lens, r)
             out["topk_ids"] = gather_response(per_position(ids.to(values.dtype)), plen, lens, r)
+        if SCORE_IDS in mb:  # [b, R', k] response-aligned, placed at the positions predicting them
+            ids = place_response(mb[SCORE_IDS][:, :r], plen, lens, mb["input_ids"].shape[1])
+            ids = ids if order is None else order.from_grid(ids, 0)[None]
+            at = vocab_parallel_log_probs_at(
+                output_tensor, ids, vocab_size=vocab_size,  # type: ignore[arg-type]
+                temperature=temperature, vocab_start=tp_rank * output_tensor.shape[-1],
+                group=tp_group,
+            )  # fmt: skip
+            out[LOG_PROBS_AT_IDS] = gather_response(per_position(at), plen, lens, r)
         return out
 
     return outputs_of

@@ -63,6 +63,11 @@ class StepBatch:
     """``[B, R]`` the reference policy's log-probs (KL loss or KL in the reward)."""
     teacher_log_probs: torch.Tensor | None = None
     """``[B, R]`` the distillation teacher's log-probs of the sampled tokens."""
+    teacher_topk_log_probs: torch.Tensor | None = None
+    """``[B, R, k]`` the teacher's k largest log-probs at each response position, by rank (a
+    top-k loss mode: ``forward_kl_topk``)."""
+    teacher_topk_ids: torch.Tensor | None = None
+    """``[B, R, k]`` int64: their token ids (where the update scores the student)."""
     old_log_probs: torch.Tensor | None = None
     """``[B, R]`` π_old of the policy loss: recomputed, or the rollout's in bypass mode."""
     rollout_is_weights: torch.Tensor | None = None

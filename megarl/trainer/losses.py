@@ -21,9 +21,11 @@ import torch
 
 from megarl.algo import POLICY_LOSSES, agg_loss, compute_policy_loss, compute_value_loss, kl_penalty
 from megarl.algo.distillation import (
+    TOPK_LOSS_MODES,
     combined_loss,
     distillation_advantages,
     distillation_token_losses,
+    topk_mass,
 )
 
 TOKEN_MEANS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "vf_clipfrac")
@@ -55,10 +57,12 @@ class Counts:
 
 @dataclass(frozen=True)
 class Distillation:
-    """``distillation.distillation_loss.*`` as the actor's loss uses it (the teacher's
-    sampled-token log-probs in; the top-k mode needs the student's top-k pass, not built)."""
+    """``distillation.distillation_loss.*`` as the actor's loss uses it: the estimator modes
+    read the teacher's sampled-token log-probs, ``forward_kl_topk`` the teacher's top-k and the
+    student's log-probs at those ids (the update's forward: ``LOG_PROBS_AT_IDS``)."""
 
     loss_mode: str = "k3"
+    log_prob_min_clamp: float | None = None
     use_task_rewards: bool = True
     distillation_loss_coef: float = 1.0
     loss_max_clamp: float | None = None
@@ -79,21 +83,31 @@ def distillation_loss(
     *,
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
-    teacher_log_prob: torch.Tensor,
+    teacher_log_prob: torch.Tensor | None,
     response_mask: torch.Tensor,
     rollout_is_weights: torch.Tensor | None = None,
     clip_ratio_c: float = 3.0,
+    student_topk_log_prob: torch.Tensor | None = None,
+    teacher_topk_log_prob: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The micro-batch's share of the distillation loss: the per-token divergence to the teacher
     (:func:`megarl.algo.distillation.distillation_token_losses`) aggregated by
     ``loss_agg_mode`` (supervised), or, with ``use_policy_gradient``, the vanilla clipped policy
     loss with advantage = −divergence and the distillation section's clip ratios (the actor's
-    dual-clip bound and rollout importance weights, as its own policy loss)."""
-    if teacher_log_prob is None:
+    dual-clip bound and rollout importance weights, as its own policy loss). The top-k mode
+    reads ``student_topk_log_prob`` and ``teacher_topk_log_prob`` ``[b, R, k]``."""
+    topk = settings.loss_mode in TOPK_LOSS_MODES
+    if teacher_log_prob is None or (topk and teacher_topk_log_prob is None):
         raise ValueError("on-policy distillation needs the teacher's log-probs in the batch")
+    if topk and student_topk_log_prob is None:
+        raise ValueError(f"loss_mode={settings.loss_mode} needs the student's log-probs at the "
+                         "teacher's top-k ids (the update's score_ids extra)")  # fmt: skip
     agg = counts.as_kwargs()
     tokens = distillation_token_losses(settings.loss_mode, student_log_probs=log_prob,
                                        teacher_log_probs=teacher_log_prob,
+                                       student_topk_log_probs=student_topk_log_prob,
+                                       teacher_topk_log_probs=teacher_topk_log_prob,
+                                       log_prob_min_clamp=settings.log_prob_min_clamp,
                                        loss_max_clamp=settings.loss_max_clamp)  # fmt: skip
     if not settings.use_policy_gradient:
         share = agg_loss(tokens, response_mask, **agg)
@@ -114,10 +128,15 @@ def distillation_loss(
         )
     weight = response_mask.sum() / counts.global_token_count
     divergence = (tokens.detach() * response_mask).sum() / max(float(response_mask.sum()), 1.0)
-    return share, {
-        "distillation/loss": share.detach(),
-        "distillation/divergence": divergence * weight,
-    }
+    metrics = {"distillation/loss": share.detach(), "distillation/divergence": divergence * weight}
+    if topk:  # verl's student_mass / teacher_mass: the probability on the teacher's top-k
+        for name, values in (
+            ("student", student_topk_log_prob),
+            ("teacher", teacher_topk_log_prob),
+        ):
+            mass = (topk_mass(values) * response_mask).sum() / max(float(response_mask.sum()), 1.0)
+            metrics[f"distillation/{name}_mass"] = mass * weight
+    return share, metrics
 
 
 def policy_loss(
@@ -133,6 +152,8 @@ def policy_loss(
     rollout_is_weights: torch.Tensor | None = None,
     generator: Callable[[], torch.Generator] | None = None,
     teacher_log_prob: torch.Tensor | None = None,
+    student_topk_log_prob: torch.Tensor | None = None,
+    teacher_topk_log_prob: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor's share and metric shares for one micro-batch, every tensor ``[b, R]``.
 
@@ -180,6 +201,8 @@ def policy_loss(
             teacher_log_prob=teacher_log_prob, response_mask=response_mask,
             rollout_is_weights=rollout_is_weights,
             clip_ratio_c=settings.policy_loss_kwargs.get("clip_ratio_c", 3.0),
+            student_topk_log_prob=student_topk_log_prob,
+            teacher_topk_log_prob=teacher_topk_log_prob,
         )  # fmt: skip
         loss = combined_loss(loss, share, use_task_rewards=distill.use_task_rewards,
                              distillation_loss_coef=distill.distillation_loss_coef)  # fmt: skip

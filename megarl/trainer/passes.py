@@ -183,6 +183,9 @@ def global_pass(
         outputs = {"log_probs": out.log_probs, "entropy": out.entropy}
         if out.sum_pi_squared is not None:
             outputs["sum_pi_squared"] = out.sum_pi_squared
+        if out.topk_log_probs is not None:  # ``[n, r, k]``: a teacher's (kwargs ``topk``)
+            outputs["topk_log_probs"] = out.topk_log_probs
+            outputs["topk_ids"] = out.topk_ids
         routing = out.routing
     width = batch.response_mask.shape[1]
     gathered = {k: gather_dp(_pad_to(v, width), dp_size) for k, v in outputs.items()}
@@ -193,9 +196,10 @@ def global_pass(
 
 
 def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` ``[n, r, ...]`` cut or zero-padded along dim 1 to ``width``."""
     if t.shape[1] >= width:
         return t[:, :width]
-    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+    return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]))
 
 
 def gather_dp(local: torch.Tensor, dp_size: int) -> torch.Tensor:
@@ -282,12 +286,6 @@ def reference_log_probs(run, batch: StepBatch) -> torch.Tensor:
     the device by the ``ref`` phase's residency). Its routers route afresh under routing replay
     too, as verl's and slime's (the KL is to the reference policy as it would act)."""
     return frozen_log_probs(run, run.ref, batch)
-
-
-def teacher_log_probs(run, batch: StepBatch) -> torch.Tensor:
-    """The distillation teacher's log-probs ``[B, R]`` of the sampled tokens, as the reference's
-    (its parameters on the device by the ``teacher`` phase's residency)."""
-    return frozen_log_probs(run, run.teacher, batch)
 
 
 def frozen_log_probs(run, model, batch: StepBatch) -> torch.Tensor:

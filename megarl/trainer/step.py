@@ -18,6 +18,7 @@ from megarl.config.async_schedule import syncs_after
 from megarl.data import PromptSample
 from megarl.reward import RewardResult
 from megarl.reward.manager import RewardError, result_rows
+from megarl.trainer import teacher
 from megarl.trainer.batch import StepBatch, batch_from_samples, pad_token_id
 from megarl.trainer.metrics import Timer, step_metrics
 from megarl.trainer.passes import (
@@ -30,7 +31,6 @@ from megarl.trainer.passes import (
     prefetch,
     recompute_log_probs,
     reference_log_probs,
-    teacher_log_probs,
 )
 from megarl.trainer.residency import enter
 from megarl.trainer.scoring import score
@@ -115,7 +115,7 @@ def train_step(
     if getattr(run, "teacher", None) is not None:
         enter(run, "teacher", step=step)
         with timer("teacher"):
-            batch.teacher_log_probs = teacher_log_probs(run, batch)
+            teacher.score_batch(run, batch)
     correction = correct_for_rollout(batch, cfg.algorithm.rollout_correction, shortcut)
     batch.old_log_probs = correction.old_log_probs
     batch.rollout_is_weights = correction.rollout_is_weights

@@ -24,6 +24,7 @@ from megarl.algo import count_tokens_and_seqs, micro_batch_generator
 from megarl.models.expert_load import ExpertLoad
 from megarl.models.gpt import unwrap
 from megarl.models.routing import Routing, agreement_over_world
+from megarl.models.run_outputs import LOG_PROBS_AT_IDS, SCORE_IDS
 from megarl.models.runner import forward_backward
 from megarl.models.trainable import TrainableModel
 from megarl.parallel.init import device
@@ -135,6 +136,8 @@ def update_policy(
                 rollout_is_weights=cut(data.rollout_is_weights),
                 generator=generator,
                 teacher_log_prob=cut(data.teacher_log_probs),
+                student_topk_log_prob=outputs.get(LOG_PROBS_AT_IDS),
+                teacher_topk_log_prob=cut(data.teacher_topk_log_probs),
             )
 
         return loss_fn
@@ -228,10 +231,13 @@ def run_update(
                                   max_token_len=settings.max_token_len,
                                   balance=settings.balance,
                                   cp=parallel_state.get_context_parallel_world_size())  # fmt: skip
+            sequences = batch.sequences(mine, loss_inputs=True, replay=replay)
+            if purpose == "actor" and batch.teacher_topk_ids is not None:  # forward_kl_topk
+                sequences.extra[SCORE_IDS] = batch.teacher_topk_ids[mine]
             with load if load is not None and epoch == 0 else contextlib.nullcontext():
                 per_micro, outputs = forward_backward(
                     model.chunks,
-                    batch.sequences(mine, loss_inputs=True, replay=replay),
+                    sequences,
                     make_loss_fn(float(tokens), float(seqs)),
                     micro_batches=micro,
                     vocab_size=vocab_size,

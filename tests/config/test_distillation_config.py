@@ -98,11 +98,10 @@ def test_a_vllm_teacher_is_refused_in_one_line_naming_the_teacher_that_is_built(
     assert "not built yet" in NOT_BUILT and "inference.name=megatron" in NOT_BUILT
 
 
-def test_the_megatron_teacher_on_the_training_ranks_is_accepted_with_an_estimator():
+def test_the_megatron_teacher_on_the_training_ranks_is_accepted_with_every_loss_mode():
     assert problems(MEGATRON) == []
     assert problems([*MEGATRON, f"{L}.loss_mode=k1", f"{L}.use_policy_gradient=true"]) == []
-    (line,) = problems([*MEGATRON, f"{L}.loss_mode=forward_kl_topk"])
-    assert line.startswith(f"{L}.loss_mode=forward_kl_topk with the Megatron teacher")
+    assert problems([*MEGATRON, f"{L}.loss_mode=forward_kl_topk"]) == []
     (line,) = problems([*MEGATRON, "distillation.nnodes=1"])
     assert line.startswith("distillation.nnodes=1: the Megatron teacher runs on the training")
 
@@ -127,6 +126,19 @@ def test_a_teacher_of_another_vocabulary_is_refused(tmp_path):
                  f"{T}.teacher_model.model_path={tmp_path / 'teacher'}"]  # fmt: skip
     (line,) = problems(overrides)
     assert line.startswith(f"{T}.teacher_model.model_path: the teacher's vocab_size 512 is not")
+
+
+def test_a_top_k_larger_than_the_vocabulary_is_refused(tmp_path):
+    from megarl.models.tiny import make_tiny_model
+
+    for name in ("student", "teacher"):
+        make_tiny_model(tmp_path / name, "qwen2")  # 1000 tokens
+    overrides = [*MEGATRON, f"actor_rollout_ref.model.path={tmp_path / 'student'}",
+                 f"{T}.teacher_model.model_path={tmp_path / 'teacher'}",
+                 f"{L}.loss_mode=forward_kl_topk"]  # fmt: skip
+    assert problems([*overrides, f"{L}.topk=1000"]) == []
+    (line,) = problems([*overrides, f"{L}.topk=1001"])
+    assert line == f"{L}.topk=1001 is more than the vocabulary's 1000 tokens"
 
 
 @pytest.mark.parametrize(

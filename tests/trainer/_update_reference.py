@@ -27,9 +27,10 @@ def _positions(
     return (plen[:, None] - 1 + k).clamp(min=0), mask
 
 
-def _actor_outputs(hf, ids, plen, lens, width, temperature, router=None):
+def _actor_outputs(hf, ids, plen, lens, width, temperature, router=None, at_ids=None):
     """Log-prob and entropy of every response token under ``hf`` at ``temperature``; a MoE
-    model's router logits per layer (``[B·S, E]``) go into the list ``router`` when given."""
+    model's router logits per layer (``[B·S, E]``) go into the list ``router`` when given; with
+    ``at_ids`` ``[B, R, K]`` also the log-probs at those ids at each response position."""
     out = hf(ids, output_router_logits=True) if router is not None else hf(ids)
     if router is not None:
         router.extend(out.router_logits)
@@ -41,6 +42,8 @@ def _actor_outputs(hf, ids, plen, lens, width, temperature, router=None):
     at_pos = logp.gather(1, pos[..., None].expand(-1, -1, logp.shape[-1]))
     token_logp = at_pos.gather(2, targets[..., None]).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1).gather(1, pos)
+    if at_ids is not None:
+        return token_logp * mask, entropy * mask, mask.float(), at_pos.gather(2, at_ids)
     return token_logp * mask, entropy * mask, mask.float()
 
 
@@ -84,6 +87,7 @@ def reference_update(spec: dict, data: dict, case: dict, optimizer: str, model: 
     from transformers import AutoModelForCausalLM
 
     from megarl.algo import agg_loss, compute_policy_loss, kl_penalty
+    from megarl.algo.distillation import combined_loss
 
     # float64: the comparison then measures megarl's fp32 error, not the sum of two fp32
     # implementations' errors (HF's sdpa attention and Megatron's local spec round differently).
@@ -110,9 +114,11 @@ def reference_update(spec: dict, data: dict, case: dict, optimizer: str, model: 
     for rows in minis:
         router: list | None = [] if coeffs else None
         ids = data["ids"][rows]
-        logp, entropy, mask = _actor_outputs(
-            hf, ids, data["plen"][rows], data["lens"][rows], width, spec["temperature"], router
-        )
+        distill = case.get("distillation")
+        logp, entropy, mask, *at = _actor_outputs(
+            hf, ids, data["plen"][rows], data["lens"][rows], width, spec["temperature"], router,
+            data["teacher_topk_ids"][rows] if distill else None,
+        )  # fmt: skip
         advantages = data["advantages"][rows]
         if case.get("multi_turn"):  # the model's tokens only
             mask, advantages = data["mt_mask"][rows].double(), data["mt_advantages"][rows]
@@ -126,6 +132,17 @@ def reference_update(spec: dict, data: dict, case: dict, optimizer: str, model: 
         kl = agg_loss(kl_penalty(logp, ref, "low_var_kl"), mask, mode, **scale)
         ent = agg_loss(entropy, mask, mode, **scale)
         loss = pg - spec["entropy_coeff"] * ent + spec["kl_loss_coef"] * kl
+        if distill:
+            share, tokens = _distillation_share(distill, spec, logp, old, mask, at[0], data, rows)
+            loss = combined_loss(
+                loss,
+                share,
+                use_task_rewards=distill["use_task_rewards"],
+                distillation_loss_coef=distill.get("distillation_loss_coef", 1.0),
+            )
+            sums["distillation/loss"] = sums.get("distillation/loss", 0.0) + float(share)
+            divergence = float((tokens.detach() * mask).sum() / mask.sum())
+            sums["distillation/divergence"] = sums.get("distillation/divergence", 0.0) + divergence
         if coeffs:
             terms = _router_losses(
                 router, data["lens"][rows], ids.shape[1], spec["micro_batch_size"]
@@ -146,6 +163,32 @@ def reference_update(spec: dict, data: dict, case: dict, optimizer: str, model: 
         sums["grad_norm"] += norm
     means = {k: v / len(minis) for k, v in sums.items()}
     return _checkpoint_names({n: p.detach().float().clone() for n, p in named.items()}), means
+
+
+def _distillation_share(distill, spec, logp, old, mask, student_at, data, rows):
+    """A mini-batch's distillation loss and its per-token divergences to the teacher: those
+    aggregated (supervised), or the vanilla clipped loss with advantage = -divergence (policy
+    gradient)."""
+    from megarl.algo import agg_loss, compute_policy_loss
+    from megarl.algo.distillation import distillation_token_losses
+
+    tokens = distillation_token_losses(
+        distill["loss_mode"], student_log_probs=logp,
+        teacher_log_probs=data["teacher_log_probs"][rows].double(),
+        student_topk_log_probs=student_at,
+        teacher_topk_log_probs=data["teacher_topk_log_probs"][rows].double(),
+        log_prob_min_clamp=distill.get("log_prob_min_clamp"),
+        loss_max_clamp=distill.get("loss_max_clamp"),
+    )  # fmt: skip
+    if not distill.get("use_policy_gradient"):
+        return agg_loss(tokens, mask, "token-mean"), tokens
+    share, _ = compute_policy_loss(
+        "vanilla", old_log_prob=old, log_prob=logp, advantages=-tokens.detach(),
+        response_mask=mask, loss_agg_mode="token-mean", clip_ratio=0.2, clip_ratio_low=0.2,
+        clip_ratio_high=0.2, clip_ratio_c=spec["clip"]["clip_ratio_c"], loss_scale_factor=None,
+        **LOCAL_COUNTS,
+    )  # fmt: skip
+    return share, tokens
 
 
 def _checkpoint_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

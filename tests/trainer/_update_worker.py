@@ -120,7 +120,12 @@ def _rollout(spec: dict, case: dict | None = None):
         pad_token_id=0,
         token_masks=data["token_masks"] if multi_turn else None,
     )
-    for name in ("advantages", "old_log_probs", "ref_log_probs", "values", "returns"):
+    names = ["advantages", "old_log_probs", "ref_log_probs", "values", "returns"]
+    if case and case.get("distillation"):
+        names += ["teacher_log_probs"]
+        if case["distillation"]["loss_mode"] == "forward_kl_topk":
+            names += ["teacher_topk_log_probs", "teacher_topk_ids"]
+    for name in names:
         if name in data:
             setattr(batch, name, data[name])
     if multi_turn:
@@ -148,6 +153,7 @@ def _run_case(
     from megarl.models.gpt import MoeSettings
     from megarl.models.trainable import OptimizerSettings, TrainableModel
     from megarl.parallel.layout import ParallelLayout
+    from megarl.trainer.losses import Distillation
     from megarl.trainer.update import PolicyUpdate, update_policy
 
     tp, pp, vpp, dist_opt, cp_or_ep, pack = layout
@@ -211,6 +217,7 @@ def _run_case(
         temperature=spec["temperature"],
         balance=case["dynamic"],  # token-balanced DP shares in the dynamic case
         policy_loss_kwargs=spec["clip"],
+        distillation=Distillation(**case["distillation"]) if case.get("distillation") else None,
     )
     metrics = update_policy(
         actor, _rollout(spec, case), update, vocab_size=built.dims.vocab_size, seed=0, step=1

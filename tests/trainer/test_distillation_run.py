@@ -1,12 +1,14 @@
 """On-policy distillation through ``megarl train`` (issue 57, the Megatron teacher): the README's
 main job with ``distillation.enabled`` and a frozen Megatron teacher on the training ranks
-(``inference.name=megatron``, TP 2 like the student), the distillation loss alone (k3,
-supervised), one mini-batch a step.
+(``inference.name=megatron``, TP 2 like the student), the distillation loss alone
+(``forward_kl_topk`` over the teacher's top 32, verl's default; supervised), one mini-batch a
+step. (k3 through ``megarl train``: the learning test in ``test_grpo_learning.py``.)
 
-The teacher is the student's own checkpoint, so the first step has nothing to learn: the
-teacher's pass must give the student's log-probs to the last bit (divergence 0, a zero
-gradient); the second step's student has moved (Adam steps even on a zero-mean gradient) and
-the frozen teacher has not."""
+The teacher is the student's own checkpoint, so at the first step the teacher's top-k pass and
+the update's student forward at those ids must agree (divergence 0 to rounding, the same
+probability mass on the top-k from both sides); the truncated KL's gradient is not zero (the
+top-k hold less than all the mass), so the second step's student has moved and the frozen
+teacher has not."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ def test_a_megatron_teacher_scores_the_students_samples_in_its_own_phase(tmp_pat
         f"+distillation.teacher_models.teacher_model.model_path={teacher}",
         "distillation.teacher_models.teacher_model.inference.name=megatron",
         "distillation.distillation_loss.use_task_rewards=false",
+        "distillation.distillation_loss.loss_mode=forward_kl_topk",
     ])  # fmt: skip
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-4000:]
@@ -39,6 +42,9 @@ def test_a_megatron_teacher_scores_the_students_samples_in_its_own_phase(tmp_pat
     first, second = steps[1], steps[2]
     assert abs(first["actor/distillation/divergence"]) <= 1e-6, first
     assert first["actor/distillation/loss"] == first["actor/loss"]  # the task's loss dropped
-    assert first["actor/grad_norm"] <= 1e-3, first  # the teacher is the student: nothing to learn
+    mass = first["actor/distillation/teacher_mass"]
+    assert 0.01 < mass < 1.0, first  # 32 of 1000 tokens: a part of the mass
+    assert abs(first["actor/distillation/student_mass"] - mass) <= 1e-6, first
+    assert first["actor/grad_norm"] > 1e-3, first  # the truncation's gradient
     assert first["timing_s/teacher"] > 0 and second["timing_s/teacher"] > 0
     assert second["actor/distillation/divergence"] > 1e-4, second  # the student moved, not it
