@@ -23,6 +23,11 @@ from pathlib import Path
 PACKAGES = ("munge", "slurmctld", "slurmd", "slurm-client")
 BINARIES = ("/usr/sbin/munged", "/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/bin/sbatch")
 FAKE_GPUS = 8
+SCHEDULER_PARAMETERS = "SchedulerParameters=batch_sched_delay=0"
+"""A job submitted is started at once rather than at slurmctld's next batch pass: by default
+(batch_sched_delay=3) a job submitted while the node finishes the one before waited up to 3 s,
+which each of the suite's ~8 jobs paid (measured on sbatch of ``sleep 1`` back to back: 2.0-3.1 s
+from submit to the end, 1.2-2.0 s with 0). Scheduling is otherwise Slurm's default."""
 
 
 class SlurmSetupError(RuntimeError):
@@ -155,6 +160,7 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+{SCHEDULER_PARAMETERS}
 MpiDefault=none
 ReturnToService=2
 JobAcctGatherType=jobacct_gather/none
