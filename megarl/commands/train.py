@@ -78,10 +78,10 @@ def main(argv: list[str]) -> int:
         if cfg is None:
             print(f"error: {problem}", file=sys.stderr)
             return EXIT_INPUT_ERROR
-        from megarl.config.batch_plan import rollout_ranks
+        from megarl.config.batch_plan import rollout_ranks, teacher_ranks
 
-        nproc = cfg.trainer.n_gpus_per_node  # training ranks, then any rollout-only ones
-        split = rollout_ranks(cfg)
+        nproc = cfg.trainer.n_gpus_per_node  # training ranks, then any rollout-, teacher-only
+        split = rollout_ranks(cfg) + teacher_ranks(cfg)
         command = launch.torchrun_command(nproc + split, module, [*configs, *overrides])
         return launch.run_torchrun(
             command, env, run_dir_of(cfg), preflight=lambda: _check(cfg, nproc),
@@ -126,7 +126,7 @@ def _spans_nodes(cfg) -> bool:
 def _would_start(cfg) -> str:
     """What ``megarl train`` would start on this machine, in words."""
     from megarl.config.async_schedule import describe_overlap
-    from megarl.config.batch_plan import rollout_ranks
+    from megarl.config.batch_plan import rollout_ranks, teacher_ranks
 
     nproc, roll = cfg.trainer.n_gpus_per_node, cfg.actor_rollout_ref.rollout
     meg = cfg.actor_rollout_ref.actor.megatron
@@ -135,16 +135,32 @@ def _would_start(cfg) -> str:
         f"{meg.pipeline_model_parallel_size})"
     )
     extra = rollout_ranks(cfg)
+    teacher = _describe_teacher(cfg)
     if not extra:
         where = f"{roll.name} TP {roll.tensor_model_parallel_size} in the training ranks"
-        return f"megarl train would start {nproc} process(es) here: {training}, {where}"
+        return (
+            f"megarl train would start {nproc + teacher_ranks(cfg)} process(es) here: "
+            f"{training}, {where}{teacher}"
+        )
     off = describe_overlap(cfg)
     replicas = extra // roll.tensor_model_parallel_size
     return (
-        f"megarl train would start {nproc + extra} process(es) here: {training}, then {extra} "
-        f"rollout rank(s) of vLLM's own ({replicas} replica(s) of TP "
-        f"{roll.tensor_model_parallel_size}), {off}"
+        f"megarl train would start {nproc + extra + teacher_ranks(cfg)} process(es) here: "
+        f"{training}, then {extra} rollout rank(s) of vLLM's own ({replicas} replica(s) of TP "
+        f"{roll.tensor_model_parallel_size}), {off}{teacher}"
     )
+
+
+def _describe_teacher(cfg) -> str:
+    """``, then N teacher rank(s) ...`` for a vLLM teacher on ranks of its own, else ``""``."""
+    from megarl.config.batch_plan import teacher_ranks
+    from megarl.rollout.remote.teacher import teacher_tp
+
+    ranks = teacher_ranks(cfg)
+    if not ranks:
+        return ""
+    tp = teacher_tp(cfg)
+    return f", then {ranks} teacher rank(s) of vLLM's own ({ranks // tp} replica(s) of TP {tp})"
 
 
 def _nodes(configs: list[str], overrides: list[str]) -> tuple[int, int]:
@@ -205,6 +221,14 @@ def _load(configs: list[str], overrides: list[str], *, multinode: bool | None):
             "(launch/*.slurm) or torchrun on every node, not by megarl train"
         )
         return None, reason
+    from megarl.config.batch_plan import teacher_ranks
+
+    if teacher_ranks(cfg) and (multinode or cfg.distillation.nnodes > 1):
+        return None, (
+            f"distillation.nnodes={cfg.distillation.nnodes}: the vLLM teacher's pool runs on "
+            "this node, after the training (and rollout) ranks, with megarl train; a pool on "
+            "nodes of its own (Slurm, several nodes) is not built yet"
+        )
     per_node = cfg.trainer.n_gpus_per_node
     if multinode and roll.nnodes > 0 and roll.n_gpus_per_node not in (None, per_node):
         return None, (

@@ -43,10 +43,27 @@ def ref_used(cfg: MegarlConfig) -> bool:
     return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
 
 
+def teacher_engine(cfg: MegarlConfig) -> str | None:
+    """The distillation teacher's ``inference.name`` (None: distillation off)."""
+    if not cfg.distillation.enabled:
+        return None
+    entry = cfg.distillation.teacher_models.get("teacher_model")
+    inference = entry.get("inference") if isinstance(entry, dict) else None
+    return inference.get("name") if isinstance(inference, dict) else None
+
+
 def teacher_used(cfg: MegarlConfig) -> bool:
-    """On-policy distillation's teacher is built (``distillation.enabled``): a frozen Megatron
-    model on the training ranks, its pass batched as the reference's (``ref.log_prob_*``)."""
-    return bool(cfg.distillation.enabled)
+    """On-policy distillation's teacher is a frozen Megatron model on the training ranks
+    (``inference.name=megatron``), its pass batched as the reference's (``ref.log_prob_*``)."""
+    return teacher_engine(cfg) == "megatron"
+
+
+def teacher_ranks(cfg: MegarlConfig) -> int:
+    """Teacher-only processes after the rollout-only ones: the distillation pool,
+    ``distillation.nnodes × n_gpus_per_node``, when vLLM serves the teacher (0 otherwise)."""
+    if teacher_engine(cfg) != "vllm":
+        return 0
+    return max(cfg.distillation.nnodes, 0) * max(cfg.distillation.n_gpus_per_node, 0)
 
 
 def world_size(cfg: MegarlConfig) -> int:

@@ -4,8 +4,8 @@ naming its key.
 verl 0.9.1 checks the loss settings always (``DistillationLossConfig.__post_init__``) and the
 teachers and their pool only when distillation is enabled (``DistillationConfig.__post_init__``);
 so does megarl. megarl adds range checks verl leaves to a crash or a silent no-op (a clamp of the
-wrong sign, a pool of size 0), and refuses in one line what it does not run yet: a vLLM teacher
-(it runs one frozen Megatron teacher on the training ranks), several teachers, the top-k mode.
+wrong sign, a pool of size 0), and refuses in one line what it does not run yet: several
+teachers, a vLLM teacher's replicas of DP or PP.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from megarl.config.verl_defaults import verl_tree
 
 __all__ = [
     "MEGATRON_TEACHER",
-    "NOT_BUILT",
     "check_distillation",
     "teacher_dims",
     "teacher_model_path",
@@ -33,14 +32,9 @@ L = "distillation.distillation_loss"
 MEGATRON_TEACHER = "megatron"
 """``inference.name`` of megarl's own teacher: a frozen Megatron model on the training ranks, at
 the actor's layout (NeMo-RL's way; no pool of its own)."""
-NOT_BUILT = (
-    "a teacher served by vLLM on ranks of its own is not built yet (its scoring is: "
-    "megarl.rollout.teacher_scores); inference.name=megatron runs the teacher as a frozen "
-    "Megatron model on the training ranks"
-)
-"""The one line refusing a vLLM teacher (docs/distillation.md)."""
 ENGINES = ("vllm", MEGATRON_TEACHER)
-"""Teacher inference engines (verl also has sglang): vLLM (not built yet) or megarl's own."""
+"""Teacher inference engines (verl also has sglang): vLLM on ranks of its own (the pool) or
+megarl's own on the training ranks."""
 
 
 def teacher_model_path(cfg) -> str | None:
@@ -102,19 +96,26 @@ def check_distillation(cfg, error: Error, warn: Error, *, check_paths: bool = Fa
 
 
 def _check_built(cfg, error: Error, file_problem: Error) -> None:
-    """What of distillation megarl runs: one Megatron teacher, a sampled-token estimator."""
+    """What of distillation megarl runs: one teacher, a frozen Megatron model on the training
+    ranks or vLLM replicas of TP on a pool of its own."""
     d = cfg.distillation
     key = f"{D}.teacher_models"
     if len(d.teacher_models) != 1:
         error(f"{key}: several teachers (routed by {D}.teacher_key) are not built yet; give one")
         return
     ((name, entry),) = d.teacher_models.items()
-    engine = (entry.get("inference") or {}).get("name") if isinstance(entry, dict) else None
-    if engine != MEGATRON_TEACHER:  # another name is the inference checks' to refuse
-        if engine == "vllm":
-            error(f"{key}.{name}.inference.name=vllm: {NOT_BUILT}")
+    inference = (entry.get("inference") or {}) if isinstance(entry, dict) else {}
+    engine = inference.get("name") if isinstance(inference, dict) else None
+    if engine not in ENGINES:  # the inference checks' to refuse
         return
-    if d.nnodes:
+    if engine == "vllm":
+        for dim in ("data_parallel_size", "pipeline_model_parallel_size"):
+            if (_int(inference.get(dim, 1)) or 1) > 1:
+                error(
+                    f"{key}.{name}.inference.{dim}={inference.get(dim)}: the vLLM teacher runs "
+                    "pool / tensor_model_parallel_size replicas of TP only; use 1"
+                )
+    elif d.nnodes:
         error(
             f"{D}.nnodes={d.nnodes}: the Megatron teacher runs on the training ranks, with no "
             "pool of its own; use 0"

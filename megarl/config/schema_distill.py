@@ -3,9 +3,10 @@
 The defaults are those of verl's composed YAML (``trainer/config/distillation/distillation.yaml``),
 which differ from its dataclass defaults: ``loss_mode=k3``, ``topk=32``, ``use_task_rewards=true``,
 ``use_policy_gradient=false``, no clamps. The checks are :mod:`megarl.config.distillation_checks`;
-the loss math is :mod:`megarl.algo.distillation`. megarl runs one teacher as a frozen Megatron
-model on the training ranks (``inference.name=megatron``) with the sampled-token estimators; a
-vLLM teacher, several teachers and the top-k mode are refused (docs/distillation.md).
+the loss math is :mod:`megarl.algo.distillation`. megarl runs one teacher, served by vLLM on a
+pool of its own (verl's default) or as a frozen Megatron model on the training ranks
+(``inference.name=megatron``), with every loss mode; several teachers are refused
+(docs/distillation.md).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class DistillationConfig:
     """``distillation.*`` (verl 0.9): on-policy distillation from one or more teachers."""
 
     enabled: bool = False
-    """Distil from the teacher on the student's own samples (a Megatron teacher: see docs)."""
+    """Distil from the teacher on the student's own samples (docs/distillation.md)."""
     n_gpus_per_node: int = 8
     """GPUs per node of the teachers' own pool."""
     nnodes: int = 0

@@ -51,9 +51,9 @@ def start(config_paths: Sequence[str], overrides: Sequence[str]) -> int:
         cfg = load_config(list(config_paths), list(overrides))
         world_size = None
         if os.environ.get("WORLD_SIZE"):  # the training ranks: the launch's less rollout-only ones
-            from megarl.config.batch_plan import rollout_ranks
+            from megarl.config.batch_plan import rollout_ranks, teacher_ranks
 
-            world_size = int(os.environ["WORLD_SIZE"]) - rollout_ranks(cfg)
+            world_size = int(os.environ["WORLD_SIZE"]) - rollout_ranks(cfg) - teacher_ranks(cfg)
         warnings = validate(cfg, world_size, check_paths=True)
         warnings += memory_warnings(cfg, world_size)
     except ConfigError as exc:

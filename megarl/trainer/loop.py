@@ -42,14 +42,16 @@ def run(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
     if verbose is None:
         verbose = os.environ.get("MEGARL_VERBOSE", "0") not in ("", "0")
     run_dir = Path(cfg.trainer.default_local_dir).expanduser().resolve()
-    from megarl.config.batch_plan import rollout_ranks, world_size
+    from megarl.config.batch_plan import rollout_ranks, teacher_ranks, world_size
 
-    if rollout_ranks(cfg):  # vLLM on ranks of its own: split the launch first
+    if rollout_ranks(cfg) or teacher_ranks(cfg):  # vLLM on ranks of its own: split the launch
         from megarl.parallel.init import process_group_timeout_minutes
         from megarl.rollout.remote.split_world import split_world
 
         minutes = process_group_timeout_minutes(cfg.actor_rollout_ref.nccl_timeout)
-        if split_world(world_size(cfg), timeout=timedelta(minutes=minutes)).role == "rollout":
+        role = split_world(world_size(cfg), teacher_size=teacher_ranks(cfg),
+                           timeout=timedelta(minutes=minutes)).role  # fmt: skip
+        if role != "train":
             return _serve_rollout(cfg, run_dir, verbose)
     rank = int(os.environ.get("RANK", "0"))
     run: Run | None = None
@@ -83,6 +85,8 @@ def run(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
             last_val, stopped = _train_steps(run, tracker, last_val, stop)
             if run.ahead is not None:
                 run.ahead.shutdown()  # vLLM on ranks of its own: they stop serving
+            if run.teacher_client is not None:
+                run.teacher_client.shutdown()  # the teacher's vLLM on ranks of its own too
             tracker.finish("KILLED" if stopped else "FINISHED")
             if not stopped:  # a stop has said its one line ("stopped after step N ...")
                 _farewell(run, first_val, last_val)
@@ -115,16 +119,17 @@ def run(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
 
 
 def _serve_rollout(cfg: MegarlConfig, run_dir: Path, verbose: bool) -> int:
-    """A rollout-only rank: serve the training ranks' commands until they stop (its console
-    lines and vLLM's logs go to its log file; a signal here writes the STOP file, a stop request
-    the training ranks act on, after which they stop this rank)."""
-    from megarl.trainer.setup import serve_rollout
+    """A rollout-only (or teacher-only) rank: serve the training ranks' commands until they stop
+    (its console lines and vLLM's logs go to its log file; a signal here writes the STOP file, a
+    stop request the training ranks act on, after which they stop this rank)."""
+    from megarl.rollout.remote.split_world import current
+    from megarl.trainer.setup import serve_rollout, serve_teacher
 
     rank = int(os.environ["MEGARL_LAUNCH_RANK"])
     stop = StopRequest(run_dir, rank, relay=True).install()  # survive SIGTERM/USR1: pass on
     try:
         with Console(run_dir / "logs", rank=rank, verbose=verbose):
-            serve_rollout(cfg)
+            (serve_teacher if current().role == "teacher" else serve_rollout)(cfg)
         return 0
     finally:
         stop.restore()

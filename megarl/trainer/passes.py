@@ -188,14 +188,14 @@ def global_pass(
             outputs["topk_ids"] = out.topk_ids
         routing = out.routing
     width = batch.response_mask.shape[1]
-    gathered = {k: gather_dp(_pad_to(v, width), dp_size) for k, v in outputs.items()}
+    gathered = {k: gather_dp(pad_to_width(v, width), dp_size) for k, v in outputs.items()}
     if routing is not None:  # every position of every sequence, this pipeline rank's layers
         local = pad_positions(routing, batch.input_ids.shape[1]).int()  # NCCL, gloo: no int16
         gathered[ROUTING] = gather_dp(local, dp_size).to(routing.dtype)
     return gathered
 
 
-def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
+def pad_to_width(t: torch.Tensor, width: int) -> torch.Tensor:
     """``t`` ``[n, r, ...]`` cut or zero-padded along dim 1 to ``width``."""
     if t.shape[1] >= width:
         return t[:, :width]

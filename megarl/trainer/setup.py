@@ -68,7 +68,7 @@ class Run:
     ref: BuiltModel | BaseModelView | None
     """The reference policy: a frozen model, or the actor with its LoRA adapters off."""
     teacher: BuiltModel | None
-    """On-policy distillation's teacher: a frozen Megatron model at the actor's layout."""
+    """On-policy distillation's Megatron teacher: a frozen model at the actor's layout."""
     engine: RolloutEngine
     """What generates: vLLM (here or on ranks of its own) or the actor itself."""
     rewards: RewardManager
@@ -99,6 +99,9 @@ class Run:
     """CUDA: device bytes vLLM's last sleep freed."""
     last_sleep_level: int | None = None
     """The level vLLM last slept at (None: it never slept)."""
+    teacher_client: Any = None
+    """On-policy distillation's vLLM teacher on ranks of its own
+    (:class:`megarl.rollout.remote.teacher.TeacherClient`), else None."""
     residency_log: list = field(default_factory=list)
     """``(phase, Residency)`` applied at each :func:`megarl.trainer.residency.enter`, as the
     models and the engine report it (the setup entry first)."""
@@ -235,6 +238,7 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         actor=actor,
         ref=ref,
         teacher=teacher,
+        teacher_client=_teacher_client(cfg),
         engine=engine,
         ahead=engine if isinstance(engine, AheadEngine) else None,
         rewards=rewards,
@@ -448,7 +452,7 @@ def _start_vllm(cfg: MegarlConfig, model_path: str, **overrides: Any):
     from megarl.rollout.remote.split_world import current
 
     world = current()
-    if world is not None and world.role == "train":
+    if world is not None and world.role == "train" and world.rollout_ranks:
         from megarl.config.batch_plan import stages_weight_updates
         from megarl.rollout.remote.engine import RemoteEngine
 
@@ -477,6 +481,35 @@ def _start_vllm(cfg: MegarlConfig, model_path: str, **overrides: Any):
         capture_routing=cfg.actor_rollout_ref.actor.megatron.router_replay.mode == "R3",
         **overrides,
     )
+
+
+def _teacher_client(cfg: MegarlConfig):
+    """The training ranks' handle on the vLLM teacher's ranks (None without them)."""
+    from megarl.config.batch_plan import teacher_ranks
+
+    if not teacher_ranks(cfg):
+        return None
+    from megarl.rollout.remote.split_world import current
+    from megarl.rollout.remote.teacher import TeacherClient
+
+    return TeacherClient(current())
+
+
+def serve_teacher(cfg: MegarlConfig) -> None:
+    """A teacher rank of a split launch: start the teacher's vLLM and score the training
+    ranks' batches until they stop it (:mod:`megarl.rollout.remote.teacher`)."""
+    from megarl.rollout.remote.split_world import current
+    from megarl.rollout.remote.teacher import serve_teacher as serve
+    from megarl.rollout.remote.teacher import start_teacher_engine
+
+    world = current()
+    if world is None or world.role != "teacher":
+        raise RuntimeError("serve_teacher runs on the teacher ranks of a split launch")
+    engine = start_teacher_engine(cfg)
+    try:
+        serve(world, engine)
+    finally:
+        engine.shutdown()
 
 
 def serve_rollout(cfg: MegarlConfig) -> None:

@@ -112,8 +112,9 @@ def train_step(
         enter(run, "ref", step=step)
         with timer("ref"):
             batch.ref_log_probs = reference_log_probs(run, batch)
-    if getattr(run, "teacher", None) is not None:
-        enter(run, "teacher", step=step)
+    if teacher.present(run):
+        if run.teacher is not None:  # the Megatron teacher's parameters onto the device
+            enter(run, "teacher", step=step)
         with timer("teacher"):
             teacher.score_batch(run, batch)
     correction = correct_for_rollout(batch, cfg.algorithm.rollout_correction, shortcut)

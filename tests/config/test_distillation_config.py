@@ -12,7 +12,6 @@ import dataclasses
 import pytest
 
 from megarl.config import ConfigError, load_config, validate
-from megarl.config.distillation_checks import NOT_BUILT
 from megarl.config.verl_defaults import leaves, verl_defaults
 from tests.conftest import REPO
 
@@ -83,8 +82,6 @@ def test_a_bad_value_is_refused_in_one_line_naming_its_key(overrides, line):
     assert len(found) == 1 and found[0].startswith(line), found
 
 
-VLLM_TEACHER = f"{T}.teacher_model.inference.name=vllm: {NOT_BUILT}"
-"""The one line a vLLM teacher (verl's default) gets: not built yet, and the teacher that is."""
 MEGATRON = [
     "distillation.enabled=true",
     "distillation.nnodes=0",
@@ -93,9 +90,12 @@ MEGATRON = [
 ]
 
 
-def test_a_vllm_teacher_is_refused_in_one_line_naming_the_teacher_that_is_built():
-    assert problems(ENABLED) == [VLLM_TEACHER]
-    assert "not built yet" in NOT_BUILT and "inference.name=megatron" in NOT_BUILT
+def test_a_vllm_teacher_on_a_pool_of_its_own_is_accepted_with_replicas_of_tp_only():
+    assert problems(ENABLED) == []  # verl's default engine: two replicas of TP 2 on 4 GPUs
+    assert problems([*ENABLED, f"{L}.loss_mode=forward_kl_topk"]) == []
+    for dim in ("data_parallel_size", "pipeline_model_parallel_size"):
+        (line,) = problems([*ENABLED, f"+{T}.teacher_model.inference.{dim}=2"])
+        assert line.startswith(f"{T}.teacher_model.inference.{dim}=2: the vLLM teacher runs"), line
 
 
 def test_the_megatron_teacher_on_the_training_ranks_is_accepted_with_every_loss_mode():
@@ -174,20 +174,11 @@ def test_a_top_k_larger_than_the_vocabulary_is_refused(tmp_path):
 def test_verls_teacher_checks_when_enabled(overrides, line):
     found = problems([*ENABLED, *overrides])
     several = f"{T}: several teachers (routed by distillation.teacher_key) are not built yet"
-    last = {"sglang": None, "several": several}  # an engine refused as such; several teachers
-    kind = (
-        "sglang"
-        if "sglang" in line
-        else "several"
-        if any("num_replicas" in o for o in overrides)
-        else None
-    )
-    want = last[kind] if kind else VLLM_TEACHER
-    if want is None:
-        assert len(found) == 1 and found[0].startswith(line), found
-    else:
-        assert found[-1].startswith(want), found
+    if any("num_replicas" in o for o in overrides):  # several teachers: also not built yet
+        assert found[-1].startswith(several), found
         assert len(found) == 2 and found[0].startswith(line), found
+    else:
+        assert len(found) == 1 and found[0].startswith(line), found
 
 
 def test_two_teachers_filling_the_pool_pass_the_teacher_checks():

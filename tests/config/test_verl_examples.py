@@ -25,11 +25,6 @@ EXAMPLES = Path(__file__).parent / "verl_examples"
 SCRIPTS = sorted(p.stem for p in EXAMPLES.glob("*.txt"))
 _OTC = "actor_rollout_ref.actor.megatron.override_transformer_config"
 REFUSED = {
-    # verl's examples/on_policy_distillation_trainer/run_qwen3_8b_megatron.sh (Qwen3-32B -> 8B)
-    "opd_qwen3-8b_from_qwen3-32b_megatron": [
-        # its teacher is vLLM on GPUs of its own: built are the scoring and a Megatron teacher
-        "distillation.teacher_models.teacher_model.inference.name=vllm: a teacher served by vLLM",
-    ],
     "fully_async_grpo_qwen3moe-30b-a3b_math_megatron_96_32": [
         "actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=True",
         # Megatron's flex dispatcher (DeepEP): accepted where deep_ep imports (a GPU stack)

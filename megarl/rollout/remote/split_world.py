@@ -1,7 +1,9 @@
-"""One launch, two worlds: training ranks and rollout ranks.
+"""One launch, two (or three) worlds: training ranks, rollout ranks and teacher ranks.
 
-torchrun (or Slurm) starts ``W`` processes; the first ``train_size`` train and the others host
-the rollout engines (on several nodes, whole nodes: torchrun numbers ranks node by node). Each
+torchrun (or Slurm) starts ``W`` processes; the first ``train_size`` train, the last
+``teacher_size`` (none unless on-policy distillation's vLLM teacher has a pool:
+:mod:`.teacher`) serve the teacher, and those between host the rollout engines (on several
+nodes, whole nodes: torchrun numbers ranks node by node). Each
 side gets its own default process group, so that Megatron-Core (which sizes every parallel group
 from it) sees only the training ranks and vLLM's external launcher only the rollout ranks;
 ``RANK`` and ``WORLD_SIZE`` are rewritten to the side's numbering (the launch's are kept in
@@ -40,7 +42,7 @@ __all__ = [
     "split_world",
 ]
 
-Role = Literal["train", "rollout"]
+Role = Literal["train", "rollout", "teacher"]
 HOST = torch.device("cpu")
 """Where gloo's buckets live."""
 EMULATED_DEVICES_ENV = "MEGARL_EMULATED_DEVICES"
@@ -77,11 +79,17 @@ class SplitWorld:
     timeout: timedelta
     bridge: Any = None
     """Every process of the launch (a gloo ``ProcessGroup``)."""
+    teacher_size: int = 0
+    """The last ranks, which serve the distillation teacher (:mod:`.teacher`)."""
     _groups: dict = field(default_factory=dict)
 
     @property
     def rollout_ranks(self) -> list[int]:
-        return list(range(self.train_size, self.world_size))
+        return list(range(self.train_size, self.world_size - self.teacher_size))
+
+    @property
+    def teacher_ranks(self) -> list[int]:
+        return list(range(self.world_size - self.teacher_size, self.world_size))
 
     def control(self) -> Any:
         """The group the trainer drives the rollout engine over: the first training rank, then
@@ -146,10 +154,13 @@ class SplitWorld:
         return distinct_devices([store.get(str(r)).decode() for r in members])
 
 
-def split_world(train_size: int, *, timeout: timedelta | None = None) -> SplitWorld:
-    """Split this launch into its first ``train_size`` ranks (training) and the rest (rollout),
-    each side with its own default process group (NCCL on GPU for training, gloo otherwise);
-    raises ``ValueError`` naming the sizes when a side would be empty. ``timeout``: how long a
+def split_world(
+    train_size: int, *, teacher_size: int = 0, timeout: timedelta | None = None
+) -> SplitWorld:
+    """Split this launch into its first ``train_size`` ranks (training), its last
+    ``teacher_size`` (teacher) and the rest (rollout), each side with its own default process
+    group (NCCL on GPU for training, gloo otherwise); raises ``ValueError`` naming the sizes
+    when the training side or both others would be empty. ``timeout``: how long a
     collective waits for its peers (default :func:`process_group_timeout_minutes`).
 
     On several nodes ``GLOO_SOCKET_IFNAME`` is set first (unless the user set it), as the
@@ -159,16 +170,22 @@ def split_world(train_size: int, *, timeout: timedelta | None = None) -> SplitWo
     ``WORLD_SIZE``, so it runs before the sides rewrite it."""
     launch = read_launch_env()
     set_gloo_socket_ifname(launch.master_addr)
-    if not 0 < train_size < launch.world_size:
+    if (
+        not 0 < train_size < launch.world_size
+        or not 0 <= teacher_size <= launch.world_size - train_size
+    ):
         raise ValueError(
-            f"{train_size} training ranks out of {launch.world_size}: both training and rollout "
-            "need at least one rank"
+            f"{train_size} training and {teacher_size} teacher ranks out of {launch.world_size}: "
+            "training needs at least one rank, and rollout or the teacher another"
         )
     timeout = timeout or timedelta(minutes=process_group_timeout_minutes())
     store = _launch_store(launch, timeout)
+    first_teacher = launch.world_size - teacher_size
     role: Role = "train" if launch.rank < train_size else "rollout"
-    sub_rank = launch.rank if role == "train" else launch.rank - train_size
-    sub_size = train_size if role == "train" else launch.world_size - train_size
+    start, end = (0, train_size) if role == "train" else (train_size, first_teacher)
+    if launch.rank >= first_teacher:
+        role, start, end = "teacher", first_teacher, launch.world_size
+    sub_rank, sub_size = launch.rank - start, end - start
     on_gpu = torch.cuda.is_available()
     devices = device_count()
     if devices and launch.local_rank >= devices:  # more processes than GPUs: share them
@@ -190,7 +207,8 @@ def split_world(train_size: int, *, timeout: timedelta | None = None) -> SplitWo
         world_size=sub_size,
         timeout=timeout,
     )
-    world = SplitWorld(role, launch.rank, launch.world_size, train_size, store, timeout)
+    world = SplitWorld(role, launch.rank, launch.world_size, train_size, store, timeout,
+                       teacher_size=teacher_size)  # fmt: skip
     world.bridge = world.group("bridge", list(range(launch.world_size)))
     global _CURRENT
     _CURRENT = world

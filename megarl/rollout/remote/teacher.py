@@ -1,0 +1,219 @@
+"""On-policy distillation's vLLM teacher on ranks of its own (the last ranks of a split launch:
+:mod:`.split_world`, role ``teacher``; verl 0.9's teacher pool).
+
+The teacher ranks start the teacher's vLLM engine (``distillation.teacher_models.*.inference``:
+``pool / TP`` replicas of its tensor-parallel size) and run :func:`serve_teacher`; the first
+training rank drives them through :class:`TeacherClient`, over two groups of its own with them:
+
+- ``teacher_control`` (the first training rank, then every teacher rank): commands, broadcast by
+  the first training rank: ``("score", sequences, prompt_lengths, k)`` scores each sequence
+  (prompt + response token ids) with vLLM's prompt log-probs, each replica a contiguous share
+  (:func:`megarl.rollout.teacher_scores.prompt_topk_log_probs`); ``("stop",)`` ends the loop;
+- ``teacher_replies`` (the first training rank and the first teacher rank): each command's reply,
+  a :class:`~megarl.rollout.teacher_scores.TeacherScores` of every sequence in order, or the one
+  line of the error that stopped the scoring (raised on the training ranks as
+  :class:`TeacherError`).
+
+The replicas' shares are gathered over the teacher side's own default group (gloo). Only the
+first training rank talks to the teacher ranks; :meth:`TeacherClient.score` gives its result to
+every training rank over the training world.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.rollout.remote.split_world import SplitWorld, broadcast_object
+from megarl.rollout.teacher_scores import TeacherScores
+
+__all__ = ["TeacherClient", "TeacherError", "serve_teacher", "start_teacher_engine", "teacher_tp"]
+
+DEFAULT_MAX_LOGPROBS = 20
+"""vLLM's own ``max_logprobs`` default: the teacher's engine is started with at least the
+top-k (``distillation_loss.topk``) when ``engine_kwargs.vllm.max_logprobs`` is not given."""
+
+
+class TeacherError(RuntimeError):
+    """The teacher ranks failed to score a batch, or stopped answering: one line."""
+
+
+def _inference(cfg) -> dict[str, Any]:
+    entry = cfg.distillation.teacher_models["teacher_model"]
+    return dict(entry.get("inference") or {})
+
+
+def _as_int(value: Any, default: int | None = None) -> int | None:
+    """An int given as such or as text (``${...}`` in a free-form section resolve to text)."""
+    if value is None:
+        return default
+    return int(str(value).strip())
+
+
+def teacher_tp(cfg) -> int:
+    """The teacher's vLLM tensor-parallel size (``inference.tensor_model_parallel_size``)."""
+    return _as_int(_inference(cfg).get("tensor_model_parallel_size"), 1) or 1
+
+
+def teacher_topk(cfg) -> int:
+    """How many of the teacher's log-probs per position the trainer asks for: the top-k of a
+    top-k loss mode, else 1 (the estimators read only the sampled token's, which vLLM returns
+    beside them)."""
+    from megarl.config.schema_distill import TOPK_LOSS_MODES
+
+    loss = cfg.distillation.distillation_loss
+    return int(loss.topk) if loss.loss_mode in TOPK_LOSS_MODES else 1
+
+
+def start_teacher_engine(cfg):
+    """The teacher's vLLM engine on this teacher rank (the teacher side's default group is its
+    world), from ``distillation.teacher_models.teacher_model`` (``model_path``, ``inference.*``):
+    it reads the teacher's checkpoint itself and never sleeps (these devices do nothing else)."""
+    from megarl.config.distillation_checks import teacher_model_path
+    from megarl.data.tokenizer import trusts_remote_code
+    from megarl.rollout.vllm_engine import VLLMEngine
+
+    inference = _inference(cfg)
+    roll = cfg.actor_rollout_ref.rollout
+    prompt = _as_int(inference.get("prompt_length"), roll.prompt_length)
+    response = _as_int(inference.get("response_length"), roll.response_length)
+    kwargs = dict(inference.get("engine_kwargs") or {})
+    nested = kwargs.pop("vllm", None) or {}  # verl's engine_kwargs.vllm.*; sglang's ignored
+    kwargs.pop("sglang", None)
+    kwargs.update(nested)
+    kwargs["max_logprobs"] = max(_as_int(kwargs.get("max_logprobs"), DEFAULT_MAX_LOGPROBS),
+                                 teacher_topk(cfg))  # fmt: skip
+    path = teacher_model_path(cfg)
+    optional = {
+        "max_num_batched_tokens": _as_int(inference.get("max_num_batched_tokens")),
+        "max_num_seqs": _as_int(inference.get("max_num_seqs")),
+    }
+    return VLLMEngine(
+        path,
+        tensor_parallel_size=teacher_tp(cfg),
+        seed=cfg.trainer.seed,
+        dtype=cfg.trainer.dtype,
+        max_model_len=_as_int(inference.get("max_model_len"), prompt + response + 1),
+        gpu_memory_utilization=float(inference.get("gpu_memory_utilization", 0.5)),
+        free_cache_engine=False,
+        enforce_eager=bool(inference.get("enforce_eager", True)),
+        enable_prefix_caching=bool(inference.get("enable_prefix_caching", True)),
+        enable_chunked_prefill=bool(inference.get("enable_chunked_prefill", True)),
+        engine_kwargs=kwargs,
+        tokenizer_path=path,
+        load_weights=True,
+        trust_remote_code=trusts_remote_code(cfg),
+        **{k: v for k, v in optional.items() if v is not None},
+    )
+
+
+def _channels(world: SplitWorld) -> tuple[Any, Any]:
+    """``(teacher_control, teacher_replies)``, each None where this process is not a member;
+    created by every member in this order."""
+    ranks = world.teacher_ranks
+    control = world.group("teacher_control", [0, *ranks])
+    replies = world.group("teacher_replies", [0, ranks[0]])
+    return control, replies
+
+
+class TeacherClient:
+    """The training ranks' handle on the teacher ranks (every training rank builds one; only the
+    first talks to them)."""
+
+    def __init__(self, world: SplitWorld) -> None:
+        self.ranks = world.teacher_ranks
+        self.timeout = world.timeout
+        self._control, self._replies = _channels(world) if world.rank == 0 else (None, None)
+
+    def score(
+        self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], k: int
+    ) -> TeacherScores:
+        """The teacher's scores of ``sequences`` (the same on every training rank; every training
+        rank calls it) with its top ``k`` at each response position."""
+        reply: Any = None
+        if self._control is not None:
+            with self._answering():
+                command = ("score", [list(s) for s in sequences], list(prompt_lengths), int(k))
+                broadcast_object(self._control, command, 0)
+                reply = broadcast_object(self._replies, None, 1)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            from megarl.rollout.distribute import object_group
+
+            box = [reply]
+            dist.broadcast_object_list(box, src=0, group=object_group(None))
+            reply = box[0]
+        if isinstance(reply, str):
+            raise TeacherError(f"the teacher ranks {self.ranks} failed to score: {reply}")
+        return reply
+
+    def shutdown(self) -> None:
+        """Stop the teacher ranks (the first training rank sends; the others do nothing)."""
+        if self._control is not None:
+            with self._answering():
+                broadcast_object(self._control, ("stop",), 0)
+            self._control = self._replies = None
+
+    @contextlib.contextmanager
+    def _answering(self):
+        """A collective with the teacher ranks that fails (they died, or hung past the timeout)
+        becomes one line naming them."""
+        try:
+            yield
+        except RuntimeError as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise TeacherError(
+                f"the teacher rank(s) {self.ranks} did not answer within {self.timeout} (dead or "
+                f"hung): {first}"
+            ) from exc
+
+
+def serve_teacher(world: SplitWorld, engine) -> None:
+    """A teacher rank: run the first training rank's commands on ``engine`` (the teacher's
+    :class:`~megarl.rollout.vllm_engine.VLLMEngine`, one replica per ``engine.tensor_parallel_size`` teacher
+    ranks) until it sends ``stop``."""
+    from megarl.rollout.distribute import even_split
+    from megarl.rollout.teacher_scores import prompt_topk_log_probs
+
+    control, replies = _channels(world)
+    replicas = engine.dp_size
+    while True:
+        command = broadcast_object(control, None, 0)
+        if command[0] == "stop":
+            return
+        _, sequences, prompt_lengths, k = command
+        share = even_split(len(sequences), replicas, engine.dp_rank)
+        try:
+            mine: Any = prompt_topk_log_probs(
+                engine, sequences[share.start : share.stop],
+                prompt_lengths[share.start : share.stop], k,
+            )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 -- the trainer raises it as one line
+            mine = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        if replies is not None:  # the first teacher rank: one reply per command
+            broadcast_object(replies, _joined(parts[:: engine.tensor_parallel_size]), 1)
+
+
+def _joined(parts: list[Any]) -> TeacherScores | str:
+    """Each replica's scores, in replica order, as one :class:`TeacherScores` (right-padded to
+    the longest response); the first error instead, if any replica failed."""
+    for part in parts:
+        if isinstance(part, str):
+            return part
+    width = max(p.log_probs.shape[1] for p in parts)
+    k = parts[0].topk_ids.shape[2]
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        widths = (0, 0) * (t.dim() - 2) + (0, width - t.shape[1])
+        return torch.nn.functional.pad(t, widths)
+
+    return TeacherScores(
+        torch.cat([pad(p.topk_ids) for p in parts]).view(-1, width, k),
+        torch.cat([pad(p.topk_log_probs) for p in parts]).view(-1, width, k),
+        torch.cat([pad(p.log_probs) for p in parts]),
+    )
