@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv sandbox venv-gpu wheelhouse wheelhouse-wheels gpu-carry test test-fast demo demo-tools demo-convert lint clean
+.PHONY: venv sandbox venv-gpu wheelhouse wheelhouse-wheels gpu-carry test test-fast demo demo-tools demo-distill demo-convert lint clean
 
 venv: $(STAMP) sandbox
 
@@ -151,6 +151,11 @@ demo: venv
 # (makes the task and the model when missing; docs/tools.md).
 demo-tools: venv
 	$(BIN)/python tools/run_tool_task.py
+
+# On-policy distillation: make demo's trained model, served by vLLM on a rank of its own, taught
+# to the fresh tiny model (runs the main job first when its model is missing; docs/distillation.md).
+demo-distill: venv
+	$(BIN)/python -m megarl.commands.demo_distill
 
 # Conversion round trip and a Megatron -> vLLM weight sync, without training.
 demo-convert: venv

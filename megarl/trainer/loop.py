@@ -329,10 +329,21 @@ def _announce(run: Run) -> None:
         + f" × DP {run.plan.data_parallel_size}"
         + (", packed" if run.actor.pack else ", right-padded")
         + ", rollout "
-        f"{cfg.actor_rollout_ref.rollout.name} TP {_rollout_placement(cfg, run.engine, run.ahead)}; "
-        f"{run.total_steps} steps of "
+        f"{cfg.actor_rollout_ref.rollout.name} TP {_rollout_placement(cfg, run.engine, run.ahead)}"
+        + _teacher_placement(run)
+        + f"; {run.total_steps} steps of "
         f"{run.plan.responses_per_step} responses; logs in {run.console.log_path.parent}"
     )
+
+
+def _teacher_placement(run: Run) -> str:
+    """``, teacher ...`` for on-policy distillation (where its scores come from), else ``""``."""
+    if run.teacher_client is not None:
+        from megarl.rollout.remote.teacher import teacher_tp
+
+        ranks, tp = len(run.teacher_client.ranks), teacher_tp(run.cfg)
+        return f", teacher vllm TP {tp} x {ranks // tp} replica(s) on {ranks} rank(s) of its own"
+    return ", teacher megatron on the training ranks" if run.teacher is not None else ""
 
 
 def _rollout_placement(cfg: MegarlConfig, engine, remote) -> str:
