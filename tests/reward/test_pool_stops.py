@@ -22,6 +22,20 @@ def _wait_ready(pool: ScoringPool) -> None:
     pool.score([(0, "src", "warm", "", None)] * len(pool.pids))
 
 
+def _dead(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # dead, not yet reaped
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_dead(pid: int) -> None:
+    deadline = time.monotonic() + 10  # a timeout on the wait, not a timing claim
+    while not _dead(pid):
+        assert time.monotonic() < deadline, f"worker {pid} still runs 10 s after SIGTERM"
+        time.sleep(0.02)
+
+
 def test_workers_have_their_own_session_and_a_killed_one_is_replaced(tmp_path):
     (tmp_path / "r.py").write_text(CUSTOM)
     with ScoringPool(ScorerSpec(str(tmp_path / "r.py"), "my_score"), 2, timeout_s=20) as pool:
@@ -31,20 +45,25 @@ def test_workers_have_their_own_session_and_a_killed_one_is_replaced(tmp_path):
         # What torchrun's killpg would have done to workers in the rank's session: an idle
         # worker killed by a signal is replaced before it gets a sample ...
         os.kill(pool.pids[0], signal.SIGTERM)
-        time.sleep(0.5)
+        _wait_dead(pool.pids[0])
         outcomes = pool.score([(i, "src", "abc", "", None) for i in range(4)])
         assert [o.status for o in outcomes] == ["ok"] * 4
 
 
 def test_a_sample_whose_worker_is_killed_by_a_signal_is_scored_again(tmp_path):
-    slow = CUSTOM.replace("time.sleep(600)", "time.sleep(2)")
+    started = tmp_path / "started"  # the worker is in the sample: the kill lands mid-sample
+    slow = CUSTOM.replace("time.sleep(600)", f"open({str(started)!r}, 'w').close(); time.sleep(2)")
     (tmp_path / "r.py").write_text(slow)
     with ScoringPool(ScorerSpec(str(tmp_path / "r.py"), "my_score"), 1, timeout_s=60) as pool:
         _wait_ready(pool)
         victim = pool.pids[0]
-        killer = subprocess.Popen(
-            [sys.executable, "-c", f"import os,time; time.sleep(1); os.kill({victim}, 15)"]
-        )
+        killer = subprocess.Popen([sys.executable, "-c", (
+            "import os, time\n"
+            "deadline = time.monotonic() + 60  # a timeout on the wait, not a timing claim\n"
+            f"while not os.path.exists({str(started)!r}) and time.monotonic() < deadline:\n"
+            "    time.sleep(0.02)\n"
+            f"os.kill({victim}, 15)\n"
+        )])  # fmt: skip
         outcomes = pool.score([(0, "src", "sleep", "", None)])
         killer.wait()
         assert outcomes[0].status == "ok" and victim not in pool.pids
