@@ -21,7 +21,10 @@ from tests._run_outputs import launch_quickstart, read_metrics
 pytestmark = [pytest.mark.vllm, pytest.mark.multirank]
 
 
-def test_a_megatron_teacher_scores_the_students_samples_in_its_own_phase(tmp_path: Path):
+@pytest.mark.parametrize("student", ["full", "lora"])
+def test_a_megatron_teacher_scores_the_students_samples_in_its_own_phase(tmp_path: Path, student):
+    """``lora``: the student trains rank-8 adapters on the same base (zero at the start, so
+    step 1 is as exact)."""
     out = tmp_path / "run"
     (out / "tmp").mkdir(parents=True)
     teacher = out / "tiny-qwen2"  # the student's checkpoint, made by the quickstart itself
@@ -35,6 +38,8 @@ def test_a_megatron_teacher_scores_the_students_samples_in_its_own_phase(tmp_pat
         "distillation.teacher_models.teacher_model.inference.name=megatron",
         "distillation.distillation_loss.use_task_rewards=false",
         "distillation.distillation_loss.loss_mode=forward_kl_topk",
+        *(["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=16"]
+          if student == "lora" else []),
     ])  # fmt: skip
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-4000:]
