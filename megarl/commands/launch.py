@@ -95,12 +95,14 @@ def run_torchrun(
     log_path: Path | None = None,
     preflight: Callable[[], str | None] | None = None,
     training_ranks: int | None = None,
+    first_teacher_rank: int | None = None,
     **popen,
 ) -> int:
     """Run ``command`` (torchrun) as described in the module docstring; its exit status.
     torchrun's output goes to ``log_path`` (default ``<run dir>/logs/torchrun.log``).
     ``training_ranks``: with vLLM on ranks of its own, how many ranks train (the ones after
-    them are rollout ranks, which a failure line says).
+    them are rollout ranks, which a failure line says); ``first_teacher_rank``: where the
+    distillation teacher's ranks begin (the last ones), if any.
 
     ``preflight`` (the run's checks: the first problem as one line, or None) runs here while the
     ranks start and import; they wait at a gate (:mod:`megarl.parallel.gate`) until it has
@@ -108,9 +110,8 @@ def run_torchrun(
     has done anything (nothing written, not even the log)."""
     scratch, env = scratch_env(env)
     try:
-        return _supervise(
-            command, env, Path(run_dir), log_path, preflight, scratch, training_ranks, popen
-        )
+        roles = (training_ranks, first_teacher_rank)
+        return _supervise(command, env, Path(run_dir), log_path, preflight, scratch, roles, popen)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -131,7 +132,7 @@ def _supervise(
     log_path: Path | None,
     preflight: Callable[[], str | None] | None,
     scratch: str,
-    training_ranks: int | None,
+    roles: tuple[int | None, int | None],
     popen: dict,
 ) -> int:
     """:func:`run_torchrun` inside its temporary directory ``scratch`` (the gate's too)."""
@@ -208,7 +209,7 @@ def _supervise(
         where = f"logs: {log_path.parent}"
         print(f"megarl: stopped at once without saving ({requested[1]}; {where})", file=sys.stderr)
         return 128 + signal.Signals[f"{requested[1]}"].value
-    summary, code = _failure_summary(log_path, errors, code, training_ranks)
+    summary, code = _failure_summary(log_path, errors, code, *roles)
     print(summary, file=sys.stderr)
     return code
 
@@ -253,10 +254,14 @@ def _open_gate(child: subprocess.Popen, preflight, gate_dir: str, others: set[in
 
 
 def _failure_summary(
-    log_path: Path, errors: list[str], code: int, training_ranks: int | None = None
+    log_path: Path,
+    errors: list[str],
+    code: int,
+    training_ranks: int | None = None,
+    first_teacher_rank: int | None = None,
 ) -> tuple[str, int]:
-    """(the one line to print, the exit status) for a failed torchrun; ``training_ranks``: see
-    :func:`run_torchrun`."""
+    """(the one line to print, the exit status) for a failed torchrun; ``training_ranks``,
+    ``first_teacher_rank``: see :func:`run_torchrun`."""
     text = log_path.read_text(errors="replace")
     failures = list(_FAILURE.finditer(text))
     where = f"logs: {log_path.parent}"
@@ -273,8 +278,10 @@ def _failure_summary(
         f = killed[0]
         role = ""
         if training_ranks is not None:  # vLLM on ranks of its own: say which kind died
-            rollout = int(f["rank"]) >= training_ranks
-            role = ", a rollout rank (vLLM)" if rollout else ", a training rank"
+            rank = int(f["rank"])
+            role = ", a rollout rank (vLLM)" if rank >= training_ranks else ", a training rank"
+            if first_teacher_rank is not None and rank >= first_teacher_rank:
+                role = ", a distillation teacher's rank (vLLM)"
         line = (
             f"error: rank {f['rank']} (pid {f['pid']}{role}) on {f['host']} died of "
             f"{f['signal'] or _signal_name(-int(f['code']))}; the run ended ({where})"

@@ -86,6 +86,7 @@ def main(argv: list[str]) -> int:
         return launch.run_torchrun(
             command, env, run_dir_of(cfg), preflight=lambda: _check(cfg, nproc),
             training_ranks=nproc if split else None,
+            first_teacher_rank=nproc + rollout_ranks(cfg) if teacher_ranks(cfg) else None,
         )  # fmt: skip
     problem, nproc, run_dir = preflight(args.config, overrides, multinode=multinode)
     if problem:

@@ -51,3 +51,14 @@ def test_the_root_cause_is_named_when_torchrun_sigkilled_a_survivor_too(tmp_path
 def test_the_root_cause_is_named_when_the_survivor_exited_itself(tmp_path):
     line, code = _line(tmp_path, "1")  # rank 0 left on its own ("Connection closed by peer")
     assert code == 1 and line.startswith("error: rank 1 (pid 16857) on localhost died of SIGKILL")
+
+
+def test_a_distillation_teachers_rank_is_named_as_such(tmp_path):
+    """Rank 1 of 2 as the teacher's (one training rank, no rollout ranks) and as a rollout
+    rank."""
+    log = tmp_path / "torchrun.log"
+    log.write_text(REPORT.format(rank0="1", rank0_signal=""))
+    line, _ = _failure_summary(log, [], 1, training_ranks=1, first_teacher_rank=1)
+    assert line.startswith("error: rank 1 (pid 16857, a distillation teacher's rank (vLLM)) on")
+    line, _ = _failure_summary(log, [], 1, training_ranks=1)
+    assert line.startswith("error: rank 1 (pid 16857, a rollout rank (vLLM)) on")
