@@ -122,6 +122,10 @@ def render(plan: MemoryPlan, proposals: list[Proposal], source: str) -> str:
         lines.append(
             f"rollout: vLLM on {plan.rollout_gpus} GPU(s) of its own (phase 'rollout ranks')"
         )
+    if plan.teacher_gpus:
+        lines.append(
+            f"teacher: vLLM on {plan.teacher_gpus} GPU(s) of its own (phase 'teacher ranks')"
+        )
     if plan.moe:
         lines.append(
             f"experts: EP {lay.ep} × expert TP {lay.etp} × PP {lay.pp} → expert DP "

@@ -154,8 +154,7 @@ def _would_start(cfg) -> str:
 
 def _describe_teacher(cfg) -> str:
     """``, then N teacher rank(s) ...`` for a vLLM teacher on ranks of its own, else ``""``."""
-    from megarl.config.batch_plan import teacher_ranks
-    from megarl.rollout.remote.teacher import teacher_tp
+    from megarl.config.batch_plan import teacher_ranks, teacher_tp
 
     ranks = teacher_ranks(cfg)
     if not ranks:

@@ -47,15 +47,33 @@ def teacher_engine(cfg: MegarlConfig) -> str | None:
     """The distillation teacher's ``inference.name`` (None: distillation off)."""
     if not cfg.distillation.enabled:
         return None
-    entry = cfg.distillation.teacher_models.get("teacher_model")
-    inference = entry.get("inference") if isinstance(entry, dict) else None
-    return inference.get("name") if isinstance(inference, dict) else None
+    return teacher_inference(cfg).get("name")
 
 
 def teacher_used(cfg: MegarlConfig) -> bool:
     """On-policy distillation's teacher is a frozen Megatron model on the training ranks
     (``inference.name=megatron``), its pass batched as the reference's (``ref.log_prob_*``)."""
     return teacher_engine(cfg) == "megatron"
+
+
+def teacher_inference(cfg: MegarlConfig) -> dict:
+    """``distillation.teacher_models.teacher_model.inference`` (a copy; {} without it)."""
+    entry = cfg.distillation.teacher_models.get("teacher_model")
+    inference = entry.get("inference") if isinstance(entry, dict) else None
+    return dict(inference) if isinstance(inference, dict) else {}
+
+
+def as_int(value, default: int | None = None) -> int | None:
+    """An int given as such or as text (``${...}`` in a free-form section resolve to text);
+    ``default`` for None."""
+    if value is None:
+        return default
+    return int(str(value).strip())
+
+
+def teacher_tp(cfg: MegarlConfig) -> int:
+    """The vLLM teacher's tensor-parallel size (``inference.tensor_model_parallel_size``)."""
+    return as_int(teacher_inference(cfg).get("tensor_model_parallel_size"), 1) or 1
 
 
 def teacher_ranks(cfg: MegarlConfig) -> int:

@@ -22,6 +22,9 @@ from megarl.config.batch_plan import (
     ref_used,
     rollout_ranks,
     stages_weight_updates,
+    teacher_inference,
+    teacher_ranks,
+    teacher_tp,
     teacher_used,
     world_size,
 )
@@ -127,10 +130,18 @@ class MemoryPlan:
     """Whether the model has routed experts (the layout's EP and ETP then matter)."""
     rollout_gpus: int = 0
     """GPUs of vLLM's own, beyond the cluster's training GPUs (``rollout.nnodes`` > 0)."""
+    teacher_gpus: int = 0
+    """GPUs of the distillation teacher's vLLM pool (``distillation.nnodes`` > 0)."""
+    teacher_kv_bytes: int = 1
+    """What the teacher's pool leaves for vLLM's KV cache per GPU (<= 0: no room)."""
 
     @property
     def fits(self) -> bool:
-        return all(self.phase_fits(p) for p in self.phases) and self.kv_cache["bytes"] > 0
+        return (
+            all(self.phase_fits(p) for p in self.phases)
+            and self.kv_cache["bytes"] > 0
+            and self.teacher_kv_bytes > 0
+        )
 
     def phase_fits(self, phase: Phase) -> bool:
         return phase.total <= self.cluster.usable_bytes
@@ -157,6 +168,8 @@ class MemoryPlan:
             text = "peak " + text
         if self.kv_cache["bytes"] <= 0:
             text += "; rollout: no room left for vLLM's KV cache"
+        if self.teacher_kv_bytes <= 0:
+            text += "; teacher: no room left in its vLLM pool for the KV cache"
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -179,6 +192,8 @@ class MemoryPlan:
             ],
             "host_ram_per_node": [t.__dict__ for t in self.host_ram_per_node],
             "rollout_gpus": self.rollout_gpus,
+            "teacher_gpus": self.teacher_gpus,
+            "teacher_kv_bytes": self.teacher_kv_bytes,
             "kv_cache": self.kv_cache,
             "assumptions": list(self.assumptions),
         }
@@ -312,6 +327,10 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
         own_comms = _nccl_term(rollout_rank_communicators(cfg, nccl))
         engine = _engine_terms(OWN_GPUS, pool, vllm, graphs)
         phases.append(Phase("rollout ranks", (*engine, own_comms, *received)))
+    teacher_gpus, teacher_kv = teacher_ranks(cfg), 1
+    if teacher_gpus:  # the distillation teacher's vLLM on a pool of its own
+        teacher_phase, teacher_kv = _teacher_pool(cfg, teacher_dims(cfg, dims), cluster)
+        phases.append(teacher_phase)
     level1 = bool(cfg.trainer.skip_weight_sync_steps) and arr.rollout.free_cache_engine
     part = vllm_weight_bytes(
         dims, arr.rollout.tensor_model_parallel_size, ITEMSIZE[cfg.trainer.dtype]
@@ -367,7 +386,35 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
                 "balanced, no token dropping; vLLM keeps every expert, split over its TP"
             ),
         )
-    return MemoryPlan(cluster, layout, tuple(phases), host, kv, notes, dims.is_moe, own)
+    return MemoryPlan(cluster, layout, tuple(phases), host, kv, notes, dims.is_moe, own,
+                      teacher_gpus, teacher_kv)  # fmt: skip
+
+
+def _teacher_pool(cfg, dims: ModelDims, cluster) -> tuple[Phase, int]:
+    """A teacher rank's device (phase ``teacher ranks``): its vLLM pool,
+    ``inference.gpu_memory_utilization`` × G, holding its weights per rank (its own shape, its
+    TP) and a prefill's activations; and the KV cache they leave (<= 0: vLLM cannot start)."""
+    inference, t = teacher_inference(cfg), teacher_tp(cfg)
+    e = ITEMSIZE[cfg.trainer.dtype]
+    pool = int(float(inference.get("gpu_memory_utilization", 0.5)) * cluster.gpu_bytes)
+    weights = vllm_weight_bytes(dims, t, e)
+    tokens = int(inference.get("max_num_batched_tokens") or 8192)
+    h, f, d = dims.hidden_size, mlp_width_per_token(dims), dims.head_dim
+    per_token = e * (
+        4 * h + (dims.num_attention_heads + 2 * dims.num_query_groups) * d // t + 3 * f // t
+    )
+    profile = tokens * per_token + 4 * tokens * dims.vocab_size  # prompt log-probs: logits
+    kv = pool - weights - profile
+    terms = (
+        Term("teacher's vLLM weights", weights, f"the teacher's weights per rank (TP {t})"),
+        Term(
+            "teacher's vLLM activations and KV",
+            max(pool - weights, profile),
+            "the rest of inference.gpu_memory_utilization × G (a prefill of "
+            f"max_num_batched_tokens {tokens}, its logits for the prompt log-probs, the KV cache)",
+        ),
+    )
+    return Phase("teacher ranks", terms), kv
 
 
 _PARTS = (("params", "params", "e·n_pad (e·n without distributed optimizer)"),

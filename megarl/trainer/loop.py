@@ -339,7 +339,7 @@ def _announce(run: Run) -> None:
 def _teacher_placement(run: Run) -> str:
     """``, teacher ...`` for on-policy distillation (where its scores come from), else ``""``."""
     if run.teacher_client is not None:
-        from megarl.rollout.remote.teacher import teacher_tp
+        from megarl.config.batch_plan import teacher_tp
 
         ranks, tp = len(run.teacher_client.ranks), teacher_tp(run.cfg)
         return f", teacher vllm TP {tp} x {ranks // tp} replica(s) on {ranks} rank(s) of its own"

@@ -393,3 +393,37 @@ def test_a_distillation_teacher_is_planned_at_its_own_shape(tmp_path):
         assert params.nbytes == want.params
     actor = next(t for t in plan.phases[0].terms if t.name == "actor params").nbytes
     assert params.nbytes > 1.3 * actor
+
+
+def test_a_vllm_teachers_pool_is_planned_on_its_own_gpus(tmp_path):
+    """megarl plan with verl's vLLM teacher (issue 57): a ``teacher ranks`` phase holding the
+    teacher's weights per rank (its own shape: Qwen2.5-32B at TP 2, bf16) in its pool of
+    ``inference.gpu_memory_utilization`` × G; at 0.4 of an 80 GiB GPU (verl's OPD example's
+    setting) weights, a prefill and its prompt log-probs' logits leave no KV cache, at 0.6 they
+    do; the training ranks' phases are as without a teacher."""
+    from megarl.planner.memory_plan import Cluster
+
+    (tmp_path / "teacher").mkdir()
+    (tmp_path / "teacher" / "config.json").write_text(json.dumps(PRESETS["qwen2.5-32b"]))
+    base = ["trainer.dtype=bf16", "distillation.enabled=true", "distillation.nnodes=1",
+            "distillation.n_gpus_per_node=4",
+            f"+distillation.teacher_models.teacher_model.model_path={tmp_path / 'teacher'}"]  # fmt: skip
+    tiny = Path(CFG_72B).with_name("grpo_tiny_cpu.yaml")
+    student = ModelDims.from_hf_config(tiny_hf_config("qwen2"))
+    cluster = Cluster(1, 2, 80.0)
+
+    def plan(util: float):
+        util_key = "distillation.teacher_models.teacher_model.inference.gpu_memory_utilization"
+        return plan_memory(load_config(tiny, [*base, f"{util_key}={util}"]), student, cluster)
+
+    tight, roomy = plan(0.4), plan(0.6)
+    teacher = {p.name: p for p in tight.phases}["teacher ranks"]
+    weights = next(t for t in teacher.terms if t.name == "teacher's vLLM weights").nbytes
+    dims = ModelDims.from_hf_config(PRESETS["qwen2.5-32b"])
+    assert weights == vllm_weight_bytes(dims, 2, 2)
+    assert 29 * GIB < weights < 32 * GIB  # ~32.8e9 parameters, bf16, halved by TP 2
+    assert tight.teacher_gpus == 4 and tight.teacher_kv_bytes <= 0 and not tight.fits
+    assert "teacher: no room left in its vLLM pool for the KV cache" in tight.reason()
+    assert roomy.teacher_kv_bytes > 0 and roomy.fits, roomy.reason()
+    without = plan_memory(load_config(tiny, ["trainer.dtype=bf16"]), student, cluster)
+    assert [p.total for p in without.phases] == [p.total for p in roomy.phases[:-1]]

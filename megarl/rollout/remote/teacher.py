@@ -28,10 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl.config.batch_plan import as_int, teacher_inference, teacher_tp
 from megarl.rollout.remote.split_world import SplitWorld, broadcast_object
 from megarl.rollout.teacher_scores import TeacherScores
 
-__all__ = ["TeacherClient", "TeacherError", "serve_teacher", "start_teacher_engine", "teacher_tp"]
+__all__ = ["TeacherClient", "TeacherError", "serve_teacher", "start_teacher_engine"]
 
 DEFAULT_MAX_LOGPROBS = 20
 """vLLM's own ``max_logprobs`` default: the teacher's engine is started with at least the
@@ -42,21 +43,10 @@ class TeacherError(RuntimeError):
     """The teacher ranks failed to score a batch, or stopped answering: one line."""
 
 
-def _inference(cfg) -> dict[str, Any]:
+def teacherteacher_inference(cfg) -> dict[str, Any]:
+    """``distillation.teacher_models.teacher_model.inference`` (a copy)."""
     entry = cfg.distillation.teacher_models["teacher_model"]
     return dict(entry.get("inference") or {})
-
-
-def _as_int(value: Any, default: int | None = None) -> int | None:
-    """An int given as such or as text (``${...}`` in a free-form section resolve to text)."""
-    if value is None:
-        return default
-    return int(str(value).strip())
-
-
-def teacher_tp(cfg) -> int:
-    """The teacher's vLLM tensor-parallel size (``inference.tensor_model_parallel_size``)."""
-    return _as_int(_inference(cfg).get("tensor_model_parallel_size"), 1) or 1
 
 
 def teacher_topk(cfg) -> int:
@@ -77,27 +67,27 @@ def start_teacher_engine(cfg):
     from megarl.data.tokenizer import trusts_remote_code
     from megarl.rollout.vllm_engine import VLLMEngine
 
-    inference = _inference(cfg)
+    inference = teacher_inference(cfg)
     roll = cfg.actor_rollout_ref.rollout
-    prompt = _as_int(inference.get("prompt_length"), roll.prompt_length)
-    response = _as_int(inference.get("response_length"), roll.response_length)
+    prompt = as_int(inference.get("prompt_length"), roll.prompt_length)
+    response = as_int(inference.get("response_length"), roll.response_length)
     kwargs = dict(inference.get("engine_kwargs") or {})
     nested = kwargs.pop("vllm", None) or {}  # verl's engine_kwargs.vllm.*; sglang's ignored
     kwargs.pop("sglang", None)
     kwargs.update(nested)
-    kwargs["max_logprobs"] = max(_as_int(kwargs.get("max_logprobs"), DEFAULT_MAX_LOGPROBS),
+    kwargs["max_logprobs"] = max(as_int(kwargs.get("max_logprobs"), DEFAULT_MAX_LOGPROBS),
                                  teacher_topk(cfg))  # fmt: skip
     path = teacher_model_path(cfg)
     optional = {
-        "max_num_batched_tokens": _as_int(inference.get("max_num_batched_tokens")),
-        "max_num_seqs": _as_int(inference.get("max_num_seqs")),
+        "max_num_batched_tokens": as_int(inference.get("max_num_batched_tokens")),
+        "max_num_seqs": as_int(inference.get("max_num_seqs")),
     }
     return VLLMEngine(
         path,
         tensor_parallel_size=teacher_tp(cfg),
         seed=cfg.trainer.seed,
         dtype=cfg.trainer.dtype,
-        max_model_len=_as_int(inference.get("max_model_len"), prompt + response + 1),
+        max_model_len=as_int(inference.get("max_model_len"), prompt + response + 1),
         gpu_memory_utilization=float(inference.get("gpu_memory_utilization", 0.5)),
         free_cache_engine=False,
         enforce_eager=bool(inference.get("enforce_eager", True)),
