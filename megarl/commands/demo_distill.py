@@ -3,11 +3,11 @@
     python -m megarl.commands.demo_distill [--out outputs] [KEY=VALUE ...]
 
 The teacher is ``make demo``'s trained model (its final HF export; the main job is run first
-when it is missing, about a minute), the student the fresh tiny model. Through ``megarl train``:
-one training rank (actor and vLLM at TP 1) and the teacher served by vLLM on a rank of its own,
-``forward_kl_topk`` over its top 32, the task's rewards unused, 10 steps (about 30 s); the
-student's greedy validation before and after is printed beside the teacher's (measured: 0.066
--> 0.586 against 0.582; docs/distillation.md).
+when it is missing, about a minute), the student the fresh tiny model. Through ``megarl train``
+with ``configs/opd_tiny_cpu.yaml``: one training rank (actor and vLLM at TP 1) and the teacher
+served by vLLM on a rank of its own, ``forward_kl_topk`` over its top 32, the task's rewards
+unused, 10 steps (about 30 s); the student's greedy validation before and after is printed
+beside the teacher's (measured: 0.066 -> 0.586 against 0.582; docs/distillation.md).
 """
 
 from __future__ import annotations
@@ -16,22 +16,9 @@ import argparse
 import json
 from pathlib import Path
 
-DISTILL = [
-    "--nproc", "1",
-    "trainer.total_training_steps=10",
-    "trainer.test_freq=10",
-    "trainer.save_freq=-1",
-    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
-    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-    "actor_rollout_ref.actor.use_kl_loss=false",
-    "distillation.enabled=true",
-    "distillation.nnodes=1",
-    "distillation.n_gpus_per_node=1",
-    "distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=1",
-    "distillation.distillation_loss.loss_mode=forward_kl_topk",
-    "distillation.distillation_loss.use_task_rewards=false",
-]  # fmt: skip
-"""The distillation run's overrides of the main job's config (the teacher's path is added)."""
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "opd_tiny_cpu.yaml"
+"""The distillation run's config (the teacher's path is set to ``--out``'s)."""
 
 
 def _last_validation(run_dir: Path) -> float | None:
@@ -61,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"megarl: the teacher ({teacher}) validates at {_last_validation(main_run):.4f}",
           flush=True)  # fmt: skip
     return quickstart.main([
-        "--out", str(out), *DISTILL,
-        f"+distillation.teacher_models.teacher_model.model_path={teacher}",
+        "--out", str(out), "--config", str(CONFIG), "--nproc", "1",
+        f"distillation.teacher_models.teacher_model.model_path={teacher}",
         f"trainer.default_local_dir={out / 'runs' / 'distill'}",
         *overrides,
     ])  # fmt: skip

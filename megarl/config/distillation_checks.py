@@ -134,7 +134,7 @@ def _check_teacher_files(key: str, path: str, problem: Error) -> bool:
     where = Path(path).expanduser()
     if not (where / "config.json").is_file():
         state = "is a directory without a config.json" if where.is_dir() else "does not exist"
-        problem(f"{key}={path!r} {state} (the Megatron teacher loads a local HF checkpoint)")
+        problem(f"{key}={path!r} {state} (the teacher loads a local HF checkpoint)")
         return False
     try:
         ModelDims.from_hf_config(read_hf_config(where))
