@@ -22,11 +22,11 @@ def test_the_split_world_waits_as_long_as_nccl_timeout_says(monkeypatch, tmp_pat
                              f"trainer.default_local_dir={tmp_path}"])  # fmt: skip
     seen = {}
 
-    def split(train_size, *, timeout=None):
-        seen.update(train_size=train_size, timeout=timeout)
+    def split(train_size, *, teacher_size=0, timeout=None):
+        seen.update(train_size=train_size, teacher_size=teacher_size, timeout=timeout)
         raise RuntimeError("split here")
 
     monkeypatch.setattr(split_world, "split_world", split)
     with pytest.raises(RuntimeError, match="split here"):
         loop.run(cfg)
-    assert seen == {"train_size": 2, "timeout": timedelta(minutes=20)}
+    assert seen == {"train_size": 2, "teacher_size": 0, "timeout": timedelta(minutes=20)}
