@@ -11,3 +11,11 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
 }
+
+VL_ARCHITECTURES = {
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+}
+"""The tiny vision-language families (:mod:`megarl.models.tiny_vl`, issue 58): a Qwen2 language
+model and Qwen's vision tower. Apart from :data:`ARCHITECTURES`: the text-only commands that
+list the families (the quickstart) cannot train them yet."""
