@@ -22,9 +22,7 @@ from megarl.config.batch_plan import (
     ref_used,
     rollout_ranks,
     stages_weight_updates,
-    teacher_inference,
     teacher_ranks,
-    teacher_tp,
     teacher_used,
     world_size,
 )
@@ -49,9 +47,7 @@ from megarl.planner.memory import (
     ITEMSIZE,
     ModelState,
     OptimizerAssumptions,
-    kv_bytes_per_token,
     layer_experts_bytes,
-    mlp_width_per_token,
     model_state,
     vllm_weight_bytes,
 )
@@ -63,13 +59,14 @@ from megarl.planner.residency import (
     residency,
     schedule,
 )
+from megarl.planner.vllm_pool import (
+    TeacherPool,
+    rollout_pool,
+    teacher_pool,
+)
 
 BUCKET_BYTES = 1 << 30
 """The resharding executor's bucket limit (``DEFAULT_BUCKET_BYTES``)."""
-CUDA_GRAPH_BYTES = GIB // 2
-"""vLLM's CUDA graphs when ``enforce_eager`` is false (an estimate; vLLM logs the real size).
-vLLM 0.32 captures them outside its sleep pool unless ``sleep_mode_offload_cudagraph`` is set
-(``vllm/compilation/cudagraph_pool.py``): they stay on the GPU while vLLM sleeps, at any level."""
 
 
 @dataclass(frozen=True)
@@ -290,7 +287,7 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
     teacher = teacher_dims(cfg, dims) if teacher_used(cfg) else None
     models = {m.name: m for m in _models(cfg, dims, world, teacher)}
-    pool, vllm, kv = _rollout_terms(cfg, dims, cluster)
+    pool, vllm, kv = rollout_pool(cfg, dims, cluster.gpu_bytes)
     transient = {
         "setup": _setup_terms(cfg, models),
         "old_log_prob": _forward_terms(cfg, dims, "actor", batches.old_log_prob, seq),
@@ -329,8 +326,9 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
         phases.append(Phase("rollout ranks", (*engine, own_comms, *received)))
     teacher_gpus, teacher_kv = teacher_ranks(cfg), 1
     if teacher_gpus:  # the distillation teacher's vLLM on a pool of its own
-        teacher_phase, teacher_kv = _teacher_pool(cfg, teacher_dims(cfg, dims), cluster)
-        phases.append(teacher_phase)
+        teacher = teacher_pool(cfg, teacher_dims(cfg, dims), cluster.gpu_bytes)
+        phases.append(_teacher_phase(teacher))
+        teacher_kv = teacher.kv
     level1 = bool(cfg.trainer.skip_weight_sync_steps) and arr.rollout.free_cache_engine
     part = vllm_weight_bytes(
         dims, arr.rollout.tensor_model_parallel_size, ITEMSIZE[cfg.trainer.dtype]
@@ -390,31 +388,19 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
                       teacher_gpus, teacher_kv)  # fmt: skip
 
 
-def _teacher_pool(cfg, dims: ModelDims, cluster) -> tuple[Phase, int]:
-    """A teacher rank's device (phase ``teacher ranks``): its vLLM pool,
-    ``inference.gpu_memory_utilization`` × G, holding its weights per rank (its own shape, its
-    TP) and a prefill's activations; and the KV cache they leave (<= 0: vLLM cannot start)."""
-    inference, t = teacher_inference(cfg), teacher_tp(cfg)
-    e = ITEMSIZE[cfg.trainer.dtype]
-    pool = int(float(inference.get("gpu_memory_utilization", 0.5)) * cluster.gpu_bytes)
-    weights = vllm_weight_bytes(dims, t, e)
-    tokens = int(inference.get("max_num_batched_tokens") or 8192)
-    h, f, d = dims.hidden_size, mlp_width_per_token(dims), dims.head_dim
-    per_token = e * (
-        4 * h + (dims.num_attention_heads + 2 * dims.num_query_groups) * d // t + 3 * f // t
-    )
-    profile = tokens * per_token + 4 * tokens * dims.vocab_size  # prompt log-probs: logits
-    kv = pool - weights - profile
-    terms = (
-        Term("teacher's vLLM weights", weights, f"the teacher's weights per rank (TP {t})"),
+def _teacher_phase(teacher: TeacherPool) -> Phase:
+    """A teacher rank's device (phase ``teacher ranks``): its weights and the rest of its pool."""
+    return Phase("teacher ranks", (
+        Term("teacher's vLLM weights", teacher.weights,
+             f"the teacher's weights per rank (TP {teacher.tp})"),
         Term(
             "teacher's vLLM activations and KV",
-            max(pool - weights, profile),
+            max(teacher.pool - teacher.weights, teacher.profile),
             "the rest of inference.gpu_memory_utilization × G (a prefill of "
-            f"max_num_batched_tokens {tokens}, its logits for the prompt log-probs, the KV cache)",
+            f"max_num_batched_tokens {teacher.tokens}, its logits for the prompt log-probs, "
+            "the KV cache)",
         ),
-    )
-    return Phase("teacher ranks", terms), kv
+    ))  # fmt: skip
 
 
 _PARTS = (("params", "params", "e·n_pad (e·n without distributed optimizer)"),
@@ -507,33 +493,6 @@ def _setup_terms(cfg, models: dict[str, _Model]) -> tuple[Term, ...]:
     if not best[1]:
         return ()
     return (Term(f"{best[1]} while built", best[0], "params + grads + main params not kept"),)
-
-
-def _rollout_terms(cfg, dims, cluster) -> tuple[int, int, dict]:
-    """(vLLM's pool, its weights per rank, the KV cache it leaves) on one GPU."""
-    r = cfg.actor_rollout_ref.rollout
-    t, e = r.tensor_model_parallel_size, ITEMSIZE[cfg.trainer.dtype]
-    pool = int(r.gpu_memory_utilization * cluster.gpu_bytes)
-    weights = vllm_weight_bytes(dims, t, e)
-    h, f, d = dims.hidden_size, mlp_width_per_token(dims), dims.head_dim
-    per_token = e * (
-        4 * h + (dims.num_attention_heads + 2 * dims.num_query_groups) * d // t + 3 * f // t
-    )
-    profile = r.max_num_batched_tokens * per_token + 4 * r.max_num_seqs * dims.vocab_size
-    graphs = 0 if r.enforce_eager else CUDA_GRAPH_BYTES
-    kv = pool - weights - profile - graphs
-    kv_token = kv_bytes_per_token(dims, t, e)
-    length = r.prompt_length + r.response_length
-    cache = {
-        "bytes": kv,
-        "tokens": max(kv, 0) // kv_token,
-        "sequences": max(kv, 0) // kv_token / length,
-        "bytes_per_token": kv_token,
-        "weights_bytes": weights,
-        "activation_profile_bytes": profile,
-        "cuda_graph_bytes": graphs,
-    }
-    return pool, weights, cache
 
 
 def _forward_terms(cfg, dims, role: str, p: PassBatches | None, seq: int) -> tuple[Term, ...]:

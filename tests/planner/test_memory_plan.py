@@ -16,7 +16,6 @@ from megarl.models.tiny import tiny_hf_config
 from megarl.parallel.layout import ParallelLayout
 from megarl.planner.memory import GIB, OptimizerAssumptions, model_state, vllm_weight_bytes
 from megarl.planner.memory_plan import (
-    CUDA_GRAPH_BYTES,
     NCCL_COMMUNICATOR_BYTES,
     Cluster,
     gpu_memory_gib,
@@ -26,6 +25,7 @@ from megarl.planner.memory_plan import (
 )
 from megarl.planner.memory_search import search_layouts
 from megarl.planner.model_presets import PRESETS
+from megarl.planner.vllm_pool import CUDA_GRAPH_BYTES
 from megarl.rollout.reshard.make_plan import make_reshard_plan
 
 CFG_72B = str(Path(__file__).resolve().parents[2] / "configs" / "ppo_qwen2_5_72b.yaml")
