@@ -72,6 +72,28 @@ def topk_mass(topk_log_probs: torch.Tensor) -> torch.Tensor:
     return topk_log_probs.detach().exp().sum(dim=-1)
 
 
+def topk_overlap(
+    student_topk_log_probs: torch.Tensor,
+    teacher_topk_log_probs: torch.Tensor,
+    in_student_topk: torch.Tensor,
+    log_prob_min_clamp: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's top-k overlap diagnostics (arXiv:2604.13016), per position, no gradient.
+
+    ``in_student_topk`` `[B, T, K]` 1/0 marks the teacher's top-k ids that are also among the
+    student's own top k. Returns ``(ratio, advantage)``, each `[B, T]`: the overlap's share of k,
+    and the mean over the overlapping ids of -exp(t_k) (t_k - s_k) (the log-probs clamped below
+    at ``log_prob_min_clamp`` first, as the loss; 0 where none overlap)."""
+    shared = in_student_topk.detach().to(torch.promote_types(in_student_topk.dtype, torch.float32))
+    s = student_topk_log_probs.detach().to(shared.dtype)
+    t = teacher_topk_log_probs.detach().to(shared.dtype)
+    if log_prob_min_clamp is not None:
+        s, t = s.clamp_min(log_prob_min_clamp), t.clamp_min(log_prob_min_clamp)
+    count = shared.sum(dim=-1)
+    advantage = (-(t.exp() * (t - s)) * shared).sum(dim=-1) / count.clamp_min(1.0)
+    return count / shared.shape[-1], advantage
+
+
 def reverse_kl_estimate(
     student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, loss_mode: str
 ) -> torch.Tensor:

@@ -123,8 +123,11 @@ def render(plan: MemoryPlan, proposals: list[Proposal], source: str) -> str:
             f"rollout: vLLM on {plan.rollout_gpus} GPU(s) of its own (phase 'rollout ranks')"
         )
     if plan.teacher_gpus:
+        named = [ph.name for ph in plan.phases if ph.name.startswith("teacher ranks")]
+        phases = ", ".join(f"'{name}'" for name in named)
         lines.append(
-            f"teacher: vLLM on {plan.teacher_gpus} GPU(s) of its own (phase 'teacher ranks')"
+            f"teacher: vLLM on {plan.teacher_gpus} GPU(s) of its own (phase{'s' * (len(named) > 1)} "
+            f"{phases})"
         )
     if plan.moe:
         lines.append(

@@ -155,10 +155,15 @@ def _would_start(cfg) -> str:
 def _describe_teacher(cfg) -> str:
     """``, then N teacher rank(s) ...`` for a vLLM teacher on ranks of its own, else ``""``."""
     from megarl.config.batch_plan import teacher_ranks, teacher_tp
+    from megarl.config.teachers import teachers
 
     ranks = teacher_ranks(cfg)
     if not ranks:
         return ""
+    found = teachers(cfg)
+    if len(found) > 1:
+        each = ", ".join(f"{t.ranks} for {t.name}" for t in found)
+        return f", then {ranks} teacher rank(s) of vLLM's own ({each})"
     tp = teacher_tp(cfg)
     return f", then {ranks} teacher rank(s) of vLLM's own ({ranks // tp} replica(s) of TP {tp})"
 

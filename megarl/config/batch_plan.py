@@ -23,6 +23,7 @@ from megarl.config.async_schedule import (  # rollout_ranks: re-exported
 )
 from megarl.config.errors import ConfigError
 from megarl.config.schema import MegarlConfig
+from megarl.config.teachers import teachers
 
 ARR = "actor_rollout_ref"
 ACTOR = f"{ARR}.actor"
@@ -44,10 +45,9 @@ def ref_used(cfg: MegarlConfig) -> bool:
 
 
 def teacher_engine(cfg: MegarlConfig) -> str | None:
-    """The distillation teacher's ``inference.name`` (None: distillation off)."""
-    if not cfg.distillation.enabled:
-        return None
-    return teacher_inference(cfg).get("name")
+    """The distillation teachers' ``inference.name`` (one for all; None: distillation off)."""
+    found = teachers(cfg)
+    return found[0].engine if found else None
 
 
 def teacher_used(cfg: MegarlConfig) -> bool:
@@ -57,10 +57,9 @@ def teacher_used(cfg: MegarlConfig) -> bool:
 
 
 def teacher_inference(cfg: MegarlConfig) -> dict:
-    """``distillation.teacher_models.teacher_model.inference`` (a copy; {} without it)."""
-    entry = cfg.distillation.teacher_models.get("teacher_model")
-    inference = entry.get("inference") if isinstance(entry, dict) else None
-    return dict(inference) if isinstance(inference, dict) else {}
+    """The first teacher's ``inference`` (a copy; {} without one)."""
+    found = teachers(cfg)
+    return dict(found[0].inference) if found else {}
 
 
 def as_int(value, default: int | None = None) -> int | None:
@@ -72,13 +71,22 @@ def as_int(value, default: int | None = None) -> int | None:
 
 
 def teacher_tp(cfg: MegarlConfig) -> int:
-    """The vLLM teacher's tensor-parallel size (``inference.tensor_model_parallel_size``)."""
-    return as_int(teacher_inference(cfg).get("tensor_model_parallel_size"), 1) or 1
+    """The first vLLM teacher's tensor-parallel size (``inference.tensor_model_parallel_size``)."""
+    found = teachers(cfg)
+    return found[0].tp if found else 1
+
+
+def teacher_blocks(cfg: MegarlConfig) -> tuple[int, ...]:
+    """Each vLLM teacher's share of the teacher-only processes, in pool order (empty when
+    no vLLM teacher has a pool)."""
+    if teacher_engine(cfg) != "vllm":
+        return ()
+    return tuple(t.ranks for t in teachers(cfg))
 
 
 def teacher_ranks(cfg: MegarlConfig) -> int:
     """Teacher-only processes after the rollout-only ones: the distillation pool,
-    ``distillation.nnodes × n_gpus_per_node``, when vLLM serves the teacher (0 otherwise)."""
+    ``distillation.nnodes × n_gpus_per_node``, when vLLM serves the teachers (0 otherwise)."""
     if teacher_engine(cfg) != "vllm":
         return 0
     return max(cfg.distillation.nnodes, 0) * max(cfg.distillation.n_gpus_per_node, 0)

@@ -5,7 +5,7 @@ verl 0.9.1 checks the loss settings always (``DistillationLossConfig.__post_init
 teachers and their pool only when distillation is enabled (``DistillationConfig.__post_init__``);
 so does megarl. megarl adds range checks verl leaves to a crash or a silent no-op (a clamp of the
 wrong sign, a pool of size 0), and refuses in one line what it does not run yet: several
-teachers, a vLLM teacher's replicas of DP or PP.
+Megatron teachers, teachers of two engines, a vLLM teacher's replicas of DP or PP.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 from megarl.config.layout_checks import fmt_value
 from megarl.config.schema_distill import TEACHER_MODEL, TOPK_LOSS_MODES
+from megarl.config.teachers import teachers as read_teachers
 from megarl.config.verl_defaults import verl_tree
 
 __all__ = [
@@ -38,21 +39,18 @@ megarl's own on the training ranks."""
 
 
 def teacher_model_path(cfg) -> str | None:
-    """The single teacher's ``model_path`` (None when distillation is off or none is given)."""
-    d = cfg.distillation
-    entry = d.teacher_models.get("teacher_model") if isinstance(d.teacher_models, dict) else None
-    if not d.enabled or not isinstance(entry, dict):
-        return None
-    return entry.get("model_path") or None
+    """The first teacher's ``model_path`` (None when distillation is off or none is given)."""
+    found = read_teachers(cfg)
+    return found[0].model_path if found else None
 
 
-def teacher_dims(cfg, student):
-    """The teacher's :class:`~megarl.config.model_dims.ModelDims` from its ``config.json``; the
-    student's ``student`` when that cannot be read (a plan of a config whose teacher is
-    elsewhere)."""
+def teacher_dims(cfg, student, path: str | None = None):
+    """The teacher's (``path``'s; default the first teacher's)
+    :class:`~megarl.config.model_dims.ModelDims` from its ``config.json``; the student's
+    ``student`` when that cannot be read (a plan of a config whose teacher is elsewhere)."""
     from megarl.config.model_dims import ModelDims, read_hf_config
 
-    path = teacher_model_path(cfg)
+    path = path or teacher_model_path(cfg)
     try:
         return ModelDims.from_hf_config(read_hf_config(path)) if path else student
     except (OSError, ValueError):
@@ -96,33 +94,44 @@ def check_distillation(cfg, error: Error, warn: Error, *, check_paths: bool = Fa
 
 
 def _check_built(cfg, error: Error, file_problem: Error) -> None:
-    """What of distillation megarl runs: one teacher, a frozen Megatron model on the training
-    ranks or vLLM replicas of TP on a pool of its own."""
+    """What of distillation megarl runs: one frozen Megatron teacher on the training ranks, or
+    vLLM teachers (one, or several routed by ``teacher_key``) of TP replicas on a pool of their
+    own."""
     d = cfg.distillation
     key = f"{D}.teacher_models"
-    if len(d.teacher_models) != 1:
-        error(f"{key}: several teachers (routed by {D}.teacher_key) are not built yet; give one")
+    found = read_teachers(cfg)
+    engines = {t.engine for t in found}
+    if not engines <= set(ENGINES):  # the inference checks' to refuse
         return
-    ((name, entry),) = d.teacher_models.items()
-    inference = (entry.get("inference") or {}) if isinstance(entry, dict) else {}
-    engine = inference.get("name") if isinstance(inference, dict) else None
-    if engine not in ENGINES:  # the inference checks' to refuse
-        return
-    if engine == "vllm":
-        for dim in ("data_parallel_size", "pipeline_model_parallel_size"):
-            if (_int(inference.get(dim, 1)) or 1) > 1:
-                error(
-                    f"{key}.{name}.inference.{dim}={inference.get(dim)}: the vLLM teacher runs "
-                    "pool / tensor_model_parallel_size replicas of TP only; use 1"
-                )
-    elif d.nnodes:
+    if len(engines) > 1:
         error(
-            f"{D}.nnodes={d.nnodes}: the Megatron teacher runs on the training ranks, with no "
-            "pool of its own; use 0"
+            f"{key}: teachers served by both vllm and {MEGATRON_TEACHER} are not built; serve "
+            "every teacher by one engine"
         )
-    path = teacher_model_path(cfg)
-    if path and _check_teacher_files(f"{key}.{name}.model_path", path, file_problem):
-        _check_teacher_vocab(cfg, f"{key}.{name}.model_path", error)
+        return
+    if MEGATRON_TEACHER in engines and len(found) > 1:
+        error(
+            f"{key}: several {MEGATRON_TEACHER} teachers (routed by {D}.teacher_key) are not "
+            "built; give one, or serve them by vllm on a pool of their own"
+        )
+        return
+    for teacher in found:
+        where = f"{key}.{teacher.name}"
+        if teacher.engine == "vllm":
+            for dim in ("data_parallel_size", "pipeline_model_parallel_size"):
+                if (_int(teacher.inference.get(dim, 1)) or 1) > 1:
+                    error(
+                        f"{where}.inference.{dim}={teacher.inference.get(dim)}: a vLLM teacher "
+                        "runs num_replicas replicas of TP only; use 1"
+                    )
+        elif d.nnodes:
+            error(
+                f"{D}.nnodes={d.nnodes}: the Megatron teacher runs on the training ranks, with "
+                "no pool of its own; use 0"
+            )
+        path = teacher.model_path
+        if path and _check_teacher_files(f"{where}.model_path", path, file_problem):
+            _check_teacher_vocab(cfg, f"{where}.model_path", path, error)
 
 
 def _check_teacher_files(key: str, path: str, problem: Error) -> bool:
@@ -144,13 +153,13 @@ def _check_teacher_files(key: str, path: str, problem: Error) -> bool:
     return True
 
 
-def _check_teacher_vocab(cfg, key: str, error: Error) -> None:
+def _check_teacher_vocab(cfg, key: str, path: str, error: Error) -> None:
     """Teacher and student score the same token ids: the same vocabulary size (where both
     ``config.json`` files can be read; a missing path is the path checks' to report)."""
     from megarl.config.model_dims import read_hf_config
 
     try:
-        teacher = read_hf_config(teacher_model_path(cfg))
+        teacher = read_hf_config(path)
         student = read_hf_config(cfg.actor_rollout_ref.model.path)
     except (OSError, TypeError, ValueError):
         return
@@ -205,10 +214,7 @@ def _check_teachers(cfg, error: Error) -> None:
     d = cfg.distillation
     loss = d.distillation_loss
     pool = d.n_gpus_per_node * d.nnodes
-    own = [
-        entry for entry in d.teacher_models.values()
-        if isinstance(entry, dict) and (entry.get("inference") or {}).get("name") != MEGATRON_TEACHER
-    ]  # fmt: skip
+    own = [t for t in read_teachers(cfg) if t.engine != MEGATRON_TEACHER]
     if not own:  # megarl's Megatron teacher: on the training ranks, no pool
         pool = 0
     if pool == 0 and own:
@@ -216,10 +222,7 @@ def _check_teachers(cfg, error: Error) -> None:
             f"{D}.nnodes={d.nnodes} x n_gpus_per_node={d.n_gpus_per_node} = 0: the teachers "
             "need GPUs of their own"
         )
-    teachers = d.teacher_models
-    if "teacher_model" not in teachers:
-        error(f"{D}.teacher_models has no 'teacher_model' entry (verl's single-teacher default)")
-        return
+    teachers = d.teacher_models  # always with verl's default teacher_model (schema_distill)
     single = len(teachers) == 1
     names = ["teacher_model"] if single else [n for n in teachers if n != "teacher_model"]
     seen: dict[str, str] = {}

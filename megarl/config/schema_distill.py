@@ -108,12 +108,15 @@ class DistillationConfig:
     """The loss and its mode."""
 
     def __post_init__(self) -> None:
-        # Each teacher given in part keeps the default teacher's other keys, as Hydra merges an
-        # override into verl's tree (``teacher_model.model_path=...`` keeps its inference.*).
+        # Each teacher given in part keeps the default teacher's other keys, and the section
+        # keeps the default teacher, as Hydra merges overrides and files into verl's tree
+        # (``teacher_model.model_path=...`` keeps its inference.*; ``+teacher_models.math.*``
+        # adds a teacher beside ``teacher_model``, which verl then leaves out of several).
         if isinstance(self.teacher_models, dict):
+            given = {"teacher_model": {}, **self.teacher_models}
             self.teacher_models = {
                 name: _merged(TEACHER_MODEL, entry) if isinstance(entry, dict) else entry
-                for name, entry in self.teacher_models.items()
+                for name, entry in given.items()
             }
 
 

@@ -23,6 +23,9 @@ SCORE_IDS = "score_ids"
 top-k) at which an actor also returns its log-probs, as ``LOG_PROBS_AT_IDS``."""
 LOG_PROBS_AT_IDS = "log_probs_at_ids"
 """``[b, R, k]`` log softmax(logits / temperature) at the ``SCORE_IDS``, differentiable."""
+IDS_IN_TOPK = "ids_in_topk"
+"""``[b, R, k]`` 1/0: whether each of the ``SCORE_IDS`` is among the actor's own k most likely
+tokens there (vocab-parallel top-k; verl's teacher/student top-k overlap)."""
 
 
 def gather_response(
@@ -120,6 +123,13 @@ def output_fn(
                 group=tp_group,
             )  # fmt: skip
             out[LOG_PROBS_AT_IDS] = gather_response(per_position(at), plen, lens, r)
+            _, own = vocab_parallel_topk_log_probs(
+                output_tensor.detach(), ids.shape[-1], vocab_size=vocab_size,  # type: ignore[arg-type]
+                temperature=temperature, vocab_start=tp_rank * output_tensor.shape[-1],
+                group=tp_group,
+            )  # fmt: skip
+            shared = (ids[..., :, None] == own[..., None, :]).any(-1).to(at.dtype)
+            out[IDS_IN_TOPK] = gather_response(per_position(shared), plen, lens, r)
         return out
 
     return outputs_of

@@ -30,6 +30,7 @@ from megarl.config.distillation_checks import teacher_dims
 from megarl.config.lora_checks import lora_enabled
 from megarl.config.model_dims import ModelDims, padded_vocab_size
 from megarl.config.schema import MegarlConfig, MegatronConfig
+from megarl.config.teachers import teachers
 from megarl.parallel.layout import ParallelLayout
 from megarl.planner.activations import (
     Impl,
@@ -325,10 +326,13 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
         engine = _engine_terms(OWN_GPUS, pool, vllm, graphs)
         phases.append(Phase("rollout ranks", (*engine, own_comms, *received)))
     teacher_gpus, teacher_kv = teacher_ranks(cfg), 1
-    if teacher_gpus:  # the distillation teacher's vLLM on a pool of its own
-        teacher = teacher_pool(cfg, teacher_dims(cfg, dims), cluster.gpu_bytes)
-        phases.append(_teacher_phase(teacher))
-        teacher_kv = teacher.kv
+    if teacher_gpus:  # the distillation teachers' vLLM on a pool of their own
+        found = teachers(cfg)
+        pools = [teacher_pool(cfg, teacher_dims(cfg, dims, spec.model_path), cluster.gpu_bytes,
+                              spec) for spec in found]  # fmt: skip
+        for spec, teacher in zip(found, pools, strict=True):
+            phases.append(_teacher_phase(teacher, spec.name if len(found) > 1 else None))
+        teacher_kv = min(teacher.kv for teacher in pools)
     level1 = bool(cfg.trainer.skip_weight_sync_steps) and arr.rollout.free_cache_engine
     part = vllm_weight_bytes(
         dims, arr.rollout.tensor_model_parallel_size, ITEMSIZE[cfg.trainer.dtype]
@@ -388,9 +392,10 @@ def plan_memory(cfg: MegarlConfig, dims: ModelDims, cluster: Cluster) -> MemoryP
                       teacher_gpus, teacher_kv)  # fmt: skip
 
 
-def _teacher_phase(teacher: TeacherPool) -> Phase:
-    """A teacher rank's device (phase ``teacher ranks``): its weights and the rest of its pool."""
-    return Phase("teacher ranks", (
+def _teacher_phase(teacher: TeacherPool, name: str | None = None) -> Phase:
+    """A teacher rank's device (phase ``teacher ranks``, ``teacher ranks (<name>)`` of one of
+    several teachers): its weights and the rest of its pool."""
+    return Phase("teacher ranks" + (f" ({name})" if name else ""), (
         Term("teacher's vLLM weights", teacher.weights,
              f"the teacher's weights per rank (TP {teacher.tp})"),
         Term(

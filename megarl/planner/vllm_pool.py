@@ -80,9 +80,11 @@ class TeacherPool:
         return self.pool - self.weights - self.profile
 
 
-def teacher_pool(cfg, dims: ModelDims, gpu_bytes: int) -> TeacherPool:
-    """The distillation teacher's pool (``dims``: the teacher's shape) on one of its GPUs."""
-    inference, t = teacher_inference(cfg), teacher_tp(cfg)
+def teacher_pool(cfg, dims: ModelDims, gpu_bytes: int, spec=None) -> TeacherPool:
+    """The distillation teacher's pool (``dims``: the teacher's shape; ``spec``: which teacher,
+    a :class:`megarl.config.teachers.TeacherSpec`, default the first) on one of its GPUs."""
+    inference = spec.inference if spec is not None else teacher_inference(cfg)
+    t = spec.tp if spec is not None else teacher_tp(cfg)
     e = ITEMSIZE[cfg.trainer.dtype]
     tokens = int(inference.get("max_num_batched_tokens") or 8192)
     return TeacherPool(

@@ -42,7 +42,7 @@ def run(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
     if verbose is None:
         verbose = os.environ.get("MEGARL_VERBOSE", "0") not in ("", "0")
     run_dir = Path(cfg.trainer.default_local_dir).expanduser().resolve()
-    from megarl.config.batch_plan import rollout_ranks, teacher_ranks, world_size
+    from megarl.config.batch_plan import rollout_ranks, teacher_blocks, teacher_ranks, world_size
 
     if rollout_ranks(cfg) or teacher_ranks(cfg):  # vLLM on ranks of its own: split the launch
         from megarl.parallel.init import process_group_timeout_minutes
@@ -50,6 +50,7 @@ def run(cfg: MegarlConfig, *, verbose: bool | None = None) -> int:
 
         minutes = process_group_timeout_minutes(cfg.actor_rollout_ref.nccl_timeout)
         role = split_world(world_size(cfg), teacher_size=teacher_ranks(cfg),
+                           teacher_sizes=teacher_blocks(cfg),
                            timeout=timedelta(minutes=minutes)).role  # fmt: skip
         if role != "train":
             return _serve_rollout(cfg, run_dir, verbose)
@@ -339,10 +340,17 @@ def _announce(run: Run) -> None:
 def _teacher_placement(run: Run) -> str:
     """``, teacher ...`` for on-policy distillation (where its scores come from), else ``""``."""
     if run.teacher_client is not None:
-        from megarl.config.batch_plan import teacher_tp
+        from megarl.config.teachers import teachers
 
-        ranks, tp = len(run.teacher_client.ranks), teacher_tp(run.cfg)
-        return f", teacher vllm TP {tp} x {ranks // tp} replica(s) on {ranks} rank(s) of its own"
+        found = teachers(run.cfg)
+        if len(found) == 1:
+            ranks, tp = found[0].ranks, found[0].tp
+            return (
+                f", teacher vllm TP {tp} x {ranks // tp} replica(s) on {ranks} rank(s) of its own"
+            )
+        routed = "; ".join(f"{t.name} (key {t.key}) TP {t.tp} x {t.ranks // t.tp}" for t in found)
+        key = run.cfg.distillation.teacher_key
+        return f", {len(found)} vllm teachers routed by {key} on ranks of their own: {routed}"
     return ", teacher megatron on the training ranks" if run.teacher is not None else ""
 
 

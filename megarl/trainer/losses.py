@@ -26,6 +26,7 @@ from megarl.algo.distillation import (
     distillation_advantages,
     distillation_token_losses,
     topk_mass,
+    topk_overlap,
 )
 
 TOKEN_MEANS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "vf_clipfrac")
@@ -89,13 +90,23 @@ def distillation_loss(
     clip_ratio_c: float = 3.0,
     student_topk_log_prob: torch.Tensor | None = None,
     teacher_topk_log_prob: torch.Tensor | None = None,
+    ids_in_topk: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The micro-batch's share of the distillation loss: the per-token divergence to the teacher
     (:func:`megarl.algo.distillation.distillation_token_losses`) aggregated by
     ``loss_agg_mode`` (supervised), or, with ``use_policy_gradient``, the vanilla clipped policy
     loss with advantage = −divergence and the distillation section's clip ratios (the actor's
     dual-clip bound and rollout importance weights, as its own policy loss). The top-k mode
-    reads ``student_topk_log_prob`` and ``teacher_topk_log_prob`` ``[b, R, k]``."""
+    reads ``student_topk_log_prob`` and ``teacher_topk_log_prob`` ``[b, R, k]`` (and
+    ``ids_in_topk``, which of the teacher's ids are in the student's own top-k, for verl's
+    overlap metrics).
+
+    Metrics, each a token mean as the others: ``distillation/loss``, ``divergence``, the top-k
+    mode's ``{student,teacher}_mass`` and ``overlap_ratio``, and the clamps' shares,
+    ``loss_clamp_fraction`` (response tokens whose loss ``loss_max_clamp`` cut) and
+    ``log_prob_clamp_fraction`` (the student's top-k log-probs under ``log_prob_min_clamp``,
+    which get no gradient); ``overlap_token_advantage`` (over the tokens with an overlap) is
+    put together from two shares by :func:`finish_distillation_metrics`."""
     topk = settings.loss_mode in TOPK_LOSS_MODES
     if teacher_log_prob is None or (topk and teacher_topk_log_prob is None):
         raise ValueError("on-policy distillation needs the teacher's log-probs in the batch")
@@ -103,12 +114,13 @@ def distillation_loss(
         raise ValueError(f"loss_mode={settings.loss_mode} needs the student's log-probs at the "
                          "teacher's top-k ids (the update's score_ids extra)")  # fmt: skip
     agg = counts.as_kwargs()
-    tokens = distillation_token_losses(settings.loss_mode, student_log_probs=log_prob,
-                                       teacher_log_probs=teacher_log_prob,
-                                       student_topk_log_probs=student_topk_log_prob,
-                                       teacher_topk_log_probs=teacher_topk_log_prob,
-                                       log_prob_min_clamp=settings.log_prob_min_clamp,
-                                       loss_max_clamp=settings.loss_max_clamp)  # fmt: skip
+    raw = distillation_token_losses(settings.loss_mode, student_log_probs=log_prob,
+                                    teacher_log_probs=teacher_log_prob,
+                                    student_topk_log_probs=student_topk_log_prob,
+                                    teacher_topk_log_probs=teacher_topk_log_prob,
+                                    log_prob_min_clamp=settings.log_prob_min_clamp)  # fmt: skip
+    c = settings.loss_max_clamp
+    tokens = raw if c is None else raw.clamp(-c, c)
     if not settings.use_policy_gradient:
         share = agg_loss(tokens, response_mask, **agg)
     else:
@@ -136,7 +148,48 @@ def distillation_loss(
         ):
             mass = (topk_mass(values) * response_mask).sum() / max(float(response_mask.sum()), 1.0)
             metrics[f"distillation/{name}_mass"] = mass * weight
+    share_of = _token_share(response_mask, counts.global_token_count)
+    if c is not None:
+        metrics["distillation/loss_clamp_fraction"] = share_of(raw.detach().abs() > c)
+    if topk and settings.log_prob_min_clamp is not None:
+        floor = student_topk_log_prob.detach() < settings.log_prob_min_clamp
+        metrics["distillation/log_prob_clamp_fraction"] = share_of(floor.float().mean(dim=-1))
+    if topk and ids_in_topk is not None:
+        ratio, advantage = topk_overlap(student_topk_log_prob, teacher_topk_log_prob, ids_in_topk,
+                                        settings.log_prob_min_clamp)  # fmt: skip
+        overlapping = (ratio > 0).to(ratio.dtype)
+        metrics["distillation/overlap_ratio"] = share_of(ratio)
+        metrics[_OVERLAP_ADVANTAGE] = share_of(advantage * overlapping)
+        metrics[_OVERLAPPING] = share_of(overlapping)
     return share, metrics
+
+
+_OVERLAP_ADVANTAGE = "distillation/_overlap_advantage_share"
+_OVERLAPPING = "distillation/_overlapping_share"
+
+
+def _token_share(response_mask: torch.Tensor, global_tokens: float):
+    """``values`` `[b, R]` summed over this micro-batch's response tokens / the mini-batch's
+    tokens: summed over micro-batches, the token mean (the other metrics' weighting)."""
+
+    def share(values: torch.Tensor) -> torch.Tensor:
+        return (values.detach().to(response_mask.dtype) * response_mask).sum() / global_tokens
+
+    return share
+
+
+def finish_distillation_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The update's metrics with verl's ``distillation/overlap_token_advantage``: the mean over
+    the response tokens where teacher and student top-k overlap (the ratio of its two shares,
+    each averaged over mini-batches alike); the shares removed."""
+    if _OVERLAPPING not in metrics:
+        return metrics
+    out = {k: v for k, v in metrics.items() if k not in (_OVERLAP_ADVANTAGE, _OVERLAPPING)}
+    overlapping = metrics[_OVERLAPPING]
+    out["distillation/overlap_token_advantage"] = (
+        metrics[_OVERLAP_ADVANTAGE] / overlapping if overlapping else 0.0
+    )
+    return out
 
 
 def policy_loss(
@@ -154,6 +207,7 @@ def policy_loss(
     teacher_log_prob: torch.Tensor | None = None,
     student_topk_log_prob: torch.Tensor | None = None,
     teacher_topk_log_prob: torch.Tensor | None = None,
+    ids_in_topk: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor's share and metric shares for one micro-batch, every tensor ``[b, R]``.
 
@@ -203,6 +257,7 @@ def policy_loss(
             clip_ratio_c=settings.policy_loss_kwargs.get("clip_ratio_c", 3.0),
             student_topk_log_prob=student_topk_log_prob,
             teacher_topk_log_prob=teacher_topk_log_prob,
+            ids_in_topk=ids_in_topk,
         )  # fmt: skip
         loss = combined_loss(loss, share, use_task_rewards=distill.use_task_rewards,
                              distillation_loss_coef=distill.distillation_loss_coef)  # fmt: skip

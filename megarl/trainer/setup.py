@@ -489,15 +489,18 @@ def _teacher_client(cfg: MegarlConfig):
 
     if not teacher_ranks(cfg):
         return None
+    from megarl.config.teachers import teachers
     from megarl.rollout.remote.split_world import current
     from megarl.rollout.remote.teacher import TeacherClient
 
-    return TeacherClient(current())
+    return TeacherClient(current(), [t.name for t in teachers(cfg)])
 
 
 def serve_teacher(cfg: MegarlConfig) -> None:
-    """A teacher rank of a split launch: start the teacher's vLLM and score the training
-    ranks' batches until they stop it (:mod:`megarl.rollout.remote.teacher`)."""
+    """A teacher rank of a split launch: start its teacher's vLLM (the teacher whose block of
+    the teacher ranks it is in) and score the training ranks' batches until they stop it
+    (:mod:`megarl.rollout.remote.teacher`)."""
+    from megarl.config.teachers import teachers
     from megarl.rollout.remote.split_world import current
     from megarl.rollout.remote.teacher import serve_teacher as serve
     from megarl.rollout.remote.teacher import start_teacher_engine
@@ -505,7 +508,7 @@ def serve_teacher(cfg: MegarlConfig) -> None:
     world = current()
     if world is None or world.role != "teacher":
         raise RuntimeError("serve_teacher runs on the teacher ranks of a split launch")
-    engine = start_teacher_engine(cfg)
+    engine = start_teacher_engine(cfg, teachers(cfg)[world.teacher_index or 0])
     try:
         serve(world, engine)
     finally:

@@ -116,7 +116,8 @@ def train_step(
         if run.teacher is not None:  # the Megatron teacher's parameters onto the device
             enter(run, "teacher", step=step)
         with timer("teacher"):
-            teacher.score_batch(run, batch)
+            routed = [prompts[s.prompt_index] for s in samples]
+            metrics.update(teacher.score_batch(run, batch, routed))
     correction = correct_for_rollout(batch, cfg.algorithm.rollout_correction, shortcut)
     batch.old_log_probs = correction.old_log_probs
     batch.rollout_is_weights = correction.rollout_is_weights

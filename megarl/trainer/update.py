@@ -24,12 +24,18 @@ from megarl.algo import count_tokens_and_seqs, micro_batch_generator
 from megarl.models.expert_load import ExpertLoad
 from megarl.models.gpt import unwrap
 from megarl.models.routing import Routing, agreement_over_world
-from megarl.models.run_outputs import LOG_PROBS_AT_IDS, SCORE_IDS
+from megarl.models.run_outputs import IDS_IN_TOPK, LOG_PROBS_AT_IDS, SCORE_IDS
 from megarl.models.runner import forward_backward
 from megarl.models.trainable import TrainableModel
 from megarl.parallel.init import device
 from megarl.trainer.batch import BATCH, StepBatch
-from megarl.trainer.losses import Counts, Distillation, policy_loss, value_loss
+from megarl.trainer.losses import (
+    Counts,
+    Distillation,
+    finish_distillation_metrics,
+    policy_loss,
+    value_loss,
+)
 from megarl.trainer.split import dp_share, micro_batches, mini_batches, seeded_generator
 
 
@@ -138,6 +144,7 @@ def update_policy(
                 teacher_log_prob=cut(data.teacher_log_probs),
                 student_topk_log_prob=outputs.get(LOG_PROBS_AT_IDS),
                 teacher_topk_log_prob=cut(data.teacher_topk_log_probs),
+                ids_in_topk=outputs.get(IDS_IN_TOPK),
             )
 
         return loss_fn
@@ -159,6 +166,7 @@ def update_policy(
         temperature=settings.temperature,
         keep=keep,
     )
+    metrics = finish_distillation_metrics(metrics)
     return PolicyUpdateResult(
         {f"actor/{k}": v for k, v in metrics.items()}, kept[0] if kept else None
     )

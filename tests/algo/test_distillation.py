@@ -57,6 +57,22 @@ def test_forward_kl_topk_log_prob_floor_by_hand():
     assert s.grad.tolist() == [[[-0.5, 0.0]]]
 
 
+def test_topk_overlap_by_hand():
+    """Teacher top-2 q = (1/2, 1/4), student p = (1/4, 1/4) at those ids. Position 1: only the
+    first id is in the student's own top 2: ratio 1/2, advantage -1/2 (ln 1/2 - ln 1/4) =
+    -ln2 / 2. Position 2: both: ratio 1, advantage (-ln2/2 + 0) / 2. Position 3: none: 0 and
+    0. With the floor m = ln 1/2 both entries of position 2 floor to ln 1/2: -1/2·0 - 1/2·0 = 0
+    (the teacher's 1/4 too)."""
+    s = torch.stack([lp(0.25, 0.25)] * 3)[None]
+    t = torch.stack([lp(0.5, 0.25)] * 3)[None]
+    shared = torch.tensor([[[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]], dtype=torch.float64)
+    ratio, advantage = d.topk_overlap(s, t, shared)
+    assert ratio.tolist() == [[0.5, 1.0, 0.0]]
+    assert advantage[0].tolist() == pytest.approx([-LN2 / 2, -LN2 / 4, 0.0], abs=1e-12)
+    _, floored = d.topk_overlap(s, t, shared, log_prob_min_clamp=math.log(0.5))
+    assert floored[0].tolist() == pytest.approx([0.0, 0.0, 0.0], abs=1e-12)
+
+
 def test_forward_kl_topk_gradient_through_the_full_softmax_by_hand():
     """Vocabulary 3, student logits 0 (p = 1/3 each), teacher top-2 ids (0, 1) with q = (1/2, 1/4),
     m = 3/4: loss = 1/2 ln(3/2) + 1/4 ln(3/4); dL/dz_j = m p_j - q_j 1[j in top-k] =

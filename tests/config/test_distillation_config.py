@@ -1,6 +1,6 @@
 """``distillation.*`` (verl 0.9.1's on-policy distillation section): verl's composed YAML
 defaults, verl's checks (and megarl's range checks), each bad value refused in one line naming
-its key, and ``enabled=true`` refused in one line while the teacher is not built.
+its key, what megarl does not build refused in one line, and the teachers as the run reads them.
 
 In-process (``load_config`` + ``validate`` on ``configs/grpo_tiny_cpu.yaml``).
 """
@@ -95,7 +95,7 @@ def test_a_vllm_teacher_on_a_pool_of_its_own_is_accepted_with_replicas_of_tp_onl
     assert problems([*ENABLED, f"{L}.loss_mode=forward_kl_topk"]) == []
     for dim in ("data_parallel_size", "pipeline_model_parallel_size"):
         (line,) = problems([*ENABLED, f"+{T}.teacher_model.inference.{dim}=2"])
-        assert line.startswith(f"{T}.teacher_model.inference.{dim}=2: the vLLM teacher runs"), line
+        assert line.startswith(f"{T}.teacher_model.inference.{dim}=2: a vLLM teacher runs"), line
 
 
 def test_the_megatron_teacher_on_the_training_ranks_is_accepted_with_every_loss_mode():
@@ -173,20 +173,36 @@ def test_a_top_k_larger_than_the_vocabulary_is_refused(tmp_path):
 )  # fmt: skip
 def test_verls_teacher_checks_when_enabled(overrides, line):
     found = problems([*ENABLED, *overrides])
-    several = f"{T}: several teachers (routed by distillation.teacher_key) are not built yet"
-    if any("num_replicas" in o for o in overrides):  # several teachers: also not built yet
-        assert found[-1].startswith(several), found
-        assert len(found) == 2 and found[0].startswith(line), found
-    else:
-        assert len(found) == 1 and found[0].startswith(line), found
+    assert len(found) == 1 and found[0].startswith(line), found
 
 
-def test_two_teachers_filling_the_pool_pass_the_teacher_checks():
-    teachers = [f"+{T}.{name}.{key}={value}"
-                for name in ("math", "gsm")
-                for key, value in (("key", name), ("model_path", name), ("num_replicas", 1))]  # fmt: skip
-    (line,) = problems([*ENABLED, *teachers])
-    assert line.startswith(f"{T}: several teachers (routed by distillation.teacher_key) are not")
+TWO = [f"+{T}.{name}.{key}={value}"
+       for name in ("math", "gsm")
+       for key, value in (("key", name), ("model_path", name), ("num_replicas", 1))]  # fmt: skip
+"""Two routed teachers of TP 2, one replica each: the pool of 4."""
+
+
+def test_two_teachers_filling_the_pool_are_accepted_and_read_in_pool_order():
+    from megarl.config.batch_plan import teacher_blocks, teacher_ranks
+    from megarl.config.teachers import teachers
+
+    assert problems([*ENABLED, *TWO]) == []
+    cfg = load_config(TINY, [*ENABLED, *TWO])
+    found = teachers(cfg)  # verl's rule: the default entry teacher_model is left out
+    assert [(t.name, t.key, t.model_path, t.ranks, t.tp) for t in found] == [
+        ("math", "math", "math", 2, 2), ("gsm", "gsm", "gsm", 2, 2),
+    ]  # fmt: skip
+    assert teacher_blocks(cfg) == (2, 2) and teacher_ranks(cfg) == 4
+    (single,) = teachers(load_config(TINY, ENABLED))
+    assert (single.name, single.key, single.ranks) == ("teacher_model", None, 4)
+
+
+def test_several_megatron_teachers_and_two_engines_are_refused_in_one_line():
+    megatron = [f"+{T}.{n}.inference.name=megatron" for n in ("math", "gsm")]
+    (line,) = problems([*ENABLED, *TWO, *megatron, "distillation.nnodes=0"])
+    assert line.startswith(f"{T}: several megatron teachers (routed by distillation.teacher_key)")
+    (line,) = problems([*ENABLED, *TWO, megatron[0]])
+    assert line.startswith(f"{T}: teachers served by both vllm and megatron are not built"), line
 
 
 def test_the_top_k_loss_through_the_policy_gradient_is_warned_about_as_verl_does():
@@ -222,3 +238,24 @@ def test_the_megatron_teachers_files_are_checked_at_the_preflight(what, tmp_path
     assert {"missing": "does not exist", "no_config": "without a config.json",
             "unsupported": "unsupported architecture"}[what] in line  # fmt: skip
     assert any(w.startswith(f"{T}.teacher_model.model_path=") for w in validate(cfg))
+
+
+def test_samples_are_routed_by_teacher_key_and_an_unnamed_value_is_one_line():
+    from megarl.data.dataset import PromptSample
+    from megarl.trainer.teacher import RoutingError, routes_of
+
+    def sample(source, ability, extra, row):
+        return PromptSample(row, [1], "q", source, "1", extra, ability, f"train.parquet row {row}")
+
+    prompts = [sample("math", "arith", {"t": "gsm"}, 0), sample("gsm", "arith", {"t": "math"}, 1)]
+    assert routes_of(load_config(TINY, ENABLED), prompts) is None  # one teacher takes all
+    assert routes_of(load_config(TINY, [*ENABLED, *TWO]), prompts) == [0, 1]  # data_source
+    by_extra = load_config(TINY, [*ENABLED, *TWO, "distillation.teacher_key=t"])
+    assert routes_of(by_extra, prompts) == [1, 0]
+    stray = [*prompts, sample("code", "arith", {"t": "code"}, 2)]
+    with pytest.raises(RoutingError) as error:
+        routes_of(by_extra, stray)
+    assert str(error.value) == (
+        "distillation.teacher_key=t: train.parquet row 2 has 'code', which no teacher's key "
+        "names (math -> math, gsm -> gsm)"
+    )

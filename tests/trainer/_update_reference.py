@@ -42,8 +42,10 @@ def _actor_outputs(hf, ids, plen, lens, width, temperature, router=None, at_ids=
     at_pos = logp.gather(1, pos[..., None].expand(-1, -1, logp.shape[-1]))
     token_logp = at_pos.gather(2, targets[..., None]).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1).gather(1, pos)
-    if at_ids is not None:
-        return token_logp * mask, entropy * mask, mask.float(), at_pos.gather(2, at_ids)
+    if at_ids is not None:  # and which of them are among the model's own top K there
+        own = at_pos.topk(at_ids.shape[-1], dim=-1).indices
+        in_own = (at_ids[..., :, None] == own[..., None, :]).any(-1).double()
+        return token_logp * mask, entropy * mask, mask.float(), at_pos.gather(2, at_ids), in_own
     return token_logp * mask, entropy * mask, mask.float()
 
 
@@ -143,6 +145,8 @@ def reference_update(spec: dict, data: dict, case: dict, optimizer: str, model: 
             sums["distillation/loss"] = sums.get("distillation/loss", 0.0) + float(share)
             divergence = float((tokens.detach() * mask).sum() / mask.sum())
             sums["distillation/divergence"] = sums.get("distillation/divergence", 0.0) + divergence
+            for key, value in _distillation_metrics(distill, logp, mask, *at, data, rows).items():
+                sums[key] = sums.get(key, 0.0) + value
         if coeffs:
             terms = _router_losses(
                 router, data["lens"][rows], ids.shape[1], spec["micro_batch_size"]
@@ -162,6 +166,9 @@ def reference_update(spec: dict, data: dict, case: dict, optimizer: str, model: 
         sums["ppo_kl"] += float(pg_metrics["ppo_kl"])
         sums["grad_norm"] += norm
     means = {k: v / len(minis) for k, v in sums.items()}
+    if "overlapping" in means:  # the mean over the tokens where the top-k overlap
+        a, b = means.pop("overlap_advantage"), means.pop("overlapping")
+        means["distillation/overlap_token_advantage"] = a / b if b else 0.0
     return _checkpoint_names({n: p.detach().float().clone() for n, p in named.items()}), means
 
 
@@ -189,6 +196,44 @@ def _distillation_share(distill, spec, logp, old, mask, student_at, data, rows):
         **LOCAL_COUNTS,
     )  # fmt: skip
     return share, tokens
+
+
+def _distillation_metrics(distill, logp, mask, student_at, in_own, data, rows) -> dict:
+    """A mini-batch's distillation metrics besides the loss and the divergence, as token means
+    written out here: the teacher's and the student's probability on the teacher's top-k (before
+    any clamp), the share of the teacher's top-k among the student's own, the clamps' shares (the
+    tokens whose loss loss_max_clamp cut; the student's top-k log-probs under the floor); and
+    the two sums of the mean over the overlapping tokens of -sum_{k shared} q_k (log q_k -
+    log p_k) (the log-probs floored first)."""
+    from megarl.algo.distillation import distillation_token_losses
+
+    n = mask.sum()
+
+    def mean(values):
+        return float((values * mask).sum() / n)
+
+    teacher_at = data["teacher_topk_log_probs"][rows].double()
+    out = {}
+    if distill["loss_mode"] == "forward_kl_topk":
+        out["distillation/student_mass"] = mean(student_at.exp().sum(-1))
+        out["distillation/teacher_mass"] = mean(teacher_at.exp().sum(-1))
+        out["distillation/overlap_ratio"] = mean(in_own.sum(-1) / in_own.shape[-1])
+        s, t, floor = student_at.detach(), teacher_at, distill.get("log_prob_min_clamp")
+        if floor is not None:
+            out["distillation/log_prob_clamp_fraction"] = mean((s < floor).double().mean(-1))
+            s, t = s.clamp_min(floor), t.clamp_min(floor)
+        count = in_own.sum(-1)
+        per_token = (-(t.exp() * (t - s)) * in_own).sum(-1) / count.clamp_min(1)
+        out["overlap_advantage"] = mean(per_token * (count > 0))
+        out["overlapping"] = mean((count > 0).double())
+    clamp = distill.get("loss_max_clamp")
+    if clamp is not None:
+        raw = distillation_token_losses(
+            distill["loss_mode"], student_log_probs=logp.detach(),
+            teacher_log_probs=data["teacher_log_probs"][rows].double(),
+        )  # fmt: skip
+        out["distillation/loss_clamp_fraction"] = mean((raw.abs() > clamp).double())
+    return out
 
 
 def _checkpoint_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -8,7 +8,8 @@ The teacher is the student's own checkpoint, so at the first step the teacher's 
 the update's student forward at those ids must agree (divergence 0 to rounding, the same
 probability mass on the top-k from both sides); the truncated KL's gradient is not zero (the
 top-k hold less than all the mass), so the second step's student has moved and the frozen
-teacher has not."""
+teacher has not. The vLLM teachers on ranks of their own, routed by ``teacher_key``: the last
+test."""
 
 from __future__ import annotations
 
@@ -55,34 +56,75 @@ def test_a_megatron_teacher_scores_the_students_samples_in_its_own_phase(tmp_pat
     assert second["actor/distillation/divergence"] > 1e-4, second  # the student moved, not it
 
 
-def test_a_vllm_teacher_on_a_rank_of_its_own_scores_the_students_samples(tmp_path: Path):
-    """verl's way: the teacher served by vLLM on a pool of its own (``distillation.nnodes`` ×
-    ``n_gpus_per_node`` = 1 rank after the training rank), its top-k from vLLM's prompt
-    log-probs. The teacher is the student's checkpoint again and the rollout temperature 1, as
-    vLLM scores: at step 1 its top-k and the student's log-probs at those ids agree to the
-    engines' difference (vLLM against Megatron, fp32), which a shift of one position or a wrong
-    id would break by orders of magnitude."""
+def _routed_rows(path: Path, per_step: int, teachers: list[str]) -> Path:
+    """The synthetic task's rows, ``per_step`` (a step's prompts) routed to each of
+    ``teachers`` in turn, by an ``extra_info`` field ``teacher``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megarl.data.synthetic import make_rows
+
+    rows = make_rows(per_step * len(teachers), split="train", seed=0)
+    for i, row in enumerate(rows):
+        row["extra_info"]["teacher"] = teachers[i // per_step]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_two_vllm_teachers_on_ranks_of_their_own_score_the_samples_routed_to_them(tmp_path: Path):
+    """verl's way: the teachers served by vLLM on a pool of their own (``distillation.nnodes`` ×
+    ``n_gpus_per_node`` = 2 ranks after the training rank, one replica of TP 1 each), their
+    top-k from vLLM's prompt log-probs, each sample routed by ``teacher_key`` (here an
+    ``extra_info`` field) to the teacher whose ``key`` it names. Teacher ``same`` is the
+    student's checkpoint, ``other`` a tiny model of other weights; steps 1 and 2 go to
+    ``same``, step 3 to ``other`` (the data in order).
+
+    With the rollout temperature 1, as vLLM scores: at step 1 ``same``'s top-k and the
+    student's log-probs at those ids agree to the engines' difference (vLLM against Megatron,
+    fp32), which a shift of one position or a wrong id would break by orders of magnitude; at
+    step 2 the student has moved and the frozen teacher not. The routing: each step's samples
+    counted under the teacher they went to, and the rollout's log-probs against the teacher's
+    near 0 for ``same`` and far from it for ``other`` (a swap, or every sample to one teacher,
+    fails one of the three steps)."""
+    from megarl.models.tiny import make_tiny_model
+
     out = tmp_path / "run"
     (out / "tmp").mkdir(parents=True)
+    other = make_tiny_model(tmp_path / "other", seed=7)
+    data = _routed_rows(tmp_path / "data" / "train.parquet", 8, ["same", "same", "other"])
+    T = "+distillation.teacher_models"
     proc = launch_quickstart(out, [
-        "--nproc", "1", "trainer.total_training_steps=2", "trainer.val_before_train=false",
-        "trainer.test_freq=-1", "trainer.save_freq=-1",
+        "--nproc", "1", "trainer.total_training_steps=3", "trainer.val_before_train=false",
+        "trainer.test_freq=-1", "trainer.save_freq=-1", f"data.train_files={data}",
+        "data.shuffle=false",
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.use_kl_loss=false",
-        "distillation.enabled=true", "distillation.nnodes=1", "distillation.n_gpus_per_node=1",
-        f"+distillation.teacher_models.teacher_model.model_path={out / 'tiny-qwen2'}",
-        "distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=1",
+        "distillation.enabled=true", "distillation.nnodes=1", "distillation.n_gpus_per_node=2",
+        "distillation.teacher_key=teacher",
+        *[f"{T}.{name}.{key}={value}" for name, path in (("same", out / "tiny-qwen2"), ("other", other))
+          for key, value in (("key", name), ("model_path", path), ("num_replicas", 1),
+                             ("inference.tensor_model_parallel_size", 1))],
         "distillation.distillation_loss.use_task_rewards=false",
         "distillation.distillation_loss.loss_mode=forward_kl_topk",
     ])  # fmt: skip
-    _, stderr = proc.communicate(timeout=600)
+    stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-4000:]
+    assert "2 vllm teachers routed by teacher on ranks of their own" in stdout, stdout
     steps = read_metrics(out / "runs" / "grpo_tiny_cpu")
-    first, second = steps[1], steps[2]
+    first, second, third = steps[1], steps[2], steps[3]
     assert abs(first["actor/distillation/divergence"]) <= 1e-5, first  # measured 1.1e-7
     mass = first["actor/distillation/teacher_mass"]
     assert 0.01 < mass < 1.0, first
     assert abs(first["actor/distillation/student_mass"] - mass) <= 1e-5, first
     assert first["timing_s/teacher"] > 0 and second["timing_s/teacher"] > 0
     assert second["actor/distillation/divergence"] > 1e-3, second  # the student moved, not it
+    responses = 8 * 8
+    for metrics, to in ((first, "same"), (second, "same"), (third, "other")):
+        away = "other" if to == "same" else "same"
+        assert metrics[f"distillation/{to}/sequences"] == responses, metrics
+        assert metrics[f"distillation/{away}/sequences"] == 0, metrics
+        assert f"distillation/{away}/k1_vs_rollout" not in metrics, metrics
+    assert abs(first["distillation/same/k1_vs_rollout"]) <= 1e-4, first
+    assert third["distillation/other/k1_vs_rollout"] > 0.5, third

@@ -22,7 +22,7 @@ def test_the_split_world_waits_as_long_as_nccl_timeout_says(monkeypatch, tmp_pat
                              f"trainer.default_local_dir={tmp_path}"])  # fmt: skip
     seen = {}
 
-    def split(train_size, *, teacher_size=0, timeout=None):
+    def split(train_size, *, teacher_size=0, teacher_sizes=(), timeout=None):
         seen.update(train_size=train_size, teacher_size=teacher_size, timeout=timeout)
         raise RuntimeError("split here")
 

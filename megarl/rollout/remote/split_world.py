@@ -2,7 +2,8 @@
 
 torchrun (or Slurm) starts ``W`` processes; the first ``train_size`` train, the last
 ``teacher_size`` (none unless on-policy distillation's vLLM teacher has a pool:
-:mod:`.teacher`) serve the teacher, and those between host the rollout engines (on several
+:mod:`.teacher`; several teachers, routed by ``teacher_key``, a block and a world each) serve
+the teacher, and those between host the rollout engines (on several
 nodes, whole nodes: torchrun numbers ranks node by node). Each
 side gets its own default process group, so that Megatron-Core (which sizes every parallel group
 from it) sees only the training ranks and vLLM's external launcher only the rollout ranks;
@@ -80,7 +81,9 @@ class SplitWorld:
     bridge: Any = None
     """Every process of the launch (a gloo ``ProcessGroup``)."""
     teacher_size: int = 0
-    """The last ranks, which serve the distillation teacher (:mod:`.teacher`)."""
+    """The last ranks, which serve the distillation teachers (:mod:`.teacher`)."""
+    teacher_sizes: tuple[int, ...] = ()
+    """Each teacher's share of them, in order (a world of its own each); () is one teacher."""
     _groups: dict = field(default_factory=dict)
 
     @property
@@ -90,6 +93,20 @@ class SplitWorld:
     @property
     def teacher_ranks(self) -> list[int]:
         return list(range(self.world_size - self.teacher_size, self.world_size))
+
+    def teacher_blocks(self) -> list[list[int]]:
+        """Each teacher's ranks, in order (one block without ``teacher_sizes``)."""
+        return _blocks(
+            self.world_size - self.teacher_size, self.teacher_sizes or (self.teacher_size,)
+        )
+
+    @property
+    def teacher_index(self) -> int | None:
+        """Which teacher this rank serves (None on the other sides)."""
+        for index, block in enumerate(self.teacher_blocks()):
+            if self.rank in block:
+                return index
+        return None
 
     def control(self) -> Any:
         """The group the trainer drives the rollout engine over: the first training rank, then
@@ -154,14 +171,28 @@ class SplitWorld:
         return distinct_devices([store.get(str(r)).decode() for r in members])
 
 
+def _blocks(first: int, sizes) -> list[list[int]]:
+    out, start = [], first
+    for size in sizes:
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
 def split_world(
-    train_size: int, *, teacher_size: int = 0, timeout: timedelta | None = None
+    train_size: int,
+    *,
+    teacher_size: int = 0,
+    teacher_sizes: tuple[int, ...] = (),
+    timeout: timedelta | None = None,
 ) -> SplitWorld:
     """Split this launch into its first ``train_size`` ranks (training), its last
     ``teacher_size`` (teacher) and the rest (rollout), each side with its own default process
     group (NCCL on GPU for training, gloo otherwise); raises ``ValueError`` naming the sizes
-    when the training side or both others would be empty. ``timeout``: how long a
-    collective waits for its peers (default :func:`process_group_timeout_minutes`).
+    when the training side or both others would be empty. ``teacher_sizes`` (summing to
+    ``teacher_size``): several teachers, each its own side of that many ranks, in order.
+    ``timeout``: how long a collective waits for its peers (default
+    :func:`process_group_timeout_minutes`).
 
     On several nodes ``GLOO_SOCKET_IFNAME`` is set first (unless the user set it), as the
     colocated launch does (:func:`megarl.parallel.network.set_gloo_socket_ifname`): the bridge
@@ -178,13 +209,22 @@ def split_world(
             f"{train_size} training and {teacher_size} teacher ranks out of {launch.world_size}: "
             "training needs at least one rank, and rollout or the teacher another"
         )
+    if teacher_sizes and (sum(teacher_sizes) != teacher_size or min(teacher_sizes) < 1):
+        raise ValueError(
+            f"teacher ranks {teacher_sizes} do not split the {teacher_size} teacher ranks"
+        )
     timeout = timeout or timedelta(minutes=process_group_timeout_minutes())
     store = _launch_store(launch, timeout)
     first_teacher = launch.world_size - teacher_size
     role: Role = "train" if launch.rank < train_size else "rollout"
     start, end = (0, train_size) if role == "train" else (train_size, first_teacher)
+    side = role
     if launch.rank >= first_teacher:
-        role, start, end = "teacher", first_teacher, launch.world_size
+        role, side = "teacher", "teacher"
+        for index, block in enumerate(_blocks(first_teacher, teacher_sizes or (teacher_size,))):
+            if launch.rank in block:  # each teacher a world of its own (the first: "teacher")
+                start, end = block[0], block[-1] + 1
+                side = f"teacher{index}" if index else "teacher"
     sub_rank, sub_size = launch.rank - start, end - start
     on_gpu = torch.cuda.is_available()
     devices = device_count()
@@ -202,13 +242,13 @@ def split_world(
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(sub_rank), str(sub_size)
     dist.init_process_group(
         backend="nccl" if on_gpu and role == "train" else "gloo",
-        store=dist.PrefixStore(f"megarl/{role}", store),
+        store=dist.PrefixStore(f"megarl/{side}", store),
         rank=sub_rank,
         world_size=sub_size,
         timeout=timeout,
     )
     world = SplitWorld(role, launch.rank, launch.world_size, train_size, store, timeout,
-                       teacher_size=teacher_size)  # fmt: skip
+                       teacher_size=teacher_size, teacher_sizes=tuple(teacher_sizes))  # fmt: skip
     world.bridge = world.group("bridge", list(range(launch.world_size)))
     global _CURRENT
     _CURRENT = world

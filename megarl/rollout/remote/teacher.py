@@ -14,8 +14,12 @@ training rank drives them through :class:`TeacherClient`, over two groups of its
   line of the error that stopped the scoring (raised on the training ranks as
   :class:`TeacherError`).
 
-The replicas' shares are gathered over the teacher side's own default group (gloo). Only the
-first training rank talks to the teacher ranks; :meth:`TeacherClient.score` gives its result to
+The replicas' shares are gathered over the teacher side's own default group (gloo). Several
+teachers (``teacher_key`` routing: :mod:`megarl.config.teachers`) each have a block of the
+teacher ranks, a world and a pair of groups of their own (``teacher_control/<i>``,
+``teacher_replies/<i>`` after the first's); each gets the sequences routed to it, all at once,
+and the replies are put back in the sequences' order. Only the first training rank talks to
+the teacher ranks; :meth:`TeacherClient.score` gives its result to
 every training rank over the training world.
 """
 
@@ -28,7 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megarl.config.batch_plan import as_int, teacher_inference, teacher_tp
+from megarl.config.batch_plan import as_int
+from megarl.config.teachers import TeacherSpec
 from megarl.rollout.remote.split_world import SplitWorld, broadcast_object
 from megarl.rollout.teacher_scores import TeacherScores
 
@@ -43,12 +48,6 @@ class TeacherError(RuntimeError):
     """The teacher ranks failed to score a batch, or stopped answering: one line."""
 
 
-def teacherteacher_inference(cfg) -> dict[str, Any]:
-    """``distillation.teacher_models.teacher_model.inference`` (a copy)."""
-    entry = cfg.distillation.teacher_models["teacher_model"]
-    return dict(entry.get("inference") or {})
-
-
 def teacher_topk(cfg) -> int:
     """How many of the teacher's log-probs per position the trainer asks for: the top-k of a
     top-k loss mode, else 1 (the estimators read only the sampled token's, which vLLM returns
@@ -59,15 +58,15 @@ def teacher_topk(cfg) -> int:
     return int(loss.topk) if loss.loss_mode in TOPK_LOSS_MODES else 1
 
 
-def start_teacher_engine(cfg):
-    """The teacher's vLLM engine on this teacher rank (the teacher side's default group is its
-    world), from ``distillation.teacher_models.teacher_model`` (``model_path``, ``inference.*``):
-    it reads the teacher's checkpoint itself and never sleeps (these devices do nothing else)."""
-    from megarl.config.distillation_checks import teacher_model_path
+def start_teacher_engine(cfg, spec: TeacherSpec):
+    """The vLLM engine of teacher ``spec`` (one of :func:`megarl.config.teachers.teachers`) on
+    this teacher rank (its teacher's block of ranks is its world), from its ``model_path`` and
+    ``inference.*``: it reads the teacher's checkpoint itself and never sleeps (these devices
+    do nothing else)."""
     from megarl.data.tokenizer import trusts_remote_code
     from megarl.rollout.vllm_engine import VLLMEngine
 
-    inference = teacher_inference(cfg)
+    inference = spec.inference
     roll = cfg.actor_rollout_ref.rollout
     prompt = as_int(inference.get("prompt_length"), roll.prompt_length)
     response = as_int(inference.get("response_length"), roll.response_length)
@@ -77,14 +76,13 @@ def start_teacher_engine(cfg):
     kwargs.update(nested)
     kwargs["max_logprobs"] = max(as_int(kwargs.get("max_logprobs"), DEFAULT_MAX_LOGPROBS),
                                  teacher_topk(cfg))  # fmt: skip
-    path = teacher_model_path(cfg)
     optional = {
         "max_num_batched_tokens": as_int(inference.get("max_num_batched_tokens")),
         "max_num_seqs": as_int(inference.get("max_num_seqs")),
     }
     return VLLMEngine(
-        path,
-        tensor_parallel_size=teacher_tp(cfg),
+        spec.model_path,
+        tensor_parallel_size=spec.tp,
         seed=cfg.trainer.seed,
         dtype=cfg.trainer.dtype,
         max_model_len=as_int(inference.get("max_model_len"), prompt + response + 1),
@@ -94,42 +92,50 @@ def start_teacher_engine(cfg):
         enable_prefix_caching=bool(inference.get("enable_prefix_caching", True)),
         enable_chunked_prefill=bool(inference.get("enable_chunked_prefill", True)),
         engine_kwargs=kwargs,
-        tokenizer_path=path,
+        tokenizer_path=spec.model_path,
         load_weights=True,
         trust_remote_code=trusts_remote_code(cfg),
         **{k: v for k, v in optional.items() if v is not None},
     )
 
 
-def _channels(world: SplitWorld) -> tuple[Any, Any]:
-    """``(teacher_control, teacher_replies)``, each None where this process is not a member;
-    created by every member in this order."""
-    ranks = world.teacher_ranks
-    control = world.group("teacher_control", [0, *ranks])
-    replies = world.group("teacher_replies", [0, ranks[0]])
+def _channels(world: SplitWorld, index: int) -> tuple[Any, Any]:
+    """Teacher ``index``'s ``(teacher_control, teacher_replies)``, each None where this process
+    is not a member; created by every member in this order."""
+    ranks = world.teacher_blocks()[index]
+    suffix = f"/{index}" if index else ""
+    control = world.group(f"teacher_control{suffix}", [0, *ranks])
+    replies = world.group(f"teacher_replies{suffix}", [0, ranks[0]])
     return control, replies
 
 
 class TeacherClient:
     """The training ranks' handle on the teacher ranks (every training rank builds one; only the
-    first talks to them)."""
+    first talks to them). ``names``: the teachers' names, in the order of the world's blocks."""
 
-    def __init__(self, world: SplitWorld) -> None:
+    def __init__(self, world: SplitWorld, names: Sequence[str] = ("teacher_model",)) -> None:
         self.ranks = world.teacher_ranks
+        self.blocks = world.teacher_blocks()
+        self.names = list(names)
         self.timeout = world.timeout
-        self._control, self._replies = _channels(world) if world.rank == 0 else (None, None)
+        self._channels = (
+            [_channels(world, i) for i in range(len(self.blocks))] if world.rank == 0 else None
+        )
 
     def score(
-        self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], k: int
+        self,
+        sequences: Sequence[Sequence[int]],
+        prompt_lengths: Sequence[int],
+        k: int,
+        routes: Sequence[int] | None = None,
     ) -> TeacherScores:
-        """The teacher's scores of ``sequences`` (the same on every training rank; every training
-        rank calls it) with its top ``k`` at each response position."""
+        """The teachers' scores of ``sequences`` (the same on every training rank; every
+        training rank calls it) with their top ``k`` at each response position; ``routes``:
+        the teacher (an index of :attr:`names`) scoring each sequence (None: the first)."""
+        routes = [0] * len(sequences) if routes is None else list(routes)
         reply: Any = None
-        if self._control is not None:
-            with self._answering():
-                command = ("score", [list(s) for s in sequences], list(prompt_lengths), int(k))
-                broadcast_object(self._control, command, 0)
-                reply = broadcast_object(self._replies, None, 1)
+        if self._channels is not None:
+            reply = self._ask(sequences, prompt_lengths, k, routes)
         if dist.is_initialized() and dist.get_world_size() > 1:
             from megarl.rollout.distribute import object_group
 
@@ -137,28 +143,72 @@ class TeacherClient:
             dist.broadcast_object_list(box, src=0, group=object_group(None))
             reply = box[0]
         if isinstance(reply, str):
-            raise TeacherError(f"the teacher ranks {self.ranks} failed to score: {reply}")
+            raise TeacherError(reply)
         return reply
+
+    def _ask(self, sequences, prompt_lengths, k: int, routes: list[int]) -> TeacherScores | str:
+        """Every teacher with sequences routed to it gets its share at once (they score
+        concurrently); the replies, put back in the sequences' order, or an error's line."""
+        assert self._channels is not None
+        rows = {i: [j for j, r in enumerate(routes) if r == i] for i in range(len(self.blocks))}
+        asked = [i for i, mine in rows.items() if mine]
+        replies: dict[int, Any] = {}
+        for i in asked:
+            with self._answering(i):
+                command = ("score", [list(sequences[j]) for j in rows[i]],
+                           [int(prompt_lengths[j]) for j in rows[i]], int(k))  # fmt: skip
+                broadcast_object(self._channels[i][0], command, 0)
+        for i in asked:
+            with self._answering(i):
+                replies[i] = broadcast_object(self._channels[i][1], None, 1)
+            if isinstance(replies[i], str):
+                return f"{self._who(i)} failed to score: {replies[i]}"
+        return _reordered([(rows[i], replies[i]) for i in asked], len(sequences))
 
     def shutdown(self) -> None:
         """Stop the teacher ranks (the first training rank sends; the others do nothing)."""
-        if self._control is not None:
-            with self._answering():
-                broadcast_object(self._control, ("stop",), 0)
-            self._control = self._replies = None
+        if self._channels is not None:
+            for i, (control, _) in enumerate(self._channels):
+                with self._answering(i):
+                    broadcast_object(control, ("stop",), 0)
+            self._channels = None
+
+    def _who(self, index: int) -> str:
+        name = self.names[index] if index < len(self.names) else str(index)
+        return f"the teacher ranks {self.blocks[index]} ({name})"
 
     @contextlib.contextmanager
-    def _answering(self):
-        """A collective with the teacher ranks that fails (they died, or hung past the timeout)
-        becomes one line naming them."""
+    def _answering(self, index: int):
+        """A collective with teacher ``index``'s ranks that fails (they died, or hung past the
+        timeout) becomes one line naming them."""
         try:
             yield
         except RuntimeError as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise TeacherError(
-                f"the teacher rank(s) {self.ranks} did not answer within {self.timeout} (dead or "
-                f"hung): {first}"
+                f"{self._who(index)} did not answer within {self.timeout} (dead or hung): {first}"
             ) from exc
+
+
+def _reordered(parts: list[tuple[list[int], TeacherScores]], count: int) -> TeacherScores:
+    """Several teachers' scores, each of the rows it was given, as one :class:`TeacherScores`
+    in row order (right-padded to the longest response)."""
+    if len(parts) == 1 and parts[0][0] == list(range(count)):
+        return parts[0][1]
+    width = max(p.log_probs.shape[1] for _, p in parts)
+    k = parts[0][1].topk_ids.shape[2]
+    first = parts[0][1]
+    ids = first.topk_ids.new_zeros(count, width, k)
+    values = first.topk_log_probs.new_zeros(count, width, k)
+    log_probs = first.log_probs.new_zeros(count, width)
+    for rows, p in parts:
+        index, w = torch.tensor(rows), p.log_probs.shape[1]
+        ids[index, :w], values[index, :w], log_probs[index, :w] = (
+            p.topk_ids,
+            p.topk_log_probs,
+            p.log_probs,
+        )
+    return TeacherScores(ids, values, log_probs)
 
 
 def serve_teacher(world: SplitWorld, engine) -> None:
@@ -168,7 +218,7 @@ def serve_teacher(world: SplitWorld, engine) -> None:
     from megarl.rollout.distribute import even_split
     from megarl.rollout.teacher_scores import prompt_topk_log_probs
 
-    control, replies = _channels(world)
+    control, replies = _channels(world, world.teacher_index or 0)
     replicas = engine.dp_size
     while True:
         command = broadcast_object(control, None, 0)
