@@ -58,6 +58,10 @@ class DataConfig:
     """Tools whose schemas the template gets when filter_overlong_prompts counts; null: the rollout's."""
     function_tool_path: str | None = None
     """Function tools the filter counts with, as tool_config_path; null: the rollout's."""
+    image_key: str = "images"
+    """Column of each row's images: a list of {"bytes": ...} dicts (geo3k), {"image": path} or paths."""
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Free-form: options of the model's image processor (min_pixels, max_pixels, size...)."""
 
 
 # ---------------------------------------------------------------------------------------------

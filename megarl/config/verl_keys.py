@@ -90,6 +90,7 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     # -- policy loss (keys of loss modes megarl does not offer yet) ----------------------------------
     ("actor_rollout_ref.actor.policy_loss.*", "option of a policy loss megarl does not offer yet"),
     # -- data, rewards, trainer (other sections' owners may add some of these) -------------------------
+    ("data.video_key", "videos are not built (images only: data.image_key)"),
     ("data.*", _DATA),
     ("reward_model.rollout", _RM_ON_MEGATRON),
     ("reward_model.enable_resource_pool", _RM_ON_MEGATRON),

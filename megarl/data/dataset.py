@@ -5,6 +5,9 @@ Columns (as verl's ``examples/data_preprocess/*.py`` write them): ``data_source`
 ``ground_truth``) and ``extra_info``; ``data.reward_fn_key`` names the column that selects the
 reward function. Files are read with pyarrow and tokenised once, up front
 (:mod:`megarl.data.tokenize`); rows are selected as verl's ``RLHFDataset`` selects them.
+
+Vision-language rows (issue 58) have an ``images`` column (``data.image_key``) and ``<image>``
+placeholders in their messages (:mod:`megarl.data.images`, :mod:`megarl.data.image_rows`).
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from megarl.data.image_rows import ImageRows, row_images
+from megarl.data.images import ImageError
 from megarl.data.tokenize import is_blank_prompt, render_prompts, tokenize_prompts, truncate
 
 __all__ = ["DataError", "PromptDataset", "PromptSample", "cap_num_workers"]
@@ -47,6 +52,13 @@ class PromptSample:
     """``ability`` column, when present."""
     source: str = ""
     """``file row N`` the sample came from (for messages)."""
+    images: list[Any] | None = None
+    """The prompt's images as vLLM's ``multi_modal_data`` takes them (PIL, RGB, resized as
+    qwen_vl_utils' ``fetch_image``); None for a text prompt."""
+    multi_modal_inputs: dict[str, Any] | None = None
+    """``pixel_values [patches, C·T·P·P]`` and ``image_grid_thw [images, 3]`` (long) of the image
+    processor, for the model; None for a text prompt. ``prompt_ids`` then hold each image's
+    widened placeholder (``t·h·w / merge²`` image tokens)."""
 
 
 def _read_table(name: str, key: str) -> Any:
@@ -109,6 +121,14 @@ class PromptDataset:
     reported once; with ``tool_schemas``, counted as the chat template renders them with those
     tools, as verl's ``data.tool_config_path``), and longer prompts that remain are cut by
     ``truncation``.
+
+    Rows with images (``image_key`` column; needs the model's ``image_processor``) are rendered
+    with an image content item at each ``<image>``, their placeholders widened to each image's
+    merged token count: the filter counts those tokens, as verl's. A longer image prompt that
+    remains is refused (cutting it would split an image's tokens; verl refuses it at rollout).
+    ``mm_processor_kwargs`` go to the image processor; a row with more than ``limit_images``
+    images (None: vLLM's 999), an image that does not decode or a missing file is refused in one
+    line naming file, row and image, and so is a row with videos (``video_key``).
     """
 
     def __init__(
@@ -129,6 +149,11 @@ class PromptDataset:
         seed: int | None = 0,
         num_workers: int = 0,
         tool_schemas: list[dict[str, Any]] | None = None,
+        image_processor: Any = None,
+        image_key: str = "images",
+        video_key: str = "videos",
+        mm_processor_kwargs: dict[str, Any] | None = None,
+        limit_images: int | None = None,
     ) -> None:
         files = [files] if isinstance(files, str) else list(files)
         if not files:
@@ -146,23 +171,19 @@ class PromptDataset:
             rows, wheres = [rows[i] for i in keep], [wheres[i] for i in keep]
         for row, where in zip(rows, wheres, strict=True):
             _check_columns(row, where, prompt_key, reward_fn_key)
-        texts = render_prompts(
-            tokenizer,
-            [row[prompt_key] for row in rows],
-            wheres,
-            use_chat_template=use_chat_template,
-            chat_template_kwargs=chat_template_kwargs,
-        )
+        prompts = [row[prompt_key] for row in rows]
+        self.image_rows = self._image_rows(
+            rows, wheres, prompts, tokenizer, image_processor, image_key, video_key,
+            mm_processor_kwargs, limit_images,
+        )  # fmt: skip
+        texts = self._render(tokenizer, prompts, wheres, use_chat_template, chat_template_kwargs)
         ids = tokenize_prompts(tokenizer, texts)
         self.num_filtered = 0
         if filter_overlong_prompts:
             counted = ids
             if tool_schemas and use_chat_template:  # verl's RLHFDataset: counted with the tools
                 with_tools = {**(chat_template_kwargs or {}), "tools": tool_schemas}
-                texts_with_tools = render_prompts(
-                    tokenizer, [row[prompt_key] for row in rows], wheres,
-                    chat_template_kwargs=with_tools,
-                )  # fmt: skip
+                texts_with_tools = self._render(tokenizer, prompts, wheres, True, with_tools)
                 counted = tokenize_prompts(tokenizer, texts_with_tools)
             keep_rows = [i for i, t in enumerate(counted) if len(t) <= max_prompt_length]
             self.num_filtered = len(rows) - len(keep_rows)
@@ -178,6 +199,17 @@ class PromptDataset:
             rows = [rows[i] for i in keep_rows]
             wheres = [wheres[i] for i in keep_rows]
             ids = [ids[i] for i in keep_rows]
+            if self.image_rows is not None:
+                self.image_rows.keep(keep_rows)
+        if self.image_rows is not None:
+            for i, (t, where) in enumerate(zip(ids, wheres, strict=True)):
+                if i in self.image_rows.cells and len(t) > max_prompt_length:
+                    raise DataError(
+                        f"{where}: the image prompt has {len(t)} tokens, more than "
+                        f"data.max_prompt_length={max_prompt_length}; image prompts are not "
+                        "truncated (an image's tokens would be cut): set "
+                        "data.filter_overlong_prompts=true, or lower the images' max_pixels"
+                    )
         self.samples = [
             PromptSample(
                 index=i,
@@ -197,6 +229,48 @@ class PromptDataset:
         """Where each prompt without text is (``file row N``): verl trains on them as they are,
         ``megarl train``'s pre-flight warns."""
 
+    @staticmethod
+    def _image_rows(
+        rows: list[dict[str, Any]], wheres: list[str], prompts: list[Any], tokenizer: Any,
+        image_processor: Any, image_key: str, video_key: str,
+        mm_processor_kwargs: dict[str, Any] | None, limit_images: int | None,
+    ) -> ImageRows | None:  # fmt: skip
+        """The rows' images (None when no row has any); ``prompts`` of the image rows become
+        their messages with image content items."""
+        try:
+            cells = [
+                row_images(r, image_key, video_key, w) for r, w in zip(rows, wheres, strict=True)
+            ]
+            if not any(cells):
+                return None
+            if image_processor is None:
+                where = wheres[next(i for i, c in enumerate(cells) if c)]
+                raise ImageError(f"{where}: the row has images (data.image_key={image_key!r}) but "
+                                 "the model has no image processor (preprocessor_config.json)")  # fmt: skip
+            images = ImageRows(tokenizer, image_processor,
+                               mm_processor_kwargs=mm_processor_kwargs, limit_images=limit_images)  # fmt: skip
+            for i, (row_cells, where) in enumerate(zip(cells, wheres, strict=True)):
+                if row_cells:
+                    prompts[i] = images.add(i, prompts[i], row_cells, where)
+            return images
+        except ValueError as exc:  # ImageError, a bad mm_processor_kwargs key, a bad message
+            raise DataError(str(exc)) from exc
+
+    def _render(
+        self, tokenizer: Any, prompts: list[Any], wheres: list[str], use_chat_template: bool,
+        chat_template_kwargs: dict[str, Any] | None,
+    ) -> list[str]:  # fmt: skip
+        """The prompts' texts, image placeholders widened."""
+        texts = render_prompts(tokenizer, prompts, wheres, use_chat_template=use_chat_template,
+                               chat_template_kwargs=chat_template_kwargs)  # fmt: skip
+        if self.image_rows is not None:
+            try:
+                for i in self.image_rows.cells:
+                    texts[i] = self.image_rows.widen(i, texts[i], wheres[i])
+            except ImageError as exc:
+                raise DataError(str(exc)) from exc
+        return texts
+
     @classmethod
     def from_config(
         cls,
@@ -205,10 +279,14 @@ class PromptDataset:
         split: str,
         seed: int,
         tool_schemas: list[dict[str, Any]] | None = None,
+        image_processor: Any = None,
+        limit_images: int | None = None,
     ) -> PromptDataset:
         """The ``train`` or ``val`` split of a ``DataConfig``; ``seed``: ``data.seed`` or
         ``trainer.seed``; ``tool_schemas``: the tools ``filter_overlong_prompts`` counts a prompt
-        with (:func:`megarl.rollout.multi_turn_rollout.prompt_tool_schemas`)."""
+        with (:func:`megarl.rollout.multi_turn_rollout.prompt_tool_schemas`); ``image_processor``:
+        the model's (:func:`megarl.data.tokenizer.load_image_processor`), for image rows;
+        ``limit_images``: ``actor_rollout_ref.rollout.limit_images``."""
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         return cls(
@@ -227,13 +305,27 @@ class PromptDataset:
             seed=data.seed if data.seed is not None else seed,
             num_workers=cap_num_workers(data.dataloader_num_workers),
             tool_schemas=tool_schemas,
+            image_processor=image_processor,
+            image_key=data.image_key,
+            mm_processor_kwargs=data.mm_processor_kwargs,
+            limit_images=limit_images,
         )
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, index: int) -> PromptSample:
-        return self.samples[index]
+        """The sample; an image prompt's with its images and pixels (made now, from the stored
+        image bytes)."""
+        sample = self.samples[index]
+        index = sample.index
+        if self.image_rows is None or index not in self.image_rows.cells:
+            return sample
+        try:
+            images, pixels = self.image_rows.inputs(index, sample.source)
+        except ImageError as exc:
+            raise DataError(str(exc)) from exc
+        return replace(sample, images=images, multi_modal_inputs=pixels)
 
 
 _capped_note_given = False

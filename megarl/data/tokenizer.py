@@ -26,3 +26,16 @@ def load_actor_tokenizer(cfg: Any):
     return AutoTokenizer.from_pretrained(
         str(actor_tokenizer_path(cfg)), trust_remote_code=trusts_remote_code(cfg)
     )
+
+
+def load_image_processor(path: str | Path, trust_remote_code: bool = False) -> Any:
+    """The image processor of the model at ``path`` (its ``preprocessor_config.json``), or None
+    for a text-only model. Loaded by itself: transformers 5 builds the whole processor
+    (``AutoProcessor``) only with torchvision installed, for its video processor."""
+    from transformers import AutoImageProcessor
+
+    if not (Path(path).expanduser() / "preprocessor_config.json").is_file():
+        return None
+    return AutoImageProcessor.from_pretrained(
+        str(Path(path).expanduser()), trust_remote_code=trust_remote_code
+    )
