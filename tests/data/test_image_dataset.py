@@ -1,7 +1,7 @@
 """Vision-language prompts (issue 58's data path): verl's geo3k parquet layout (images as bytes)
 gives the token ids, pixels, grids and PIL images that transformers' processor pieces give when
-applied by hand; the overlong filter counts image tokens; every bad input is one line naming
-its file and row.
+applied by hand, and that its ``Qwen2_5_VLProcessor`` gives (verl's call); the overlong filter
+counts image tokens; every bad input is one line naming its file and row.
 
 The tiny model's tokenizer and Qwen2-VL image processor (``megarl.models.tiny_vl``), no weights.
 """
@@ -72,6 +72,20 @@ def vl(tmp_path_factory):
     return AutoTokenizer.from_pretrained(path), load_image_processor(path)
 
 
+@pytest.fixture(scope="module")
+def qwen_processor(vl):
+    """transformers' own ``Qwen2_5_VLProcessor`` (what verl calls), built without its video
+    processor: that one needs torchvision, so the class check of that argument is skipped."""
+    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    tok, image_processor = vl
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ProcessorMixin, "check_argument_for_proper_class", lambda *a: None)
+        return Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tok,
+                                   video_processor=None, chat_template=tok.chat_template)  # fmt: skip
+
+
 def _by_hand(tok, processor, content: list[dict], fetched: list[Image.Image], **kwargs):
     """Token ids and pixels as the processor's pieces give them: the chat template, the image
     processor, each placeholder widened to t·h·w / merge² tokens, the tokenizer."""
@@ -84,11 +98,19 @@ def _by_hand(tok, processor, content: list[dict], fetched: list[Image.Image], **
     return ids, out["pixel_values"], out["image_grid_thw"]
 
 
+def _by_processor(processor, content: list[dict], fetched: list[Image.Image], **kwargs):
+    """Token ids and pixels as verl gets them: ``processor(text=[prompt], images=...)``."""
+    messages = [{"role": "user", "content": content}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    out = processor(text=[text], images=fetched, return_tensors="pt", **kwargs)
+    return out["input_ids"][0].tolist(), out["pixel_values"], out["image_grid_thw"]
+
+
 def _same_image(a: Image.Image, b: Image.Image) -> bool:
     return a.size == b.size and a.mode == b.mode and np.array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_geo3k_layout_gives_the_processors_ids_pixels_and_images(tmp_path, vl):
+def test_geo3k_layout_gives_the_processors_ids_pixels_and_images(tmp_path, vl, qwen_processor):
     tok, processor = vl
     small, large, rgba = _image(60, 100, 0), _image(150, 200, 1), _image(56, 56, 2, "RGBA")
     rows = [
@@ -116,6 +138,8 @@ def test_geo3k_layout_gives_the_processors_ids_pixels_and_images(tmp_path, vl):
         sample = ds[i]
         ids, pixels, grid = _by_hand(tok, processor, contents[i], fetched[i])
         assert sample.prompt_ids == ids
+        verl_ids, verl_pixels, verl_grid = _by_processor(qwen_processor, contents[i], fetched[i])
+        assert verl_ids == ids and torch.equal(verl_pixels, pixels) and torch.equal(verl_grid, grid)
         assert grid.tolist() == grids[i] == sample.multi_modal_inputs["image_grid_thw"].tolist()
         assert sample.multi_modal_inputs["image_grid_thw"].dtype == torch.int64
         assert torch.equal(sample.multi_modal_inputs["pixel_values"], pixels)
@@ -130,7 +154,7 @@ def test_geo3k_layout_gives_the_processors_ids_pixels_and_images(tmp_path, vl):
     )  # fmt: skip
 
 
-def test_paths_and_processor_kwargs(tmp_path, vl):
+def test_paths_and_processor_kwargs(tmp_path, vl, qwen_processor):
     """{"image": path}, a path string and file:// load as the bytes do; mm_processor_kwargs
     (flat or under images_kwargs) reach the image processor as in the processor's call."""
     tok, processor = vl
@@ -155,6 +179,8 @@ def test_paths_and_processor_kwargs(tmp_path, vl):
         with warnings.catch_warnings():  # transformers deprecates min/max_pixels in a call
             warnings.simplefilter("ignore", FutureWarning)
             ids, pixels, grids = _by_hand(tok, processor, content, fetched, **call)
+            verl = _by_processor(qwen_processor, content, fetched, **kwargs)
+        assert verl[0] == ids and torch.equal(verl[1], pixels)
         assert grids.tolist() == [grid]
         for sample in ds:
             assert sample.prompt_ids == ids
