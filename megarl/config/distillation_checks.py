@@ -32,7 +32,7 @@ D = "distillation"
 L = "distillation.distillation_loss"
 MEGATRON_TEACHER = "megatron"
 """``inference.name`` of megarl's own teacher: a frozen Megatron model on the training ranks, at
-the actor's layout (NeMo-RL's way; no pool of its own)."""
+its own TP × PP or the actor's layout (NeMo-RL's way; no pool of its own)."""
 ENGINES = ("vllm", MEGATRON_TEACHER)
 """Teacher inference engines (verl also has sglang): vLLM on ranks of its own (the pool) or
 megarl's own on the training ranks."""
@@ -124,14 +124,43 @@ def _check_built(cfg, error: Error, file_problem: Error) -> None:
                         f"{where}.inference.{dim}={teacher.inference.get(dim)}: a vLLM teacher "
                         "runs num_replicas replicas of TP only; use 1"
                     )
-        elif d.nnodes:
-            error(
-                f"{D}.nnodes={d.nnodes}: the Megatron teacher runs on the training ranks, with "
-                "no pool of its own; use 0"
-            )
+        else:
+            _check_megatron_layout(cfg, teacher, f"{where}.inference", error)
+            if d.nnodes:
+                error(
+                    f"{D}.nnodes={d.nnodes}: the Megatron teacher runs on the training ranks, "
+                    "with no pool of its own; use 0"
+                )
         path = teacher.model_path
         if path and _check_teacher_files(f"{where}.model_path", path, file_problem):
             _check_teacher_vocab(cfg, f"{where}.model_path", path, error)
+
+
+def _check_megatron_layout(cfg, teacher, key: str, error: Error) -> None:
+    """The Megatron teacher's own TP × PP (``inference.*``) divides the training ranks and its
+    TP the teacher's attention heads (where its ``config.json`` reads)."""
+    from megarl.config.model_dims import read_hf_config
+
+    world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    tp, pp = teacher.tp, teacher.pp
+    if world % (tp * pp):
+        error(
+            f"{key}.tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} does "
+            f"not divide the {world} training rank(s): the Megatron teacher runs on them at "
+            "this TP x PP"
+        )
+        return
+    try:
+        hf = read_hf_config(teacher.model_path) if teacher.model_path else {}
+    except (OSError, TypeError, ValueError):
+        return
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = hf.get(name)
+        if isinstance(heads, int) and heads % tp:
+            error(
+                f"{key}.tensor_model_parallel_size={tp} does not divide the teacher's {name} {heads}"
+            )
+            return
 
 
 def _check_teacher_files(key: str, path: str, problem: Error) -> bool:

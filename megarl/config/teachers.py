@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_TEACHER", "TeacherSpec", "teachers"]
+__all__ = ["DEFAULT_TEACHER", "TeacherSpec", "megatron_teacher_layout", "teachers"]
 
 DEFAULT_TEACHER = "teacher_model"
 """verl's single teacher's name (left out when several are given)."""
@@ -41,6 +41,10 @@ class TeacherSpec:
     @property
     def tp(self) -> int:
         return _int(self.inference.get("tensor_model_parallel_size"), 1) or 1
+
+    @property
+    def pp(self) -> int:
+        return _int(self.inference.get("pipeline_model_parallel_size"), 1) or 1
 
 
 def _int(value: Any, default: int | None = None) -> int | None:
@@ -82,3 +86,20 @@ def teachers(cfg) -> list[TeacherSpec]:
         key = None if single else str(entry.get("key"))
         out.append(TeacherSpec(name, key, entry.get("model_path") or None, inference, ranks))
     return out
+
+
+def megatron_teacher_layout(cfg):
+    """The Megatron teacher's own layout, ``inference.tensor_model_parallel_size`` ×
+    ``pipeline_model_parallel_size`` (CP 1, no VPP or SP: a forward), or None when it is the
+    actor's TP × PP (the teacher then runs at the actor's whole layout) or there is no Megatron
+    teacher."""
+    from megarl.parallel.layout import ParallelLayout
+
+    found = teachers(cfg)
+    if len(found) != 1 or found[0].engine != "megatron":
+        return None
+    meg = cfg.actor_rollout_ref.actor.megatron
+    tp, pp = found[0].tp, found[0].pp
+    if (tp, pp) == (meg.tensor_model_parallel_size, meg.pipeline_model_parallel_size):
+        return None
+    return ParallelLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)

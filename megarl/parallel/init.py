@@ -164,6 +164,8 @@ def init_distributed(
     from megatron.core import parallel_state, tensor_parallel
 
     _destroy_layout_groups()
+    _PRISTINE.clear()
+    _PRISTINE.update(_parallel_state())
     before = _registered_groups()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=sizes.tensor_model_parallel_size,
@@ -210,3 +212,86 @@ def _destroy_layout_groups() -> None:
         if group in alive:
             dist.destroy_process_group(group)
     _LAYOUT_GROUPS.clear()
+
+
+_PRISTINE: dict = {}
+"""Megatron's ``parallel_state`` globals before :func:`init_distributed` initialised them."""
+
+
+def _parallel_state() -> dict:
+    """Every module-level variable of Megatron's ``parallel_state`` (its groups, ranks, sizes and
+    buffers: what ``initialize_model_parallel`` sets)."""
+    import types
+
+    from megatron.core import parallel_state
+
+    skip = (types.FunctionType, types.ModuleType, type)
+    return {
+        name: value
+        for name, value in vars(parallel_state).items()
+        if name.startswith("_") and not name.startswith("__") and not isinstance(value, skip)
+    }
+
+
+def _set_parallel_state(state: dict) -> None:
+    from megatron.core import parallel_state
+
+    for name, value in state.items():
+        setattr(parallel_state, name, value)
+
+
+@dataclass
+class SecondLayout:
+    """Megatron's parallel state of another layout over the same ranks (a frozen model that
+    runs at a TP × PP of its own, as the distillation teacher): built once by
+    :func:`second_layout`, entered around that model's building and passes (:meth:`entered`),
+    its groups destroyed with the first layout's."""
+
+    sizes: ParallelLayout
+    state: dict
+
+    def entered(self):
+        """A context in which Megatron's parallel state is this layout's (the first's after)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def swapped():
+            first = _parallel_state()
+            _set_parallel_state(self.state)
+            try:
+                yield self
+            finally:
+                self.state = _parallel_state()  # buffers it allocated stay its own
+                _set_parallel_state(first)
+
+        return swapped()
+
+
+def second_layout(sizes: ParallelLayout, timeout_minutes: float | None = None) -> SecondLayout:
+    """Megatron's parallel state for ``sizes`` beside the current layout's (every rank calls it,
+    after :func:`init_distributed`; each group is created once). Raises ``ValueError`` naming
+    the sizes when the world does not divide. Megatron-Core keeps one parallel state per
+    process and its modules read it at run time, so the model of the second layout runs inside
+    :meth:`SecondLayout.entered`; its process groups are its own and live until
+    :func:`destroy_distributed`."""
+    from megatron.core import parallel_state
+
+    sizes.data_parallel_size(dist.get_world_size())  # raises naming the sizes
+    if timeout_minutes is None:
+        timeout_minutes = process_group_timeout_minutes()
+    first = _parallel_state()
+    _set_parallel_state(_PRISTINE)
+    before = _registered_groups()
+    try:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=sizes.tensor_model_parallel_size,
+            pipeline_model_parallel_size=sizes.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=sizes.virtual_pipeline_model_parallel_size,
+            context_parallel_size=sizes.context_parallel_size,
+            distributed_timeout_minutes=timeout_minutes,
+        )
+        state = _parallel_state()
+    finally:
+        _LAYOUT_GROUPS.extend(_registered_groups() - before)
+        _set_parallel_state(first)
+    return SecondLayout(sizes, state)

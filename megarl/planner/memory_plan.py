@@ -30,7 +30,7 @@ from megarl.config.distillation_checks import teacher_dims
 from megarl.config.lora_checks import lora_enabled
 from megarl.config.model_dims import ModelDims, padded_vocab_size
 from megarl.config.schema import MegarlConfig, MegatronConfig
-from megarl.config.teachers import teachers
+from megarl.config.teachers import megatron_teacher_layout, teachers
 from megarl.parallel.layout import ParallelLayout
 from megarl.planner.activations import (
     Impl,
@@ -270,8 +270,9 @@ def _models(
         meg = arr.ref.megatron
         state = _state(dims, layout, world, "ref", _assumptions(cfg, meg))
         out.append(_Model("ref", state))
-    if teacher is not None:  # frozen like the reference, at the actor's layout, its own shape
-        state = _state(teacher, layout, world, "ref", _assumptions(cfg, arr.ref.megatron))
+    if teacher is not None:  # frozen like the reference, its own shape at its own TP x PP
+        own = megatron_teacher_layout(cfg) or layout
+        state = _state(teacher, own, world, "ref", _assumptions(cfg, arr.ref.megatron))
         out.append(_Model("teacher", state))
     return out
 

@@ -351,7 +351,10 @@ def _teacher_placement(run: Run) -> str:
         routed = "; ".join(f"{t.name} (key {t.key}) TP {t.tp} x {t.ranks // t.tp}" for t in found)
         key = run.cfg.distillation.teacher_key
         return f", {len(found)} vllm teachers routed by {key} on ranks of their own: {routed}"
-    return ", teacher megatron on the training ranks" if run.teacher is not None else ""
+    if run.teacher is None:
+        return ""
+    own = run.teacher.layout
+    return f", teacher megatron TP {own.tp} × PP {own.pp} on the training ranks"
 
 
 def _rollout_placement(cfg: MegarlConfig, engine, remote) -> str:

@@ -68,7 +68,8 @@ class Run:
     ref: BuiltModel | BaseModelView | None
     """The reference policy: a frozen model, or the actor with its LoRA adapters off."""
     teacher: BuiltModel | None
-    """On-policy distillation's Megatron teacher: a frozen model at the actor's layout."""
+    """On-policy distillation's Megatron teacher: a frozen model at its own TP × PP or the
+    actor's layout."""
     engine: RolloutEngine
     """What generates: vLLM (here or on ranks of its own) or the actor itself."""
     rewards: RewardManager
@@ -187,11 +188,10 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
                                fusions=fusions(meg), moe=moe)  # fmt: skip
         frozen(ref, cfg, "ref")
     teacher = None
-    if teacher_used(cfg):  # a frozen model of its own weights (and shape), the student's layout
-        teacher = build_role_model(None, teacher_model_path(cfg), layout, dtype=dtype,
-                                   transformer_impl=meg.transformer_impl, fusions=fusions(meg),
-                                   moe=moe)  # fmt: skip
-        frozen(teacher, cfg, "teacher")
+    if teacher_used(cfg):  # a frozen model of its own weights (and shape), at its own layout
+        teacher = _megatron_teacher(cfg, layout, timeout, dtype=dtype,
+                                    transformer_impl=meg.transformer_impl, fusions=fusions(meg),
+                                    moe=moe)  # fmt: skip
     eos = read_eos_token_ids(model_path) or [tokenizer.eos_token_id]
     if vllm_engine is not None:
         engine: RolloutEngine = vllm_engine
@@ -290,6 +290,26 @@ def packs(model_section, megatron_section) -> bool:
     actor's)."""
     engine = megatron_section.use_remove_padding
     return bool(model_section.use_remove_padding if engine is None else engine)
+
+
+def _megatron_teacher(cfg: MegarlConfig, layout, timeout: float, **kwargs) -> BuiltModel:
+    """On-policy distillation's Megatron teacher, frozen: at the actor's layout, or at its own
+    TP × PP (``inference.*``), whose parallel state is built beside the actor's and entered for
+    the teacher's building and passes (``meta["layout_state"]``, :mod:`megarl.trainer.teacher`)."""
+    from megarl.config.teachers import megatron_teacher_layout
+    from megarl.parallel.init import second_layout
+
+    own = megatron_teacher_layout(cfg)
+    if own is None:
+        teacher = build_role_model(None, teacher_model_path(cfg), layout, **kwargs)
+        frozen(teacher, cfg, "teacher")
+        return teacher
+    state = second_layout(own, timeout)
+    with state.entered():
+        teacher = build_role_model(None, teacher_model_path(cfg), own, **kwargs)
+        frozen(teacher, cfg, "teacher")
+    teacher.meta["layout_state"] = state
+    return teacher
 
 
 def frozen(model: BuiltModel, cfg: MegarlConfig, role: str) -> None:

@@ -6,8 +6,10 @@ The step calls :func:`score_batch` after the reference's pass; it fills the batc
 k = ``distillation_loss.topk`` largest at each response position, by rank), which the update
 scores the student at (:mod:`megarl.trainer.update`).
 
-The teacher is either a frozen Megatron model on the training ranks at the actor's layout
-(``inference.name=megatron``; built by :func:`megarl.trainer.setup.build_run`), its pass batched
+The teacher is either a frozen Megatron model on the training ranks at the actor's layout or at
+its own TP × PP (``inference.name=megatron``, ``inference.tensor_model_parallel_size`` ×
+``pipeline_model_parallel_size``; built by :func:`megarl.trainer.setup.build_run`, its pass run
+inside its own parallel state: :func:`megarl.parallel.init.second_layout`), its pass batched
 as the reference's (``actor_rollout_ref.ref.log_prob_*``) at the rollout temperature, its
 parameters on the device by the ``teacher`` phase's residency; or vLLM on ranks of its own
 (``inference.name=vllm``, verl's way: :mod:`megarl.rollout.remote.teacher`), which scores at
@@ -19,6 +21,7 @@ teacher names stops the step with one line naming the sample's file and row.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,7 +116,17 @@ def _teacher_metrics(cfg, batch: StepBatch, routes: list[int] | None) -> dict[st
 def _megatron_scores(run, batch: StepBatch) -> None:
     plan = run.plan.ref_log_prob
     topk = topk_of(run.cfg)
-    out = global_pass(
+    own = run.teacher.meta.get("layout_state")  # a TP x PP of its own: its parallel state
+    with own.entered() if own is not None else contextlib.nullcontext():
+        out = _teacher_pass(run, batch, plan, topk)
+    batch.teacher_log_probs = out["log_probs"]
+    if topk is not None:
+        batch.teacher_topk_log_probs = out["topk_log_probs"]
+        batch.teacher_topk_ids = out["topk_ids"]
+
+
+def _teacher_pass(run, batch: StepBatch, plan, topk: int | None) -> dict:
+    return global_pass(
         run.teacher.chunks,
         batch,
         "actor",
@@ -124,10 +137,6 @@ def _megatron_scores(run, batch: StepBatch) -> None:
         temperature=run.cfg.actor_rollout_ref.rollout.temperature,
         topk=topk,
     )
-    batch.teacher_log_probs = out["log_probs"]
-    if topk is not None:
-        batch.teacher_topk_log_probs = out["topk_log_probs"]
-        batch.teacher_topk_ids = out["topk_ids"]
 
 
 def _remote_scores(run, batch: StepBatch, routes: list[int] | None) -> None:

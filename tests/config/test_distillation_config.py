@@ -106,6 +106,23 @@ def test_the_megatron_teacher_on_the_training_ranks_is_accepted_with_every_loss_
     assert line.startswith("distillation.nnodes=1: the Megatron teacher runs on the training")
 
 
+def test_the_megatron_teacher_runs_at_its_own_tp_x_pp_when_it_divides_the_training_ranks():
+    from megarl.config.teachers import megatron_teacher_layout
+
+    inference = f"{T}.teacher_model.inference"
+    assert megatron_teacher_layout(load_config(TINY, MEGATRON)) is None  # TP 2: the actor's
+    own = [*MEGATRON, f"{inference}.tensor_model_parallel_size=1",
+           f"+{inference}.pipeline_model_parallel_size=2"]  # fmt: skip
+    assert problems(own) == []
+    layout = megatron_teacher_layout(load_config(TINY, own))
+    assert (layout.tp, layout.pp, layout.context_parallel_size) == (1, 2, 1)
+    (line,) = problems([*MEGATRON, f"{inference}.tensor_model_parallel_size=4"])
+    assert line == (
+        f"{inference}.tensor_model_parallel_size=4 x pipeline_model_parallel_size=1 does not "
+        "divide the 2 training rank(s): the Megatron teacher runs on them at this TP x PP"
+    )
+
+
 def test_one_response_per_prompt_is_accepted_only_when_the_task_rewards_are_unused():
     """verl's on-policy-distillation script: grpo with rollout.n=1 and use_task_rewards=false
     (no estimator advantage is used); with the task rewards the group needs n >= 2."""

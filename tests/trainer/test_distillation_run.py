@@ -1,6 +1,7 @@
 """On-policy distillation through ``megarl train`` (issue 57, the Megatron teacher): the README's
 main job with ``distillation.enabled`` and a frozen Megatron teacher on the training ranks
-(``inference.name=megatron``, TP 2 like the student), the distillation loss alone
+(``inference.name=megatron``, at TP 1 × PP 2 beside the student's TP 2, or at the student's
+layout), the distillation loss alone
 (``forward_kl_topk`` over the teacher's top 32, verl's default; supervised), one mini-batch a
 step. (k3 through ``megarl train``: the learning test in ``test_grpo_learning.py``.)
 
@@ -20,12 +21,14 @@ import pytest
 from tests._run_outputs import launch_quickstart, read_metrics
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multirank]
+INFERENCE = "distillation.teacher_models.teacher_model.inference"
 
 
 @pytest.mark.parametrize("student", ["full", "lora"])
 def test_a_megatron_teacher_scores_the_students_samples_in_its_own_phase(tmp_path: Path, student):
-    """``lora``: the student trains rank-8 adapters on the same base (zero at the start, so
-    step 1 is as exact)."""
+    """``full``: the teacher at a layout of its own, TP 1 × PP 2 beside the student's TP 2
+    (its own parallel state over the same two ranks); ``lora``: at the student's, which trains
+    rank-8 adapters on the same base (zero at the start, so step 1 is as exact)."""
     out = tmp_path / "run"
     (out / "tmp").mkdir(parents=True)
     teacher = out / "tiny-qwen2"  # the student's checkpoint, made by the quickstart itself
@@ -40,10 +43,13 @@ def test_a_megatron_teacher_scores_the_students_samples_in_its_own_phase(tmp_pat
         "distillation.distillation_loss.use_task_rewards=false",
         "distillation.distillation_loss.loss_mode=forward_kl_topk",
         *(["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=16"]
-          if student == "lora" else []),
+          if student == "lora" else
+          [f"{INFERENCE}.tensor_model_parallel_size=1", f"+{INFERENCE}.pipeline_model_parallel_size=2"]),
     ])  # fmt: skip
-    _, stderr = proc.communicate(timeout=600)
+    stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-4000:]
+    layout = "TP 2 × PP 1" if student == "lora" else "TP 1 × PP 2"
+    assert f"teacher megatron {layout} on the training ranks" in stdout, stdout
     steps = read_metrics(out / "runs" / "grpo_tiny_cpu")
     first, second = steps[1], steps[2]
     assert abs(first["actor/distillation/divergence"]) <= 1e-6, first
