@@ -1,11 +1,12 @@
-"""Skip three third-party imports that cost every megarl process seconds and give it nothing,
+"""Skip or defer third-party imports that cost every megarl process seconds and give it nothing,
 and let Transformer Engine find CUDA 13's libraries where pip put them.
 
 Every launch starts the launcher, torchrun and one process per rank, each importing Torch,
 Megatron-Core and transformers. ``megarl/__init__.py`` calls :func:`install` (this module imports
 nothing itself, so the CLI's fast paths stay torch-free); from then on a meta-path finder wraps
 the ``exec_module`` of a few named modules: Megatron's JIT fuser without CUDA, scikit-learn under
-transformers' assisted generation, wandb under Megatron's inference engine and timers, and
+transformers' assisted generation, SciPy under transformers' object-detection losses and vLLM's
+audio helpers (until they are used), wandb under Megatron's inference engine and timers, and
 ``CUDA_PATH`` before Transformer Engine loads (see each wrapper). Nothing else about those
 imports changes.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import os
 import sys
 from collections.abc import Callable
@@ -22,6 +24,13 @@ from types import ModuleType
 
 _JIT = "megatron.core.jit"
 _CANDIDATES = "transformers.generation.candidate_generator"
+_DETECTION_LOSSES = tuple(
+    f"transformers.loss.loss_{name}"
+    for name in ("for_object_detection", "deformable_detr", "grounding_dino", "lw_detr",
+                 "rf_detr", "rt_detr")
+)  # fmt: skip
+"""transformers' losses that import SciPy's ``linear_sum_assignment`` at module level."""
+_VLLM_AUDIO = "vllm.multimodal.audio"
 _MEGATRON_WANDB = (
     "megatron.core.inference.contexts.dynamic_context",
     "megatron.core.inference.engines.dynamic_engine",
@@ -56,6 +65,61 @@ def _without_sklearn(exec_module: Callable[[ModuleType], None], module: ModuleTy
         exec_module(module)
     finally:
         transformers.utils.is_sklearn_available = available
+
+
+def _linear_sum_assignment(*args, **kwargs):
+    """``scipy.optimize.linear_sum_assignment``, SciPy imported at the first call."""
+    from scipy.optimize import linear_sum_assignment
+
+    return linear_sum_assignment(*args, **kwargs)
+
+
+def _scipy_when_called(exec_module: Callable[[ModuleType], None], module: ModuleType) -> None:
+    """transformers' object-detection losses (imported by ``modeling_utils``, so by every
+    model, vLLM's config included) import ``scipy.optimize`` (about a third of a CPU-second)
+    whenever SciPy is installed (the pinned MLflow requires it), for a Hungarian matcher megarl
+    never runs. While such a module executes ``is_scipy_available`` answers False; then, where
+    SciPy is installed, its ``linear_sum_assignment`` is bound to a stand-in that imports
+    SciPy's at the first call, so a matcher that does run gets SciPy's own."""
+    import transformers.utils
+
+    available = transformers.utils.is_scipy_available
+    transformers.utils.is_scipy_available = lambda: False
+    try:
+        exec_module(module)
+    finally:
+        transformers.utils.is_scipy_available = available
+    if available():
+        module.linear_sum_assignment = _linear_sum_assignment
+
+
+class _ScipySignal:
+    """Stands for ``scipy.signal``: the module, imported at the first attribute read."""
+
+    def __getattr__(self, name: str):
+        import scipy.signal
+
+        return getattr(scipy.signal, name)
+
+
+def _scipy_signal_when_used(exec_module: Callable[[ModuleType], None], module: ModuleType) -> None:
+    """vLLM's audio helpers (imported by ``vllm.sampling_params``, so by every engine) import
+    ``scipy.signal`` (about a CPU-second with what it imports) for resampling audio, which
+    megarl's text and image models never do. While the module executes ``import scipy.signal``
+    raises ImportError (vLLM then binds a placeholder); where SciPy is installed the module's
+    ``scipy_signal`` is then bound to :class:`_ScipySignal`, so resampling that does run gets
+    SciPy's own. When ``scipy.signal`` is already imported, nothing changes."""
+    if "scipy.signal" in sys.modules:
+        exec_module(module)
+        return
+    sys.modules["scipy.signal"] = None  # type: ignore[assignment] -- "not importable"
+    try:
+        exec_module(module)
+    finally:
+        if sys.modules.get("scipy.signal", 0) is None:
+            del sys.modules["scipy.signal"]
+    if importlib.util.find_spec("scipy") is not None:
+        module.scipy_signal = _ScipySignal()
 
 
 def _without_wandb(exec_module: Callable[[ModuleType], None], module: ModuleType) -> None:
@@ -93,6 +157,8 @@ def _cuda_path_for_te(exec_module: Callable[[ModuleType], None], module: ModuleT
 _AROUND: dict[str, Callable[[Callable[[ModuleType], None], ModuleType], None]] = {
     _JIT: _fuser_off_without_cuda,
     _CANDIDATES: _without_sklearn,
+    **dict.fromkeys(_DETECTION_LOSSES, _scipy_when_called),
+    _VLLM_AUDIO: _scipy_signal_when_used,
     **dict.fromkeys(_MEGATRON_WANDB, _without_wandb),
     "transformer_engine": _cuda_path_for_te,
 }

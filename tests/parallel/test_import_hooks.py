@@ -1,7 +1,9 @@
 """megarl's import hooks (megarl/parallel/import_hooks.py), in a fresh interpreter: without CUDA
 Megatron's JIT fuser is the identity (Inductor never imported), loading a tokenizer leaves
-scikit-learn unimported, and Megatron's model code leaves wandb unimported (no temporary
-directories behind a rank), while both stay importable."""
+scikit-learn unimported, Megatron's model code leaves wandb unimported (no temporary
+directories behind a rank), and transformers' object-detection losses and vLLM's audio helpers
+leave SciPy's optimize and signal unimported, while all stay importable and the deferred SciPy
+functions are SciPy's own when called."""
 
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ import transformers.generation.candidate_generator
 print("fuser", jit.jit_fuser.__name__, "cuda", torch.cuda.is_available())
 print("inductor", "torch._inductor.compile_fx" in sys.modules)
 print("sklearn", "sklearn" in sys.modules)
+import transformers.loss.loss_utils  # noqa: F401 (every object-detection loss)
+import vllm.multimodal.audio as audio  # imported by vllm.sampling_params
+print("scipy", [m for m in ("scipy.optimize", "scipy.signal") if m in sys.modules])
 import sklearn.metrics  # noqa: F401
 print("sklearn importable")
 import megarl.trainer.setup  # noqa: F401 (Megatron's GPT model, optimizer, inference engine)
@@ -27,10 +32,15 @@ import megatron.core.timers
 print("wandb", "wandb" in sys.modules, megatron.core.timers.wandb)
 import wandb  # noqa: F401
 print("wandb importable")
+from transformers.loss import loss_for_object_detection as detection
+rows, cols = detection.linear_sum_assignment([[4.0, 1.0], [2.0, 0.0]])
+print("assignment", rows.tolist(), cols.tolist())
+import scipy.signal
+print("resample is scipy's", audio.scipy_signal.resample_poly is scipy.signal.resample_poly)
 """
 
 
-def test_no_fuser_compile_no_sklearn_and_no_wandb_import_without_cuda():
+def test_no_fuser_compile_no_sklearn_no_wandb_and_no_scipy_import_without_cuda():
     done = subprocess.run(
         [sys.executable, "-c", PROBE],
         cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
@@ -43,7 +53,8 @@ def test_no_fuser_compile_no_sklearn_and_no_wandb_import_without_cuda():
         assert lines[0] == "fuser noop_decorator cuda False"
         assert lines[1] == "inductor False"
     assert lines[2:] == [
-        "sklearn False", "sklearn importable", "wandb False None", "wandb importable"
+        "sklearn False", "scipy []", "sklearn importable", "wandb False None",
+        "wandb importable", "assignment [0, 1] [1, 0]", "resample is scipy's True",
     ]  # fmt: skip
 
 
