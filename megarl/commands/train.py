@@ -11,7 +11,8 @@ problem is one line, exit 2, before any rank has done anything. Inside a launche
 ``--check`` runs the checks alone: the run directory on stdout and, for a run on this machine,
 what would start here. A Slurm job (``launch/_slurm_job.sh``) runs ``--check`` once, then on
 every node ``--rdzv-endpoint HOST:PORT --rdzv-id ID --log-dir DIR``; both get ``--nodes N``, the
-job's nodes, of which ``actor_rollout_ref.rollout.nnodes`` hold only vLLM.
+job's nodes, of which ``actor_rollout_ref.rollout.nnodes`` hold only vLLM and, after them, a vLLM
+distillation teachers' pool its ``distillation.nnodes``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def main(argv: list[str]) -> int:
     node.add_argument("--log-dir", metavar="DIR", help="torchrun's log: DIR/<node>.log")
     node.add_argument(
         "--nodes", type=int, metavar="N",
-        help="the job's nodes: trainer.nnodes = N - actor_rollout_ref.rollout.nnodes",
+        help="the job's nodes: trainer.nnodes = N - actor_rollout_ref.rollout.nnodes "
+        "- distillation.nnodes (a vLLM teachers' pool)",
     )  # fmt: skip
     args, overrides = parser.parse_known_args(argv)
     bad = [a for a in overrides if a.startswith("-")]
@@ -92,14 +94,16 @@ def main(argv: list[str]) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return EXIT_INPUT_ERROR
-    nodes, rollout_nodes = _nodes(args.config, overrides)
+    nodes, own_nodes, teacher_nodes = _nodes(args.config, overrides)
     command = launch.torchrun_command(
         nproc, module, [*configs, *overrides],
         rendezvous=(nodes, args.rdzv_endpoint, args.rdzv_id),
     )  # fmt: skip
     log_path = Path(args.log_dir) / f"{launch.node_name()}.log"
-    training = nproc * (nodes - rollout_nodes) if rollout_nodes else None
-    return launch.run_torchrun(command, env, run_dir, log_path=log_path, training_ranks=training)
+    training = nproc * (nodes - own_nodes) if own_nodes else None
+    first_teacher = nproc * (nodes - teacher_nodes) if teacher_nodes else None
+    return launch.run_torchrun(command, env, run_dir, log_path=log_path, training_ranks=training,
+                               first_teacher_rank=first_teacher)  # fmt: skip
 
 
 def _check_only(configs: list[str], overrides: list[str], *, multinode: bool) -> int:
@@ -168,13 +172,22 @@ def _describe_teacher(cfg) -> str:
     return f", then {ranks} teacher rank(s) of vLLM's own ({ranks // tp} replica(s) of TP {tp})"
 
 
-def _nodes(configs: list[str], overrides: list[str]) -> tuple[int, int]:
-    """(the launch's nodes: the training ones, then any of vLLM's own; vLLM's own)."""
+def _own_nodes(cfg) -> tuple[int, int]:
+    """(the rollout's nodes of its own, the distillation teachers' nodes of their own)."""
+    from megarl.config.batch_plan import teacher_ranks
+
+    teacher = max(cfg.distillation.nnodes, 0) if teacher_ranks(cfg) else 0
+    return max(cfg.actor_rollout_ref.rollout.nnodes, 0), teacher
+
+
+def _nodes(configs: list[str], overrides: list[str]) -> tuple[int, int, int]:
+    """(the launch's nodes: the training ones, then any of vLLM's own, then any of the
+    distillation teachers'; those not training; the teachers')."""
     from megarl.config import load_config
 
     cfg = load_config(configs, overrides)
-    rollout = max(cfg.actor_rollout_ref.rollout.nnodes, 0)
-    return cfg.trainer.nnodes + rollout, rollout
+    rollout, teacher = _own_nodes(cfg)
+    return cfg.trainer.nnodes + rollout + teacher, rollout + teacher, teacher
 
 
 def _training_nodes(
@@ -185,13 +198,14 @@ def _training_nodes(
     cfg, problem = _load(configs, overrides, multinode=True)
     if cfg is None:
         return overrides, problem
-    rollout = max(cfg.actor_rollout_ref.rollout.nnodes, 0)
-    if nodes - rollout < 1:
+    rollout, teacher = _own_nodes(cfg)
+    if nodes - rollout - teacher < 1:
         return overrides, (
             f"--nodes {nodes}: the job's node(s) leave none for training after "
             f"actor_rollout_ref.rollout.nnodes={rollout}"
+            + (f" and distillation.nnodes={teacher}" if teacher else "")
         )
-    return [*overrides, f"trainer.nnodes={nodes - rollout}"], None
+    return [*overrides, f"trainer.nnodes={nodes - rollout - teacher}"], None
 
 
 def preflight(
@@ -228,13 +242,18 @@ def _load(configs: list[str], overrides: list[str], *, multinode: bool | None):
         return None, reason
     from megarl.config.batch_plan import teacher_ranks
 
-    if teacher_ranks(cfg) and (multinode or cfg.distillation.nnodes > 1):
-        return None, (
-            f"distillation.nnodes={cfg.distillation.nnodes}: the vLLM teacher's pool runs on "
-            "this node, after the training (and rollout) ranks, with megarl train; a pool on "
-            "nodes of its own (Slurm, several nodes) is not built yet"
-        )
     per_node = cfg.trainer.n_gpus_per_node
+    if teacher_ranks(cfg) and not multinode and cfg.distillation.nnodes > 1:
+        return None, (
+            f"distillation.nnodes={cfg.distillation.nnodes}: a teachers' pool on several nodes "
+            "is launched by Slurm (launch/*.slurm) or torchrun on every node, not by megarl train"
+        )
+    if teacher_ranks(cfg) and multinode and cfg.distillation.n_gpus_per_node != per_node:
+        return None, (
+            f"distillation.n_gpus_per_node={cfg.distillation.n_gpus_per_node}: on several "
+            f"nodes every node runs trainer.n_gpus_per_node={per_node} processes (torchrun), "
+            "the teachers' nodes too"
+        )
     if multinode and roll.nnodes > 0 and roll.n_gpus_per_node not in (None, per_node):
         return None, (
             f"actor_rollout_ref.rollout.n_gpus_per_node={roll.n_gpus_per_node}: on several "

@@ -257,7 +257,7 @@ def test_the_jobs_nodes_less_vllms_are_the_training_nodes(tiny, tmp_path, capsys
     run = [f"trainer.default_local_dir={tmp_path / 'run'}"]
     overrides, problem = train._training_nodes([CONFIG], [*tiny, *ROLLOUT_NODE], 3)
     assert problem is None and overrides[-1] == "trainer.nnodes=2"
-    assert train._nodes([CONFIG], overrides) == (3, 1)
+    assert train._nodes([CONFIG], overrides) == (3, 1, 0)
     assert train.main(["--check", "--nodes", "2", "-c", CONFIG, *tiny, *ROLLOUT_NODE, *run]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "run")
     assert train.main(["--check", "--nodes", "1", "-c", CONFIG, *tiny, *ROLLOUT_NODE, *run]) == 2
@@ -268,6 +268,36 @@ def test_the_jobs_nodes_less_vllms_are_the_training_nodes(tiny, tmp_path, capsys
     assert train.main(["--check", "--nodes", "2", "-c", CONFIG, *uneven]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: actor_rollout_ref.rollout.n_gpus_per_node=1: on several nodes")
+
+
+def test_a_teachers_pool_on_a_node_of_its_own_comes_after_vllms(tiny, tmp_path, capsys):
+    """A vLLM distillation teacher's pool of ``distillation.nnodes`` nodes: the job's last
+    nodes, after vLLM's own; trainer.nnodes = N less both. Its nodes run as many processes as
+    every node (torchrun), and megarl train on one machine runs a pool of one node only: each
+    else one line."""
+    from megarl.commands import train
+
+    model = next(o.split("=", 1)[1] for o in tiny if o.startswith("actor_rollout_ref.model.path"))
+    pool = ["distillation.enabled=true", "distillation.nnodes=1", "distillation.n_gpus_per_node=2",
+            f"+distillation.teacher_models.teacher_model.model_path={model}",
+            "distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=1",
+            f"trainer.default_local_dir={tmp_path / 'run'}"]  # fmt: skip
+    overrides, problem = train._training_nodes([CONFIG], [*tiny, *ROLLOUT_NODE, *pool], 3)
+    assert problem is None and overrides[-1] == "trainer.nnodes=1"
+    assert train._nodes([CONFIG], overrides) == (3, 2, 1)
+    assert train.main(["--check", "--nodes", "3", "-c", CONFIG, *tiny, *ROLLOUT_NODE, *pool]) == 0
+    capsys.readouterr()
+    assert train.main(["--check", "--nodes", "2", "-c", CONFIG, *tiny, *ROLLOUT_NODE, *pool]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("rollout.nnodes=1 and distillation.nnodes=1"), err
+    narrow = [*pool, "distillation.n_gpus_per_node=1"]
+    assert train.main(["--check", "--nodes", "3", "-c", CONFIG, *tiny, *ROLLOUT_NODE, *narrow]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: distillation.n_gpus_per_node=1: on several nodes"), err
+    assert train.main(["-c", CONFIG, *tiny, *pool, "distillation.nnodes=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: distillation.nnodes=2: a teachers' pool on several nodes is launched "
+                   "by Slurm (launch/*.slurm) or torchrun on every node, not by megarl train")  # fmt: skip
 
 
 @pytest.mark.parametrize(
