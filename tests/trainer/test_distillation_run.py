@@ -80,7 +80,8 @@ def _routed_rows(path: Path, per_step: int, teachers: list[str]) -> Path:
 
 def test_two_vllm_teachers_on_ranks_of_their_own_score_the_samples_routed_to_them(tmp_path: Path):
     """verl's way: the teachers served by vLLM on a pool of their own (``distillation.nnodes`` ×
-    ``n_gpus_per_node`` = 2 ranks after the training rank, one replica of TP 1 each), their
+    ``n_gpus_per_node`` = 2 ranks after the training rank and a rollout rank of vLLM's own, one
+    step off; one teacher replica of TP 1 each), their
     top-k from vLLM's prompt log-probs, each sample routed by ``teacher_key`` (here an
     ``extra_info`` field) to the teacher whose ``key`` it names. Teacher ``same`` is the
     student's checkpoint, ``other`` a tiny model of other weights; steps 1 and 2 go to
@@ -92,7 +93,8 @@ def test_two_vllm_teachers_on_ranks_of_their_own_score_the_samples_routed_to_the
     step 2 the student has moved and the frozen teacher not. The routing: each step's samples
     counted under the teacher they went to, and the rollout's log-probs against the teacher's
     near 0 for ``same`` and far from it for ``other`` (a swap, or every sample to one teacher,
-    fails one of the three steps)."""
+    fails one of the three steps). One step off, step 2 samples from the initial weights, the
+    first teacher's own: its k1 against the rollout is near 0 again."""
     from megarl.models.tiny import make_tiny_model
 
     out = tmp_path / "run"
@@ -109,6 +111,8 @@ def test_two_vllm_teachers_on_ranks_of_their_own_score_the_samples_routed_to_the
         "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.use_kl_loss=false",
         "distillation.enabled=true", "distillation.nnodes=1", "distillation.n_gpus_per_node=2",
         "distillation.teacher_key=teacher",
+        "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
+        "async_training.staleness_threshold=1",
         *[f"{T}.{name}.{key}={value}" for name, path in (("same", out / "tiny-qwen2"), ("other", other))
           for key, value in (("key", name), ("model_path", path), ("num_replicas", 1),
                              ("inference.tensor_model_parallel_size", 1))],
@@ -134,3 +138,6 @@ def test_two_vllm_teachers_on_ranks_of_their_own_score_the_samples_routed_to_the
         assert f"distillation/{away}/k1_vs_rollout" not in metrics, metrics
     assert abs(first["distillation/same/k1_vs_rollout"]) <= 1e-4, first
     assert third["distillation/other/k1_vs_rollout"] > 0.5, third
+    # one step off: step 2's samples come from the initial weights too, the teacher's own
+    assert [steps[s]["async/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert abs(second["distillation/same/k1_vs_rollout"]) <= 1e-4, second
