@@ -272,7 +272,8 @@ def second_layout(sizes: ParallelLayout, timeout_minutes: float | None = None) -
     after :func:`init_distributed`; each group is created once). Raises ``ValueError`` naming
     the sizes when the world does not divide. Megatron-Core keeps one parallel state per
     process and its modules read it at run time, so the model of the second layout runs inside
-    :meth:`SecondLayout.entered`; its process groups are its own and live until
+    :meth:`SecondLayout.entered`; its process groups are its own, connected now
+    (:func:`~megarl.parallel.connect.connect_groups`), and live until
     :func:`destroy_distributed`."""
     from megatron.core import parallel_state
 
@@ -290,6 +291,7 @@ def second_layout(sizes: ParallelLayout, timeout_minutes: float | None = None) -
             context_parallel_size=sizes.context_parallel_size,
             distributed_timeout_minutes=timeout_minutes,
         )
+        connect_groups()  # its NCCL communicators too, while the GPU is empty (issue 54)
         state = _parallel_state()
     finally:
         _LAYOUT_GROUPS.extend(_registered_groups() - before)
