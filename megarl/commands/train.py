@@ -320,8 +320,11 @@ def _check_data(cfg) -> str | None:
             return _line(exc)
         except Exception as exc:  # noqa: BLE001 -- e.g. the chat template on a malformed message
             return f"data.{split}_files: {type(exc).__name__}: {_line(exc)}"
-        sources.update(dataset[i].data_source for i in range(len(dataset)))
+        rows = [dataset[i] for i in range(len(dataset))]
+        sources.update(row.data_source for row in rows)
         first = first or dataset[0]
+        if split == "train" and (reason := _routing_problem(cfg, rows)):
+            return reason
         if dataset.blank_prompts:
             print(f"warning: {_blank_prompts(dataset, split)}", file=sys.stderr)
         if split == "train" and len(dataset) < cfg.data.train_batch_size:
@@ -330,6 +333,20 @@ def _check_data(cfg) -> str | None:
                 f"global batch (data.train_batch_size={cfg.data.train_batch_size})"
             )
     return _check_reward(cfg, sources, first)
+
+
+def _routing_problem(cfg, rows) -> str | None:
+    """A training prompt whose ``distillation.teacher_key`` value no teacher's key names (the
+    step would stop there), as one line."""
+    if not cfg.distillation.enabled:
+        return None
+    from megarl.trainer.teacher import RoutingError, routes_of
+
+    try:
+        routes_of(cfg, rows)
+    except RoutingError as exc:
+        return str(exc)
+    return None
 
 
 def _sandbox_problem(cfg, source: str) -> str | None:

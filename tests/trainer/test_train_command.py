@@ -298,6 +298,14 @@ def test_a_teachers_pool_on_a_node_of_its_own_comes_after_vllms(tiny, tmp_path, 
     err = capsys.readouterr().err.strip()
     assert err == ("error: distillation.nnodes=2: a teachers' pool on several nodes is launched "
                    "by Slurm (launch/*.slurm) or torchrun on every node, not by megarl train")  # fmt: skip
+    # two teachers whose keys name no data_source of the data: the pre-flight's one line
+    two = [f"+distillation.teacher_models.{name}.{key}={value}" for name in ("math", "gsm")
+           for key, value in (("key", name), ("model_path", model), ("num_replicas", 1),
+                              ("inference.tensor_model_parallel_size", 1))]  # fmt: skip
+    assert train.main(["--check", "-c", CONFIG, *tiny, *pool, *two]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: distillation.teacher_key=data_source: data.train_files: "), err
+    assert "row 0 has " in err and err.endswith("which no teacher's key names (math -> math, gsm -> gsm)")
 
 
 @pytest.mark.parametrize(
