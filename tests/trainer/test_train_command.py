@@ -305,7 +305,9 @@ def test_a_teachers_pool_on_a_node_of_its_own_comes_after_vllms(tiny, tmp_path, 
     assert train.main(["--check", "-c", CONFIG, *tiny, *pool, *two]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: distillation.teacher_key=data_source: data.train_files: "), err
-    assert "row 0 has " in err and err.endswith("which no teacher's key names (math -> math, gsm -> gsm)")
+    assert "row 0 has " in err and err.endswith(
+        "which no teacher's key names (math -> math, gsm -> gsm)"
+    )
 
 
 @pytest.mark.parametrize(
