@@ -57,14 +57,21 @@ def _without_sklearn(exec_module: Callable[[ModuleType], None], module: ModuleTy
     tune *assisted* generation, which megarl never runs. While it executes
     ``is_sklearn_available`` answers False, so it skips the tuning as without scikit-learn;
     scikit-learn itself stays importable (a reward function may use it)."""
+    _executed_unavailable("is_sklearn_available", exec_module, module)
+
+
+def _executed_unavailable(check: str, exec_module, module: ModuleType) -> Callable[[], bool]:
+    """Execute ``module`` while transformers' ``utils.<check>`` answers False; returns the real
+    check."""
     import transformers.utils
 
-    available = transformers.utils.is_sklearn_available
-    transformers.utils.is_sklearn_available = lambda: False
+    available = getattr(transformers.utils, check)
+    setattr(transformers.utils, check, lambda: False)
     try:
         exec_module(module)
     finally:
-        transformers.utils.is_sklearn_available = available
+        setattr(transformers.utils, check, available)
+    return available
 
 
 def _linear_sum_assignment(*args, **kwargs):
@@ -81,15 +88,7 @@ def _scipy_when_called(exec_module: Callable[[ModuleType], None], module: Module
     never runs. While such a module executes ``is_scipy_available`` answers False; then, where
     SciPy is installed, its ``linear_sum_assignment`` is bound to a stand-in that imports
     SciPy's at the first call, so a matcher that does run gets SciPy's own."""
-    import transformers.utils
-
-    available = transformers.utils.is_scipy_available
-    transformers.utils.is_scipy_available = lambda: False
-    try:
-        exec_module(module)
-    finally:
-        transformers.utils.is_scipy_available = available
-    if available():
+    if _executed_unavailable("is_scipy_available", exec_module, module)():
         module.linear_sum_assignment = _linear_sum_assignment
 
 
