@@ -2,7 +2,8 @@
 
 Each TP rank holds logits for a contiguous slice of the padded vocabulary; the softmax needs only
 three per-position scalars reduced over the TP group (the max, the sum of exponentials and, for
-entropy, the sum of ``exp · logit``). Padded vocabulary columns are masked to ``-inf`` first.
+entropy, the sum of ``exp · logit``). Padded vocabulary columns are never read (the
+sum-of-squares helper masks them to ``-inf``).
 The backward pass recomputes the softmax chunk by chunk over the sequence, so the extra memory
 is one ``[B, chunk, V/TP]`` chunk, not a copy of the logits.
 """
@@ -33,7 +34,24 @@ def _scaled_masked(
     return z
 
 
+def _valid_columns(local_vocab: int, vocab_start: int, vocab_size: int) -> int:
+    """How many of this shard's leading columns are real vocabulary (the rest is padding)."""
+    return min(max(vocab_size - vocab_start, 0), local_vocab)
+
+
+def _scaled(logits: torch.Tensor, temperature: float, valid: int) -> torch.Tensor:
+    """logits / T of the ``valid`` leading columns, in at least fp32 (float64 stays float64):
+    a view of ``logits`` when neither changes anything (fp32 at T = 1), so never written to."""
+    z = logits[..., :valid]
+    z = z.to(torch.promote_types(z.dtype, torch.float32))
+    return z if temperature == 1.0 else z / temperature
+
+
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
+    """One pass over each chunk of the logits forward (its max, sum of exponentials and sum of
+    ``exp · (z - max)`` against the shard's own max, combined over the TP group in one
+    rescaling step), two elementwise passes backward; padded columns are never read."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx,
@@ -45,58 +63,63 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         group: dist.ProcessGroup | None,
         chunk: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        seq = logits.shape[1]
-        local_vocab = logits.shape[-1]
+        seq, local_vocab = logits.shape[1], logits.shape[-1]
+        valid = _valid_columns(local_vocab, vocab_start, vocab_size)
         dtype = torch.promote_types(logits.dtype, torch.float32)  # float64 stays float64
-        stats_max = torch.empty(logits.shape[:-1], dtype=dtype, device=logits.device)
-        sum_exp = torch.empty_like(stats_max)
-        sum_exp_z = torch.empty_like(stats_max)
-        target_z = torch.zeros_like(stats_max)
+        # This shard's max m, sum_j e_j and sum_j e_j (z_j - m), e_j = exp(z_j - m); the
+        # target's z where this shard holds it. A shard of padding only: m = -inf, sums 0.
+        local_max = torch.full(logits.shape[:-1], float("-inf"), dtype=dtype, device=logits.device)
+        sum_exp, sum_exp_z, target_z = (torch.zeros_like(local_max) for _ in range(3))
         local_t = targets - vocab_start
-        in_shard = (local_t >= 0) & (local_t < local_vocab)
+        in_shard = (local_t >= 0) & (local_t < valid)
         safe_t = torch.where(in_shard, local_t, torch.zeros_like(local_t))
-        for s in range(0, seq, chunk):
-            z = _scaled_masked(logits[:, s : s + chunk], temperature, vocab_start, vocab_size)
-            stats_max[:, s : s + chunk] = z.max(dim=-1).values
-            tz = z.gather(-1, safe_t[:, s : s + chunk, None]).squeeze(-1)
-            target_z[:, s : s + chunk] = torch.where(in_shard[:, s : s + chunk], tz, 0.0)
-        _all_reduce(stats_max, dist.ReduceOp.MAX, group)
-        for s in range(0, seq, chunk):
-            z = _scaled_masked(logits[:, s : s + chunk], temperature, vocab_start, vocab_size)
-            shifted = z - stats_max[:, s : s + chunk, None]
+        for s in range(0, seq, chunk) if valid else ():
+            sl = slice(s, s + chunk)
+            z = _scaled(logits[:, sl], temperature, valid)
+            m = z.amax(dim=-1)
+            shifted = z - m[..., None]
             e = shifted.exp()
-            sum_exp[:, s : s + chunk] = e.sum(-1)
-            # exp(-inf) = 0 and 0 · -inf = nan: padded columns contribute nothing.
-            sum_exp_z[:, s : s + chunk] = torch.where(e > 0, e * shifted, 0.0).sum(-1)
-        _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
-        _all_reduce(sum_exp_z, dist.ReduceOp.SUM, group)
-        _all_reduce(target_z, dist.ReduceOp.SUM, group)
+            local_max[:, sl], sum_exp[:, sl] = m, e.sum(-1)
+            sum_exp_z[:, sl] = e.mul_(shifted).sum(-1)
+            tz = z.gather(-1, safe_t[:, sl, None]).squeeze(-1)
+            target_z[:, sl] = torch.where(in_shard[:, sl], tz, 0.0)
+        stats_max = local_max
+        if group is not None and dist.get_world_size(group) > 1:
+            # Against the global max M: e^(m - M) rescales the sums; sum e^(z - M) (z - M) =
+            # e^(m - M) (sum e (z - m) + (m - M) sum e). One all-reduce for the three sums.
+            stats_max = local_max.clone()
+            dist.all_reduce(stats_max, op=dist.ReduceOp.MAX, group=group)
+            held = sum_exp > 0
+            gap = torch.where(held, local_max - stats_max, 0.0)
+            scale = torch.where(held, gap.exp(), 0.0)
+            sums = torch.stack([sum_exp * scale, (sum_exp_z + gap * sum_exp) * scale, target_z])
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+            sum_exp, sum_exp_z, target_z = sums.unbind(0)
         log_z = sum_exp.log()
         log_probs = target_z - stats_max - log_z
         entropy = log_z - sum_exp_z / sum_exp
         ctx.save_for_backward(logits, safe_t, in_shard, stats_max, log_z, entropy)
-        ctx.params = (temperature, vocab_start, vocab_size, chunk)
+        ctx.params = (temperature, valid, chunk)
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_logp: torch.Tensor, grad_ent: torch.Tensor):  # type: ignore[override]
         logits, safe_t, in_shard, stats_max, log_z, entropy = ctx.saved_tensors
-        temperature, vocab_start, vocab_size, chunk = ctx.params
+        temperature, valid, chunk = ctx.params
         grad = torch.empty_like(logits)
-        for s in range(0, logits.shape[1], chunk):
+        grad[..., valid:] = 0.0  # padded columns
+        # d logp_t / dz_j = 1[j = t] - p_j ;  d H / dz_j = -p_j (log p_j + H), all over T:
+        # dz_j = -p_j (g_lp + g_H (log p_j + H)) / T, plus g_lp / T at the target.
+        at_target = torch.where(in_shard, grad_logp, 0.0) / temperature
+        for s in range(0, logits.shape[1], chunk) if valid else ():
             sl = slice(s, s + chunk)
-            z = _scaled_masked(logits[:, sl], temperature, vocab_start, vocab_size)
-            log_p = z - stats_max[:, sl, None] - log_z[:, sl, None]
+            log_p = _scaled(logits[:, sl], temperature, valid) - stats_max[:, sl, None]
+            log_p.sub_(log_z[:, sl, None])
             p = log_p.exp()
-            # d logp_t / dz_j = 1[j = t] - p_j ;  d H / dz_j = -p_j (log p_j + H)
-            g = -p * grad_logp[:, sl, None]
-            g_ent = -p * (torch.where(p > 0, log_p, 0.0) + entropy[:, sl, None])
-            g = g + g_ent * grad_ent[:, sl, None]
-            onehot = torch.zeros_like(g)
-            onehot.scatter_(-1, safe_t[:, sl, None], 1.0)
-            onehot = onehot * in_shard[:, sl, None]
-            g = g + onehot * grad_logp[:, sl, None]
-            grad[:, sl] = (g / temperature).to(grad.dtype)
+            g = log_p.add_(entropy[:, sl, None]).mul_(grad_ent[:, sl, None])
+            g.add_(grad_logp[:, sl, None]).mul_(p).div_(-temperature)
+            g.scatter_add_(-1, safe_t[:, sl, None], at_target[:, sl, None].to(g.dtype))
+            grad[:, sl, :valid] = g
         return grad, None, None, None, None, None, None
 
 
