@@ -133,7 +133,8 @@ def report(run_dir: Path, last: int, model_config: Path | None = None, nproc: in
     print(
         f"\nfirst step {first['timing_s/step']:.2f} s (vLLM warm-up: gen {first['timing_s/gen']:.2f} s)"
     )
-    print(f"steps 2..{len(steps)}: {step_time:.3f} s per step\n")
+    median = statistics.median(m["timing_s/step"] for m in rest)
+    print(f"steps 2..{len(steps)}: {step_time:.3f} s per step (median {median:.3f} s)\n")
     tokens = statistics.mean(m["perf/total_num_tokens"] for m in rest)
     per_token = rate = None
     if model_config is not None and model_config.is_file():
