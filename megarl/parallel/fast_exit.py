@@ -24,9 +24,10 @@ that only matters to a process going on (freeing memory)."""
 def exit_process(code: int | None) -> NoReturn:
     """Exit with ``code`` (None: 0) as described in the module docstring."""
     global exiting
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # The interpreter's first exit step: threading's own exit hooks (which tell the workers of
+    # every concurrent.futures pool to stop; Inductor's compile pool is one), then the join of
+    # every non-daemon thread. Joining without the hooks waits on those workers for ever.
+    threading._shutdown()
     exiting = True
     atexit._run_exitfuncs()  # the interpreter's own exit step, run here
     for stream in (sys.stdout, sys.stderr):

@@ -1,5 +1,7 @@
 """megarl.parallel.fast_exit.exit_process does the interpreter's exit steps before os._exit: a
-non-daemon thread finishes, atexit handlers run, buffered output is written, the code is kept."""
+non-daemon thread finishes, an idle thread pool's workers are told to stop (as Inductor's compile
+pool is, once vLLM compiles on CPU), atexit handlers run, buffered output is written, the code
+is kept."""
 
 from __future__ import annotations
 
@@ -10,7 +12,11 @@ from tests.conftest import REPO
 
 PROBE = """
 import atexit, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
 from megarl.parallel.fast_exit import exit_process
+
+pool = ThreadPoolExecutor(2)  # never shut down: idle workers waiting for work
+pool.submit(time.sleep, 0).result()
 
 def late():
     time.sleep(0.3)
