@@ -8,8 +8,9 @@ attends causally within each sequence (block-diagonal causal), and under context
 each rank's queries attend to the keys and values of every CP rank (all-gathered, differentiable:
 the gradients of the others' keys and values go back to them) with the chunk-aware causal mask
 of :func:`megarl.models.packing.thd_coordinates`. Exact; each sequence's scores are computed
-with its own keys only (``[heads, its queries, its keys]``), the sequences of one padded length
-batched in one call, so packing saves the padding's compute here too.
+with its own keys only (a neighbour's and padded columns masked), sequences of similar padded
+lengths batched in one call (:func:`length_groups`), so packing saves most of the padding's
+compute here too.
 
 On CUDA (the local spec there: MoE LoRA, ``transformer_impl=local``) the same class runs real
 attention kernels instead (:func:`kernel_attention`): PyTorch's flash varlen kernel for packed
@@ -67,11 +68,14 @@ def _row_coordinates(params, cp_size: int, cp_rank: int):
 
 @dataclass(frozen=True)
 class LengthGroup:
-    """The packed sequences of one padded length, attended together as one batch: ``queries``
-    ``[Lq·n]`` (their queries among this rank's tokens, position-major: index ``i·n + j`` is
-    query ``i`` of sequence ``j``, Megatron's ``[s, b]`` order), ``keys`` ``[Lk·n]`` (their
-    keys among every CP rank's tokens, in the order the CP all-gather returns them, the same
-    way), ``n`` and the causal mask ``[1, 1, Lq, Lk]`` they share (True: masked)."""
+    """Packed sequences of similar padded lengths, attended together as one batch, each padded
+    to the group's longest: ``queries`` ``[Lq·n]`` (their queries among this rank's tokens,
+    position-major: index ``i·n + j`` is query ``i`` of sequence ``j``, Megatron's ``[s, b]``
+    order; a shorter sequence's rows past its end repeat one of its tokens and are dropped),
+    ``keys`` ``[Lk·n]`` (their keys among every CP rank's tokens, in the order the CP all-gather
+    returns them, the same way; a shorter sequence's columns past its end are masked), ``n`` and
+    the mask (True: masked), ``[1, 1, Lq, Lk]`` when every member has the group's length, else
+    ``[n, 1, Lq, Lk]``."""
 
     queries: torch.Tensor
     keys: torch.Tensor
@@ -79,15 +83,38 @@ class LengthGroup:
     mask: torch.Tensor
 
 
+GROUP_SLACK = 2.0
+"""A group's padded attention cost (members × its longest length²) may be at most this many times
+its members' own (the sum of their squared lengths): on the CPU each group is a dozen calls per
+layer, forward and backward, which cost far more than a few padded scores at the lengths it runs."""
+
+
+def _similar_lengths(sizes: dict[int, int]) -> list[list[int]]:
+    """The padded lengths of ``sizes`` (length -> sequences of it) in groups of neighbours,
+    shortest first, each within :data:`GROUP_SLACK` of its members' own attention cost."""
+    groups: list[list[int]] = []
+    own = count = 0
+    for length in sorted(sizes):
+        n = sizes[length]
+        if groups and (count + n) * length**2 <= GROUP_SLACK * (own + n * length**2):
+            groups[-1].append(length)
+            own, count = own + n * length**2, count + n
+        else:
+            groups.append([length])
+            own, count = n * length**2, n
+    return groups
+
+
 def length_groups(
     params, cp_size: int, cp_rank: int, device
 ) -> tuple[list[LengthGroup], torch.Tensor]:
-    """The packed row of ``params`` as :class:`LengthGroup` s, and the permutation that puts
-    their outputs (concatenated, each ``[Lq·n]``) back in the row's token order. Sequences of
-    one padded length have the same mask (a query sees the keys of its sequence at its position
-    or before; under CP the chunk positions depend only on that length), so each group is one
-    batched call. Computed once per forward (one host read of the sequence starts) and kept on
-    ``params``, the object every layer of the forward receives."""
+    """The packed row of ``params`` as :class:`LengthGroup` s, and the index that reads every
+    token's output, in the row's order, from their outputs concatenated (each ``[Lq·n]``).
+    A query sees the keys of its own sequence at its position or before (under CP the chunk
+    positions depend only on the padded length), never a neighbour's or a padded column, so
+    each group is one batched call that computes what each member alone would. Computed once
+    per forward (one host read of the sequence starts) and kept on ``params``, the object every
+    layer of the forward receives."""
     key = ("groups", cp_size, cp_rank, str(device))
     cached = getattr(params, "_megarl_groups", None)
     if cached is not None and cached[0] == key:
@@ -103,17 +130,31 @@ def length_groups(
         if q_count[seq]:
             by_length.setdefault(size, []).append(seq)
     groups, order = [], []
-    for members in by_length.values():
-        qs = torch.stack([q_order[q_starts[m] : q_starts[m + 1]] for m in members], dim=1)
-        ks = torch.stack([k_order[k_starts[m] : k_starts[m + 1]] for m in members], dim=1)
-        masked = k_pos[ks[:, 0]][None, :] > q_pos[qs[:, 0]][:, None]
-        queries = qs.reshape(-1)
+    for lengths in _similar_lengths({size: len(seqs) for size, seqs in by_length.items()}):
+        members = [seq for size in lengths for seq in by_length[size]]
+        lq, lk = max(q_count[m] for m in members), max(k_count[m] for m in members)
+        qs = torch.full((lq, len(members)), -1, dtype=torch.long)
+        ks = torch.full((lk, len(members)), -1, dtype=torch.long)
+        for j, m in enumerate(members):
+            qs[: q_count[m], j] = q_order[q_starts[m] : q_starts[m + 1]]
+            ks[: k_count[m], j] = k_order[k_starts[m] : k_starts[m + 1]]
+        order.append(qs.reshape(-1))
+        # rows past a sequence's end repeat its first query (dropped); columns past it, masked
+        first_q, first_k = qs[0].expand_as(qs), ks[0].expand_as(ks)
+        qs, kept = torch.where(qs >= 0, qs, first_q), ks >= 0
+        ks = torch.where(kept, ks, first_k)
+        masked = (k_pos[ks].T[:, None, :] > q_pos[qs].T[:, :, None]) | ~kept.T[:, None, :]
+        if len(lengths) == 1:  # one length: one causal mask for all
+            masked = masked[:1]
         groups.append(
-            LengthGroup(queries.to(device), ks.reshape(-1).to(device), len(members),
-                        masked[None, None].to(device))
+            LengthGroup(qs.reshape(-1).to(device), ks.reshape(-1).to(device), len(members),
+                        masked[:, None].to(device))
         )  # fmt: skip
-        order.append(queries)
-    back = torch.argsort(torch.cat(order)).to(device)
+    flat = torch.cat(order)
+    real = (flat >= 0).nonzero().squeeze(1)
+    back = torch.empty(len(q_seq), dtype=torch.long)
+    back[flat[real]] = real
+    back = back.to(device)
     params._megarl_groups = (key, (groups, back))
     return groups, back
 

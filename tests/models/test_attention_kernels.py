@@ -88,27 +88,39 @@ def test_packed_rows_attend_within_each_sequence_across_cp_chunks(cp):
 
 
 @pytest.mark.parametrize("cp", [1, 2])
-def test_length_groups_batch_sequences_of_one_length_with_their_own_keys_and_mask(cp):
+@pytest.mark.parametrize(
+    ("lengths", "group_sizes"),
+    [([8, 4, 8, 4, 4, 8], [6]), ([4] * 10 + [32, 28], [2, 10]), ([8, 8, 8], [3])],
+)
+def test_length_groups_batch_sequences_with_their_own_keys_and_mask(cp, lengths, group_sizes):
     """The CPU emulation's batching (:func:`megarl.models.attention.length_groups`): sequences
-    of one padded length form one group; each member's queries, keys and causal mask are the
-    ones it has alone, and the permutation puts the groups' outputs back in the row's order."""
+    of similar padded lengths form one group (a few short ones beside a long one do not); each
+    member's queries, keys and causal mask are the ones it has alone, its padded key columns
+    masked, and the index reads the groups' outputs back in the row's order."""
     from types import SimpleNamespace
 
     from megarl.models.attention import length_groups
 
-    cu = torch.tensor([0, 8, 12, 20, 24, 28, 36])  # padded lengths 8, 4, 8, 4, 4, 8
+    cu = torch.tensor([0, *lengths]).cumsum(0)
     for rank in range(cp):
         params = SimpleNamespace(cu_seqlens_q_padded=cu, cu_seqlens_q=cu)
         groups, back = length_groups(params, cp, rank, torch.device("cpu"))
         c = _coords(cu, cp, rank)
-        assert sorted(g.n for g in groups) == [3, 3]
+        assert sorted(g.n for g in groups) == group_sizes
+        seen = []
         for g in groups:
             qs, ks = g.queries.view(-1, g.n), g.keys.view(-1, g.n)
             for j in range(g.n):
                 seq = int(c.q_seq[qs[0, j]])
-                assert torch.equal(qs[:, j], (c.q_seq == seq).nonzero().squeeze(1))
-                assert torch.equal(ks[:, j], (c.k_seq == seq).nonzero().squeeze(1))
-                alone = c.k_pos[ks[:, j]][None, :] > c.q_pos[qs[:, j]][:, None]
-                assert torch.equal(g.mask[0, 0], alone)
+                seen.append(seq)
+                own_q = (c.q_seq == seq).nonzero().squeeze(1)
+                own_k = (c.k_seq == seq).nonzero().squeeze(1)
+                assert torch.equal(qs[: len(own_q), j], own_q)
+                assert torch.equal(ks[: len(own_k), j], own_k)
+                alone = c.k_pos[own_k][None, :] > c.q_pos[own_q][:, None]
+                mask = g.mask[j if g.mask.shape[0] > 1 else 0, 0, : len(own_q)]
+                assert torch.equal(mask[:, : len(own_k)], alone)
+                assert bool(mask[:, len(own_k) :].all())  # a padded column is never seen
+        assert sorted(seen) == list(range(len(lengths)))
         tokens = torch.cat([g.queries for g in groups])
         assert torch.equal(tokens.index_select(0, back), torch.arange(len(c.q_seq)))
