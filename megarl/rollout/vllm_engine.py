@@ -479,7 +479,8 @@ class VLLMEngine:
         self._order.begin_update()
         self.wake_up(["weights"])
         self._moe_blocks_loaded = set()
-        self._llm.collective_rpc(wops.begin_layerwise_reload)
+        with device_routing_suspended():  # vLLM's loaders and megarl's reshard name no CUDA
+            self._llm.collective_rpc(wops.begin_layerwise_reload)
 
     def load_weight_chunk(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Feed HF-named full-shaped tensors (vLLM slices them for this rank's TP shard; only
@@ -492,17 +493,19 @@ class VLLMEngine:
         """
         self._order.check_updating("load_weight_chunk")
         noted = wops.note_moe_blocks(named_tensors, self._moe_blocks_loaded)
-        self._llm.collective_rpc(wops.load_weights, args=(noted,))
+        with device_routing_suspended():  # (as in begin_weight_update)
+            self._llm.collective_rpc(wops.load_weights, args=(noted,))
 
     def finish_weight_update(self) -> None:
         """Process modules still waiting for tensors, and drop cached prefixes."""
         self._order.check_updating("finish_weight_update")
-        self._llm.collective_rpc(wops.finish_layerwise_reload)
-        self._llm.collective_rpc(wops.reprocess_tied_lm_head)
-        if self._moe_blocks_loaded:
-            self._llm.collective_rpc(
-                wops.repack_cpu_experts, args=(sorted(self._moe_blocks_loaded),)
-            )
+        with device_routing_suspended():  # (as in begin_weight_update)
+            self._llm.collective_rpc(wops.finish_layerwise_reload)
+            self._llm.collective_rpc(wops.reprocess_tied_lm_head)
+            if self._moe_blocks_loaded:
+                self._llm.collective_rpc(
+                    wops.repack_cpu_experts, args=(sorted(self._moe_blocks_loaded),)
+                )
         self._llm.reset_prefix_cache()
         self._order.finish_update()
         self.base_loaded = True
