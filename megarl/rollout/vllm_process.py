@@ -48,14 +48,17 @@ def start_llm(model_path: str, kwargs: dict[str, Any]) -> Any:
     re-pack) and are exercised on V1 only, so V1 is pinned unless the variable is set (``1``
     tries V2).
 
-    Without CUDA, ``torch.compiler.set_stance("force_eager")``: even with ``enforce_eager``
-    vLLM ``torch.compile``s three helpers (the TP embedding's vocabulary mask, the log-prob rank
-    count, the top-k/top-p mask), and Inductor compiling each in every rank costs more than the
-    tiny ops it speeds up; eager gives the same results (integer masks and counts).
+    Without CUDA and with ``enforce_eager``, ``torch.compiler.set_stance("force_eager")``: even
+    then vLLM ``torch.compile``s three helpers (the TP embedding's vocabulary mask, the log-prob
+    rank count, the top-k/top-p mask), and Inductor compiling each in every rank costs more than
+    the tiny ops it speeds up; eager gives the same results (integer masks and counts). Without
+    ``enforce_eager`` vLLM compiles its model with Inductor on CPU too (its start-up pays for
+    it once per shape, cached under ``~/.cache/vllm``; generation of the tiny model's
+    equal-work step 18 % faster, ``tools/bench_vs_trl.sh``).
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
     os.environ.setdefault(MODEL_RUNNER_ENV, "0")  # V1 runner unless asked (see the docstring)
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and kwargs.get("enforce_eager", True):
         torch.compiler.set_stance("force_eager")  # (see the docstring)
     _quiet_expected_vllm_warnings()
     _private_ipc_directory()
