@@ -22,6 +22,7 @@ and any arguments reach both. Exit status: 0 when both pass, else lane 1's failu
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -45,9 +46,13 @@ def _pytest(*args: str) -> list[str]:
 def main(argv: list[str]) -> int:
     start = time.monotonic()
     lane_2_args = [*(f"--ignore={d}" for d in LANE_1), "-p", "no:cacheprovider", "tests", *argv]
+    # The two lanes share the cores: one torch thread per process, so a run's ranks do not take
+    # every core of a machine the other lane is using (`megarl train` would give a CPU rank
+    # alone all of them). A value of the caller's wins.
+    env = {"OMP_NUM_THREADS": "1", **os.environ}
     with tempfile.TemporaryFile("w+") as log:
-        lane_2 = subprocess.Popen(_pytest(*lane_2_args), cwd=REPO, stdout=log, stderr=log)
-        lane_1 = subprocess.Popen(_pytest(*LANE_1, *argv), cwd=REPO)
+        lane_2 = subprocess.Popen(_pytest(*lane_2_args), cwd=REPO, env=env, stdout=log, stderr=log)
+        lane_1 = subprocess.Popen(_pytest(*LANE_1, *argv), cwd=REPO, env=env)
 
         def forward(signum, _frame):
             for lane in (lane_1, lane_2):
