@@ -19,6 +19,8 @@ equal_work=(
   actor_rollout_ref.actor.use_kl_loss=false
   actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1
   actor_rollout_ref.rollout.tensor_model_parallel_size=1
+  # vLLM compiled: verl's and megarl's default; the tiny configs run eager only to start faster
+  actor_rollout_ref.rollout.enforce_eager=false
 )
 megarl=() trl=()
 for ((i = 1; i <= rounds; i++)); do
