@@ -72,7 +72,7 @@ def build(args) -> tuple[MemoryPlan, list[Proposal], str]:
     nodes = args.nodes or cfg.trainer.nnodes
     gpus = args.gpus_per_node or cfg.trainer.n_gpus_per_node
     cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node = nodes, gpus
-    from megarl.planner.memory_plan import gpu_memory_gib
+    from megarl.planner.fit_warning import gpu_memory_gib
 
     gpu_memory = args.gpu_memory or gpu_memory_gib()
     cluster = Cluster(nodes, gpus, gpu_memory, args.reserve)

@@ -6,7 +6,8 @@ validate`` and ``megarl train`` (:func:`memory_warnings`). The residency schedul
 (:mod:`megarl.planner.residency`) is the one the trainer applies.
 """
 
-from megarl.planner.memory_plan import Cluster, MemoryPlan, memory_warnings, plan_memory
+from megarl.planner.fit_warning import memory_warnings
+from megarl.planner.memory_plan import Cluster, MemoryPlan, plan_memory
 from megarl.planner.memory_search import Proposal, search_layouts
 
 __all__ = ["Cluster", "MemoryPlan", "Proposal", "memory_warnings", "plan_memory", "search_layouts"]

@@ -14,12 +14,11 @@ from megarl.config import load_config, validate
 from megarl.config.model_dims import ModelDims
 from megarl.models.tiny import tiny_hf_config
 from megarl.parallel.layout import ParallelLayout
+from megarl.planner.fit_warning import gpu_memory_gib, memory_warnings
 from megarl.planner.memory import GIB, OptimizerAssumptions, model_state, vllm_weight_bytes
 from megarl.planner.memory_plan import (
     NCCL_COMMUNICATOR_BYTES,
     Cluster,
-    gpu_memory_gib,
-    memory_warnings,
     nccl_communicators,
     plan_memory,
 )
