@@ -330,25 +330,23 @@ def test_vllms_nodes_need_a_multi_node_launch_of_even_nodes(tiny, override, mult
 
 
 def test_cpu_ranks_share_the_machines_cores(tiny, tmp_path):
-    """A CPU run's ranks get this machine's cores shared among them as intra-op threads (a rank
-    alone: all of them; 2 ranks on 2 cores keep 1 each, as every 2-rank launch of the suite
-    does), unless the user set ``OMP_NUM_THREADS``, which wins; seen by the rank ``megarl
-    train`` launches (tests/trainer/_thread_rank.py)."""
+    """A CPU run's rank alone on this machine gets all its cores as intra-op threads, unless the
+    user set ``OMP_NUM_THREADS``, which wins; seen by the rank ``megarl train`` launches
+    (tests/trainer/_thread_rank.py)."""
     cores = len(os.sched_getaffinity(0))
-    for world, user, expected in ((1, None, cores), (1, "1", 1)):
-        out = tmp_path / f"w{world}-{user}"
+    for user, expected in ((None, cores), ("1", 1)):
+        out = tmp_path / f"threads-{user}"
         out.mkdir()
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "WORLD_SIZE")}
         env.update({"MEGARL_TRAIN_MODULE": "tests.trainer._thread_rank",
                     "MEGARL_TEST_THREADS": str(out), **({"OMP_NUM_THREADS": user} if user else {})})  # fmt: skip
         done = subprocess.run(
             [sys.executable, "-m", "megarl.cli", "train", "-c", CONFIG, *tiny,
-             f"trainer.n_gpus_per_node={world}",
-             f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={world}",
-             f"actor_rollout_ref.rollout.tensor_model_parallel_size={world}",
+             "trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+             "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
              f"trainer.default_local_dir={out / 'run'}"],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=180, check=False,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         reports = sorted(p.read_text() for p in out.glob("rank*"))
-        assert reports == [f"{expected} {expected}"] * world, (world, user, reports)
+        assert reports == [f"{expected} {expected}"], (user, reports)
