@@ -115,6 +115,27 @@ def test_python_tool_runs_its_code_in_the_sandbox(run_dir):
     assert "FileNotFoundError" in response.text and "weights" not in response.text
 
 
+def test_an_interpreter_under_tmp_runs_sandboxed(tmp_path, run_dir):
+    """A checkout (and its venv) under /tmp: the scratch directory mounted on /tmp must not hide
+    the interpreter's prefix, and shows nothing else of the host's /tmp (the run directory)."""
+    venv = tmp_path / "clone" / ".venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next(venv.glob("lib/python*/site-packages"))
+    (site / "megarl_dev.pth").write_text("\n".join(sys.path[1:]) + "\n")  # megarl and its deps
+    probe = (
+        "from megarl.reward.scorers import sandbox\n"
+        "from megarl.reward.scorers.code_runner import run_program\n"
+        "assert sandbox.sandbox_problem() is None, sandbox.sandbox_problem()\n"
+        f"program = {_try(f'open({str(run_dir)!r}).read()')!r} + '\\nprint(6 * 7)'\n"
+        "print(run_program(program, '', fn_name=None, timeout_s=30.0, memory_limit_mb=512).output)"
+    )
+    done = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", probe], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["FileNotFoundError", "42"]
+
+
 def test_a_machine_without_bubblewrap_is_refused_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap there
     sandbox.sandbox_problem.cache_clear()

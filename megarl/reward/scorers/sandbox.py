@@ -100,6 +100,7 @@ def sandbox_argv(command: list[str], scratch: str, *, chown: bool = True) -> lis
     """``command`` wrapped in the sandbox, with the host directory ``scratch`` as its writable
     ``/tmp`` (and working directory). As root, ``scratch`` is handed to the program's uid
     (``chown``); the caller sets RLIMIT_NPROC (:data:`MAX_PROCESSES`) in the launcher as root."""
+    system = _system_binds()
     argv = [
         "bwrap",
         "--unshare-net",
@@ -111,10 +112,11 @@ def sandbox_argv(command: list[str], scratch: str, *, chown: bool = True) -> lis
         "--new-session",
         "--hostname",
         "sandbox",
-        *_system_binds(),
+        *system[0],
         "--bind",
         scratch,
         SCRATCH,
+        *system[1],  # prefixes under /tmp (a checkout there): above the scratch bind
         "--chdir",
         SCRATCH,
         "--proc",
@@ -145,9 +147,11 @@ def _sandbox_uid() -> int:
 
 
 @functools.cache
-def _system_binds() -> tuple[str, ...]:
+def _system_binds() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """bwrap arguments showing the system read-only: /usr, /etc, the top-level links into /usr
-    (merged /usr) and the interpreter's prefixes (a virtualenv and its base), nothing else."""
+    (merged /usr) and the interpreter's prefixes (a virtualenv and its base), nothing else. Two
+    parts: the binds outside :data:`SCRATCH`, and those inside it (an interpreter under /tmp),
+    which must come after the scratch bind or it hides them."""
     binds: list[str] = []
     for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         path = Path("/") / top
@@ -164,12 +168,17 @@ def _system_binds() -> tuple[str, ...]:
     # a venv is shown at its own path (its bin/python links there), and resolved
     if Path(sys.prefix) != Path(os.path.realpath(sys.prefix)):
         shown.append(Path(sys.prefix))
+    scratch = Path(SCRATCH)
+    inside: list[str] = []
     parents: set[Path] = set()
     for path in shown:
-        binds += ["--ro-bind", str(os.path.realpath(path)), str(path)]
+        part = inside if scratch in path.parents else binds
+        part += ["--ro-bind", str(os.path.realpath(path)), str(path)]
         parents |= {p for p in path.parents if p != Path("/")}
-    # bwrap gives the directories it makes on the way the host's modes (/root: 0700)
-    made = {p for p in parents if not any(p == s or s in p.parents for s in shown)}
+    # bwrap gives the directories it makes on the way the host's modes (/root: 0700); the
+    # scratch directory keeps its own
+    made = {p for p in parents if p != scratch and not any(p == s or s in p.parents for s in shown)}
     for parent in sorted(made, key=lambda p: len(p.parts)):
-        binds += ["--chmod", "0755", str(parent)]
-    return tuple(binds)
+        part = inside if scratch in parent.parents else binds
+        part += ["--chmod", "0755", str(parent)]
+    return tuple(binds), tuple(inside)
