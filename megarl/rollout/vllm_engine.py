@@ -270,6 +270,14 @@ class VLLMEngine:
         self._llm = start_llm(self.model_path, kwargs)
         if self.routing_source == "hooks":
             self._llm.collective_rpc(routing_capture.install)
+        self._update_in_place = (
+            not on_gpu
+            and lora_rank == 0
+            and all(self._llm.collective_rpc(wops.weights_update_in_place))
+        )
+        """A weight update is a ``load_weights`` into the weights vLLM computes with (CPU, dense,
+        unquantized: :func:`megarl.rollout.vllm_worker_ops.weights_update_in_place`), else a
+        layerwise reload."""
 
     @classmethod
     def from_config(
@@ -479,6 +487,8 @@ class VLLMEngine:
         self._order.begin_update()
         self.wake_up(["weights"])
         self._moe_blocks_loaded = set()
+        if self._update_in_place:
+            return  # the loaders copy into the kept weights (see _update_in_place)
         with device_routing_suspended():  # vLLM's loaders and megarl's reshard name no CUDA
             self._llm.collective_rpc(wops.begin_layerwise_reload)
 
@@ -499,13 +509,14 @@ class VLLMEngine:
     def finish_weight_update(self) -> None:
         """Process modules still waiting for tensors, and drop cached prefixes."""
         self._order.check_updating("finish_weight_update")
-        with device_routing_suspended():  # (as in begin_weight_update)
-            self._llm.collective_rpc(wops.finish_layerwise_reload)
-            self._llm.collective_rpc(wops.reprocess_tied_lm_head)
-            if self._moe_blocks_loaded:
-                self._llm.collective_rpc(
-                    wops.repack_cpu_experts, args=(sorted(self._moe_blocks_loaded),)
-                )
+        if not self._update_in_place:
+            with device_routing_suspended():  # (as in begin_weight_update)
+                self._llm.collective_rpc(wops.finish_layerwise_reload)
+                self._llm.collective_rpc(wops.reprocess_tied_lm_head)
+                if self._moe_blocks_loaded:
+                    self._llm.collective_rpc(
+                        wops.repack_cpu_experts, args=(sorted(self._moe_blocks_loaded),)
+                    )
         self._llm.reset_prefix_cache()
         self._order.finish_update()
         self.base_loaded = True

@@ -34,6 +34,31 @@ def finish_layerwise_reload(worker: Any) -> None:
         finalize_layerwise_reload(worker.model_runner.get_model(), worker.vllm_config.model_config)
 
 
+IN_PLACE_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
+"""vLLM quantization methods whose CPU layers multiply by their kept weight (see
+:func:`megarl.rollout.vllm_process._keep_cpu_linear_weights`)."""
+
+
+def weights_update_in_place(worker: Any) -> bool:
+    """Whether a weight update of this worker's model can be a plain ``load_weights`` into the
+    weights it computes with: every layer with a quantization method is an unquantized one
+    multiplying by its kept weight (``cpu_linear`` is torch's linear), and no weight has more
+    than two dimensions (MoE experts are repacked after loading). Else the update reloads layer
+    by layer (:func:`begin_layerwise_reload`)."""
+    import torch
+
+    model = worker.model_runner.get_model()
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is None:
+            continue
+        if type(method).__name__ not in IN_PLACE_METHODS:
+            return False
+        if getattr(module, "cpu_linear", None) is not torch.nn.functional.linear:
+            return False
+    return all(p.ndim <= 2 for p in model.parameters())
+
+
 def reprocess_tied_lm_head(worker: Any) -> None:
     """Redo a tied ``lm_head``'s post-load processing after a weight update.
 

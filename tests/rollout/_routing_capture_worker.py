@@ -36,7 +36,9 @@ def main() -> None:
             {"prompt": s.prompt_token_ids, "response": s.response_token_ids, "routing": s.routing}
             for s in batch
         ]
-        torch.save({"source": engine.routing_source, "samples": samples}, out / f"{family}.pt")
+        result = {"source": engine.routing_source, "samples": samples}
+        result["update_in_place"] = engine._update_in_place  # MoE experts: a layerwise reload
+        torch.save(result, out / f"{family}.pt")
         engine.shutdown()
 
 

@@ -199,6 +199,7 @@ def main() -> None:
             max_num_seqs=64,
         )
         tim[f"{tag}_start_s"] = time.perf_counter() - t
+        out["meta"].setdefault("update_in_place", {})[tag] = engine._update_in_place
         return engine
 
     def make_from_config(path: Path, tag: str) -> VLLMEngine:

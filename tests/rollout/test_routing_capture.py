@@ -40,6 +40,7 @@ def _check_against_transformers(captured: Path, family: str, source: str) -> Non
     k = model.config.num_experts_per_tok
     result = torch.load(captured / f"{family}.pt", weights_only=False)
     assert result["source"] == source
+    assert result["update_in_place"] is False  # experts are repacked after a load
     samples = result["samples"]
     assert len(samples) == 8
     compared = 0

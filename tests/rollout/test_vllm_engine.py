@@ -355,6 +355,14 @@ def test_update_weights_changes_the_rollout(run):
         assert all(x["logprobs"] != y["logprobs"] for x, y in zip(a, b))
 
 
+def test_dense_cpu_weight_updates_copy_into_the_weights_vllm_computes_with(run):
+    """On CPU a dense model's update is a plain load into the kept weights, no layerwise reload
+    (megarl.rollout.vllm_process._keep_cpu_linear_weights); the HF comparisons after the updates
+    above (tp2_noisy, the tied kv1_noisy) show it lands."""
+    for rank in run["ranks"]:
+        assert rank["meta"]["update_in_place"] == {"tp1": True, "kv1": True}
+
+
 def test_zeroed_lm_head_gives_uniform_logprobs(run):
     """A partial update (only lm_head) at TP_v=2."""
     for recs in records(run, "tp2_zero_lm_head"):
