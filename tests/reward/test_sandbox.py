@@ -10,9 +10,11 @@ bounded count is checked first, so a sandbox that stopped binding it never start
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -129,9 +131,12 @@ def test_an_interpreter_under_tmp_runs_sandboxed(tmp_path, run_dir):
         f"program = {_try(f'open({str(run_dir)!r}).read()')!r} + '\\nprint(6 * 7)'\n"
         "print(run_program(program, '', fn_name=None, timeout_s=30.0, memory_limit_mb=512).output)"
     )
+    # TMPDIR 0700, as a scoring worker's (megarl/reward/pool.py): the probe must not need it
+    tmpdir = tempfile.mkdtemp(dir=tmp_path)
     done = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", probe], capture_output=True, text=True, check=False
-    )
+        [str(venv / "bin" / "python"), "-c", probe],
+        capture_output=True, text=True, check=False, env={**os.environ, "TMPDIR": tmpdir},
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["FileNotFoundError", "42"]
 
@@ -181,7 +186,7 @@ def test_per_call_overhead_benchmark():
     for name in ("plain", "sandboxed"):
         start = time.perf_counter()
         for _ in range(5):
-            with __import__("tempfile").TemporaryDirectory() as tmp:
+            with tempfile.TemporaryDirectory() as tmp:
                 cmd = sandbox.sandbox_argv(argv, tmp) if name == "sandboxed" else argv
                 assert subprocess.run(cmd, check=False).returncode == 0
         times[name] = (time.perf_counter() - start) / 5

@@ -27,6 +27,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 __all__ = [
@@ -84,22 +85,24 @@ def sandbox_problem() -> str | None:
     for tool in ("bwrap", "setpriv" if os.geteuid() == 0 else "prlimit"):
         if shutil.which(tool) is None:
             return f"{tool} is not on PATH"
-    scratch = Path(os.environ.get("TMPDIR", "/tmp"))
-    argv = sandbox_argv([sys.executable, "-I", "-c", "pass"], str(scratch), chown=False)
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return f"bwrap did not run ({err})"
+    # a scratch directory of its own, handed over as a program's is (TMPDIR may be 0700 root's:
+    # the scoring workers' is, and an interpreter under /tmp is reached through it)
+    with tempfile.TemporaryDirectory(prefix="megarl-sandbox-probe-") as scratch:
+        argv = sandbox_argv([sys.executable, "-I", "-c", "pass"], scratch)
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            return f"bwrap did not run ({err})"
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         return f"a probe run failed: {last}"
     return None
 
 
-def sandbox_argv(command: list[str], scratch: str, *, chown: bool = True) -> list[str]:
+def sandbox_argv(command: list[str], scratch: str) -> list[str]:
     """``command`` wrapped in the sandbox, with the host directory ``scratch`` as its writable
-    ``/tmp`` (and working directory). As root, ``scratch`` is handed to the program's uid
-    (``chown``); the caller sets RLIMIT_NPROC (:data:`MAX_PROCESSES`) in the launcher as root."""
+    ``/tmp`` (and working directory). As root, ``scratch`` is handed to the program's uid; the
+    caller sets RLIMIT_NPROC (:data:`MAX_PROCESSES`) in the launcher as root."""
     system = _system_binds()
     argv = [
         "bwrap",
@@ -128,10 +131,9 @@ def sandbox_argv(command: list[str], scratch: str, *, chown: bool = True) -> lis
     ]
     if os.geteuid() == 0:
         uid = _sandbox_uid()
-        if chown:
-            for path in (scratch, *(str(p) for p in Path(scratch).iterdir())):
-                os.chown(path, uid, uid)
-            os.chmod(scratch, 0o711)  # bwrap, root without capabilities, enters it
+        for path in (scratch, *(str(p) for p in Path(scratch).iterdir())):
+            os.chown(path, uid, uid)
+        os.chmod(scratch, 0o711)  # bwrap, root without capabilities, enters it
         # capabilities go; setpriv needs SETUID/SETGID once, and the uid change clears them
         argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
         argv += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
