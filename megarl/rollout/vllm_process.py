@@ -2,8 +2,9 @@
 the trainer's state alone and nothing behind.
 
 :func:`start_llm` pins vLLM's V1 model runner, makes CPU ranks run vLLM's compiled helpers
-eagerly, keeps vLLM's CPU linear weights where a weight update can copy into them, gives vLLM's IPC sockets a private directory removed at exit and unlinks the names of
-vLLM's CPU shared-memory segments once they are mapped; its steps say why.
+eagerly, keeps vLLM's CPU linear weights where a weight update can copy into them, gives vLLM's
+IPC sockets a private directory removed at exit and unlinks the names of vLLM's CPU
+shared-memory segments once they are mapped; its steps say why.
 """
 
 from __future__ import annotations
@@ -138,8 +139,8 @@ def _keep_cpu_linear_weights() -> None:
     (:meth:`megarl.rollout.vllm_engine.VLLMEngine.begin_weight_update`); the equal-work step's
     ``update_weights`` 80-88 -> 24 ms. Generation is not slower (the tiny model's 16 x 32
     tokens, one thread: eager 415 against 444 ms; compiled 265-383 against 315-351 ms, this
-    machine's noise), and the products are torch's, as the trainer's. Other weights (3-D MoE experts,
-    convolutions) keep vLLM's dispatch.
+    machine's noise), and the products are torch's, as the trainer's. Other weights (3-D MoE
+    experts, convolutions) keep vLLM's dispatch.
     """
     from vllm.model_executor.layers import utils
 
