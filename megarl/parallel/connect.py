@@ -10,14 +10,19 @@ ranks for each *single* send or receive (``ProcessGroupNCCL::pointToPoint`` keys
 
 - one all-reduce of one element on each of :data:`COLLECTIVE_GROUPS` (a group this rank is not
   in skipped; one group object reached by two names connected once);
-- one send/receive between each pair of :func:`point_to_point_pairs`: the pipeline ring with
-  virtual pipeline stages (Megatron's interleaved schedule sends single ``isend``/``irecv``,
-  megarl turns ``batch_p2p_comm`` off there; a two-stage pipeline sends one direction over the
-  world group), every pair of a pipeline group whose stages hold
-  different vLLM TP ranks (the reshard executor's single sends,
+- one send/receive between each pair of :func:`point_to_point_pairs` of each of
+  :func:`pair_kinds`: the pipeline ring with virtual pipeline stages (Megatron's interleaved
+  schedule sends single ``isend``/``irecv``, megarl turns ``batch_p2p_comm`` off there; a
+  two-stage pipeline sends one direction over the world group), every pair of a pipeline group
+  whose stages hold different vLLM TP ranks (the reshard executor's single sends,
   ``megarl.rollout.reshard.executor._PipelineRoute``), and the context-parallel ring above two
   ranks (Transformer Engine's ring attention sends single ``isend``/``irecv`` unless
   ``NVTE_BATCH_MHA_P2P_COMM``).
+
+The memory planner counts from the same lists
+(:func:`megarl.planner.communicators.nccl_communicators`), so a group added here is planned too;
+``tests/planner/test_communicators.py`` runs :func:`connect_groups` on torch's fake backend at
+several layouts against its count.
 
 Every rank walks the same kinds in the same order, each kind's groups are disjoint and the pairs
 go in one global order, so the operations pair up. (Binding the default group to a device,
@@ -30,33 +35,92 @@ is how the suite checks the list against what a step uses (``tests/parallel/test
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
-import torch
-import torch.distributed as dist
+# torch is imported inside the functions that run collectives: the memory planner reads the
+# lists below to count the communicators (megarl/planner/communicators.py) without torch.
 
-COLLECTIVE_GROUPS: tuple[tuple[str, str, tuple[tuple[str, bool], ...]], ...] = (
-    ("world", "", ()),
-    ("model", "get_model_parallel_group", ()),
-    ("tensor", "get_tensor_model_parallel_group", ()),
-    ("pipeline", "get_pipeline_model_parallel_group", ()),
-    ("data", "get_data_parallel_group", ()),
-    ("data×context", "get_data_parallel_group", (("with_context_parallel", True),)),
-    ("context", "get_context_parallel_group", ()),
-    ("tensor×context", "get_tensor_and_context_parallel_group", ()),
-    ("embedding", "get_embedding_group", ()),
-    ("expert", "get_expert_model_parallel_group", ()),
-    ("expert tensor", "get_expert_tensor_parallel_group", ()),
-    ("expert tensor×expert", "get_expert_tensor_and_model_parallel_group", ()),
-    ("expert tensor×expert×pipeline", "get_expert_tensor_model_pipeline_parallel_group", ()),
-    ("expert data", "get_expert_data_parallel_group", ()),
-    ("optimizer instance", "get_intra_distributed_optimizer_instance_group", ()),
+
+class CollectiveGroup(NamedTuple):
+    """One group :func:`connect_groups` runs a collective on."""
+
+    name: str
+    getter: str
+    """Its ``parallel_state`` getter ("": the world, ``dist.group.WORLD``)."""
+    kwargs: tuple[tuple[str, bool], ...]
+    """The getter's keyword arguments."""
+    spans: tuple[str, ...]
+    """The layout's sizes whose product is its size on rank 0: ``tp``, ``cp``, ``dp``, ``pp``,
+    ``ep``, ``etp``, ``edp`` (expert data), ``pp ends`` (the first and last stage: 2 at PP > 1)."""
+
+
+COLLECTIVE_GROUPS: tuple[CollectiveGroup, ...] = (
+    CollectiveGroup("world", "", (), ("tp", "cp", "dp", "pp")),
+    CollectiveGroup("model", "get_model_parallel_group", (), ("tp", "pp")),
+    CollectiveGroup("tensor", "get_tensor_model_parallel_group", (), ("tp",)),
+    CollectiveGroup("pipeline", "get_pipeline_model_parallel_group", (), ("pp",)),
+    CollectiveGroup("data", "get_data_parallel_group", (), ("dp",)),
+    CollectiveGroup(
+        "data×context", "get_data_parallel_group", (("with_context_parallel", True),), ("dp", "cp")
+    ),
+    CollectiveGroup("context", "get_context_parallel_group", (), ("cp",)),
+    CollectiveGroup("tensor×context", "get_tensor_and_context_parallel_group", (), ("tp", "cp")),
+    CollectiveGroup("embedding", "get_embedding_group", (), ("pp ends",)),
+    CollectiveGroup("expert", "get_expert_model_parallel_group", (), ("ep",)),
+    CollectiveGroup("expert tensor", "get_expert_tensor_parallel_group", (), ("etp",)),
+    CollectiveGroup(
+        "expert tensor×expert", "get_expert_tensor_and_model_parallel_group", (), ("etp", "ep")
+    ),
+    CollectiveGroup(
+        "expert tensor×expert×pipeline",
+        "get_expert_tensor_model_pipeline_parallel_group",
+        (),
+        ("etp", "ep", "pp"),
+    ),
+    CollectiveGroup("expert data", "get_expert_data_parallel_group", (), ("edp",)),
+    CollectiveGroup(  # one distributed-optimizer instance (megarl's): the whole world
+        "optimizer instance",
+        "get_intra_distributed_optimizer_instance_group",
+        (),
+        ("etp", "ep", "edp", "pp"),
+    ),
 )
-"""``(name, parallel_state getter, its keyword arguments)`` of the groups whose collectives a
-step can run: the world (megarl's flags and counts), Megatron's model groups, DDP's and the
-distributed optimizer's data × context group, the router losses' tensor × context group, the
-allgather token dispatcher's expert-tensor × expert group, the expert grid's groups (gradient
-norms of expert parameters). The position-embedding group serves learned absolute positions,
-which no model here has. A dense model's expert groups are connected too (a few NCCL buffers)."""
+"""The groups whose collectives a step can run: the world (megarl's flags and counts), Megatron's
+model groups, DDP's and the distributed optimizer's data × context group, the router losses'
+tensor × context group, the allgather token dispatcher's expert-tensor × expert group, the expert
+grid's groups (gradient norms of expert parameters). The position-embedding group serves learned
+absolute positions, which no model here has. Megatron makes each group an object of its own, so
+two of the same ranks (TP and TP × CP at CP 1) are two communicators. A dense model's expert
+groups are connected too."""
+
+
+class PairKind(NamedTuple):
+    """Pairs of ranks that exchange single sends: the ranks of the group ``members`` (a name in
+    :data:`COLLECTIVE_GROUPS`) pair up, and the messages go over the group ``over``."""
+
+    over: str
+    members: str
+    ring: bool
+    """Neighbours on the ring of ``members``."""
+    reshard: bool
+    """Every pair whose ranks hold different vLLM TP ranks, with a colocated vLLM (the reshard
+    executor's rule, :func:`point_to_point_pairs`)."""
+
+
+def pair_kinds(pp: int, vpp: int, cp: int) -> list[PairKind]:
+    """The single sends of a layout of ``pp`` stages of ``vpp`` chunks each and CP ``cp``: the
+    pipeline's (the reshard executor's; the interleaved schedule's ring, and at two stages its
+    second direction over the world group) and the context-parallel ring above two ranks."""
+    kinds = []
+    if pp > 1:
+        kinds.append(PairKind("pipeline", "pipeline", ring=vpp > 1, reshard=True))
+        if vpp > 1 and pp == 2:
+            # Megatron's _p2p_ops sends one direction of a two-stage pipeline over the world
+            # group (p2p_communication.py: "Use the global process group for one of the two").
+            kinds.append(PairKind("world", "pipeline", ring=True, reshard=False))
+    if cp > 2:
+        kinds.append(PairKind("context", "context", ring=True, reshard=False))
+    return kinds
 
 
 @dataclass(frozen=True)
@@ -91,10 +155,11 @@ def point_to_point_pairs(
 
 
 def _collective_groups() -> list[tuple[str, object]]:
+    import torch.distributed as dist
     from megatron.core import parallel_state
 
     found: list[tuple[str, object]] = []
-    for name, getter, kwargs in COLLECTIVE_GROUPS:
+    for name, getter, kwargs, _ in COLLECTIVE_GROUPS:
         if not getter:
             found.append((name, dist.group.WORLD))
             continue
@@ -108,27 +173,34 @@ def _collective_groups() -> list[tuple[str, object]]:
     return found
 
 
+def _group_named(name: str):
+    """This rank's group of :data:`COLLECTIVE_GROUPS` called ``name``."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    _, getter, kwargs, _ = next(g for g in COLLECTIVE_GROUPS if g.name == name)
+    return getattr(parallel_state, getter)(**dict(kwargs)) if getter else dist.group.WORLD
+
+
 def _pair_groups(rollout_tp: int | None) -> list[tuple[str, object, list[int], bool, int | None]]:
     """``(name, group, members, ring, rollout_tp)`` of this rank's groups with single sends."""
     from megatron.core import parallel_state
 
-    out: list[tuple[str, object, list[int], bool, int | None]] = []
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        vpp = (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1) > 1
-        group = parallel_state.get_pipeline_model_parallel_group()
-        members = _members(group)
-        out.append(("pipeline", group, members, vpp, rollout_tp))
-        if vpp and len(members) == 2:
-            # Megatron's _p2p_ops sends one direction of a two-stage pipeline over the world
-            # group (p2p_communication.py: "Use the global process group for one of the two").
-            out.append(("world", dist.group.WORLD, members, True, None))
-    if parallel_state.get_context_parallel_world_size() > 2:
-        group = parallel_state.get_context_parallel_group()
-        out.append(("context", group, _members(group), True, None))
-    return out
+    kinds = pair_kinds(
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
+        parallel_state.get_context_parallel_world_size(),
+    )
+    return [
+        (kind.over, _group_named(kind.over), _members(_group_named(kind.members)), kind.ring,
+         rollout_tp if kind.reshard else None)
+        for kind in kinds
+    ]  # fmt: skip
 
 
 def _members(group) -> list[int]:
+    import torch.distributed as dist
+
     return [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))]
 
 
@@ -136,6 +208,9 @@ def connect_groups(rollout_tp: int | None = None) -> list[Connection]:
     """Create every communicator a step uses (see the module docstring); returns them in the
     order made. ``rollout_tp``: vLLM's TP size when the engine is colocated (the reshard
     executor's pipeline pairs); None connects no such pairs. Collective over the world."""
+    import torch
+    import torch.distributed as dist
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     one = torch.zeros(1, device=device)
     done = []

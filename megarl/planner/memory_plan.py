@@ -472,7 +472,8 @@ def _nccl_term(comms: dict[str, int]) -> Term:
     return Term(
         "NCCL communicators",
         len(comms) * NCCL_COMMUNICATOR_BYTES,
-        f"{len(comms)} × {NCCL_COMMUNICATOR_BYTES / GIB:g} GiB (groups of >= 2 ranks: {groups})",
+        f"{len(comms)} × {NCCL_COMMUNICATOR_BYTES / GIB:g} GiB (groups and pairs of >= 2 ranks: "
+        f"{groups})",
     )
 
 
