@@ -358,8 +358,7 @@ def test_the_plan_takes_the_gpus_own_memory_where_cuda_runs():
 def test_the_7b_config_keeps_a_stated_margin():
     """The 7B config's generate phase is the peak at 70.9 GiB, 4.3 GiB under the 75.2 usable of
     an H100 (79.2 less the 4 GiB reserve), with NCCL's 13 communicators (6.5 GiB); at the earlier
-    gpu_memory_utilization 0.6 it did not fit (78.8). (Its comment still says 68.4 and 8
-    communicators, from before the planner counted every group connect_groups makes.)"""
+    gpu_memory_utilization 0.6 it did not fit (78.8), as the config's comment says."""
     dims = ModelDims.from_hf_config(PRESETS["qwen2.5-7b"])
     plan = plan_memory(load_config(CFG_7B), dims, Cluster(1, 8))
     peak = max(plan.phases, key=lambda p: p.total)
