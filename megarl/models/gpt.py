@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from megarl.config.model_dims import ModelDims, UnsupportedArchitectureError
 from megarl.config.transformer_overrides import TE_ONLY_MOE, moe_override_problem
+from megarl.models import rope
 from megarl.models.chunks import chunks_device, unwrap  # noqa: F401 -- re-exported
 
 TransformerImpl = Literal["auto", "local", "transformer_engine"]
@@ -479,6 +480,7 @@ def build_gpt_chunks(
     vpp = config.virtual_pipeline_model_parallel_size or 1
     rope_factor = llama3_rope_factor(dims)
     spec = layer_spec(dims, transformer_impl)
+    rope.install()  # packed rows' rotary embedding built once per forward, not per layer
     if config.num_moe_experts:
         from megarl.models import router_losses
 
