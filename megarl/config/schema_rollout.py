@@ -170,6 +170,8 @@ class RolloutConfig:
     """(megarl) vLLM enforce_eager (no CUDA graphs; slower, starts faster)."""
     kv_cache_memory_bytes: int | None = None
     """(megarl) vLLM KV-cache size in bytes; overrides gpu_memory_utilization (set it on CPU)."""
+    limit_images: int | None = None
+    """The most images a prompt may hold (vLLM's limit_mm_per_prompt); null: vLLM's 999."""
     allow_non_unit_top_p_top_k: bool = False
     """(megarl) Permit top_p < 1 or top_k > 0 in training rollouts (biased log-probs)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -199,6 +199,7 @@ class _Checks(LayoutChecks):
             ("trainer.total_training_steps", c.trainer.total_training_steps),
             (f"{ROLL}.max_model_len", r.max_model_len),
             (f"{ROLL}.kv_cache_memory_bytes", r.kv_cache_memory_bytes),
+            (f"{ROLL}.limit_images", r.limit_images),
             (f"{ACTOR}.loss_scale_factor", a.loss_scale_factor),
             ("reward_model.micro_batch_size_per_gpu", c.reward_model.micro_batch_size_per_gpu),
             ("reward_model.max_length", c.reward_model.max_length),

@@ -36,6 +36,14 @@ from megarl.rollout.vllm_process import (
     preserve_rng_state,
     start_llm,
 )
+from megarl.rollout.vllm_vision import (
+    allow_qwen_vl_without_torchvision,
+    check_widened_prompt,
+    image_token_id,
+    vision_language_kwargs,
+    vision_language_type,
+    vllm_image_prompt,
+)
 
 if TYPE_CHECKING:
     from megarl.config.schema import RolloutConfig
@@ -97,6 +105,7 @@ def engine_args_from_config(
         "enable_chunked_prefill": rollout.enable_chunked_prefill,
         "max_num_batched_tokens": rollout.max_num_batched_tokens,
         "max_num_seqs": rollout.max_num_seqs,
+        "limit_images": rollout.limit_images,
         "expert_parallel": rollout.expert_parallel_size > 1,
         "load_weights": False,
         "engine_kwargs": dict(rollout.engine_kwargs),
@@ -150,6 +159,9 @@ class VLLMEngine:
             actor's adapters then arrive alone (:meth:`load_adapter`, ``lora.merge=false``) and
             every request carries them.
         fully_sharded_loras: vLLM's ``fully_sharded_loras`` (with ``lora_rank``).
+        limit_images: a VL checkpoint's most images a prompt (vLLM's ``limit_mm_per_prompt``;
+            None: vLLM's 999); videos are off (limit 0). A VL engine reads the tokenizer at
+            ``tokenizer_path`` (vLLM's multimodal processor needs it).
     """
 
     def __init__(
@@ -178,6 +190,7 @@ class VLLMEngine:
         lora_rank: int = 0,
         fully_sharded_loras: bool = False,
         trust_remote_code: bool = False,
+        limit_images: int | None = None,
     ) -> None:
         on_gpu = torch.cuda.is_available()
         if expert_parallel and not on_gpu:
@@ -266,6 +279,14 @@ class VLLMEngine:
         }
         optional.update(lora_engine_kwargs(lora_rank, fully_sharded_loras))
         kwargs.update({k: v for k, v in optional.items() if v is not None})
+        self.vision_language = vision_language_type(model_path)
+        """The checkpoint's VL ``model_type`` (``qwen2_5_vl``, ``qwen2_vl``): prompts may carry
+        images; None: text only."""
+        self.image_token_id = image_token_id(model_path) if self.vision_language else None
+        if self.vision_language:
+            with preserve_rng_state():  # (it imports vLLM, as start_llm does)
+                allow_qwen_vl_without_torchvision()
+            kwargs.update(vision_language_kwargs(tokenizer_path or model_path, limit_images))
         kwargs.update(engine_kwargs or {})
         self._llm = start_llm(self.model_path, kwargs)
         if self.routing_source == "hooks":
@@ -314,6 +335,7 @@ class VLLMEngine:
         step: int = 0,
         prompt_ids: Sequence[int] | None = None,
         interrupts: Any = None,
+        images: Sequence[Sequence[Any] | None] | None = None,
     ) -> RolloutBatch:
         """``n`` responses per prompt, prompt-major (see ``RolloutEngine.generate``).
 
@@ -325,7 +347,11 @@ class VLLMEngine:
         ``interrupts``: a partial rollout (:mod:`megarl.rollout.partial`): the engine stops at
         the token boundaries it asks for, loads new weights and continues every response; each
         sample records the weight version of each token.
+        ``images``: a VL engine's PIL images of each prompt (None or empty for a text prompt),
+        the dataset's ``images``; each prompt then holds every image widened to its tokens (the
+        dataset's ``prompt_ids``), and the samples keep those ids.
         """
+        self._check_images(prompts, images, interrupts)
         if interrupts is not None:
             from megarl.rollout.partial import generate_interruptible
 
@@ -347,7 +373,14 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         keys = [(p, s) for p in range(len(prompts)) for s in range(n)]
-        requests = [TokensPrompt(prompt_token_ids=list(prompts[p])) for p, _ in keys]
+        if images is None:
+            inputs = [{"prompt_token_ids": list(prompt)} for prompt in prompts]
+        else:
+            inputs = [
+                vllm_image_prompt(prompt, pictures, self.image_token_id, index=p)
+                for p, (prompt, pictures) in enumerate(zip(prompts, images, strict=True))
+            ]
+        requests = [TokensPrompt(**inputs[p]) for p, _ in keys]
         params = [make_params(max_tokens, request_seed(seed, step, ids[p], s)) for p, s in keys]
         if self.routing_source == "hooks":
             self._llm.collective_rpc(routing_capture.clear)
@@ -355,6 +388,9 @@ class VLLMEngine:
             outputs = self._llm.generate(
                 requests, params, use_tqdm=False, lora_request=self._lora_request
             )
+        if images is not None:
+            for (p, _), out in zip(keys, outputs, strict=True):
+                check_widened_prompt(out.prompt_token_ids, prompts[p], index=p)
         samples = [
             sample_from_output(out, prompts[p], p, s, ids[p])
             for (p, s), out in zip(keys, outputs, strict=True)
@@ -458,6 +494,19 @@ class VLLMEngine:
                 )
             sample.routing = routing
 
+    def _check_images(self, prompts: list[list[int]], images: Any, interrupts: Any) -> None:
+        """Images only for a VL engine, one entry a prompt, and not in partial rollouts."""
+        if images is None:
+            return
+        if self.vision_language is None:
+            raise ValueError(
+                f"{self.model_path} is a text model: prompts with images need a VL one"
+            )
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(images)} image lists for {len(prompts)} prompts")
+        if interrupts is not None:
+            raise NotImplementedError("partial rollouts of image prompts are not built")
+
     def _check_requests(
         self,
         prompts: list[list[int]],
@@ -507,7 +556,8 @@ class VLLMEngine:
             self._llm.collective_rpc(wops.load_weights, args=(noted,))
 
     def finish_weight_update(self) -> None:
-        """Process modules still waiting for tensors, and drop cached prefixes."""
+        """Process modules still waiting for tensors, and drop cached prefixes (and a VL
+        engine's cached image embeddings)."""
         self._order.check_updating("finish_weight_update")
         if not self._update_in_place:
             with device_routing_suspended():  # (as in begin_weight_update)
@@ -518,6 +568,8 @@ class VLLMEngine:
                         wops.repack_cpu_experts, args=(sorted(self._moe_blocks_loaded),)
                     )
         self._llm.reset_prefix_cache()
+        if self.vision_language:  # image embeddings of the old vision tower
+            self._llm.llm_engine.reset_encoder_cache()
         self._order.finish_update()
         self.base_loaded = True
 

@@ -43,11 +43,19 @@ def weights_update_in_place(worker: Any) -> bool:
     """Whether a weight update of this worker's model can be a plain ``load_weights`` into the
     weights it computes with: every layer with a quantization method is an unquantized one
     multiplying by its kept weight (``cpu_linear`` is torch's linear), and no weight has more
-    than two dimensions (MoE experts are repacked after loading). Else the update reloads layer
-    by layer (:func:`begin_layerwise_reload`)."""
+    than two dimensions (MoE experts are repacked after loading) but a convolution's (a VL
+    vision tower's patch embedding, which computes with its weight as loaded). Else the update
+    reloads layer by layer (:func:`begin_layerwise_reload`)."""
     import torch
+    from vllm.model_executor.layers.conv import ConvLayerBase
 
     model = worker.model_runner.get_model()
+    convolutions = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, ConvLayerBase)
+        for p in m.parameters(recurse=False)
+    }
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is None:
@@ -56,7 +64,7 @@ def weights_update_in_place(worker: Any) -> bool:
             return False
         if getattr(module, "cpu_linear", None) is not torch.nn.functional.linear:
             return False
-    return all(p.ndim <= 2 for p in model.parameters())
+    return all(p.ndim <= 2 or id(p) in convolutions for p in model.parameters())
 
 
 def reprocess_tied_lm_head(worker: Any) -> None:
@@ -65,11 +73,12 @@ def reprocess_tied_lm_head(worker: Any) -> None:
     vLLM's reload never hands a tied ``lm_head`` a tensor of its own (its loader skips
     ``lm_head.*``), so that layer's ``process_weights_after_loading`` is not re-run; on CPU that
     step packs the weight for the GEMM kernel, so logits would keep coming from the *old*
-    embedding. Untied models: nothing to do.
+    embedding. Untied models: nothing to do. A VL model's are those of its ``language_model``.
     """
     from vllm.config import set_current_vllm_config
 
-    model = worker.model_runner.get_model()
+    top = worker.model_runner.get_model()
+    model = getattr(top, "language_model", top)
     lm_head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     weight = getattr(lm_head, "weight", None)

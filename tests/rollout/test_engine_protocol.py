@@ -28,6 +28,7 @@ SAME_NAMES = {
     "max_num_seqs",
     "max_model_len",
     "engine_kwargs",
+    "limit_images",
 }
 
 
