@@ -136,6 +136,7 @@ USER_NAMED_IMPORTS = {
     "megarl/config/transformer_overrides.py": "DeepEP for the flex dispatcher, found unimported",
     "megarl/parallel/import_hooks.py": "PathFinder.find_spec for the modules it wraps",
     "megarl/tools/registry.py": "tool and interaction class_name as a dotted path",
+    "megarl/rollout/vllm_vision.py": "torchvision, found without importing it",
 }
 
 

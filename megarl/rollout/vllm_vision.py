@@ -31,16 +31,15 @@ from pathlib import Path
 from typing import Any
 
 VL_ARCHITECTURES = {
-    "qwen2_5_vl": ("vllm.model_executor.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration",
-                   "Qwen2_5_VLProcessingInfo", "Qwen2_5_VLProcessor"),
-    "qwen2_vl": ("vllm.model_executor.models.qwen2_vl", "Qwen2VLForConditionalGeneration",
-                 "Qwen2VLProcessingInfo", "Qwen2VLProcessor"),
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessingInfo",
+                   "Qwen2_5_VLProcessor"),
+    "qwen2_vl": ("Qwen2VLForConditionalGeneration", "Qwen2VLProcessingInfo", "Qwen2VLProcessor"),
 }  # fmt: skip
-"""HF ``model_type`` -> vLLM's model module, model class, processing info class and the
-transformers processor class it builds."""
+"""HF ``model_type`` -> vLLM's model class and processing info class (in vLLM's module of that
+name, ``vllm.model_executor.models.<model_type>``) and the transformers processor class it
+builds."""
 
 TORCHVISION_IMAGE_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
-PIL_IMAGE_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
 
 
 def vision_language_type(model_path: str | Path) -> str | None:
@@ -84,7 +83,8 @@ def allow_qwen_vl_without_torchvision() -> None:
     if importlib.util.find_spec("torchvision") is not None:
         return
     if TORCHVISION_IMAGE_MODULE not in sys.modules:
-        pil = importlib.import_module(PIL_IMAGE_MODULE)
+        from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
+
         # Only vLLM's `from ... import smart_resize` reaches this module; the function is the
         # same in both (transformers 5.x), and the processor class name falls back to the PIL
         # one by transformers' own rule.
@@ -94,9 +94,11 @@ def allow_qwen_vl_without_torchvision() -> None:
         stand_in.smart_resize = pil.smart_resize  # type: ignore[attr-defined]
         sys.modules[TORCHVISION_IMAGE_MODULE] = stand_in
     from vllm import ModelRegistry
+    from vllm.model_executor.models import qwen2_5_vl, qwen2_vl  # after the stand-in
 
-    for module_name, model_name, info_name, processor_name in VL_ARCHITECTURES.values():
-        module = importlib.import_module(module_name)
+    modules = {"qwen2_5_vl": qwen2_5_vl, "qwen2_vl": qwen2_vl}
+    for model_type, (model_name, info_name, processor_name) in VL_ARCHITECTURES.items():
+        module = modules[model_type]
         info = getattr(module, info_name)
         if not getattr(info.get_hf_processor, "megarl_without_video", False):
             info.get_hf_processor = _image_only_processor_method(processor_name)
