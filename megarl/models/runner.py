@@ -16,6 +16,11 @@ parallelism: each CP peer computes the whole share from outputs gathered over CP
 own tokens live, so the peers' gradients add up to the share's once; the MoE routers' losses,
 which each rank attaches for its own tokens, add up alike. Without Megatron DDP the share is
 back-propagated unscaled and not reduced over DP.
+
+Image prompts (a vision-language actor, :mod:`megarl.models.vision_language`): the batch's
+``IMAGES`` extra (:class:`~megarl.models.vl_inputs.ImageRows`) selects each micro-batch's rows'
+images; every stage rotates by their 3-D positions and the first stage places their embeddings
+(:func:`~megarl.models.vision_language.image_prompt_inputs`). Right-padded rows only.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ from megarl.models.sequences import (
     pad_rows,
     response_mask,
 )
+from megarl.models.vision_language import image_prompt_inputs
+from megarl.models.vl_inputs import IMAGES
 from megarl.parallel.collectives import all_gather_tensors
 
 __all__ = [
@@ -296,6 +303,8 @@ def _run(
     if bool((batch.prompt_lengths < 1).any()) or bool((batch.lengths < batch.prompt_lengths).any()):
         raise ValueError("need 1 <= prompt_lengths <= lengths for every sequence")
     cp = parallel_state.get_context_parallel_world_size()
+    if pack and IMAGES in batch.extra:
+        raise NotImplementedError("packed rows (THD) of image prompts are not built: pack=False")
     if cp > 1 and not pack:
         raise ValueError(f"context parallelism (CP={cp}) needs packed sequences (pack=True)")
     device = chunks_device(chunks)
@@ -351,8 +360,12 @@ def _run(
             seq = ids.shape[1]
             pos = torch.arange(seq, device=ids.device)[None, :].expand_as(ids)
             padding = pos >= mb["lengths"][:, None]
-            inputs = (ids, pos, causal_mask(seq, ids.device))
             layout = {}
+            if IMAGES in mb:  # a VL actor: 3-D positions, the images placed on the first stage
+                pos, layout["decoder_input"] = image_prompt_inputs(
+                    model, ids, mb["lengths"], mb[IMAGES]
+                )
+            inputs = (ids, pos, causal_mask(seq, ids.device))
         else:
             rows_packed = packed[index]
             padding = rows_packed.padding

@@ -11,8 +11,11 @@ On that stage the image embeddings replace the word embeddings at the image toke
 (:func:`~megarl.models.vl_inputs.place_image_embeddings`) and go in as ``decoder_input``; every
 stage rotates by the 3-D positions (:func:`~megarl.models.vl_inputs.mrope_position_ids`).
 
-Built: TP and PP, right-padded rows, images. Not built (refused by :func:`build_vision_language_model`
-in one line): sequence and context parallelism, VPP, packed rows, videos.
+Built: TP and PP, right-padded rows, images; the runner's passes (log-probs, the update) with
+the images as a batch extra (:class:`~megarl.models.vl_inputs.ImageRows`, read by
+:func:`image_prompt_inputs`), the tower trainable or frozen. Not built (refused by
+:func:`build_vision_language_model` or the runner in one line): sequence and context
+parallelism, VPP, packed rows, videos.
 """
 
 from __future__ import annotations
@@ -29,7 +32,12 @@ from megarl.config.model_dims import ModelDims
 from megarl.models.build import BuiltModel, _check_parallel_state
 from megarl.models.gpt import build_gpt_chunks, build_transformer_config, unwrap
 from megarl.models.sequences import causal_mask
-from megarl.models.vl_inputs import mrope_position_ids, place_image_embeddings
+from megarl.models.vl_inputs import (
+    VISION_TOWER,
+    ImageRows,
+    mrope_position_ids,
+    place_image_embeddings,
+)
 from megarl.models.weights import HFCheckpointReader, local_global_names, read_tp_shard, tp_group_of
 from megarl.parallel.layout import ParallelLayout, shape_layout_problems
 
@@ -190,10 +198,19 @@ def build_vision_language_model(
     *,
     dtype: torch.dtype = torch.float32,
     load_weights: bool = True,
+    freeze_vision_tower: bool = False,
 ) -> VisionLanguageModel:
     """Build this rank's part of the Qwen2.5-VL / Qwen2-VL actor in ``source`` (an HF directory)
     at ``layout`` (the initialised Megatron parallel state), weights loaded unless
     ``load_weights`` is False (then random: Megatron's init and transformers').
+
+    The vision tower is a submodule of the first stage's ``GPTModel`` (:data:`VISION_TOWER`),
+    so a :class:`~megarl.models.trainable.TrainableModel` of ``model.language`` trains it:
+    Megatron's DDP reduces its gradients over DP and its optimizer steps it. It is replicated
+    over TP, each TP rank computing the same gradient; Megatron averages them over TP anyway
+    (``average_gradients_across_tp_domain``), so the replicas cannot drift apart under a
+    nondeterministic kernel. ``freeze_vision_tower`` (verl's ``actor.freeze_vision_tower``):
+    the whole tower, merger included, without gradients and out of the optimizer.
 
     Refused in one line (not built yet): sequence or context parallelism, VPP, expert
     parallelism.
@@ -227,8 +244,14 @@ def build_vision_language_model(
     tconfig.perform_initialization = not load_weights
     chunks = build_gpt_chunks(dims, tconfig)
     vision = None
+    for chunk in chunks:  # every stage rotates by the images' 3-D positions
+        unwrap(chunk).vision_language_spec = spec
     if parallel_state.is_pipeline_first_stage():
         vision = build_vision_tower(config, dtype)
+        vision.requires_grad_(not freeze_vision_tower)
+        for param in vision.parameters():
+            param.average_gradients_across_tp_domain = True
+        setattr(unwrap(chunks[0]), VISION_TOWER, vision)
     language = BuiltModel(dims, list(chunks), tconfig, layout, "actor", Path(source))
     model = VisionLanguageModel(language, vision, spec)
     if load_weights:
@@ -261,6 +284,44 @@ def image_embeddings(model: VisionLanguageModel, batch: ImageBatch) -> torch.Ten
         return None
     pixels = batch.pixel_values.to(next(model.vision.parameters()).dtype)
     return model.vision(pixels, grid_thw=batch.image_grid_thw).pooler_output
+
+
+def image_prompt_inputs(
+    chunk: torch.nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor, images: ImageRows
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The runner's inputs of one micro-batch of image prompts on ``chunk`` (a chunk of
+    :func:`build_vision_language_model`, DDP-wrapped or not): the 3-D positions ``[3, b, s]``
+    and, on the first stage, ``decoder_input [s, b, h]``: the word embeddings with the
+    ``images`` (the micro-batch's rows' :class:`ImageRows`) placed at their tokens.
+
+    A micro-batch without images still adds the trainable tower's parameters times 0: Megatron's
+    DDP with ``overlap_grad_reduce`` launches a gradient bucket's reduction only once every
+    parameter in it has had its gradient, so a DP rank whose last micro-batch had no image
+    would fail in ``finish_grad_sync`` while its peers reduce (tried)."""
+    gpt = unwrap(chunk)
+    spec: VisionLanguageSpec = gpt.vision_language_spec
+    positions = mrope_position_ids(
+        input_ids,
+        lengths,
+        images.image_grid_thw,
+        image_token_id=spec.image_token_id,
+        spatial_merge_size=spec.spatial_merge_size,
+    )
+    if not gpt.pre_process:
+        return positions, None
+    decoder_input = gpt.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
+    tower = getattr(gpt, VISION_TOWER)
+    if len(images.image_grid_thw):
+        pixels = images.pixel_values.to(next(tower.parameters()).dtype)
+        embeds = tower(pixels, grid_thw=images.image_grid_thw).pooler_output
+        decoder_input = place_image_embeddings(
+            decoder_input, input_ids, embeds, image_token_id=spec.image_token_id
+        )
+    elif torch.is_grad_enabled():
+        trainable = [p.sum() for p in tower.parameters() if p.requires_grad]
+        if trainable:
+            decoder_input = decoder_input + torch.stack(trainable).sum() * 0.0
+    return positions, decoder_input
 
 
 def forward_chunk(

@@ -27,6 +27,7 @@ from megarl.models import hf_mapping as hm
 from megarl.models import moe_mapping as mm
 from megarl.models.gpt import ValueHead, layer_offset, unwrap
 from megarl.models.lora import ADAPTER_MARK
+from megarl.models.vl_inputs import VISION_TOWER
 from megarl.parallel.collectives import all_gather_tensors
 
 VALUE_HEAD_HF_NAME = "score.weight"
@@ -114,7 +115,9 @@ def local_global_names(
     """(chunk index, local name, global Megatron name, parameter) for this rank's parameters.
 
     Global names carry global layer indices and, for MoE experts, global expert indices.
-    LoRA adapters' parameters (:mod:`megarl.models.lora`) are not base weights and are skipped.
+    LoRA adapters' parameters (:mod:`megarl.models.lora`) are not base weights and are skipped,
+    and so is a VL actor's vision tower (:data:`~megarl.models.vl_inputs.VISION_TOWER`: its
+    own HF names, not the language model's mapping).
     """
     for i, chunk in enumerate(chunks):
         model = unwrap(chunk)
@@ -125,7 +128,7 @@ def local_global_names(
             ep_rank = parallel_state.get_expert_model_parallel_rank()
             local_experts = experts // parallel_state.get_expert_model_parallel_world_size()
         for name, param in model.named_parameters():
-            if ADAPTER_MARK in f".{name}":
+            if ADAPTER_MARK in f".{name}" or name.startswith(f"{VISION_TOWER}."):
                 continue
             global_name = hm.megatron_name_to_global(hm.from_te_name(name), offset)
             if experts:

@@ -17,6 +17,7 @@ import torch
 
 from megarl.models.routing import ROUTING
 from megarl.models.runner import SequenceBatch
+from megarl.models.vl_inputs import IMAGES, ImageRows
 
 BATCH = "batch"
 """The runner extra under which a loss function finds its micro-batch's :class:`StepBatch` rows."""
@@ -46,6 +47,9 @@ class StepBatch:
     """``[B]`` bool: the response hit max_tokens (no EOS)."""
     rollout_routing: torch.Tensor | None = None
     """``[B, S, model layers, k]`` int16: the experts the rollout routed each token to (R3)."""
+    images: ImageRows | None = None
+    """Each response's prompt images (a vision-language actor's; the processor's pixels and
+    grids, repeated for each response of a prompt); every pass gets its rows' images."""
 
     # -- added by the step's phases, in this order ---------------------------------------------
     token_level_scores: torch.Tensor | None = None
@@ -110,13 +114,16 @@ class StepBatch:
     ) -> SequenceBatch:
         """The rows ``rows`` as a runner batch, cut to their longest sequence. ``loss_inputs``:
         the rows' :class:`StepBatch` goes along for the loss function (extra ``BATCH``, without
-        the routing fields); ``replay`` (``[B, layers, S, k]``): the routing the routers replay."""
+        the routing fields and the images); ``replay`` (``[B, layers, S, k]``): the routing the
+        routers replay. The rows' images, if any, go along (extra ``IMAGES``)."""
         lengths = self.lengths[rows]
         width = int(lengths.max().item()) if len(rows) else 1
         extra = {}
         if loss_inputs:
-            rows_only = dataclasses.replace(self, rollout_routing=None, routing=None)
+            rows_only = dataclasses.replace(self, rollout_routing=None, routing=None, images=None)
             extra[BATCH] = rows_only.select(rows)
+        if self.images is not None:
+            extra[IMAGES] = self.images[rows]
         if replay is not None:
             extra[ROUTING] = replay[rows]
         return SequenceBatch(

@@ -76,6 +76,19 @@ def _refusals(path: str) -> dict[str, str]:
     return out
 
 
+def _training(spec: dict, name: str, path: str, layout, key: str) -> dict:
+    """The runner's passes on the training batch (``_vl_training.py``): fp32 log-probs for
+    every model, the float64 update for the models and layouts ``spec["updates"]`` names."""
+    from tests.models import _vl_training as training
+
+    data = torch.load(Path(path) / "train.pt")
+    out = {f"{key}/{name}/log_probs": training.log_prob_case(path, data, layout)}
+    for case in spec["updates"].get(f"{key}/{name}", []):
+        out[f"{key}/{name}/{case}"] = training.update_case(path, data, layout,
+                                                           frozen=case == "frozen")  # fmt: skip
+    return out
+
+
 def main() -> None:
     from megarl.models import vision_language as vl
     from megarl.parallel.init import destroy_distributed, init_distributed
@@ -101,6 +114,7 @@ def main() -> None:
             dist.all_gather_object(held, r["vision_on_rank"])
             r["vision_on_ranks"] = held
             results[f"tp{tp}_pp{pp}/{name}"] = r
+            results.update(_training(spec, name, path, layout, f"tp{tp}_pp{pp}"))
     results["refused"] = _refusals(next(iter(spec["models"].values())))
     if dist.get_rank() == 0:
         torch.save(results, Path(spec["tmp"]) / "results.pt")
