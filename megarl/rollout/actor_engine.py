@@ -111,15 +111,18 @@ class ActorEngine:
         step: int = 0,
         prompt_ids: Sequence[int] | None = None,
         interrupts: Any = None,
+        images: Sequence[Sequence[Any] | None] | None = None,
     ) -> RolloutBatch:
         """Sample ``n`` responses per prompt (see ``RolloutEngine.generate``; no partial
-        rollouts: ``interrupts`` is refused); log-probs are of
+        rollouts and no images: ``interrupts`` and ``images`` are refused); log-probs are of
         ``log_softmax(logits / temperature)``. Only full-distribution sampling (top_p 1, top_k
         off); temperature 0 is greedy decoding (log-probs of ``log_softmax(logits)``), as in
         vLLM."""
         self._order.check_can_generate()
         if interrupts is not None:
             raise ValueError("partial rollouts need vLLM (rollout.name=vllm on ranks of its own)")
+        if images is not None:
+            raise ValueError("image prompts need vLLM's engine (rollout.name=vllm)")
         if n < 1 or max_tokens < 1:
             raise ValueError(f"need n >= 1 and max_tokens >= 1, got n={n}, max_tokens={max_tokens}")
         if top_p != 1.0 or top_k not in (-1, 0):

@@ -232,6 +232,7 @@ class RolloutEngine(WeightSink, Protocol):
         step: int = 0,
         prompt_ids: Sequence[int] | None = None,
         interrupts: Any = None,
+        images: Sequence[Sequence[Any] | None] | None = None,
     ) -> RolloutBatch:
         """``n`` responses per prompt, prompt-major. Response ``(p, s)`` is sampled with
         ``request_seed(seed, step, prompt_ids[p], s)`` and carries ``prompt_id=prompt_ids[p]``
@@ -240,7 +241,10 @@ class RolloutEngine(WeightSink, Protocol):
         engine's ``eos_token_ids`` always stop generation; ``stop_token_ids`` adds more.
         ``interrupts`` (a :class:`megarl.rollout.partial.Interrupts`): a partial rollout, which
         stops at the token boundaries it asks for and continues on new weights, each token's
-        version recorded; an engine that cannot interrupt refuses it (ValueError)."""
+        version recorded; an engine that cannot interrupt refuses it (ValueError).
+        ``images``: each prompt's images (None or empty for a text prompt) for a
+        vision-language engine, whose prompts hold every image widened to its tokens; an engine
+        without images refuses them (ValueError)."""
         ...
 
     def sleep(self, level: int = 1) -> None:
