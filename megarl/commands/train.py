@@ -304,7 +304,7 @@ def _check_data(cfg) -> str | None:
     from transformers import AutoTokenizer
 
     from megarl.data import PromptDataset
-    from megarl.data.tokenizer import actor_tokenizer_path, trusts_remote_code
+    from megarl.data.tokenizer import actor_tokenizer_path, image_options, trusts_remote_code
     from megarl.rollout.multi_turn_rollout import multi_turn_problem, prompt_tool_schemas
 
     model = cfg.actor_rollout_ref.model
@@ -325,7 +325,8 @@ def _check_data(cfg) -> str | None:
     for split in splits:
         try:
             tools = prompt_tool_schemas(cfg)
-            dataset = PromptDataset.from_config(cfg.data, tokenizer, split, cfg.trainer.seed, tools)
+            dataset = PromptDataset.from_config(cfg.data, tokenizer, split, cfg.trainer.seed, tools,
+                                                **image_options(cfg))  # fmt: skip
         except (ValueError, OSError) as exc:
             return _line(exc)
         except Exception as exc:  # noqa: BLE001 -- e.g. the chat template on a malformed message

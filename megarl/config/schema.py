@@ -272,6 +272,8 @@ class ActorConfig:
     """Only unset or equal to actor_rollout_ref.rollout.n (verl's interpolated default)."""
     use_fused_kernels: bool = False
     """No effect, either value (as actor_rollout_ref.model.use_fused_kernels)."""
+    freeze_vision_tower: bool = False
+    """A vision-language actor: the vision tower (merger included) stays fixed; text models: false."""
     data_loader_seed: int | None = None
     """Only unset or trainer.seed: megarl's one seed."""
     ppo_micro_batch_size: int | None = None

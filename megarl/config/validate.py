@@ -40,6 +40,7 @@ from megarl.config.transformer_overrides import (
     split_follows_actor_problems,
     transformer_override_problems,
 )
+from megarl.config.vision_language_checks import check_vision_language
 
 __all__ = ["validate"]
 
@@ -95,6 +96,7 @@ class _Checks(LayoutChecks):
         check_recipe_keys(self.cfg, self.error)
         check_multi_turn(self.cfg, self.error, self.problem)
         check_lora(self.cfg, self.error)
+        check_vision_language(self.cfg, self.error)
         check_distillation(self.cfg, self.error, self.warn, check_paths=self.check_paths)
         self.check_not_applied()
         self.check_files()

@@ -20,7 +20,7 @@ _NO_RAY = "megarl runs SPMD under torchrun (no Ray)"
 _DATA = "data option not supported yet"
 _REWARD = "reward option not supported yet"
 _RM_ON_MEGATRON = "the reward model runs on Megatron, colocated at the actor's TP×PP layout"
-_MULTIMODAL = "text-only models"
+_MULTIMODAL = "the vision tower trains or stays fixed with the actor's (actor.freeze_vision_tower)"
 _LORA = "no LoRA on the critic: it trains full weights (LoRA: actor_rollout_ref.model.lora.*)"
 _FSDP_LORA = "verl's FSDP LoRA key; megarl takes the Megatron ones: actor_rollout_ref.model.lora.*"
 _PROFILE = "no profiler integration"
@@ -50,7 +50,7 @@ UNSUPPORTED: tuple[tuple[str, str], ...] = (
     *_each(ROLES, "shuffle", "responses keep their order (see trainer.balance_batch)"),
     *_each(ROLES, "loss_scale_factor", "set on the actor (loss_scale_factor) only"),
     *_each(ROLES, "qat", "no quantization-aware training"),
-    *_each(ROLES, "freeze_vision_tower", _MULTIMODAL),
+    *_each(ROLES[1:], "freeze_vision_tower", _MULTIMODAL),
     *_each(ROLES, "use_prefix_grouper", "no prefix-shared forward passes"),
     *_each(ROLES, "calculate_sum_pi_squared", "no optimal-token-baseline statistics"),
     *_each(ROLES, "tau_pos", "no SAPO soft gate"),

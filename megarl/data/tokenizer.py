@@ -39,3 +39,18 @@ def load_image_processor(path: str | Path, trust_remote_code: bool = False) -> A
     return AutoImageProcessor.from_pretrained(
         str(Path(path).expanduser()), trust_remote_code=trust_remote_code
     )
+
+
+def image_options(cfg: Any) -> dict[str, Any]:
+    """:meth:`~megarl.data.PromptDataset.from_config`'s image arguments for the run: a
+    vision-language actor's image processor and ``rollout.limit_images``; none for a text model
+    (an image row is then refused)."""
+    from megarl.config.vision_language_checks import vision_language_model_type
+
+    model_path = cfg.actor_rollout_ref.model.path
+    if vision_language_model_type(model_path) is None:
+        return {}
+    return {
+        "image_processor": load_image_processor(model_path, trusts_remote_code(cfg)),
+        "limit_images": cfg.actor_rollout_ref.rollout.limit_images,
+    }
