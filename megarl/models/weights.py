@@ -293,7 +293,8 @@ def export_hf_weights(
     One safetensors file per pipeline stage (and, for MoE, per expert-parallel rank), written
     by the ranks :func:`holds_first_copy` picks, plus ``model.safetensors.index.json``; ``config.json``
     (``hf_config`` or the source's) and the tokenizer files of ``source_dir`` are copied by
-    global rank 0.
+    global rank 0. A vision-language actor's tower (on the first stage) goes beside its language
+    model as ``visual.<name>``: the hub layout of a Qwen2(.5)-VL checkpoint.
     """
     out = Path(out_dir)
     if dist.get_rank() == 0:
@@ -304,6 +305,11 @@ def export_hf_weights(
         if holds_first_copy(expert):
             t = tensor.to(dtype) if dtype is not None else tensor
             tensors[name] = t.detach().to("cpu").contiguous().clone()
+    vision = getattr(unwrap(chunks[0]), VISION_TOWER, None) if chunks else None
+    if vision is not None and holds_first_copy(False):  # a VL actor: the hub layout's visual.*
+        for name, tensor in vision.state_dict().items():
+            t = tensor.to(dtype) if dtype is not None else tensor
+            tensors[f"visual.{name}"] = t.detach().to("cpu").contiguous().clone()
     writer = bool(tensors)
     writers: list[bool | None] = [None] * dist.get_world_size()
     dist.all_gather_object(writers, writer)

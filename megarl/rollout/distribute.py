@@ -76,6 +76,7 @@ def generate_distributed(
     dp_rank: int,
     dp_size: int,
     group: dist.ProcessGroup | None = None,
+    images: Sequence[Any] | None = None,
     **sampling: Any,
 ) -> RolloutBatch:
     """Generate for this rank's training-DP prompt shard on the whole rollout layout.
@@ -87,6 +88,9 @@ def generate_distributed(
         prompts: this rank's training-DP shard (identical on its TP/PP peers).
         dp_rank, dp_size: this rank's training DP coordinates (e.g. Megatron's DP group).
         group: a gloo group spanning all ranks (default: :func:`object_group`).
+        images: a VL engine's images of each prompt (``VLLMEngine.generate``'s ``images``),
+            only where every rank holds the whole batch (``dp_size`` 1): the images stay on
+            their rank, each replica taking its share of them beside its prompts.
         **sampling: ``n``, ``temperature``, ``max_tokens``, ``seed``, ``step``, ... as for
             ``RolloutEngine.generate`` (not ``prompt_ids``: they are the global positions).
 
@@ -98,11 +102,19 @@ def generate_distributed(
     """
     if "prompt_ids" in sampling:
         raise TypeError("generate_distributed assigns prompt_ids itself (global positions)")
+    if images is not None and (dp_size != 1 or len(images) != len(prompts)):
+        raise ValueError(
+            f"images travel with the prompts only where every rank holds the whole batch "
+            f"(dp_size 1, one entry a prompt): dp_size={dp_size}, {len(images)} image lists for "
+            f"{len(prompts)} prompts"
+        )
     group = object_group(group)
     everything, offset = gather_global_prompts(
         prompts, dp_rank=dp_rank, dp_size=dp_size, group=group
     )
-    rows = _generate_on_replicas(engine, everything, range(len(everything)), group, sampling)
+    rows = _generate_on_replicas(
+        engine, everything, range(len(everything)), group, sampling, images=images
+    )
     return in_order(rows, range(offset, offset + len(prompts)), sampling["n"])
 
 
@@ -136,10 +148,15 @@ def _generate_on_replicas(
     ids: Sequence[int],
     group: dist.ProcessGroup | None,
     sampling: dict[str, Any],
+    images: Sequence[Any] | None = None,
 ) -> dict[int, list[tuple]]:
-    """Each replica generates its contiguous share of ``prompts``; every rank gets every
-    replica's responses, packed rows by prompt id."""
+    """Each replica generates its contiguous share of ``prompts`` (and of their ``images``, a
+    VL engine's, held alike on every rank); every rank gets every replica's responses, packed
+    rows by prompt id."""
     mine, my_ids = replica_share(engine, prompts, ids)
+    if images is not None:
+        share = even_split(len(prompts), engine.dp_size, engine.dp_rank)
+        sampling = {**sampling, "images": [images[i] for i in share]}
     return gather_from_replicas(engine, engine.generate(mine, prompt_ids=my_ids, **sampling), group)
 
 

@@ -25,6 +25,7 @@ from megarl.models.routing import (
     rollout_routing,
 )
 from megarl.models.runner import compute_log_probs, compute_values
+from megarl.models.vl_inputs import ImageRows
 from megarl.parallel.collectives import all_gather_tensors
 from megarl.parallel.init import device
 from megarl.rollout.base import AheadEngine, RolloutBatch, RolloutEngine
@@ -46,9 +47,14 @@ def generate(
     step: int,
     pad_token_id: int,
     multi_turn: MultiTurnRollout | None = None,
+    image_width: int | None = None,
 ) -> tuple[StepBatch, RolloutBatch]:
     """``n`` responses to each prompt, prompt-major, as the step's batch on every rank (with the
     rollout's routing when the engine captured it, for R3).
+
+    ``image_width`` (a vision-language actor's patch width, :func:`image_patch_width`): the
+    prompts' ``images`` go to the engine and each response carries its prompt's
+    ``multi_modal_inputs`` as the batch's ``images`` (every pass of the actor reads them).
 
     Multi-turn (``multi_turn``, else the engine's ``multi_turn`` attribute when set: a
     :class:`~megarl.rollout.multi_turn_rollout.MultiTurnRollout`): each response is a trajectory of model
@@ -68,11 +74,31 @@ def generate(
             n=n,
             seed=seed,
             step=step,
+            **({} if image_width is None else {"images": [p.images for p in prompts]}),
             **sampling,
         )
     batch = batch_from_samples(out, pad_token_id=pad_token_id)
     batch.rollout_routing = captured_routing(out, batch.input_ids.shape[1])
+    if image_width is not None:
+        batch.images = prompt_images(prompts, out.samples, image_width)
     return batch, out
+
+
+def prompt_images(prompts: Sequence[PromptSample], samples: Sequence, width: int) -> ImageRows:
+    """Each sample's prompt's ``multi_modal_inputs`` (pixels and grids; none for a text prompt)
+    as the batch's :class:`ImageRows`, ``width`` the patch width (a batch without images)."""
+    return ImageRows.from_rows([prompts[s.prompt_index].multi_modal_inputs for s in samples], width)
+
+
+def image_patch_width(model_path: str) -> int:
+    """The vision tower's patch width (channels · temporal patch · patch², the processor's
+    ``pixel_values`` columns) of the VL checkpoint at ``model_path``."""
+    import json
+    from pathlib import Path
+
+    vision = json.loads((Path(model_path) / "config.json").read_text())["vision_config"]
+    channels = vision.get("in_channels", vision.get("in_chans", 3))
+    return channels * vision.get("temporal_patch_size", 2) * vision.get("patch_size", 14) ** 2
 
 
 def captured_routing(out: RolloutBatch, width: int) -> torch.Tensor | None:

@@ -24,13 +24,15 @@ from megarl.config.batch_plan import rollout_ranks, teacher_used
 from megarl.config.distillation_checks import teacher_model_path
 from megarl.config.moe_checks import moe_overrides
 from megarl.config.optim_overrides import honoured_overrides
+from megarl.config.vision_language_checks import vision_language_model_type
 from megarl.data import GlobalBatchSampler, PromptDataset, total_training_steps
-from megarl.data.tokenizer import load_actor_tokenizer, trusts_remote_code
+from megarl.data.tokenizer import image_options, load_actor_tokenizer, trusts_remote_code
 from megarl.models.build import BuiltModel, Recompute, build_model
 from megarl.models.gpt import Fusions, MoeSettings
 from megarl.models.lora import BaseModelView, LoraError, LoraSettings, attach_adapters, freeze_base
 from megarl.models.lora_peft import load_peft_adapter
 from megarl.models.trainable import OptimizerSettings, TrainableModel
+from megarl.models.vision_language import build_vision_language_model
 from megarl.parallel.init import init_distributed, process_group_timeout_minutes
 from megarl.reward import RewardManager
 from megarl.reward.manager import RewardError, reward_inputs
@@ -41,6 +43,7 @@ from megarl.rollout.vllm_engine import adapter_engine_args, read_eos_token_ids
 from megarl.trainer.batch import pad_token_id
 from megarl.trainer.console import Console
 from megarl.trainer.losses import Distillation
+from megarl.trainer.passes import image_patch_width
 from megarl.trainer.residency import applied, settle, settle_engine
 from megarl.trainer.reward_model import RewardModel
 from megarl.trainer.state import TrainerState
@@ -106,6 +109,12 @@ class Run:
     residency_log: list = field(default_factory=list)
     """``(phase, Residency)`` applied at each :func:`megarl.trainer.residency.enter`, as the
     models and the engine report it (the setup entry first)."""
+    vision: Any = None
+    """A vision-language actor's :class:`~megarl.models.vision_language.VisionLanguageModel`
+    (its ``language`` is ``actor.model``; the weight sync sends its tower too); None: text."""
+    image_width: int | None = None
+    """A vision-language actor's patch width (the prompts' images go to the engine and every
+    pass); None: text."""
 
     @property
     def vocab_size(self) -> int:
@@ -129,9 +138,12 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
     tokenizer = load_actor_tokenizer(cfg)
     data_seed = cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed
     tools = prompt_tool_schemas(cfg)  # data.tool_config_path: the filter counts with them
-    train_data = PromptDataset.from_config(cfg.data, tokenizer, "train", cfg.trainer.seed, tools)
+    vision_language = vision_language_model_type(model_path) is not None
+    images = image_options(cfg)  # a VL checkpoint's image processor: pixels and widened ids
+    train_data = PromptDataset.from_config(cfg.data, tokenizer, "train", cfg.trainer.seed, tools,
+                                           **images)  # fmt: skip
     val_data = (
-        PromptDataset.from_config(cfg.data, tokenizer, "val", cfg.trainer.seed, tools)
+        PromptDataset.from_config(cfg.data, tokenizer, "val", cfg.trainer.seed, tools, **images)
         if cfg.data.val_files and (cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train)
         else None
     )
@@ -149,23 +161,32 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
 
     dtype = DTYPES[cfg.trainer.dtype]
     engine_from_vllm = arr.rollout.name == "vllm"
-    adapter_args = adapter_engine_args(arr.model.lora)  # lora.merge=false: vLLM's LoRA layers
-    vllm_engine = _start_vllm(cfg, model_path, **adapter_args) if engine_from_vllm else None
+    engine_args = adapter_engine_args(arr.model.lora)  # lora.merge=false: vLLM's LoRA layers
+    if vision_language and cfg.data.mm_processor_kwargs:  # vLLM's processor widens as the data's
+        engine_args["engine_kwargs"] = {**arr.rollout.engine_kwargs,
+                                        "mm_processor_kwargs": dict(cfg.data.mm_processor_kwargs)}  # fmt: skip
+    vllm_engine = _start_vllm(cfg, model_path, **engine_args) if engine_from_vllm else None
     engine_residency = settle_engine(vllm_engine, cfg) if vllm_engine is not None else None
     meg = arr.actor.megatron
     recompute = Recompute.of(meg)
     moe = MoeSettings.from_dict(moe_overrides(meg))  # verl's moe_* knobs, verl's defaults
     replay = {"moe_enable_routing_replay": True} if meg.router_replay.mode != "disabled" else {}
-    actor_model = build_role_model(
-        initial_checkpoint(meg),
-        model_path,
-        layout,
-        dtype=dtype,
-        transformer_impl=meg.transformer_impl,
-        recompute=recompute,
-        fusions=fusions(meg),
-        moe=MoeSettings.from_dict({**moe_overrides(meg), **replay}),
-    )
+    vision = None
+    if vision_language:  # the pre-flight refused what a VL actor cannot do (vision_language_checks)
+        vision = build_vision_language_model(model_path, layout, dtype=dtype,
+                                             freeze_vision_tower=arr.actor.freeze_vision_tower)  # fmt: skip
+        actor_model = vision.language
+    else:
+        actor_model = build_role_model(
+            initial_checkpoint(meg),
+            model_path,
+            layout,
+            dtype=dtype,
+            transformer_impl=meg.transformer_impl,
+            recompute=recompute,
+            fusions=fusions(meg),
+            moe=MoeSettings.from_dict({**moe_overrides(meg), **replay}),
+        )
     actor_model.pack = packs(arr.model, meg)
     lora = arr.model.lora.rank > 0
     if lora:  # adapters before DDP and the optimizer: only they get buffers and state
@@ -182,6 +203,10 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
     ref = None
     if ref_used(cfg) and lora:  # verl's ref_in_actor: the base model is the actor, adapters off
         ref = BaseModelView(actor)
+    elif ref_used(cfg) and vision_language:  # the same VL model, frozen (the tower too)
+        ref = build_vision_language_model(model_path, layout, dtype=dtype,
+                                          freeze_vision_tower=True).language  # fmt: skip
+        frozen(ref, cfg, "ref")
     elif ref_used(cfg):  # the reference routes afresh, R3 or not (as verl)
         ref = build_role_model(initial_checkpoint(arr.ref.megatron), model_path, layout,
                                dtype=dtype, transformer_impl=meg.transformer_impl,
@@ -198,13 +223,19 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         from megarl.rollout.reshard import plan_for_chunks
 
         bucket = arr.rollout.checkpoint_engine.bucket_bytes()  # verl's bucket megabytes
-        reshard = plan_for_chunks(
-            actor.chunks,
-            actor_model.dims,
-            vllm_engine.tensor_parallel_size,
-            rollout_ep=vllm_engine.expert_parallel,
-            **({} if bucket is None else {"bucket_bytes": bucket}),
-        )
+        sizes = {} if bucket is None else {"bucket_bytes": bucket}
+        if vision is not None:  # the language model's plan; the tower goes whole, by name
+            from megarl.rollout.reshard.vision_sync import plan_for_vision_language
+
+            reshard = plan_for_vision_language(vision, vllm_engine.tensor_parallel_size, **sizes)
+        else:
+            reshard = plan_for_chunks(
+                actor.chunks,
+                actor_model.dims,
+                vllm_engine.tensor_parallel_size,
+                rollout_ep=vllm_engine.expert_parallel,
+                **sizes,
+            )
         if isinstance(vllm_engine, AheadEngine):  # it receives the plan with its syncs
             vllm_engine.bind_plan(reshard)
     else:
@@ -249,6 +280,8 @@ def build_run(cfg: MegarlConfig, console: Console, run_dir: Path) -> Run:
         kl_ctrl=kl_ctrl,
         reward_model=reward_model,
         engine_residency=engine_residency,
+        vision=vision,
+        image_width=image_patch_width(model_path) if vision_language else None,
     )
     run.residency_log.append(("setup", applied(run)))
     run.current_phase = "setup"

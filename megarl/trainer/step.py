@@ -29,6 +29,7 @@ from megarl.trainer.passes import (
     generate,
     old_log_probs_are_current,
     prefetch,
+    prompt_images,
     recompute_log_probs,
     reference_log_probs,
 )
@@ -70,6 +71,7 @@ def train_step(
             seed=cfg.trainer.seed,
             step=step if label is None else label,
             pad_token_id=pad_token_id(run.tokenizer),
+            image_width=run.image_width,
         )
     metrics.update(samples.metrics)  # multi-turn: turns, tool calls and their outcomes
     if run.ahead is not None:
@@ -333,6 +335,7 @@ def fill_with_groups(run: Run, step: int, prompts, batch: StepBatch, samples, sc
                 run.engine, prompts, n=cfg.actor_rollout_ref.rollout.n,
                 sampling=training_sampling(run), seed=seed,
                 step=step if label is None else label, pad_token_id=pad_token_id(run.tokenizer),
+                image_width=run.image_width,
             )  # fmt: skip
         prescored = None
         if run.ahead is not None:
@@ -377,6 +380,8 @@ def _join_groups(run: Run, parts, want: int):
     batch = batch_from_samples(new_samples, pad_token_id=pad_token_id(run.tokenizer))
     samples = dataclasses.replace(parts[0][1], samples=new_samples)
     batch.rollout_routing = captured_routing(samples, batch.input_ids.shape[1])  # R3: theirs
+    if run.image_width is not None:  # each kept response's prompt's images
+        batch.images = prompt_images(new_prompts, new_samples, run.image_width)
     scored = result_rows(
         picks, [new_prompts[s.prompt_index].data_source for s in new_samples],
         [len(s.response_token_ids) for s in new_samples], batch.response_mask.shape[1],
@@ -435,6 +440,7 @@ def validate(run: Run, step: int) -> dict[str, float]:
         seed=cfg.trainer.seed,
         step=-1,  # validation draws are the same at every validation
         pad_token_id=pad_token_id(run.tokenizer),
+        image_width=run.image_width,
     )
     scored = score(run, prompts, samples, batch, step, dump=cfg.trainer.validation_data_dir)
     if cfg.trainer.log_val_generations > 0 and run.rank == 0:
@@ -487,6 +493,7 @@ def greedy_generation(run: Run, prompts: Sequence[PromptSample], step: int):
         seed=run.cfg.trainer.seed,
         step=step,
         pad_token_id=pad_token_id(run.tokenizer),
+        image_width=run.image_width,
     )
 
 
@@ -517,6 +524,10 @@ def sync_engine(run: Run):
     the sync's ``SyncStats`` or None."""
     if run.reshard_plan is None:
         return None
+    if run.vision is not None:  # a VL actor: its vision tower first, then the language model
+        from megarl.rollout.reshard.vision_sync import sync_vision_language_weights
+
+        return sync_vision_language_weights(run.vision, run.reshard_plan, run.engine)
     from megarl.rollout.reshard import sync_weights
 
     return sync_weights(run.actor.chunks, run.reshard_plan, run.engine)

@@ -15,6 +15,7 @@ INTENDED_WORLD_SIZE = {
     "grpo_moe_tiny_cpu.yaml": 2,
     "grpo_lora_tiny_cpu.yaml": 2,
     "grpo_tools_tiny_cpu.yaml": 2,
+    "grpo_tiny_vl_cpu.yaml": 2,
     "opd_tiny_cpu.yaml": 1,  # training ranks; its teacher rank comes on top
     "ppo_tiny_cpu.yaml": 2,
     "grpo_qwen2_5_7b.yaml": 8,

@@ -66,9 +66,10 @@ class FakeEngine:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.calls: list[tuple] = []
 
-    def generate(self, prompts, *, n, prompt_ids=None, seed, step=0, **_) -> RolloutBatch:
+    def generate(self, prompts, *, n, prompt_ids=None, seed, step=0, **kw) -> RolloutBatch:
         prompt_ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
         self.calls.append((prompts, prompt_ids))
+        self.images = kw.get("images")
         samples = [
             RolloutSample(
                 p,
@@ -142,7 +143,26 @@ def _check_layouts(rank: int, store: str) -> None:
                 asked = [pid for r in range(replicas) for pid in asked_by[r][1]]
                 assert asked == list(range(num_prompts)), where
         _check_replicas(rank, prompts, n)
+        _check_images(rank, prompts, n)
     dist.destroy_process_group()
+
+
+def _check_images(rank: int, prompts: list[list[int]], n: int) -> None:
+    """A VL engine's images (every rank holding the whole batch, as the trainer's): each
+    replica is given its share's images beside its prompts; a DP-sharded batch is refused."""
+    from megarl.rollout.distribute import generate_distributed
+
+    images = [[f"image {i}"] if i % 2 else None for i in range(len(prompts))]
+    for name, replica_of, replicas in ROLLOUT_LAYOUTS:
+        engine = FakeEngine(replica_of(rank), replicas)
+        batch = generate_distributed(engine, prompts, dp_rank=0, dp_size=1, n=n, seed=0,
+                                     images=images)  # fmt: skip
+        assert len(batch) == n * len(prompts)
+        mine = even_split(len(prompts), replicas, replica_of(rank))
+        assert engine.images == [images[i] for i in mine], f"rank {rank} rollout {name}"
+    with pytest.raises(ValueError, match="dp_size=2"):
+        generate_distributed(FakeEngine(0, 1), prompts[:1], dp_rank=rank % 2, dp_size=2, n=1,
+                             seed=0, images=[None])  # fmt: skip
 
 
 def _check_replicas(rank: int, prompts: list[list[int]], n: int) -> None:
@@ -174,7 +194,8 @@ def _check_replicas(rank: int, prompts: list[list[int]], n: int) -> None:
 def test_generate_distributed_all_layouts(tmp_path):
     """Each rank gets its own prompts back with their global prompt ids, at every training and
     rollout layout (incl. rollout DP 2 and 4); rollout ranks holding one request alike get the
-    whole batch back from their replicas (generate_on_replicas)."""
+    whole batch back from their replicas (generate_on_replicas); a VL engine's images reach
+    each replica with its share of the prompts."""
     mp.spawn(_check_layouts, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
 
 
