@@ -50,6 +50,7 @@ def make_training_batch(path: Path) -> dict:
 
     from megarl.algo import compute_advantage
     from megarl.models.vl_inputs import ImageRows
+    from tests.trainer._update_reference import right_padded
 
     rng = np.random.default_rng(1)
     processor = AutoImageProcessor.from_pretrained(path)
@@ -77,12 +78,7 @@ def make_training_batch(path: Path) -> dict:
             prompt_ids.append(k)
     images = ImageRows.from_rows(rows_inputs, width=processor_width(rows_inputs))
     b, width = len(responses), max(map(len, responses))
-    seq = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
-    ids = torch.zeros(b, seq, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-    plen = torch.tensor([len(p) for p in prompts])
-    lens = plen + torch.tensor([len(r) for r in responses])
+    ids, plen, lens = right_padded(prompts, responses)
     data = {"prompts": prompts, "responses": responses, "prompt_ids": prompt_ids, "ids": ids,
             "plen": plen, "lens": lens, "pixel_values": images.pixel_values,
             "image_grid_thw": images.image_grid_thw, "images_per_row": images.images_per_row,

@@ -27,6 +27,17 @@ def _positions(
     return (plen[:, None] - 1 + k).clamp(min=0), mask
 
 
+def right_padded(prompts: list[list[int]], responses: list[list[int]]):
+    """Token ids ``[b, s]`` of each prompt followed by its response, right-padded with 0, and the
+    prompt and whole lengths ``[b]``."""
+    seq = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    ids = torch.zeros(len(responses), seq, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+    plen = torch.tensor([len(p) for p in prompts])
+    return ids, plen, plen + torch.tensor([len(r) for r in responses])
+
+
 def _actor_outputs(hf, ids, plen, lens, width, temperature, router=None, at_ids=None):
     """Log-prob and entropy of every response token under ``hf`` at ``temperature``; a MoE
     model's router logits per layer (``[B·S, E]``) go into the list ``router`` when given; with

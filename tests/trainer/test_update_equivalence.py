@@ -26,6 +26,7 @@ from tests.trainer._update_reference import (
     _actor_outputs,
     reference_critic_update,
     reference_update,
+    right_padded,
 )
 
 WORKER = Path(__file__).with_name("_update_worker.py")
@@ -187,12 +188,7 @@ def setup(tmp_path_factory):
             prompt_ids.append(p)
     b = len(responses)
     width = max(map(len, responses))
-    seq = max(len(p) + len(r) for p, r in zip(all_prompts, responses, strict=True))
-    ids = torch.zeros(b, seq, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(all_prompts, responses, strict=True)):
-        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-    plen = torch.tensor([len(p) for p in all_prompts])
-    lens = plen + torch.tensor([len(r) for r in responses])
+    ids, plen, lens = right_padded(all_prompts, responses)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float64)
     with torch.no_grad():
         logp, _, mask = _actor_outputs(hf, ids, plen, lens, width, SPEC["temperature"])
