@@ -449,7 +449,8 @@ def test_multi_turn_metrics_of_several_batches_merge_as_of_all_trajectories(toke
                                "algorithm.filter_groups.enable=true",
                                "algorithm.filter_groups.metric=acc"])  # fmt: skip
         the_run = SimpleNamespace(cfg=cfg, engine=None, tokenizer=None, ahead=None,
-                                  engine_residency=None, last_sleep_level=0)  # fmt: skip
+                                  engine_residency=None, last_sleep_level=0,
+                                  image_width=None)  # fmt: skip
         prompts = [SimpleNamespace(name="0", data_source="toy")]
         batch, samples = generate(None, prompts, n=2)
         scored = score(None, prompts, samples, batch, 1, None)

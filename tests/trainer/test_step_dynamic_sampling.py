@@ -87,6 +87,7 @@ def _run(max_batches=0):
         ahead=None,
         engine_residency=None,
         last_sleep_level=None,
+        image_width=None,  # a text actor
     )
 
 
